@@ -1,0 +1,35 @@
+"""relaunch: a fast, lean, orphan-proof, torchrun-compatible launcher for distributed jobs.
+
+The public names follow ``torch.distributed.elastic``, so code moves over by changing an import.
+Importing relaunch never imports torch or any other framework.
+"""
+
+from relaunch.procs import (
+    ChildFailedError,
+    MultiprocessContext,
+    PContext,
+    ProcessFailure,
+    RunProcsResult,
+    SignalException,
+    Std,
+    SubprocessContext,
+    TailLog,
+    record,
+    start_processes,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChildFailedError",
+    "MultiprocessContext",
+    "PContext",
+    "ProcessFailure",
+    "RunProcsResult",
+    "SignalException",
+    "Std",
+    "SubprocessContext",
+    "TailLog",
+    "record",
+    "start_processes",
+]

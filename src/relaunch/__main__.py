@@ -1,0 +1,3 @@
+from relaunch.cli import main
+
+raise SystemExit(main())

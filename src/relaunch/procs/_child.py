@@ -1,0 +1,77 @@
+"""What runs first inside a function worker (kept light: a spawned child imports it)."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+class InheritedFd:
+    """A file descriptor handed to a multiprocessing child, whatever the start method.
+
+    Under spawn and forkserver, pickling goes through ``multiprocessing.reduction.DupFd`` so the
+    child receives its own copy; under fork the number is simply inherited.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(duplicate: Any) -> InheritedFd:
+    return InheritedFd(duplicate.detach())
+
+
+@dataclass(frozen=True)
+class ChildSetup:
+    """How a function worker's process is set up before the entrypoint runs."""
+
+    env: dict[str, str]
+    stdout: InheritedFd | None
+    stderr: InheritedFd | None
+
+
+def run_function(
+    setup: ChildSetup,
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...],
+    result: Connection,
+) -> None:
+    """Entry of a function worker: own process group, clean signals, redirected streams, record."""
+    try:
+        os.setsid()
+    except PermissionError:
+        pass  # already a session leader
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, stream_fd in ((setup.stdout, 1), (setup.stderr, 2)):
+        if target is not None:
+            os.dup2(target.fd, stream_fd)
+            os.close(target.fd)
+    os.environ.update(setup.env)
+    faulthandler.enable()
+
+    from relaunch.procs.errors import record
+
+    @record
+    def call_and_send() -> None:
+        value = entrypoint(*args)
+        try:
+            result.send(value)
+        except Exception as exc:
+            raise TypeError(
+                f"the return value of {getattr(entrypoint, '__name__', entrypoint)!r} "
+                f"({type(value).__name__}) cannot be sent to the launcher: {exc}"
+            ) from exc
+
+    call_and_send()

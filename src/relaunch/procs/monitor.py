@@ -1,0 +1,321 @@
+"""The one thread that watches a group of workers: their exits and their tee'd output.
+
+It waits in a single ``selectors`` call on a pidfd per worker, the read end of every tee'd stream,
+the pipes return values come through, and a wake-up pipe; deadlines (SIGKILL after a grace
+period, the end of draining) are the select timeout. Nothing is polled on a period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from relaunch.core.group import GroupState, group_state
+from relaunch.core.lines import LineFramer
+from relaunch.procs.console import ConsoleWriter
+from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+
+log = logging.getLogger(__name__)
+
+_READ_SIZE = 1 << 16
+#: After the workers are gone, how long to keep reading pipes that descendants which escaped
+#: their process group still hold open.
+DRAIN_TIMEOUT = 1.0
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class TeeStream:
+    """One tee'd stream: bytes from a worker's pipe to its log file and, as lines, to a console.
+
+    Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
+    all streams together: under a flood of small writes that is one console write per round, not
+    one per read.
+    """
+
+    def __init__(self, read_fd: int, log_fd: int, console: ConsoleWriter, prefix: bytes) -> None:
+        os.set_blocking(read_fd, False)
+        self.read_fd = read_fd
+        self.log_fd = log_fd
+        self.console = console
+        self.prefix = prefix
+        self.framer = LineFramer()
+        self.pending: list[bytes] = []
+        self.open = True
+
+    def pump(self, until_empty: bool = False) -> bool:
+        """Copy what the pipe holds to the log file; True once the pipe is at end of file.
+
+        One read is enough when woken by the selector (it wakes again while data remains); with
+        ``until_empty`` it reads until the pipe is empty, as after the worker has exited.
+        """
+        while True:
+            try:
+                chunk = os.read(self.read_fd, _READ_SIZE)
+            except BlockingIOError:
+                return False
+            except InterruptedError:
+                continue
+            if not chunk:
+                return True
+            write_all(self.log_fd, chunk)
+            lines = self.framer.feed(chunk)
+            if lines:
+                self.pending.append(self.console.render(lines, self.prefix))
+            if not until_empty and len(chunk) < _READ_SIZE:
+                return False
+
+    def take_pending(self) -> bytes:
+        data = b"".join(self.pending)
+        self.pending.clear()
+        return data
+
+    def finish(self) -> None:
+        """Write out the last partial line and close the stream's files."""
+        if not self.open:
+            return
+        self.open = False
+        self.pending.append(self.console.render(self.framer.flush(), self.prefix))
+        self.console.write(self.take_pending())
+        os.close(self.read_fd)
+        os.close(self.log_fd)
+
+
+@dataclass
+class WorkerProcess:
+    """A started worker as the monitor tracks it."""
+
+    local_rank: int
+    handle: PopenHandle | ProcessHandle
+    streams: list[TeeStream] = field(default_factory=list)
+    result_conn: Connection | None = None
+    result_bytes: bytes | None = None
+    exitcode: int | None = None
+    exit_time: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.handle.pid
+
+
+class GroupMonitor:
+    """Watches the workers of one group; stops the rest as soon as one fails.
+
+    ``on_done`` is called (in the monitor thread) once every worker has exited: the caller builds
+    its result there. ``stop`` and ``finish`` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        workers: list[WorkerProcess],
+        stop_timeout: float,
+        on_done: Callable[[], None],
+    ) -> None:
+        self.workers = {worker.local_rank: worker for worker in workers}
+        self.stop_timeout = stop_timeout
+        self.stopped_ranks: set[int] = set()
+        self.lock = threading.Condition()
+        self._on_done = on_done
+        self._done = False
+        self._kill_at: float | None = None
+        self._finishing = False
+        self._drain_until: float | None = None
+        self._dirty: list[TeeStream] = []
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        for worker in workers:
+            self._selector.register(worker.handle.exit_fd, selectors.EVENT_READ, ("exit", worker))
+            for stream in worker.streams:
+                self._selector.register(stream.read_fd, selectors.EVENT_READ, ("tee", stream))
+            if worker.result_conn is not None:
+                conn = worker.result_conn
+                self._selector.register(conn.fileno(), selectors.EVENT_READ, ("result", worker))
+        self._thread = threading.Thread(target=self._run, name="relaunch-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- called from any thread -------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def wait_done(self, timeout: float | None) -> bool:
+        with self.lock:
+            return self.lock.wait_for(lambda: self._done, timeout)
+
+    def stop(self, sig: int, timeout: float) -> None:
+        """Send ``sig`` to every worker tree; SIGKILL whatever still runs ``timeout`` s later."""
+        with self.lock:
+            self._stop_locked(sig, timeout)
+        self._wake()
+
+    def kill_all_trees(self) -> None:
+        """SIGKILL every worker's process group, including descendants of workers that exited."""
+        for worker in self.workers.values():
+            signal_tree(worker.pid, signal.SIGKILL)
+
+    def finish(self) -> None:
+        """Drain the streams (bounded), then end the monitor thread and release everything."""
+        with self.lock:
+            self._finishing = True
+            self._drain_until = time.monotonic() + DRAIN_TIMEOUT
+        self._wake()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # -- the monitor thread --------------------------------------------------------------------
+
+    def _stop_locked(self, sig: int, timeout: float) -> None:
+        running = [w for w in self.workers.values() if w.exitcode is None]
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + timeout
+        elif sig != signal.SIGKILL:
+            return  # a stop is already under way; only an escalation changes anything
+        for worker in self.workers.values():
+            signal_tree(worker.pid, sig)
+        if not self._done:
+            self.stopped_ranks.update(w.local_rank for w in running)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _timeout(self) -> float | None:
+        deadlines = [d for d in (self._kill_at, self._drain_until) if d is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    timeout = self._timeout()
+                for key, _ in self._selector.select(timeout):
+                    kind, item = key.data
+                    if kind == "tee":
+                        self._pump(item)
+                    elif kind == "exit":
+                        self._reap(item)
+                    elif kind == "result":
+                        self._receive_result(item)
+                    else:
+                        self._drain_wake()
+                self._flush_consoles()
+                if self._past_deadlines():
+                    break
+        except Exception:
+            log.exception("the worker monitor failed; stopping the workers")
+            self.kill_all_trees()
+            raise
+        finally:
+            self._release()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _pump(self, stream: TeeStream, until_empty: bool = False) -> None:
+        if not stream.open:
+            return
+        at_end = stream.pump(until_empty)
+        if stream.pending:
+            self._dirty.append(stream)
+        if at_end:
+            self._selector.unregister(stream.read_fd)
+            stream.finish()
+
+    def _flush_consoles(self) -> None:
+        """Write this round's lines: one write per console, ranks never interleaved mid-line."""
+        if not self._dirty:
+            return
+        by_console: dict[ConsoleWriter, list[bytes]] = {}
+        for stream in self._dirty:
+            if stream.pending:
+                by_console.setdefault(stream.console, []).append(stream.take_pending())
+        self._dirty.clear()
+        for console, chunks in by_console.items():
+            console.write(b"".join(chunks))
+
+    def _reap(self, worker: WorkerProcess) -> None:
+        exitcode = worker.handle.poll()
+        if exitcode is None:
+            return  # the forkserver has not reported the status yet: the fd stays readable
+        self._selector.unregister(worker.handle.exit_fd)
+        # Whatever the worker wrote before it exited is in its pipes now: read all of it.
+        for stream in worker.streams:
+            self._pump(stream, until_empty=True)
+        if worker.result_conn is not None:
+            self._receive_result(worker)
+        with self.lock:
+            worker.exitcode = exitcode
+            worker.exit_time = time.time()
+            codes = {rank: w.exitcode for rank, w in self.workers.items()}
+            state = group_state(codes)
+            if state is GroupState.FAILED and self._kill_at is None:
+                # The group is one unit: one failure stops the others.
+                self._stop_locked(signal.SIGTERM, self.stop_timeout)
+            if all(code is not None for code in codes.values()):
+                self._kill_at = None
+                self._on_done()
+                self._done = True
+                self.lock.notify_all()
+
+    def _receive_result(self, worker: WorkerProcess) -> None:
+        conn = worker.result_conn
+        if conn is None:
+            return
+        try:
+            if conn.poll():
+                worker.result_bytes = conn.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        self._selector.unregister(conn.fileno())
+        conn.close()
+        worker.result_conn = None
+
+    def _past_deadlines(self) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            if self._kill_at is not None and now >= self._kill_at:
+                self._kill_at = None
+                log.warning("workers did not exit in time after the stop signal: sending SIGKILL")
+                for worker in self.workers.values():
+                    signal_tree(worker.pid, signal.SIGKILL)
+            if not (self._finishing and self._done):
+                return False
+            streams_open = any(s.open for w in self.workers.values() for s in w.streams)
+            return not streams_open or (self._drain_until is not None and now >= self._drain_until)
+
+    def _release(self) -> None:
+        self._flush_consoles()
+        self._selector.close()
+        for worker in self.workers.values():
+            for stream in worker.streams:
+                if stream.open:
+                    stream.pump(until_empty=True)
+                    stream.finish()
+            if worker.result_conn is not None:
+                worker.result_conn.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

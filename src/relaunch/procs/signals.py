@@ -1,0 +1,46 @@
+"""Turning termination signals into ``SignalException`` in the main thread, for a context's life."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from relaunch.procs.errors import SignalException
+
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+
+class SignalsToExceptions:
+    """Install ``SignalException`` handlers where the default handler is in place; undo later.
+
+    Handlers an application installed (or ``SIG_IGN``, as under nohup) are left alone, and
+    nothing happens outside the main thread, where Python cannot install handlers.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in TERMINATION_SIGNALS:
+            current = signal.getsignal(sig)
+            if current in (signal.SIG_DFL, signal.default_int_handler):
+                self._previous[sig] = current
+                signal.signal(sig, _raise_signal_exception)
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) is _raise_signal_exception:
+                signal.signal(sig, previous)
+        self._previous.clear()

@@ -1,0 +1,92 @@
+"""Fixtures shared by all tests: conditions with deadlines, and proof that no process leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+MARK_VAR = "RELAUNCH_TEST_MARK"
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    """Wait for ``condition()`` to be true, checking often, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            state = file.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Live processes whose environment carries ``RELAUNCH_TEST_MARK=mark``."""
+    needle = f"{MARK_VAR}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as file:
+                environ = file.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and pid_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+class LeakCheck:
+    """A mark to put in the environment of everything a test starts; checked after the test."""
+
+    def __init__(self) -> None:
+        self.mark = uuid.uuid4().hex
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {MARK_VAR: self.mark}
+
+    def envs(self, nprocs: int, **extra: str) -> dict[int, dict[str, str]]:
+        """One environment per local rank: the mark, ``LOCAL_RANK`` and ``extra``."""
+        return {rank: {**self.env, "LOCAL_RANK": str(rank), **extra} for rank in range(nprocs)}
+
+    def process_env(self, **extra: str) -> dict[str, str]:
+        """A full environment for a process the test starts itself (e.g. the relaunch CLI)."""
+        return {**os.environ, **self.env, **extra}
+
+
+@pytest.fixture
+def leaks() -> Iterator[LeakCheck]:
+    """Fails the test if any process started with ``leaks.env`` is still alive 5 s after it."""
+    check = LeakCheck()
+    yield check
+    deadline = time.monotonic() + 5.0
+    left = marked_pids(check.mark)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = marked_pids(check.mark)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture
+def log_dir(tmp_path: os.PathLike[str]) -> str:
+    path = os.path.join(tmp_path, "logs")
+    os.mkdir(path)
+    return path
