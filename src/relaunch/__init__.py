@@ -4,32 +4,9 @@ The public names follow ``torch.distributed.elastic``, so code moves over by cha
 Importing relaunch never imports torch or any other framework.
 """
 
-from relaunch.procs import (
-    ChildFailedError,
-    MultiprocessContext,
-    PContext,
-    ProcessFailure,
-    RunProcsResult,
-    SignalException,
-    Std,
-    SubprocessContext,
-    TailLog,
-    record,
-    start_processes,
-)
+from relaunch import procs
+from relaunch.procs import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ChildFailedError",
-    "MultiprocessContext",
-    "PContext",
-    "ProcessFailure",
-    "RunProcsResult",
-    "SignalException",
-    "Std",
-    "SubprocessContext",
-    "TailLog",
-    "record",
-    "start_processes",
-]
+__all__ = [*procs.__all__]

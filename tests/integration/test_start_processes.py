@@ -289,3 +289,30 @@ def test_process_failure_reads_a_torch_style_error_file(tmp_path) -> None:
     assert failure.message == "Traceback...\nRuntimeError: x"
     assert failure.error_file == str(path)
     assert ProcessFailure(0, 1, -15, str(tmp_path / "none.json")).error_file == ""
+
+
+def test_tee_clears_the_progress_bar_around_worker_lines(
+    log_dir: str, leaks: LeakCheck, capfd
+) -> None:
+    import threading
+
+    events = {"trigger_clear": threading.Event(), "cleared": threading.Event()}
+    events["cleared"].set()  # a bar that is always clear: the writer must still raise the trigger
+    triggered = threading.Event()
+
+    def watch() -> None:
+        if events["trigger_clear"].wait(30):
+            triggered.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    pc = start_processes(
+        "w", PY, {0: py("print('a'); print('b')")}, leaks.envs(1), log_dir, tee=Std.OUT,
+        progbar_events=events,
+    )  # fmt: skip
+    pc.wait()
+    pc.close()
+    watcher.join(30)
+    assert triggered.is_set()
+    assert not events["trigger_clear"].is_set()
+    assert capfd.readouterr().out == "\r[w0]:a\033[K\n\r[w0]:b\033[K\n"

@@ -25,6 +25,11 @@ from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
+#: After a wake-up that copied output, the monitor lets this long pass before it looks again, so a
+#: flood of tiny writes (unbuffered workers: two writes a line) is read in large chunks rather
+#: than one wake-up per write. The first line of a burst is never delayed; an idle pipe costs
+#: nothing.
+COALESCE_SECONDS = 0.0005
 #: After the workers are gone, how long to keep reading pipes that descendants which escaped
 #: their process group still hold open.
 DRAIN_TIMEOUT = 1.0
@@ -218,9 +223,11 @@ class GroupMonitor:
                         self._receive_result(item)
                     else:
                         self._drain_wake()
-                self._flush_consoles()
+                copied = self._flush_consoles()
                 if self._past_deadlines():
                     break
+                if copied:
+                    time.sleep(COALESCE_SECONDS)
         except Exception:
             log.exception("the worker monitor failed; stopping the workers")
             self.kill_all_trees()
@@ -245,10 +252,13 @@ class GroupMonitor:
             self._selector.unregister(stream.read_fd)
             stream.finish()
 
-    def _flush_consoles(self) -> None:
-        """Write this round's lines: one write per console, ranks never interleaved mid-line."""
+    def _flush_consoles(self) -> bool:
+        """Write this round's lines: one write per console, ranks never interleaved mid-line.
+
+        Returns whether there was anything to write.
+        """
         if not self._dirty:
-            return
+            return False
         by_console: dict[ConsoleWriter, list[bytes]] = {}
         for stream in self._dirty:
             if stream.pending:
@@ -256,6 +266,7 @@ class GroupMonitor:
         self._dirty.clear()
         for console, chunks in by_console.items():
             console.write(b"".join(chunks))
+        return True
 
     def _reap(self, worker: WorkerProcess) -> None:
         exitcode = worker.handle.poll()
