@@ -34,12 +34,28 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _helpers_of_this_process() -> set[int]:
+    """Long-lived helpers this test process keeps for all tests: they are not leaks."""
+    from multiprocessing import forkserver, resource_tracker
+
+    from relaunch.procs import guardian
+
+    pids = {os.getpid()}
+    if guardian._guardian is not None:
+        pids.add(guardian._guardian.pid)
+    tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    pids.update(pid for pid in (tracker_pid, server_pid) if pid)
+    return pids
+
+
 def marked_pids(mark: str) -> list[int]:
     """Live processes whose environment carries ``RELAUNCH_TEST_MARK=mark``."""
     needle = f"{MARK_VAR}={mark}".encode()
     found = []
+    helpers = _helpers_of_this_process()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in helpers:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as file:

@@ -5,8 +5,27 @@ Importing relaunch never imports torch or any other framework.
 """
 
 from relaunch import procs
+from relaunch.agent import (
+    LocalElasticAgent,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from relaunch.launcher import LaunchConfig, elastic_launch
 from relaunch.procs import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = [*procs.__all__]
+__all__ = [
+    *procs.__all__,
+    "LaunchConfig",
+    "LocalElasticAgent",
+    "RunResult",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+    "elastic_launch",
+]

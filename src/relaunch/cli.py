@@ -1,28 +1,34 @@
-"""The ``relaunch`` command: argv in, exit status out. The only place that installs signal handlers.
+"""The ``relaunch`` command: torchrun's flags in, an exit status out.
 
-Until the elastic agent lands this drives ``start_processes`` directly on one node: N local
-workers, no restarts. Exit status: 0 on success; 1 when workers failed (the report, root cause
-first, goes to stderr); 128 + signal when stopped by a signal, once the workers are gone; 2 for
-usage errors.
+The only place that installs signal handlers. Exit status: 0 on success; 1 when workers failed
+(the report, root cause first, goes to stderr); 128 + signal when stopped by a signal, once the
+workers are gone; 2 for usage errors, reported in one line with no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
-import tempfile
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
-from relaunch.core.streams import Std
-from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, PContext, start_processes
+from relaunch.core.ranks import omp_num_threads_default
+from relaunch.core.streams import Std, per_rank
+from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.procs.errors import ChildFailedError, SignalException
-from relaunch.procs.signals import TERMINATION_SIGNALS
+from relaunch.rendezvous.api import BACKENDS, PLANNED_BACKENDS, parse_endpoint
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 class UsageError(Exception):
@@ -34,10 +40,51 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
+# -- value parsers: each raises ArgumentTypeError with what is expected --------------------------
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected N or MIN:MAX with whole numbers >= 1, got {text!r}"
+        )
+    low, high = int(parts[0]), int(parts[-1])
+    if low > high:
+        raise argparse.ArgumentTypeError(f"MIN must not exceed MAX, got {text!r}")
+    return low, high
+
+
+def _nproc(text: str) -> str:
+    if text in ("cpu", "gpu", "auto") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected a whole number >= 1, or cpu, gpu or auto, got {text!r}"
+    )
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if text.strip().lstrip("-").isdigit() and int(text) >= minimum:
+            return int(text)
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+
+    return parse
+
+
+def _seconds(positive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"expected a number of seconds {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _std(text: str) -> Std | dict[int, Std]:
@@ -47,76 +94,296 @@ def _std(text: str) -> Std | dict[int, Std]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``"a=1,b=x"`` -> ``{"a": "1", "b": "x"}``."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _endpoint(text: str) -> str:
+    if text:
+        try:
+            parse_endpoint(text, default_port=0)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _ranks_filter(text: str) -> set[int]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(f"expected local ranks such as 0,3, got {text!r}")
+    return {int(item) for item in items}
+
+
+def _signals(text: str) -> list[signal.Signals]:
+    found = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else f"SIG{item.upper()}"
+        try:
+            found.append(signal.Signals(int(item)) if item.isdigit() else signal.Signals[name])
+        except (KeyError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"unknown signal {item!r}: expected names such as {DEFAULT_SIGNALS}"
+            ) from None
+    return found
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Flag:
+    group: str
+    names: tuple[str, ...]
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] | None = None
+    switch: bool = False
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    def help_text(self) -> str:
+        shown = self.default
+        if isinstance(shown, Std):
+            shown = int(shown)
+        if shown is None or shown == "" or self.switch:
+            return self.help
+        return f"{self.help} (default: {shown})"
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """``--nproc-per-node`` and ``--nproc_per_node``."""
+    underscored = "--" + name[2:].replace("-", "_")
+    return (name,) if underscored == name else (name, underscored)
+
+
+FLAGS = [
+    _Flag("nodes", ("--nnodes",), "number of nodes, or MIN:MAX for an elastic job", "1:1",
+          parse_nnodes, metavar="N|MIN:MAX"),
+    _Flag("nodes", ("--nproc-per-node",), "workers per node: a number, cpu, gpu or auto", "1",
+          _nproc, metavar="N"),
+    _Flag("nodes", ("--node-rank",), "rank of this node (static rendezvous)", 0, _count(0),
+          metavar="RANK"),
+    _Flag("nodes", ("--master-addr",), "address of the node of rank 0 (static rendezvous)",
+          "127.0.0.1", metavar="ADDR"),
+    _Flag("nodes", ("--master-port",), "port on the node of rank 0 (static rendezvous; "
+          "default: 29500, or a free port when there is one node)", None, _count(0),
+          metavar="PORT"),
+    _Flag("nodes", ("--local-addr",), "address this node advertises to the others",
+          metavar="ADDR"),
+    _Flag("rendezvous", ("--standalone",), "one node: a local rendezvous on a free port, "
+          "nothing to set up", switch=True),
+    _Flag("rendezvous", ("--rdzv-backend",), "rendezvous backend", "static", metavar="NAME"),
+    _Flag("rendezvous", ("--rdzv-endpoint",), "rendezvous endpoint", "", _endpoint,
+          metavar="HOST:PORT"),
+    _Flag("rendezvous", ("--rdzv-id",), "job id shared by every node of the job", "none",
+          metavar="ID"),
+    _Flag("rendezvous", ("--rdzv-conf",), "extra rendezvous settings", "", parse_rdzv_conf,
+          metavar="KEY=VALUE,..."),
+    _Flag("restarts", ("--max-restarts",), "restarts of the worker group after a failure", 0,
+          _count(0), metavar="N"),
+    _Flag("restarts", ("--monitor-interval",), "seconds between membership checks", 0.1,
+          _seconds(positive=True), metavar="SECONDS"),
+    _Flag("restarts", ("--shutdown-timeout",), "seconds between the stop signal and SIGKILL",
+          DEFAULT_SHUTDOWN_TIMEOUT, _seconds(positive=False), metavar="SECONDS"),
+    _Flag("restarts", ("--signals-to-handle",), "signals that stop the workers and relaunch",
+          DEFAULT_SIGNALS, _signals, metavar="SIGNALS"),
+    _Flag("workers", ("--role",), "name of the workers' role", "default", metavar="NAME"),
+    _Flag("workers", ("-m", "--module"), "run the script as a Python module, like python -m",
+          switch=True),
+    _Flag("workers", ("--no-python",), "run the script as a binary, without Python",
+          switch=True),
+    _Flag("workers", ("--run-path",), "run the script with runpy.run_path in a function worker",
+          switch=True),
+    _Flag("workers", ("--start-method",), "how function workers start", "spawn",
+          choices=START_METHODS),
+    _Flag("logs", ("--log-dir",), "base directory for log files (default: a new temporary "
+          "directory)", metavar="DIR"),
+    _Flag("logs", ("-r", "--redirects"), "streams sent to log files only: 0 none, 1 stdout, "
+          "2 stderr, 3 both, or per rank as 0:1,1:2", Std.NONE, _std, metavar="MASK"),
+    _Flag("logs", ("-t", "--tee"), "streams sent to log files and the console, each line "
+          "prefixed by its rank (values as -r)", Std.NONE, _std, metavar="MASK"),
+    _Flag("logs", ("--local-ranks-filter",), "show only these local ranks on the console "
+          "(the log files keep everything)", None, _ranks_filter, metavar="RANKS"),
+    _Flag("logs", ("--event-log-handler",), "where status events go: null, console or "
+          "file:PATH", "null", metavar="HANDLER"),
+]  # fmt: skip
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """torchrun's flags, each with its dash and underscore spelling and its PET_* variable."""
+    env = os.environ if environ is None else environ
     parser = _Parser(
         prog="relaunch",
-        description="Start N copies of a training script on this machine and watch them as one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Launch a distributed job: N workers per node, watched and restarted as one. "
+        "Each flag can also be set by the environment variable PET_<FLAG> "
+        "(e.g. PET_NPROC_PER_NODE=4).",
     )
-    workers = parser.add_argument_group("workers")
-    workers.add_argument(
-        "--nproc-per-node", "--nproc_per_node", type=_positive_int, default=1,
-        help="number of worker processes on this node",
-    )  # fmt: skip
-    workers.add_argument(
-        "-m", "--module", action="store_true",
-        help="run the script as a Python module, like python -m",
-    )  # fmt: skip
-    workers.add_argument(
-        "--no-python", "--no_python", action="store_true",
-        help="run the script as a binary, without the Python interpreter",
-    )  # fmt: skip
-    workers.add_argument(
-        "--shutdown-timeout", "--shutdown_timeout", type=_seconds,
-        default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds between the stop signal and SIGKILL",
-    )  # fmt: skip
-    logs = parser.add_argument_group("logs")
-    logs.add_argument(
-        "--log-dir", "--log_dir", default=None,
-        help="directory for the workers' log files (default: a new temporary directory)",
-    )  # fmt: skip
-    logs.add_argument(
-        "-r", "--redirects", type=_std, default=Std.NONE,
-        help="streams to send to log files only: 0 none, 1 stdout, 2 stderr, 3 both, "
-        "or per rank as 0:1,1:2",
-    )  # fmt: skip
-    logs.add_argument(
-        "-t", "--tee", type=_std, default=Std.NONE,
-        help="streams to send to log files and to the console, prefixed by rank (as -r)",
-    )  # fmt: skip
+    groups = {name: parser.add_argument_group(name) for name in
+              ("nodes", "rendezvous", "restarts", "workers", "logs")}  # fmt: skip
+    for flag in FLAGS:
+        long_name = flag.names[-1]
+        names = [*flag.names[:-1], *_spellings(long_name)]
+        dest = long_name.lstrip("-").replace("-", "_")
+        from_env = env.get(f"PET_{dest.upper()}")
+        group = groups[flag.group]
+        if flag.switch:
+            switched_on = from_env is not None and from_env.lower() in ("1", "true", "yes")
+            group.add_argument(*names, dest=dest, action="store_true", default=switched_on,
+                               help=flag.help_text())  # fmt: skip
+            continue
+        # argparse converts a string default with ``type``, so PET_* values are checked too.
+        default = flag.default if from_env is None else from_env
+        group.add_argument(
+            *names, dest=dest, default=default, type=flag.type or str, choices=flag.choices,
+            metavar=flag.metavar, help=flag.help_text(),
+        )  # fmt: skip
     parser.add_argument("training_script", help="the script, module or binary to run")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                        help="arguments passed to every worker")  # fmt: skip
     return parser
 
 
-def _command(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
-    script = args.training_script
-    if args.module and args.no_python:
-        raise UsageError("--module and --no-python cannot be used together")
-    if args.module:
-        return sys.executable, ("-u", "-m", script, *args.training_script_args)
+# -- from flags to a launch ------------------------------------------------------------------------
+
+
+def count_gpus(environ: dict[str, str] | os._Environ[str]) -> int:
+    """GPUs visible to workers, without importing a framework."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return 0 if visible.strip() in ("", "-1") else len(visible.split(","))
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def resolve_nproc(value: str) -> int:
+    if value.isdigit():
+        return int(value)
+    cpus = os.cpu_count() or 1
+    if value == "cpu":
+        return cpus
+    gpus = count_gpus(os.environ)
+    if value == "gpu" and gpus == 0:
+        raise UsageError(
+            "--nproc-per-node gpu: no GPU found (CUDA_VISIBLE_DEVICES and nvidia-smi -L list "
+            "none); give a number or use cpu"
+        )
+    return gpus or cpus
+
+
+def _command(args: argparse.Namespace) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
+    script: str = args.training_script
+    rest = tuple(args.training_script_args)
+    modes = [flag for flag, on in (("--module", args.module), ("--no-python", args.no_python),
+                                   ("--run-path", args.run_path)) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise UsageError(f"{' and '.join(modes)} cannot be used together")
     if args.no_python:
-        return script, tuple(args.training_script_args)
+        if os.sep in script:
+            usable = os.path.isfile(script) and os.access(script, os.X_OK)
+        else:
+            usable = shutil.which(script) is not None
+        if not usable:
+            raise UsageError(f"binary {script!r} was not found or is not executable")
+        return script, rest
+    if args.module:
+        return sys.executable, ("-u", "-m", script, *rest)
     if not os.path.isfile(script):
         raise UsageError(f"training script {script!r} does not exist")
-    return sys.executable, ("-u", script, *args.training_script_args)
+    if args.run_path:
+        from relaunch._run_path import run_script
+
+        return run_script, (script, *rest)
+    return sys.executable, ("-u", script, *rest)
 
 
-def _log_dir(requested: str | None) -> str:
-    if requested is None:
-        return tempfile.mkdtemp(prefix="relaunch_")
-    os.makedirs(requested, exist_ok=True)
-    return tempfile.mkdtemp(prefix="run_", dir=requested)
+def _console_filter(
+    args: argparse.Namespace, nproc: int
+) -> tuple[Std | dict[int, Std], Std | dict[int, Std]]:
+    """Apply --local-ranks-filter: the other ranks go to their log files only."""
+    if args.local_ranks_filter is None:
+        return args.redirects, args.tee
+    redirects, tee = per_rank(args.redirects, nproc), per_rank(args.tee, nproc)
+    for rank in range(nproc):
+        if rank not in args.local_ranks_filter:
+            redirects[rank], tee[rank] = Std.ALL, Std.NONE
+    return redirects, tee
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] | str, tuple[str, ...]]:  # noqa: E501
+    """The ``LaunchConfig``, the entrypoint and its arguments the flags describe."""
+    from relaunch.launcher import LaunchConfig
+
+    nproc = resolve_nproc(args.nproc_per_node)
+    min_nodes, max_nodes = args.nnodes
+    backend = args.rdzv_backend
+    run_id = args.rdzv_id
+    endpoint = args.rdzv_endpoint
+    if args.standalone:
+        if max_nodes != 1:
+            raise UsageError("--standalone runs one node: drop --nnodes or use --rdzv-backend")
+        backend, endpoint, run_id = "static", "127.0.0.1:0", uuid.uuid4().hex
+    if backend not in BACKENDS:
+        if backend in PLANNED_BACKENDS:
+            raise UsageError(
+                f"--rdzv-backend {backend} is not available in this release: use --standalone "
+                "for one node, or the static backend with --node-rank and --master-addr"
+            )
+        raise UsageError(f"--rdzv-backend {backend!r} is unknown: valid backends are "
+                         + ", ".join(BACKENDS))  # fmt: skip
+    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
+    if backend == "static" and not endpoint:
+        port = args.master_port
+        if port is None:
+            port = 0 if max_nodes == 1 else 29500
+        endpoint = f"{args.master_addr}:{port}"
+    if backend == "static":
+        if min_nodes != max_nodes:
+            raise UsageError(
+                f"--nnodes {min_nodes}:{max_nodes} needs an elastic rendezvous backend; the "
+                "static backend takes a fixed number of nodes"
+            )
+        if args.node_rank >= max_nodes:
+            raise UsageError(f"--node-rank {args.node_rank} must be below --nnodes {max_nodes}")
+        rdzv_configs["rank"] = args.node_rank
+    redirects, tee = _console_filter(args, nproc)
+    from relaunch.events import event_handler_from_spec
+
+    event_handler_from_spec(args.event_log_handler).close()
+    entrypoint, entry_args = _command(args)
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role=args.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_addr=args.local_addr,
+        shutdown_timeout=args.shutdown_timeout,
+        event_log_handler=args.event_log_handler,
+    )
+    return config, entrypoint, entry_args
 
 
 def _raise_signal(signum: int, frame: FrameType | None) -> None:
@@ -124,52 +391,36 @@ def _raise_signal(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"relaunch got {sigval.name}", sigval)
 
 
-def run(args: argparse.Namespace) -> int:
-    entrypoint, script_args = _command(args)
-    nprocs = args.nproc_per_node
-    env = {"LOCAL_WORLD_SIZE": str(nprocs), "WORLD_SIZE": str(nprocs), "GROUP_RANK": "0"}
-    envs = {rank: {**env, "LOCAL_RANK": str(rank), "RANK": str(rank)} for rank in range(nprocs)}
-    context: PContext | None = None
-    try:
-        context = start_processes(
-            name="default",
-            entrypoint=entrypoint,
-            args=dict.fromkeys(range(nprocs), script_args),
-            envs=envs,
-            log_dir=_log_dir(args.log_dir),
-            redirects=args.redirects,
-            tee=args.tee,
-            shutdown_timeout=args.shutdown_timeout,
-        )
-        result = context.wait()
-        assert result is not None
-    except SignalException as exc:
-        if context is not None:
-            context.close(exc.sigval, args.shutdown_timeout)
-        print(f"relaunch: stopped by {exc.sigval.name}; the workers are gone", file=sys.stderr)
-        return 128 + int(exc.sigval)
-    context.close()
-    if result.is_failed():
-        error = ChildFailedError(os.path.basename(args.training_script), result.failures,
-                                 result.stopped)  # fmt: skip
-        print(error.format_msg(), file=sys.stderr)
-        return EXIT_FAILED
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``relaunch`` command and return its exit status."""
-    for sig in TERMINATION_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _raise_signal)
+    logging.basicConfig(format="relaunch: %(message)s", level=logging.WARNING)
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
-        return run(args)
-    except UsageError as exc:
+        args = parser.parse_args(argv)
+        for sig in args.signals_to_handle:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, _raise_signal)
+        config, entrypoint, entry_args = config_from_args(args)
+        from relaunch.launcher import launch_agent, rendezvous_handler
+
+        handler = rendezvous_handler(config)
+    except (UsageError, ValueError) as exc:
         print(f"relaunch: error: {exc} (see relaunch --help)", file=sys.stderr)
-        return EXIT_USAGE
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"relaunch: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SignalException as exc:
         return 128 + int(exc.sigval)
+    if omp_num_threads_default(config.nproc_per_node, os.environ) is not None:
+        print(
+            f"relaunch: setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} "
+            "workers to avoid overloading the machine; set it yourself to tune",
+            file=sys.stderr,
+        )
+    try:
+        launch_agent(config, entrypoint, list(entry_args), handler=handler)
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        return EXIT_FAILED
+    except SignalException as exc:
+        print(f"relaunch: stopped by {exc.sigval.name}; the workers are gone", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0

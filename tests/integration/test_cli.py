@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -48,7 +49,7 @@ def test_underscore_spellings_and_log_dir(tmp_path, leaks: LeakCheck) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
     (run_dir,) = logs.iterdir()
-    assert (run_dir / "1" / "stdout.log").read_text() == "logged\n"
+    assert (run_dir / "attempt_0" / "1" / "stdout.log").read_text() == "logged\n"
 
 
 def test_failure_prints_the_report_and_exits_1(tmp_path, leaks: LeakCheck) -> None:
@@ -61,7 +62,7 @@ def test_failure_prints_the_report_and_exits_1(tmp_path, leaks: LeakCheck) -> No
     done = relaunch(leaks, "--nproc-per-node", "2", "--redirects", "2", job)
     assert done.returncode == 1
     lines = done.stderr.splitlines()
-    assert lines[0] == "job.py failed: 1 worker failed, 1 stopped because of it"
+    lines = lines[lines.index("job.py failed: 1 worker failed, 1 stopped because of it") :]
     assert "RuntimeError: the data is missing" in done.stderr
     assert lines[-1] == "Stopped because of the failure (not failures): rank 0"
     assert "relaunch/cli.py" not in done.stderr, "no traceback of the launcher's own"
@@ -83,16 +84,30 @@ def test_module_and_no_python(tmp_path, leaks: LeakCheck) -> None:
         (["--nproc-per-node", "0", "x.py"], "--nproc-per-node"),
         (["--tee", "9", "x.py"], "-t/--tee"),
         (["missing_script.py"], "training script 'missing_script.py' does not exist"),
-        (["--no-python", "no-such-binary-xyz"], "'no-such-binary-xyz' was not found on PATH"),
+        (["--no-python", "no-such-binary-xyz"], "'no-such-binary-xyz' was not found"),
         (["-m", "--no-python", "x"], "--module and --no-python cannot be used together"),
         ([], "the following arguments are required"),
         (["--shutdown-timeout", "-1", "x.py"], "--shutdown-timeout"),
+        (["--nnodes", "3:1", "x.py"], "MIN must not exceed MAX"),
+        (["--nnodes", "two", "x.py"], "expected N or MIN:MAX"),
+        (["--max-restarts", "-1", "x.py"], "--max-restarts"),
+        (["--rdzv-backend", "zookeeper", "x.py"], "valid backends are static"),
+        (["--rdzv-backend", "c10d", "x.py"], "not available in this release"),
+        (["--rdzv-endpoint", "host:port", "x.py"], "expected a number 0..65535"),
+        (["--nnodes", "1:2", "x.py"], "needs an elastic rendezvous backend"),
+        (["--nnodes", "2", "--node-rank", "2", "x.py"], "--node-rank 2 must be below"),
+        (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs one node"),
+        (["--start-method", "vfork", "x.py"], "invalid choice: 'vfork'"),
+        (["--signals-to-handle", "SIGNOPE", "x.py"], "unknown signal 'SIGNOPE'"),
+        (["--local-ranks-filter", "a", "x.py"], "expected local ranks"),
+        (["--rdzv-conf", "novalue", "x.py"], "expected KEY=VALUE"),
+        (["--event-log-handler", "kafka", "x.py"], "kafka"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(
     leaks: LeakCheck, argv: list[str], message: str
 ) -> None:
-    done = relaunch(leaks, *argv)
+    done = relaunch(leaks, *argv, cwd="/")
     assert done.returncode == 2
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -102,8 +117,12 @@ def test_usage_errors_are_one_line_and_exit_2(
 def test_help_groups_the_flags(leaks: LeakCheck) -> None:
     done = relaunch(leaks, "--help")
     assert done.returncode == 0
-    for heading in ("workers:", "logs:", "--nproc-per-node", "--tee", "(default: 1)"):
-        assert heading in done.stdout
+    text = " ".join(done.stdout.split())
+    for heading in ("nodes:", "rendezvous:", "restarts:", "workers:", "logs:",
+                    "--nproc-per-node N", "--tee MASK", "(default: 1)",
+                    "--shutdown-timeout SECONDS", "(default: 30.0)"):
+        assert heading in text
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -148,3 +167,136 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
     wait_until(ready.exists, what="the worker to start")
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: LeakCheck) -> None:
+    out = tmp_path / "envs"
+    out.mkdir()
+    job = script(tmp_path, f"""
+        import json, os
+        with open(os.path.join({str(out)!r}, os.environ["RANK"]), "w") as f:
+            json.dump(dict(os.environ), f)
+    """)  # fmt: skip
+    done = relaunch(leaks, "--standalone", "--nproc_per_node=3", "--role", "trainer",
+                    "--max-restarts", "2", job)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "setting OMP_NUM_THREADS=1 for each of the 3 workers" in done.stderr
+    envs = {int(p.name): json.loads(p.read_text()) for p in out.iterdir()}
+    assert sorted(envs) == [0, 1, 2]
+    ports = {env["MASTER_PORT"] for env in envs.values()}
+    run_ids = {env["TORCHELASTIC_RUN_ID"] for env in envs.values()}
+    assert len(ports) == 1 and len(run_ids) == 1
+    for rank, env in envs.items():
+        expected = {
+            "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank), "ROLE_NAME": "trainer", "LOCAL_WORLD_SIZE": "3",
+            "WORLD_SIZE": "3", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        assert {key: env.get(key) for key in expected} == expected
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
+
+
+def test_pet_environment_variables_set_flags(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, "import os; print(os.environ['WORLD_SIZE'])\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", job], capture_output=True, text=True, timeout=50,
+        env=leaks.process_env(PET_NPROC_PER_NODE="2", PET_TEE="1", PET_STANDALONE="1"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[default0]:2", "[default1]:2"]
+
+
+def test_a_failed_worker_group_is_restarted(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, """
+        import os, sys
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print(f"rank {os.environ['RANK']} attempt {attempt}")
+        if attempt == "0" and os.environ["RANK"] == "1":
+            sys.exit(5)
+    """)  # fmt: skip
+    done = relaunch(leaks, "--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", job)
+    assert done.returncode == 0, done.stderr
+    assert "restarting the worker group (a worker failed); 0 restart(s) left" in done.stderr
+    assert "[default0]:rank 0 attempt 1" in done.stdout.splitlines()
+    assert "[default1]:rank 1 attempt 1" in done.stdout.splitlines()
+
+
+def test_local_ranks_filter_shows_only_those_ranks(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, "import os; print('hi from', os.environ['LOCAL_RANK'])\n")
+    logs = tmp_path / "logs"
+    done = relaunch(leaks, "--nproc-per-node", "3", "--tee", "3", "--local-ranks-filter", "0,2",
+                    "--log-dir", str(logs), job)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[default0]:hi from 0", "[default2]:hi from 2"]
+    (run_dir,) = logs.iterdir()
+    assert (run_dir / "attempt_0" / "1" / "stdout.log").read_text() == "hi from 1\n"
+
+
+def test_per_rank_tee_map_and_run_path(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, """
+        import os, sys
+        print(__name__, sys.argv[1:], os.environ["LOCAL_RANK"])
+    """)  # fmt: skip
+    done = relaunch(leaks, "--nproc-per-node", "2", "--tee", "1:1", "--run-path", job, "a")
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[default1]:__main__ ['a'] 1", "__main__ ['a'] 0"]
+
+
+def test_status_events_go_to_a_json_lines_file(tmp_path, leaks: LeakCheck) -> None:
+    events = tmp_path / "events.jsonl"
+    job = script(tmp_path, "pass\n")
+    done = relaunch(leaks, "--nproc-per-node", "2", "--event-log-handler", f"file:{events}", job)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [line["source"] for line in lines] == ["WORKER", "WORKER", "AGENT"]
+    assert all(line["metadata"]["state"] == "SUCCEEDED" for line in lines)
+
+
+def test_two_static_nodes_form_one_world(tmp_path, leaks: LeakCheck) -> None:
+    from relaunch.rendezvous.static import find_free_port
+
+    port = str(find_free_port("127.0.0.1"))
+    job = script(tmp_path, """
+        import os
+        print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["GROUP_RANK"],
+              os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    """)  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "relaunch", "--nnodes", "2", "--node-rank", str(rank),
+             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+             "--tee", "1", job],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=leaks.process_env(),
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = [node.communicate(timeout=50)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0]
+    lines = sorted(line.split(":", 1)[1] for out in outputs for line in out.splitlines())
+    assert lines == [
+        f"{rank} 4 {rank // 2} 127.0.0.1 {port}" for rank in range(4)
+    ]
+
+
+def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path, leaks: LeakCheck) -> None:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    job = script(tmp_path, f"""
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "300"])
+        open(os.path.join({str(pid_dir)!r}, f"{{os.getpid()}}.{{child.pid}}"), "w").close()
+        time.sleep(300)
+    """)  # fmt: skip
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", job],
+        env=leaks.process_env(), stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_until(lambda: len(os.listdir(pid_dir)) == 2, what="the workers to start")
+    pids = [int(p) for name in os.listdir(pid_dir) for p in name.split(".")]
+    launcher.kill()
+    launcher.wait()
+    wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=1.0,
+               what="every worker and grandchild to die within 1 s")  # fmt: skip

@@ -16,14 +16,22 @@ FORBIDDEN_IN_CORE = {"os", "subprocess", "socket", "threading", "time", "select"
 def test_public_names_are_pinned() -> None:
     assert sorted(relaunch.__all__) == [
         "ChildFailedError",
+        "LaunchConfig",
+        "LocalElasticAgent",
         "MultiprocessContext",
         "PContext",
         "ProcessFailure",
         "RunProcsResult",
+        "RunResult",
         "SignalException",
         "Std",
         "SubprocessContext",
         "TailLog",
+        "Worker",
+        "WorkerGroup",
+        "WorkerSpec",
+        "WorkerState",
+        "elastic_launch",
         "record",
         "start_processes",
     ]

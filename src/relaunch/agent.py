@@ -1,0 +1,365 @@
+"""The elastic agent: rendezvous, start the local workers, watch them, restart them as one.
+
+``LocalElasticAgent.run`` is the one driver: it asks the rendezvous handler for this node's
+place, plans every worker's ranks and environment (``core.ranks``), starts them through the
+process layer, waits for their group to end (an event, not a sleep), and lets the restart policy
+(``core.restart``) decide what comes next.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaunch.core.group import GroupState
+from relaunch.core.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
+from relaunch.core.restart import Action, decide
+from relaunch.core.streams import Std
+from relaunch.events import (
+    EventHandler,
+    EventSource,
+    Metrics,
+    NullEventHandler,
+    NullMetricHandler,
+    status_event,
+)
+from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, PContext, start_processes
+from relaunch.procs.errors import ProcessFailure, SignalException
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROLE = "default"
+
+
+class WorkerState(str, enum.Enum):
+    """The state of a worker group (all workers of one node move together)."""
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @staticmethod
+    def is_running(state: WorkerState) -> bool:
+        return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
+
+
+@dataclass
+class WorkerSpec:
+    """What to run on this node: the entrypoint, how many copies, and the restart budget.
+
+    ``entrypoint`` is a function (run with multiprocessing) or a binary path; ``args`` are passed
+    to every worker, with ``${local_rank}`` replaced by its local rank.
+    """
+
+    role: str
+    local_world_size: int
+    rdzv_handler: RendezvousHandler
+    entrypoint: Callable[..., Any] | str | None = None
+    args: tuple[Any, ...] = ()
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    master_port: int | None = None
+    master_addr: str | None = None
+    local_addr: str | None = None
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.entrypoint is None:
+            raise ValueError("WorkerSpec needs an entrypoint: a function or a binary")
+
+    def get_entrypoint_name(self) -> str:
+        """The function's name, the script a Python interpreter runs, or the binary's name."""
+        entrypoint = self.entrypoint
+        if callable(entrypoint):
+            return getattr(entrypoint, "__name__", repr(entrypoint))
+        assert isinstance(entrypoint, str)
+        if entrypoint == sys.executable:
+            script = next((str(a) for a in self.args if not str(a).startswith("-")), "")
+            if script:
+                return os.path.basename(script)
+        return os.path.basename(entrypoint)
+
+
+@dataclass
+class Worker:
+    """One worker of the group; ranks are -1 until a rendezvous assigned them."""
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    id: int | None = None
+
+
+class WorkerGroup:
+    """The workers of one ``WorkerSpec`` on this node, and their shared place in the job."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.workers = [Worker(local_rank=i) for i in range(spec.local_world_size)]
+        self.store: Any = None
+        self.group_rank: int | None = None
+        self.group_world_size: int | None = None
+        self.master_addr: str | None = None
+        self.master_port: int | None = None
+        self.state = WorkerState.INIT
+
+
+@dataclass
+class RunResult:
+    """How a run ended. ``return_values`` and ``failures`` are keyed by global rank;
+    ``stopped`` lists the global ranks stopped only because another failed."""
+
+    state: WorkerState
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stopped: list[int] = field(default_factory=list)
+
+    def is_failed(self) -> bool:
+        return self.state is WorkerState.FAILED
+
+
+class LocalElasticAgent:
+    """Runs ``spec.local_world_size`` workers on this host as one unit, restarting the whole group
+    on failure while ``spec.max_restarts`` allow, and when nodes wait to join (for free).
+
+    ``events`` is the agent-to-worker control channel (graceful stop, progress); it is accepted
+    now and used from the release that adds it. Status events go to ``event_handler`` and
+    metrics to ``metrics`` (both discard by default).
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_dir: str | None = None,
+        events: object = None,
+        *,
+        event_handler: EventHandler | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._worker_group = WorkerGroup(spec)
+        self._start_method = start_method
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._events = events
+        self._event_handler: EventHandler = event_handler or NullEventHandler()
+        self._metrics = metrics or Metrics(NullMetricHandler(), group="torchelastic")
+        self._restarts_left = spec.max_restarts
+        self._pcontext: PContext | None = None
+        self._ranks: list[WorkerRanks] = []
+        self._log_dir = self._make_log_dir(log_dir, spec.rdzv_handler.get_run_id())
+        self._started_at = time.monotonic()
+
+    @staticmethod
+    def _make_log_dir(log_dir: str | None, run_id: str) -> str:
+        base = log_dir or tempfile.mkdtemp(prefix="relaunch_")
+        os.makedirs(base, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        log.info("log directory: %s", path)
+        return path
+
+    @property
+    def log_dir(self) -> str:
+        return self._log_dir
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        return self._worker_group
+
+    # -- the run loop -------------------------------------------------------------------------
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
+        self._started_at = time.monotonic()
+        try:
+            result = self._invoke_run()
+        except SignalException as exc:
+            self._stop_workers(exc.sigval)
+            self._record_agent_event(WorkerState.FAILED, raw_error=str(exc))
+            raise
+        except BaseException:
+            self._stop_workers(signal.SIGTERM)
+            self._record_agent_event(WorkerState.FAILED)
+            raise
+        self._stop_workers(signal.SIGTERM)
+        self._record_run_events(result)
+        return result
+
+    def _invoke_run(self) -> RunResult:
+        group = self._worker_group
+        spec = group.spec
+        role = spec.role
+        self._rendezvous()
+        self._start_workers()
+        while True:
+            assert self._pcontext is not None
+            watching = spec.rdzv_handler.watches_membership
+            outcome = self._pcontext.wait(spec.monitor_interval if watching else -1)
+            if outcome is None:
+                state = GroupState.RUNNING
+            else:
+                state = GroupState.FAILED if outcome.is_failed() else GroupState.SUCCEEDED
+            waiting = spec.rdzv_handler.num_nodes_waiting() if watching and not outcome else 0
+            decision = decide(state, self._restarts_left, waiting)
+            if decision.action is Action.CONTINUE:
+                continue
+            self._metrics.put_metric(f"workers.{role}.remaining_restarts", self._restarts_left)
+            self._metrics.put_metric(f"workers.{role}.{state.value.lower()}", 1)
+            if decision.action is Action.SUCCEED:
+                assert outcome is not None
+                group.state = WorkerState.SUCCEEDED
+                spec.rdzv_handler.set_closed()
+                return RunResult(
+                    WorkerState.SUCCEEDED,
+                    return_values=self._by_global_rank(outcome.return_values),
+                )
+            if decision.action is Action.FAIL:
+                assert outcome is not None
+                group.state = WorkerState.FAILED
+                return RunResult(
+                    WorkerState.FAILED,
+                    failures=self._by_global_rank(outcome.failures),
+                    stopped=sorted(self._by_global_rank(outcome.stopped)),
+                )
+            if decision.uses_restart:
+                self._restarts_left -= 1
+            log.warning(
+                "[%s] restarting the worker group (%s); %d restart(s) left",
+                role, decision.reason, self._restarts_left,
+            )  # fmt: skip
+            self._stop_workers(signal.SIGTERM)
+            self._rendezvous()
+            self._start_workers()
+
+    def _by_global_rank(self, by_local_rank: Mapping[int, Any]) -> dict[int, Any]:
+        workers = self._worker_group.workers
+        return {workers[local].global_rank: value for local, value in by_local_rank.items()}
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    def _rendezvous(self) -> None:
+        group = self._worker_group
+        spec = group.spec
+        info: RendezvousInfo = spec.rdzv_handler.next_rendezvous()
+        group.store = info.store
+        group.group_rank = info.group_rank
+        group.group_world_size = info.group_world_size
+        group.master_addr = spec.master_addr or info.master_addr
+        group.master_port = spec.master_port or info.master_port
+        self._ranks = assign_ranks(info.local_world_sizes, info.group_rank)
+        for worker, ranks in zip(group.workers, self._ranks, strict=True):
+            worker.global_rank = ranks.global_rank
+            worker.role_rank = ranks.role_rank
+            worker.world_size = ranks.world_size
+            worker.role_world_size = ranks.role_world_size
+
+    @property
+    def restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._restarts_left
+
+    def _start_workers(self) -> None:
+        group = self._worker_group
+        spec = group.spec
+        assert group.group_rank is not None and group.group_world_size is not None
+        assert group.master_addr is not None and group.master_port is not None
+        assert spec.entrypoint is not None
+        context = GroupContext(
+            role=spec.role,
+            run_id=spec.rdzv_handler.get_run_id(),
+            group_rank=group.group_rank,
+            group_world_size=group.group_world_size,
+            local_world_size=spec.local_world_size,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            restart_count=self.restart_count,
+            max_restarts=spec.max_restarts,
+        )
+        envs = {ranks.local_rank: worker_env(ranks, context, os.environ) for ranks in self._ranks}
+        # A membership change keeps the attempt number: its logs replace the interrupted ones.
+        attempt_dir = os.path.join(self._log_dir, f"attempt_{self.restart_count}")
+        shutil.rmtree(attempt_dir, ignore_errors=True)
+        os.makedirs(attempt_dir)
+        self._pcontext = start_processes(
+            name=spec.role,
+            entrypoint=spec.entrypoint,
+            args=dict.fromkeys(envs, spec.args),
+            envs=envs,
+            log_dir=attempt_dir,
+            start_method=self._start_method,
+            redirects=spec.redirects,
+            tee=spec.tee,
+            shutdown_timeout=spec.shutdown_timeout,
+        )
+        for worker, pid in zip(group.workers, self._pcontext.pids().values(), strict=True):
+            worker.id = pid
+        group.state = WorkerState.HEALTHY
+
+    def _stop_workers(self, death_sig: signal.Signals) -> None:
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig, self._worker_group.spec.shutdown_timeout)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _event(self, source: EventSource, state: WorkerState, **fields: Any) -> None:
+        group = self._worker_group
+        spec = group.spec
+        self._event_handler.record(
+            status_event(
+                source=source,
+                state=state.value,
+                run_id=spec.rdzv_handler.get_run_id(),
+                role=spec.role,
+                hostname=os.uname().nodename,
+                rdzv_backend=spec.rdzv_handler.get_backend(),
+                group_rank=group.group_rank,
+                agent_restarts=self.restart_count,
+                total_run_time=int(time.monotonic() - self._started_at),
+                group_world_size=group.group_world_size,
+                entry_point=spec.get_entrypoint_name(),
+                **fields,
+            )
+        )
+
+    def _record_agent_event(self, state: WorkerState, raw_error: str | None = None) -> None:
+        self._event(EventSource.AGENT, state, raw_error=raw_error)
+
+    def _record_run_events(self, result: RunResult) -> None:
+        import json
+
+        for worker in self._worker_group.workers:
+            failure = result.failures.get(worker.global_rank)
+            if failure is not None:
+                state, raw = WorkerState.FAILED, json.dumps(failure.error_file_data or {
+                    "message": failure.message})  # fmt: skip
+            elif worker.global_rank in result.stopped:
+                state, raw = WorkerState.STOPPED, None
+            else:
+                state, raw = result.state, None
+            self._event(
+                EventSource.WORKER, state, global_rank=worker.global_rank,
+                worker_id=None if worker.id is None else str(worker.id), raw_error=raw,
+                local_rank=worker.local_rank, role_rank=worker.role_rank,
+                role_world_size=worker.role_world_size,
+            )  # fmt: skip
+        self._record_agent_event(result.state)

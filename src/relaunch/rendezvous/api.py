@@ -1,0 +1,134 @@
+"""The rendezvous handler interface the agent drives, and the registry of backends."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Backends this release can run, by ``--rdzv-backend`` name.
+BACKENDS = ("static",)
+#: Backends that exist in torchrun and arrive in a later release of relaunch.
+PLANNED_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")
+
+
+class RendezvousError(Exception):
+    """The rendezvous could not complete; the message says what it waited for."""
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    """The outcome of one rendezvous round, for this node."""
+
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    #: Number of workers of each node by group rank (all equal for the static backend).
+    local_world_sizes: tuple[int, ...]
+    store: Any = None
+
+
+@dataclass
+class RendezvousParameters:
+    """What a handler is built from: the CLI's ``--rdzv-*`` flags and ``--rdzv-conf`` pairs."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        **config: Any,
+    ) -> None:
+        self.backend = backend
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.local_addr = local_addr
+        self.config = config
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.config.get(key, default)
+
+
+class RendezvousHandler(abc.ABC):
+    """One node's side of the rendezvous."""
+
+    @abc.abstractmethod
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and return this node's place in it."""
+
+    @abc.abstractmethod
+    def get_backend(self) -> str: ...
+
+    @abc.abstractmethod
+    def get_run_id(self) -> str: ...
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join a running job (a reason to restart into a larger round)."""
+        return 0
+
+    @property
+    def watches_membership(self) -> bool:
+        """Whether membership can change while workers run (if not, nothing needs watching)."""
+        return False
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:  # noqa: B027 - nothing to close for fixed membership
+        """Mark the job finished, so nodes arriving late exit cleanly."""
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host:port`` (or ``host``, or ``[v6]:port``) into its parts; ValueError when malformed."""
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("the endpoint is empty: expected HOST:PORT")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(
+            f"endpoint {endpoint!r} has port {port_text!r}: expected a number 0..65535"
+        )
+    return host, int(port_text)
+
+
+def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler for ``params.backend``; ValueError naming the valid backends otherwise."""
+    if params.backend == "static":
+        from relaunch.rendezvous.static import StaticRendezvousHandler
+
+        return StaticRendezvousHandler.from_parameters(params)
+    if params.backend in PLANNED_BACKENDS:
+        raise ValueError(
+            f"rendezvous backend {params.backend!r} is not available in this release: use "
+            "--standalone for one node, or --rdzv-backend static with --node-rank and "
+            "--master-addr/--master-port for a fixed set of nodes"
+        )
+    raise ValueError(
+        f"unknown rendezvous backend {params.backend!r}: valid backends are "
+        + ", ".join(BACKENDS)
+    )

@@ -1,0 +1,80 @@
+"""The static rendezvous: every node is told its rank and the number of nodes up front."""
+
+from __future__ import annotations
+
+import socket
+
+from relaunch.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    parse_endpoint,
+)
+
+
+def find_free_port(host: str) -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class StaticRendezvousHandler(RendezvousHandler):
+    """Fixed membership: ``nnodes`` nodes, this one at ``node_rank``, each with the same number of
+    workers. ``master_port`` 0 picks a free port (the single-node ``--standalone`` case)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        node_rank: int,
+        nnodes: int,
+        master_addr: str,
+        master_port: int,
+        local_world_size: int = 1,
+    ) -> None:
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(
+                f"--node-rank {node_rank} is outside 0..{nnodes - 1} for --nnodes {nnodes}"
+            )
+        self._run_id = run_id
+        self.node_rank = node_rank
+        self.nnodes = nnodes
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.local_world_size = local_world_size
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> StaticRendezvousHandler:
+        if params.min_nodes != params.max_nodes:
+            raise ValueError(
+                f"--nnodes {params.min_nodes}:{params.max_nodes} needs an elastic rendezvous "
+                "backend; the static backend takes a fixed number of nodes"
+            )
+        host, port = parse_endpoint(params.endpoint, default_port=29500)
+        return cls(
+            run_id=params.run_id,
+            node_rank=int(params.get("rank", 0)),
+            nnodes=params.max_nodes,
+            master_addr=host,
+            master_port=port,
+            local_world_size=int(params.get("local_world_size", 1)),
+        )
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.master_port == 0:
+            self.master_port = find_free_port(self.master_addr)
+        return RendezvousInfo(
+            group_rank=self.node_rank,
+            group_world_size=self.nnodes,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            local_world_sizes=(self.local_world_size,) * self.nnodes,
+        )
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def get_run_id(self) -> str:
+        return self._run_id

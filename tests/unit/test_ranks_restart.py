@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relaunch.core.group import GroupState
+from relaunch.core.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
+from relaunch.core.restart import Action, decide
+
+
+def test_ranks_are_contiguous_per_node_in_group_rank_order() -> None:
+    sizes = [2, 3, 1]
+    assert [w.global_rank for w in assign_ranks(sizes, 0)] == [0, 1]
+    assert [w.global_rank for w in assign_ranks(sizes, 1)] == [2, 3, 4]
+    assert assign_ranks(sizes, 2) == [WorkerRanks(0, 5, 5, 6, 6)]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=8), min_size=1, max_size=16))
+def test_all_nodes_together_hold_each_rank_once(sizes: list[int]) -> None:
+    ranks = [w.global_rank for g in range(len(sizes)) for w in assign_ranks(sizes, g)]
+    assert ranks == list(range(sum(sizes)))
+
+
+@pytest.mark.parametrize(("sizes", "group_rank"), [([2], 1), ([2], -1), ([2, 0], 0)])
+def test_bad_rank_assignment_inputs(sizes: list[int], group_rank: int) -> None:
+    with pytest.raises(ValueError):
+        assign_ranks(sizes, group_rank)
+
+
+GROUP = GroupContext(
+    role="trainer", run_id="job7", group_rank=1, group_world_size=2, local_world_size=2,
+    master_addr="10.0.0.1", master_port=29500, restart_count=3, max_restarts=5,
+)  # fmt: skip
+
+
+def test_worker_env_is_torchruns() -> None:
+    ranks = assign_ranks([2, 2], 1)[1]
+    assert worker_env(ranks, GROUP, {}) == {
+        "LOCAL_RANK": "1",
+        "RANK": "3",
+        "GROUP_RANK": "1",
+        "ROLE_RANK": "3",
+        "ROLE_NAME": "trainer",
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_MAX_RESTARTS": "5",
+        "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def test_worker_env_respects_the_users_settings() -> None:
+    ranks = assign_ranks([2, 2], 1)[0]
+    env = worker_env(ranks, GROUP, {"OMP_NUM_THREADS": "8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert "OMP_NUM_THREADS" not in env  # inherited as the user set it
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    single = GroupContext(**{**GROUP.__dict__, "local_world_size": 1})
+    assert "OMP_NUM_THREADS" not in worker_env(assign_ranks([1], 0)[0], single, {})
+
+
+@pytest.mark.parametrize(
+    ("state", "left", "waiting", "action", "uses"),
+    [
+        (GroupState.SUCCEEDED, 0, 0, Action.SUCCEED, False),
+        (GroupState.SUCCEEDED, 3, 2, Action.SUCCEED, False),
+        (GroupState.FAILED, 1, 0, Action.RESTART, True),
+        (GroupState.FAILED, 0, 0, Action.FAIL, False),
+        (GroupState.FAILED, 0, 1, Action.FAIL, False),
+        (GroupState.RUNNING, 0, 0, Action.CONTINUE, False),
+        (GroupState.RUNNING, 0, 1, Action.RESTART, False),
+    ],
+)
+def test_restart_policy(
+    state: GroupState, left: int, waiting: int, action: Action, uses: bool
+) -> None:
+    decision = decide(state, left, waiting)
+    assert (decision.action, decision.uses_restart) == (action, uses)
