@@ -9,6 +9,7 @@ process layer, waits for their group to end (an event, not a sleep), and lets th
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 import shutil
@@ -345,8 +346,6 @@ class LocalElasticAgent:
         self._event(EventSource.AGENT, state, raw_error=raw_error)
 
     def _record_run_events(self, result: RunResult) -> None:
-        import json
-
         for worker in self._worker_group.workers:
             failure = result.failures.get(worker.global_rank)
             if failure is not None:

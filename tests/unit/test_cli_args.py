@@ -1,0 +1,108 @@
+"""The CLI's value parsers and its mapping of flags to a LaunchConfig, without processes."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import pytest
+
+from relaunch import cli
+from relaunch.core.streams import Std
+
+
+@pytest.fixture(autouse=True)
+def in_a_directory_with_a_job(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "job.py").write_text("pass\n")
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize(("text", "nodes"), [("1", (1, 1)), ("2", (2, 2)), ("1:4", (1, 4))])
+def test_nnodes(text: str, nodes: tuple[int, int]) -> None:
+    assert cli.parse_nnodes(text) == nodes
+
+
+@pytest.mark.parametrize("text", ["0", "two", "3:1", "1:2:3", "-1", ":2", ""])
+def test_bad_nnodes(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_nnodes(text)
+
+
+def test_rdzv_conf() -> None:
+    assert cli.parse_rdzv_conf("join_timeout=10, is_host=true,") == {
+        "join_timeout": "10", "is_host": "true",
+    }  # fmt: skip
+    assert cli.parse_rdzv_conf("") == {}
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_rdzv_conf("timeout")
+
+
+@pytest.mark.parametrize(
+    ("env", "count"),
+    [({"CUDA_VISIBLE_DEVICES": "0,1,3"}, 3), ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+     ({"CUDA_VISIBLE_DEVICES": "-1"}, 0)],
+)  # fmt: skip
+def test_gpus_are_counted_from_cuda_visible_devices(env: dict[str, str], count: int) -> None:
+    assert cli.count_gpus(env) == count
+
+
+def test_nproc_gpu_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert cli.resolve_nproc("gpu") == 2
+    assert cli.resolve_nproc("auto") == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(cli.UsageError, match="no GPU found"):
+        cli.resolve_nproc("gpu")
+    assert cli.resolve_nproc("auto") >= 1
+    assert cli.resolve_nproc("7") == 7
+
+
+def parse(*argv: str, **env: str) -> argparse.Namespace:
+    return cli.build_parser(dict(env)).parse_args([*argv, "job.py"])
+
+
+def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
+    for flag in cli.FLAGS:
+        long_name = flag.names[-1]
+        dest = long_name.lstrip("-").replace("-", "_")
+        underscored = "--" + long_name[2:].replace("-", "_")
+        value = "1" if flag.switch else {
+            "nnodes": "2", "nproc_per_node": "3", "rdzv_conf": "a=b", "redirects": "1",
+            "tee": "2", "local_ranks_filter": "0", "signals_to_handle": "SIGTERM",
+            "start_method": "fork", "rdzv_endpoint": "h:1", "monitor_interval": "0.5",
+            "shutdown_timeout": "2", "max_restarts": "4", "node_rank": "1", "master_port": "9",
+        }.get(dest, "x")  # fmt: skip
+        argv = [underscored] if flag.switch else [f"{underscored}={value}"]
+        from_flag = getattr(parse(*argv), dest)
+        from_env = getattr(parse(**{f"PET_{dest.upper()}": value}), dest)
+        assert from_flag == from_env, long_name
+        assert from_flag != getattr(parse(), dest), long_name
+
+
+def test_standalone_picks_a_fresh_run_id_and_a_free_port() -> None:
+    config, entrypoint, args = cli.config_from_args(parse("--standalone", "--nproc-per-node", "2"))
+    assert entrypoint == sys.executable and args == ("-u", "job.py")
+    assert config.rdzv_backend == "static" and config.rdzv_endpoint == "127.0.0.1:0"
+    assert len(config.run_id) == 32 and config.nproc_per_node == 2
+
+
+def test_static_multi_node_uses_master_addr_and_port() -> None:
+    argv = ("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.1.1")
+    config, _, _ = cli.config_from_args(parse(*argv))
+    assert config.rdzv_endpoint == "10.1.1.1:29500"
+    assert config.rdzv_configs == {"rank": 1}
+
+
+def test_local_ranks_filter_sends_the_other_ranks_to_files_only() -> None:
+    config, _, _ = cli.config_from_args(
+        parse("--nproc-per-node", "3", "--tee", "1", "--local-ranks-filter", "1")
+    )
+    assert config.tee == {0: Std.NONE, 1: Std.OUT, 2: Std.NONE}
+    assert config.redirects == {0: Std.ALL, 1: Std.NONE, 2: Std.ALL}
+
+
+def test_signals_to_handle() -> None:
+    assert parse("--signals-to-handle", "SIGTERM,int,15").signals_to_handle == [
+        signal.SIGTERM, signal.SIGINT, signal.SIGTERM,
+    ]  # fmt: skip
