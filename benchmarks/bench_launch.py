@@ -110,12 +110,11 @@ class Launcher:
 
     name: str
     prefix: list[str]
-    drop: frozenset[str] = frozenset()  # flags this launcher is not given (stopgap option)
     unavailable: str | None = None  # why it cannot run at all
     _probed: dict[tuple[str, ...], str | None] = field(default_factory=dict)
 
     def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
-        return [*self.prefix, *(f for f in flags if f not in self.drop), script, *args]
+        return [*self.prefix, *flags, script, *args]
 
 
 @dataclass
@@ -160,7 +159,12 @@ class Bench:
             return launcher.unavailable
         key = tuple(flags)
         if key not in launcher._probed:
-            proc = self.popen(launcher.argv(flags, self.script("noop.py")))
+            try:
+                proc = self.popen(launcher.argv(flags, self.script("noop.py")))
+            except OSError as exc:
+                launcher.unavailable = f"cannot start {launcher.prefix[0]!r}: {exc.strerror}"
+                log(f"  {launcher.name}: {launcher.unavailable}")
+                return launcher.unavailable
             try:
                 code = proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
@@ -287,7 +291,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
 
 def alternate(sides: list[str], rep: int) -> list[str]:
     """Rotate the order each repetition, so that no side always runs first."""
-    k = rep % len(sides)
+    k = rep % len(sides) if sides else 0
     return sides[k:] + sides[:k]
 
 
@@ -296,15 +300,20 @@ def run_alternating(
     reps: dict[str, int],
     bench: Bench,
     errors: dict[str, str],
+    warmup: bool = True,
 ) -> dict[str, list]:
-    """``reps[side]`` runs of each side, interleaved; a side that fails once is dropped."""
+    """``reps[side]`` runs of each side, interleaved, after one untimed run of each (unless
+    ``warmup`` is false); a side that fails once is dropped."""
     samples: dict[str, list] = {side: [] for side in sides}
-    for rep in range(max(reps.values(), default=0)):
+    first = -1 if warmup else 0
+    for rep in range(first, max(reps.values(), default=0)):
         for side in alternate(list(sides), rep):
             if side in errors or len(samples[side]) >= reps[side]:
                 continue
             try:
-                samples[side].append(sides[side]())
+                result = sides[side]()
+                if rep >= 0:
+                    samples[side].append(result)
             except BenchError as exc:
                 errors[side] = str(exc)
                 log(f"  {side}: {exc}")
@@ -338,10 +347,10 @@ def startup_floor(bench: Bench, nprocs: int) -> float:
     return elapsed
 
 
-def bench_startup(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
+def bench_startup(bench: Bench, reps: int, torchrun_reps: int, big_reps: int) -> list[Check]:
     log(
-        f"[1/4] start-up: N in {STARTUP_NPROCS}, {reps} repetitions ({torchrun_reps} for "
-        "torchrun at N >= 16), alternating"
+        f"[1/4] start-up: N in {STARTUP_NPROCS}, {reps} repetitions (torchrun: {torchrun_reps},"
+        f" {big_reps} at N >= 16), alternating"
     )
     probe = ("--standalone", "--nproc-per-node", "1")
     usable = [lch for lch in bench.launchers() if bench.usable(lch, probe) is None]
@@ -355,21 +364,24 @@ def bench_startup(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         for lch in usable:
             sides[lch.name] = lambda lch=lch, n=nprocs: startup_launcher(bench, lch, n)
         counts = {side: reps for side in sides}
-        if nprocs >= 16 and TORCHRUN in counts:
-            counts[TORCHRUN] = torchrun_reps
-        samples = run_alternating(sides, counts, bench, errors)
-        rows.append((nprocs, {side: median(s) * 1e3 for side, s in samples.items()}))
+        if TORCHRUN in counts:
+            counts[TORCHRUN] = torchrun_reps if nprocs <= 8 else big_reps
+        samples = run_alternating(sides, counts, bench, errors, warmup=nprocs == 1)
+        rows.append((nprocs, {side: [x * 1e3 for x in runs] for side, runs in samples.items()}))
 
-    print("\n1. start-up: launcher --standalone --nproc-per-node N noop.py, wall time, medians")
+    print("\n1. start-up: launcher --standalone --nproc-per-node N noop.py, wall time, medians;")
+    print("   +ms: median over repetitions of (launcher - floor) within the same repetition")
     print(
         f"{'N':>4} {'floor ms':>9} {'relaunch ms':>12} {'+ms':>7}  <= +150 {'torchrun ms':>12}"
         f" {'+ms':>7} {'torchrun/relaunch':>18}"
     )
     checks = []
-    for nprocs, med in rows:
-        floor, ours, theirs = (med.get(s) for s in (FLOOR, RELAUNCH, TORCHRUN))
-        extra = None if ours is None or floor is None else ours - floor
-        their_extra = None if theirs is None or floor is None else theirs - floor
+    for nprocs, runs in rows:
+        floor, ours, theirs = (
+            median(runs[s]) if s in runs else None for s in (FLOOR, RELAUNCH, TORCHRUN)
+        )
+        extra = paired_extra(runs.get(RELAUNCH), runs.get(FLOOR))
+        their_extra = paired_extra(runs.get(TORCHRUN), runs.get(FLOOR))
         ok = None if extra is None or extra != extra else extra <= STARTUP_BUDGET_S * 1e3
         ratio = None if ours is None or theirs is None else theirs / ours
         print(
@@ -387,6 +399,13 @@ def bench_startup(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         )
     note_unusable(bench, probe, errors)
     return checks
+
+
+def paired_extra(side: list[float] | None, floor: list[float] | None) -> float | None:
+    """Median of side[i] - floor[i]: the two ran back to back, so slow spells cancel out."""
+    if not side or not floor:
+        return None
+    return median([a - b for a, b in zip(side, floor, strict=False)])
 
 
 def note_unusable(bench: Bench, flags: Sequence[str], errors: dict[str, str]) -> None:
@@ -484,8 +503,11 @@ def restart_run(bench: Bench, launcher: Launcher, rep: int) -> tuple[float, floa
         )
     if code != 0:
         raise BenchError(f"exit {code} after the restart: {bench.stderr_tail()}")
-    with open(stamp) as file:
-        failed = float(file.read())
+    try:
+        with open(stamp) as file:
+            failed = float(file.read())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"a worker started without a failed first attempt ({exc})") from None
     arrival, started = found
     return (started - failed) * 1e3, (arrival - failed) * 1e3
 
@@ -649,6 +671,33 @@ def bench_dir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def load_average() -> str:
+    with contextlib.suppress(OSError), open("/proc/loadavg") as file:
+        return " ".join(file.read().split()[:3])
+    return "?"
+
+
+def relaunch_source() -> str:
+    """Where ``import relaunch`` comes from, with the git state of that tree when there is one."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import relaunch; print(relaunch.__file__)"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return "import relaunch fails"
+    package = os.path.dirname(probe.stdout.strip())
+    try:
+        git = subprocess.run(
+            ["git", "-C", package, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return package
+    return package + (f", git {git.stdout.strip()}" if git.returncode == 0 else "")
+
+
 def find_torchrun(prefix: list[str]) -> str | None:
     """None when the torchrun command is usable; else why not."""
     if prefix[:3] == [sys.executable, "-m", "torch.distributed.run"]:
@@ -660,9 +709,15 @@ def find_torchrun(prefix: list[str]) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="repetitions per side")
+    parser.add_argument("--reps", type=int, default=5, help="restart and stop repetitions")
     parser.add_argument(
-        "--torchrun-reps", type=int, default=3, help="torchrun repetitions for start-up at N >= 16"
+        "--startup-reps", type=int, default=7, help="start-up repetitions of floor and relaunch"
+    )
+    parser.add_argument(
+        "--startup-torchrun-reps", type=int, default=5, help="start-up torchrun reps at N <= 8"
+    )
+    parser.add_argument(
+        "--startup-torchrun-big-reps", type=int, default=3, help="start-up torchrun reps at N >= 16"
     )
     parser.add_argument("--rss-reps", type=int, default=3, help="repetitions of the RSS test")
     parser.add_argument(
@@ -683,9 +738,9 @@ def main() -> int:
         help="the torchrun command (default: %(default)s)",
     )
     parser.add_argument(
-        "--relaunch-no-standalone",
+        "--no-bytecode-cache",
         action="store_true",
-        help="stopgap: do not pass --standalone to relaunch",
+        help="run with the environment's bytecode settings as they are",
     )
     opts = parser.parse_args()
     only = set(opts.only or ("startup", "rss", "restart", "stop"))
@@ -700,12 +755,14 @@ def main() -> int:
         # Same environment for every side. TMPDIR keeps the launchers' log directories inside
         # ours; PYTHONUNBUFFERED makes torchrun's tee reach a pipe at once, as on a terminal.
         env = {**os.environ, "TMPDIR": os.path.join(tmp, "tmp"), "PYTHONUNBUFFERED": "1"}
+        if not opts.no_bytecode_cache:
+            # Cache bytecode as an installed package would, even where PYTHONDONTWRITEBYTECODE
+            # is set and the sources have no __pycache__ (an editable install): in a tree of
+            # our own, so that nothing is written next to the sources. The warm-up runs fill it.
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
         torchrun_prefix = shlex.split(opts.torchrun)
-        relaunch = Launcher(
-            RELAUNCH,
-            shlex.split(opts.relaunch),
-            frozenset({"--standalone"} if opts.relaunch_no_standalone else ()),
-        )
+        relaunch = Launcher(RELAUNCH, shlex.split(opts.relaunch))
         torchrun = Launcher(
             TORCHRUN,
             torchrun_prefix,
@@ -716,19 +773,21 @@ def main() -> int:
             f"bench_launch: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
             f"{time.strftime('%Y-%m-%d')}"
         )
-        print(
-            f"  relaunch: {opts.relaunch}"
-            + (" (without --standalone)" if opts.relaunch_no_standalone else "")
-        )
+        print(f"  relaunch: {opts.relaunch} ({relaunch_source()})")
         print(
             f"  torchrun: {opts.torchrun}"
             + (f" (not run: {torchrun.unavailable})" if torchrun.unavailable else "")
         )
+        bytecode = "as the environment has it" if opts.no_bytecode_cache else "cached (own prefix)"
+        print(f"  bytecode: {bytecode}")
+        print(f"  load average: {load_average()}")
         if not subreaper:
             print("  note: not a child subreaper; orphans of a launcher cannot be checked")
         checks: list[Check] = []
         if "startup" in only:
-            checks += bench_startup(bench, opts.reps, opts.torchrun_reps)
+            checks += bench_startup(
+                bench, opts.startup_reps, opts.startup_torchrun_reps, opts.startup_torchrun_big_reps
+            )
         if "rss" in only:
             checks += bench_rss(bench, opts.rss_reps)
         if "restart" in only:

@@ -1,3 +1,3 @@
-from relaunch.cli import main
+from relaunch.cli import console_main
 
-raise SystemExit(main())
+console_main()

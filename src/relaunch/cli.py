@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -335,7 +334,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     if args.standalone:
         if max_nodes != 1:
             raise UsageError("--standalone runs one node: drop --nnodes or use --rdzv-backend")
-        backend, endpoint, run_id = "static", "127.0.0.1:0", uuid.uuid4().hex
+        from relaunch.launcher import new_run_id
+
+        backend, endpoint, run_id = "static", "127.0.0.1:0", new_run_id()
     if backend not in BACKENDS:
         if backend in PLANNED_BACKENDS:
             raise UsageError(
@@ -424,3 +425,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"relaunch: stopped by {exc.sigval.name}; the workers are gone", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def console_main() -> None:
+    """The ``relaunch`` executable: ``main`` then an immediate exit.
+
+    Once ``main`` returns, the workers are gone and every file is closed, so the interpreter's
+    teardown (about 20 ms of freeing modules) is skipped; output is flushed first.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,12 +79,17 @@ class elastic_launch:
         return launch_agent(self._config, self._entrypoint, list(args))
 
 
+def new_run_id() -> str:
+    """A fresh random run id (32 hex digits, like a uuid4's)."""
+    return os.urandom(16).hex()
+
+
 def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
     """The rendezvous handler ``config`` describes; ValueError when it is not runnable."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
-        run_id=config.run_id or uuid.uuid4().hex,
+        run_id=config.run_id or new_run_id(),
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,

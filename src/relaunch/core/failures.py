@@ -6,7 +6,6 @@ are listed apart, so a report never blames the innocent.
 
 from __future__ import annotations
 
-import datetime
 import signal
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
@@ -77,6 +76,8 @@ def root_cause_rank(failures: Mapping[int, Failure]) -> int:
 
 
 def _when(timestamp: float) -> str:
+    import datetime
+
     return datetime.datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="milliseconds")
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import abc
 import atexit
 import logging
-import multiprocessing
 import os
-import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +16,6 @@ from typing import Any
 
 from relaunch.core.macros import substitute_local_rank
 from relaunch.core.streams import Std, per_rank
-from relaunch.procs._child import ChildSetup, InheritedFd, run_function
 from relaunch.procs.console import ConsoleWriter, ProgbarEvents
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
 from relaunch.procs.guardian import guardian
@@ -336,11 +332,15 @@ class MultiprocessContext(PContext):
         )  # fmt: skip
         self.entrypoint: Callable[..., Any] = entrypoint
         self.start_method = start_method
+        import multiprocessing  # only function workers need it: keep it off the CLI's path
+
         self._mp: Any = multiprocessing.get_context(start_method)
 
     def _start_worker(
         self, local_rank: int, env: dict[str, str], stdout: _Target, stderr: _Target
     ) -> tuple[ProcessHandle, Any]:
+        from relaunch.procs._child import ChildSetup, InheritedFd, run_function
+
         setup = ChildSetup(
             env=env,
             stdout=None if stdout.child_fd is None else InheritedFd(stdout.child_fd),
@@ -361,6 +361,8 @@ class MultiprocessContext(PContext):
     def _return_value(self, worker: WorkerProcess) -> Any:
         if worker.result_bytes is None:
             return None
+        import pickle
+
         return pickle.loads(worker.result_bytes)
 
 
@@ -374,6 +376,8 @@ def _check_start_method(start_method: str) -> None:
 def _check_picklable(
     entrypoint: Callable[..., Any], args: Mapping[int, tuple[Any, ...]], start_method: str
 ) -> None:
+    import pickle
+
     what: object = entrypoint
     try:
         pickle.dumps(entrypoint)
@@ -393,6 +397,8 @@ def _check_binary(entrypoint: str) -> None:
             return
         problem = "does not exist" if not os.path.exists(entrypoint) else "is not executable"
         raise FileNotFoundError(f"entrypoint {entrypoint!r} {problem}")
+    import shutil
+
     found = shutil.which(entrypoint)
     if found is None:
         raise FileNotFoundError(

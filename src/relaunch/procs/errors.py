@@ -8,7 +8,6 @@ Exceptions::
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import logging
@@ -16,7 +15,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -74,6 +72,8 @@ class ProcessFailure:
         return core_failures.signal_name(self.exitcode)
 
     def timestamp_isoformat(self) -> str:
+        import datetime
+
         return datetime.datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
 
     @classmethod
@@ -140,6 +140,8 @@ def write_error_file(path: str, data: Mapping[str, Any]) -> None:
 
 def exception_error_data(exc: BaseException) -> dict[str, Any]:
     """The error-file content for ``exc``, in the layout torch's tools read."""
+    import traceback
+
     return {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",

@@ -8,7 +8,10 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable
-from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from relaunch.core.group import GroupState, group_state
 from relaunch.core.lines import LineFramer
 from relaunch.procs.console import ConsoleWriter
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 log = logging.getLogger(__name__)
 

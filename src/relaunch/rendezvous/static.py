@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 from relaunch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -14,6 +12,8 @@ from relaunch.rendezvous.api import (
 
 def find_free_port(host: str) -> int:
     """A TCP port on ``host`` that nothing listens on right now."""
+    import socket
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
