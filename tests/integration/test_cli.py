@@ -125,10 +125,10 @@ def test_help_groups_the_flags(leaks: LeakCheck) -> None:
     assert "(default: None)" not in text and "(default: False)" not in text
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_workers_and_exits_128_plus_signal(
-    tmp_path, leaks: LeakCheck, sig: signal.Signals
-) -> None:
+def start_job_with_grandchildren(
+    tmp_path, leaks: LeakCheck
+) -> tuple[subprocess.Popen[str], list[int]]:
+    """relaunch with 2 workers that each start a grandchild; returns it and all 4 pids."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     job = script(tmp_path, f"""
@@ -142,7 +142,14 @@ def test_a_signal_stops_workers_and_exits_128_plus_signal(
         env=leaks.process_env(), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     wait_until(lambda: len(os.listdir(pid_dir)) == 2, what="the workers to start")
-    pids = [int(p) for name in os.listdir(pid_dir) for p in name.split(".")]
+    return launcher, [int(p) for name in os.listdir(pid_dir) for p in name.split(".")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_workers_and_exits_128_plus_signal(
+    tmp_path, leaks: LeakCheck, sig: signal.Signals
+) -> None:
+    launcher, pids = start_job_with_grandchildren(tmp_path, leaks)
     launcher.send_signal(sig)
     _, stderr = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + sig
@@ -282,21 +289,8 @@ def test_two_static_nodes_form_one_world(tmp_path, leaks: LeakCheck) -> None:
 
 
 def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path, leaks: LeakCheck) -> None:
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    job = script(tmp_path, f"""
-        import os, subprocess, time
-        child = subprocess.Popen(["sleep", "300"])
-        open(os.path.join({str(pid_dir)!r}, f"{{os.getpid()}}.{{child.pid}}"), "w").close()
-        time.sleep(300)
-    """)  # fmt: skip
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", job],
-        env=leaks.process_env(), stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    wait_until(lambda: len(os.listdir(pid_dir)) == 2, what="the workers to start")
-    pids = [int(p) for name in os.listdir(pid_dir) for p in name.split(".")]
+    launcher, pids = start_job_with_grandchildren(tmp_path, leaks)
     launcher.kill()
-    launcher.wait()
+    launcher.communicate()
     wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=1.0,
                what="every worker and grandchild to die within 1 s")  # fmt: skip

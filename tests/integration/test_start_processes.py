@@ -316,3 +316,31 @@ def test_tee_clears_the_progress_bar_around_worker_lines(
     assert triggered.is_set()
     assert not events["trigger_clear"].is_set()
     assert capfd.readouterr().out == "\r[w0]:a\033[K\n\r[w0]:b\033[K\n"
+
+
+def test_a_second_stop_brings_the_sigkill_closer(log_dir: str, leaks: LeakCheck, tmp_path) -> None:
+    go = tmp_path / "go"
+    code = f"""
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print('ready', flush=True)
+    if os.environ['LOCAL_RANK'] == '1':
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.005)
+        sys.exit(1)
+    time.sleep(300)
+    """
+    pc = start_processes(
+        "w", PY, {0: py(code), 1: py(code)}, leaks.envs(2), log_dir, redirects=Std.OUT,
+        shutdown_timeout=300,
+    )  # fmt: skip
+    wait_until(lambda: read(os.path.join(log_dir, "0", "stdout.log")) == "ready\n")
+    go.touch()
+    # Rank 1 fails: rank 0 gets SIGTERM, which it ignores, with 300 s before SIGKILL ...
+    assert pc.wait(timeout=0.2) is None
+    # ... until a close with a short timeout brings the SIGKILL closer.
+    pc.close(signal.SIGINT, timeout=0.2)
+    result = pc.wait(0)
+    assert result is not None
+    assert set(result.failures) == {1} and result.stopped == {0: -signal.SIGKILL}

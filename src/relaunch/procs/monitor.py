@@ -190,10 +190,9 @@ class GroupMonitor:
 
     def _stop_locked(self, sig: int, timeout: float) -> None:
         running = [w for w in self.workers.values() if w.exitcode is None]
-        if self._kill_at is None:
-            self._kill_at = time.monotonic() + timeout
-        elif sig != signal.SIGKILL:
-            return  # a stop is already under way; only an escalation changes anything
+        deadline = time.monotonic() + timeout
+        # A second stop (a Ctrl-C during a stop) may only bring the SIGKILL closer.
+        self._kill_at = deadline if self._kill_at is None else min(self._kill_at, deadline)
         for worker in self.workers.values():
             signal_tree(worker.pid, sig)
         if not self._done:
