@@ -392,9 +392,55 @@ def _raise_signal(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"relaunch got {sigval.name}", sigval)
 
 
+TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
+
+
+def _loopback(host: str) -> str:
+    if host not in ("127.0.0.1", "::1", "localhost") and not host.startswith("127."):
+        raise argparse.ArgumentTypeError(
+            f"the standalone store listens on loopback only, got {host!r}: use 127.0.0.1"
+        )
+    return host
+
+
+def store_main(argv: Sequence[str]) -> int:
+    """``relaunch store``: serve the built-in rendezvous store in the foreground until stopped."""
+    parser = _Parser(prog="relaunch store",
+                     description="Serve the built-in rendezvous store until SIGTERM or SIGINT.")
+    parser.add_argument("--host", type=_loopback, default="127.0.0.1",
+                        help="loopback address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=_count(0), default=29400,
+                        help="port to listen on, 0 for any free one (default: 29400)")
+    parser.add_argument("--token", default=None,
+                        help=f"shared secret clients must prove (default: ${TOKEN_ENV})")
+    try:
+        args = parser.parse_args(argv)
+        from relaunch.store.server import TcpStoreServer
+
+        server = TcpStoreServer(args.host, args.port, args.token or os.environ.get(TOKEN_ENV))
+    except UsageError as exc:
+        print(f"relaunch store: error: {exc} (see relaunch store --help)", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"relaunch store: error: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror}", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    print(f"relaunch store: serving on {server.endpoint}", flush=True)
+    try:
+        server.start()
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    finally:
+        server.stop()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``relaunch`` command and return its exit status."""
     logging.basicConfig(format="relaunch: %(message)s", level=logging.WARNING)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["store"]:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        return store_main(arguments[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

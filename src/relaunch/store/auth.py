@@ -1,0 +1,22 @@
+"""Proving knowledge of a shared token without sending it: HMAC-SHA256 over fresh nonces."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+NONCE_BYTES = 32
+
+
+def nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def proof(token: str, role: bytes, challenge: bytes) -> bytes:
+    """What the ``role`` side (b"client" or b"server") answers to ``challenge``."""
+    return hmac.new(token.encode(), role + b":" + challenge, hashlib.sha256).digest()
+
+
+def verify(token: str, role: bytes, challenge: bytes, answer: bytes) -> bool:
+    return hmac.compare_digest(proof(token, role, challenge), answer)

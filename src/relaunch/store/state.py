@@ -1,0 +1,51 @@
+"""The data and the semantics of a store, without I/O: shared by the in-memory and TCP stores."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from relaunch.store.api import CasResult, StoreError, Versioned
+
+ABSENT = Versioned(None, 0)
+
+
+class KeyValueState:
+    """Keys, values and versions; every change bumps the store-wide revision."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, Versioned] = {}
+        self.revision = 0
+
+    def get(self, key: str) -> Versioned:
+        return self._data.get(key, ABSENT)
+
+    def set(self, key: str, value: bytes) -> int:
+        self.revision += 1
+        self._data[key] = Versioned(value, self.revision)
+        return self.revision
+
+    def compare_set(self, key: str, expected_version: int, value: bytes) -> CasResult:
+        current = self.get(key)
+        if current.version != expected_version:
+            return CasResult(False, current)
+        self.set(key, value)
+        return CasResult(True, self.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        current = self.get(key).value
+        try:
+            total = int(current or b"0") + amount
+        except ValueError:
+            raise StoreError(f"key {key!r} does not hold an integer") from None
+        self.set(key, str(total).encode())
+        return total
+
+    def delete(self, key: str) -> bool:
+        if key not in self._data:
+            return False
+        self.revision += 1
+        del self._data[key]
+        return True
+
+    def all_exist(self, keys: Sequence[str]) -> bool:
+        return all(key in self._data for key in keys)

@@ -1,0 +1,90 @@
+"""The built-in store's wire format: length-prefixed frames of length-prefixed fields.
+
+A frame is a 4-byte big-endian payload length, then the payload: one byte (the operation in a
+request, the status in a reply), a one-byte field count, and each field as a 4-byte big-endian
+length and its bytes. Integers travel as decimal ASCII. Frames over ``MAX_FRAME`` bytes are a
+protocol error: the receiver closes the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from relaunch.store.api import StoreProtocolError
+
+MAX_FRAME = 16 * 1024 * 1024
+MAX_FIELDS = 255
+PROTOCOL = b"relaunch-store/1"
+
+_LENGTH = struct.Struct(">I")
+
+# Operations (requests) ...
+HELLO, AUTH, GET, SET, CAS, ADD, DELETE, WAIT, WATCH, PING = range(1, 11)
+# ... and statuses (replies).
+OK, ERROR, TIMEOUT = 0, 1, 2
+
+
+def encode(code: int, fields: Sequence[bytes] = ()) -> bytes:
+    """One frame: ``code`` and ``fields``, ready to send."""
+    if len(fields) > MAX_FIELDS:
+        raise StoreProtocolError(f"too many fields: {len(fields)}")
+    parts = [bytes((code, len(fields)))]
+    for field in fields:
+        parts.append(_LENGTH.pack(len(field)))
+        parts.append(field)
+    payload = b"".join(parts)
+    if len(payload) > MAX_FRAME:
+        raise StoreProtocolError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes) -> tuple[int, list[bytes]]:
+    """The code and fields of one frame's payload; StoreProtocolError if malformed."""
+    if len(payload) < 2:
+        raise StoreProtocolError("frame too short")
+    code, count = payload[0], payload[1]
+    fields, offset = [], 2
+    for _ in range(count):
+        if offset + 4 > len(payload):
+            raise StoreProtocolError("truncated field length")
+        (size,) = _LENGTH.unpack_from(payload, offset)
+        offset += 4
+        if offset + size > len(payload):
+            raise StoreProtocolError("truncated field")
+        fields.append(payload[offset : offset + size])
+        offset += size
+    if offset != len(payload):
+        raise StoreProtocolError("trailing bytes after the last field")
+    return code, fields
+
+
+class FrameReader:
+    """Accumulates received bytes and yields complete frames' payloads."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        frames = []
+        while len(self._buffer) >= 4:
+            (size,) = _LENGTH.unpack_from(self._buffer, 0)
+            if size > MAX_FRAME:
+                raise StoreProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+            if len(self._buffer) < 4 + size:
+                break
+            frames.append(bytes(self._buffer[4 : 4 + size]))
+            del self._buffer[: 4 + size]
+        return frames
+
+
+def to_int(field: bytes) -> int:
+    try:
+        return int(field)
+    except ValueError:
+        raise StoreProtocolError(f"expected an integer field, got {field[:20]!r}") from None
+
+
+def from_int(value: int) -> bytes:
+    return str(value).encode()
