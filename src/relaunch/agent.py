@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaunch.core.group import GroupState
-from relaunch.core.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
+from relaunch.core.ranks import GroupContext, WorkerRanks, ranks_at_offset, worker_env
 from relaunch.core.restart import Action, decide
 from relaunch.core.streams import Std
 from relaunch.events import (
@@ -221,8 +221,8 @@ class LocalElasticAgent:
                 state = GroupState.RUNNING
             else:
                 state = GroupState.FAILED if outcome.is_failed() else GroupState.SUCCEEDED
-            waiting = spec.rdzv_handler.num_nodes_waiting() if watching and not outcome else 0
-            decision = decide(state, self._restarts_left, waiting)
+            change = spec.rdzv_handler.membership_change() if watching else None
+            decision = decide(state, self._restarts_left, change)
             if decision.action is Action.CONTINUE:
                 continue
             self._metrics.put_metric(f"workers.{role}.remaining_restarts", self._restarts_left)
@@ -230,6 +230,9 @@ class LocalElasticAgent:
             if decision.action is Action.SUCCEED:
                 assert outcome is not None
                 group.state = WorkerState.SUCCEEDED
+                # Keep heartbeating until every live node is done, so an early finisher is not
+                # mistaken for a lost node; then close the job to latecomers.
+                spec.rdzv_handler.exit_barrier(self._exit_barrier_timeout)
                 spec.rdzv_handler.set_closed()
                 return RunResult(
                     WorkerState.SUCCEEDED,
@@ -268,7 +271,7 @@ class LocalElasticAgent:
         group.group_world_size = info.group_world_size
         group.master_addr = spec.master_addr or info.master_addr
         group.master_port = spec.master_port or info.master_port
-        self._ranks = assign_ranks(info.local_world_sizes, info.group_rank)
+        self._ranks = ranks_at_offset(info.rank_offset, spec.local_world_size, info.world_size)
         for worker, ranks in zip(group.workers, self._ranks, strict=True):
             worker.global_rank = ranks.global_rank
             worker.role_rank = ranks.role_rank

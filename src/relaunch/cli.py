@@ -23,7 +23,13 @@ from relaunch.core.ranks import omp_num_threads_default
 from relaunch.core.streams import Std, per_rank
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.procs.errors import ChildFailedError, SignalException
-from relaunch.rendezvous.api import BACKENDS, PLANNED_BACKENDS, parse_endpoint
+from relaunch.rendezvous.api import (
+    BACKENDS,
+    PLANNED_BACKENDS,
+    RendezvousClosedError,
+    RendezvousError,
+    parse_endpoint,
+)
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -331,21 +337,22 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     backend = args.rdzv_backend
     run_id = args.rdzv_id
     endpoint = args.rdzv_endpoint
+    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
     if args.standalone:
         if max_nodes != 1:
             raise UsageError("--standalone runs one node: drop --nnodes or use --rdzv-backend")
         from relaunch.launcher import new_run_id
 
-        backend, endpoint, run_id = "static", "127.0.0.1:0", new_run_id()
+        backend, endpoint, run_id = "c10d", "127.0.0.1:0", new_run_id()
+        rdzv_configs["is_host"] = "true"
     if backend not in BACKENDS:
         if backend in PLANNED_BACKENDS:
             raise UsageError(
-                f"--rdzv-backend {backend} is not available in this release: use --standalone "
-                "for one node, or the static backend with --node-rank and --master-addr"
+                f"--rdzv-backend {backend} is not available in this release: use c10d (the "
+                "built-in store), or static with --node-rank and --master-addr"
             )
         raise UsageError(f"--rdzv-backend {backend!r} is unknown: valid backends are "
                          + ", ".join(BACKENDS))  # fmt: skip
-    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
     if backend == "static" and not endpoint:
         port = args.master_port
         if port is None:
@@ -360,6 +367,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         if args.node_rank >= max_nodes:
             raise UsageError(f"--node-rank {args.node_rank} must be below --nnodes {max_nodes}")
         rdzv_configs["rank"] = args.node_rank
+    elif not endpoint:
+        raise UsageError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
     redirects, tee = _console_filter(args, nproc)
     from relaunch.events import event_handler_from_spec
 
@@ -454,6 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as exc:
         print(f"relaunch: error: {exc} (see relaunch --help)", file=sys.stderr)
         return EXIT_USAGE
+    except RendezvousError as exc:
+        print(f"relaunch: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except SignalException as exc:
         return 128 + int(exc.sigval)
     if omp_num_threads_default(config.nproc_per_node, os.environ) is not None:
@@ -464,6 +476,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         launch_agent(config, entrypoint, list(entry_args), handler=handler)
+    except RendezvousClosedError as exc:
+        print(f"relaunch: {exc}: nothing to do", file=sys.stderr)
+        return 0
+    except RendezvousError as exc:
+        print(f"relaunch: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         return EXIT_FAILED

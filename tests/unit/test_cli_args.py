@@ -83,7 +83,8 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
 def test_standalone_picks_a_fresh_run_id_and_a_free_port() -> None:
     config, entrypoint, args = cli.config_from_args(parse("--standalone", "--nproc-per-node", "2"))
     assert entrypoint == sys.executable and args == ("-u", "job.py")
-    assert config.rdzv_backend == "static" and config.rdzv_endpoint == "127.0.0.1:0"
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "127.0.0.1:0"
+    assert config.rdzv_configs == {"is_host": "true"}
     assert len(config.run_id) == 32 and config.nproc_per_node == 2
 
 

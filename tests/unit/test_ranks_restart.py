@@ -67,19 +67,19 @@ def test_worker_env_respects_the_users_settings() -> None:
 
 
 @pytest.mark.parametrize(
-    ("state", "left", "waiting", "action", "uses"),
+    ("state", "left", "change", "action", "uses"),
     [
-        (GroupState.SUCCEEDED, 0, 0, Action.SUCCEED, False),
-        (GroupState.SUCCEEDED, 3, 2, Action.SUCCEED, False),
-        (GroupState.FAILED, 1, 0, Action.RESTART, True),
-        (GroupState.FAILED, 0, 0, Action.FAIL, False),
-        (GroupState.FAILED, 0, 1, Action.FAIL, False),
-        (GroupState.RUNNING, 0, 0, Action.CONTINUE, False),
-        (GroupState.RUNNING, 0, 1, Action.RESTART, False),
+        (GroupState.SUCCEEDED, 0, None, Action.SUCCEED, False),
+        (GroupState.SUCCEEDED, 3, "1 node waiting", Action.SUCCEED, False),
+        (GroupState.FAILED, 1, None, Action.RESTART, True),
+        (GroupState.FAILED, 0, None, Action.FAIL, False),
+        (GroupState.FAILED, 0, "node 2 lost", Action.RESTART, False),
+        (GroupState.RUNNING, 0, None, Action.CONTINUE, False),
+        (GroupState.RUNNING, 0, "1 node waiting", Action.RESTART, False),
     ],
 )
 def test_restart_policy(
-    state: GroupState, left: int, waiting: int, action: Action, uses: bool
+    state: GroupState, left: int, change: str | None, action: Action, uses: bool
 ) -> None:
-    decision = decide(state, left, waiting)
+    decision = decide(state, left, change)
     assert (decision.action, decision.uses_restart) == (action, uses)

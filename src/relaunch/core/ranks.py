@@ -17,6 +17,19 @@ class WorkerRanks:
     role_world_size: int
 
 
+def ranks_at_offset(rank_offset: int, local_world_size: int, world_size: int) -> list[WorkerRanks]:
+    """The ranks of a node whose first worker has global rank ``rank_offset``."""
+    if local_world_size < 1 or not 0 <= rank_offset <= world_size - local_world_size:
+        raise ValueError(
+            f"{local_world_size} workers from rank {rank_offset} do not fit a world of "
+            f"{world_size}"
+        )
+    return [
+        WorkerRanks(local, rank_offset + local, rank_offset + local, world_size, world_size)
+        for local in range(local_world_size)
+    ]
+
+
 def assign_ranks(local_world_sizes: Sequence[int], group_rank: int) -> list[WorkerRanks]:
     """The ranks of the workers of node ``group_rank``.
 
@@ -28,12 +41,9 @@ def assign_ranks(local_world_sizes: Sequence[int], group_rank: int) -> list[Work
         raise ValueError(f"group rank {group_rank} is outside 0..{len(local_world_sizes) - 1}")
     if any(size < 1 for size in local_world_sizes):
         raise ValueError(f"every node needs at least one worker: {list(local_world_sizes)}")
-    base = sum(local_world_sizes[:group_rank])
-    world_size = sum(local_world_sizes)
-    return [
-        WorkerRanks(local, base + local, base + local, world_size, world_size)
-        for local in range(local_world_sizes[group_rank])
-    ]
+    return ranks_at_offset(
+        sum(local_world_sizes[:group_rank]), local_world_sizes[group_rank], sum(local_world_sizes)
+    )
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,16 @@ class Decision:
     reason: str = ""
 
 
-def decide(state: GroupState, restarts_left: int, nodes_waiting: int) -> Decision:
-    """A failure restarts the group while restarts remain; a node waiting to join restarts it
-    without using one up (a membership change is not a failure)."""
+def decide(state: GroupState, restarts_left: int, membership_change: str | None = None) -> Decision:
+    """A failure restarts the group while restarts remain. A membership change (nodes waiting to
+    join, a node lost) restarts it without using one up, also when the workers failed because of
+    it (a lost peer breaks their collectives)."""
     if state is GroupState.SUCCEEDED:
         return Decision(Action.SUCCEED)
+    if membership_change:
+        return Decision(Action.RESTART, reason=membership_change)
     if state is GroupState.FAILED:
         if restarts_left > 0:
             return Decision(Action.RESTART, uses_restart=True, reason="a worker failed")
         return Decision(Action.FAIL, reason="a worker failed and no restarts are left")
-    if nodes_waiting > 0:
-        return Decision(Action.RESTART, reason=f"{nodes_waiting} node(s) waiting to join")
     return Decision(Action.CONTINUE)

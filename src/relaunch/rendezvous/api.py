@@ -7,13 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Backends this release can run, by ``--rdzv-backend`` name.
-BACKENDS = ("static",)
+BACKENDS = ("c10d", "tcp", "static")
 #: Backends that exist in torchrun and arrive in a later release of relaunch.
-PLANNED_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")
+PLANNED_BACKENDS = ("etcd", "etcd-v2")
 
 
 class RendezvousError(Exception):
     """The rendezvous could not complete; the message says what it waited for."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job this node tried to join has already finished."""
 
 
 @dataclass(frozen=True)
@@ -24,8 +28,9 @@ class RendezvousInfo:
     group_world_size: int
     master_addr: str
     master_port: int
-    #: Number of workers of each node by group rank (all equal for the static backend).
-    local_world_sizes: tuple[int, ...]
+    #: The global rank of this node's first worker, and the number of workers of all nodes.
+    rank_offset: int
+    world_size: int
     store: Any = None
 
 
@@ -80,6 +85,14 @@ class RendezvousHandler(abc.ABC):
         """Nodes waiting to join a running job (a reason to restart into a larger round)."""
         return 0
 
+    def membership_change(self) -> str | None:
+        """Why the running round should be re-formed (nodes waiting, a node lost), or None."""
+        waiting = self.num_nodes_waiting()
+        return f"{waiting} node(s) waiting to join" if waiting else None
+
+    def exit_barrier(self, timeout: float) -> None:  # noqa: B027 - nothing to wait for
+        """Wait (up to ``timeout``) until every live node's workers have finished."""
+
     @property
     def watches_membership(self) -> bool:
         """Whether membership can change while workers run (if not, nothing needs watching)."""
@@ -122,11 +135,14 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
         from relaunch.rendezvous.static import StaticRendezvousHandler
 
         return StaticRendezvousHandler.from_parameters(params)
+    if params.backend in ("c10d", "tcp"):
+        from relaunch.rendezvous.dynamic import create_handler
+
+        return create_handler(params)
     if params.backend in PLANNED_BACKENDS:
         raise ValueError(
             f"rendezvous backend {params.backend!r} is not available in this release: use "
-            "--standalone for one node, or --rdzv-backend static with --node-rank and "
-            "--master-addr/--master-port for a fixed set of nodes"
+            "--rdzv-backend c10d (the built-in store) or static"
         )
     raise ValueError(
         f"unknown rendezvous backend {params.backend!r}: valid backends are "

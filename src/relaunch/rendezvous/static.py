@@ -70,7 +70,8 @@ class StaticRendezvousHandler(RendezvousHandler):
             group_world_size=self.nnodes,
             master_addr=self.master_addr,
             master_port=self.master_port,
-            local_world_sizes=(self.local_world_size,) * self.nnodes,
+            rank_offset=self.node_rank * self.local_world_size,
+            world_size=self.nnodes * self.local_world_size,
         )
 
     def get_backend(self) -> str:

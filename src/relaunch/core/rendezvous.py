@@ -1,0 +1,149 @@
+"""The dynamic rendezvous, as decisions: pure functions of what a node read and ``now``.
+
+How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
+
+- A node joins round ``r`` with one atomic ``add`` on the round's join counter. The counter packs
+  two numbers, so the reply gives the node its *ticket* (1, 2, ... in arrival order, its group
+  rank plus one) and the sum of the workers of every node up to it (its base global rank). Joining
+  costs O(1) store operations whatever the number of nodes: nobody retries a compare-and-set.
+- The node holding ticket 1 completes the round: at ``max_nodes`` joins, or at ``min_nodes`` once
+  ``last_call_timeout`` has passed since the count reached ``min_nodes``. It writes the round's
+  final record (compare-and-set from absent, so there is only ever one), carrying the member
+  count, the world size, and its own address and port for MASTER_ADDR/MASTER_PORT.
+- A node whose ticket is beyond the final count arrived late: it joins the next round and waits
+  there; running nodes see it (``nodes_waiting``) and restart into that larger round.
+- Each member heartbeats its own counter and watches one neighbour on a ring, so a dead node is
+  noticed after ``keep_alive_interval * keep_alive_max_attempt`` at O(1) cost per node.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: The join counter adds ``1 + workers * TICKET_SPAN``: tickets live in the low digits.
+TICKET_SPAN = 1 << 24
+
+
+def join_increment(local_world_size: int) -> int:
+    return 1 + local_world_size * TICKET_SPAN
+
+
+def unpack_join(total: int) -> tuple[int, int]:
+    """``(ticket, workers up to and including this node)`` from the join counter's value."""
+    return total % TICKET_SPAN, total // TICKET_SPAN
+
+
+@dataclass(frozen=True)
+class Settings:
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"nodes must satisfy 1 <= min <= max, got {self.min_nodes}:{self.max_nodes}"
+            )
+        for name in ("join_timeout", "last_call_timeout", "keep_alive_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.keep_alive_max_attempt < 1:
+            raise ValueError(
+                f"keep_alive_max_attempt must be >= 1, got {self.keep_alive_max_attempt}"
+            )
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which a node counts as dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True)
+class Final:
+    """A completed round: who is in it and where the workers' master is."""
+
+    count: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+class Step(str, enum.Enum):
+    WAIT = "WAIT"  # nothing to do until the deadline or a change
+    COMPLETE = "COMPLETE"  # (ticket 1) write the final record with ``count`` members
+    MEMBER = "MEMBER"  # the round is complete and this node is in it
+    LATE = "LATE"  # the round completed without this node: join the next one
+    FAIL = "FAIL"  # join_timeout passed
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: Step
+    deadline: float | None = None  # WAIT: when to decide again at the latest
+    count: int = 0  # COMPLETE: how many members
+    reason: str = ""  # FAIL: what was waited for
+
+
+def decide_join(
+    settings: Settings,
+    ticket: int,
+    joined: int,
+    final: Final | None,
+    started_at: float,
+    min_reached_at: float | None,
+    now: float,
+    previous_running: bool = False,
+    expected: int | None = None,
+) -> Decision:
+    """What a node holding ``ticket`` does next, having seen ``joined`` joins and ``final``.
+
+    ``min_reached_at`` is when this node first saw ``joined >= min_nodes`` (None before).
+    ``previous_running``: the round before still runs (its members have not come over yet), so
+    this round must not complete. ``expected``: how many nodes the round that was superseded
+    expects (its survivors plus the waiting ones); reaching it completes the round at once.
+    """
+    if final is not None:
+        return Decision(Step.MEMBER if ticket <= final.count else Step.LATE)
+    if ticket > settings.max_nodes:
+        return Decision(Step.LATE)
+    fail_at = started_at + settings.join_timeout
+    if now >= fail_at:
+        if ticket != 1:
+            waited = f"the node holding ticket 1 to complete the round ({joined} joined)"
+        elif previous_running:
+            waited = "the running job to make room for this node"
+        else:
+            waited = f"{settings.min_nodes} node(s) to join ({joined} joined)"
+        return Decision(Step.FAIL, reason=f"waited {settings.join_timeout:g}s for {waited}")
+    if ticket != 1 or previous_running:
+        return Decision(Step.WAIT, deadline=fail_at)
+    target = settings.max_nodes if expected is None else min(expected, settings.max_nodes)
+    if joined >= max(target, settings.min_nodes):
+        return Decision(Step.COMPLETE, count=min(joined, settings.max_nodes))
+    if min_reached_at is not None:
+        complete_at = min_reached_at + settings.last_call_timeout
+        if now >= complete_at:
+            return Decision(Step.COMPLETE, count=min(joined, settings.max_nodes))
+        return Decision(Step.WAIT, deadline=min(complete_at, fail_at))
+    return Decision(Step.WAIT, deadline=fail_at)
+
+
+def assign(ticket: int, workers_through_me: int, local_world_size: int) -> tuple[int, int]:
+    """``(group_rank, base_global_rank)`` of the node holding ``ticket``."""
+    return ticket - 1, workers_through_me - local_world_size
+
+
+def ring_neighbour(ticket: int, count: int) -> int | None:
+    """The ticket whose heartbeat this node watches (None when alone)."""
+    if count < 2:
+        return None
+    return ticket % count + 1
+
+
+def is_dead(last_change_at: float, now: float, settings: Settings) -> bool:
+    """Whether a heartbeat that last changed at ``last_change_at`` has stopped."""
+    return now - last_change_at > settings.dead_after

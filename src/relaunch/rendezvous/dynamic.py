@@ -1,0 +1,404 @@
+"""The dynamic rendezvous over a ``Store``: the I/O loop that carries out ``core.rendezvous``.
+
+Keys, under ``relaunch/{run_id}/``::
+
+    round                   the round nodes join now
+    closed                  set once the job finished: late nodes exit cleanly
+    r{n}/joins              join counter (ticket and workers so far, see core.rendezvous)
+    r{n}/node/{ticket}      workers up to and including that node
+    r{n}/final              the completed round: members, world size, master address
+    r{n}/changed            set when the round must be re-formed, with the reason
+    r{n}/hb/{ticket}        heartbeat counter of a member
+    r{n}/done               members whose workers finished (the exit barrier)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from relaunch.core import rendezvous as plan
+from relaunch.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    parse_endpoint,
+)
+from relaunch.rendezvous.static import find_free_port
+from relaunch.store.api import Store, StoreConnectionError, StoreError, StoreTimeout
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
+DEFAULT_PORT = 29400
+CLOSED = b"closed"
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+class DynamicRendezvousHandler(RendezvousHandler):
+    """Elastic membership on a shared store: join, complete, heartbeat, re-form, close."""
+
+    def __init__(
+        self,
+        run_id: str,
+        store: Store,
+        settings: plan.Settings,
+        local_world_size: int,
+        local_addr: str,
+        heartbeat_store: Store,
+        backend: str = "c10d",
+        on_shutdown: tuple[Any, ...] = (),
+    ) -> None:
+        self._run_id = run_id
+        self._store = store
+        self._hb_store = heartbeat_store
+        self.settings = settings
+        self._local_world_size = local_world_size
+        self._local_addr = local_addr
+        self._backend = backend
+        self._prefix = f"relaunch/{run_id}"
+        self._on_shutdown = on_shutdown
+        self._round: int | None = None
+        self._ticket = 0
+        self._final: plan.Final | None = None
+        self._change: str | None = None
+        self._change_lock = threading.Lock()
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _key(self, name: str, round_: int | None = None) -> str:
+        if round_ is None:
+            return f"{self._prefix}/{name}"
+        return f"{self._prefix}/r{round_}/{name}"
+
+    def _get_int(self, key: str) -> int:
+        value = self._store.get(key).value
+        return int(value) if value else 0
+
+    def _final_of(self, round_: int) -> plan.Final | None:
+        value = self._store.get(self._key("final", round_)).value
+        if value is None:
+            return None
+        if value == CLOSED:
+            raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
+        data = json.loads(value)
+        return plan.Final(data["count"], data["world_size"], data["master_addr"],
+                          data["master_port"])  # fmt: skip
+
+    # -- RendezvousHandler ----------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return self._backend
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def watches_membership(self) -> bool:
+        return True
+
+    def is_closed(self) -> bool:
+        return self._store.get(self._key("closed")).value is not None
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._leave_round()
+        started_at = time.monotonic()
+        round_ = self._round_to_join()
+        while True:
+            total = self._store.add(self._key("joins", round_),
+                                    plan.join_increment(self._local_world_size))  # fmt: skip
+            ticket, through = plan.unpack_join(total)
+            self._store.set(self._key(f"node/{ticket}", round_), str(through).encode())
+            final = self._await_round(round_, ticket, started_at)
+            if final is not None:
+                break
+            round_ = self._advance_round(round_)
+        self._round, self._ticket, self._final = round_, ticket, final
+        with self._change_lock:
+            self._change = None
+        group_rank, offset = plan.assign(ticket, through, self._local_world_size)
+        self._start_heartbeat()
+        log.info("rendezvous round %d complete: group rank %d of %d", round_, group_rank,
+                 final.count)  # fmt: skip
+        return RendezvousInfo(
+            group_rank=group_rank,
+            group_world_size=final.count,
+            master_addr=final.master_addr,
+            master_port=final.master_port,
+            rank_offset=offset,
+            world_size=final.world_size,
+            store=self._store,
+        )
+
+    def num_nodes_waiting(self) -> int:
+        if self._round is None:
+            return 0
+        total = self._get_int(self._key("joins", self._round + 1))
+        return plan.unpack_join(total)[0]
+
+    def membership_change(self) -> str | None:
+        with self._change_lock:
+            return self._change
+
+    def exit_barrier(self, timeout: float) -> None:
+        if self._round is None or self._final is None:
+            return
+        done_key = self._key("done", self._round)
+        changed_key = self._key("changed", self._round)
+        deadline = time.monotonic() + timeout
+        try:
+            self._store.add(done_key, 1)
+            while True:
+                current = self._store.get(done_key)
+                if int(current.value or b"0") >= self._final.count:
+                    return
+                if self._store.get(changed_key).value is not None:
+                    return  # a member was lost: the live ones are done
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("exit barrier: not every node finished within %gs", timeout)
+                    return
+                self._store.watch(done_key, current.version,
+                                  min(left, self.settings.keep_alive_interval))  # fmt: skip
+        except StoreConnectionError:
+            return  # the hosting node finished and left: everyone is done
+
+    def set_closed(self) -> None:
+        round_ = self._round or 0
+        try:
+            self._store.set(self._key("closed"), b"1")
+            # Wake and dismiss anyone waiting to join the next round.
+            self._store.compare_set(self._key("final", round_ + 1), 0, CLOSED)
+            self._store.add(self._key("joins", round_ + 1), 0)
+        except StoreError as exc:
+            log.debug("could not mark the rendezvous closed: %s", exc)
+
+    def shutdown(self) -> bool:
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        for close in (self._hb_store.close, self._store.close, *self._on_shutdown):
+            try:
+                close()
+            except Exception:  # shutting down: note it and go on
+                log.debug("error while shutting down the rendezvous", exc_info=True)
+        return True
+
+    # -- joining --------------------------------------------------------------------------------
+
+    def _round_to_join(self) -> int:
+        """The first round that has not completed (or that this node was told to move to)."""
+        if self.is_closed():
+            raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
+        round_ = self._get_int(self._key("round"))
+        while self._final_of(round_) is not None:
+            round_ = self._advance_round(round_)
+        return round_
+
+    def _advance_round(self, round_: int) -> int:
+        """Record that round ``round_ + 1`` is the one to join now; return it."""
+        key = self._key("round")
+        while True:
+            current = self._store.get(key)
+            if int(current.value or b"0") > round_:
+                return round_ + 1
+            if self._store.compare_set(key, current.version, str(round_ + 1).encode()).succeeded:
+                return round_ + 1
+
+    def _previous(self, round_: int) -> tuple[bool, int | None]:
+        """Whether round ``round_ - 1`` still forms or runs, and how many nodes its re-forming
+        expects. Until its members mark it re-formed, this round must not complete: a node
+        that came too late for it would otherwise start a second world beside it."""
+        if round_ == 0:
+            return False, None
+        changed = self._store.get(self._key("changed", round_ - 1)).value
+        if changed is None:
+            return True, None
+        return False, json.loads(changed).get("expected")
+
+    def _await_round(self, round_: int, ticket: int, started_at: float) -> plan.Final | None:
+        """Wait for round ``round_`` to complete; its final record, or None if this node is late."""
+        joins_key, final_key = self._key("joins", round_), self._key("final", round_)
+        min_reached_at: float | None = None
+        while True:
+            final = self._final_of(round_)
+            joins = self._store.get(joins_key)
+            joined = plan.unpack_join(int(joins.value or b"0"))[0]
+            now = time.monotonic()
+            if min_reached_at is None and joined >= self.settings.min_nodes:
+                min_reached_at = now
+            previous_running, expected = (False, None)
+            if ticket == 1 and final is None:
+                previous_running, expected = self._previous(round_)
+            decision = plan.decide_join(
+                self.settings, ticket, joined, final, started_at, min_reached_at, now,
+                previous_running, expected,
+            )  # fmt: skip
+            if decision.step is plan.Step.MEMBER:
+                return final
+            if decision.step is plan.Step.LATE:
+                return None
+            if decision.step is plan.Step.FAIL:
+                raise RendezvousError(f"rendezvous of job {self._run_id!r} failed: "
+                                      f"{decision.reason}")  # fmt: skip
+            if decision.step is plan.Step.COMPLETE:
+                self._complete(round_, decision.count)
+                continue
+            assert decision.deadline is not None
+            wait = max(0.0, decision.deadline - time.monotonic())
+            if ticket == 1:
+                self._store.watch(joins_key, joins.version, wait)  # a join wakes us
+            else:
+                try:
+                    self._store.wait([final_key], wait)
+                except StoreTimeout:
+                    pass  # decide again: the join timeout has passed
+
+    def _complete(self, round_: int, count: int) -> None:
+        """As the holder of ticket 1: write the final record of ``round_`` with ``count`` nodes."""
+        last = self._key(f"node/{count}", round_)
+        self._store.wait([last], self.settings.last_call_timeout)
+        world_size = int(self._store.get(last).value or b"0")
+        record = {
+            "count": count,
+            "world_size": world_size,
+            "master_addr": self._local_addr,
+            "master_port": find_free_port(self._local_addr),
+        }
+        self._store.compare_set(self._key("final", round_), 0, json.dumps(record).encode())
+
+    def _leave_round(self) -> None:
+        """Before joining again: mark the current round as re-formed, so others follow."""
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        if self._round is None or self._final is None:
+            return
+        waiting = self.num_nodes_waiting()
+        with self._change_lock:
+            reason = self._change or "the worker group is restarting"
+            lost = 1 if self._change and "lost" in self._change else 0
+        record = {"reason": reason, "expected": self._final.count - lost + waiting}
+        self._store.compare_set(self._key("changed", self._round), 0, json.dumps(record).encode())
+
+    # -- heartbeats -----------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        self._stop_heartbeat = threading.Event()
+        assert self._round is not None and self._final is not None
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(self._round, self._ticket, self._final.count,
+                                     self._stop_heartbeat),
+            name="relaunch-heartbeat", daemon=True,
+        )  # fmt: skip
+        self._heartbeat.start()
+
+    def _flag(self, reason: str) -> None:
+        with self._change_lock:
+            if self._change is None:
+                self._change = reason
+
+    def _beat(self, round_: int, ticket: int, count: int, stop: threading.Event) -> None:
+        """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
+        store, settings = self._hb_store, self.settings
+        neighbour = plan.ring_neighbour(ticket, count)
+        seen_version, seen_at = -1, time.monotonic()
+        try:
+            while True:
+                store.add(self._key(f"hb/{ticket}", round_), 1)
+                changed = store.get(self._key("changed", round_)).value
+                if changed is not None:
+                    self._flag(json.loads(changed)["reason"])
+                waiting = plan.unpack_join(int(store.get(self._key("joins", round_ + 1)).value
+                                               or b"0"))[0]  # fmt: skip
+                if waiting:
+                    self._flag(f"{waiting} node(s) waiting to join")
+                if neighbour is not None:
+                    version = store.get(self._key(f"hb/{neighbour}", round_)).version
+                    now = time.monotonic()
+                    if version != seen_version:
+                        seen_version, seen_at = version, now
+                    elif plan.is_dead(seen_at, now, settings):
+                        self._flag(f"node of group rank {neighbour - 1} lost (no heartbeat for "
+                                   f"{settings.dead_after:g}s)")  # fmt: skip
+                if stop.wait(settings.keep_alive_interval):
+                    return
+        except StoreError as exc:
+            if not stop.is_set():
+                self._flag(f"lost the rendezvous store: {exc}")
+
+
+def _setting(params: RendezvousParameters, key: str, default: float, whole: bool = False) -> Any:
+    value = params.get(key, default)
+    try:
+        return int(value) if whole else float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if whole else "a number of seconds"
+        raise ValueError(f"--rdzv-conf {key}={value!r}: expected {kind}") from None
+
+
+def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
+    from relaunch.store.client import TcpStore
+    from relaunch.store.server import TcpStoreServer
+
+    host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
+    token = params.get("token") or os.environ.get(TOKEN_ENV) or None
+    timeout = _setting(params, "timeout", 60)
+    settings = plan.Settings(
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        join_timeout=_setting(params, "join_timeout", 600),
+        last_call_timeout=_setting(params, "last_call_timeout", 30),
+        keep_alive_interval=_setting(params, "keep_alive_interval", 5),
+        keep_alive_max_attempt=_setting(params, "keep_alive_max_attempt", 3, whole=True),
+    )
+    is_host = params.get("is_host")
+    local_world_size = int(params.get("local_world_size", 1))
+    if port == 0 and params.max_nodes == 1 and (is_host is None or _truthy(is_host)):
+        # --standalone: one node on a port nobody knows, so nobody else can join. The same
+        # rendezvous runs on the store in this process, with no server and no sockets.
+        from relaunch.store.memory import MemoryStore
+
+        memory = MemoryStore()
+        return DynamicRendezvousHandler(params.run_id, memory, settings, local_world_size,
+                                        host, memory, backend=params.backend)  # fmt: skip
+    server: TcpStoreServer | None = None
+    if is_host is None or _truthy(is_host):
+        try:
+            server = TcpStoreServer(host, port, token).start()
+            port = server.port
+        except OSError as exc:
+            if is_host is not None:
+                raise RendezvousError(f"cannot host the store on {host}:{port}: {exc}") from None
+    local_addr = params.local_addr or (host if _is_loopback(host) else socket.getfqdn())
+    on_shutdown = (server.stop,) if server is not None else ()
+    try:
+        store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
+        heartbeat_store = TcpStore(host, port, token, timeout=timeout,
+                                   connect_timeout=settings.join_timeout)  # fmt: skip
+    except StoreError as exc:
+        for stop in on_shutdown:
+            stop()
+        raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+    return DynamicRendezvousHandler(
+        params.run_id, store, settings, local_world_size, local_addr, heartbeat_store,
+        backend=params.backend, on_shutdown=on_shutdown,
+    )  # fmt: skip

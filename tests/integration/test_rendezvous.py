@@ -1,0 +1,160 @@
+"""Several relaunch agents, each a real process, forming one job on the built-in store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import LeakCheck, wait_until
+
+from relaunch.rendezvous.static import find_free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,join_timeout=20"
+
+
+def script(tmp_path, body: str, name: str = "job.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def agent(
+    leaks: LeakCheck, endpoint: str, job: str, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "relaunch", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+         "--tee", "1", *flags, job],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=leaks.process_env(**(env or {})),
+    )  # fmt: skip
+
+
+def serving(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def lines(output: str) -> list[str]:
+    return [line.split(":", 1)[1] for line in output.splitlines() if line.startswith("[")]
+
+
+def test_nodes_of_different_sizes_form_one_world(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, """
+        import os
+        print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["GROUP_RANK"],
+              os.environ["GROUP_WORLD_SIZE"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    """)  # fmt: skip
+    endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
+    nodes = [agent(leaks, endpoint, job, "--nnodes", "2", "--nproc-per-node", str(n))
+             for n in (3, 2)]  # fmt: skip
+    outputs = [node.communicate(timeout=60)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0]
+    rows = sorted((line.split() for out in outputs for line in lines(out)), key=lambda r: int(r[0]))
+    assert [int(row[0]) for row in rows] == [0, 1, 2, 3, 4]
+    assert {row[1] for row in rows} == {"5"} and {row[3] for row in rows} == {"2"}
+    assert len({(row[4], row[5]) for row in rows}) == 1, "one master for everyone"
+    for out in outputs:  # each node's workers are contiguous and share its group rank
+        mine = sorted(int(line.split()[0]) for line in lines(out))
+        assert mine == list(range(mine[0], mine[0] + len(mine)))
+        assert len({line.split()[2] for line in lines(out)}) == 1
+
+
+def test_a_killed_node_leaves_the_survivor_to_finish_alone(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, """
+        import os, time
+        print("world", os.environ["WORLD_SIZE"], flush=True)
+        if os.environ["WORLD_SIZE"] == "2":
+            time.sleep(120)
+    """)  # fmt: skip
+    port = find_free_port("127.0.0.1")
+    endpoint = f"127.0.0.1:{port}"
+    host = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    wait_until(lambda: serving(port), what="the first agent to host the store")
+    other = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    assert other.stdout is not None
+    assert other.stdout.readline().endswith("world 2\n")
+    other.kill()
+    other.communicate()
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    assert lines(out) == ["world 2", "world 1"]
+    assert "node of group rank" in err and "lost" in err
+    assert "0 restart(s) left" in err, "a lost node does not use up a restart"
+
+
+def test_a_node_joining_a_running_job_grows_it(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, """
+        import os, time
+        print("world", os.environ["WORLD_SIZE"], flush=True)
+        if os.environ["WORLD_SIZE"] == "1":
+            time.sleep(120)
+    """)  # fmt: skip
+    port = find_free_port("127.0.0.1")
+    endpoint = f"127.0.0.1:{port}"
+    first = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    assert first.stdout is not None
+    assert first.stdout.readline().endswith("world 1\n")
+    second = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    out2, err2 = second.communicate(timeout=60)
+    out1, err1 = first.communicate(timeout=60)
+    assert (first.returncode, second.returncode) == (0, 0), err1 + err2
+    assert lines(out1) == ["world 2"] and lines(out2) == ["world 2"]
+    assert "1 node(s) waiting to join" in err1
+
+
+def test_an_endpoint_nobody_serves_is_a_clear_error(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, "pass\n")
+    endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
+    node = agent(leaks, endpoint, job, "--rdzv-conf", "is_host=false,join_timeout=0.5")
+    _, err = node.communicate(timeout=60)
+    assert node.returncode == 1
+    assert f"cannot reach the store at {endpoint}" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_wrong_token_is_refused(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, "pass\n")
+    port = find_free_port("127.0.0.1")
+    endpoint = f"127.0.0.1:{port}"
+    store = subprocess.Popen(
+        [sys.executable, "-m", "relaunch", "store", "--port", str(port), "--token", "right"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=leaks.process_env(),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: serving(port), what="the store")
+        node = agent(leaks, endpoint, job, "--rdzv-conf", "is_host=false,token=wrong")
+        _, err = node.communicate(timeout=60)
+        assert node.returncode == 1 and "refused the token" in err
+        assert "wrong" not in err.replace("refused the token", ""), "the token is never shown"
+        token = {"RELAUNCH_RDZV_TOKEN": "right"}
+        good = agent(leaks, endpoint, job, "--rdzv-conf", "is_host=false", env=token)
+        _, err = good.communicate(timeout=60)
+        assert good.returncode == 0, err
+        # The job is over: a node arriving now is told so and exits cleanly.
+        late = agent(leaks, endpoint, job, "--rdzv-conf", "is_host=false", env=token)
+        _, err = late.communicate(timeout=60)
+        assert late.returncode == 0 and "has already finished" in err
+    finally:
+        store.send_signal(signal.SIGTERM)
+        store.communicate(timeout=30)
+
+
+def test_standalone_runs_on_the_built_in_store(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, "import os; print(os.environ['WORLD_SIZE'], os.environ['RANK'])\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node", "3", "--tee", "1",
+         job], capture_output=True, text=True, env=leaks.process_env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(lines(done.stdout)) == ["3 0", "3 1", "3 2"]
+    assert os.environ.get("RELAUNCH_RDZV_TOKEN") is None
