@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 #: A client must authenticate within this many seconds of connecting.
 HANDSHAKE_TIMEOUT = 10.0
 _RECV_SIZE = 1 << 16
+#: Longer WAIT/WATCH timeouts (in ms) are clamped to this: any decimal integer then fits a float.
+_MAX_PARK_MS = 365 * 86400 * 1000
+#: The longest one select() sleeps: epoll refuses timeouts over ~24.8 days.
+_MAX_SELECT = 3600.0
 
 
 @dataclass(eq=False)
@@ -53,6 +57,11 @@ def _key(field: bytes) -> str:
         return field.decode()
     except UnicodeDecodeError:
         raise StoreProtocolError("keys must be UTF-8") from None
+
+
+def _seconds(millis: bytes) -> float:
+    """A request's timeout field (decimal milliseconds) in seconds, clamped to a sane range."""
+    return min(max(wire.to_int(millis), 0), _MAX_PARK_MS) / 1000
 
 
 def _versioned_fields(value: bytes | None, version: int) -> list[bytes]:
@@ -129,7 +138,7 @@ class TcpStoreServer:
         deadlines += [c.handshake_deadline for c in self._clients if not c.authenticated]
         if not deadlines:
             return None
-        return max(0.0, min(deadlines) - time.monotonic())
+        return min(max(0.0, min(deadlines) - time.monotonic()), _MAX_SELECT)
 
     def _accept(self) -> None:
         while True:
@@ -196,8 +205,8 @@ class TcpStoreServer:
         answer, client_nonce = fields
         if self._token and not auth.verify(self._token, b"client", client.nonce, answer):
             log.warning("store: refused %s: wrong or missing token", client.peer)
+            client.closing = True  # first: the reply's flush closes the connection once sent
             self._reply(client, wire.ERROR, [b"authentication failed: wrong or missing token"])
-            client.closing = True
             return
         client.authenticated = True
         own_proof = auth.proof(self._token, b"server", client_nonce) if self._token else b""
@@ -233,19 +242,20 @@ class TcpStoreServer:
             self._changed(key)
 
     def _wait(self, client: _Client, fields: list[bytes]) -> None:
-        timeout, keys = wire.to_int(fields[0]) / 1000, tuple(_key(k) for k in fields[1:])
+        # Duplicate keys would park the waiter twice on one key, and reply twice.
+        timeout, keys = _seconds(fields[0]), tuple(dict.fromkeys(_key(k) for k in fields[1:]))
         if self._state.all_exist(keys):
             self._reply(client, wire.OK)
             return
         self._park(_Waiter(client, keys, time.monotonic() + timeout))
 
     def _watch(self, client: _Client, fields: list[bytes]) -> None:
-        key, version, timeout = _key(fields[0]), wire.to_int(fields[1]), wire.to_int(fields[2])
+        key, version, timeout = _key(fields[0]), wire.to_int(fields[1]), _seconds(fields[2])
         current = self._state.get(key)
         if current.version != version:
             self._reply(client, wire.OK, _versioned_fields(*current))
             return
-        self._park(_Waiter(client, (key,), time.monotonic() + timeout / 1000, version))
+        self._park(_Waiter(client, (key,), time.monotonic() + timeout, version))
 
     def _ping(self, client: _Client, fields: list[bytes]) -> None:
         self._reply(client, wire.OK)
@@ -300,7 +310,11 @@ class TcpStoreServer:
     # -- sending and closing --------------------------------------------------------------------
 
     def _reply(self, client: _Client, status: int, fields: list[bytes] | None = None) -> None:
-        self._send(client, wire.encode(status, fields or []))
+        try:
+            frame = wire.encode(status, fields or [])
+        except StoreProtocolError as exc:  # e.g. a value too big to fit in a reply frame
+            frame = wire.encode(wire.ERROR, [str(exc).encode()])
+        self._send(client, frame)
 
     def _send(self, client: _Client, frame: bytes) -> None:
         client.out += frame
