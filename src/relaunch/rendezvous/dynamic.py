@@ -62,10 +62,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         heartbeat_store: Store,
         backend: str = "c10d",
         on_shutdown: tuple[Any, ...] = (),
+        watch_store: Store | None = None,
     ) -> None:
         self._run_id = run_id
         self._store = store
         self._hb_store = heartbeat_store
+        self._watch_store = watch_store
         self.settings = settings
         self._local_world_size = local_world_size
         self._local_addr = local_addr
@@ -128,6 +130,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             final = self._await_round(round_, ticket, started_at)
             if final is not None:
                 break
+            self._announce_late(round_)
             round_ = self._advance_round(round_)
         self._round, self._ticket, self._final = round_, ticket, final
         with self._change_lock:
@@ -183,6 +186,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         round_ = self._round or 0
         try:
             self._store.set(self._key("closed"), b"1")
+            if self._round is not None and self._final is not None:
+                self._supersede(self._round, "the job finished", self._final.count)
             # Wake and dismiss anyone waiting to join the next round.
             self._store.compare_set(self._key("final", round_ + 1), 0, CLOSED)
             self._store.add(self._key("joins", round_ + 1), 0)
@@ -193,6 +198,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
+        if self._round is not None and self._final is not None:
+            try:
+                # Leaving before the job finished: the others re-form without this node. This
+                # also wakes this node's own watcher, so its connection can close.
+                self._supersede(self._round, f"node of group rank {self._ticket - 1} left the "
+                                "job", self._final.count - 1)  # fmt: skip
+            except StoreError:
+                pass
         for close in (self._hb_store.close, self._store.close, *self._on_shutdown):
             try:
                 close()
@@ -208,6 +221,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
         round_ = self._get_int(self._key("round"))
         while self._final_of(round_) is not None:
+            self._announce_late(round_)  # a no-op for rounds already re-formed
             round_ = self._advance_round(round_)
         return round_
 
@@ -283,6 +297,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         }
         self._store.compare_set(self._key("final", round_), 0, json.dumps(record).encode())
 
+    def _supersede(self, round_: int, reason: str, expected: int) -> None:
+        """Mark ``round_`` for re-forming (the first reason wins); its members see it at once."""
+        record = {"reason": reason, "expected": expected}
+        self._store.compare_set(self._key("changed", round_), 0, json.dumps(record).encode())
+
+    def _announce_late(self, round_: int) -> None:
+        """Having come too late for ``round_``: ask its members to make room, if there is any."""
+        final = self._final_of(round_)
+        if final is not None and final.count < self.settings.max_nodes:
+            self._supersede(round_, "1 node(s) waiting to join", final.count + 1)
+
     def _leave_round(self) -> None:
         """Before joining again: mark the current round as re-formed, so others follow."""
         self._stop_heartbeat.set()
@@ -295,8 +320,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._change_lock:
             reason = self._change or "the worker group is restarting"
             lost = 1 if self._change and "lost" in self._change else 0
-        record = {"reason": reason, "expected": self._final.count - lost + waiting}
-        self._store.compare_set(self._key("changed", self._round), 0, json.dumps(record).encode())
+        self._supersede(self._round, reason, self._final.count - lost + waiting)
 
     # -- heartbeats -----------------------------------------------------------------------------
 
@@ -309,6 +333,26 @@ class DynamicRendezvousHandler(RendezvousHandler):
             name="relaunch-heartbeat", daemon=True,
         )  # fmt: skip
         self._heartbeat.start()
+        if self._watch_store is not None:
+            threading.Thread(
+                target=self._watch_changes, args=(self._round, self._stop_heartbeat),
+                name="relaunch-rdzv-watch", daemon=True,
+            ).start()  # fmt: skip
+
+    def _watch_changes(self, round_: int, stop: threading.Event) -> None:
+        """Block on this round's ``changed`` key: a re-form anywhere reaches us at once."""
+        assert self._watch_store is not None
+        key = self._key("changed", round_)
+        try:
+            while not stop.is_set():
+                changed = self._watch_store.watch(key, 0, self.settings.keep_alive_interval)
+                if changed.value is not None:
+                    if not stop.is_set():
+                        self._flag(json.loads(changed.value)["reason"])
+                    return
+        except StoreError as exc:
+            if not stop.is_set():
+                self._flag(f"lost the rendezvous store: {exc}")
 
     def _flag(self, reason: str) -> None:
         with self._change_lock:
@@ -323,13 +367,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             while True:
                 store.add(self._key(f"hb/{ticket}", round_), 1)
-                changed = store.get(self._key("changed", round_)).value
-                if changed is not None:
-                    self._flag(json.loads(changed)["reason"])
-                waiting = plan.unpack_join(int(store.get(self._key("joins", round_ + 1)).value
-                                               or b"0"))[0]  # fmt: skip
-                if waiting:
-                    self._flag(f"{waiting} node(s) waiting to join")
+                if self._watch_store is None:  # nobody blocks on ``changed``: look each beat
+                    changed = store.get(self._key("changed", round_)).value
+                    if changed is not None:
+                        self._flag(json.loads(changed)["reason"])
                 if neighbour is not None:
                     version = store.get(self._key(f"hb/{neighbour}", round_)).version
                     now = time.monotonic()
@@ -379,7 +420,8 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
 
         memory = MemoryStore()
         return DynamicRendezvousHandler(params.run_id, memory, settings, local_world_size,
-                                        host, memory, backend=params.backend)  # fmt: skip
+                                        host, memory, backend=params.backend,
+                                        watch_store=memory)  # fmt: skip
     server: TcpStoreServer | None = None
     if is_host is None or _truthy(is_host):
         try:
@@ -394,11 +436,14 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
         heartbeat_store = TcpStore(host, port, token, timeout=timeout,
                                    connect_timeout=settings.join_timeout)  # fmt: skip
+        watch_store = TcpStore(host, port, token, timeout=timeout,
+                               connect_timeout=settings.join_timeout)  # fmt: skip
     except StoreError as exc:
         for stop in on_shutdown:
             stop()
         raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     return DynamicRendezvousHandler(
         params.run_id, store, settings, local_world_size, local_addr, heartbeat_store,
-        backend=params.backend, on_shutdown=on_shutdown,
+        backend=params.backend, on_shutdown=(watch_store.close, *on_shutdown),
+        watch_store=watch_store,
     )  # fmt: skip
