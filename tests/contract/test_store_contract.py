@@ -163,3 +163,15 @@ def test_concurrent_adds_are_all_counted(connect: StoreFactory) -> None:
     for thread in threads:
         thread.join()
     assert clients[0].get("total").value == b"200"
+
+
+def test_a_value_too_large_to_return_is_refused(connect: StoreFactory) -> None:
+    from relaunch.store.wire import MAX_VALUE
+
+    store = connect()
+    if isinstance(store, MemoryStore):
+        pytest.skip("an in-process store has no frames to fit in")
+    with pytest.raises(StoreError, match="exceeds the limit"):
+        store.set("big", b"x" * (MAX_VALUE + 1))
+    store.set("fits", b"x" * MAX_VALUE)
+    assert len(store.get("fits").value or b"") == MAX_VALUE

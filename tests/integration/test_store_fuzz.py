@@ -392,17 +392,18 @@ def test_huge_or_far_away_wait_timeouts_do_not_kill_the_server(
                 assert conn.receive() == (wire.TIMEOUT, [key.encode()])
 
 
-def test_a_value_too_big_for_a_reply_gets_an_error_not_a_crash(server: TcpStoreServer) -> None:
-    # Regression: a SET frame of exactly MAX_FRAME is accepted, but a reply carrying the value
-    # does not fit in a frame; a WATCH expiring on it raised out of the server's loop.
+def test_a_value_too_big_for_a_reply_is_refused_not_a_crash(server: TcpStoreServer) -> None:
+    # Regression: a SET frame of exactly MAX_FRAME used to be accepted although no reply could
+    # carry the value back; a WATCH expiring on it raised out of the server's loop. Now the
+    # store refuses such a value up front, and every value it keeps can be read back.
     key = "big"  # short: the reply's header is then longer than the request's
     with TcpStore(HOST, server.port, timeout=IO_TIMEOUT) as client:
-        version = client.set(key, b"x" * (wire.MAX_FRAME - 10 - len(key.encode())))
-        with pytest.raises(StoreError):
-            client.get(key)
-        with pytest.raises(StoreError):
-            client.watch(key, version, 0.01)
+        with pytest.raises(StoreError, match="exceeds the limit"):
+            client.set(key, b"x" * (wire.MAX_FRAME - 10 - len(key.encode())))
         assert_serving(server)
+        version = client.set(key, b"x" * wire.MAX_VALUE)
+        assert client.get(key).version == version
+        assert client.watch(key, version, 0.01).version == version
         client.delete(key)
     assert_serving(server)
 

@@ -50,6 +50,7 @@ class TcpStore:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._reader = wire.FrameReader()
+        self._pending: list[bytes] = []
         with self._lock:
             self._connect()
 
@@ -77,7 +78,7 @@ class TcpStore:
                 time.sleep(delay)  # backoff between connection attempts, bounded by the deadline
                 delay = min(delay * 2, 0.5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._reader = sock, wire.FrameReader()
+        self._sock, self._reader, self._pending = sock, wire.FrameReader(), []
         try:
             self._handshake(deadline)
         except BaseException:
@@ -124,9 +125,8 @@ class TcpStore:
     def _receive(self, deadline: float) -> tuple[int, list[bytes]]:
         assert self._sock is not None
         while True:
-            frames = self._reader.feed(b"")
-            if frames:
-                return wire.decode_payload(frames[0])
+            if self._pending:
+                return wire.decode_payload(self._pending.pop(0))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreTimeout(f"no reply from the store at {self.endpoint} in time")
@@ -139,9 +139,7 @@ class TcpStore:
                 raise StoreConnectionError(f"lost the store at {self.endpoint}: {exc}") from None
             if not data:
                 raise StoreConnectionError(f"the store at {self.endpoint} closed the connection")
-            frames = self._reader.feed(data)
-            if frames:
-                return wire.decode_payload(frames[0])
+            self._pending.extend(self._reader.feed(data))
 
     def _call(self, op: int, fields: Sequence[bytes], wait: float = 0.0) -> list[bytes]:
         """One request and its reply; ``wait`` is how long the server may hold the reply."""

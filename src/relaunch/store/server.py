@@ -64,6 +64,12 @@ def _seconds(millis: bytes) -> float:
     return min(max(wire.to_int(millis), 0), _MAX_PARK_MS) / 1000
 
 
+def _value(field: bytes) -> bytes:
+    if len(field) > wire.MAX_VALUE:
+        raise StoreError(f"value of {len(field)} bytes exceeds the limit of {wire.MAX_VALUE}")
+    return field
+
+
 def _versioned_fields(value: bytes | None, version: int) -> list[bytes]:
     return [b"1" if value is not None else b"0", value or b"", wire.from_int(version)]
 
@@ -218,12 +224,12 @@ class TcpStoreServer:
         self._reply(client, wire.OK, _versioned_fields(*current))
 
     def _set(self, client: _Client, fields: list[bytes]) -> None:
-        key, value = _key(fields[0]), fields[1]
+        key, value = _key(fields[0]), _value(fields[1])
         self._reply(client, wire.OK, [wire.from_int(self._state.set(key, value))])
         self._changed(key)
 
     def _cas(self, client: _Client, fields: list[bytes]) -> None:
-        key, expected, value = _key(fields[0]), wire.to_int(fields[1]), fields[2]
+        key, expected, value = _key(fields[0]), wire.to_int(fields[1]), _value(fields[2])
         succeeded, current = self._state.compare_set(key, expected, value)
         self._reply(client, wire.OK, [b"1" if succeeded else b"0", *_versioned_fields(*current)])
         if succeeded:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from relaunch.store.api import StoreProtocolError
 
 MAX_FRAME = 16 * 1024 * 1024
+#: The largest value a store keeps: small enough that any reply carrying it fits in a frame.
+MAX_VALUE = MAX_FRAME - 4096
 MAX_FIELDS = 255
 PROTOCOL = b"relaunch-store/1"
 
