@@ -124,3 +124,33 @@ def test_concurrent_joins_always_form_one_consistent_world(
     assert {info.group_world_size for _, info in members} == {len(members)}
     # Latecomers wait for the running job to make room (or behind one that does).
     assert all("make room" in r or "ticket 1 to complete" in r for r in refused)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("min_nodes", "outcome"), [(1, "alone"), (2, "error")])
+def test_a_node_that_dies_between_joining_and_registering_is_left_out(
+    min_nodes: int, outcome: str
+) -> None:
+    store = MemoryStore()
+    rules = Settings(min_nodes, 2, join_timeout=20, last_call_timeout=5, keep_alive_interval=0.1)
+    handler = DynamicRendezvousHandler("half", store, rules, 1, "127.0.0.1", store)
+    results: list[object] = []
+
+    def join() -> None:
+        try:
+            results.append(handler.next_rendezvous())
+        except RendezvousError as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    store.wait(["relaunch/half/r0/node/1"], 10)
+    store.add("relaunch/half/r0/joins", plan.join_increment(1))  # joins, then "dies"
+    thread.join(20)
+    handler.shutdown()
+    (result,) = results
+    if outcome == "alone":
+        assert isinstance(result, RendezvousInfo)
+        assert (result.group_world_size, result.world_size) == (1, 1)
+    else:
+        assert isinstance(result, RendezvousError) and "fewer than 2" in str(result)

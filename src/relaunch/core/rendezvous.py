@@ -88,6 +88,12 @@ class Decision:
     reason: str = ""  # FAIL: what was waited for
 
 
+def completion_target(settings: Settings, expected: int | None) -> int:
+    """How many joins complete a round at once (the rest wait for the last call)."""
+    wanted = settings.max_nodes if expected is None else min(expected, settings.max_nodes)
+    return max(wanted, settings.min_nodes)
+
+
 def decide_join(
     settings: Settings,
     ticket: int,
@@ -121,8 +127,7 @@ def decide_join(
         return Decision(Step.FAIL, reason=f"waited {settings.join_timeout:g}s for {waited}")
     if ticket != 1 or previous_running:
         return Decision(Step.WAIT, deadline=fail_at)
-    target = settings.max_nodes if expected is None else min(expected, settings.max_nodes)
-    if joined >= max(target, settings.min_nodes):
+    if joined >= completion_target(settings, expected):
         return Decision(Step.COMPLETE, count=min(joined, settings.max_nodes))
     if min_reached_at is not None:
         complete_at = min_reached_at + settings.last_call_timeout

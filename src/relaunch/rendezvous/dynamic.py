@@ -252,8 +252,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         min_reached_at: float | None = None
         while True:
             final = self._final_of(round_)
-            joins = self._store.get(joins_key)
-            joined = plan.unpack_join(int(joins.value or b"0"))[0]
+            joined = plan.unpack_join(self._get_int(joins_key))[0]
             now = time.monotonic()
             if min_reached_at is None and joined >= self.settings.min_nodes:
                 min_reached_at = now
@@ -275,22 +274,48 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._complete(round_, decision.count)
                 continue
             assert decision.deadline is not None
-            wait = max(0.0, decision.deadline - time.monotonic())
-            if ticket == 1:
-                self._store.watch(joins_key, joins.version, wait)  # a join wakes us
+            # One wait per threshold, not one wake-up per join: O(1) operations for ticket 1 too.
+            if ticket != 1:
+                awaited = final_key
+            elif previous_running:
+                awaited = self._key("changed", round_ - 1)
             else:
-                try:
-                    self._store.wait([final_key], wait)
-                except StoreTimeout:
-                    pass  # decide again: the join timeout has passed
+                threshold = (self.settings.min_nodes if min_reached_at is None
+                             else plan.completion_target(self.settings, expected))  # fmt: skip
+                awaited = self._key(f"node/{threshold}", round_)
+            timeout = max(0.0, decision.deadline - time.monotonic())
+            if ticket == 1:
+                # Look at the join counter again now and then: a node that took a ticket but
+                # died before registering never writes the key awaited here.
+                timeout = min(timeout, self.settings.keep_alive_interval)
+            try:
+                self._store.wait([awaited], timeout)
+            except StoreTimeout:
+                pass  # a deadline passed: decide again
 
     def _complete(self, round_: int, count: int) -> None:
-        """As the holder of ticket 1: write the final record of ``round_`` with ``count`` nodes."""
-        last = self._key(f"node/{count}", round_)
-        self._store.wait([last], self.settings.last_call_timeout)
+        """As the holder of ticket 1: write the final record of ``round_`` with ``count`` nodes.
+
+        The last member's record gives the world size. A node that took a ticket but died
+        before writing its record is left out (it is the last one here); one in the middle is
+        caught by the heartbeats once the workers start.
+        """
+        for members in range(count, self.settings.min_nodes - 1, -1):
+            last = self._key(f"node/{members}", round_)
+            try:
+                self._store.wait([last], self.settings.keep_alive_interval)
+                break
+            except StoreTimeout:
+                log.warning("rendezvous: the node holding ticket %d joined but never "
+                            "registered; completing the round without it", members)  # fmt: skip
+        else:
+            raise RendezvousError(
+                f"rendezvous of job {self._run_id!r} failed: fewer than "
+                f"{self.settings.min_nodes} joined nodes registered"
+            )
         world_size = int(self._store.get(last).value or b"0")
         record = {
-            "count": count,
+            "count": members,
             "world_size": world_size,
             "master_addr": self._local_addr,
             "master_port": find_free_port(self._local_addr),
