@@ -33,9 +33,14 @@ from relaunch.events import (
     NullMetricHandler,
     status_event,
 )
-from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, PContext, start_processes
+from relaunch.procs.context import (
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    PContext,
+    RunProcsResult,
+    start_processes,
+)
 from relaunch.procs.errors import ProcessFailure, SignalException
-from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler, RendezvousInfo
 
 log = logging.getLogger(__name__)
 
@@ -240,12 +245,7 @@ class LocalElasticAgent:
                 )
             if decision.action is Action.FAIL:
                 assert outcome is not None
-                group.state = WorkerState.FAILED
-                return RunResult(
-                    WorkerState.FAILED,
-                    failures=self._by_global_rank(outcome.failures),
-                    stopped=sorted(self._by_global_rank(outcome.stopped)),
-                )
+                return self._failed(outcome)
             if decision.uses_restart:
                 self._restarts_left -= 1
             log.warning(
@@ -253,8 +253,22 @@ class LocalElasticAgent:
                 role, decision.reason, self._restarts_left,
             )  # fmt: skip
             self._stop_workers(signal.SIGTERM)
-            self._rendezvous()
+            try:
+                self._rendezvous()
+            except RendezvousClosedError:
+                if outcome is None or not outcome.is_failed():
+                    raise
+                # The other nodes finished the job meanwhile: this node's failure stands.
+                return self._failed(outcome)
             self._start_workers()
+
+    def _failed(self, outcome: RunProcsResult) -> RunResult:
+        self._worker_group.state = WorkerState.FAILED
+        return RunResult(
+            WorkerState.FAILED,
+            failures=self._by_global_rank(outcome.failures),
+            stopped=sorted(self._by_global_rank(outcome.stopped)),
+        )
 
     def _by_global_rank(self, by_local_rank: Mapping[int, Any]) -> dict[int, Any]:
         workers = self._worker_group.workers

@@ -328,9 +328,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._store.compare_set(self._key("changed", round_), 0, json.dumps(record).encode())
 
     def _announce_late(self, round_: int) -> None:
-        """Having come too late for ``round_``: ask its members to make room, if there is any."""
+        """Having come too late for ``round_``: ask its members to make room, if there is any
+        and none of them has finished yet (a finishing job is closed, not grown)."""
         final = self._final_of(round_)
-        if final is not None and final.count < self.settings.max_nodes:
+        if final is None or final.count >= self.settings.max_nodes:
+            return
+        if self._get_int(self._key("done", round_)) == 0:
             self._supersede(round_, "1 node(s) waiting to join", final.count + 1)
 
     def _leave_round(self) -> None:
