@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import re
 import select
-import shlex
-import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import _harness
+from _harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 
 STARTUP_NPROCS = (1, 2, 4, 8, 16, 32)
 STARTUP_BUDGET_S = 0.15  # relaunch wall time <= floor + this
@@ -41,8 +41,6 @@ STOP_BUDGET_MS = 200.0  # median, SIGTERM -> launcher exited
 STOP_EXIT_CODE = 128 + signal.SIGTERM
 LINE_TIMEOUT_S = 60.0  # give up on a launcher that prints nothing for this long
 
-RELAUNCH = "relaunch"
-TORCHRUN = "torchrun"
 FLOOR = "floor"
 
 #: The worker scripts, written to a temporary directory; both launchers run them as
@@ -73,44 +71,10 @@ while True:
 STARTED_RE = re.compile(rb"started (\d+(?:\.\d+)?)")
 
 
-class BenchError(Exception):
-    """One run of one side went wrong; that side is dropped from the measurement."""
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def verdict(ok: bool | None) -> str:
-    return "SKIP" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def median(samples: Sequence[float]) -> float:
-    return statistics.median(samples) if samples else float("nan")
-
-
-def fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None or value != value else format(value, spec)
-
-
 @dataclass
-class Check:
-    what: str
-    measured: str
-    budget: str
-    ok: bool | None  # None: not measured
-
-
-@dataclass
-class Launcher:
+class Launcher(_harness.Launcher):
     """A launcher command line; ``flags`` are torchrun's, passed to both launchers as they are."""
 
-    name: str
-    prefix: list[str]
-    unavailable: str | None = None  # why it cannot run at all
     _probed: dict[tuple[str, ...], str | None] = field(default_factory=dict)
 
     def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
@@ -118,20 +82,17 @@ class Launcher:
 
 
 @dataclass
-class Bench:
-    """Shared state: the temporary directory, the environment, what was left behind."""
+class Bench(_harness.Bench[Launcher]):
+    """Shared state (see _harness.Bench), and what was left behind."""
 
-    tmp: str
-    env: dict[str, str]
-    relaunch: Launcher
-    torchrun: Launcher
     leftovers: list[str] = field(default_factory=list)
-
-    def script(self, name: str) -> str:
-        return os.path.join(self.tmp, name)
 
     def launchers(self) -> list[Launcher]:
         return [self.relaunch, self.torchrun]
+
+    def collect(self, side: str = "") -> None:
+        """Kill and note what the last run left behind (for every side alike)."""
+        self.leftovers += _harness.collect_orphans()
 
     def stderr_file(self) -> str:
         return os.path.join(self.tmp, "launcher-stderr.txt")
@@ -168,7 +129,7 @@ class Bench:
             try:
                 code = proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                kill_pid(proc.pid)
+                _harness.kill_pid(proc.pid)
                 code = proc.wait()
             reason = None if code == 0 else f"exit {code}: {self.stderr_tail()}"
             launcher._probed[key] = reason
@@ -177,79 +138,7 @@ class Bench:
         return launcher._probed[key]
 
 
-# -- processes: orphans, liveness, clean-up ----------------------------------------------------
-
-
-def become_subreaper() -> bool:
-    """Adopt our launchers' orphans (prctl PR_SET_CHILD_SUBREAPER) so that none escapes us."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(36, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of ``pid``, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            stat = file.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie counts as gone); reaps it if it is our zombie."""
-    stat = proc_stat(pid)
-    if stat is None:
-        return False
-    if stat[0] in "ZX":
-        if stat[1] == os.getpid():
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-        return False
-    return True
-
-
-def our_children() -> list[int]:
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = proc_stat(int(entry))
-            if stat is not None and stat[1] == me:
-                found.append(int(entry))
-    return found
-
-
-def kill_pid(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def collect_orphans(bench: Bench, grace: float = 3.0) -> None:
-    """Call with no launcher running: every child of ours now is an adopted orphan. Reap those
-    that exit within ``grace`` (relaunch's guardian exits when its launcher has); kill the rest,
-    by pid, and report them."""
-    deadline = time.monotonic() + grace
-    while True:
-        live = [pid for pid in our_children() if alive(pid)]
-        if not live:
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    for pid in live:
-        stat = proc_stat(pid)
-        cmd = "?"
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as file:
-            cmd = file.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        bench.leftovers.append(f"pid {pid} ({stat[0] if stat else '?'}) {cmd[:80]}")
-        kill_pid(pid)
-    time.sleep(0.05)
-    for pid in live:
-        alive(pid)  # reaps the zombie
+# -- processes ---------------------------------------------------------------------------------
 
 
 class Lines:
@@ -281,44 +170,12 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_pid(proc.pid)
+        _harness.kill_pid(proc.pid)
         proc.wait()
         raise BenchError(f"launcher did not exit within {timeout:.0f} s; killed") from None
     finally:
         if proc.stdout is not None:
             proc.stdout.close()
-
-
-def alternate(sides: list[str], rep: int) -> list[str]:
-    """Rotate the order each repetition, so that no side always runs first."""
-    k = rep % len(sides) if sides else 0
-    return sides[k:] + sides[:k]
-
-
-def run_alternating(
-    sides: dict[str, Callable[[], float | tuple[float, ...]]],
-    reps: dict[str, int],
-    bench: Bench,
-    errors: dict[str, str],
-    warmup: bool = True,
-) -> dict[str, list]:
-    """``reps[side]`` runs of each side, interleaved, after one untimed run of each (unless
-    ``warmup`` is false); a side that fails once is dropped."""
-    samples: dict[str, list] = {side: [] for side in sides}
-    first = -1 if warmup else 0
-    for rep in range(first, max(reps.values(), default=0)):
-        for side in alternate(list(sides), rep):
-            if side in errors or len(samples[side]) >= reps[side]:
-                continue
-            try:
-                result = sides[side]()
-                if rep >= 0:
-                    samples[side].append(result)
-            except BenchError as exc:
-                errors[side] = str(exc)
-                log(f"  {side}: {exc}")
-            collect_orphans(bench)
-    return samples
 
 
 # -- 1. start-up -------------------------------------------------------------------------------
@@ -358,15 +215,15 @@ def bench_startup(bench: Bench, reps: int, torchrun_reps: int, big_reps: int) ->
     errors: dict[str, str] = {}
     for nprocs in STARTUP_NPROCS:
         log(f"  N={nprocs}")
-        sides: dict[str, Callable[[], float | tuple[float, ...]]] = {
-            FLOOR: lambda n=nprocs: startup_floor(bench, n)
+        sides: dict[str, Callable[[int], Any]] = {
+            FLOOR: lambda _rep, n=nprocs: startup_floor(bench, n)
         }
         for lch in usable:
-            sides[lch.name] = lambda lch=lch, n=nprocs: startup_launcher(bench, lch, n)
+            sides[lch.name] = lambda _rep, lch=lch, n=nprocs: startup_launcher(bench, lch, n)
         counts = {side: reps for side in sides}
         if TORCHRUN in counts:
             counts[TORCHRUN] = torchrun_reps if nprocs <= 8 else big_reps
-        samples = run_alternating(sides, counts, bench, errors, warmup=nprocs == 1)
+        samples = _harness.run_alternating(sides, counts, errors, bench.collect, warmup=nprocs == 1)
         rows.append((nprocs, {side: [x * 1e3 for x in runs] for side, runs in samples.items()}))
 
     print("\n1. start-up: launcher --standalone --nproc-per-node N noop.py, wall time, medians;")
@@ -446,13 +303,13 @@ def rss_run(bench: Bench, launcher: Launcher) -> tuple[float, float]:
 def bench_rss(bench: Bench, reps: int) -> list[Check]:
     log(f"[2/4] peak RSS: {RSS_WORKERS} workers sleeping 1 s, {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1")
-    sides: dict[str, Callable[[], float | tuple[float, ...]]] = {
-        lch.name: lambda lch=lch: rss_run(bench, lch)
+    sides: dict[str, Callable[[int], Any]] = {
+        lch.name: lambda _rep, lch=lch: rss_run(bench, lch)
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
     }
     errors: dict[str, str] = {}
-    samples = run_alternating(sides, dict.fromkeys(sides, reps), bench, errors)
+    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     print(f"\n2. launcher's own peak RSS, {RSS_WORKERS} workers sleeping 1 s, medians")
     print(f"{'launcher':<9} {'runs':>4} {'VmHWM MiB':>10} {'ru_maxrss MiB':>14}  <= 40 MiB")
     checks = []
@@ -516,13 +373,13 @@ def bench_restart(bench: Bench, reps: int) -> list[Check]:
     log(f"[3/4] failure -> restarted worker's first line: {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--tee", "3")
     counter = iter(range(1 << 30))
-    sides: dict[str, Callable[[], float | tuple[float, ...]]] = {
-        lch.name: lambda lch=lch: restart_run(bench, lch, next(counter))
+    sides: dict[str, Callable[[int], Any]] = {
+        lch.name: lambda _rep, lch=lch: restart_run(bench, lch, next(counter))
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
     }
     errors: dict[str, str] = {}
-    samples = run_alternating(sides, dict.fromkeys(sides, reps), bench, errors)
+    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     print("\n3. failure -> restarted worker (--max-restarts 1 --tee 3), ms, median [min-max]")
     print(
         f"{'launcher':<9} {'runs':>4} {'own start - failure':>22} {'arrival - failure':>22}"
@@ -590,22 +447,24 @@ def stop_run(bench: Bench, launcher: Launcher, rep: int) -> StopRun:
         code = proc.wait(timeout=60)
         elapsed = time.perf_counter() - started
     except (BenchError, subprocess.TimeoutExpired) as exc:
-        kill_pid(proc.pid)
+        _harness.kill_pid(proc.pid)
         proc.wait()
         for pid in worker_pids(pid_dir):
-            if alive(pid):
-                kill_pid(pid)
+            if _harness.alive(pid):
+                _harness.kill_pid(pid)
         raise BenchError(f"{exc}: {bench.stderr_tail()}") from None
     finally:
         proc.stdout.close()
     pids = worker_pids(pid_dir)
-    at_exit = [pid for pid in pids if alive(pid)]
+    at_exit = [pid for pid in pids if _harness.alive(pid)]
     deadline = time.monotonic() + 1.0
-    while (survivors := [pid for pid in at_exit if alive(pid)]) and time.monotonic() < deadline:
+    while (
+        survivors := [pid for pid in at_exit if _harness.alive(pid)]
+    ) and time.monotonic() < deadline:
         time.sleep(0.01)
     for pid in survivors:
         bench.leftovers.append(f"pid {pid}: {launcher.name} worker alive 1 s after SIGTERM")
-        kill_pid(pid)
+        _harness.kill_pid(pid)
     return StopRun(elapsed * 1e3, code, len(pids), len(at_exit), len(survivors))
 
 
@@ -613,13 +472,13 @@ def bench_stop(bench: Bench, reps: int) -> list[Check]:
     log(f"[4/4] SIGTERM -> launcher exited: {STOP_WORKERS} workers, {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1", "--tee", "3")
     counter = iter(range(1 << 30))
-    sides: dict[str, Callable[[], float | tuple[float, ...]]] = {
-        lch.name: lambda lch=lch: stop_run(bench, lch, next(counter))
+    sides: dict[str, Callable[[int], Any]] = {
+        lch.name: lambda _rep, lch=lch: stop_run(bench, lch, next(counter))
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
     }
     errors: dict[str, str] = {}
-    samples = run_alternating(sides, dict.fromkeys(sides, reps), bench, errors)
+    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     print(f"\n4. SIGTERM -> launcher exited, {STOP_WORKERS} workers sleeping, ms")
     print(
         f"{'launcher':<9} {'runs':>4} {'median':>7} {'max':>7} {'exit codes':>11}"
@@ -662,51 +521,6 @@ def bench_stop(bench: Bench, reps: int) -> list[Check]:
 # -- main --------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def bench_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="relaunch-bench-launch-")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def load_average() -> str:
-    with contextlib.suppress(OSError), open("/proc/loadavg") as file:
-        return " ".join(file.read().split()[:3])
-    return "?"
-
-
-def relaunch_source() -> str:
-    """Where ``import relaunch`` comes from, with the git state of that tree when there is one."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import relaunch; print(relaunch.__file__)"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        return "import relaunch fails"
-    package = os.path.dirname(probe.stdout.strip())
-    try:
-        git = subprocess.run(
-            ["git", "-C", package, "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        )
-    except OSError:
-        return package
-    return package + (f", git {git.stdout.strip()}" if git.returncode == 0 else "")
-
-
-def find_torchrun(prefix: list[str]) -> str | None:
-    """None when the torchrun command is usable; else why not."""
-    if prefix[:3] == [sys.executable, "-m", "torch.distributed.run"]:
-        probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
-        if probe.returncode != 0:
-            return "import torch fails"
-    return None
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="restart and stop repetitions")
@@ -726,63 +540,19 @@ def main() -> int:
         choices=("startup", "rss", "restart", "stop"),
         help="run only these measurements (repeatable)",
     )
-    parser.add_argument("--no-torchrun", action="store_true", help="measure relaunch only")
-    parser.add_argument(
-        "--relaunch",
-        default=f"{shlex.quote(sys.executable)} -m relaunch",
-        help="the relaunch command (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--torchrun",
-        default=f"{shlex.quote(sys.executable)} -m torch.distributed.run",
-        help="the torchrun command (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--no-bytecode-cache",
-        action="store_true",
-        help="run with the environment's bytecode settings as they are",
+    _harness.add_launcher_options(
+        parser, "run with the environment's bytecode settings as they are"
     )
     opts = parser.parse_args()
     only = set(opts.only or ("startup", "rss", "restart", "stop"))
 
-    subreaper = become_subreaper()
+    subreaper = _harness.become_subreaper()
     started = time.perf_counter()
-    with bench_dir() as tmp:
-        for name, text in SCRIPTS.items():
-            with open(os.path.join(tmp, name), "w") as file:
-                file.write(text)
-        os.mkdir(os.path.join(tmp, "tmp"))
-        # Same environment for every side. TMPDIR keeps the launchers' log directories inside
-        # ours; PYTHONUNBUFFERED makes torchrun's tee reach a pipe at once, as on a terminal.
-        env = {**os.environ, "TMPDIR": os.path.join(tmp, "tmp"), "PYTHONUNBUFFERED": "1"}
-        if not opts.no_bytecode_cache:
-            # Cache bytecode as an installed package would, even where PYTHONDONTWRITEBYTECODE
-            # is set and the sources have no __pycache__ (an editable install): in a tree of
-            # our own, so that nothing is written next to the sources. The warm-up runs fill it.
-            env.pop("PYTHONDONTWRITEBYTECODE", None)
-            env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
-        torchrun_prefix = shlex.split(opts.torchrun)
-        relaunch = Launcher(RELAUNCH, shlex.split(opts.relaunch))
-        torchrun = Launcher(
-            TORCHRUN,
-            torchrun_prefix,
-            unavailable="--no-torchrun" if opts.no_torchrun else find_torchrun(torchrun_prefix),
-        )
+    with _harness.temp_dir("relaunch-bench-launch-") as tmp:
+        env = _harness.prepare(tmp, SCRIPTS, not opts.no_bytecode_cache)
+        relaunch, torchrun = _harness.make_launchers(opts, Launcher)
         bench = Bench(tmp, env, relaunch, torchrun)
-        print(
-            f"bench_launch: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-            f"{time.strftime('%Y-%m-%d')}"
-        )
-        print(f"  relaunch: {opts.relaunch} ({relaunch_source()})")
-        print(
-            f"  torchrun: {opts.torchrun}"
-            + (f" (not run: {torchrun.unavailable})" if torchrun.unavailable else "")
-        )
-        bytecode = "as the environment has it" if opts.no_bytecode_cache else "cached (own prefix)"
-        print(f"  bytecode: {bytecode}")
-        print(f"  load average: {load_average()}")
-        if not subreaper:
-            print("  note: not a child subreaper; orphans of a launcher cannot be checked")
+        _harness.print_header("bench_launch", opts, torchrun.unavailable, subreaper)
         checks: list[Check] = []
         if "startup" in only:
             checks += bench_startup(
@@ -794,19 +564,11 @@ def main() -> int:
             checks += bench_restart(bench, opts.reps)
         if "stop" in only:
             checks += bench_stop(bench, opts.reps)
-        collect_orphans(bench)
+        bench.collect()
 
     leftovers = bench.leftovers
     checks.append(Check("processes left behind", str(len(leftovers)), "0", not leftovers))
-    print("\nsummary (budgets apply to relaunch)")
-    width = max(len(check.what) for check in checks)
-    mwidth = max(len(check.measured) for check in checks)
-    bwidth = max(len(check.budget) for check in checks)
-    for check in checks:
-        print(
-            f"  {check.what:<{width}}  {check.measured:>{mwidth}}  {check.budget:>{bwidth}}"
-            f"  {verdict(check.ok)}"
-        )
+    _harness.print_summary(checks)
     for leftover in leftovers:
         print(f"  left behind (killed): {leftover}")
     print(f"total time {time.perf_counter() - started:.1f} s")

@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from _harness import Check, log, print_summary, temp_dir, verdict
 
 from relaunch import Std, start_processes
 
@@ -62,18 +63,8 @@ for i in range(count):
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def log(message: str) -> None:
-    """Progress goes to stderr: stdout is redirected during some measurements."""
-    print(message, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def fresh_log_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="relaunch-bench-")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def fresh_log_dir() -> contextlib.AbstractContextManager[str]:
+    return temp_dir("relaunch-bench-")
 
 
 @contextlib.contextmanager
@@ -138,14 +129,6 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     """Nearest-rank percentile of an already sorted list."""
     index = max(0, min(len(sorted_values) - 1, math.ceil(fraction * len(sorted_values)) - 1))
     return sorted_values[index]
-
-
-@dataclass
-class Check:
-    what: str
-    measured: str
-    budget: str
-    ok: bool
 
 
 # -- 1. start-up overhead ---------------------------------------------------------------------
@@ -432,10 +415,6 @@ def bench_latency(count: int, gap: float) -> list[Check]:
 # -- main --------------------------------------------------------------------------------------
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 def leftover_children() -> list[str]:
     """Our children still alive, other than relaunch's orphan guardian (it exits with us)."""
     from relaunch.procs.guardian import guardian
@@ -486,13 +465,7 @@ def main() -> int:
 
     leftovers = leftover_children()
     checks.append(Check("processes left behind", str(len(leftovers)), "0", not leftovers))
-    print("\nsummary")
-    width = max(len(check.what) for check in checks)
-    mwidth = max(len(check.measured) for check in checks)
-    bwidth = max(len(check.budget) for check in checks)
-    for check in checks:
-        measured, budget, ok = check.measured, check.budget, verdict(check.ok)
-        print(f"  {check.what:<{width}}  {measured:>{mwidth}}  {budget:>{bwidth}}  {ok}")
+    print_summary(checks, "summary")
     for leftover in leftovers:
         print(f"  left behind: {leftover}")
     print(f"total time {time.perf_counter() - started:.1f} s")

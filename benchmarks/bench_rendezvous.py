@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import re
 import resource
 import select
-import shlex
-import shutil
 import signal
 import socket
 import statistics
@@ -34,9 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import _harness
+from _harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 
 JOIN_NODES = (2, 4, 8)
 JOIN_BUDGET_S = 1.5  # launch -> every worker has printed its first line, every K
@@ -66,9 +66,6 @@ STAGGER_S = 0.005
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
 LINE_TIMEOUT_S = 60.0  # give up on launchers that print nothing for this long
 
-RELAUNCH = "relaunch"
-TORCHRUN = "torchrun"
-
 #: The worker scripts, written to a temporary directory; both launchers run them as
 #: ``python -u SCRIPT ARGS``.
 SCRIPTS = {
@@ -93,29 +90,6 @@ while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
 STARTED_RE = re.compile(rb"started (\d+(?:\.\d+)?) rank (\d+) world (\d+)(?: pid (\d+))?")
 
 
-class BenchError(Exception):
-    """One run of one side went wrong; that side is dropped from the measurement."""
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def verdict(ok: bool | None) -> str:
-    return "SKIP" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def median(samples: Sequence[float]) -> float:
-    return statistics.median(samples) if samples else float("nan")
-
-
-def fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None or value != value else format(value, spec)
-
-
 def spread(values: Sequence[float], spec: str = ".0f") -> str:
     """``median [min-max]``, or ``-``."""
     if not values:
@@ -124,20 +98,8 @@ def spread(values: Sequence[float], spec: str = ".0f") -> str:
 
 
 @dataclass
-class Check:
-    what: str
-    measured: str
-    budget: str
-    ok: bool | None  # None: not measured
-
-
-@dataclass
-class Launcher:
+class Launcher(_harness.Launcher):
     """A launcher command line; the flags are torchrun's, passed to both launchers as they are."""
-
-    name: str
-    prefix: list[str]
-    unavailable: str | None = None  # why it cannot run at all
 
     def argv(
         self, nnodes: str, port: int, run_id: str, conf: str, script: str, *args: str
@@ -151,18 +113,11 @@ class Launcher:
 
 
 @dataclass
-class Bench:
-    """Shared state: the temporary directory, the environment, what was left behind."""
+class Bench(_harness.Bench[Launcher]):
+    """Shared state (see _harness.Bench), and what was left behind."""
 
-    tmp: str
-    env: dict[str, str]
-    relaunch: Launcher
-    torchrun: Launcher
     leftovers: dict[str, list[str]] = field(default_factory=dict)
     _runs: int = 0
-
-    def script(self, name: str) -> str:
-        return os.path.join(self.tmp, name)
 
     def launchers(self) -> list[Launcher]:
         return [lch for lch in (self.relaunch, self.torchrun) if lch.unavailable is None]
@@ -172,85 +127,13 @@ class Bench:
         self._runs += 1
         return tempfile.mkdtemp(prefix=f"{self._runs:03d}-{what}-", dir=self.tmp)
 
-
-# -- processes: orphans, liveness, clean-up ----------------------------------------------------
-
-
-def become_subreaper() -> bool:
-    """Adopt our launchers' orphans (prctl PR_SET_CHILD_SUBREAPER) so that none escapes us."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(36, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
+    def collect(self, side: str) -> None:
+        """Kill what the last run left behind; note it against ``side``."""
+        if killed := _harness.collect_orphans():
+            self.leftovers.setdefault(side, []).extend(killed)
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of ``pid``, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            stat = file.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie counts as gone); reaps it if it is our zombie."""
-    stat = proc_stat(pid)
-    if stat is None:
-        return False
-    if stat[0] in "ZX":
-        if stat[1] == os.getpid():
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-        return False
-    return True
-
-
-def our_children() -> list[int]:
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = proc_stat(int(entry))
-            if stat is not None and stat[1] == me:
-                found.append(int(entry))
-    return found
-
-
-def kill_pid(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def cmdline(pid: int) -> str:
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as file:
-        return file.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    return "?"
-
-
-def collect_orphans(bench: Bench, side: str, grace: float = 3.0) -> None:
-    """Call with no launcher running: every child of ours now is an adopted orphan. Reap those
-    that exit within ``grace`` (relaunch's guardian exits when its launcher has); kill the rest,
-    by pid, and report them against ``side``."""
-    deadline = time.monotonic() + grace
-    while True:
-        live = [pid for pid in our_children() if alive(pid)]
-        if not live:
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    for pid in live:
-        stat = proc_stat(pid)
-        bench.leftovers.setdefault(side, []).append(
-            f"pid {pid} ({stat[0] if stat else '?'}) {cmdline(pid)[:80]}"
-        )
-        kill_pid(pid)
-    time.sleep(0.05)
-    for pid in live:
-        alive(pid)  # reaps the zombie
+# -- processes ---------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -278,7 +161,7 @@ class Agents:
     def __exit__(self, *exc_info: object) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                kill_pid(proc.pid)
+                _harness.kill_pid(proc.pid)
             proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
@@ -361,33 +244,6 @@ class Agents:
         return [proc.returncode for proc in self.procs]
 
 
-def alternate(sides: list[str], rep: int) -> list[str]:
-    """Rotate the order each repetition, so that no side always runs first."""
-    k = rep % len(sides) if sides else 0
-    return sides[k:] + sides[:k]
-
-
-def run_alternating(
-    sides: dict[str, Callable[[int], Any]],
-    reps: dict[str, int],
-    bench: Bench,
-    errors: dict[str, str],
-) -> dict[str, list]:
-    """``reps[side]`` runs of each side, interleaved; a side that fails once is dropped."""
-    samples: dict[str, list] = {side: [] for side in sides}
-    for rep in range(max(reps.values(), default=0)):
-        for side in alternate(list(sides), rep):
-            if side in errors or len(samples[side]) >= reps[side]:
-                continue
-            try:
-                samples[side].append(sides[side](rep))
-            except BenchError as exc:
-                errors[side] = str(exc)
-                log(f"  {side}: {exc}")
-            collect_orphans(bench, side)
-    return samples
-
-
 def note_errors(bench: Bench, errors: dict[str, str]) -> None:
     for lch in (bench.relaunch, bench.torchrun):
         reason = lch.unavailable or errors.get(lch.name)
@@ -453,7 +309,7 @@ def bench_join(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
             for lch in bench.launchers()
         }
         counts = {side: torchrun_reps if side == TORCHRUN else reps for side in sides}
-        samples = run_alternating(sides, counts, bench, errors)
+        samples = _harness.run_alternating(sides, counts, errors, bench.collect)
         rows.append((nodes, samples))
 
     print("\n1. K agents started at once (--nnodes K --nproc-per-node 1 --rdzv-backend c10d),")
@@ -542,7 +398,7 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
         bound = time.monotonic() + DEATH_BOUND_S
         recovered, gone_ms = None, None
         while time.monotonic() < bound and (recovered is None or gone_ms is None):
-            if gone_ms is None and not alive(victim_worker):
+            if gone_ms is None and not _harness.alive(victim_worker):
                 gone_ms = (time.time() - killed) * 1e3
             item = read(0.01)
             if (
@@ -555,12 +411,12 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
                 recovered = latest[host]
             if agents.procs[host].poll() is not None:
                 break
-        if gone_ms is None and alive(victim_worker):
+        if gone_ms is None and _harness.alive(victim_worker):
             orphans.append(victim_worker)
         state = ""
         if recovered is None:
             world, pid = latest[host][:2]
-            running = "still runs" if alive(pid) else "is gone"
+            running = "still runs" if _harness.alive(pid) else "is gone"
             state = f"no restart: its world-{world} worker {running} at {DEATH_BOUND_S:g} s; "
         # Let the workers finish (exit 0): relaunch's survivor then leaves its exit barrier and
         # exits 0. Whatever still runs after 5 s is killed, by pid.
@@ -573,8 +429,8 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
         if code is not None and code != 0 and launcher.name == RELAUNCH:
             host_end += f" ({agents.stderr_tail(host)})"
     for pid in orphans:  # the killed node's worker, if its launcher left it running
-        if alive(pid):
-            kill_pid(pid)
+        if _harness.alive(pid):
+            _harness.kill_pid(pid)
     if recovered is None:
         return DeathRun(False, None, None, gone_ms, host_end)
     return DeathRun(
@@ -592,7 +448,7 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     }
     counts = {side: torchrun_reps if side == TORCHRUN else reps for side in sides}
     errors: dict[str, str] = {}
-    samples = run_alternating(sides, counts, bench, errors)
+    samples = _harness.run_alternating(sides, counts, errors, bench.collect)
     print(
         f"\n2. --nnodes 1:2, both agents started at once (is_host=1, is_host=0); SIGKILL of the"
         f"\n   one that does not host the store {DEATH_SETTLE_S:g} s + (rep mod 5) x "
@@ -943,51 +799,6 @@ def bench_sim(bench: Bench, reps: int) -> list[Check]:
 # -- main --------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def bench_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="relaunch-bench-rdzv-")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def load_average() -> str:
-    with contextlib.suppress(OSError), open("/proc/loadavg") as file:
-        return " ".join(file.read().split()[:3])
-    return "?"
-
-
-def relaunch_source() -> str:
-    """Where ``import relaunch`` comes from, with the git state of that tree when there is one."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import relaunch; print(relaunch.__file__)"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        return "import relaunch fails"
-    package = os.path.dirname(probe.stdout.strip())
-    try:
-        git = subprocess.run(
-            ["git", "-C", package, "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        )
-    except OSError:
-        return package
-    return package + (f", git {git.stdout.strip()}" if git.returncode == 0 else "")
-
-
-def find_torchrun(prefix: list[str]) -> str | None:
-    """None when the torchrun command is usable; else why not."""
-    if prefix[:3] == [sys.executable, "-m", "torch.distributed.run"]:
-        probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
-        if probe.returncode != 0:
-            return "import torch fails"
-    return None
-
-
 def warm_up(bench: Bench) -> None:
     """One untimed single-node c10d run of each launcher: fills the bytecode cache with every
     module the measurements import, and drops a launcher that cannot run at all."""
@@ -997,7 +808,7 @@ def warm_up(bench: Bench) -> None:
         except (BenchError, OSError) as exc:
             lch.unavailable = f"the warm-up run failed: {exc}"
             log(f"  {lch.name}: {lch.unavailable}")
-        collect_orphans(bench, lch.name)
+        bench.collect(lch.name)
 
 
 def main() -> int:
@@ -1019,63 +830,19 @@ def main() -> int:
         choices=("join", "death", "sim"),
         help="run only these measurements (repeatable)",
     )
-    parser.add_argument("--no-torchrun", action="store_true", help="measure relaunch only")
-    parser.add_argument(
-        "--relaunch",
-        default=f"{shlex.quote(sys.executable)} -m relaunch",
-        help="the relaunch command (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--torchrun",
-        default=f"{shlex.quote(sys.executable)} -m torch.distributed.run",
-        help="the torchrun command (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--no-bytecode-cache",
-        action="store_true",
-        help="run the launchers with the environment's bytecode settings as they are",
+    _harness.add_launcher_options(
+        parser, "run the launchers with the environment's bytecode settings as they are"
     )
     opts = parser.parse_args()
     only = set(opts.only or ("join", "death", "sim"))
 
-    subreaper = become_subreaper()
+    subreaper = _harness.become_subreaper()
     started = time.perf_counter()
-    with bench_dir() as tmp:
-        for name, text in SCRIPTS.items():
-            with open(os.path.join(tmp, name), "w") as file:
-                file.write(text)
-        os.mkdir(os.path.join(tmp, "tmp"))
-        # Same environment for every side. TMPDIR keeps the launchers' log directories inside
-        # ours; PYTHONUNBUFFERED makes torchrun's tee reach a pipe at once, as on a terminal.
-        env = {**os.environ, "TMPDIR": os.path.join(tmp, "tmp"), "PYTHONUNBUFFERED": "1"}
-        if not opts.no_bytecode_cache:
-            # Cache bytecode as an installed package would, even where PYTHONDONTWRITEBYTECODE
-            # is set and the sources have no __pycache__ (an editable install): in a tree of
-            # our own, so that nothing is written next to the sources. The warm-up fills it.
-            env.pop("PYTHONDONTWRITEBYTECODE", None)
-            env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
-        torchrun_prefix = shlex.split(opts.torchrun)
-        relaunch = Launcher(RELAUNCH, shlex.split(opts.relaunch))
-        torchrun = Launcher(
-            TORCHRUN,
-            torchrun_prefix,
-            unavailable="--no-torchrun" if opts.no_torchrun else find_torchrun(torchrun_prefix),
-        )
+    with _harness.temp_dir("relaunch-bench-rdzv-") as tmp:
+        env = _harness.prepare(tmp, SCRIPTS, not opts.no_bytecode_cache)
+        relaunch, torchrun = _harness.make_launchers(opts, Launcher)
         bench = Bench(tmp, env, relaunch, torchrun)
-        print(
-            f"bench_rendezvous: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-            f"{time.strftime('%Y-%m-%d')}"
-        )
-        print(f"  relaunch: {opts.relaunch} ({relaunch_source()})")
-        print(
-            f"  torchrun: {opts.torchrun}"
-            + (f" (not run: {torchrun.unavailable})" if torchrun.unavailable else "")
-        )
-        bytecode = "as the environment has it" if opts.no_bytecode_cache else "cached (own prefix)"
-        print(f"  bytecode: {bytecode}")
-        print(f"  load average: {load_average()}")
-        if not subreaper:
-            print("  note: not a child subreaper; orphans of a launcher cannot be checked")
+        _harness.print_header("bench_rendezvous", opts, torchrun.unavailable, subreaper)
         checks: list[Check] = []
         if only & {"join", "death"}:
             log("warm-up: one single-node c10d run of each launcher")
@@ -1086,19 +853,11 @@ def main() -> int:
             checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
         if "sim" in only:
             checks += bench_sim(bench, opts.sim_reps)
-        collect_orphans(bench, RELAUNCH)
+        bench.collect(RELAUNCH)
 
     ours = bench.leftovers.get(RELAUNCH, [])
     checks.append(Check("relaunch processes left behind", str(len(ours)), "0", not ours))
-    print("\nsummary (budgets apply to relaunch)")
-    width = max(len(check.what) for check in checks)
-    mwidth = max(len(check.measured) for check in checks)
-    bwidth = max(len(check.budget) for check in checks)
-    for check in checks:
-        print(
-            f"  {check.what:<{width}}  {check.measured:>{mwidth}}  {check.budget:>{bwidth}}"
-            f"  {verdict(check.ok)}"
-        )
+    _harness.print_summary(checks)
     for side, leftovers in bench.leftovers.items():
         for leftover in leftovers:
             print(f"  left behind by {side} (killed): {leftover}")

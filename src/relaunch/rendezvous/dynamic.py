@@ -81,6 +81,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._change_lock = threading.Lock()
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # Set once the job is over for this node (closed, or its store gone with the node that
+        # hosted it): from then on nothing more is written, and nothing waits to reconnect.
+        self._finished = False
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -180,9 +183,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._store.watch(done_key, current.version,
                                   min(left, self.settings.keep_alive_interval))  # fmt: skip
         except StoreConnectionError:
-            return  # the hosting node finished and left: everyone is done
+            self._finished = True  # the hosting node finished and left: everyone is done
 
     def set_closed(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
         round_ = self._round or 0
         try:
             self._store.set(self._key("closed"), b"1")
@@ -198,7 +204,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
-        if self._round is not None and self._final is not None:
+        if self._round is not None and self._final is not None and not self._finished:
             try:
                 # Leaving before the job finished: the others re-form without this node. This
                 # also wakes this node's own watcher, so its connection can close.
