@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -431,9 +430,6 @@ def _setting(params: RendezvousParameters, key: str, default: float, whole: bool
 
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
-    from relaunch.store.client import TcpStore
-    from relaunch.store.server import TcpStoreServer
-
     host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
     token = params.get("token") or os.environ.get(TOKEN_ENV) or None
     timeout = _setting(params, "timeout", 60)
@@ -456,6 +452,11 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         return DynamicRendezvousHandler(params.run_id, memory, settings, local_world_size,
                                         host, memory, backend=params.backend,
                                         watch_store=memory)  # fmt: skip
+    import socket
+
+    from relaunch.store.client import TcpStore
+    from relaunch.store.server import TcpStoreServer
+
     server: TcpStoreServer | None = None
     if is_host is None or _truthy(is_host):
         try:

@@ -1,4 +1,10 @@
-"""Stores: the small key-value service rendezvous runs on (built-in TCP, in-memory, etcd later)."""
+"""Stores: the small key-value service rendezvous runs on (built-in TCP, in-memory, etcd later).
+
+The TCP client and server load on first use, so a single-node launch never imports sockets,
+hmac or hashlib.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from relaunch.store.api import (
     CasResult,
@@ -10,9 +16,11 @@ from relaunch.store.api import (
     StoreTimeout,
     Versioned,
 )
-from relaunch.store.client import TcpStore
 from relaunch.store.memory import MemoryStore
-from relaunch.store.server import TcpStoreServer
+
+if TYPE_CHECKING:
+    from relaunch.store.client import TcpStore
+    from relaunch.store.server import TcpStoreServer
 
 __all__ = [
     "CasResult",
@@ -27,3 +35,15 @@ __all__ = [
     "TcpStoreServer",
     "Versioned",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TcpStore":
+        from relaunch.store.client import TcpStore
+
+        return TcpStore
+    if name == "TcpStoreServer":
+        from relaunch.store.server import TcpStoreServer
+
+        return TcpStoreServer
+    raise AttributeError(f"module 'relaunch.store' has no attribute {name!r}")
