@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import threading
 from collections.abc import Callable
@@ -93,7 +92,3 @@ class ProcessHandle:
         except ValueError:
             pass  # still running: only possible when it could not be killed
 
-
-def terminate_all(handles: list[PopenHandle | ProcessHandle], sig: int = signal.SIGKILL) -> None:
-    for handle in handles:
-        signal_tree(handle.pid, sig)
