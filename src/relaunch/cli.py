@@ -26,8 +26,10 @@ from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
     BACKENDS,
     PLANNED_BACKENDS,
+    TOKEN_ENV,
     RendezvousClosedError,
     RendezvousError,
+    is_loopback,
     parse_endpoint,
 )
 
@@ -401,11 +403,8 @@ def _raise_signal(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"relaunch got {sigval.name}", sigval)
 
 
-TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
-
-
 def _loopback(host: str) -> str:
-    if host not in ("127.0.0.1", "::1", "localhost") and not host.startswith("127."):
+    if not is_loopback(host):
         raise argparse.ArgumentTypeError(
             f"the standalone store listens on loopback only, got {host!r}: use 127.0.0.1"
         )

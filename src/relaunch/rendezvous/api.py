@@ -12,6 +12,15 @@ BACKENDS = ("c10d", "tcp", "static")
 PLANNED_BACKENDS = ("etcd", "etcd-v2")
 
 
+#: The environment variable that holds the rendezvous store's shared token.
+TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 class RendezvousError(Exception):
     """The rendezvous could not complete; the message says what it waited for."""
 

@@ -23,11 +23,13 @@ from typing import Any
 
 from relaunch.core import rendezvous as plan
 from relaunch.rendezvous.api import (
+    TOKEN_ENV,
     RendezvousClosedError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    is_loopback,
     parse_endpoint,
 )
 from relaunch.rendezvous.static import find_free_port
@@ -35,13 +37,8 @@ from relaunch.store.api import Store, StoreConnectionError, StoreError, StoreTim
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
 DEFAULT_PORT = 29400
 CLOSED = b"closed"
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _truthy(value: Any) -> bool:
@@ -465,7 +462,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         except OSError as exc:
             if is_host is not None:
                 raise RendezvousError(f"cannot host the store on {host}:{port}: {exc}") from None
-    local_addr = params.local_addr or (host if _is_loopback(host) else socket.getfqdn())
+    local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
     on_shutdown = (server.stop,) if server is not None else ()
     try:
         store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
