@@ -8,8 +8,10 @@ demo:
 	$(PIP) -e .
 	relaunch --nproc-per-node 4 --tee 3 examples/hello.py
 
+# Tests run real etcd members on free loopback ports; Debian's etcd-server provides the binary.
 install-test:
 	$(PIP) -e '.[test]'
+	command -v etcd >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || command -v sudo); $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
 
 lint:
 	$(PYTHON) -m ruff check .

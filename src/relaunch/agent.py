@@ -21,10 +21,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.core.failures import format_report
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, WorkerRanks, ranks_at_offset, worker_env
 from relaunch.core.restart import Action, decide
-from relaunch.core.streams import Std
+from relaunch.core.streams import Std, per_rank
 from relaunch.events import (
     EventHandler,
     EventSource,
@@ -41,6 +42,7 @@ from relaunch.procs.context import (
 )
 from relaunch.procs.errors import ProcessFailure, SignalException
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler, RendezvousInfo
+from relaunch.watchdog import Watchdog, timers_enabled_by_env
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,10 @@ class LocalElasticAgent:
     ``events`` is the agent-to-worker control channel (graceful stop, progress); it is accepted
     now and used from the release that adds it. Status events go to ``event_handler`` and
     metrics to ``metrics`` (both discard by default).
+
+    ``timers`` runs a file timer server for ``relaunch.timer.expires`` in the workers (by
+    default when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); ``hang_timeout`` restarts the group when
+    a worker shows no sign of life for that many seconds, with its stack in the report.
     """
 
     def __init__(
@@ -165,6 +171,8 @@ class LocalElasticAgent:
         *,
         event_handler: EventHandler | None = None,
         metrics: Metrics | None = None,
+        timers: bool | None = None,
+        hang_timeout: float | None = None,
     ) -> None:
         self._worker_group = WorkerGroup(spec)
         self._start_method = start_method
@@ -177,6 +185,11 @@ class LocalElasticAgent:
         self._ranks: list[WorkerRanks] = []
         self._log_dir = self._make_log_dir(log_dir, spec.rdzv_handler.get_run_id())
         self._started_at = time.monotonic()
+        self._watchdog = Watchdog(
+            spec.rdzv_handler.get_run_id(),
+            timers_enabled_by_env() if timers is None else timers,
+            hang_timeout,
+        )  # fmt: skip
 
     @staticmethod
     def _make_log_dir(log_dir: str | None, run_id: str) -> str:
@@ -198,6 +211,7 @@ class LocalElasticAgent:
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
         self._started_at = time.monotonic()
+        self._watchdog.start()
         try:
             result = self._invoke_run()
         except SignalException as exc:
@@ -208,6 +222,8 @@ class LocalElasticAgent:
             self._stop_workers(signal.SIGTERM)
             self._record_agent_event(WorkerState.FAILED)
             raise
+        finally:
+            self._watchdog.close()
         self._stop_workers(signal.SIGTERM)
         self._record_run_events(result)
         return result
@@ -221,11 +237,17 @@ class LocalElasticAgent:
         while True:
             assert self._pcontext is not None
             watching = spec.rdzv_handler.watches_membership
-            outcome = self._pcontext.wait(spec.monitor_interval if watching else -1)
+            wait_for = spec.monitor_interval if watching else -1.0
+            check_in = self._watchdog.check()  # hung workers; when to look again
+            if check_in is not None:
+                wait_for = check_in if wait_for < 0 else min(wait_for, check_in)
+            outcome = self._pcontext.wait(wait_for)
             if outcome is None:
                 state = GroupState.RUNNING
             else:
                 state = GroupState.FAILED if outcome.is_failed() else GroupState.SUCCEEDED
+            if outcome is not None and outcome.is_failed():
+                self._watchdog.explain(outcome.failures, self._pcontext.stderrs)
             change = spec.rdzv_handler.membership_change() if watching else None
             decision = decide(state, self._restarts_left, change)
             if decision.action is Action.CONTINUE:
@@ -248,6 +270,10 @@ class LocalElasticAgent:
                 return self._failed(outcome)
             if decision.uses_restart:
                 self._restarts_left -= 1
+            if outcome is not None and outcome.is_failed():
+                log.warning("%s", format_report(
+                    spec.role, self._by_global_rank(outcome.failures), os.uname().nodename,
+                    self._by_global_rank(outcome.stopped)))  # fmt: skip
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
                 role, decision.reason, self._restarts_left,
@@ -313,7 +339,9 @@ class LocalElasticAgent:
             restart_count=self.restart_count,
             max_restarts=spec.max_restarts,
         )
-        envs = {ranks.local_rank: worker_env(ranks, context, os.environ) for ranks in self._ranks}
+        extra_env = self._watchdog.worker_env()
+        envs = {ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
+                for ranks in self._ranks}  # fmt: skip
         # A membership change keeps the attempt number: its logs replace the interrupted ones.
         attempt_dir = os.path.join(self._log_dir, f"attempt_{self.restart_count}")
         shutil.rmtree(attempt_dir, ignore_errors=True)
@@ -326,12 +354,27 @@ class LocalElasticAgent:
             log_dir=attempt_dir,
             start_method=self._start_method,
             redirects=spec.redirects,
-            tee=spec.tee,
+            tee=self._tee(),
             shutdown_timeout=spec.shutdown_timeout,
         )
-        for worker, pid in zip(group.workers, self._pcontext.pids().values(), strict=True):
+        pids = self._pcontext.pids()
+        for worker, pid in zip(group.workers, pids.values(), strict=True):
             worker.id = pid
+        stdouts, stderrs = self._pcontext.stdouts, self._pcontext.stderrs
+        log_files = {rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path]
+                     for rank in pids}  # fmt: skip
+        self._watchdog.watch(pids, log_files, self._pcontext.running)
         group.state = WorkerState.HEALTHY
+
+    def _tee(self) -> Std | dict[int, Std]:
+        """The spec's tee; with a hang timeout, streams left on the console are tee'd too, so
+        that their output counts as a sign of life and a hung worker's stack is on file."""
+        spec = self._worker_group.spec
+        if self._watchdog.hang_timeout is None:
+            return spec.tee
+        redirects = per_rank(spec.redirects, spec.local_world_size)
+        return {rank: Std(std | (Std.ALL & ~redirects[rank]))
+                for rank, std in per_rank(spec.tee, spec.local_world_size).items()}  # fmt: skip
 
     def _stop_workers(self, death_sig: signal.Signals) -> None:
         if self._pcontext is not None:

@@ -25,7 +25,6 @@ from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
     BACKENDS,
-    PLANNED_BACKENDS,
     TOKEN_ENV,
     RendezvousClosedError,
     RendezvousError,
@@ -113,9 +112,10 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
 
 
 def _endpoint(text: str) -> str:
-    if text:
+    """``HOST:PORT``, or for etcd a list of members ``HOST:PORT,HOST:PORT`` (``http(s)://``)."""
+    for item in text.split(",") if text else ():
         try:
-            parse_endpoint(text, default_port=0)
+            parse_endpoint(item.partition("://")[2] or item, default_port=0)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -186,9 +186,10 @@ FLAGS = [
           metavar="ADDR"),
     _Flag("rendezvous", ("--standalone",), "one node: a local rendezvous on a free port, "
           "nothing to set up", switch=True),
-    _Flag("rendezvous", ("--rdzv-backend",), "rendezvous backend", "static", metavar="NAME"),
-    _Flag("rendezvous", ("--rdzv-endpoint",), "rendezvous endpoint", "", _endpoint,
-          metavar="HOST:PORT"),
+    _Flag("rendezvous", ("--rdzv-backend",), "rendezvous backend: c10d (the built-in store), "
+          "etcd (an etcd v3 cluster) or static", "static", metavar="NAME"),
+    _Flag("rendezvous", ("--rdzv-endpoint",), "rendezvous endpoint (etcd: the members, "
+          "comma-separated)", "", _endpoint, metavar="HOST:PORT"),
     _Flag("rendezvous", ("--rdzv-id",), "job id shared by every node of the job", "none",
           metavar="ID"),
     _Flag("rendezvous", ("--rdzv-conf",), "extra rendezvous settings", "", parse_rdzv_conf,
@@ -199,6 +200,11 @@ FLAGS = [
           _seconds(positive=True), metavar="SECONDS"),
     _Flag("restarts", ("--shutdown-timeout",), "seconds between the stop signal and SIGKILL",
           DEFAULT_SHUTDOWN_TIMEOUT, _seconds(positive=False), metavar="SECONDS"),
+    _Flag("restarts", ("--timers",), "serve expiry timers (relaunch.timer.expires) to the "
+          "workers; also on with TORCHELASTIC_ENABLE_FILE_TIMER=1", switch=True),
+    _Flag("restarts", ("--hang-timeout",), "restart the group when a worker shows no sign of "
+          "life (output, timer activity) for this long, with its stack in the report", None,
+          _seconds(positive=True), metavar="SECONDS"),
     _Flag("restarts", ("--signals-to-handle",), "signals that stop the workers and relaunch",
           DEFAULT_SIGNALS, _signals, metavar="SIGNALS"),
     _Flag("workers", ("--role",), "name of the workers' role", "default", metavar="NAME"),
@@ -348,11 +354,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         backend, endpoint, run_id = "c10d", "127.0.0.1:0", new_run_id()
         rdzv_configs["is_host"] = "true"
     if backend not in BACKENDS:
-        if backend in PLANNED_BACKENDS:
-            raise UsageError(
-                f"--rdzv-backend {backend} is not available in this release: use c10d (the "
-                "built-in store), or static with --node-rank and --master-addr"
-            )
         raise UsageError(f"--rdzv-backend {backend!r} is unknown: valid backends are "
                          + ", ".join(BACKENDS))  # fmt: skip
     if backend == "static" and not endpoint:
@@ -371,6 +372,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         rdzv_configs["rank"] = args.node_rank
     elif not endpoint:
         raise UsageError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+    elif "," in endpoint and not backend.startswith("etcd"):
+        raise UsageError(f"--rdzv-backend {backend} takes one --rdzv-endpoint HOST:PORT; a "
+                         "list of members is for --rdzv-backend etcd")  # fmt: skip
     redirects, tee = _console_filter(args, nproc)
     from relaunch.events import event_handler_from_spec
 
@@ -394,6 +398,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         local_addr=args.local_addr,
         shutdown_timeout=args.shutdown_timeout,
         event_log_handler=args.event_log_handler,
+        timers=True if args.timers else None,
+        hang_timeout=args.hang_timeout,
     )
     return config, entrypoint, entry_args
 
@@ -444,7 +450,9 @@ def store_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``relaunch`` command and return its exit status."""
-    logging.basicConfig(format="relaunch: %(message)s", level=logging.WARNING)
+    level = os.environ.get("LOGLEVEL", "WARNING").upper()  # torchrun's variable
+    logging.basicConfig(format="relaunch: %(message)s",
+                        level=level if isinstance(logging.getLevelName(level), int) else "WARNING")
     arguments = sys.argv[1:] if argv is None else list(argv)
     if arguments[:1] == ["store"]:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})

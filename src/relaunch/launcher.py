@@ -50,6 +50,10 @@ class LaunchConfig:
     local_addr: str | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     event_log_handler: str = "null"
+    #: Run a file timer server for ``relaunch.timer.expires`` (None: when
+    #: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); restart when a worker hangs this many seconds.
+    timers: bool | None = None
+    hang_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.min_nodes <= self.max_nodes:
@@ -63,6 +67,15 @@ class LaunchConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.rdzv_timeout > 0:
             self.rdzv_configs.setdefault("timeout", self.rdzv_timeout)
+
+    def __repr__(self) -> str:
+        from dataclasses import fields
+
+        from relaunch.rendezvous.api import redacted
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["rdzv_configs"] = redacted(self.rdzv_configs)
+        return "LaunchConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
 class elastic_launch:
@@ -126,7 +139,7 @@ def launch_agent(
     )
     agent = LocalElasticAgent(
         spec, config.start_method, log_dir=config.log_dir, event_handler=event_handler,
-        metrics=metrics,
+        metrics=metrics, timers=config.timers, hang_timeout=config.hang_timeout,
     )  # fmt: skip
     try:
         result = agent.run()

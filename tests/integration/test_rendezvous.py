@@ -1,4 +1,5 @@
-"""Several relaunch agents, each a real process, forming one job on the built-in store."""
+"""Several relaunch agents, each a real process, forming one job: on the built-in store and on
+a real etcd member (the same tests for both backends)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 from conftest import LeakCheck, wait_until
@@ -26,14 +30,45 @@ def script(tmp_path, body: str, name: str = "job.py") -> str:
 
 
 def agent(
-    leaks: LeakCheck, endpoint: str, job: str, *flags: str, env: dict[str, str] | None = None
+    leaks: LeakCheck,
+    endpoint: str,
+    job: str,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    backend: str = "c10d",
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "relaunch", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-         "--tee", "1", *flags, job],
+        [sys.executable, "-m", "relaunch", "--rdzv-backend", backend, "--rdzv-endpoint",
+         endpoint, "--tee", "1", *flags, job],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=leaks.process_env(**(env or {})),
     )  # fmt: skip
+
+
+@dataclass
+class Rendezvous:
+    """Where a test's agents meet: a backend, its endpoint and a job id of the test's own."""
+
+    backend: str
+    endpoint: str
+    #: Whether the first agent started is up for others to join (c10d: it hosts the store).
+    ready: Callable[[], bool]
+    run_id: str = ""
+
+    def agent(self, leaks: LeakCheck, job: str, *flags: str) -> subprocess.Popen[str]:
+        return agent(leaks, self.endpoint, job, "--rdzv-id", self.run_id, *flags,
+                     backend=self.backend)  # fmt: skip
+
+
+@pytest.fixture(params=["c10d", "etcd"])
+def rdzv(request: pytest.FixtureRequest) -> Rendezvous:
+    """The built-in store (hosted by the first agent), or a real etcd member shared by tests."""
+    run_id = uuid.uuid4().hex
+    if request.param == "etcd":
+        etcd = request.getfixturevalue("etcd_shared")
+        return Rendezvous("etcd", etcd.endpoints, lambda: True, run_id)
+    port = find_free_port("127.0.0.1")
+    return Rendezvous("c10d", f"127.0.0.1:{port}", lambda: serving(port), run_id)
 
 
 def serving(port: int) -> bool:
@@ -48,14 +83,15 @@ def lines(output: str) -> list[str]:
     return [line.split(":", 1)[1] for line in output.splitlines() if line.startswith("[")]
 
 
-def test_nodes_of_different_sizes_form_one_world(tmp_path, leaks: LeakCheck) -> None:
+def test_nodes_of_different_sizes_form_one_world(
+    tmp_path, leaks: LeakCheck, rdzv: Rendezvous
+) -> None:
     job = script(tmp_path, """
         import os
         print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["GROUP_RANK"],
               os.environ["GROUP_WORLD_SIZE"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     """)  # fmt: skip
-    endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
-    nodes = [agent(leaks, endpoint, job, "--nnodes", "2", "--nproc-per-node", str(n))
+    nodes = [rdzv.agent(leaks, job, "--nnodes", "2", "--nproc-per-node", str(n))
              for n in (3, 2)]  # fmt: skip
     outputs = [node.communicate(timeout=60)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0]
@@ -69,18 +105,18 @@ def test_nodes_of_different_sizes_form_one_world(tmp_path, leaks: LeakCheck) -> 
         assert len({line.split()[2] for line in lines(out)}) == 1
 
 
-def test_a_killed_node_leaves_the_survivor_to_finish_alone(tmp_path, leaks: LeakCheck) -> None:
+def test_a_killed_node_leaves_the_survivor_to_finish_alone(
+    tmp_path, leaks: LeakCheck, rdzv: Rendezvous
+) -> None:
     job = script(tmp_path, """
         import os, time
         print("world", os.environ["WORLD_SIZE"], flush=True)
         if os.environ["WORLD_SIZE"] == "2":
             time.sleep(120)
     """)  # fmt: skip
-    port = find_free_port("127.0.0.1")
-    endpoint = f"127.0.0.1:{port}"
-    host = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
-    wait_until(lambda: serving(port), what="the first agent to host the store")
-    other = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    wait_until(rdzv.ready, what="the first agent to host the store")
+    other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
     assert other.stdout is not None
     assert other.stdout.readline().endswith("world 2\n")
     other.kill()
@@ -92,19 +128,19 @@ def test_a_killed_node_leaves_the_survivor_to_finish_alone(tmp_path, leaks: Leak
     assert "0 restart(s) left" in err, "a lost node does not use up a restart"
 
 
-def test_a_node_joining_a_running_job_grows_it(tmp_path, leaks: LeakCheck) -> None:
+def test_a_node_joining_a_running_job_grows_it(
+    tmp_path, leaks: LeakCheck, rdzv: Rendezvous
+) -> None:
     job = script(tmp_path, """
         import os, time
         print("world", os.environ["WORLD_SIZE"], flush=True)
         if os.environ["WORLD_SIZE"] == "1":
             time.sleep(120)
     """)  # fmt: skip
-    port = find_free_port("127.0.0.1")
-    endpoint = f"127.0.0.1:{port}"
-    first = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    first = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
     assert first.stdout is not None
     assert first.stdout.readline().endswith("world 1\n")
-    second = agent(leaks, endpoint, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    second = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
     out2, err2 = second.communicate(timeout=60)
     out1, err1 = first.communicate(timeout=60)
     assert (first.returncode, second.returncode) == (0, 0), err1 + err2

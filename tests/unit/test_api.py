@@ -39,6 +39,35 @@ def test_public_names_are_pinned() -> None:
         assert getattr(relaunch, name) is not None
 
 
+def test_timer_names_are_the_seeds() -> None:
+    import relaunch.timer
+
+    assert sorted(relaunch.timer.__all__) == [
+        "FileTimerClient",
+        "FileTimerRequest",
+        "FileTimerServer",
+        "LocalTimerClient",
+        "LocalTimerServer",
+        "RequestQueue",
+        "TimerClient",
+        "TimerRequest",
+        "TimerServer",
+        "configure",
+        "expires",
+        "log_debug_info_for_expired_timers",
+    ]
+
+
+def test_a_single_node_launch_loads_no_timer_etcd_or_network_code() -> None:
+    code = (
+        "import sys, relaunch.cli, relaunch.launcher, relaunch.agent; "
+        "print(sorted({'relaunch.timer', 'relaunch.store.etcd', 'http.client', 'ssl', "
+        "'socket'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_core_is_pure() -> None:
     for path in CORE.glob("*.py"):
         tree = ast.parse(path.read_text())

@@ -72,6 +72,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
             "tee": "2", "local_ranks_filter": "0", "signals_to_handle": "SIGTERM",
             "start_method": "fork", "rdzv_endpoint": "h:1", "monitor_interval": "0.5",
             "shutdown_timeout": "2", "max_restarts": "4", "node_rank": "1", "master_port": "9",
+            "hang_timeout": "30",
         }.get(dest, "x")  # fmt: skip
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]
         from_flag = getattr(parse(*argv), dest)

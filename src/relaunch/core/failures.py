@@ -126,3 +126,18 @@ def format_report(
     if stopped:
         sections.append(f"Stopped because of the failure (not failures): {_ranks(stopped)}")
     return "\n".join(sections)
+
+
+#: How Python's faulthandler starts the stack dump of a process killed by SIGABRT.
+FAULTHANDLER_MARK = "Fatal Python error: Aborted"
+
+
+def faulthandler_dump(stderr_text: str, max_lines: int = 200) -> str:
+    """The last faulthandler stack dump in ``stderr_text`` (every thread's stack), or ""."""
+    start = stderr_text.rfind(FAULTHANDLER_MARK)
+    if start < 0:
+        return ""
+    lines = stderr_text[start:].rstrip("\n").splitlines()
+    if len(lines) > max_lines:
+        lines = [*lines[:max_lines], f"... ({len(lines) - max_lines} more lines in the log)"]
+    return "\n".join(lines)

@@ -208,6 +208,12 @@ class PContext(abc.ABC):
             return {}
         return {rank: worker.pid for rank, worker in self._monitor.workers.items()}
 
+    def running(self) -> set[int]:
+        """The local ranks whose process has not exited (or not been reaped) yet."""
+        if self._monitor is None:
+            return set()
+        return {rank for rank, w in self._monitor.workers.items() if w.exitcode is None}
+
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Wait up to ``timeout`` seconds (forever if negative, a mere check if 0) for the end.
 

@@ -24,6 +24,11 @@ from relaunch.core import failures as core_failures
 log = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: The message of a failure that left neither an error file nor a stderr log.
+NO_DETAIL_HINT = (
+    "no error file and no stderr log: decorate the entrypoint with @relaunch.record, or "
+    "redirect stderr (-r 2), to see the cause here"
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,10 +98,7 @@ class ProcessFailure:
             if tail:
                 failure.message = f"last lines of stderr ({stderr_file}):\n{tail}"
             elif not stderr_file:
-                failure.message = (
-                    "no error file and no stderr log: decorate the entrypoint with "
-                    "@relaunch.record, or redirect stderr (-r 2), to see the cause here"
-                )
+                failure.message = NO_DETAIL_HINT
         return failure
 
 

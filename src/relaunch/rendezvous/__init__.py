@@ -1,7 +1,8 @@
 """Rendezvous: how the agents of a job agree on membership and ranks.
 
-This release has the ``static`` backend (fixed node rank, fixed number of nodes) and the
-single-node ``--standalone`` case; the dynamic backends plug in behind the same handler.
+Backends: ``static`` (fixed node rank, fixed number of nodes), ``c10d``/``tcp`` (elastic, on the
+built-in store one agent hosts) and ``etcd`` (elastic, on an etcd v3 cluster: no single point of
+failure). ``--standalone`` is one node on an in-process store.
 """
 
 from relaunch.rendezvous.api import (

@@ -6,10 +6,11 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Backends this release can run, by ``--rdzv-backend`` name.
-BACKENDS = ("c10d", "tcp", "static")
-#: Backends that exist in torchrun and arrive in a later release of relaunch.
-PLANNED_BACKENDS = ("etcd", "etcd-v2")
+#: Backends this release can run, by ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name
+#: for the dynamic rendezvous on etcd; relaunch speaks etcd's v3 API under both names.
+BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2", "static")
+#: ``--rdzv-conf`` keys whose values never appear in a repr, a log line or an error message.
+SECRET_KEYS = ("password", "token")
 
 
 #: The environment variable that holds the rendezvous store's shared token.
@@ -75,6 +76,17 @@ class RendezvousParameters:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
+
+    def __repr__(self) -> str:
+        return (f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
+                f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, "
+                f"max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
+                f"config={redacted(self.config)!r})")  # fmt: skip
+
+
+def redacted(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the values of secret keys (passwords, tokens) masked."""
+    return {key: "***" if key in SECRET_KEYS else value for key, value in config.items()}
 
 
 class RendezvousHandler(abc.ABC):
@@ -148,11 +160,10 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
         from relaunch.rendezvous.dynamic import create_handler
 
         return create_handler(params)
-    if params.backend in PLANNED_BACKENDS:
-        raise ValueError(
-            f"rendezvous backend {params.backend!r} is not available in this release: use "
-            "--rdzv-backend c10d (the built-in store) or static"
-        )
+    if params.backend in ("etcd", "etcd-v2"):
+        from relaunch.rendezvous.dynamic import create_etcd_handler
+
+        return create_etcd_handler(params)
     raise ValueError(
         f"unknown rendezvous backend {params.backend!r}: valid backends are "
         + ", ".join(BACKENDS)

@@ -8,7 +8,8 @@ Keys, under ``relaunch/{run_id}/``::
     r{n}/node/{ticket}      workers up to and including that node
     r{n}/final              the completed round: members, world size, master address
     r{n}/changed            set when the round must be re-formed, with the reason
-    r{n}/hb/{ticket}        heartbeat counter of a member
+    r{n}/hb/{ticket}        heartbeat of a member: a counter it bumps, or on etcd a key bound
+                            to its lease, which etcd deletes when the member stops renewing it
     r{n}/done               members whose workers finished (the exit barrier)
 """
 
@@ -19,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import rendezvous as plan
 from relaunch.rendezvous.api import (
@@ -34,6 +35,9 @@ from relaunch.rendezvous.api import (
 )
 from relaunch.rendezvous.static import find_free_port
 from relaunch.store.api import Store, StoreConnectionError, StoreError, StoreTimeout
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +63,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: str = "c10d",
         on_shutdown: tuple[Any, ...] = (),
         watch_store: Store | None = None,
+        leases: bool = False,
     ) -> None:
         self._run_id = run_id
         self._store = store
         self._hb_store = heartbeat_store
         self._watch_store = watch_store
+        self._leases = leases
         self.settings = settings
         self._local_world_size = local_world_size
         self._local_addr = local_addr
@@ -392,28 +398,89 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _beat(self, round_: int, ticket: int, count: int, stop: threading.Event) -> None:
         """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
         store, settings = self._hb_store, self.settings
+        pulse: _CounterPulse | _LeasePulse
+        if self._leases:
+            pulse = _LeasePulse(cast("EtcdStore", store), settings)
+        else:
+            pulse = _CounterPulse(store, settings)
         neighbour = plan.ring_neighbour(ticket, count)
-        seen_version, seen_at = -1, time.monotonic()
         try:
             while True:
-                store.add(self._key(f"hb/{ticket}", round_), 1)
+                pulse.beat(self._key(f"hb/{ticket}", round_))
                 if self._watch_store is None:  # nobody blocks on ``changed``: look each beat
                     changed = store.get(self._key("changed", round_)).value
                     if changed is not None:
                         self._flag(json.loads(changed)["reason"])
                 if neighbour is not None:
-                    version = store.get(self._key(f"hb/{neighbour}", round_)).version
-                    now = time.monotonic()
-                    if version != seen_version:
-                        seen_version, seen_at = version, now
-                    elif plan.is_dead(seen_at, now, settings):
-                        self._flag(f"node of group rank {neighbour - 1} lost (no heartbeat for "
-                                   f"{settings.dead_after:g}s)")  # fmt: skip
+                    lost = pulse.lost(self._key(f"hb/{neighbour}", round_), time.monotonic())
+                    if lost:
+                        self._flag(f"node of group rank {neighbour - 1} lost ({lost})")
                 if stop.wait(settings.keep_alive_interval):
+                    pulse.end()
                     return
         except StoreError as exc:
             if not stop.is_set():
                 self._flag(f"lost the rendezvous store: {exc}")
+
+
+class _CounterPulse:
+    """Heartbeats as a counter each member bumps; a neighbour whose counter stands still died."""
+
+    def __init__(self, store: Store, settings: plan.Settings) -> None:
+        self._store, self._settings = store, settings
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def beat(self, key: str) -> None:
+        self._store.add(key, 1)
+
+    def lost(self, key: str, now: float) -> str | None:
+        """Why the member beating at ``key`` counts as dead, or None while it lives."""
+        version = self._store.get(key).version
+        seen_version, seen_at = self._seen.get(key, (-1, now))
+        if version != seen_version:
+            self._seen[key] = (version, now)
+            return None
+        if plan.is_dead(seen_at, now, self._settings):
+            return f"no heartbeat for {self._settings.dead_after:g}s"
+        return None
+
+    def end(self) -> None:
+        pass
+
+
+class _LeasePulse:
+    """Heartbeats as an etcd lease the member renews, holding its key: when the member dies,
+    etcd lets the lease expire and deletes the key, which is how its neighbour learns it."""
+
+    def __init__(self, store: EtcdStore, settings: plan.Settings) -> None:
+        self._store, self._settings = store, settings
+        self._lease: int | None = None
+        self._started = time.monotonic()
+        self._seen: set[str] = set()
+
+    def beat(self, key: str) -> None:
+        if self._lease is not None and self._store.keep_alive(self._lease):
+            return
+        self._lease = self._store.grant_lease(self._settings.dead_after)
+        self._store.set(key, b"", lease=self._lease)
+
+    def lost(self, key: str, now: float) -> str | None:
+        if self._store.get(key).value is not None:
+            self._seen.add(key)
+            return None
+        if key in self._seen:
+            return "its etcd lease expired"
+        if plan.is_dead(self._started, now, self._settings):
+            return f"no heartbeat for {self._settings.dead_after:g}s"
+        return None
+
+    def end(self) -> None:
+        """Revoke the lease, so the key goes at once rather than when the lease runs out."""
+        if self._lease is not None:
+            try:
+                self._store.revoke_lease(self._lease)
+            except StoreError:
+                pass
 
 
 def _setting(params: RendezvousParameters, key: str, default: float, whole: bool = False) -> Any:
@@ -425,12 +492,8 @@ def _setting(params: RendezvousParameters, key: str, default: float, whole: bool
         raise ValueError(f"--rdzv-conf {key}={value!r}: expected {kind}") from None
 
 
-def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
-    host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
-    token = params.get("token") or os.environ.get(TOKEN_ENV) or None
-    timeout = _setting(params, "timeout", 60)
-    settings = plan.Settings(
+def _plan_settings(params: RendezvousParameters) -> plan.Settings:
+    return plan.Settings(
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         join_timeout=_setting(params, "join_timeout", 600),
@@ -438,6 +501,14 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         keep_alive_interval=_setting(params, "keep_alive_interval", 5),
         keep_alive_max_attempt=_setting(params, "keep_alive_max_attempt", 3, whole=True),
     )
+
+
+def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
+    host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
+    token = params.get("token") or os.environ.get(TOKEN_ENV) or None
+    timeout = _setting(params, "timeout", 60)
+    settings = _plan_settings(params)
     is_host = params.get("is_host")
     local_world_size = int(params.get("local_world_size", 1))
     if port == 0 and params.max_nodes == 1 and (is_host is None or _truthy(is_host)):
@@ -478,4 +549,48 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         params.run_id, store, settings, local_world_size, local_addr, heartbeat_store,
         backend=params.backend, on_shutdown=(watch_store.close, *on_shutdown),
         watch_store=watch_store,
+    )  # fmt: skip
+
+
+def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build the handler for ``etcd``: the same rendezvous, on an etcd v3 cluster.
+
+    ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
+    ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
+    """
+    from relaunch.store.etcd import EtcdStore, parse_endpoints
+
+    settings = _plan_settings(params)
+    options = {
+        "protocol": str(params.get("protocol", "http")),
+        "cacert": params.get("cacert"),
+        "cert": params.get("cert"),
+        "key": params.get("key"),
+        "user": params.get("user"),
+        "password": params.get("password"),
+        "timeout": _setting(params, "timeout", 60),
+    }
+    for path_option in ("cacert", "cert", "key"):
+        path = options[path_option]
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--rdzv-conf {path_option}={path}: no such file")
+    endpoints = parse_endpoints(params.endpoint or "127.0.0.1", options["protocol"])
+    stores = [EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)]
+    store, heartbeat_store, watch_store = stores
+    try:
+        store.get(f"relaunch/{params.run_id}/closed")  # reachable, and the credentials work
+    except StoreError as exc:
+        raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+    if params.local_addr:
+        local_addr = params.local_addr
+    elif all(is_loopback(endpoint.host) for endpoint in endpoints):
+        local_addr = "127.0.0.1"
+    else:
+        import socket
+
+        local_addr = socket.getfqdn()
+    return DynamicRendezvousHandler(
+        params.run_id, store, settings, int(params.get("local_world_size", 1)), local_addr,
+        heartbeat_store, backend=params.backend, on_shutdown=(watch_store.close,),
+        watch_store=watch_store, leases=True,
     )  # fmt: skip

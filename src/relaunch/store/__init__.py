@@ -1,7 +1,7 @@
-"""Stores: the small key-value service rendezvous runs on (built-in TCP, in-memory, etcd later).
+"""Stores: the small key-value service rendezvous runs on (built-in TCP, in-memory, etcd).
 
-The TCP client and server load on first use, so a single-node launch never imports sockets,
-hmac or hashlib.
+The TCP client and server and the etcd client load on first use, so a single-node launch never
+imports sockets, hmac, hashlib, http or ssl.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -20,10 +20,12 @@ from relaunch.store.memory import MemoryStore
 
 if TYPE_CHECKING:
     from relaunch.store.client import TcpStore
+    from relaunch.store.etcd import EtcdStore
     from relaunch.store.server import TcpStoreServer
 
 __all__ = [
     "CasResult",
+    "EtcdStore",
     "MemoryStore",
     "Store",
     "StoreAuthError",
@@ -38,6 +40,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "EtcdStore":
+        from relaunch.store.etcd import EtcdStore
+
+        return EtcdStore
     if name == "TcpStore":
         from relaunch.store.client import TcpStore
 

@@ -1,0 +1,401 @@
+"""A ``Store`` on an etcd v3 cluster, spoken through etcd's gRPC-JSON gateway with the stdlib.
+
+Why the gateway and not a client library: the Python etcd clients are unmaintained (``etcd3``
+no longer imports with current protobuf), take a single host (``aetcd``), or lack leases; the
+gateway (``POST /v3/kv/range``, ``/v3/kv/txn``, ``/v3/lease/*``, streaming ``/v3/watch``) gives
+compare-and-set, leases and watches over plain HTTP/1.1, so relaunch keeps no dependencies and
+owns the part that matters for a launcher: failing over between members within a deadline.
+
+Mapping onto the ``Store`` protocol:
+
+* a key's *version* is its ``mod_revision`` (the cluster revision of its last change);
+* ``compare_set`` is one transaction comparing ``mod_revision`` (0 for an absent key);
+* ``add`` is a compare-and-set loop (etcd has no atomic counter), one round trip when the
+  client's last sight of the counter is still current;
+* ``watch`` and ``wait`` block on a streaming watch from the revision they read, never polling;
+* leases (``grant_lease``, ``keep_alive``, ``set(..., lease=)``) carry heartbeats: a member that
+  dies stops renewing its lease, and etcd deletes its keys.
+
+Every call retries on another member when one cannot be reached, has no leader, or times out,
+until the store's ``timeout`` passes. Passwords never appear in messages or ``repr``.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from relaunch.store.api import (
+    CasResult,
+    StoreAuthError,
+    StoreConnectionError,
+    StoreError,
+    StoreProtocolError,
+    StoreTimeout,
+    Versioned,
+)
+
+DEFAULT_PORT = 2379
+#: The longest a single attempt waits on one member before trying the next.
+ATTEMPT_TIMEOUT = 5.0
+#: gRPC status codes etcd answers while it cannot serve: retry, on another member if need be.
+_RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
+_UNAUTHENTICATED = 16
+_RETRY_MESSAGES = ("leader", "timed out", "too many requests", "not capable", "stopped")
+_BAD_TOKEN_MESSAGES = ("invalid auth token", "user name is empty")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _key_b64(key: str) -> str:
+    return _b64(key.encode())
+
+
+def _versioned(kv: dict[str, Any] | None) -> Versioned:
+    """A gateway ``KeyValue`` (empty fields omitted) as a ``Versioned``."""
+    if kv is None:
+        return Versioned(None, 0)
+    return Versioned(base64.b64decode(kv.get("value", "")), int(kv.get("mod_revision", 0)))
+
+
+def _first_kv(range_response: dict[str, Any]) -> dict[str, Any] | None:
+    kvs = range_response.get("kvs")
+    return kvs[0] if kvs else None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One etcd member's client URL."""
+
+    scheme: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_endpoints(text: str, protocol: str = "http") -> list[Endpoint]:
+    """``host1:2379,https://host2:2379,...`` into endpoints; ValueError saying what is wrong."""
+    from relaunch.rendezvous.api import parse_endpoint
+
+    if protocol not in ("http", "https"):
+        raise ValueError(f"protocol={protocol!r}: expected http or https")
+    endpoints = []
+    for item in text.split(","):
+        item = item.strip()
+        scheme = protocol
+        if "://" in item:
+            scheme, _, item = item.partition("://")
+            if scheme not in ("http", "https"):
+                raise ValueError(f"etcd endpoint scheme {scheme!r}: expected http or https")
+        item = item.rstrip("/")
+        if not item:
+            raise ValueError(f"etcd endpoints {text!r}: expected HOST:PORT[,HOST:PORT...]")
+        host, port = parse_endpoint(item, DEFAULT_PORT)
+        endpoints.append(Endpoint(scheme, host, port))
+    return endpoints
+
+
+class _Retry(Exception):
+    """This attempt failed in a way another attempt (on another member) may not."""
+
+
+class EtcdStore:
+    """A ``Store`` on the etcd cluster at ``endpoints`` (``"h1:2379,h2:2379"`` or a list).
+
+    ``cacert``/``cert``/``key`` configure TLS (``protocol="https"``); ``user``/``password``
+    etcd's authentication. ``timeout`` bounds every call, retries and fail-overs included.
+    One connection, one request at a time; use one store per thread that blocks in ``watch``.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        protocol: str = "http",
+        cacert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        text = endpoints if isinstance(endpoints, str) else ",".join(endpoints)
+        self.endpoints = parse_endpoints(text, protocol)
+        self.timeout = timeout
+        self._user = user
+        self._password = password
+        if (user is None) != (password is None):
+            raise ValueError("etcd authentication needs both user and password")
+        if key is not None and cert is None:
+            raise ValueError("etcd TLS: key= needs cert= too")
+        self._ssl: ssl.SSLContext | None = None
+        if any(e.scheme == "https" for e in self.endpoints) or cacert or cert:
+            self._ssl = ssl.create_default_context(cafile=cacert)
+            if cert is not None:
+                self._ssl.load_cert_chain(cert, key)
+        self._token: str | None = None
+        self._lock = threading.Lock()
+        self._current = 0
+        self._conn: http.client.HTTPConnection | None = None
+        # The last sight of each counter ``add`` wrote: usually still current, saving a read.
+        self._counters: dict[str, Versioned] = {}
+
+    def __repr__(self) -> str:
+        user = f", user={self._user!r}" if self._user else ""
+        return f"EtcdStore({self.describe()!r}{user})"
+
+    def describe(self) -> str:
+        """The endpoints, as a person would write them."""
+        return ", ".join(str(e) for e in self.endpoints)
+
+    # -- transport ------------------------------------------------------------------------------
+
+    def _connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
+        if endpoint.scheme == "https":
+            return http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout,
+                                               context=self._ssl)  # fmt: skip
+        return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _rotate(self) -> None:
+        self._drop()
+        self._current = (self._current + 1) % len(self.endpoints)
+
+    def _post(self, conn: http.client.HTTPConnection, path: str, body: dict[str, Any],
+              authorized: bool = True) -> http.client.HTTPResponse:  # fmt: skip
+        headers = {"Content-Type": "application/json"}
+        if authorized and self._token is not None:
+            headers["Authorization"] = self._token
+        conn.request("POST", path, json.dumps(body).encode(), headers)
+        return conn.getresponse()
+
+    def _attempt(self, path: str, body: dict[str, Any], timeout: float,
+                 authorized: bool = True) -> dict[str, Any]:  # fmt: skip
+        """One request to the current member; ``_Retry`` when another member may do better."""
+        endpoint = self.endpoints[self._current]
+        try:
+            if self._conn is None:
+                self._conn = self._connection(endpoint, timeout)
+            else:
+                self._conn.timeout = timeout
+                if self._conn.sock is not None:
+                    self._conn.sock.settimeout(timeout)
+            response = self._post(self._conn, path, body, authorized)
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._rotate()
+            raise _Retry(f"{endpoint}: {exc or type(exc).__name__}") from None
+        try:
+            reply: dict[str, Any] = json.loads(payload) if payload else {}
+        except ValueError:
+            self._rotate()
+            raise _Retry(f"{endpoint}: answered HTTP {response.status} with a body that is "
+                         "not JSON (is this an etcd v3 client port?)") from None  # fmt: skip
+        if response.status == 200 and "error" not in reply:
+            return reply
+        message = str(reply.get("message") or reply.get("error") or f"HTTP {response.status}")
+        code = reply.get("code")
+        if code in _RETRY_CODES or any(m in message for m in _RETRY_MESSAGES):
+            self._rotate()
+            raise _Retry(f"{endpoint}: {message}")
+        if authorized and self._user is not None and (
+            code == _UNAUTHENTICATED or any(m in message for m in _BAD_TOKEN_MESSAGES)
+        ):
+            self._token = None  # expired or never had one: authenticate, then try again
+            raise _Retry(f"{endpoint}: {message}")
+        if "permission denied" in message or code == _UNAUTHENTICATED:
+            raise StoreAuthError(f"etcd at {endpoint} refused the request: {message}"
+                                 + ("" if self._user else " (set user= and password=)"))
+        raise StoreError(f"etcd at {endpoint}: {message}")
+
+    def _authenticate(self, timeout: float) -> None:
+        body = {"name": self._user, "password": self._password}
+        try:
+            reply = self._attempt("/v3/auth/authenticate", body, timeout, authorized=False)
+        except StoreError as exc:
+            if "password" in str(exc) or "authentication failed" in str(exc):
+                raise StoreAuthError(f"etcd refused the user name or password of user "
+                                     f"{self._user!r}") from None  # fmt: skip
+            raise
+        self._token = str(reply["token"])
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST path body`` on some live member, within ``timeout``; the decoded reply."""
+        deadline = time.monotonic() + self.timeout
+        delay, failures = 0.01, 0
+        last = ""
+        while True:
+            left = deadline - time.monotonic()
+            attempt_timeout = max(0.05, min(left, ATTEMPT_TIMEOUT))
+            try:
+                if self._user is not None and self._token is None:
+                    self._authenticate(attempt_timeout)
+                return self._attempt(path, body, attempt_timeout)
+            except _Retry as exc:
+                last = str(exc)
+            failures += 1
+            if failures % len(self.endpoints) == 0:
+                # Every member failed once: back off before the next lap.
+                if time.monotonic() + delay > deadline:
+                    raise StoreConnectionError(
+                        f"cannot reach etcd at {self.describe()} within {self.timeout:g}s "
+                        f"(last: {last})"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    # -- Store ----------------------------------------------------------------------------------
+
+    def _range(self, key: str) -> tuple[Versioned, int]:
+        """``key``'s value and version, and the cluster revision the read saw."""
+        with self._lock:
+            reply = self._call("/v3/kv/range", {"key": _key_b64(key)})
+        return _versioned(_first_kv(reply)), int(reply["header"]["revision"])
+
+    def get(self, key: str) -> Versioned:
+        return self._range(key)[0]
+
+    def set(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Write ``value`` (bound to ``lease`` if non-zero: gone when the lease expires)."""
+        body: dict[str, Any] = {"key": _key_b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        with self._lock:
+            reply = self._call("/v3/kv/put", body)
+        return int(reply["header"]["revision"])
+
+    def compare_set(self, key: str, expected_version: int, value: bytes) -> CasResult:
+        encoded = _key_b64(key)
+        read = {"request_range": {"key": encoded}}
+        body = {
+            "compare": [{"key": encoded, "target": "MOD", "result": "EQUAL",
+                         "mod_revision": str(expected_version)}],
+            "success": [{"request_put": {"key": encoded, "value": _b64(value)}}, read],
+            "failure": [read],
+        }  # fmt: skip
+        with self._lock:
+            reply = self._call("/v3/kv/txn", body)
+        responses = reply.get("responses", [])
+        try:
+            current = _versioned(_first_kv(responses[-1]["response_range"]))
+        except (IndexError, KeyError):
+            raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
+        return CasResult(bool(reply.get("succeeded", False)), current)
+
+    def add(self, key: str, amount: int) -> int:
+        current = self._counters.get(key, Versioned(None, 0))
+        while True:
+            try:
+                total = int(current.value or b"0") + amount
+            except ValueError:
+                raise StoreError(f"cannot add to {key!r}: its value is not an integer") from None
+            result = self.compare_set(key, current.version, str(total).encode())
+            current = result.current
+            if result.succeeded:
+                self._counters[key] = current
+                return total
+
+    def delete(self, key: str) -> bool:
+        self._counters.pop(key, None)
+        with self._lock:
+            reply = self._call("/v3/kv/deleterange", {"key": _key_b64(key)})
+        return int(reply.get("deleted", 0)) > 0
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for index, key in enumerate(keys):
+            if self.watch(key, 0, max(0.0, deadline - time.monotonic())).value is None:
+                missing = [k for k in keys[index:] if self.get(k).value is None]
+                raise StoreTimeout(f"keys still missing after {timeout:g}s: "
+                                   + ", ".join(missing or [key]))  # fmt: skip
+
+    def watch(self, key: str, version: int, timeout: float) -> Versioned:
+        deadline = time.monotonic() + timeout
+        while True:
+            current, revision = self._range(key)
+            left = deadline - time.monotonic()
+            if current.version != version or left <= 0:
+                return current
+            changed = self._watch_once(key, revision + 1, left)
+            if changed is not None and changed.version != version:
+                return changed
+
+    def _watch_once(self, key: str, start_revision: int, timeout: float) -> Versioned | None:
+        """The first change of ``key`` from ``start_revision`` on, or None: the time ran out,
+        or the stream broke (the caller reads again, on another member if need be)."""
+        with self._lock:
+            endpoint = self.endpoints[self._current]
+            if self._user is not None and self._token is None:
+                self._call("/v3/kv/range", {"key": _key_b64(key)})  # authenticates
+        conn = self._connection(endpoint, timeout)
+        body = {"create_request": {"key": _key_b64(key), "start_revision": str(start_revision)}}
+        try:
+            response = self._post(conn, "/v3/watch", body)
+            if response.status != 200:
+                response.read()
+                with self._lock:
+                    self._token = None if response.status == 401 else self._token
+                return None
+            while True:
+                line = response.readline()
+                if not line:
+                    break  # the member closed the stream
+                message = json.loads(line)
+                result = message.get("result")
+                if result is None or int(result.get("compact_revision", 0)) or result.get(
+                    "canceled"
+                ):
+                    break
+                for event in result.get("events", ()):
+                    if event.get("type") == "DELETE":
+                        return Versioned(None, 0)
+                    return _versioned(event["kv"])
+        except TimeoutError:
+            pass
+        except (OSError, http.client.HTTPException, ValueError):
+            with self._lock:
+                if self.endpoints[self._current] == endpoint:
+                    self._rotate()  # the member died under the stream: read elsewhere
+        finally:
+            conn.close()
+        return None
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def grant_lease(self, ttl: float) -> int:
+        """A new lease of ``ttl`` seconds (rounded up to whole seconds); its id."""
+        with self._lock:
+            reply = self._call("/v3/lease/grant", {"TTL": str(max(1, int(-(-ttl // 1))))})
+        return int(reply["ID"])
+
+    def keep_alive(self, lease: int) -> bool:
+        """Renew ``lease``; False when it already expired (its keys are gone)."""
+        with self._lock:
+            reply = self._call("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(reply.get("result", {}).get("TTL", 0)) > 0
+
+    def revoke_lease(self, lease: int) -> None:
+        """End ``lease`` now, deleting its keys."""
+        with self._lock:
+            self._call("/v3/lease/revoke", {"ID": str(lease)})
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+

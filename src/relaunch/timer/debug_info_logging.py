@@ -1,0 +1,13 @@
+"""What to log when timers expire."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def log_debug_info_for_expired_timers(run_id: str, expired_timers: dict[int, list[str]]) -> None:
+    """Log which scopes (``expired_timers``: pid -> scope ids) of job ``run_id`` expired."""
+    if expired_timers:
+        log.info("timers expired for run %s: %s", run_id, expired_timers)

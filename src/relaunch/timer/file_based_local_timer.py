@@ -1,0 +1,298 @@
+"""Timers over a named pipe (FIFO): any process on the host that can open the file may send.
+
+Each request is one JSON line, written with one ``write`` of at most ``PIPE_BUF`` bytes, so
+requests from many processes never interleave::
+
+    {"version": 1, "pid": 1234, "scope_id": "step", "expiration_time": 1.7e9, "signal": 9}
+
+A negative ``expiration_time`` releases the scope. The server reads the pipe with a blocking
+``select`` (no polling), ignores (and logs) anything malformed, and never crashes on input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import select
+import signal as signals
+import stat
+from collections.abc import Callable, Collection
+from typing import Any
+
+from relaunch.core.lines import LineFramer
+from relaunch.timer.debug_info_logging import log_debug_info_for_expired_timers
+from relaunch.timer.api import (
+    ReapHandler,
+    RequestQueue,
+    TableTimerServer,
+    TimerClient,
+    TimerRequest,
+)
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+#: The largest request one ``write`` delivers whole (POSIX guarantees at least 512; Linux 4096).
+MAX_REQUEST = 4096
+#: A line longer than this on the pipe is garbage: it is reported malformed, not buffered.
+_MAX_LINE = 64 * 1024
+
+
+class FileTimerRequest(TimerRequest):
+    """A timer request for the file server: the worker's pid and the signal it is reaped with."""
+
+    __slots__ = ("signal",)
+
+    def __init__(self, worker_pid: int, scope_id: str, expiration_time: float,
+                 signal: int = 0) -> None:  # fmt: skip
+        super().__init__(worker_pid, scope_id, expiration_time)
+        self.signal = signal
+
+    @property
+    def worker_pid(self) -> int:
+        return int(self.worker_id)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": PROTOCOL_VERSION, "pid": self.worker_pid,
+                           "scope_id": self.scope_id, "expiration_time": self.expiration_time,
+                           "signal": self.signal})  # fmt: skip
+
+
+def parse_request(line: bytes) -> FileTimerRequest:
+    """One line from the pipe as a request; ValueError saying what is wrong with it."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        raise ValueError("not JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    pid, scope, expiration = data.get("pid"), data.get("scope_id"), data.get("expiration_time")
+    sig = data.get("signal", 0)
+    if data.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise ValueError(f"protocol version {data.get('version')!r}, expected {PROTOCOL_VERSION}")
+    if type(pid) is not int or pid <= 0:
+        raise ValueError(f"pid {pid!r} is not a positive integer")
+    if not isinstance(scope, str):
+        raise ValueError(f"scope_id {scope!r} is not a string")
+    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not (
+        math.isfinite(expiration)
+    ):
+        raise ValueError(f"expiration_time {expiration!r} is not a number")
+    if type(sig) is not int or not 0 <= sig < signals.NSIG:
+        raise ValueError(f"signal {sig!r} is not a signal number")
+    return FileTimerRequest(pid, scope, float(expiration), sig)
+
+
+def _check_fifo(path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"timer file {path} does not exist: is the timer server "
+                                "running?") from None  # fmt: skip
+    if not stat.S_ISFIFO(mode):
+        raise ValueError(f"timer file {path} is not a FIFO (named pipe)")
+
+
+class FileTimerClient(TimerClient):
+    """Sends this process's timer requests to the ``FileTimerServer`` reading ``file_path``.
+
+    ``signal`` is what the worker is reaped with (SIGKILL); zero or negative only reports.
+    """
+
+    def __init__(self, file_path: str, signal: int = signals.SIGKILL) -> None:
+        self._file_path = file_path
+        self.signal = int(signal)
+        self._fd: int | None = None
+        self._fd_pid = 0
+
+    def _pipe(self) -> int:
+        if self._fd is not None and self._fd_pid == os.getpid():
+            return self._fd
+        _check_fifo(self._file_path)
+        try:
+            # Non-blocking open fails at once when nobody reads, rather than hanging.
+            fd = os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RuntimeError(f"no timer server reads {self._file_path}: "
+                               f"{exc.strerror}") from None  # fmt: skip
+        os.set_blocking(fd, True)
+        self._fd, self._fd_pid = fd, os.getpid()
+        return fd
+
+    def _send(self, request: FileTimerRequest) -> None:
+        data = (request.to_json() + "\n").encode()
+        if len(data) > MAX_REQUEST:
+            raise ValueError(f"timer scope {request.scope_id[:40]!r}... is too long: a request "
+                             f"must fit in {MAX_REQUEST} bytes")  # fmt: skip
+        try:
+            os.write(self._pipe(), data)
+        except BrokenPipeError:
+            self._fd = None
+            raise RuntimeError(f"the timer server reading {self._file_path} is gone") from None
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        self._send(FileTimerRequest(os.getpid(), scope_id, expiration_time, self.signal))
+
+    def release(self, scope_id: str) -> None:
+        self._send(FileTimerRequest(os.getpid(), scope_id, -1, self.signal))
+
+
+class _FifoRequestQueue(RequestQueue):
+    """Requests from the FIFO; ``get`` blocks in ``select`` on it and a wake-up pipe."""
+
+    def __init__(self, on_malformed: Callable[[bytes, str], None]) -> None:
+        self._read_fd: int | None = None
+        self._keep_open_fd: int | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._framer = LineFramer(max_partial=_MAX_LINE)  # a longer "line" is garbage
+        self._buffered: list[FileTimerRequest] = []
+        self._on_malformed = on_malformed
+
+    def open(self, path: str) -> None:
+        self._read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # Our own writer keeps the pipe from reaching end-of-file when clients close theirs.
+        self._keep_open_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        for fd in (self._read_fd, self._keep_open_fd, self._wake_r, self._wake_w):
+            if fd is not None:
+                os.close(fd)
+        self._read_fd = self._keep_open_fd = None
+
+    def size(self) -> int:
+        return max(1, len(self._buffered))
+
+    def interrupt(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already woken, or closed
+
+    def _read(self) -> None:
+        assert self._read_fd is not None
+        while True:
+            try:
+                chunk = os.read(self._read_fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            for line in self._framer.feed(chunk).splitlines():
+                self._parse(line)
+
+    def _parse(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            self._buffered.append(parse_request(line))
+        except ValueError as exc:
+            self._on_malformed(line, str(exc))
+
+    def get(self, size: int, timeout: float) -> list[TimerRequest]:
+        assert self._read_fd is not None
+        if not self._buffered:
+            ready, _, _ = select.select([self._read_fd, self._wake_r], [], [], timeout)
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._read_fd in ready:
+                self._read()
+        taken, self._buffered = self._buffered[:size], self._buffered[size:]
+        return list(taken)
+
+
+class FileTimerServer(TableTimerServer):
+    """Reaps the workers whose ``FileTimerClient`` timers on the FIFO ``file_path`` expire.
+
+    ``start()`` creates the FIFO (mode 0600) unless one is there; ``stop()`` removes what it
+    created. ``log_event(name, request)`` hears of each request and expiry as it happens.
+    ``may_reap(pid)``, when given, limits reaping to the pids it accepts (the agent's workers
+    and their descendants); a server never signals its own process.
+    """
+
+    def __init__(
+        self,
+        file_path: str,
+        run_id: str,
+        max_interval: float = 10,
+        daemon: bool = True,
+        log_event: Callable[[str, FileTimerRequest | None], None] | None = None,
+        *,
+        on_reap: ReapHandler | None = None,
+        may_reap: Callable[[int], bool] | None = None,
+    ) -> None:
+        self._fifo_queue = _FifoRequestQueue(self._malformed)
+        super().__init__(self._fifo_queue, max_interval, daemon, on_reap=on_reap)
+        self._file_path = file_path
+        self._run_id = run_id
+        self._log_event = log_event
+        self._may_reap_pid = may_reap
+        self._created = False
+
+    @property
+    def file_path(self) -> str:
+        return self._file_path
+
+    def _malformed(self, line: bytes, reason: str) -> None:
+        log.warning("timer server: ignored a malformed request (%s): %r", reason, line[:200])
+        if self._log_event is not None:
+            self._log_event("malformed_request", None)
+
+    def _signal_of(self, request: TimerRequest) -> int:
+        return getattr(request, "signal", 0)
+
+    def register_timers(self, timer_requests: list[TimerRequest]) -> None:
+        if self._log_event is not None:
+            for request in timer_requests:
+                event = "release" if request.expiration_time < 0 else "acquire"
+                self._log_event(event, request if isinstance(request, FileTimerRequest) else None)
+        super().register_timers(timer_requests)
+
+    def _may_reap(self, pid: int) -> bool:
+        return self._may_reap_pid is None or self._may_reap_pid(pid)
+
+    def _reap_worker(self, worker_id: Any) -> bool:
+        with self._lock:
+            scopes = [timer.scope for timer in self._expired.get(worker_id, [])]
+        log_debug_info_for_expired_timers(self._run_id, {int(worker_id): scopes})
+        if self._log_event is not None:
+            for scope in scopes:
+                self._log_event("timer_expired", FileTimerRequest(int(worker_id), scope, -1))
+        return super()._reap_worker(worker_id)
+
+    def start(self) -> None:
+        """Create (or reuse) the FIFO and start the watchdog."""
+        try:
+            os.mkfifo(self._file_path, 0o600)
+            self._created = True
+        except FileExistsError:
+            _check_fifo(self._file_path)
+        self._fifo_queue.open(self._file_path)
+        super().start()
+
+    def stop(self) -> None:
+        """Stop the watchdog at once, close the FIFO, and remove it if this server made it."""
+        super().stop()
+        self._fifo_queue.close()
+        if self._created:
+            try:
+                os.unlink(self._file_path)
+            except FileNotFoundError:
+                pass
+            self._created = False
+
+
+def descendant_of(roots: Callable[[], Collection[int]]) -> Callable[[int], bool]:
+    """A ``may_reap`` accepting the pids in the process groups ``roots()`` lead."""
+
+    def accept(pid: int) -> bool:
+        try:
+            return os.getpgid(pid) in roots()
+        except OSError:
+            return False
+
+    return accept

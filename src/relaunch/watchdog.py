@@ -1,0 +1,212 @@
+"""What finds a stuck worker for the agent: expiry timers, and hang detection for code without.
+
+* **Timers** (``--timers``, or ``TORCHELASTIC_ENABLE_FILE_TIMER=1``): a ``FileTimerServer``
+  reads requests on a FIFO it gives workers as ``TORCHELASTIC_TIMER_FILE``, and reaps a worker
+  whose ``relaunch.timer.expires`` block runs past its deadline.
+* **Hangs** (``--hang-timeout SECONDS``): a worker that shows no sign of life (its log files do
+  not grow, it touches no timer) for that long is asked for its stack with SIGABRT (workers get
+  ``PYTHONFAULTHANDLER=1``, so Python dumps every thread's stack to stderr), then SIGKILLed if
+  it is still there after ``ABORT_GRACE`` seconds.
+
+Either way the death is a failure like any other, and the watchdog says why in its report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from relaunch.core import timers as core_timers
+from relaunch.core.failures import faulthandler_dump
+from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
+from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
+from relaunch.procs.handles import signal_tree
+
+if TYPE_CHECKING:
+    from relaunch.timer.file_based_local_timer import FileTimerServer
+
+log = logging.getLogger(__name__)
+
+#: Seconds a worker asked for its stack (SIGABRT) has to die before it is SIGKILLed.
+ABORT_GRACE = 5.0
+#: How often the timer server looks at its FIFO when no deadline is near (it wakes for each
+#: request and each deadline anyway).
+TIMER_MAX_INTERVAL = 1.0
+
+
+def timers_enabled_by_env() -> bool:
+    """torchrun's switch: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``."""
+    return os.environ.get(ENABLE_FILE_TIMER_ENV, "") == "1"
+
+
+class Watchdog:
+    """Expiry timers and hang detection for the workers of one agent."""
+
+    def __init__(self, run_id: str, timers: bool, hang_timeout: float | None) -> None:
+        if hang_timeout is not None and not hang_timeout > 0:
+            raise ValueError(f"hang_timeout must be a positive number of seconds, got "
+                             f"{hang_timeout!r}")  # fmt: skip
+        self._run_id = run_id
+        self._hang_timeout = hang_timeout
+        self._causes: dict[int, str] = {}
+        self._pids: dict[int, int] = {}  # local rank -> pid of the running group
+        self._log_files: dict[int, list[str]] = {}
+        self._running: Callable[[], set[int]] = set
+        self._started_at = 0.0
+        self._aborted: dict[int, float] = {}  # pid -> when SIGABRT was sent
+        self._timer_dir: str | None = None
+        self._server: FileTimerServer | None = None
+        if timers:
+            from relaunch.timer.file_based_local_timer import FileTimerServer, descendant_of
+
+            path = os.environ.get(TIMER_FILE_ENV)
+            if not path:
+                self._timer_dir = tempfile.mkdtemp(prefix="relaunch_timer_")
+                path = os.path.join(self._timer_dir, "timers.fifo")
+            self._server = FileTimerServer(
+                path, run_id, TIMER_MAX_INTERVAL, on_reap=self._on_reap,
+                may_reap=descendant_of(lambda: set(self._pids.values())),
+            )  # fmt: skip
+
+    @property
+    def active(self) -> bool:
+        return self._server is not None or self._hang_timeout is not None
+
+    @property
+    def hang_timeout(self) -> float | None:
+        return self._hang_timeout
+
+    def start(self) -> None:
+        if self._server is not None:
+            self._server.start()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        if self._timer_dir is not None:
+            shutil.rmtree(self._timer_dir, ignore_errors=True)
+
+    def worker_env(self) -> dict[str, str]:
+        """What every worker's environment gets."""
+        env = {}
+        if self._server is not None:
+            env[TIMER_FILE_ENV] = self._server.file_path
+        if self._hang_timeout is not None:
+            env["PYTHONFAULTHANDLER"] = "1"
+        return env
+
+    def watch(self, pids: Mapping[int, int], log_files: Mapping[int, list[str]],
+              running: Callable[[], set[int]]) -> None:  # fmt: skip
+        """A new group started: ``pids`` and ``log_files`` by local rank; ``running()`` says
+        which ranks have not exited (a finished worker is not hung)."""
+        if self._server is not None:
+            self._server.forget(self._pids.values())
+        self._pids = dict(pids)
+        self._log_files = {rank: list(paths) for rank, paths in log_files.items()}
+        self._running = running
+        self._causes.clear()
+        self._aborted.clear()
+        self._started_at = time.time()
+
+    # -- hangs ----------------------------------------------------------------------------------
+
+    def _last_sign(self, rank: int) -> float:
+        seen = self._started_at
+        for path in self._log_files.get(rank, ()):
+            try:
+                seen = max(seen, os.stat(path).st_mtime)
+            except OSError:
+                pass
+        if self._server is not None:
+            seen = max(seen, self._server.last_activity(self._pids[rank]) or 0.0)
+        return seen
+
+    def check(self) -> float | None:
+        """Act on hung workers now; the seconds until the next check is due (None: never)."""
+        if self._hang_timeout is None or not self._pids:
+            return None
+        now = time.time()
+        waits = []
+        for pid, aborted_at in list(self._aborted.items()):
+            if now - aborted_at >= ABORT_GRACE:
+                log.warning("pid %d did not die of SIGABRT within %gs: SIGKILL", pid, ABORT_GRACE)
+                signal_tree(pid, signal.SIGKILL)
+                del self._aborted[pid]
+            else:
+                waits.append(aborted_at + ABORT_GRACE - now)
+        running = self._running()
+        live = {rank: self._last_sign(rank) for rank, pid in self._pids.items()
+                if rank in running and pid not in self._causes}  # fmt: skip
+        hung, next_at = core_timers.silent(live, now, self._hang_timeout)
+        for rank in hung:
+            self._abort(rank, now - live[rank])
+        if next_at is not None:
+            waits.append(next_at - now)
+        return max(0.0, min(waits)) if waits else None
+
+    def _abort(self, rank: int, silent_for: float) -> None:
+        pid = self._pids[rank]
+        self._causes[pid] = (
+            f"hung: no output and no timer activity for {silent_for:.1f}s (--hang-timeout "
+            f"{self._hang_timeout:g}); relaunch sent SIGABRT to get its stack"
+        )
+        log.warning("local rank %d (pid %d) shows no sign of life for %.1fs: sending SIGABRT "
+                    "for its stack, then restarting", rank, pid, silent_for)  # fmt: skip
+        try:
+            # The stack is what is wanted, not a core file of the whole address space.
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+        except (OSError, ValueError):
+            pass
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            return
+        self._aborted[pid] = time.time()
+
+    # -- timers ---------------------------------------------------------------------------------
+
+    def _on_reap(self, worker: object, timers: list[Timer]) -> None:
+        pid = int(str(worker))
+        scopes = "; ".join(
+            f"expiry timer {t.scope!r} expired: the block was given {t.allowed:.3g}s"
+            for t in timers
+        )  # fmt: skip
+        self._causes[pid] = f"{scopes} (relaunch.timer.expires); relaunch reaped it"
+        rank = next((r for r, p in self._pids.items() if p == pid), None)
+        log.warning("local rank %s (pid %d) reaped: %s", rank, pid, scopes)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def explain(self, failures: Mapping[int, ProcessFailure],
+                stderr_files: Mapping[int, str]) -> None:  # fmt: skip
+        """Put why the watchdog killed a worker at the head of its failure message."""
+        for rank, failure in failures.items():
+            cause = self._causes.get(failure.pid)
+            if cause is None:
+                continue
+            detail = "" if failure.message == NO_DETAIL_HINT else failure.message
+            if cause.startswith("hung"):
+                dump = faulthandler_dump(_read(stderr_files.get(rank, "")))
+                detail = (f"stack of every thread when it hung ({stderr_files[rank]}):\n{dump}"
+                          if dump else detail)  # fmt: skip
+            failure.message = f"{cause}\n{detail}" if detail else cause
+        self._aborted.clear()
+
+
+def _read(path: str, max_bytes: int = 256 * 1024) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - max_bytes))
+            return file.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""

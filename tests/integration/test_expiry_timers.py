@@ -1,0 +1,308 @@
+"""Expiry timers with real processes: the file (FIFO) and local (queue) pairs, and the agent's
+``--timers`` and ``--hang-timeout``."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import LeakCheck, wait_until
+
+from relaunch.core.timers import Timer
+from relaunch.timer import (
+    FileTimerServer,
+    LocalTimerClient,
+    LocalTimerServer,
+    configure,
+    expires,
+)
+from relaunch.timer.file_based_local_timer import FileTimerClient, FileTimerRequest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Reaps:
+    """What a server reaped: (worker, scopes, when) in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, list[Timer], float]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, worker: Any, timers: list[Timer]) -> None:
+        with self.lock:
+            self.seen.append((worker, timers, time.time()))
+
+    def scopes(self, worker: Any) -> list[str]:
+        return [t.scope for w, timers, _ in self.seen if w == worker for t in timers]
+
+
+@pytest.fixture
+def reaps() -> Reaps:
+    return Reaps()
+
+
+@pytest.fixture
+def file_server(tmp_path, reaps: Reaps) -> Iterator[FileTimerServer]:
+    server = FileTimerServer(str(tmp_path / "timers.fifo"), "run", max_interval=0.1,
+                             on_reap=reaps)  # fmt: skip
+    server.start()
+    yield server
+    server.stop()
+    assert not os.path.exists(server.file_path), "the server removes the FIFO it made"
+
+
+def worker(leaks: LeakCheck, fifo: str, body: str) -> subprocess.Popen[str]:
+    """A Python process that runs ``body`` with ``relaunch.timer`` pointed at ``fifo``."""
+    code = "import sys, relaunch.timer as timer\n" + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env=leaks.process_env(TORCHELASTIC_TIMER_FILE=fifo))  # fmt: skip
+
+
+HANG = "sys.stdin.read()  # until the test closes stdin, or the process is reaped\n"
+
+
+def test_a_worker_stuck_past_its_deadline_is_reaped_on_time(
+    leaks: LeakCheck, file_server: FileTimerServer, reaps: Reaps
+) -> None:
+    stuck = worker(leaks, file_server.file_path, f"""
+        with timer.expires(after=0.5, scope="stuck"):
+            {HANG}
+    """)  # fmt: skip
+    assert stuck.wait(timeout=30) == -signal.SIGKILL
+    [(pid, timers, reaped_at)] = reaps.seen
+    assert pid == stuck.pid and [t.scope for t in timers] == ["stuck"]
+    assert timers[0].allowed == pytest.approx(0.5, abs=0.2)
+    late = reaped_at - timers[0].deadline
+    assert 0 <= late < 0.1 + 0.4, f"reaped {late * 1000:.0f} ms after the deadline"
+
+
+def test_a_released_timer_never_fires(
+    leaks: LeakCheck, file_server: FileTimerServer, reaps: Reaps
+) -> None:
+    # The second timer, with a later deadline, is the clock: once it fired, the first one's
+    # deadline had long passed.
+    proc = worker(leaks, file_server.file_path, f"""
+        with timer.expires(after=0.2, scope="released"):
+            pass
+        with timer.expires(after=0.6, scope="later"):
+            {HANG}
+    """)  # fmt: skip
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert reaps.scopes(proc.pid) == ["later"]
+
+
+def test_scopes_and_workers_are_independent(
+    leaks: LeakCheck, file_server: FileTimerServer, reaps: Reaps
+) -> None:
+    first = worker(leaks, file_server.file_path, f"""
+        with timer.expires(after=30, scope="outer"):
+            with timer.expires(after=0.4, scope="inner"):
+                {HANG}
+    """)  # fmt: skip
+    second = worker(leaks, file_server.file_path, f"""
+        with timer.expires(after=30, scope="inner"):
+            print("holding", flush=True)
+            {HANG}
+        print("released", flush=True)
+    """)  # fmt: skip
+    assert second.stdout is not None and second.stdout.readline() == "holding\n"
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    assert reaps.scopes(first.pid) == ["inner"]
+    out, _ = second.communicate("", timeout=30)  # the same scope of another worker lives on
+    assert second.returncode == 0 and out == "released\n"
+    assert reaps.scopes(second.pid) == []
+
+
+def test_stop_returns_at_once_whatever_the_interval(tmp_path) -> None:
+    server = FileTimerServer(str(tmp_path / "fifo"), "run", max_interval=60)
+    local = LocalTimerServer(multiprocessing.get_context("spawn").Queue(), max_interval=60)
+    for each in (server, local):
+        each.start()
+        started = time.monotonic()
+        each.stop()
+        assert time.monotonic() - started < 1.0
+
+
+def test_malformed_requests_are_logged_and_ignored(
+    leaks: LeakCheck, file_server: FileTimerServer, reaps: Reaps, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    fd = os.open(file_server.file_path, os.O_WRONLY)
+    os.write(fd, b'garbage\n{"pid": -4}\n{"pid": 1, "scope_id": "s"')  # the last is partial
+    os.write(fd, b"\n" + b"x" * 100_000 + b"\n")
+    os.close(fd)
+    wait_until(lambda: sum("malformed" in r.message for r in caplog.records) >= 4,
+               what="four malformed requests logged")  # fmt: skip
+    proc = worker(leaks, file_server.file_path, f"""
+        with timer.expires(after=0.3, scope="after-garbage"):
+            {HANG}
+    """)  # fmt: skip
+    assert proc.wait(timeout=30) == -signal.SIGKILL, "the server still works"
+
+
+def test_the_server_never_signals_its_own_process(
+    file_server: FileTimerServer, reaps: Reaps, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    client = FileTimerClient(file_server.file_path)
+    fd = os.open(file_server.file_path, os.O_WRONLY)
+    request = FileTimerRequest(os.getpid(), "self", time.time() - 1, signal.SIGKILL)
+    os.write(fd, (request.to_json() + "\n").encode())
+    os.close(fd)
+    wait_until(lambda: any("not reaping pid" in r.message for r in caplog.records),
+               what="the refusal logged")  # fmt: skip
+    assert reaps.seen == []
+    client.release("self")
+
+
+def test_reaping_is_limited_to_the_pids_the_server_may_reap(
+    tmp_path, leaks: LeakCheck, reaps: Reaps, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    server = FileTimerServer(str(tmp_path / "fifo"), "run", max_interval=0.1, on_reap=reaps,
+                             may_reap=lambda pid: False)  # fmt: skip
+    server.start()
+    try:
+        proc = worker(leaks, server.file_path, f"""
+            with timer.expires(after=0.2, scope="protected"):
+                {HANG}
+        """)  # fmt: skip
+        wait_until(lambda: any("not one of this agent's workers" in r.message
+                               for r in caplog.records), what="the refusal")  # fmt: skip
+        assert proc.poll() is None and reaps.seen == []
+        proc.communicate("", timeout=30)
+        assert proc.returncode == 0
+    finally:
+        server.stop()
+
+
+def test_client_errors_say_what_is_wrong(tmp_path) -> None:
+    regular = tmp_path / "regular"
+    regular.write_text("")
+    fifo = str(tmp_path / "unread.fifo")
+    os.mkfifo(fifo)
+    for path, error, message in [
+        (str(regular), ValueError, "is not a FIFO"),
+        (str(tmp_path / "missing"), FileNotFoundError, "is the timer server running"),
+        (fifo, RuntimeError, "no timer server reads"),
+    ]:
+        with pytest.raises(error, match=message), expires(after=1, client=FileTimerClient(path)):
+            pass
+    server = FileTimerServer(str(regular), "run")
+    with pytest.raises(ValueError, match="is not a FIFO"):
+        server.start()
+
+
+def _local_worker(queue: Any, scopes: list[tuple[str, float, bool]]) -> None:
+    configure(LocalTimerClient(queue))
+    for scope, after, hang in scopes:
+        with expires(after=after, scope=scope):
+            if hang:
+                threading.Event().wait()
+
+
+def test_the_local_pair_reaps_over_a_multiprocessing_queue(reaps: Reaps) -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    server = LocalTimerServer(queue, max_interval=0.1, on_reap=reaps)
+    server.start()
+    try:
+        proc = context.Process(target=_local_worker,
+                               args=(queue, [("released", 0.2, False), ("stuck", 0.5, True)]))
+        proc.start()
+        proc.join(timeout=30)
+        assert proc.exitcode == -signal.SIGKILL
+        assert reaps.scopes(proc.pid) == ["stuck"]
+    finally:
+        server.stop()
+        queue.close()
+        queue.join_thread()
+
+
+# -- the agent ---------------------------------------------------------------------------------
+
+TIMER_JOB = """
+    import os, sys, time
+    import relaunch.timer as timer
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    with timer.expires(after=0.5, scope="train_step"):
+        if attempt == 0 and os.environ["LOCAL_RANK"] == "1":
+            time.sleep(600)  # stuck until reaped
+    print("finished attempt", attempt, flush=True)
+"""
+
+HANG_JOB = """
+    import os, threading
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    def load_batches():
+        threading.Event().wait()  # a data loader that never delivers
+    if attempt == 0 and os.environ["LOCAL_RANK"] == "0":
+        loader = threading.Thread(target=load_batches, daemon=True)
+        loader.start()
+        loader.join()
+    print("finished attempt", attempt, flush=True)
+"""
+
+
+def relaunch(leaks: LeakCheck, tmp_path, job: str, *flags: str,
+             **env: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(job))
+    return subprocess.run(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", *flags, str(path)],
+        capture_output=True, text=True, env=leaks.process_env(**env), timeout=60,
+    )  # fmt: skip
+
+
+def test_a_reaped_worker_restarts_the_group_and_the_report_names_the_scope(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    done = relaunch(leaks, tmp_path, TIMER_JOB, "--timers", "--max-restarts", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("finished attempt 1") == 2
+    assert "expiry timer 'train_step' expired: the block was given 0.5s" in done.stderr
+    assert "killed by SIGKILL" in done.stderr and "restarting the worker group" in done.stderr
+
+
+def test_torchruns_switch_turns_timers_on_and_a_last_failure_is_reported(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    done = relaunch(leaks, tmp_path, TIMER_JOB, TORCHELASTIC_ENABLE_FILE_TIMER="1")
+    assert done.returncode == 1
+    report = done.stderr[done.stderr.index("Root cause"):]
+    assert "rank 1 (local_rank 1" in report
+    assert "expiry timer 'train_step' expired" in report and "@relaunch.record" not in report
+
+
+def test_a_hung_worker_is_shown_with_its_stack_and_restarted(tmp_path, leaks: LeakCheck) -> None:
+    done = relaunch(leaks, tmp_path, HANG_JOB, "--hang-timeout", "1", "--max-restarts", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("finished attempt 1") == 2
+    assert "local rank 1" not in done.stderr, "a worker that finished is not hung"
+    report = done.stderr[done.stderr.index("Root cause"):]
+    assert "killed by SIGABRT" in report and "hung: no output and no timer activity" in report
+    assert "Fatal Python error: Aborted" in report
+    assert 'job.py", line 5 in load_batches' in report, "the hung thread's stack"
+
+
+def test_a_quiet_worker_that_prints_now_and_then_is_not_hung(tmp_path, leaks: LeakCheck) -> None:
+    job = """
+        import time
+        for i in range(6):
+            print("tick", i, flush=True)
+            time.sleep(0.3)  # quiet for less than the hang timeout
+    """
+    done = relaunch(leaks, tmp_path, job, "--hang-timeout", "1", "--max-restarts", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("tick 5") == 2 and "SIGABRT" not in done.stderr

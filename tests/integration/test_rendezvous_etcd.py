@@ -1,0 +1,156 @@
+"""What only etcd gives: a job that outlives any one etcd member or any one node, TLS and
+authentication, clear errors, and jobs that share a cluster without meeting.
+
+The tests every backend passes (worlds, growing, a lost node) are in test_rendezvous.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+
+import pytest
+from conftest import LeakCheck
+from etcd_cluster import EtcdCluster
+from test_rendezvous import FAST, agent, lines, script
+
+from relaunch.rendezvous.static import find_free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+WORLD_THEN_WAIT = """
+    import os, time
+    print("world", os.environ["WORLD_SIZE"], "rank", os.environ["RANK"], flush=True)
+    while not os.path.exists(os.environ["GO_FILE"]):  # the test says when to finish
+        time.sleep(0.01)
+    time.sleep(2)  # work on after the fault, across several heartbeats
+"""
+
+
+def etcd_agent(leaks: LeakCheck, endpoints: str, job: str, run_id: str, *flags: str,
+               env: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+    return agent(leaks, endpoints, job, "--rdzv-id", run_id, *flags, backend="etcd", env=env)
+
+
+def read_world(node: subprocess.Popen[str]) -> str:
+    """The first line a worker of ``node`` printed (the agent's stderr if there is none)."""
+    assert node.stdout is not None
+    first = lines(node.stdout.readline())
+    if not first:
+        node.kill()
+        pytest.fail(f"the agent printed nothing: {node.communicate()[1]}")
+    return first[0]
+
+
+def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
+    tmp_path, leaks: LeakCheck, etcd3: EtcdCluster
+) -> None:
+    job = script(tmp_path, WORLD_THEN_WAIT)
+    go = tmp_path / "go"
+    leader = etcd3.leader()
+    # Every agent talks to the leader first, so its death is felt by every connection.
+    order = [leader] + [i for i in range(3) if i != leader]
+    endpoints = ",".join(etcd3.endpoint_list[i] for i in order)
+    run_id = uuid.uuid4().hex
+    nodes = [etcd_agent(leaks, endpoints, job, run_id, "--nnodes", "2", "--rdzv-conf",
+                        "keep_alive_interval=0.2,keep_alive_max_attempt=5",
+                        "--max-restarts", "0", env={"GO_FILE": str(go)})
+             for _ in range(2)]  # fmt: skip
+    assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
+    etcd3.kill(leader)
+    go.touch()
+    results = [node.communicate(timeout=60) for node in nodes]
+    for node, (out, err) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, err
+        assert lines(out) == [], "the workers ran once: no restart, no re-forming"
+        assert "lost" not in err and "restart" not in err.lower(), err
+
+
+def test_the_node_that_started_the_job_can_die(tmp_path, leaks: LeakCheck, etcd: EtcdCluster) -> None:  # noqa: E501
+    """With the built-in store the first node hosts it, and its death ends the job; on etcd the
+    survivor re-forms and finishes."""
+    job = script(tmp_path, """
+        import os, time
+        print("world", os.environ["WORLD_SIZE"], flush=True)
+        if os.environ["WORLD_SIZE"] == "2":
+            time.sleep(120)
+    """)  # fmt: skip
+    run_id = uuid.uuid4().hex
+    first = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    second = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf",
+                        FAST)  # fmt: skip
+    assert read_world(first) == "world 2" and read_world(second) == "world 2"
+    first.kill()
+    first.communicate()
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert lines(out) == ["world 1"]
+    assert "node of group rank" in err and "lost" in err
+
+
+def test_unreachable_etcd_is_a_clear_error_within_the_timeout(tmp_path, leaks: LeakCheck) -> None:
+    job = script(tmp_path, "pass\n")
+    endpoints = f"127.0.0.1:{find_free_port('127.0.0.1')},127.0.0.1:{find_free_port('127.0.0.1')}"
+    started = time.monotonic()
+    node = etcd_agent(leaks, endpoints, job, "job", "--rdzv-conf", "timeout=1")
+    _, err = node.communicate(timeout=60)
+    elapsed = time.monotonic() - started
+    assert node.returncode == 1
+    assert f"cannot reach etcd at {endpoints.replace(',', ', ')} within 1s" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+
+
+def test_two_jobs_on_one_cluster_never_meet(tmp_path, leaks: LeakCheck, etcd: EtcdCluster) -> None:
+    job = script(tmp_path, """
+        import os
+        print(os.environ["WORLD_SIZE"], os.environ["RANK"], os.environ["MASTER_PORT"])
+    """)  # fmt: skip
+    jobs = {run_id: [etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "2",
+                                "--nproc-per-node", "2") for _ in range(2)]
+            for run_id in (uuid.uuid4().hex, uuid.uuid4().hex)}  # fmt: skip
+    ports = set()
+    for nodes in jobs.values():
+        rows = []
+        for node in nodes:
+            out, err = node.communicate(timeout=60)
+            assert node.returncode == 0, err
+            rows += [line.split() for line in lines(out)]
+        assert sorted(int(rank) for _, rank, _ in rows) == [0, 1, 2, 3]
+        assert {world for world, _, _ in rows} == {"4"}
+        assert len({port for _, _, port in rows}) == 1, "one master per job"
+        ports |= {port for _, _, port in rows}
+    assert len(ports) == 2, "each job has its own master"
+
+
+@pytest.fixture
+def secure_etcd() -> EtcdCluster:
+    with EtcdCluster(1, tls=True, auth=("root", "pa55-w0rd-xyz")) as cluster:
+        yield cluster
+
+
+def test_tls_and_authentication(tmp_path, leaks: LeakCheck, secure_etcd: EtcdCluster) -> None:
+    job = script(tmp_path, "import os; print('world', os.environ['WORLD_SIZE'])\n")
+    tls = (f"protocol=https,cacert={secure_etcd.cacert},cert={secure_etcd.cert},"
+           f"key={secure_etcd.key}")  # fmt: skip
+    good = etcd_agent(leaks, secure_etcd.endpoints, job, uuid.uuid4().hex, "--rdzv-conf",
+                      f"{tls},user=root,password=pa55-w0rd-xyz")  # fmt: skip
+    out, err = good.communicate(timeout=60)
+    assert good.returncode == 0, err
+    assert lines(out) == ["world 1"]
+    assert "pa55-w0rd-xyz" not in out + err
+
+    wrong = etcd_agent(leaks, secure_etcd.endpoints, job, uuid.uuid4().hex, "--rdzv-conf",
+                       f"{tls},user=root,password=wr0ng-pa55",
+                       env={"LOGLEVEL": "DEBUG"})  # fmt: skip
+    out, err = wrong.communicate(timeout=60)
+    assert wrong.returncode == 1
+    assert "refused the user name or password of user 'root'" in err
+    assert "wr0ng-pa55" not in out + err, "credentials never appear in messages or logs"
+
+    plain = etcd_agent(leaks, secure_etcd.endpoints, job, uuid.uuid4().hex, "--rdzv-conf",
+                       "timeout=2,user=root,password=pa55-w0rd-xyz")  # fmt: skip
+    _, err = plain.communicate(timeout=60)
+    assert plain.returncode == 1 and "cannot reach etcd" in err
+    assert "pa55-w0rd-xyz" not in err
