@@ -15,6 +15,7 @@ from relaunch.agent import (
 )
 from relaunch.launcher import LaunchConfig, elastic_launch
 from relaunch.procs import *  # noqa: F403
+from relaunch.worker import report_progress, stop_requested
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,6 @@ __all__ = [
     "WorkerSpec",
     "WorkerState",
     "elastic_launch",
+    "report_progress",
+    "stop_requested",
 ]

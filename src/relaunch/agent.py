@@ -21,11 +21,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaunch.core.failures import format_report
+from relaunch.channel import Channel
+from relaunch.core.channel import Progress
+from relaunch.core.failures import describe_exit, format_report, root_cause_rank
 from relaunch.core.group import GroupState
+from relaunch.core.progress import NodeProgress
 from relaunch.core.ranks import GroupContext, WorkerRanks, ranks_at_offset, worker_env
 from relaunch.core.restart import Action, decide
 from relaunch.core.streams import Std, per_rank
+from relaunch.core.summary import RankEnd, RunSummary
 from relaunch.events import (
     EventHandler,
     EventSource,
@@ -34,19 +38,22 @@ from relaunch.events import (
     NullMetricHandler,
     status_event,
 )
+from relaunch.procs.console import console_for
 from relaunch.procs.context import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     PContext,
     RunProcsResult,
     start_processes,
 )
-from relaunch.procs.errors import ProcessFailure, SignalException
+from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler, RendezvousInfo
 from relaunch.watchdog import Watchdog, timers_enabled_by_env
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROLE = "default"
+#: torchrun's variable for the console prefix of worker lines.
+LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 
 
 class WorkerState(str, enum.Enum):
@@ -152,9 +159,12 @@ class LocalElasticAgent:
     """Runs ``spec.local_world_size`` workers on this host as one unit, restarting the whole group
     on failure while ``spec.max_restarts`` allow, and when nodes wait to join (for free).
 
-    ``events`` is the agent-to-worker control channel (graceful stop, progress); it is accepted
-    now and used from the release that adds it. Status events go to ``event_handler`` and
-    metrics to ``metrics`` (both discard by default).
+    Agent and workers talk through a shared-memory channel (``relaunch.report_progress``,
+    ``relaunch.stop_requested``): the first SIGTERM/SIGINT (``StopRequested``) asks the workers
+    to stop and waits up to ``spec.shutdown_timeout`` for them before stopping them as for any
+    other signal. ``events`` (ice-learn's control channel) is accepted for compatibility; the
+    channel takes its place. Status events go to ``event_handler`` and metrics to ``metrics``
+    (both discard by default).
 
     ``timers`` runs a file timer server for ``relaunch.timer.expires`` in the workers (by
     default when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); ``hang_timeout`` restarts the group when
@@ -190,6 +200,13 @@ class LocalElasticAgent:
             timers_enabled_by_env() if timers is None else timers,
             hang_timeout,
         )  # fmt: skip
+        self._channel: Channel | None = None
+        self._last_outcome: RunProcsResult | None = None
+        self._restart_reasons: list[str] = []
+        self._stop_note = ""
+        self._node_progress: NodeProgress | None = None
+        self._last_progress: dict[int, Progress | None] = {}
+        self._console = console_for(sys.stdout, sys.stderr)
 
     @staticmethod
     def _make_log_dir(log_dir: str | None, run_id: str) -> str:
@@ -211,9 +228,14 @@ class LocalElasticAgent:
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
         self._started_at = time.monotonic()
+        self._channel = Channel(self._worker_group.spec.local_world_size)
         self._watchdog.start()
         try:
-            result = self._invoke_run()
+            try:
+                result = self._invoke_run()
+            except StopRequested as exc:
+                raise self._stop_gracefully(exc) from None
+            self._stop_workers(signal.SIGTERM)
         except SignalException as exc:
             self._stop_workers(exc.sigval)
             self._record_agent_event(WorkerState.FAILED, raw_error=str(exc))
@@ -223,10 +245,44 @@ class LocalElasticAgent:
             self._record_agent_event(WorkerState.FAILED)
             raise
         finally:
+            self._console.remove_source(self._node_bar)
             self._watchdog.close()
-        self._stop_workers(signal.SIGTERM)
+            self._channel.close()
         self._record_run_events(result)
         return result
+
+    def _stop_gracefully(self, request: StopRequested) -> SignalException:
+        """Ask the workers to stop, give them ``shutdown_timeout`` seconds, then stop the rest.
+
+        Only when a running worker listens (has called ``stop_requested()``); otherwise the
+        workers are stopped at once, as by torchrun. Returns the exception to end the run with:
+        the request, or a second signal.
+        """
+        spec = self._worker_group.spec
+        channel, pcontext = self._channel, self._pcontext
+        if pcontext is None or channel is None:
+            return request
+        if not any(channel.listening(rank) for rank in pcontext.running()):
+            return request  # nobody would hear it: stop them with the signal at once
+        channel.request_stop()
+        try:
+            log.warning("%s: asking the workers to stop (relaunch.stop_requested()); waiting up "
+                        "to %gs for them (send %s again to stop them now)", request.sigval.name,
+                        spec.shutdown_timeout, request.sigval.name)  # fmt: skip
+            outcome = pcontext.wait(spec.shutdown_timeout)
+        except SignalException as again:
+            self._stop_note = f"{again.sigval.name} again: the workers were stopped at once"
+            return again
+        if outcome is not None and not outcome.is_failed():
+            self._stop_note = "the workers stopped cleanly after the stop request (all exited 0)"
+        elif outcome is not None:
+            self._stop_note = "the workers stopped after the stop request, some of them failing"
+        else:
+            running = len(pcontext.running())
+            self._stop_note = (f"{running} worker(s) did not stop within "
+                               f"{spec.shutdown_timeout:g}s of the request and were sent "
+                               f"{request.sigval.name}")  # fmt: skip
+        return request
 
     def _invoke_run(self) -> RunResult:
         group = self._worker_group
@@ -270,10 +326,13 @@ class LocalElasticAgent:
                 return self._failed(outcome)
             if decision.uses_restart:
                 self._restarts_left -= 1
+            reason = decision.reason
             if outcome is not None and outcome.is_failed():
-                log.warning("%s", format_report(
-                    spec.role, self._by_global_rank(outcome.failures), os.uname().nodename,
-                    self._by_global_rank(outcome.stopped)))  # fmt: skip
+                failures = self._by_global_rank(outcome.failures)
+                log.warning("%s", format_report(spec.role, failures, os.uname().nodename,
+                                                self._by_global_rank(outcome.stopped)))  # fmt: skip
+                reason = _one_line(failures)
+            self._restart_reasons.append(reason)
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
                 role, decision.reason, self._restarts_left,
@@ -339,7 +398,9 @@ class LocalElasticAgent:
             restart_count=self.restart_count,
             max_restarts=spec.max_restarts,
         )
-        extra_env = self._watchdog.worker_env()
+        assert self._channel is not None
+        self._channel.reset()
+        extra_env = {**self._watchdog.worker_env(), **self._channel.env()}
         envs = {ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
                 for ranks in self._ranks}  # fmt: skip
         # A membership change keeps the attempt number: its logs replace the interrupted ones.
@@ -356,15 +417,32 @@ class LocalElasticAgent:
             redirects=spec.redirects,
             tee=self._tee(),
             shutdown_timeout=spec.shutdown_timeout,
+            log_line_prefixes=self._log_line_prefixes(),
         )
+        self._node_progress = NodeProgress(time.time())
+        self._console.add_source(self._node_bar)
         pids = self._pcontext.pids()
         for worker, pid in zip(group.workers, pids.values(), strict=True):
             worker.id = pid
         stdouts, stderrs = self._pcontext.stdouts, self._pcontext.stderrs
         log_files = {rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path]
                      for rank in pids}  # fmt: skip
-        self._watchdog.watch(pids, log_files, self._pcontext.running)
+        self._watchdog.watch(pids, log_files, self._pcontext.running, self._channel.progress)
         group.state = WorkerState.HEALTHY
+
+    def _log_line_prefixes(self) -> dict[int, str]:
+        """Prefixes from torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
+        ``${rank}``, ``${local_rank}``), or none (the default ``[{role}{local_rank}]:``)."""
+        template = os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV)
+        if not template:
+            return {}
+        role = self._worker_group.spec.role
+        return {
+            worker.local_rank: template.replace("${role_name}", role)
+            .replace("${rank}", str(worker.global_rank))
+            .replace("${local_rank}", str(worker.local_rank))
+            for worker in self._worker_group.workers
+        }
 
     def _tee(self) -> Std | dict[int, Std]:
         """The spec's tee; with a hang timeout, streams left on the console are tee'd too, so
@@ -379,6 +457,41 @@ class LocalElasticAgent:
     def _stop_workers(self, death_sig: signal.Signals) -> None:
         if self._pcontext is not None:
             self._pcontext.close(death_sig, self._worker_group.spec.shutdown_timeout)
+            self._last_outcome = self._pcontext.wait(0)
+            if self._channel is not None:
+                self._last_progress = {rank: self._channel.progress(rank)
+                                       for rank in range(self._channel.slots)}  # fmt: skip
+            self._console.remove_source(self._node_bar)  # prints the bar's final state
+
+    def _node_bar(self) -> dict[str, bytes]:
+        """The per-node bar (a ``Console`` bar source): the slowest local rank's progress."""
+        channel, tracker = self._channel, self._node_progress
+        if channel is None or tracker is None:
+            return {}
+        now = time.time()
+        try:
+            tracker.update({rank: channel.progress(rank) for rank in range(channel.slots)}, now)
+        except ValueError:  # the channel was closed under us: the run is over
+            return {}
+        line = tracker.line(now)
+        if line is None:
+            return {}
+        group = self._worker_group
+        return {"node": f"[{group.spec.role} node {group.group_rank}]:{line}".encode()}
+
+    def summary(self, outcome: str) -> RunSummary:
+        """The end-of-run summary of the last attempt, for a run that ended with ``outcome``."""
+        result = self._last_outcome
+        ranks = []
+        for worker in self._worker_group.workers:
+            local = worker.local_rank
+            exitcode = None if result is None else result.exitcodes.get(local)
+            duration = 0.0 if result is None else result.durations.get(local, 0.0)
+            stopped = result is not None and local in result.stopped
+            ranks.append(RankEnd(worker.global_rank, local, exitcode, duration,
+                                 "stopped by relaunch" if stopped else ""))  # fmt: skip
+        return RunSummary(outcome, time.monotonic() - self._started_at, ranks,
+                          list(self._restart_reasons), self._log_dir, self._stop_note)  # fmt: skip
 
     # -- events -------------------------------------------------------------------------------
 
@@ -415,10 +528,23 @@ class LocalElasticAgent:
                 state, raw = WorkerState.STOPPED, None
             else:
                 state, raw = result.state, None
+            progress = self._last_progress.get(worker.local_rank)
             self._event(
                 EventSource.WORKER, state, global_rank=worker.global_rank,
                 worker_id=None if worker.id is None else str(worker.id), raw_error=raw,
                 local_rank=worker.local_rank, role_rank=worker.role_rank,
                 role_world_size=worker.role_world_size,
+                progress=None if progress is None else {
+                    "step": progress.step, "total": progress.total, "desc": progress.desc},
             )  # fmt: skip
         self._record_agent_event(result.state)
+
+
+def _one_line(failures: Mapping[int, ProcessFailure]) -> str:
+    """The root cause of a failed attempt in one line: rank, how it ended, the first line why."""
+    rank = root_cause_rank(failures)
+    failure = failures[rank]
+    why = failure.message.splitlines()[0] if failure.message else ""
+    if len(why) > 160:
+        why = why[:157] + "..."
+    return f"rank {rank} {describe_exit(failure.exitcode)}" + (f": {why}" if why else "")

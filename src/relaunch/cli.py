@@ -16,11 +16,11 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from relaunch.core.ranks import omp_num_threads_default
 from relaunch.core.streams import Std, per_rank
+from relaunch.core.summary import RunSummary, format_summary
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
@@ -404,11 +404,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     return config, entrypoint, entry_args
 
 
-def _raise_signal(signum: int, frame: FrameType | None) -> None:
-    sigval = signal.Signals(signum)
-    raise SignalException(f"relaunch got {sigval.name}", sigval)
-
-
 def _loopback(host: str) -> str:
     if not is_loopback(host):
         raise argparse.ArgumentTypeError(
@@ -451,7 +446,7 @@ def store_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``relaunch`` command and return its exit status."""
     level = os.environ.get("LOGLEVEL", "WARNING").upper()  # torchrun's variable
-    logging.basicConfig(format="relaunch: %(message)s",
+    logging.basicConfig(format="relaunch: %(message)s", handlers=[_LogHandler()],
                         level=level if isinstance(logging.getLevelName(level), int) else "WARNING")
     arguments = sys.argv[1:] if argv is None else list(argv)
     if arguments[:1] == ["store"]:
@@ -460,9 +455,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        from relaunch.procs.signals import raise_signal_exception
+
         for sig in args.signals_to_handle:
             if signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, _raise_signal)
+                signal.signal(sig, raise_signal_exception)
         config, entrypoint, entry_args = config_from_args(args)
         from relaunch.launcher import launch_agent, rendezvous_handler
 
@@ -481,21 +478,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workers to avoid overloading the machine; set it yourself to tune",
             file=sys.stderr,
         )
+    summaries: list[RunSummary] = []
     try:
-        launch_agent(config, entrypoint, list(entry_args), handler=handler)
+        launch_agent(config, entrypoint, list(entry_args), handler=handler,
+                     on_summary=summaries.append)  # fmt: skip
+        code = 0
     except RendezvousClosedError as exc:
         print(f"relaunch: {exc}: nothing to do", file=sys.stderr)
         return 0
     except RendezvousError as exc:
         print(f"relaunch: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        code = EXIT_FAILED
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
-        return EXIT_FAILED
+        print(exc.format_msg(), file=sys.stderr)  # the root cause first, then the summary
+        code = EXIT_FAILED
     except SignalException as exc:
         print(f"relaunch: stopped by {exc.sigval.name}; the workers are gone", file=sys.stderr)
-        return 128 + int(exc.sigval)
-    return 0
+        code = 128 + int(exc.sigval)
+    for summary in summaries:
+        print("relaunch: " + format_summary(summary), file=sys.stderr)
+    return code
+
+
+class _LogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, except that a stop signal raised while a line is written is not swallowed (as
+    ``logging`` does with errors in handlers): it reaches the agent, which stops the run."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, SignalException):
+            raise error
+        super().handleError(record)
 
 
 def console_main() -> None:

@@ -114,6 +114,7 @@ def status_event(
     local_rank: int | None = None,
     role_rank: int | None = None,
     role_world_size: int | None = None,
+    progress: dict[str, Any] | None = None,
 ) -> Event:
     """A ``torchelastic.worker.status.<STATE>`` event with torchelastic's metadata keys and order.
 
@@ -129,6 +130,8 @@ def status_event(
         inner["role_rank"] = [role_rank]
     if role_world_size is not None:
         inner["role_world_size"] = [role_world_size]
+    if progress is not None:  # relaunch's addition: the worker's last report_progress
+        inner["progress"] = progress
     metadata: dict[str, EventMetadataValue] = {
         "run_id": run_id,
         "global_rank": global_rank,

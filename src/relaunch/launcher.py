@@ -10,10 +10,12 @@ from typing import Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
 from relaunch.core.streams import Std
+from relaunch.core.summary import RunSummary
 from relaunch.events import Metrics, event_handler_from_spec, metric_handler_from_spec
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.procs.errors import ChildFailedError
+from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
+    RendezvousClosedError,
     RendezvousHandler,
     RendezvousParameters,
     get_rendezvous_handler,
@@ -116,8 +118,12 @@ def launch_agent(
     entrypoint: Callable[..., Any] | str,
     args: list[Any],
     handler: RendezvousHandler | None = None,
+    on_summary: Callable[[RunSummary], None] | None = None,
 ) -> dict[int, Any]:
-    """Run the agent ``config`` describes and map its result (``handler`` if already built)."""
+    """Run the agent ``config`` describes and map its result (``handler`` if already built).
+
+    ``on_summary`` gets the end-of-run summary, whatever the outcome.
+    """
     if handler is None:
         handler = rendezvous_handler(config)
     spec = WorkerSpec(
@@ -141,11 +147,21 @@ def launch_agent(
         spec, config.start_method, log_dir=config.log_dir, event_handler=event_handler,
         metrics=metrics, timers=config.timers, hang_timeout=config.hang_timeout,
     )  # fmt: skip
+    outcome = "ended by an error"
     try:
         result = agent.run()
+        outcome = "failed" if result.is_failed() else "succeeded"
+    except SignalException as exc:
+        outcome = f"stopped by {exc.sigval.name}"
+        raise
+    except RendezvousClosedError:
+        outcome = "not started: the job had already finished"
+        raise
     finally:
         handler.shutdown()
         event_handler.close()
+        if on_summary is not None:
+            on_summary(agent.summary(outcome))
     if result.is_failed():
         raise ChildFailedError(spec.get_entrypoint_name(), result.failures, result.stopped)
     return result.return_values

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.core import timers as core_timers
+from relaunch.core.channel import Progress
 from relaunch.core.failures import faulthandler_dump
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
@@ -59,6 +60,7 @@ class Watchdog:
         self._pids: dict[int, int] = {}  # local rank -> pid of the running group
         self._log_files: dict[int, list[str]] = {}
         self._running: Callable[[], set[int]] = set
+        self._progress: Callable[[int], Progress | None] = lambda rank: None
         self._started_at = 0.0
         self._aborted: dict[int, float] = {}  # pid -> when SIGABRT was sent
         self._timer_dir: str | None = None
@@ -103,9 +105,12 @@ class Watchdog:
         return env
 
     def watch(self, pids: Mapping[int, int], log_files: Mapping[int, list[str]],
-              running: Callable[[], set[int]]) -> None:  # fmt: skip
+              running: Callable[[], set[int]],
+              progress: Callable[[int], Progress | None]) -> None:  # fmt: skip
         """A new group started: ``pids`` and ``log_files`` by local rank; ``running()`` says
-        which ranks have not exited (a finished worker is not hung)."""
+        which ranks have not exited (a finished worker is not hung); ``progress(rank)`` is a
+        rank's last ``report_progress``."""
+        self._progress = progress
         if self._server is not None:
             self._server.forget(self._pids.values())
         self._pids = dict(pids)
@@ -126,6 +131,9 @@ class Watchdog:
                 pass
         if self._server is not None:
             seen = max(seen, self._server.last_activity(self._pids[rank]) or 0.0)
+        progress = self._progress(rank)
+        if progress is not None:
+            seen = max(seen, progress.time)
         return seen
 
     def check(self) -> float | None:
@@ -154,7 +162,7 @@ class Watchdog:
     def _abort(self, rank: int, silent_for: float) -> None:
         pid = self._pids[rank]
         self._causes[pid] = (
-            f"hung: no output and no timer activity for {silent_for:.1f}s (--hang-timeout "
+            f"hung: no output, progress or timer activity for {silent_for:.1f}s (--hang-timeout "
             f"{self._hang_timeout:g}); relaunch sent SIGABRT to get its stack"
         )
         log.warning("local rank %d (pid %d) shows no sign of life for %.1fs: sending SIGABRT "

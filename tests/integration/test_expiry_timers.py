@@ -291,7 +291,7 @@ def test_a_hung_worker_is_shown_with_its_stack_and_restarted(tmp_path, leaks: Le
     assert done.stdout.count("finished attempt 1") == 2
     assert "local rank 1" not in done.stderr, "a worker that finished is not hung"
     report = done.stderr[done.stderr.index("Root cause"):]
-    assert "killed by SIGABRT" in report and "hung: no output and no timer activity" in report
+    assert "killed by SIGABRT" in report and "hung: no output, progress or timer activity" in report
     assert "Fatal Python error: Aborted" in report
     assert 'job.py", line 5 in load_batches' in report, "the hung thread's stack"
 

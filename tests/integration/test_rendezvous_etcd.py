@@ -154,3 +154,17 @@ def test_tls_and_authentication(tmp_path, leaks: LeakCheck, secure_etcd: EtcdClu
     _, err = plain.communicate(timeout=60)
     assert plain.returncode == 1 and "cannot reach etcd" in err
     assert "pa55-w0rd-xyz" not in err
+
+
+def test_a_node_arriving_after_the_job_finished_exits_cleanly(
+    tmp_path, leaks: LeakCheck, etcd: EtcdCluster
+) -> None:
+    job = script(tmp_path, "print('ran')\n")
+    run_id = uuid.uuid4().hex
+    first = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf",
+                       "last_call_timeout=0.2")  # fmt: skip
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 0 and lines(out) == ["ran"], err
+    late = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2")
+    out, err = late.communicate(timeout=60)
+    assert late.returncode == 0 and "has already finished" in err and lines(out) == []

@@ -33,7 +33,9 @@ def test_public_names_are_pinned() -> None:
         "WorkerState",
         "elastic_launch",
         "record",
+        "report_progress",
         "start_processes",
+        "stop_requested",
     ]
     for name in relaunch.__all__:
         assert getattr(relaunch, name) is not None

@@ -49,3 +49,52 @@ def prefix_lines(lines: bytes, prefix: bytes, progress_safe: bool = False) -> by
     else:
         start, sep, end = prefix, b"\n" + prefix, b"\n"
     return start + body.replace(b"\n", sep) + end
+
+
+def as_shown(lines: bytes) -> bytes:
+    """Complete lines as a terminal leaves them: of ``a\\rb``, only what follows the last ``\\r``
+    (a trailing ``\\r`` before the newline, as in ``\\r\\n``, is dropped)."""
+    if b"\r" not in lines:
+        return lines
+    shown = []
+    for line in lines.split(b"\n")[:-1]:
+        line = line.rstrip(b"\r")
+        shown.append(line[line.rfind(b"\r") + 1 :])
+    return b"\n".join(shown) + b"\n"
+
+
+class ConsoleFramer:
+    """Like ``LineFramer``, for a console: carriage-return refreshes (progress bars) are not
+    lines. ``feed`` returns the complete lines as shown, and the bar the stream is redrawing
+    now: its text (``b""`` once it was wiped), or None when no bar is being drawn."""
+
+    def __init__(self, max_partial: int = MAX_PARTIAL_LINE) -> None:
+        self._partial = b""
+        self._max_partial = max_partial
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes | None]:
+        buffer = self._partial + data if self._partial else data
+        cut = buffer.rfind(b"\n") + 1
+        complete, rest = as_shown(buffer[:cut]), buffer[cut:]
+        bar = None
+        if b"\r" in rest:
+            segments = rest.split(b"\r")
+            if segments[-1]:
+                bar, rest = segments[-1], b"\r" + segments[-1]
+            else:  # the cursor was just sent back: what is on screen is the segment before
+                bar = segments[-2] if len(segments) > 1 else b""
+                rest = b"\r" + bar + b"\r"
+            if not bar.strip():
+                bar, rest = b"", b""  # wiped: the line is empty again
+        if len(rest) >= self._max_partial:
+            complete += as_shown(rest + b"\n")
+            rest, bar = b"", None
+        self._partial = rest
+        return complete, bar
+
+    def flush(self) -> bytes:
+        """What is left at the end of the stream, as a line (a bar's last state included)."""
+        rest, self._partial = self._partial, b""
+        if not rest.strip(b"\r \t"):
+            return b""
+        return as_shown(rest + b"\n")

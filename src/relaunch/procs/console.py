@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import threading
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 from relaunch.core.lines import prefix_lines
@@ -56,6 +61,11 @@ class ConsoleWriter:
         finally:
             trigger.clear()
 
+    def write_raw(self, data: bytes) -> None:
+        """Write ``data`` as it is (terminal control sequences), without the handshake."""
+        if data:
+            self._write(data)
+
     def write_lines(self, lines: bytes, prefix: bytes) -> None:
         self.write(self.render(lines, prefix))
 
@@ -72,3 +82,237 @@ class ConsoleWriter:
             except (OSError, ValueError):
                 # A closed or broken console must not stop the log files from being written.
                 pass
+
+
+#: Non-terminal consoles print a bar's refresh at most this often (its final state always).
+THROTTLE_SECONDS = 1.0
+#: Terminals redraw the live area at most this often.
+REDRAW_SECONDS = 0.1
+#: Prefix colours, by local rank: cyan, yellow, magenta, green, blue, red, then bright ones.
+_COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)
+
+#: What produces bars besides the workers' streams (the agent's per-node bar): key -> line.
+BarSource = Callable[[], dict[str, bytes]]
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM", "") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def colours_wanted(stream: TextIO) -> bool:
+    """Colour on a terminal, unless ``NO_COLOR`` is set (https://no-color.org)."""
+    return _is_terminal(stream) and not os.environ.get("NO_COLOR")
+
+
+class _Bar:
+    __slots__ = ("err", "printed", "printed_at", "text")
+
+    def __init__(self, text: bytes, err: bool) -> None:
+        self.text, self.err = text, err
+        self.printed: bytes | None = None
+        self.printed_at = -1e9
+
+
+class Console:
+    """The launcher's stdout and stderr, shared by every rank: whole lines, and progress bars.
+
+    On a terminal (stderr a tty), each bar being redrawn with ``\\r`` lives in an area at the
+    bottom, redrawn in place (at most every ``REDRAW_SECONDS``) while log lines scroll above it.
+    Elsewhere (a CI log, a pipe) a bar is printed as a line at most every ``THROTTLE_SECONDS``,
+    and its final state always. Prefixes get a stable colour per rank on a terminal.
+    """
+
+    def __init__(self, stdout: TextIO, stderr: TextIO,
+                 progbar_events: ProgbarEvents | None = None) -> None:  # fmt: skip
+        self.out = ConsoleWriter(stdout, progbar_events)
+        self.err = ConsoleWriter(stderr, progbar_events)
+        # ice-learn's handshake means the program draws its own bar: relaunch draws none.
+        self.live = progbar_events is None and _is_terminal(stderr)
+        self._stdout_crosses = self.live and _is_terminal(stdout)
+        self._colour = {False: colours_wanted(stdout), True: colours_wanted(stderr)}
+        self._width = shutil.get_terminal_size((100, 24)).columns if self.live else 0
+        self._bars: dict[str, _Bar] = {}
+        self._sources: list[BarSource] = []
+        self._wakers: list[Callable[[], None]] = []
+        self._drawn_rows = 0
+        self._dirty = False
+        self._drawn_at = -1e9
+        self._lock = threading.RLock()
+
+    # -- lines ----------------------------------------------------------------------------------
+
+    def prefix(self, prefix: bytes, rank: int, err: bool) -> bytes:
+        """``prefix``, coloured by ``rank`` when the stream it goes to wants colour."""
+        if not self._colour[err]:
+            return prefix
+        return b"\033[%dm" % _COLOURS[rank % len(_COLOURS)] + prefix + b"\033[0m"
+
+    def render(self, lines: bytes, prefix: bytes) -> bytes:
+        return self.out.render(lines, prefix)
+
+    def write(self, out: bytes, err: bytes) -> None:
+        """Write rendered lines to stdout and stderr, above the live area."""
+        if not out and not err:
+            return
+        with self._lock:
+            if not self.live or (not self._drawn_rows and not self._bars):
+                self.out.write(out)
+                self.err.write(err)
+                return
+            erase = self._erase()
+            if out and self._stdout_crosses:
+                self.err.write_raw(erase)
+                self.out.write(out)
+                self.err.write_raw(err + self._draw())
+            else:
+                self.out.write(out)
+                self.err.write_raw(erase + err + self._draw())
+
+    # -- bars -----------------------------------------------------------------------------------
+
+    def set_bar(self, key: str, line: bytes, err: bool = True) -> None:
+        """The bar ``key`` now shows ``line`` (prefix included); an empty line wipes it."""
+        with self._lock:
+            bar = self._bars.get(key)
+            if not line.strip():
+                if bar is not None:
+                    self._remove(key, print_last=True)
+                return
+            if bar is None:
+                bar = self._bars[key] = _Bar(line, err)
+            elif bar.text == line:
+                return
+            bar.text = line
+            self._dirty = True
+
+    def end_bar(self, key: str, print_last: bool) -> None:
+        """The bar ``key`` is over: its line completed (``print_last=False``: the line says it
+        all) or its stream ended with it."""
+        with self._lock:
+            if key in self._bars:
+                self._remove(key, print_last)
+
+    def add_source(self, source: BarSource) -> None:
+        """Ask ``source`` for bars at every tick (the threads that tick are woken to start)."""
+        with self._lock:  # held while waking: a waker removed is never called afterwards
+            self._sources.append(source)
+            for wake in self._wakers:
+                wake()
+
+    def add_waker(self, wake: Callable[[], None]) -> None:
+        """``wake()`` makes a thread that calls ``tick`` look at ``next_tick`` again."""
+        with self._lock:
+            self._wakers.append(wake)
+
+    def remove_waker(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            if wake in self._wakers:
+                self._wakers.remove(wake)
+
+    def remove_source(self, source: BarSource) -> None:
+        """Stop asking ``source``; the final state of its bars is printed."""
+        with self._lock:
+            if source not in self._sources:
+                return
+            for key, line in source().items():
+                self.set_bar("source:" + key, line)
+            self._sources.remove(source)
+            for key in [k for k in self._bars if k.startswith("source:")]:
+                self._remove(key, print_last=True)
+
+    def next_tick(self) -> float | None:
+        """Seconds until ``tick`` has something to do, or None."""
+        with self._lock:
+            now = time.monotonic()
+            if self.live:
+                if self._dirty:
+                    return max(0.0, self._drawn_at + REDRAW_SECONDS - now)
+                return REDRAW_SECONDS if self._sources else None
+            due = [bar.printed_at + THROTTLE_SECONDS - now for bar in self._bars.values()
+                   if bar.text != bar.printed]  # fmt: skip
+            if due:
+                return max(0.0, min(due))
+            return THROTTLE_SECONDS if self._sources else None
+
+    def tick(self) -> None:
+        """Redraw (terminal) or print due refreshes (elsewhere); asks the bar sources."""
+        with self._lock:
+            for source in self._sources:
+                for key, line in source().items():
+                    self.set_bar("source:" + key, line)
+            now = time.monotonic()
+            if self.live:
+                if self._dirty and now - self._drawn_at >= REDRAW_SECONDS:
+                    self.err.write_raw(self._erase() + self._draw())
+                return
+            out: list[bytes] = []
+            err: list[bytes] = []
+            for bar in self._bars.values():
+                if bar.text != bar.printed and now - bar.printed_at >= THROTTLE_SECONDS:
+                    (err if bar.err else out).append(bar.text + b"\n")
+                    bar.printed, bar.printed_at = bar.text, now
+            self.out.write(b"".join(out))
+            self.err.write(b"".join(err))
+
+    def _remove(self, key: str, print_last: bool) -> None:
+        bar = self._bars.pop(key)
+        last = bar.text + b"\n" if print_last and bar.text != bar.printed else b""
+        if self.live:
+            self.err.write_raw(self._erase() + (last if bar.err else b"") + self._draw())
+            if last and not bar.err:
+                self.out.write(last)
+        elif last:
+            (self.err if bar.err else self.out).write(last)
+
+    # -- the live area --------------------------------------------------------------------------
+
+    def _erase(self) -> bytes:
+        if not self._drawn_rows:
+            return b""
+        up = b"\033[1A\033[2K" * (self._drawn_rows - 1)
+        self._drawn_rows = 0
+        return b"\r\033[2K" + up
+
+    def _draw(self) -> bytes:
+        self._dirty = False
+        self._drawn_at = time.monotonic()
+        order = sorted(self._bars, key=_display_order)
+        lines = [self._fit(self._bars[key].text) for key in order]
+        self._drawn_rows = len(lines)
+        return b"\n".join(lines)
+
+    def _fit(self, line: bytes) -> bytes:
+        """``line`` cut to the terminal's width, so that it never wraps (rows are counted)."""
+        text = line.decode("utf-8", errors="replace")
+        visible = len(_ANSI.sub("", text))
+        if visible < self._width:
+            return line
+        plain = _ANSI.sub("", text)
+        return plain[: max(1, self._width - 1)].encode()
+
+
+_ANSI = re.compile(r"\033\[[0-9;]*[A-Za-z]")
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _display_order(key: str) -> tuple[bool, list[str | int]]:
+    """Ranks in numeric order, the agent's bars (sources) below them."""
+    plain = _ANSI.sub("", key)
+    parts = [int(p) if p.isdigit() else p for p in _DIGITS.split(plain)]
+    return key.startswith("source:"), parts
+_consoles: dict[tuple[int, int, int], Console] = {}
+_consoles_guard = threading.Lock()
+
+
+def console_for(stdout: TextIO, stderr: TextIO,
+                progbar_events: ProgbarEvents | None = None) -> Console:  # fmt: skip
+    """The one ``Console`` of this stdout/stderr pair (there is one live area per terminal)."""
+    key = (id(stdout), id(stderr), id(progbar_events))
+    with _consoles_guard:
+        console = _consoles.get(key)
+        if console is None:
+            console = _consoles[key] = Console(stdout, stderr, progbar_events)
+        return console

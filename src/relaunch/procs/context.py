@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 from relaunch.core.macros import substitute_local_rank
 from relaunch.core.streams import Std, per_rank
-from relaunch.procs.console import ConsoleWriter, ProgbarEvents
+from relaunch.procs.console import ProgbarEvents, console_for
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
 from relaunch.procs.guardian import guardian
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
@@ -48,7 +49,8 @@ class RunProcsResult:
     ``return_values`` maps local rank to what a function returned (None for binaries) when all
     succeeded; ``failures`` holds the workers that failed; ``stopped`` maps the ranks that were
     stopped only because another failed to their exit codes. ``stdouts``/``stderrs`` are the log
-    file paths ("" where a stream was not redirected).
+    file paths ("" where a stream was not redirected). ``exitcodes`` and ``durations``
+    (seconds from the group's start to each exit) cover every rank.
     """
 
     return_values: dict[int, Any] = field(default_factory=dict)
@@ -56,6 +58,8 @@ class RunProcsResult:
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
     stopped: dict[int, int] = field(default_factory=dict)
+    exitcodes: dict[int, int] = field(default_factory=dict)
+    durations: dict[int, float] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
@@ -133,6 +137,9 @@ class PContext(abc.ABC):
         self._monitor: GroupMonitor | None = None
         self._result: RunProcsResult | None = None
         self._closed = False
+        self._started_at = 0.0
+        #: Console prefixes by local rank, replacing ``[{name}{local_rank}]:``.
+        self.log_line_prefixes: dict[int, str] = {}
 
     # -- what each kind of context supplies ----------------------------------------------------
 
@@ -152,11 +159,11 @@ class PContext(abc.ABC):
         if self._monitor is not None:
             raise RuntimeError(f"{type(self).__name__} {self.name!r} was already started")
         self._signals.install()
+        self._started_at = time.time()
         sys.stdout.flush()
         sys.stderr.flush()
         watchdog = guardian()
-        out_console = ConsoleWriter(sys.stdout, self._progbar_events)
-        err_console = ConsoleWriter(sys.stderr, self._progbar_events)
+        console = console_for(sys.stdout, sys.stderr, self._progbar_events)
         workers: list[WorkerProcess] = []
         targets: list[_Target] = []
         try:
@@ -175,17 +182,18 @@ class PContext(abc.ABC):
                     stderr.close_child_end()
                 worker = WorkerProcess(rank, handle, result_conn=result_conn)
                 workers.append(worker)
-                prefix = f"[{self.name}{rank}]:".encode()
-                for target, console in ((stdout, out_console), (stderr, err_console)):
+                prefix = self.log_line_prefixes.get(rank, f"[{self.name}{rank}]:").encode()
+                for target, err in ((stdout, False), (stderr, True)):
                     if target.read_fd is not None and target.log_fd is not None:
-                        worker.streams.append(
-                            TeeStream(target.read_fd, target.log_fd, console, prefix)
-                        )
+                        worker.streams.append(TeeStream(
+                            target.read_fd, target.log_fd, console,
+                            console.prefix(prefix, rank, err), err,
+                        ))  # fmt: skip
                 targets = []
         except BaseException:
             self._abort_start(workers, targets)
             raise
-        self._monitor = GroupMonitor(workers, self._shutdown_timeout, self._build_result)
+        self._monitor = GroupMonitor(workers, self._shutdown_timeout, self._build_result, console)
         self._monitor.start()
         _open_contexts.add(self)
 
@@ -275,7 +283,12 @@ class PContext(abc.ABC):
             values: dict[int, Any] = {}
         else:
             values = {rank: self._return_value(worker) for rank, worker in workers.items()}
-        self._result = RunProcsResult(values, failures, self.stdouts, self.stderrs, stopped)
+        self._result = RunProcsResult(
+            values, failures, self.stdouts, self.stderrs, stopped,
+            exitcodes={rank: worker.exitcode or 0 for rank, worker in workers.items()},
+            durations={rank: max(0.0, worker.exit_time - self._started_at)
+                       for rank, worker in workers.items()},
+        )  # fmt: skip
 
 
 def _wait_exit(handle: PopenHandle | ProcessHandle) -> None:
@@ -450,6 +463,7 @@ def start_processes(
     progbar_events: ProgbarEvents | None = None,
     *,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    log_line_prefixes: Mapping[int, str] | None = None,
 ) -> PContext:
     """Start one copy of ``entrypoint`` per local rank and return the running context.
 
@@ -458,6 +472,7 @@ def start_processes(
     have the keys ``0..n-1``; ``${local_rank}`` in a string argument becomes the rank. ``log_dir``
     must be an existing empty directory; each rank gets ``{log_dir}/{rank}/`` with
     ``stdout.log``/``stderr.log`` for redirected or tee'd streams and ``error.json`` on failure.
+    ``log_line_prefixes`` replaces the console prefix ``[{name}{local_rank}]:`` of some ranks.
     """
     nprocs = _check_ranks(args, envs)
     if callable(entrypoint):
@@ -500,6 +515,7 @@ def start_processes(
             name, entrypoint, rank_args, envs, stdouts, stderrs, tee_stdouts, tee_stderrs,
             error_files, start_method, progbar_events, shutdown_timeout,
         )  # fmt: skip
+    context.log_line_prefixes = dict(log_line_prefixes or {})
     for rank in range(nprocs):
         os.mkdir(os.path.join(log_dir, str(rank)))
     context.start()

@@ -44,6 +44,11 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
+class StopRequested(SignalException):
+    """The first SIGTERM or SIGINT: the agent asks its workers to stop (``stop_requested()``)
+    and gives them ``shutdown_timeout`` seconds; a second signal raises ``SignalException``."""
+
+
 @dataclass
 class ProcessFailure:
     """A worker process that ended with a non-zero exit code.

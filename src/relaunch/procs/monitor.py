@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from relaunch.core.group import GroupState, group_state
-from relaunch.core.lines import LineFramer
-from relaunch.procs.console import ConsoleWriter
+from relaunch.core.lines import ConsoleFramer
+from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 
 if TYPE_CHECKING:
@@ -49,17 +49,24 @@ class TeeStream:
 
     Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
     all streams together: under a flood of small writes that is one console write per round, not
-    one per read.
+    one per read. Carriage-return refreshes (progress bars) become the stream's ``bar`` rather
+    than lines; the log file gets every byte either way.
     """
 
-    def __init__(self, read_fd: int, log_fd: int, console: ConsoleWriter, prefix: bytes) -> None:
+    def __init__(self, read_fd: int, log_fd: int, console: Console, prefix: bytes,
+                 err: bool = False) -> None:  # fmt: skip
         os.set_blocking(read_fd, False)
         self.read_fd = read_fd
         self.log_fd = log_fd
         self.console = console
         self.prefix = prefix
-        self.framer = LineFramer()
+        self.err = err
+        self.key = f"{prefix.decode(errors='replace')}{'e' if err else 'o'}"
+        self.framer = ConsoleFramer()
         self.pending: list[bytes] = []
+        #: The bar the stream redraws now (None: none), and whether the console must hear of it.
+        self.bar: bytes | None = None
+        self.bar_changed = False
         self.open = True
 
     def pump(self, until_empty: bool = False) -> bool:
@@ -78,9 +85,12 @@ class TeeStream:
             if not chunk:
                 return True
             write_all(self.log_fd, chunk)
-            lines = self.framer.feed(chunk)
+            lines, bar = self.framer.feed(chunk)
             if lines:
                 self.pending.append(self.console.render(lines, self.prefix))
+            if bar is not None or self.bar is not None:
+                self.bar_changed = self.bar_changed or bar != self.bar
+                self.bar = bar
             if not until_empty and len(chunk) < _READ_SIZE:
                 return False
 
@@ -90,12 +100,16 @@ class TeeStream:
         return data
 
     def finish(self) -> None:
-        """Write out the last partial line and close the stream's files."""
+        """Write out the last partial line (a bar's last state) and close the stream's files."""
         if not self.open:
             return
         self.open = False
         self.pending.append(self.console.render(self.framer.flush(), self.prefix))
-        self.console.write(self.take_pending())
+        if self.bar is not None:
+            self.console.end_bar(self.key, print_last=False)  # the last line shows it
+            self.bar = None
+        data = self.take_pending()
+        self.console.write(b"" if self.err else data, data if self.err else b"")
         os.close(self.read_fd)
         os.close(self.log_fd)
 
@@ -129,8 +143,10 @@ class GroupMonitor:
         workers: list[WorkerProcess],
         stop_timeout: float,
         on_done: Callable[[], None],
+        console: Console | None = None,
     ) -> None:
         self.workers = {worker.local_rank: worker for worker in workers}
+        self._console = console
         self.stop_timeout = stop_timeout
         self.stopped_ranks: set[int] = set()
         self.lock = threading.Condition()
@@ -154,6 +170,8 @@ class GroupMonitor:
         self._thread = threading.Thread(target=self._run, name="relaunch-monitor", daemon=True)
 
     def start(self) -> None:
+        if self._console is not None:
+            self._console.add_waker(self._wake)
         self._thread.start()
 
     # -- called from any thread -------------------------------------------------------------
@@ -205,10 +223,13 @@ class GroupMonitor:
             pass
 
     def _timeout(self) -> float | None:
-        deadlines = [d for d in (self._kill_at, self._drain_until) if d is not None]
-        if not deadlines:
-            return None
-        return max(0.0, min(deadlines) - time.monotonic())
+        now = time.monotonic()
+        waits = [d - now for d in (self._kill_at, self._drain_until) if d is not None]
+        if self._console is not None:
+            tick = self._console.next_tick()
+            if tick is not None:
+                waits.append(tick)
+        return max(0.0, min(waits)) if waits else None
 
     def _run(self) -> None:
         try:
@@ -226,6 +247,8 @@ class GroupMonitor:
                     else:
                         self._drain_wake()
                 copied = self._flush_consoles()
+                if self._console is not None:
+                    self._console.tick()
                 if self._past_deadlines():
                     break
                 if copied:
@@ -248,26 +271,36 @@ class GroupMonitor:
         if not stream.open:
             return
         at_end = stream.pump(until_empty)
-        if stream.pending:
+        if stream.pending or stream.bar_changed:
             self._dirty.append(stream)
         if at_end:
             self._selector.unregister(stream.read_fd)
             stream.finish()
 
     def _flush_consoles(self) -> bool:
-        """Write this round's lines: one write per console, ranks never interleaved mid-line.
-
-        Returns whether there was anything to write.
-        """
+        """Write this round's lines: one write per console, ranks never interleaved mid-line;
+        then tell the console which bars changed. Returns whether there was anything."""
         if not self._dirty:
             return False
-        by_console: dict[ConsoleWriter, list[bytes]] = {}
+        by_console: dict[Console, tuple[list[bytes], list[bytes]]] = {}
+        bars = []
         for stream in self._dirty:
+            if stream.bar_changed:
+                stream.bar_changed = False
+                if stream.bar is None:  # its line was completed: the line shows the last state
+                    stream.console.end_bar(stream.key, print_last=False)
+                else:
+                    bars.append(stream)
             if stream.pending:
-                by_console.setdefault(stream.console, []).append(stream.take_pending())
+                out, err = by_console.setdefault(stream.console, ([], []))
+                (err if stream.err else out).append(stream.take_pending())
         self._dirty.clear()
-        for console, chunks in by_console.items():
-            console.write(b"".join(chunks))
+        for console, (out, err) in by_console.items():
+            console.write(b"".join(out), b"".join(err))
+        for stream in bars:
+            assert stream.bar is not None
+            stream.console.set_bar(stream.key, stream.prefix + stream.bar if stream.bar else b"",
+                                   stream.err)  # fmt: skip
         return True
 
     def _reap(self, worker: WorkerProcess) -> None:
@@ -321,6 +354,8 @@ class GroupMonitor:
             return not streams_open or (self._drain_until is not None and now >= self._drain_until)
 
     def _release(self) -> None:
+        if self._console is not None:
+            self._console.remove_waker(self._wake)
         self._flush_consoles()
         self._selector.close()
         for worker in self.workers.values():

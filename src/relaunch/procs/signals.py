@@ -8,14 +8,30 @@ import threading
 from types import FrameType
 from typing import Any
 
-from relaunch.procs.errors import SignalException
+from relaunch.procs.errors import SignalException, StopRequested
 
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: The signals that first ask for a graceful stop (a preemption notice, a Ctrl-C).
+GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_stop_requested = False
 
 
-def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
+def raise_signal_exception(signum: int, frame: FrameType | None) -> None:
+    """The handler: the first SIGTERM/SIGINT raises ``StopRequested``, any other (or any later)
+    termination signal ``SignalException``; both carry ``sigval``."""
+    global _stop_requested
     sigval = signal.Signals(signum)
+    if sigval in GRACEFUL_SIGNALS and not _stop_requested:
+        _stop_requested = True
+        raise StopRequested(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
     raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+
+def reset_stop_request() -> None:
+    """Let the next SIGTERM/SIGINT ask for a graceful stop again."""
+    global _stop_requested
+    _stop_requested = False
 
 
 class SignalsToExceptions:
@@ -35,12 +51,12 @@ class SignalsToExceptions:
             current = signal.getsignal(sig)
             if current in (signal.SIG_DFL, signal.default_int_handler):
                 self._previous[sig] = current
-                signal.signal(sig, _raise_signal_exception)
+                signal.signal(sig, raise_signal_exception)
 
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, previous in self._previous.items():
-            if signal.getsignal(sig) is _raise_signal_exception:
+            if signal.getsignal(sig) is raise_signal_exception:
                 signal.signal(sig, previous)
         self._previous.clear()

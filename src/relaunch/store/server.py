@@ -113,10 +113,17 @@ class TcpStoreServer:
         return self
 
     def stop(self) -> None:
+        """Stop serving and release everything; the wake-up pipe is closed here, after the
+        thread ended, so that no write can land on a descriptor closed under it."""
+        if self._wake_w < 0:
+            return
         self._stopping = True
         os.write(self._wake_w, b"x")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._wake_r = self._wake_w = -1
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -136,8 +143,6 @@ class TcpStoreServer:
                 self._close(client)
             self._selector.close()
             self._listener.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
 
     def _next_deadline(self) -> float | None:
         deadlines = [w.deadline for ws in self._waiters.values() for w in ws]

@@ -22,7 +22,6 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from relaunch.core.lines import LineFramer
-from relaunch.timer.debug_info_logging import log_debug_info_for_expired_timers
 from relaunch.timer.api import (
     ReapHandler,
     RequestQueue,
@@ -30,6 +29,7 @@ from relaunch.timer.api import (
     TimerClient,
     TimerRequest,
 )
+from relaunch.timer.debug_info_logging import log_debug_info_for_expired_timers
 
 log = logging.getLogger(__name__)
 
@@ -145,30 +145,35 @@ class _FifoRequestQueue(RequestQueue):
     def __init__(self, on_malformed: Callable[[bytes, str], None]) -> None:
         self._read_fd: int | None = None
         self._keep_open_fd: int | None = None
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r: int | None = None
+        self._wake_w: int | None = None
         self._framer = LineFramer(max_partial=_MAX_LINE)  # a longer "line" is garbage
         self._buffered: list[FileTimerRequest] = []
         self._on_malformed = on_malformed
 
     def open(self, path: str) -> None:
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         # Our own writer keeps the pipe from reaching end-of-file when clients close theirs.
         self._keep_open_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
 
     def close(self) -> None:
+        """Close every descriptor, once (a descriptor closed twice may be someone else's)."""
         for fd in (self._read_fd, self._keep_open_fd, self._wake_r, self._wake_w):
             if fd is not None:
                 os.close(fd)
-        self._read_fd = self._keep_open_fd = None
+        self._read_fd = self._keep_open_fd = self._wake_r = self._wake_w = None
 
     def size(self) -> int:
         return max(1, len(self._buffered))
 
     def interrupt(self) -> None:
+        if self._wake_w is None:
+            return
         try:
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # already woken, or closed
+        except BlockingIOError:
+            pass  # already woken
 
     def _read(self) -> None:
         assert self._read_fd is not None
@@ -191,7 +196,7 @@ class _FifoRequestQueue(RequestQueue):
             self._on_malformed(line, str(exc))
 
     def get(self, size: int, timeout: float) -> list[TimerRequest]:
-        assert self._read_fd is not None
+        assert self._read_fd is not None and self._wake_r is not None
         if not self._buffered:
             ready, _, _ = select.select([self._read_fd, self._wake_r], [], [], timeout)
             if self._wake_r in ready:

@@ -1,0 +1,84 @@
+"""The agent-worker channel's layout: a small shared-memory file, one slot per local rank.
+
+The agent creates the file and names it in ``RELAUNCH_CHANNEL``; each worker maps it. Workers
+write their progress into their own slot and read the stop flag: no syscall, no lock, nothing
+that can block a training loop. The agent reads the slots when it draws its progress bar.
+
+Layout (little-endian)::
+
+    header  0: magic  8s  |  8: stop flag u32  | 12: slots u32  | 16..64 reserved
+    slot i  at HEADER + i * SLOT:
+            0: sequence u64 (odd while the worker writes: a seqlock)
+            8: step i64  | 16: total i64 (-1: unknown) | 24: time f64 (when reported)
+           32: listening u8 (the worker has asked ``stop_requested()``: it will stop on its own)
+           40: description, UTF-8, NUL-padded to DESC bytes
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+CHANNEL_ENV = "RELAUNCH_CHANNEL"
+MAGIC = b"RLCHAN1\0"
+HEADER = 64
+SLOT = 128
+DESC_OFFSET = 40
+DESC = SLOT - DESC_OFFSET
+LISTENING_OFFSET = 32
+STOP_OFFSET = 8
+
+HEADER_STRUCT = struct.Struct("<8sII")
+SEQ = struct.Struct("<Q")
+FIELDS = struct.Struct("<qqd")
+
+
+def size(slots: int) -> int:
+    """Bytes of a channel with ``slots`` local ranks."""
+    return HEADER + slots * SLOT
+
+
+def slot_offset(rank: int) -> int:
+    return HEADER + rank * SLOT
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One worker's last report."""
+
+    step: int
+    total: int | None
+    time: float
+    desc: str
+    #: How many reports the worker made (the seqlock's count): growth is a sign of life.
+    reports: int
+
+
+def read_progress(buffer: bytes | bytearray | memoryview, rank: int,
+                  tries: int = 8) -> Progress | None:  # fmt: skip
+    """The last progress report of ``rank``; None before its first (or if always torn)."""
+    offset = slot_offset(rank)
+    for _ in range(tries):
+        (before,) = SEQ.unpack_from(buffer, offset)
+        if before == 0:
+            return None
+        if before % 2:
+            continue  # the worker is writing
+        step, total, when = FIELDS.unpack_from(buffer, offset + 8)
+        desc = bytes(buffer[offset + DESC_OFFSET : offset + SLOT]).split(b"\0", 1)[0]
+        (after,) = SEQ.unpack_from(buffer, offset)
+        if after == before:
+            return Progress(step, None if total < 0 else total, when,
+                            desc.decode("utf-8", errors="replace"), before // 2)  # fmt: skip
+    return None
+
+
+def listening(buffer: bytes | bytearray | memoryview, rank: int) -> bool:
+    """Whether ``rank`` has asked ``stop_requested()``: a stop request will be heard."""
+    return buffer[slot_offset(rank) + LISTENING_OFFSET] != 0
+
+
+def encode_desc(desc: str) -> bytes:
+    """``desc`` as the slot stores it: at most ``DESC`` bytes, cut on a character boundary."""
+    data = desc.encode("utf-8")[:DESC]
+    return data.decode("utf-8", errors="ignore").encode("utf-8").ljust(DESC, b"\0")

@@ -1,0 +1,61 @@
+"""The few lines printed at the end of every run: how each rank ended, restarts, where logs are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from relaunch.core.failures import describe_exit
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one worker of the last attempt ended."""
+
+    rank: int
+    local_rank: int
+    exitcode: int | None  # None: it never ran to an end (the run stopped before)
+    duration: float
+    #: "" when it ended on its own; "stopped" when relaunch stopped it because of another.
+    note: str = ""
+
+
+@dataclass
+class RunSummary:
+    """What ``format_summary`` prints."""
+
+    outcome: str  # "succeeded", "failed", "stopped by SIGTERM", ...
+    elapsed: float
+    ranks: list[RankEnd] = field(default_factory=list)
+    restarts: list[str] = field(default_factory=list)
+    log_dir: str = ""
+    #: For a run stopped by a signal: what became of the stop request.
+    stop: str = ""
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def format_summary(summary: RunSummary) -> str:
+    """The summary as lines, the first one naming the outcome."""
+    restarts = len(summary.restarts)
+    head = f"run summary: {summary.outcome} in {_duration(summary.elapsed)}"
+    if restarts:
+        head += f" after {restarts} restart{'s' if restarts != 1 else ''}"
+    lines = [head]
+    if summary.stop:
+        lines.append(f"  {summary.stop}")
+    for end in sorted(summary.ranks, key=lambda e: e.rank):
+        how = "did not end" if end.exitcode is None else describe_exit(end.exitcode)
+        note = f" ({end.note})" if end.note else ""
+        lines.append(f"  rank {end.rank} (local {end.local_rank}): {how}{note} after "
+                     f"{_duration(end.duration)}")  # fmt: skip
+    for number, reason in enumerate(summary.restarts, 1):
+        lines.append(f"  restart {number}: {reason}")
+    if summary.log_dir:
+        lines.append(f"  logs: {summary.log_dir}")
+    return "\n".join(lines)

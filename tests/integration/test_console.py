@@ -1,0 +1,237 @@
+"""The console of a real run, through pipes (a CI log) and in a pseudo-terminal; graceful stop;
+the run summary; rank filters and prefixes; progress in status events."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import LeakCheck
+
+pytestmark = pytest.mark.timeout(90)
+
+BARS = """
+    import os, sys, time
+    rank = int(os.environ["LOCAL_RANK"])
+    for i in range(1, 101):
+        sys.stderr.write(f"\\rrank {rank} {i:3d}%|{'#' * (i // 10):10}|")
+        sys.stderr.flush()
+        if i % 25 == 0:
+            print(f"rank {rank} reached {i}", flush=True)
+        time.sleep(0.01)  # a bar refreshed 100 times a second
+    sys.stderr.write("\\n")
+"""
+
+ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def write_job(tmp_path, body: str) -> str:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def run(leaks: LeakCheck, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "relaunch", *argv], capture_output=True,
+                          text=True, env=leaks.process_env(**env), timeout=60)  # fmt: skip
+
+
+def test_off_a_terminal_bars_are_throttled_and_every_final_state_printed(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    job = write_job(tmp_path, BARS)
+    done = run(leaks, "--nproc-per-node", "8", "--tee", "3", "--log-dir", str(tmp_path / "logs"),
+               job)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for rank in range(8):
+        bars = [line for line in done.stderr.splitlines() if f"]:rank {rank} " in line]
+        assert 1 <= len(bars) <= 5, f"rank {rank}: {len(bars)} bar lines for 100 refreshes"
+        assert bars[-1].endswith(f"rank {rank} 100%|##########|"), "the final state, always"
+        for step in (25, 50, 75, 100):
+            assert f"[default{rank}]:rank {rank} reached {step}" in done.stdout
+    [log] = list((tmp_path / "logs").glob("*/attempt_0/3/stderr.log"))
+    assert log.read_bytes().count(b"\r") == 100, "the log file keeps every byte"
+
+
+def run_in_terminal(argv: list[str], env: dict[str, str], timeout: float = 60) -> bytes:
+    """Run ``argv`` on a new pseudo-terminal; everything it wrote to it."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: exec at once
+        os.execvpe(argv[0], argv, env)
+    output = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], deadline - time.monotonic())
+            if not ready:
+                break
+            try:
+                data = os.read(fd, 65536)
+            except OSError:  # EIO: the terminal's last writer is gone
+                break
+            if not data:
+                break
+            output.extend(data)
+    finally:
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, output.decode(errors="replace")
+    return bytes(output)
+
+
+def test_on_a_terminal_bars_are_redrawn_in_place_below_the_log(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, BARS)
+    env = leaks.process_env(TERM="xterm", COLUMNS="120")
+    env.pop("NO_COLOR", None)
+    screen = run_in_terminal([sys.executable, "-m", "relaunch", "--nproc-per-node", "2",
+                              "--tee", "3", job], env)  # fmt: skip
+    assert b"\r\x1b[2K\x1b[1A\x1b[2K" in screen, "the live area (two bars) is erased in place"
+    assert b"\x1b[36m[default0]:\x1b[0m" in screen and b"\x1b[33m[default1]:\x1b[0m" in screen
+    plain = ANSI.sub(b"", screen)
+    for rank in (0, 1):
+        for step in (25, 50, 75, 100):  # every log line once, whole, never inside a bar
+            assert plain.count(f"[default{rank}]:rank {rank} reached {step}\r\n".encode()) == 1
+        draws = screen.count(f"rank {rank} ".encode()) - 4
+        assert draws < 60, f"rank {rank}: {draws} redraws for 100 refreshes (10 a second at most)"
+        assert f"[default{rank}]:rank {rank} 100%|##########|\r\n".encode() in plain
+
+
+def test_no_color_turns_colours_off(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, "print('hello')\n")
+    screen = run_in_terminal([sys.executable, "-m", "relaunch", "--nproc-per-node", "2",
+                              "--tee", "3", job], leaks.process_env(TERM="xterm", NO_COLOR="1"))
+    assert b"[default1]:hello" in screen and b"\x1b[3" not in screen
+
+
+CHECKPOINTING = """
+    import os, sys, time
+    import relaunch
+    rank = os.environ["RANK"]
+    ignore = os.environ.get("IGNORE_STOP") == "1"
+    for step in range(100000):
+        relaunch.report_progress(step, 100000, "train")
+        if step == 5:
+            print("training", flush=True)
+        if relaunch.stop_requested() and not ignore:
+            with open(f"ckpt{rank}.tmp", "w") as file:
+                file.write(str(step))
+            os.replace(f"ckpt{rank}.tmp", f"ckpt{rank}")  # atomic
+            print(f"saved at step {step}", flush=True)
+            sys.exit(0)
+        time.sleep(0.01)
+"""
+
+
+def start(leaks: LeakCheck, tmp_path, *argv: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "relaunch", *argv], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=leaks.process_env(**env))  # fmt: skip
+
+
+def test_a_first_sigterm_lets_the_workers_checkpoint_and_exit(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, CHECKPOINTING)
+    node = start(leaks, tmp_path, "--nproc-per-node", "2", "--tee", "1", job)
+    assert node.stdout is not None and node.stdout.readline().endswith("training\n")
+    node.send_signal(signal.SIGTERM)
+    out, err = node.communicate(timeout=60)
+    assert node.returncode == 128 + signal.SIGTERM, err
+    assert out.count("saved at step") == 2, out  # both ranks saved
+    assert (tmp_path / "ckpt0").exists() and (tmp_path / "ckpt1").exists()
+    assert "asking the workers to stop" in err
+    summary = err[err.index("run summary"):]
+    assert summary.startswith("run summary: stopped by SIGTERM")
+    assert "the workers stopped cleanly after the stop request (all exited 0)" in summary
+    assert "rank 0 (local 0): exited with code 0" in summary
+
+
+def test_a_second_signal_stops_the_workers_at_once(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, CHECKPOINTING)
+    node = start(leaks, tmp_path, "--nproc-per-node", "2", "--tee", "1", job, IGNORE_STOP="1")
+    assert node.stdout is not None and node.stdout.readline().endswith("training\n")
+    node.send_signal(signal.SIGINT)
+    assert node.stderr is not None
+    for line in node.stderr:  # wait until the request is out, then insist
+        if "asking the workers to stop" in line:
+            break
+    started = time.monotonic()
+    node.send_signal(signal.SIGINT)
+    _, err = node.communicate(timeout=60)
+    assert node.returncode == 128 + signal.SIGINT, err
+    assert time.monotonic() - started < 20, "not after the 30 s shutdown timeout"
+    assert "SIGINT again: the workers were stopped at once" in err
+
+
+def test_outside_relaunch_the_worker_calls_do_nothing(leaks: LeakCheck) -> None:
+    code = ("import relaunch, time; t = time.perf_counter(); "
+            "[relaunch.report_progress(i, 10) for i in range(1000)]; "
+            "print(relaunch.stop_requested(), (time.perf_counter() - t) < 1)")  # fmt: skip
+    env = {k: v for k, v in leaks.process_env().items() if k != "RELAUNCH_CHANNEL"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True, timeout=60)  # fmt: skip
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_the_summary_follows_the_root_cause_report(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    done = run(leaks, "--nproc-per-node", "2", job)
+    assert done.returncode == 1
+    assert done.stderr.index("Root cause") < done.stderr.index("run summary: failed")
+    assert "rank 1 (local 1): exited with code 3" in done.stderr
+    assert "  logs: " in done.stderr
+
+
+def test_rank_filter_and_prefix_template(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, "import os; print('hello from', os.environ['RANK'])\n")
+    done = run(leaks, "--nproc-per-node", "3", "--tee", "3", "--local-ranks-filter", "0,2",
+               "--log-dir", str(tmp_path / "logs"), job,
+               TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}:${rank}/${local_rank}> ")
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["<default:0/0> hello from 0",
+                                                "<default:2/2> hello from 2"]  # fmt: skip
+    [log] = list((tmp_path / "logs").glob("*/attempt_0/1/stdout.log"))
+    assert log.read_text() == "hello from 1\n", "the files keep every rank"
+
+
+def test_status_events_carry_each_workers_progress(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, """
+        import os, relaunch
+        relaunch.report_progress(int(os.environ["RANK"]) + 7, 10, "epoch")
+    """)  # fmt: skip
+    events = tmp_path / "events.jsonl"
+    done = run(leaks, "--nproc-per-node", "2", "--event-log-handler", f"file:{events}", job)
+    assert done.returncode == 0, done.stderr
+    workers = [json.loads(line) for line in events.read_text().splitlines()]
+    progress = {}
+    for event in workers:
+        inner = json.loads(event["metadata"]["metadata"])
+        if event["source"] == "WORKER":
+            progress[event["metadata"]["global_rank"]] = inner["progress"]
+    assert progress == {0: {"step": 7, "total": 10, "desc": "epoch"},
+                        1: {"step": 8, "total": 10, "desc": "epoch"}}  # fmt: skip
+
+
+def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    job = write_job(tmp_path, """
+        import os, time, relaunch
+        slow = 0.02 if os.environ["LOCAL_RANK"] == "1" else 0.01
+        for step in range(1, 126):
+            relaunch.report_progress(step, 125, "train")
+            time.sleep(slow)  # 2.5 s for the slowest rank
+    """)  # fmt: skip
+    done = run(leaks, "--nproc-per-node", "2", job)
+    assert done.returncode == 0, done.stderr
+    bars = [line for line in done.stderr.splitlines() if line.startswith("[default node 0]:")]
+    assert 2 <= len(bars) <= 6, bars
+    assert "slowest: local rank 1" in bars[0] and "step/s" in bars[-2]
+    assert "100%|" in bars[-1] and "125/125" in bars[-1], "the final state, always"

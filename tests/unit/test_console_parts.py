@@ -1,0 +1,150 @@
+"""The pure parts of the console and the agent-worker channel: carriage returns, the node bar,
+the run summary, and the shared-memory slots."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relaunch.core import channel
+from relaunch.core.channel import Progress
+from relaunch.core.lines import ConsoleFramer, as_shown
+from relaunch.core.progress import NodeProgress
+from relaunch.core.summary import RankEnd, RunSummary, format_summary
+from relaunch.procs import console as console_module
+from relaunch.procs.console import Console
+
+
+def test_lines_are_shown_as_a_terminal_leaves_them() -> None:
+    assert as_shown(b"plain\n") == b"plain\n"
+    assert as_shown(b" 10%\r 20%\r100%\nnext\r\n") == b"100%\nnext\n"
+
+
+def test_carriage_return_refreshes_become_the_bar_not_lines() -> None:
+    framer = ConsoleFramer()
+    assert framer.feed(b"log line\n\r 10%|#") == (b"log line\n", b" 10%|#")
+    assert framer.feed(b"#|\r 20%|##|") == (b"", b" 20%|##|")
+    assert framer.feed(b"\r") == (b"", b" 20%|##|"), "a bare return leaves the bar on screen"
+    assert framer.feed(b"100%|###|\n") == (b"100%|###|\n", None), "the newline makes it a line"
+    assert framer.feed(b"\r        \r") == (b"", b""), "wiped (tqdm's leave=False)"
+    assert framer.feed(b"tail") == (b"", None) and framer.flush() == b"tail\n"
+
+
+def test_a_bar_left_unfinished_is_flushed_as_its_last_state() -> None:
+    framer = ConsoleFramer()
+    framer.feed(b"\r 10%\r 55%")
+    assert framer.flush() == b" 55%\n"
+
+
+@given(st.lists(st.binary(max_size=40), max_size=20))
+def test_every_line_is_kept_whatever_the_chunking(chunks: list[bytes]) -> None:
+    data = b"".join(chunks)
+    framer = ConsoleFramer()
+    lines = b"".join(framer.feed(chunk)[0] for chunk in chunks) + framer.flush()
+    expected = as_shown(data[: data.rfind(b"\n") + 1])
+
+    def visible(text: bytes) -> list[bytes]:  # a wiped bar may leave a blank line less
+        return [line.strip() for line in text.split(b"\n") if line.strip()]
+
+    assert visible(lines)[: len(visible(expected))] == visible(expected)
+
+
+def test_the_node_bar_follows_the_slowest_rank_with_rate_and_eta() -> None:
+    node = NodeProgress(started_at=100.0)
+    assert node.line(100.0) is None
+    node.update({0: Progress(10, 100, 0, "train", 1), 1: None}, now=101.0)
+    node.update({0: Progress(30, 100, 0, "train", 2), 1: Progress(20, 100, 0, "", 1)}, 103.0)
+    line = node.line(103.0)
+    assert line is not None
+    assert line.startswith(" 20%|████") and "20/100" in line and "local rank 1" in line
+    assert "5 step/s" in line and "00:03<00:16" in line
+    node.update({0: Progress(7, None, 0, "", 3)}, 104.0)
+    assert "step 7" in (node.line(104.0) or "")
+
+
+def test_the_summary_says_how_each_rank_ended_and_why_it_restarted() -> None:
+    text = format_summary(RunSummary(
+        "succeeded", 75.0,
+        [RankEnd(1, 1, 0, 70.2), RankEnd(0, 0, -15, 3.0, "stopped by relaunch")],
+        ["rank 1 killed by SIGKILL (signal 9): expiry timer 'step' expired"], "/logs/run",
+    ))  # fmt: skip
+    assert text.splitlines() == [
+        "run summary: succeeded in 1m15s after 1 restart",
+        "  rank 0 (local 0): killed by SIGTERM (signal 15) (stopped by relaunch) after 3.0s",
+        "  rank 1 (local 1): exited with code 0 after 1m10s",
+        "  restart 1: rank 1 killed by SIGKILL (signal 9): expiry timer 'step' expired",
+        "  logs: /logs/run",
+    ]
+
+
+def test_a_slot_round_trips_and_a_torn_write_is_not_read() -> None:
+    buffer = bytearray(channel.size(2))
+    assert channel.read_progress(buffer, 0) is None
+    offset = channel.slot_offset(1)
+    channel.FIELDS.pack_into(buffer, offset + 8, 5, -1, 12.5)
+    buffer[offset + channel.DESC_OFFSET : offset + channel.SLOT] = channel.encode_desc("é" * 100)
+    channel.SEQ.pack_into(buffer, offset, 3)  # odd: a write in progress
+    assert channel.read_progress(buffer, 1) is None
+    channel.SEQ.pack_into(buffer, offset, 4)
+    progress = channel.read_progress(buffer, 1)
+    assert progress == Progress(5, None, 12.5, "é" * 44, 2)
+
+
+class FakeTerminal(io.TextIOWrapper):
+    def __init__(self, tty: bool) -> None:
+        super().__init__(io.BytesIO(), encoding="utf-8")
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def text(self) -> bytes:
+        self.flush()
+        return self.buffer.getvalue()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_off_a_terminal_bars_are_throttled_and_end_printed(clock: list[float]) -> None:
+    out, err = FakeTerminal(False), FakeTerminal(False)
+    console = Console(out, err)
+    assert not console.live
+    for percent in range(0, 100, 10):  # ten refreshes within one second
+        console.set_bar("r0", b"[w0]:%d%%" % percent)
+        console.tick()
+        clock[0] += 0.05
+    clock[0] += 1.0
+    console.tick()
+    console.set_bar("r0", b"[w0]:99%")
+    console.end_bar("r0", print_last=True)
+    assert err.text().splitlines() == [b"[w0]:0%", b"[w0]:90%", b"[w0]:99%"]
+    assert console.next_tick() is None
+
+
+def test_on_a_terminal_bars_live_below_the_scrolling_lines(
+    clock: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    out, err = FakeTerminal(False), FakeTerminal(True)
+    console = Console(out, err)
+    assert console.live and console.prefix(b"[w1]:", 1, err=True) == b"\033[33m[w1]:\033[0m"
+    console.set_bar("a", b"[w0]: 10%")
+    console.set_bar("b", b"[w1]: 20%")
+    console.tick()
+    console.write(b"", b"[w0]:a log line\n")
+    assert err.text().endswith(
+        b"[w0]: 10%\n[w1]: 20%"  # drawn
+        + b"\r\033[2K\033[1A\033[2K"  # erased: two rows
+        + b"[w0]:a log line\n[w0]: 10%\n[w1]: 20%"  # the line above, the area redrawn
+    )
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert Console(out, err).prefix(b"[w1]:", 1, err=True) == b"[w1]:"
