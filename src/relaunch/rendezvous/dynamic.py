@@ -86,6 +86,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # Set once the job is over for this node (closed, or its store gone with the node that
         # hosted it): from then on nothing more is written, and nothing waits to reconnect.
         self._finished = False
+        # Set once the store could not be reached within the deadlines: shutting down then
+        # writes nothing (it would only wait for the store again).
+        self._store_lost = False
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -124,7 +127,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._store.get(self._key("closed")).value is not None
 
     def next_rendezvous(self) -> RendezvousInfo:
-        self._leave_round()
+        try:
+            return self._next_rendezvous()
+        except StoreError as exc:
+            self._store_lost = True
+            raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        try:
+            self._leave_round()
+        except StoreError as exc:
+            # A connection that stalled while this node was cut off fails once, then the next
+            # call reconnects (retrying for join_timeout): marking the old round is best effort.
+            log.warning("could not mark round %s for re-forming (%s); joining again", self._round,
+                        exc)  # fmt: skip
         started_at = time.monotonic()
         round_ = self._round_to_join()
         while True:
@@ -206,7 +222,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
-        if self._round is not None and self._final is not None and not self._finished:
+        if (self._round is not None and self._final is not None and not self._finished
+                and not self._store_lost):  # fmt: skip
             try:
                 # Leaving before the job finished: the others re-form without this node. This
                 # also wakes this node's own watcher, so its connection can close.
