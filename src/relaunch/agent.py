@@ -12,7 +12,6 @@ import enum
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -338,6 +337,8 @@ class LocalElasticAgent:
                 role, decision.reason, self._restarts_left,
             )  # fmt: skip
             self._stop_workers(signal.SIGTERM)
+            if decision.uses_restart:  # the other nodes restart because of this: say why
+                spec.rdzv_handler.note_restart(f"{os.uname().nodename}: {reason}")
             try:
                 self._rendezvous()
             except RendezvousClosedError:
@@ -404,9 +405,7 @@ class LocalElasticAgent:
         envs = {ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
                 for ranks in self._ranks}  # fmt: skip
         # A membership change keeps the attempt number: its logs replace the interrupted ones.
-        attempt_dir = os.path.join(self._log_dir, f"attempt_{self.restart_count}")
-        shutil.rmtree(attempt_dir, ignore_errors=True)
-        os.makedirs(attempt_dir)
+        attempt_dir = self._new_attempt_dir()
         self._pcontext = start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -429,6 +428,19 @@ class LocalElasticAgent:
                      for rank in pids}  # fmt: skip
         self._watchdog.watch(pids, log_files, self._pcontext.running, self._channel.progress)
         group.state = WorkerState.HEALTHY
+
+    def _new_attempt_dir(self) -> str:
+        """``attempt_{n}`` for restart ``n``; a group re-formed after a membership change (which
+        uses no restart) gets ``attempt_{n}.1``, ``.2``, ...: no log is ever replaced."""
+        base = os.path.join(self._log_dir, f"attempt_{self.restart_count}")
+        path, reformed = base, 0
+        while True:
+            try:
+                os.makedirs(path)
+                return path
+            except FileExistsError:
+                reformed += 1
+                path = f"{base}.{reformed}"
 
     def _log_line_prefixes(self) -> dict[int, str]:
         """Prefixes from torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,

@@ -111,6 +111,9 @@ class RendezvousHandler(abc.ABC):
         waiting = self.num_nodes_waiting()
         return f"{waiting} node(s) waiting to join" if waiting else None
 
+    def note_restart(self, reason: str) -> None:  # noqa: B027 - nobody else to tell
+        """This node restarts its workers because of ``reason``: the others hear it as theirs."""
+
     def exit_barrier(self, timeout: float) -> None:  # noqa: B027 - nothing to wait for
         """Wait (up to ``timeout``) until every live node's workers have finished."""
 

@@ -89,6 +89,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # Set once the store could not be reached within the deadlines: shutting down then
         # writes nothing (it would only wait for the store again).
         self._store_lost = False
+        self._restart_reason = ""
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -175,6 +176,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return 0
         total = self._get_int(self._key("joins", self._round + 1))
         return plan.unpack_join(total)[0]
+
+    def note_restart(self, reason: str) -> None:
+        self._restart_reason = reason
 
     def membership_change(self) -> str | None:
         with self._change_lock:
@@ -371,7 +375,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return
         waiting = self.num_nodes_waiting()
         with self._change_lock:
-            reason = self._change or "the worker group is restarting"
+            reason = self._change or self._restart_reason or "the worker group is restarting"
+            self._restart_reason = ""
             lost = 1 if self._change and "lost" in self._change else 0
         self._supersede(self._round, reason, self._final.count - lost + waiting)
 
