@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -157,13 +157,14 @@ def cmdline(pid: int) -> str:
     return "?"
 
 
-def collect_orphans(grace: float = 3.0) -> list[str]:
+def collect_orphans(grace: float = 3.0, keep: Collection[int] = ()) -> list[str]:
     """Call with no launcher running: every child of ours now is an adopted orphan. Reap those
     that exit within ``grace`` (relaunch's guardian exits when its launcher has); kill the rest,
-    by pid, and return them, one line each."""
+    by pid, and return them, one line each. ``keep``: pids of children the benchmark started
+    itself and still needs (a store server), never counted or killed."""
     deadline = time.monotonic() + grace
     while True:
-        live = [pid for pid in our_children() if alive(pid)]
+        live = [pid for pid in our_children() if pid not in keep and alive(pid)]
         if not live:
             return []
         if time.monotonic() > deadline:

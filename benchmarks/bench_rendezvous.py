@@ -1,17 +1,22 @@
-"""The dynamic (c10d) rendezvous: joining, losing a node, and a 1024-node simulation.
+"""The dynamic rendezvous (c10d and etcd): joining, losing a node, and a 1024-node simulation.
 
 Run by hand (not part of the test suite)::
 
     python benchmarks/bench_rendezvous.py
+    python benchmarks/bench_rendezvous.py --backends etcd   # the etcd parts alone
 
-Three measurements. The first two run the ``relaunch`` command and, where ``torch`` can be
-imported, torchrun (``python -m torch.distributed.run``) with the same flags (only the heartbeat
-settings differ, see ``DEATH_CONF``), alternating: K agents started at once until all K workers
-run, and a node SIGKILLed until the survivor's worker runs again. The third runs relaunch's
-rendezvous for 256 and 1024 nodes as threads of this process, on real sockets to one store
-server, all at once and then one by one, and counts the store operations of each node. Only
-relaunch's numbers are checked against budgets; torchrun's are for comparison. Standard library
-only; the exit status is 0 when every relaunch budget was measured and holds. See
+Three measurements, each on two rendezvous backends: the built-in store (``c10d``) and etcd
+(``etcd``, a single-member etcd v3 that the benchmark starts from ``/usr/bin/etcd`` with
+tests/etcd_cluster.py and stops at the end). The first two run the ``relaunch`` command on both
+backends and, where ``torch`` can be imported, torchrun (``python -m torch.distributed.run``) on
+c10d with the same flags (only the heartbeat settings differ, see ``DEATH_CONF``), alternating:
+K agents started at once until all K workers run, and a node SIGKILLed until the survivor's
+worker runs again. The third runs relaunch's rendezvous for 256 and 1024 nodes as threads of
+this process, on real sockets to one store server (a TcpStoreServer, or the etcd member), all at
+once and then one by one, and counts the store operations of each node (and, on etcd, the HTTP
+round trips and the compare-and-set attempts of each join). Only relaunch's numbers are checked
+against budgets; torchrun's are for comparison. Standard library only (plus the etcd binary for
+the etcd side); the exit status is 0 when every relaunch budget was measured and holds. See
 benchmarks/README.md for what each measurement means.
 """
 
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import resource
 import select
+import shutil
 import signal
 import socket
 import statistics
@@ -31,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +47,12 @@ from typing import Any
 import _harness
 from _harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 
+#: The etcd side: the launcher (``relaunch --rdzv-backend etcd``) is a side of its own.
+ETCD = "relaunch-etcd"
+BACKENDS = ("c10d", "etcd")
+#: How the sides are named in the tables.
+LABELS = {RELAUNCH: "relaunch c10d", ETCD: "relaunch etcd", TORCHRUN: "torchrun c10d"}
+TESTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 JOIN_NODES = (2, 4, 8)
 JOIN_BUDGET_S = 1.5  # launch -> every worker has printed its first line, every K
 DEATH_BUDGET_S = 2.0  # SIGKILL of a node -> the survivor's restarted worker printed
@@ -49,11 +64,13 @@ WORKER_GONE_S = 1.0  # the killed node's worker must be gone this soon (relaunch
 #: only whole seconds for keep_alive_interval (it parses it with int()), and with interval 1 and
 #: max_attempt 1 a single node never completes its round (torch 2.13: it waits until
 #: join_timeout), so torchrun gets 1 s * 2 = 2.0 s.
+#: relaunch on etcd gets relaunch's settings: its heartbeat is an etcd lease of
+#: ceil(interval * max_attempt) = 1 s that the agent renews every 0.5 s.
 DEATH_CONF = {
-    "relaunch": "keep_alive_interval=0.5,keep_alive_max_attempt=2,last_call_timeout=1,"
+    RELAUNCH: "keep_alive_interval=0.5,keep_alive_max_attempt=2,last_call_timeout=1,"
     "join_timeout=60",
-    "torchrun": "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,"
-    "join_timeout=60",
+    ETCD: "keep_alive_interval=0.5,keep_alive_max_attempt=2,last_call_timeout=1,join_timeout=60",
+    TORCHRUN: "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,join_timeout=60",
 }
 JOIN_CONF = "join_timeout=60"
 SIM_NODES = (256, 1024)
@@ -63,7 +80,11 @@ SIM_OPS_RATIO = 1.25  # ops per node at 1024 <= this * ops at 256 + SIM_OPS_SLAC
 SIM_OPS_SLACK = 2
 STAGGER_NODES = (64, 256)  # the same, with the nodes joining one after another
 STAGGER_S = 0.005
+#: On etcd a round of 1024 takes minutes (see the README): nodes must not give up after 60 s.
+SIM_JOIN_TIMEOUT = {"c10d": 60.0, "etcd": 600.0}
+ETCD_SIM_NODES = SIM_NODES
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
+LEASE_OPS = ("grant_lease", "keep_alive", "revoke_lease")  # EtcdStore's, for the heartbeats
 LINE_TIMEOUT_S = 60.0  # give up on launchers that print nothing for this long
 
 #: The worker scripts, written to a temporary directory; both launchers run them as
@@ -99,14 +120,17 @@ def spread(values: Sequence[float], spec: str = ".0f") -> str:
 
 @dataclass
 class Launcher(_harness.Launcher):
-    """A launcher command line; the flags are torchrun's, passed to both launchers as they are."""
+    """A launcher command line; the flags are torchrun's, passed to both launchers as they are.
+    ``backend``: the rendezvous backend this side runs on."""
+
+    backend: str = "c10d"
 
     def argv(
-        self, nnodes: str, port: int, run_id: str, conf: str, script: str, *args: str
+        self, nnodes: str, endpoint: str, run_id: str, conf: str, script: str, *args: str
     ) -> list[str]:
         flags = [
-            "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--rdzv-conf", conf,
+            "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", self.backend,
+            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf,
             "--tee", "1",
         ]  # fmt: skip
         return [*self.prefix, *flags, script, *args]
@@ -114,13 +138,41 @@ class Launcher(_harness.Launcher):
 
 @dataclass
 class Bench(_harness.Bench[Launcher]):
-    """Shared state (see _harness.Bench), and what was left behind."""
+    """Shared state (see _harness.Bench), the etcd side and its cluster, and what was left
+    behind."""
 
+    etcd: Launcher = field(default_factory=lambda: Launcher(ETCD, [], "not started", "etcd"))
+    backends: tuple[str, ...] = BACKENDS
+    cluster: Any = None  # the EtcdCluster, once started
+    #: The etcd side against relaunch's budgets: reported, not in the exit status.
+    etcd_checks: list[Check] = field(default_factory=list)
     leftovers: dict[str, list[str]] = field(default_factory=dict)
     _runs: int = 0
 
+    def sides(self) -> list[Launcher]:
+        """Every side this run was asked for, measured or not (for the tables)."""
+        wanted = [self.relaunch, self.torchrun] if "c10d" in self.backends else []
+        if "etcd" in self.backends:
+            wanted.insert(1 if wanted else 0, self.etcd)
+        return wanted
+
     def launchers(self) -> list[Launcher]:
-        return [lch for lch in (self.relaunch, self.torchrun) if lch.unavailable is None]
+        return [lch for lch in self.sides() if lch.unavailable is None]
+
+    def endpoint(self, launcher: Launcher) -> str:
+        """Where ``launcher``'s rendezvous is: a free port for c10d, the cluster for etcd."""
+        if launcher.backend == "etcd":
+            return str(self.cluster.endpoints)
+        return f"127.0.0.1:{free_port()}"
+
+    def keep(self) -> list[int]:
+        """Our own children that are not orphans: the etcd members."""
+        return list(self.cluster.pids) if self.cluster is not None else []
+
+    def etcd_cpu(self) -> float:
+        """CPU seconds the etcd members used so far (they are reaped only at the end, so
+        RUSAGE_CHILDREN does not hold them yet)."""
+        return sum(proc_cpu(pid) for pid in self.keep())
 
     def run_dir(self, what: str) -> str:
         """A fresh directory for one run (stderr files, flag files); removed with ``tmp``."""
@@ -128,9 +180,75 @@ class Bench(_harness.Bench[Launcher]):
         return tempfile.mkdtemp(prefix=f"{self._runs:03d}-{what}-", dir=self.tmp)
 
     def collect(self, side: str) -> None:
-        """Kill what the last run left behind; note it against ``side``."""
-        if killed := _harness.collect_orphans():
+        """Kill what the last run left behind (but not the etcd members); note it against
+        ``side``."""
+        if killed := _harness.collect_orphans(keep=self.keep()):
             self.leftovers.setdefault(side, []).extend(killed)
+
+
+def run_id(launcher: Launcher, what: str) -> str:
+    """The --rdzv-id: on etcd a fresh one each run, so that no run meets another's keys."""
+    return f"{what}-{uuid.uuid4().hex[:12]}" if launcher.backend == "etcd" else what
+
+
+def proc_cpu(pid: int) -> float:
+    """user + system CPU seconds of ``pid`` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the etcd member ---------------------------------------------------------------------------
+
+
+def start_etcd(bench: Bench) -> None:
+    """Start a single-member etcd (tests/etcd_cluster.py) for the etcd side; on failure the
+    side is not measured, and says why."""
+    if not shutil.which("etcd"):
+        bench.etcd.unavailable = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
+        return
+    sys.path.insert(0, TESTS_DIR)
+    try:
+        from etcd_cluster import EtcdCluster
+    except ImportError as exc:
+        bench.etcd.unavailable = f"cannot import tests/etcd_cluster.py: {exc}"
+        return
+    finally:
+        sys.path.remove(TESTS_DIR)
+    started = time.perf_counter()
+    try:
+        bench.cluster = EtcdCluster(1).start()
+    except (RuntimeError, OSError) as exc:
+        bench.etcd.unavailable = f"etcd did not start: {str(exc).splitlines()[0]}"
+        return
+    bench.etcd.unavailable = None
+    log(f"etcd: one member at {bench.cluster.endpoints} (pid {bench.cluster.pids[0]}), started"
+        f" in {time.perf_counter() - started:.2f} s")  # fmt: skip
+
+
+def stop_etcd(bench: Bench) -> list[Check]:
+    """Stop the cluster; check that its members are gone."""
+    if bench.cluster is None:
+        return []
+    pids = bench.keep()
+    bench.cluster.stop()
+    bench.cluster = None
+    left = [pid for pid in pids if _harness.alive(pid)]
+    for pid in left:
+        _harness.kill_pid(pid)
+    return [Check("etcd members running after the cluster stopped", str(len(left)), "0",
+                  not left)]  # fmt: skip
+
+
+def etcd_version() -> str:
+    try:
+        out = subprocess.run(["etcd", "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return out.stdout.splitlines()[0].removeprefix("etcd Version: ") if out.stdout else "?"
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -245,7 +363,7 @@ class Agents:
 
 
 def note_errors(bench: Bench, errors: dict[str, str]) -> None:
-    for lch in (bench.relaunch, bench.torchrun):
+    for lch in bench.sides():
         reason = lch.unavailable or errors.get(lch.name)
         if reason is not None:
             print(f"  {lch.name}: not measured ({reason})")
@@ -259,15 +377,19 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def join_run(bench: Bench, launcher: Launcher, nodes: int) -> tuple[float, float, float, float]:
+def join_run(
+    bench: Bench, launcher: Launcher, nodes: int
+) -> tuple[float, float, float, float, float]:
     """(every worker printed, every line arrived, every agent exited), in s since the launch,
-    and the CPU seconds of the agents and their workers."""
+    the CPU seconds of the agents, their workers and the store (the etcd member's, on etcd),
+    and the CPU seconds of the etcd member alone (0 on c10d: one of the agents hosts the store)."""
     run_dir = bench.run_dir(f"join{nodes}-{launcher.name}")
-    port, run_id = free_port(), f"join{nodes}"
-    argv = launcher.argv(str(nodes), port, run_id, JOIN_CONF, bench.script("hello.py"))
+    rdzv_id = run_id(launcher, f"join{nodes}")
+    argv = launcher.argv(str(nodes), bench.endpoint(launcher), rdzv_id, JOIN_CONF,
+                         bench.script("hello.py"))  # fmt: skip
     seen: dict[int, tuple[float, float]] = {}  # rank -> (printed at, arrived at)
     with Agents(bench, run_dir) as agents:
-        cpu = children_cpu()
+        cpu, store_cpu = children_cpu(), bench.etcd_cpu()
         launched, started = time.time(), time.perf_counter()
         for _ in range(nodes):
             agents.start(argv)
@@ -290,15 +412,17 @@ def join_run(bench: Bench, launcher: Launcher, nodes: int) -> tuple[float, float
             raise BenchError(f"exit codes {codes} ({agents.stderr_tail()})")
         total = max(agents.exited_at.values()) - started
     cpu = children_cpu() - cpu  # the workers count: each agent reaped its own
+    store_cpu = bench.etcd_cpu() - store_cpu
     printed = max(at for at, _ in seen.values()) - launched
     arrived = max(at for _, at in seen.values()) - launched
-    return printed, arrived, total, cpu
+    return printed, arrived, total, cpu + store_cpu, store_cpu
 
 
 def bench_join(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     log(
         f"[1/3] K agents at once -> K workers running: K in {JOIN_NODES}, {reps} repetitions"
-        f" (torchrun: {torchrun_reps}), alternating"
+        f" (torchrun: {torchrun_reps}), alternating; sides: "
+        + ", ".join(LABELS[lch.name] for lch in bench.launchers())
     )
     rows = []
     errors: dict[str, str] = {}
@@ -312,40 +436,40 @@ def bench_join(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         samples = _harness.run_alternating(sides, counts, errors, bench.collect)
         rows.append((nodes, samples))
 
-    print("\n1. K agents started at once (--nnodes K --nproc-per-node 1 --rdzv-backend c10d),")
-    print("   seconds since the launch, medians: all printed = the last worker's own time stamp")
-    print("   in its first line; arrived = that line reached us through --tee; exited = all")
-    print("   agents exited; CPU: CPU seconds of all agents and workers; tr/rl: printed ratio")
+    print("\n1. K agents started at once (--nnodes K --nproc-per-node 1 --rdzv-backend c10d or")
+    print("   etcd), seconds since the launch, medians: printed = the last worker's own time")
+    print("   stamp in its first line; arrived = that line reached us through --tee; exited = all")
+    print("   agents exited; CPU: CPU seconds of all agents and workers, and of the etcd member on")
+    print("   etcd; etcd CPU: the etcd member's share; vs c10d: printed / relaunch c10d printed")
     print(
-        f"{'K':>3} {'runs':>4} {'relaunch printed':>17} {'arrived':>8} {'exited':>7} {'CPU':>5}"
-        f"  <= 1.5 s  {'runs':>4} {'torchrun printed':>17} {'arrived':>8} {'exited':>7}"
-        f" {'CPU':>5} {'tr/rl':>6}"
+        f"{'K':>3} {'launcher':<14} {'runs':>4} {'printed':>8} {'arrived':>8} {'exited':>7}"
+        f" {'CPU':>5} {'etcd CPU':>8} {'<= 1.5 s':>8} {'vs c10d':>7}"
     )
     checks = []
     for nodes, samples in rows:
-        cols: dict[str, list[float | None]] = {}
-        for name in (RELAUNCH, TORCHRUN):
-            runs = samples.get(name, [])
-            cols[name] = [median([r[i] for r in runs]) if runs else None for i in range(4)]
-        ours, theirs = cols[RELAUNCH][0], cols[TORCHRUN][0]
-        ok = None if ours is None else ours <= JOIN_BUDGET_S
-        ratio = None if ours is None or theirs is None else theirs / ours
-        print(
-            f"{nodes:>3} {len(samples.get(RELAUNCH, [])):>4} {fmt(ours, '.3f'):>17}"
-            f" {fmt(cols[RELAUNCH][1], '.3f'):>8} {fmt(cols[RELAUNCH][2], '.3f'):>7}"
-            f" {fmt(cols[RELAUNCH][3], '.2f'):>5}  {verdict(ok):>7}"
-            f"  {len(samples.get(TORCHRUN, [])):>4} {fmt(theirs, '.3f'):>17}"
-            f" {fmt(cols[TORCHRUN][1], '.3f'):>8} {fmt(cols[TORCHRUN][2], '.3f'):>7}"
-            f" {fmt(cols[TORCHRUN][3], '.2f'):>5} {fmt(ratio, '.1f'):>6}"
-        )
-        checks.append(
-            Check(
-                f"K={nodes} agents -> all workers printed",
-                f"{fmt(ours, '.3f')} s",
-                f"<= {JOIN_BUDGET_S:g} s",
-                ok,
+        base = median([r[0] for r in samples[RELAUNCH]]) if samples.get(RELAUNCH) else None
+        for lch in bench.sides():
+            runs = samples.get(lch.name, [])
+            cols = [median([r[i] for r in runs]) if runs else None for i in range(5)]
+            ours = lch.name != TORCHRUN
+            ok = None if cols[0] is None else cols[0] <= JOIN_BUDGET_S
+            ratio = None if cols[0] is None or base is None else cols[0] / base
+            print(
+                f"{nodes:>3} {LABELS[lch.name]:<14} {len(runs):>4} {fmt(cols[0], '.3f'):>8}"
+                f" {fmt(cols[1], '.3f'):>8} {fmt(cols[2], '.3f'):>7} {fmt(cols[3], '.2f'):>5}"
+                f" {fmt(cols[4], '.2f') if lch.backend == 'etcd' else '':>8}"
+                f" {verdict(ok) if ours else '':>8} {fmt(ratio, '.2f'):>7}"
             )
-        )
+            if ours:
+                where = "" if lch.name == RELAUNCH else " on etcd"
+                (checks if lch.name == RELAUNCH else bench.etcd_checks).append(
+                    Check(
+                        f"K={nodes} agents{where} -> all workers printed",
+                        f"{fmt(cols[0], '.3f')} s",
+                        f"<= {JOIN_BUDGET_S:g} s",
+                        ok,
+                    )
+                )
     note_errors(bench, errors)
     return checks
 
@@ -365,8 +489,13 @@ class DeathRun:
 def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
     run_dir = bench.run_dir(f"death-{launcher.name}")
     done = os.path.join(run_dir, "done")
-    port = free_port()
+    endpoint, rdzv_id = bench.endpoint(launcher), run_id(launcher, "death")
     conf = DEATH_CONF[launcher.name]
+    # On c10d, is_host picks the agent that hosts the store (the other one is killed); etcd
+    # has no host: the second agent is killed.
+    host_conf, other_conf = (
+        (conf, conf) if launcher.backend == "etcd" else (f"{conf},is_host=1", f"{conf},is_host=0")
+    )
     script = bench.script("world.py")
     # agent -> (world, pid, printed at, arrived at) of its latest worker line
     latest: dict[int, tuple[int, int, float, float]] = {}
@@ -381,8 +510,8 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
             return item
 
         # Both at once, so that both join the first round; is_host picks the one that hosts.
-        host = agents.start(launcher.argv("1:2", port, "death", f"{conf},is_host=1", script, done))
-        other = agents.start(launcher.argv("1:2", port, "death", f"{conf},is_host=0", script, done))
+        host = agents.start(launcher.argv("1:2", endpoint, rdzv_id, host_conf, script, done))
+        other = agents.start(launcher.argv("1:2", endpoint, rdzv_id, other_conf, script, done))
         deadline = time.monotonic() + LINE_TIMEOUT_S
         while not (latest.get(host, (0,))[0] == 2 and latest.get(other, (0,))[0] == 2):
             if time.monotonic() > deadline or len(agents.exited_at):
@@ -426,7 +555,7 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
             agents.wait_all(5.0)
         code = agents.procs[host].poll()
         host_end = state + ("still running 5 s later: killed" if code is None else f"exit {code}")
-        if code is not None and code != 0 and launcher.name == RELAUNCH:
+        if code is not None and code != 0 and launcher.name != TORCHRUN:
             host_end += f" ({agents.stderr_tail(host)})"
     for pid in orphans:  # the killed node's worker, if its launcher left it running
         if _harness.alive(pid):
@@ -441,7 +570,8 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
 def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     log(
         f"[2/3] SIGKILL of a node -> the survivor's worker again: {reps} repetitions"
-        f" (torchrun: {torchrun_reps}), up to {DEATH_BOUND_S:g} s each"
+        f" (torchrun: {torchrun_reps}), up to {DEATH_BOUND_S:g} s each; sides: "
+        + ", ".join(LABELS[lch.name] for lch in bench.launchers())
     )
     sides: dict[str, Callable[[int], Any]] = {
         lch.name: lambda rep, lch=lch: death_run(bench, lch, rep) for lch in bench.launchers()
@@ -450,20 +580,20 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     errors: dict[str, str] = {}
     samples = _harness.run_alternating(sides, counts, errors, bench.collect)
     print(
-        f"\n2. --nnodes 1:2, both agents started at once (is_host=1, is_host=0); SIGKILL of the"
-        f"\n   one that does not host the store {DEATH_SETTLE_S:g} s + (rep mod 5) x "
-        f"{DEATH_PHASE_STEP_S:g} s after both workers ran in world 2\n   -> the survivor's "
-        f"restarted worker printed world 1; ms since the kill, median [min-max];\n   "
-        f"bounded at {DEATH_BOUND_S:g} s"
+        "\n2. --nnodes 1:2, both agents started at once (c10d: is_host=1, is_host=0); SIGKILL"
+        "\n   of the one that does not host the store (etcd: of the second one)"
+        f" {DEATH_SETTLE_S:g} s + (rep mod 5) x\n   {DEATH_PHASE_STEP_S:g} s after both workers"
+        " ran in world 2 -> the survivor's restarted worker printed\n   world 1; ms since the"
+        f" kill, median [min-max]; bounded at {DEATH_BOUND_S:g} s"
     )
-    for name in (RELAUNCH, TORCHRUN):
-        print(f"   {name} --rdzv-conf {DEATH_CONF[name]}")
+    for lch in bench.sides():
+        print(f"   {LABELS[lch.name]} --rdzv-conf {DEATH_CONF[lch.name]}")
     print(
-        f"{'launcher':<9} {'runs':>4} {'recovered':>9} {'printed - kill':>18}"
+        f"{'launcher':<14} {'runs':>4} {'recovered':>9} {'printed - kill':>18}"
         f" {'arrived - kill':>18} {'killed worker gone':>19}  survivor at the end"
     )
     checks = []
-    for name in (RELAUNCH, TORCHRUN):
+    for name in [lch.name for lch in bench.sides()]:
         runs: list[DeathRun] = samples.get(name, [])
         if not runs:
             continue
@@ -474,10 +604,11 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         gone_col = spread(gone) if len(gone) == len(runs) else f"{len(runs) - len(gone)} alive"
         ends = ", ".join(sorted({r.host_end for r in runs}))
         print(
-            f"{name:<9} {len(runs):>4} {len(back):>4} of {len(runs):<2} {spread(printed):>18}"
-            f" {spread(arrived):>18} {gone_col:>19}  {ends}"
+            f"{LABELS[name]:<14} {len(runs):>4} {len(back):>4} of {len(runs):<2}"
+            f" {spread(printed):>18} {spread(arrived):>18} {gone_col:>19}  {ends}"
         )
-        if name == RELAUNCH:
+        if name != TORCHRUN:
+            where, into = ("", checks) if name == RELAUNCH else (" (etcd)", bench.etcd_checks)
             med = median(printed) if len(back) == len(runs) else None
             workers_gone = len(gone) == len(runs) and max(gone) <= WORKER_GONE_S * 1e3
             ok = (
@@ -486,17 +617,17 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
                 and workers_gone
                 and all(r.host_end == "exit 0" for r in runs)
             )
-            checks.append(
+            into.append(
                 Check(
-                    "node SIGKILLed -> survivor's worker printed",
+                    f"node SIGKILLed{where} -> survivor's worker printed",
                     f"{fmt(med, '.0f')} ms",
                     f"<= {DEATH_BUDGET_S * 1e3:.0f} ms",
                     ok,
                 )
             )
-            checks.append(
+            into.append(
                 Check(
-                    "killed node's worker gone (max)",
+                    f"killed node's worker gone{where} (max)",
                     f"{fmt(max(gone) if gone else None, '.0f')} ms"
                     if len(gone) == len(runs)
                     else f"{len(runs) - len(gone)} alive",
@@ -512,12 +643,15 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
 
 
 class CountingStore:
-    """A ``Store`` that counts its calls by operation; everything else passes through."""
+    """A ``Store`` that counts its calls by operation; everything else passes through. On etcd
+    (an inner store with ``requests``, see counted_etcd_store) it also notes how many
+    compare-and-set transactions each ``add`` took: EtcdStore.add is a CAS loop."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self.counts = dict.fromkeys(SIM_OPS, 0)
+        self.counts = dict.fromkeys(SIM_OPS + LEASE_OPS, 0)
         self.joined_at: float | None = None  # perf_counter() when the first add() returned
+        self.cas_tries: list[int] = []  # etcd: transactions per add()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -525,13 +659,20 @@ class CountingStore:
     def _count(self, op: str) -> None:
         self.counts[op] += 1
 
+    def requests(self, path: str | None = None) -> int | None:
+        """HTTP requests of the inner EtcdStore so far (to ``path``, or all); None on c10d."""
+        requests: Counter[str] | None = getattr(self._inner, "requests", None)
+        if requests is None:
+            return None
+        return requests[path] if path is not None else sum(requests.values())
+
     def get(self, key: str) -> Any:
         self._count("get")
         return self._inner.get(key)
 
-    def set(self, key: str, value: bytes) -> int:
+    def set(self, key: str, value: bytes, **kwargs: Any) -> int:
         self._count("set")
-        return self._inner.set(key, value)
+        return self._inner.set(key, value, **kwargs)  # lease= on etcd
 
     def compare_set(self, key: str, expected_version: int, value: bytes) -> Any:
         self._count("compare_set")
@@ -539,7 +680,10 @@ class CountingStore:
 
     def add(self, key: str, amount: int) -> int:
         self._count("add")
+        before = self.requests("/v3/kv/txn")
         total = self._inner.add(key, amount)
+        if before is not None:
+            self.cas_tries.append((self.requests("/v3/kv/txn") or 0) - before)
         if self.joined_at is None:
             self.joined_at = time.perf_counter()
         return total
@@ -556,8 +700,42 @@ class CountingStore:
         self._count("watch")
         return self._inner.watch(key, version, timeout)
 
+    def grant_lease(self, ttl: float) -> int:
+        self._count("grant_lease")
+        return int(self._inner.grant_lease(ttl))
+
+    def keep_alive(self, lease: int) -> bool:
+        self._count("keep_alive")
+        return bool(self._inner.keep_alive(lease))
+
+    def revoke_lease(self, lease: int) -> None:
+        self._count("revoke_lease")
+        self._inner.revoke_lease(lease)
+
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+@functools.cache
+def counted_etcd_class() -> type:
+    """EtcdStore, counting its HTTP requests by path; a watch stream counts as one request
+    (``/v3/watch``). Nothing else changes."""
+    from relaunch.store.etcd import EtcdStore
+
+    class CountedEtcdStore(EtcdStore):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.requests: Counter[str] = Counter()
+
+        def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            self.requests[path] += 1
+            return super()._call(path, body)
+
+        def _watch_once(self, key: str, start_revision: int, timeout: float) -> Any:
+            self.requests["/v3/watch"] += 1
+            return super()._watch_once(key, start_revision, timeout)
+
+    return CountedEtcdStore
 
 
 @dataclass
@@ -572,6 +750,11 @@ class SimRun:
     busiest: tuple[int, dict[str, int]]  # the busiest node: group rank, its ops by kind
     hb_ops: list[int]  # heartbeat store operations per node, once the first beat ran
     problems: list[str]  # validation failures
+    cpu_s: float = 0.0  # CPU seconds of this process (all threads), release -> all back
+    etcd_cpu_s: float | None = None  # CPU seconds of the etcd member, the same span
+    requests: list[int] = field(default_factory=list)  # etcd: HTTP requests per node
+    cas: list[int] = field(default_factory=list)  # etcd: transactions per join (add)
+    by_path: dict[str, float] = field(default_factory=dict)  # etcd: requests per node, by path
 
 
 def raise_nofile() -> tuple[int, int]:
@@ -582,34 +765,60 @@ def raise_nofile() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def sim_run(nodes: int, rep: int, stagger: float = 0.0) -> SimRun:
+def sim_run(nodes: int, rep: int, stagger: float = 0.0, bench: Bench | None = None) -> SimRun:
     """One round of ``nodes`` nodes, each a thread: all call next_rendezvous() at once, or, with
-    ``stagger``, one after another that many seconds apart."""
+    ``stagger``, one after another that many seconds apart. With ``bench``, on its etcd
+    cluster (EtcdStores, heartbeats by lease); without, on a TcpStoreServer in this process."""
     from relaunch.core.rendezvous import Settings
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
-    from relaunch.store import TcpStore, TcpStoreServer
 
-    server = TcpStoreServer(port=0).start()
+    on_etcd = bench is not None
+    server: Any = None
+    if on_etcd:
+        assert bench is not None and bench.cluster is not None
+        endpoints = bench.cluster.endpoints
+        etcd_store = counted_etcd_class()
+        run = f"sim{nodes}-{rep}-{uuid.uuid4().hex[:12]}"
+
+        def make_store() -> Any:
+            store = etcd_store(endpoints, timeout=60.0)
+            store.get(f"relaunch/{run}/closed")  # connects (create_etcd_handler reads it too)
+            store.requests.clear()
+            return store
+    else:
+        from relaunch.store import TcpStore, TcpStoreServer
+
+        server = TcpStoreServer(port=0).start()
+        run = f"sim{nodes}-{rep}"
+
+        def make_store() -> Any:
+            return TcpStore("127.0.0.1", server.port, timeout=60, connect_timeout=60)
+
     handlers: list[Any] = []
     proxies: list[tuple[CountingStore, CountingStore]] = []
     try:
-        settings = Settings(min_nodes=nodes, max_nodes=nodes, join_timeout=60,
+        settings = Settings(min_nodes=nodes, max_nodes=nodes,
+                            join_timeout=SIM_JOIN_TIMEOUT["etcd" if on_etcd else "c10d"],
                             last_call_timeout=1, keep_alive_interval=30)  # fmt: skip
         started = time.perf_counter()
         for _ in range(nodes):
-            store = CountingStore(TcpStore("127.0.0.1", server.port, timeout=60,
-                                           connect_timeout=60))  # fmt: skip
-            heartbeat = CountingStore(TcpStore("127.0.0.1", server.port, timeout=60,
-                                               connect_timeout=60))  # fmt: skip
+            store, heartbeat = CountingStore(make_store()), CountingStore(make_store())
             proxies.append((store, heartbeat))
-            handlers.append(DynamicRendezvousHandler(f"sim{nodes}-{rep}", store, settings,
-                                                     SIM_LOCAL_WORLD_SIZE, "127.0.0.1",
-                                                     heartbeat))  # fmt: skip
+            handlers.append(DynamicRendezvousHandler(run, store, settings, SIM_LOCAL_WORLD_SIZE,
+                                                     "127.0.0.1", heartbeat,
+                                                     backend="etcd" if on_etcd else "c10d",
+                                                     leases=on_etcd))  # fmt: skip
         connect_s = time.perf_counter() - started
         results: list[Any] = [None] * nodes
         ended = [0.0] * nodes
         released: list[float] = []
-        barrier = threading.Barrier(nodes, action=lambda: released.append(time.perf_counter()))
+        cpu_at: list[float] = []
+
+        def release() -> None:
+            released.append(time.perf_counter())
+            cpu_at.extend((time.process_time(), bench.etcd_cpu() if bench else 0.0))
+
+        barrier = threading.Barrier(nodes, action=release)
 
         def node(index: int) -> None:
             barrier.wait()
@@ -626,6 +835,8 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0) -> SimRun:
             thread.start()
         for thread in threads:
             thread.join()
+        cpu_s = time.process_time() - cpu_at[0]
+        etcd_cpu_s = bench.etcd_cpu() - cpu_at[1] if bench else None
         t0 = released[0]
         ops = [store.total() for store, _ in proxies]
         by_op = {op: statistics.fmean(s.counts[op] for s, _ in proxies) for op in SIM_OPS}
@@ -633,9 +844,15 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0) -> SimRun:
         rank = getattr(results[worst], "group_rank", -1)
         busiest = (rank, {op: n for op, n in proxies[worst][0].counts.items() if n})
         joined = [s.joined_at for s, _ in proxies if s.joined_at is not None]
+        requests = [s.requests() or 0 for s, _ in proxies] if on_etcd else []
+        cas = [n for s, _ in proxies for n in s.cas_tries]
+        by_path: dict[str, float] = {}
+        if on_etcd:
+            paths = sorted({p for s, _ in proxies for p in s._inner.requests})
+            by_path = {p: statistics.fmean(s.requests(p) or 0 for s, _ in proxies) for p in paths}
         # Every member's heartbeat thread makes its first beat at once (the next one is
         # keep_alive_interval = 30 s away): wait until the counts stay still for 0.2 s.
-        settle, still_since, last = time.monotonic() + 10, time.monotonic(), -1
+        settle, still_since, last = time.monotonic() + 30, time.monotonic(), -1
         while time.monotonic() < settle:
             now_total = sum(hb.total() for _, hb in proxies)
             if now_total != last:
@@ -656,11 +873,17 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0) -> SimRun:
             busiest,
             hb_ops,
             problems,
+            cpu_s,
+            etcd_cpu_s,
+            requests,
+            cas,
+            by_path,
         )
     finally:
         for handler in handlers:
             handler.shutdown()
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def validate(results: list[Any], nodes: int) -> list[str]:
@@ -684,19 +907,36 @@ def validate(results: list[Any], nodes: int) -> list[str]:
 
 
 def sim_scenario(
-    label: str, sizes: Sequence[int], reps: int, stagger: float, soft_limit: int
+    label: str,
+    sizes: Sequence[int],
+    reps: int,
+    stagger: float,
+    soft_limit: int,
+    bench: Bench | None = None,
 ) -> tuple[dict[int, list[SimRun]], str | None]:
     runs: dict[int, list[SimRun]] = {}
+    store = "etcd" if bench is not None else "c10d"
     for nodes in sizes:
+        # c10d: 2 connections a node and the server's 2; etcd: 2 connections and a watch stream
         if 4 * nodes + 64 > soft_limit:
             return runs, f"RLIMIT_NOFILE {soft_limit} is too low for {nodes} nodes"
         for rep in range(reps):
-            log(f"  {label}: N={nodes} #{rep + 1}")
+            log(f"  {store}, {label}: N={nodes} #{rep + 1}")
             try:
-                runs.setdefault(nodes, []).append(sim_run(nodes, rep, stagger))
+                runs.setdefault(nodes, []).append(sim_run(nodes, rep, stagger, bench))
             except Exception as exc:  # a failure of relaunch's store or rendezvous: report it
-                log(f"  {label}, N={nodes}: {type(exc).__name__}: {exc}")
-                return runs, f"{label}, N={nodes}: {type(exc).__name__}: {exc}"
+                log(f"  {store}, {label}, N={nodes}: {type(exc).__name__}: {exc}")
+                return runs, f"{store}, {label}, N={nodes}: {type(exc).__name__}: {exc}"
+            sim = runs[nodes][-1]
+            log(
+                f"    all back {sim.seconds:.2f} s, {statistics.fmean(sim.ops):.1f} ops/node"
+                + (
+                    f", {statistics.fmean(sim.requests):.1f} requests/node, "
+                    f"{statistics.fmean(sim.cas):.1f} CAS tries/join"
+                    if sim.requests
+                    else ""
+                )
+            )
     return runs, None
 
 
@@ -719,80 +959,153 @@ def ops_checks(label: str, runs: dict[int, list[SimRun]], small: int, big: int) 
     return checks
 
 
-def bench_sim(bench: Bench, reps: int) -> list[Check]:
+@dataclass
+class SimResults:
+    """One store's simulated rounds: at once and one by one, and why any was not measured."""
+
+    store: str
+    at_once: dict[int, list[SimRun]]
+    staggered: dict[int, list[SimRun]]
+    errors: list[str]
+    reps: int
+
+
+def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]) -> list[Check]:
     soft, hard = raise_nofile()
+    stores = [b for b in BACKENDS if b in bench.backends]
     log(
-        f"[3/3] {' and '.join(map(str, SIM_NODES))} nodes as threads on one store server, "
-        f"{reps} repetition(s); then {' and '.join(map(str, STAGGER_NODES))} nodes joining "
+        f"[3/3] {' and '.join(map(str, SIM_NODES))} nodes as threads on one store server "
+        f"({', '.join(stores)}), {reps} repetition(s) (etcd: {etcd_reps}, N in "
+        f"{tuple(etcd_sizes)}); then {' and '.join(map(str, STAGGER_NODES))} nodes joining "
         f"{STAGGER_S * 1e3:g} ms apart (RLIMIT_NOFILE {soft}/{hard})"
     )
-    at_once, error = sim_scenario("at once", SIM_NODES, reps, 0.0, soft)
-    staggered, stagger_error = sim_scenario("one by one", STAGGER_NODES, 1, STAGGER_S, soft)
+    results: list[SimResults] = []
+    for store in stores:
+        if store == "etcd" and bench.etcd.unavailable is not None:
+            results.append(SimResults(store, {}, {}, [f"etcd: {bench.etcd.unavailable}"], 0))
+            continue
+        on = bench if store == "etcd" else None
+        sizes, n = (etcd_sizes, etcd_reps) if store == "etcd" else (SIM_NODES, reps)
+        at_once, error = sim_scenario("at once", sizes, n, 0.0, soft, on)
+        staggered, stagger_error = sim_scenario("one by one", STAGGER_NODES, 1, STAGGER_S, soft,
+                                                on)  # fmt: skip
+        errors = [e for e in (error, stagger_error) if e]
+        results.append(SimResults(store, at_once, staggered, errors, n))
 
     print(
-        "\n3. N nodes as threads of one process, one TcpStoreServer, 2 connections per node,"
-        f"\n   min = max = N, local_world_size {SIM_LOCAL_WORLD_SIZE}; seconds since the release"
-        f" (median of {reps} at once, 1 one by one);\n   ops: store operations per node in"
-        " next_rendezvous(); busiest: that node's group rank;\n   hb: heartbeat store"
-        " operations per node (its first beat)"
+        "\n3. N nodes as threads of one process, one store server (c10d: a TcpStoreServer in this"
+        "\n   process; etcd: the etcd member), 2 connections per node, min = max = N,"
+        f" local_world_size {SIM_LOCAL_WORLD_SIZE};\n   seconds since the release (median of"
+        f" {reps} at once, etcd {etcd_reps}; 1 one by one); ops: store operations\n   per node"
+        " in next_rendezvous(); busiest: that node's group rank; hb: heartbeat store\n"
+        "   operations per node (its first beat)"
     )
     print(
-        f"{'arrival':<11} {'N':>5} {'connect':>8} {'all joined':>11} {'first back':>11}"
-        f" {'all back':>9} {'<= 10 s':>7} {'ops mean':>9} {'ops max':>8} {'busiest':>8}"
-        f" {'hb mean':>8}  valid"
+        f"{'store':<5} {'arrival':<11} {'N':>5} {'connect':>8} {'all joined':>11}"
+        f" {'first back':>11} {'all back':>9} {'<= 10 s':>7} {'ops mean':>9} {'ops max':>8}"
+        f" {'busiest':>8} {'hb mean':>8}  valid"
     )
     big = max(SIM_NODES)
-    for label, runs in (("at once", at_once), (f"{STAGGER_S * 1e3:g} ms apart", staggered)):
-        for nodes, sims in runs.items():
-            seconds = median([s.seconds for s in sims])
-            shown = verdict(seconds <= SIM_BUDGET_S) if label == "at once" and nodes == big else ""
-            print(
-                f"{label:<11} {nodes:>5} {median([s.connect_s for s in sims]):>8.2f}"
-                f" {median([s.joined_s for s in sims]):>11.3f}"
-                f" {median([s.first_s for s in sims]):>11.3f}"
-                f" {seconds:>9.3f} {shown:>7}"
-                f" {median([statistics.fmean(s.ops) for s in sims]):>9.1f}"
-                f" {median([max(s.ops) for s in sims]):>8.0f}"
-                f" {sims[-1].busiest[0]:>8}"
-                f" {median([statistics.fmean(s.hb_ops) for s in sims]):>8.1f}"
-                f"  {'yes' if not any(s.problems for s in sims) else 'NO'}"
-            )
-    for label, runs in (("at once", at_once), ("one by one", staggered)):
-        for nodes, sims in runs.items():
-            last = sims[-1]
-            parts = ", ".join(f"{op} {last.by_op[op]:.2f}" for op in SIM_OPS if last.by_op[op])
-            rank, counts = last.busiest
-            mine = ", ".join(f"{op} {n}" for op, n in counts.items())
-            print(
-                f"  {label}, N={nodes}: mean per node {parts}; busiest (group rank {rank}) {mine}"
-            )
-            for problem in sorted({p for s in sims for p in s.problems})[:10]:
-                print(f"  {label}, N={nodes}: INVALID: {problem}")
-    for problem in (error, stagger_error):
-        if problem:
+    for res in results:
+        for label, runs in (("at once", res.at_once), (f"{STAGGER_S * 1e3:g} ms apart",
+                                                       res.staggered)):  # fmt: skip
+            for nodes, sims in runs.items():
+                seconds = median([s.seconds for s in sims])
+                budgeted = label == "at once" and nodes == big
+                print(
+                    f"{res.store:<5} {label:<11} {nodes:>5}"
+                    f" {median([s.connect_s for s in sims]):>8.2f}"
+                    f" {median([s.joined_s for s in sims]):>11.3f}"
+                    f" {median([s.first_s for s in sims]):>11.3f}"
+                    f" {seconds:>9.3f} {verdict(seconds <= SIM_BUDGET_S) if budgeted else '':>7}"
+                    f" {median([statistics.fmean(s.ops) for s in sims]):>9.1f}"
+                    f" {median([max(s.ops) for s in sims]):>8.0f}"
+                    f" {sims[-1].busiest[0]:>8}"
+                    f" {median([statistics.fmean(s.hb_ops) for s in sims]):>8.1f}"
+                    f"  {'yes' if not any(s.problems for s in sims) else 'NO'}"
+                )
+    print(
+        "\n   where the time goes: CPU = this process (every thread; on c10d the store server"
+        " too),\n   etcd CPU = the etcd member, both release -> all back; requests: round trips"
+        " per node\n   (c10d: one per operation; etcd: HTTP requests, a watch stream counting"
+        " one);\n   CAS/join: etcd transactions per join add (c10d: add is one atomic operation)"
+    )
+    print(
+        f"{'store':<5} {'arrival':<11} {'N':>5} {'all back':>9} {'CPU':>7} {'etcd CPU':>8}"
+        f" {'req mean':>9} {'req max':>8} {'CAS/join':>9} {'CAS max':>8} {'req/s':>7}"
+    )
+    for res in results:
+        for label, runs in (("at once", res.at_once), (f"{STAGGER_S * 1e3:g} ms apart",
+                                                       res.staggered)):  # fmt: skip
+            for nodes, sims in runs.items():
+                etcd = res.store == "etcd"
+                req = [s.requests if etcd else s.ops for s in sims]
+                seconds = median([s.seconds for s in sims])
+                rate = median([sum(r) / s.seconds for r, s in zip(req, sims, strict=True)])
+                print(
+                    f"{res.store:<5} {label:<11} {nodes:>5} {seconds:>9.3f}"
+                    f" {median([s.cpu_s for s in sims]):>7.2f}"
+                    f" {fmt(median([s.etcd_cpu_s or 0 for s in sims]) if etcd else None, '.2f'):>8}"
+                    f" {median([statistics.fmean(r) for r in req]):>9.1f}"
+                    f" {median([max(r) for r in req]):>8.0f}"
+                    f" {fmt(median([statistics.fmean(s.cas) for s in sims]) if etcd else None):>9}"
+                    f" {fmt(median([max(s.cas) for s in sims]) if etcd else None, '.0f'):>8}"
+                    f" {rate:>7.0f}"
+                )
+    for res in results:
+        for label, runs in (("at once", res.at_once), ("one by one", res.staggered)):
+            for nodes, sims in runs.items():
+                last = sims[-1]
+                parts = ", ".join(f"{op} {last.by_op[op]:.2f}" for op in SIM_OPS
+                                  if last.by_op[op])  # fmt: skip
+                rank, counts = last.busiest
+                mine = ", ".join(f"{op} {n}" for op, n in counts.items())
+                print(
+                    f"  {res.store}, {label}, N={nodes}: mean per node {parts}; busiest (group"
+                    f" rank {rank}) {mine}"
+                )
+                if last.by_path:
+                    paths = ", ".join(f"{path.removeprefix('/v3/')} {n:.2f}"
+                                      for path, n in last.by_path.items())  # fmt: skip
+                    print(f"  {res.store}, {label}, N={nodes}: HTTP requests per node: {paths}")
+                for problem in sorted({p for s in sims for p in s.problems})[:10]:
+                    print(f"  {res.store}, {label}, N={nodes}: INVALID: {problem}")
+        for problem in res.errors:
             print(f"  not measured: {problem}")
 
-    big_runs = at_once.get(big)
-    seconds = median([s.seconds for s in big_runs]) if big_runs else None
-    checks = [
-        Check(
-            f"{big} nodes -> all next_rendezvous() back",
-            f"{fmt(seconds, '.2f')} s",
-            f"<= {SIM_BUDGET_S:g} s",
-            None if seconds is None else seconds <= SIM_BUDGET_S,
+    # Budgets: c10d's go to the summary; etcd's to the etcd summary (for comparison), except
+    # that every round must be valid on either store.
+    checks: list[Check] = []
+    for res in results:
+        where = "" if res.store == "c10d" else f" ({res.store})"
+        into = checks if res.store == "c10d" else bench.etcd_checks
+        big_runs = res.at_once.get(big)
+        seconds = median([s.seconds for s in big_runs]) if big_runs else None
+        into.append(
+            Check(
+                f"{big} nodes -> all next_rendezvous() back{where}",
+                f"{fmt(seconds, '.2f')} s",
+                f"<= {SIM_BUDGET_S:g} s",
+                None if seconds is None else seconds <= SIM_BUDGET_S,
+            )
         )
-    ]
-    measured = [s for runs in (at_once, staggered) for sims in runs.values() for s in sims]
-    checks.append(
-        Check(
-            "simulated rounds valid",
-            f"{sum(not s.problems for s in measured)} of {len(measured)}",
-            "all",
-            None if not measured else not any(s.problems for s in measured),
+        measured = [s for runs in (res.at_once, res.staggered) for sims in runs.values()
+                    for s in sims]  # fmt: skip
+        # Without an etcd to run on (like torchrun without torch), the etcd side is only noted.
+        absent = res.store == "etcd" and bench.etcd.unavailable is not None
+        (into if absent else checks).append(
+            Check(
+                f"simulated rounds valid{where}",
+                f"{sum(not s.problems for s in measured)} of {len(measured)}",
+                "all",
+                None if not measured or res.errors else not any(s.problems for s in measured),
+            )
         )
-    )
-    checks += ops_checks("at once", at_once, min(SIM_NODES), big)
-    checks += ops_checks("one by one", staggered, min(STAGGER_NODES), max(STAGGER_NODES))
+        sizes = sorted(res.at_once) or [0]
+        if len(sizes) > 1 or res.store == "c10d":
+            into += ops_checks(f"at once{where}", res.at_once, sizes[0], sizes[-1])
+        into += ops_checks(f"one by one{where}", res.staggered, min(STAGGER_NODES),
+                           max(STAGGER_NODES))  # fmt: skip
     return checks
 
 
@@ -800,8 +1113,8 @@ def bench_sim(bench: Bench, reps: int) -> list[Check]:
 
 
 def warm_up(bench: Bench) -> None:
-    """One untimed single-node c10d run of each launcher: fills the bytecode cache with every
-    module the measurements import, and drops a launcher that cannot run at all."""
+    """One untimed single-node run of each launcher (on its backend): fills the bytecode cache
+    with every module the measurements import, and drops a launcher that cannot run at all."""
     for lch in bench.launchers():
         try:
             join_run(bench, lch, 1)
@@ -809,6 +1122,26 @@ def warm_up(bench: Bench) -> None:
             lch.unavailable = f"the warm-up run failed: {exc}"
             log(f"  {lch.name}: {lch.unavailable}")
         bench.collect(lch.name)
+
+
+def backend_list(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma-separated list of {', '.join(BACKENDS)}"
+        )
+    return names
+
+
+def node_list(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected node counts, e.g. 256,1024")
+    return sizes
 
 
 def main() -> int:
@@ -823,12 +1156,31 @@ def main() -> int:
         default=2,
         help=f"torchrun repetitions of measurement 2 (each takes ~{DEATH_BOUND_S + 12:.0f} s)",
     )
-    parser.add_argument("--sim-reps", type=int, default=3, help="repetitions per N of 3")
+    parser.add_argument("--sim-reps", type=int, default=3, help="repetitions per N of 3 (c10d)")
+    parser.add_argument(
+        "--etcd-sim-reps",
+        type=int,
+        default=1,
+        help="repetitions per N of 3 on etcd (1024 nodes take minutes there)",
+    )
+    parser.add_argument(
+        "--etcd-sim-nodes",
+        type=node_list,
+        default=",".join(map(str, ETCD_SIM_NODES)),
+        help="N of 3 on etcd, at once (default: %(default)s)",
+    )
     parser.add_argument(
         "--only",
         action="append",
         choices=("join", "death", "sim"),
         help="run only these measurements (repeatable)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=backend_list,
+        default=BACKENDS,
+        help="rendezvous backends to measure, comma-separated: c10d (with torchrun), etcd "
+        "(default: c10d,etcd; etcd alone: --backends etcd)",
     )
     _harness.add_launcher_options(
         parser, "run the launchers with the environment's bytecode settings as they are"
@@ -838,26 +1190,47 @@ def main() -> int:
 
     subreaper = _harness.become_subreaper()
     started = time.perf_counter()
+    checks: list[Check] = []
     with _harness.temp_dir("relaunch-bench-rdzv-") as tmp:
         env = _harness.prepare(tmp, SCRIPTS, not opts.no_bytecode_cache)
         relaunch, torchrun = _harness.make_launchers(opts, Launcher)
-        bench = Bench(tmp, env, relaunch, torchrun)
+        if "c10d" not in opts.backends:
+            torchrun.unavailable = f"--backends {','.join(opts.backends)}"
+        etcd = Launcher(ETCD, relaunch.prefix, "not started", "etcd")
+        bench = Bench(tmp, env, relaunch, torchrun, etcd, opts.backends)
         _harness.print_header("bench_rendezvous", opts, torchrun.unavailable, subreaper)
-        checks: list[Check] = []
-        if only & {"join", "death"}:
-            log("warm-up: one single-node c10d run of each launcher")
-            warm_up(bench)
-        if "join" in only:
-            checks += bench_join(bench, opts.reps, opts.torchrun_reps)
-        if "death" in only:
-            checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
-        if "sim" in only:
-            checks += bench_sim(bench, opts.sim_reps)
-        bench.collect(RELAUNCH)
+        try:
+            if "etcd" in opts.backends:
+                start_etcd(bench)
+                where = (
+                    f"one member at {bench.cluster.endpoints} (tests/etcd_cluster.py)"
+                    if bench.cluster is not None
+                    else f"not run: {etcd.unavailable}"
+                )
+                print(f"  etcd: {etcd_version()}, {where}")  # fmt: skip
+            if only & {"join", "death"}:
+                log("warm-up: one single-node run of each launcher")
+                warm_up(bench)
+            if "join" in only:
+                checks += bench_join(bench, opts.reps, opts.torchrun_reps)
+            if "death" in only:
+                checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
+            if "sim" in only:
+                checks += bench_sim(bench, opts.sim_reps, opts.etcd_sim_reps,
+                                    opts.etcd_sim_nodes)  # fmt: skip
+            bench.collect(RELAUNCH)
+        finally:
+            checks += stop_etcd(bench)
+        bench.collect(ETCD if "c10d" not in opts.backends else RELAUNCH)
 
-    ours = bench.leftovers.get(RELAUNCH, [])
+    ours = [item for side in (RELAUNCH, ETCD) for item in bench.leftovers.get(side, [])]
     checks.append(Check("relaunch processes left behind", str(len(ours)), "0", not ours))
     _harness.print_summary(checks)
+    if bench.etcd_checks:
+        _harness.print_summary(
+            bench.etcd_checks, "etcd side, against the same budgets (for comparison, not in the"
+            " exit status)"
+        )  # fmt: skip
     for side, leftovers in bench.leftovers.items():
         for leftover in leftovers:
             print(f"  left behind by {side} (killed): {leftover}")

@@ -419,7 +419,8 @@ class LocalElasticAgent:
             log_line_prefixes=self._log_line_prefixes(),
         )
         self._node_progress = NodeProgress(time.time())
-        self._console.add_source(self._node_bar)
+        if self._console_is_relaunchs():
+            self._console.add_source(self._node_bar)
         pids = self._pcontext.pids()
         for worker, pid in zip(group.workers, pids.values(), strict=True):
             worker.id = pid
@@ -441,6 +442,14 @@ class LocalElasticAgent:
             except FileExistsError:
                 reformed += 1
                 path = f"{base}.{reformed}"
+
+    def _console_is_relaunchs(self) -> bool:
+        """Whether no worker writes to the console itself: only then can relaunch draw on it
+        (a bar drawn where workers write straight to the terminal would collide with them)."""
+        spec = self._worker_group.spec
+        redirects = per_rank(spec.redirects, spec.local_world_size)
+        tee = per_rank(self._tee(), spec.local_world_size)
+        return all(redirects[rank] | tee[rank] == Std.ALL for rank in redirects)
 
     def _log_line_prefixes(self) -> dict[int, str]:
         """Prefixes from torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,

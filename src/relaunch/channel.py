@@ -8,6 +8,7 @@ import tempfile
 
 from relaunch.core import channel
 from relaunch.core.channel import Progress
+from relaunch.procs.guardian import guardian
 
 
 class Channel:
@@ -22,6 +23,7 @@ class Channel:
         finally:
             os.close(fd)
         self.slots = slots
+        guardian().register_file(self.path)  # removed even if this process is SIGKILLed
         self.reset()
 
     def env(self) -> dict[str, str]:
@@ -54,3 +56,4 @@ class Channel:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        guardian().unregister_file(self.path)

@@ -27,7 +27,7 @@ from relaunch.core import timers as core_timers
 from relaunch.core.channel import Progress
 from relaunch.core.failures import faulthandler_dump
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
-from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
+from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
 from relaunch.procs.handles import signal_tree
 
 if TYPE_CHECKING:
@@ -201,20 +201,9 @@ class Watchdog:
                 continue
             detail = "" if failure.message == NO_DETAIL_HINT else failure.message
             if cause.startswith("hung"):
-                dump = faulthandler_dump(_read(stderr_files.get(rank, "")))
+                dump = faulthandler_dump(read_tail(stderr_files.get(rank, ""), 256 * 1024))
                 detail = (f"stack of every thread when it hung ({stderr_files[rank]}):\n{dump}"
                           if dump else detail)  # fmt: skip
             failure.message = f"{cause}\n{detail}" if detail else cause
         self._aborted.clear()
 
-
-def _read(path: str, max_bytes: int = 256 * 1024) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, "rb") as file:
-            size = file.seek(0, os.SEEK_END)
-            file.seek(max(0, size - max_bytes))
-            return file.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""

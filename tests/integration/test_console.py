@@ -229,9 +229,12 @@ def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
             relaunch.report_progress(step, 125, "train")
             time.sleep(slow)  # 2.5 s for the slowest rank
     """)  # fmt: skip
-    done = run(leaks, "--nproc-per-node", "2", job)
+    done = run(leaks, "--nproc-per-node", "2", "--tee", "3", job)
     assert done.returncode == 0, done.stderr
     bars = [line for line in done.stderr.splitlines() if line.startswith("[default node 0]:")]
     assert 2 <= len(bars) <= 6, bars
     assert "slowest: local rank 1" in bars[0] and "step/s" in bars[-2]
     assert "100%|" in bars[-1] and "125/125" in bars[-1], "the final state, always"
+    # Workers writing straight to the console (no --tee): relaunch draws nothing among them.
+    done = run(leaks, "--nproc-per-node", "2", job)
+    assert done.returncode == 0 and "[default node 0]:" not in done.stderr

@@ -23,9 +23,12 @@ from relaunch.timer import (
     FileTimerServer,
     LocalTimerClient,
     LocalTimerServer,
+    RequestQueue,
+    TimerRequest,
     configure,
     expires,
 )
+from relaunch.timer.api import TableTimerServer
 from relaunch.timer.file_based_local_timer import FileTimerClient, FileTimerRequest
 
 pytestmark = pytest.mark.timeout(60)
@@ -306,3 +309,30 @@ def test_a_quiet_worker_that_prints_now_and_then_is_not_hung(tmp_path, leaks: Le
     done = relaunch(leaks, tmp_path, job, "--hang-timeout", "1", "--max-restarts", "0")
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("tick 5") == 2 and "SIGABRT" not in done.stderr
+
+
+class ScriptedQueue(RequestQueue):
+    """Requests already waiting, handed out one per ``get`` as a slow server would see them."""
+
+    def __init__(self, requests: list[TimerRequest]) -> None:
+        self.requests = list(requests)
+
+    def size(self) -> int:
+        return 1
+
+    def get(self, size: int, timeout: float) -> list[TimerRequest]:
+        return [self.requests.pop(0)] if self.requests else []
+
+
+def test_a_release_queued_behind_other_requests_still_wins(leaks: LeakCheck, reaps: Reaps) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE, env=leaks.process_env())  # fmt: skip
+    past = time.time() - 1  # the server wakes late: the deadline has passed, the release came
+    queue = ScriptedQueue([TimerRequest(proc.pid, "a", past),
+                           TimerRequest(proc.pid, "b", past + 99),
+                           TimerRequest(proc.pid, "c", past + 99),
+                           TimerRequest(proc.pid, "a", -1)])  # fmt: skip
+    server = TableTimerServer(queue, max_interval=0.1, on_reap=reaps)
+    server._watchdog_step()
+    assert reaps.seen == [] and proc.poll() is None
+    proc.communicate("", timeout=30)

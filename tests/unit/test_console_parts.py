@@ -33,6 +33,12 @@ def test_carriage_return_refreshes_become_the_bar_not_lines() -> None:
     assert framer.feed(b"tail") == (b"", None) and framer.flush() == b"tail\n"
 
 
+def test_a_wiped_bar_remembers_its_last_state() -> None:
+    framer = ConsoleFramer()
+    assert framer.feed(b"\r 99%\r100%\r      \r") == (b"", b"")
+    assert framer.last_bar == b"100%"
+
+
 def test_a_bar_left_unfinished_is_flushed_as_its_last_state() -> None:
     framer = ConsoleFramer()
     framer.feed(b"\r 10%\r 55%")
@@ -140,11 +146,21 @@ def test_on_a_terminal_bars_live_below_the_scrolling_lines(
     console.set_bar("a", b"[w0]: 10%")
     console.set_bar("b", b"[w1]: 20%")
     console.tick()
+    clock[0] += 0.2
     console.write(b"", b"[w0]:a log line\n")
     assert err.text().endswith(
         b"[w0]: 10%\n[w1]: 20%"  # drawn
         + b"\r\033[2K\033[1A\033[2K"  # erased: two rows
         + b"[w0]:a log line\n[w0]: 10%\n[w1]: 20%"  # the line above, the area redrawn
     )
+    clock[0] += 0.01  # lines within a tenth of a second of the last drawing: no redraw yet
+    console.write(b"", b"[w0]:another\n")
+    assert err.text().endswith(b"\r\033[2K\033[1A\033[2K[w0]:another\n")
+    assert console.next_tick() == pytest.approx(0.09)
+    clock[0] += 0.09
+    console.tick()
+    assert err.text().endswith(b"[w0]:another\n[w0]: 10%\n[w1]: 20%")
+    console.set_bar("a", b"   ")  # wiped (leave=False): gone, not printed, on a terminal
+    assert not err.text().endswith(b"[w0]: 10%\n")
     monkeypatch.setenv("NO_COLOR", "1")
     assert Console(out, err).prefix(b"[w1]:", 1, err=True) == b"[w1]:"

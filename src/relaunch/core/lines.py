@@ -71,6 +71,8 @@ class ConsoleFramer:
     def __init__(self, max_partial: int = MAX_PARTIAL_LINE) -> None:
         self._partial = b""
         self._max_partial = max_partial
+        #: The last bar state with something on it, wiped or not: what a log should keep.
+        self.last_bar = b""
 
     def feed(self, data: bytes) -> tuple[bytes, bytes | None]:
         buffer = self._partial + data if self._partial else data
@@ -79,6 +81,9 @@ class ConsoleFramer:
         bar = None
         if b"\r" in rest:
             segments = rest.split(b"\r")
+            drawn = [segment for segment in segments if segment.strip()]
+            if drawn:
+                self.last_bar = drawn[-1]
             if segments[-1]:
                 bar, rest = segments[-1], b"\r" + segments[-1]
             else:  # the cursor was just sent back: what is on screen is the segment before

@@ -154,7 +154,12 @@ class Console:
         return self.out.render(lines, prefix)
 
     def write(self, out: bytes, err: bytes) -> None:
-        """Write rendered lines to stdout and stderr, above the live area."""
+        """Write rendered lines to stdout and stderr, above the live area.
+
+        The area is drawn again at once only if its last drawing is older than
+        ``REDRAW_SECONDS``; under a flood of lines it waits for ``tick``, so a terminal gets at
+        most ten redraws a second whatever the rate of lines.
+        """
         if not out and not err:
             return
         with self._lock:
@@ -163,23 +168,27 @@ class Console:
                 self.err.write(err)
                 return
             erase = self._erase()
+            self._dirty = True
+            due = time.monotonic() - self._drawn_at >= REDRAW_SECONDS
+            draw = self._draw() if due else b""
             if out and self._stdout_crosses:
                 self.err.write_raw(erase)
                 self.out.write(out)
-                self.err.write_raw(err + self._draw())
+                self.err.write_raw(err + draw)
             else:
                 self.out.write(out)
-                self.err.write_raw(erase + err + self._draw())
+                self.err.write_raw(erase + err + draw)
 
     # -- bars -----------------------------------------------------------------------------------
 
     def set_bar(self, key: str, line: bytes, err: bool = True) -> None:
-        """The bar ``key`` now shows ``line`` (prefix included); an empty line wipes it."""
+        """The bar ``key`` now shows ``line`` (prefix included); an empty line wipes it (off a
+        terminal its last state is still printed: a log keeps the final state of every bar)."""
         with self._lock:
             bar = self._bars.get(key)
             if not line.strip():
                 if bar is not None:
-                    self._remove(key, print_last=True)
+                    self._remove(key, print_last=not self.live)
                 return
             if bar is None:
                 bar = self._bars[key] = _Bar(line, err)

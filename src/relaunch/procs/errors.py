@@ -99,7 +99,7 @@ class ProcessFailure:
         """A failure whose message falls back to the exit description and the stderr tail."""
         failure = cls(local_rank, pid, exitcode, error_file, timestamp=timestamp)
         if not failure.message:
-            tail = _read_tail(stderr_file)
+            tail = core_failures.tail_lines(read_tail(stderr_file))
             if tail:
                 failure.message = f"last lines of stderr ({stderr_file}):\n{tail}"
             elif not stderr_file:
@@ -107,7 +107,8 @@ class ProcessFailure:
         return failure
 
 
-def _read_tail(path: str, max_bytes: int = 64 * 1024) -> str:
+def read_tail(path: str, max_bytes: int = 64 * 1024) -> str:
+    """The last ``max_bytes`` of the file at ``path`` as text; "" when there is none."""
     if not path:
         return ""
     try:
@@ -117,7 +118,7 @@ def _read_tail(path: str, max_bytes: int = 64 * 1024) -> str:
             data = file.read()
     except OSError:
         return ""
-    return core_failures.tail_lines(data.decode("utf-8", errors="replace"))
+    return data.decode("utf-8", errors="replace")
 
 
 def read_error_file(path: str) -> dict[str, Any]:

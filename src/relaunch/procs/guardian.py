@@ -5,7 +5,8 @@ That also means nothing kills them if the launching process is itself killed (ev
 which no handler can catch). The guardian is a POSIX shell (about a millisecond to start, about a
 megabyte of memory) in a session of its own, reading the launcher's registrations of live process
 groups from a pipe. When the pipe reaches end of file, which the kernel guarantees however the
-launcher dies, it SIGKILLs every group still registered. Unlike a parent-death signal it also
+launcher dies, it SIGKILLs every group still registered, and removes the temporary files
+registered with it (the agent's shared-memory channel). Unlike a parent-death signal it also
 covers the workers' descendants, and it does not fire when the thread that started a worker exits.
 """
 
@@ -21,13 +22,17 @@ log = logging.getLogger(__name__)
 _SCRIPT = r"""
 trap '' INT TERM HUP QUIT PIPE
 live=' '
-while read -r op pid; do
+files=' '
+while read -r op arg; do
   case "$op" in
-    +) live="$live$pid " ;;
-    -) case "$live" in *" $pid "*) live="${live%%" $pid "*} ${live#*" $pid "}" ;; esac ;;
+    +) live="$live$arg " ;;
+    -) case "$live" in *" $arg "*) live="${live%%" $arg "*} ${live#*" $arg "}" ;; esac ;;
+    f) files="$files$arg " ;;
+    r) case "$files" in *" $arg "*) files="${files%%" $arg "*} ${files#*" $arg "}" ;; esac ;;
   esac
 done
 for pid in $live; do kill -KILL -"$pid" 2>/dev/null; kill -KILL "$pid" 2>/dev/null; done
+for file in $files; do rm -f -- "$file"; done
 """
 
 
@@ -57,6 +62,15 @@ class Guardian:
 
     def unregister(self, pid: int) -> None:
         self._send(f"- {pid}\n")
+
+    def register_file(self, path: str) -> None:
+        """Remove ``path`` if the launcher dies without removing it (a temporary file)."""
+        if any(c.isspace() for c in path):
+            raise ValueError(f"the guardian cannot track a path with spaces: {path!r}")
+        self._send(f"f {path}\n")
+
+    def unregister_file(self, path: str) -> None:
+        self._send(f"r {path}\n")
 
     def _send(self, line: str) -> None:
         with self._lock:

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from relaunch.procs.signals import start_without_signals
+
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
@@ -50,7 +52,8 @@ def _exit_fd(pid: int, wait: Callable[[], object]) -> int:
         finally:
             os.close(write_end)
 
-    threading.Thread(target=wait_then_close, name=f"relaunch-wait-{pid}", daemon=True).start()
+    start_without_signals(threading.Thread(target=wait_then_close, name=f"relaunch-wait-{pid}",
+                                           daemon=True))  # fmt: skip
     return read_end
 
 

@@ -21,6 +21,7 @@ from relaunch.core.group import GroupState, group_state
 from relaunch.core.lines import ConsoleFramer
 from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+from relaunch.procs.signals import start_without_signals
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -172,7 +173,7 @@ class GroupMonitor:
     def start(self) -> None:
         if self._console is not None:
             self._console.add_waker(self._wake)
-        self._thread.start()
+        start_without_signals(self._thread)
 
     # -- called from any thread -------------------------------------------------------------
 
@@ -299,6 +300,9 @@ class GroupMonitor:
             console.write(b"".join(out), b"".join(err))
         for stream in bars:
             assert stream.bar is not None
+            if not stream.bar:  # wiped: its last state first, for a log that keeps it
+                stream.console.set_bar(stream.key, stream.prefix + stream.framer.last_bar,
+                                       stream.err)  # fmt: skip
             stream.console.set_bar(stream.key, stream.prefix + stream.bar if stream.bar else b"",
                                    stream.err)  # fmt: skip
         return True

@@ -28,6 +28,20 @@ def raise_signal_exception(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
 
 
+def start_without_signals(thread: threading.Thread) -> None:
+    """Start ``thread`` with the termination signals blocked in it (a thread inherits the mask).
+
+    The kernel gives a process-directed signal to any thread that does not block it. Taken by a
+    helper thread, it would only set Python's flag, and the main thread, asleep in a lock's
+    wait, would not run its handler until the wait ended: a stop would come a timeout late.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def reset_stop_request() -> None:
     """Let the next SIGTERM/SIGINT ask for a graceful stop again."""
     global _stop_requested

@@ -9,6 +9,7 @@ from typing import TextIO
 
 from relaunch.core.lines import LineFramer
 from relaunch.procs.console import ConsoleWriter, ProgbarEvents
+from relaunch.procs.signals import start_without_signals
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class TailLog:
     def start(self) -> TailLog:
         if self._files and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="relaunch-taillog", daemon=True)
-            self._thread.start()
+            start_without_signals(self._thread)
         return self
 
     def _run(self) -> None:

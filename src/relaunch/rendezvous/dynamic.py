@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import rendezvous as plan
+from relaunch.procs.signals import start_without_signals
 from relaunch.rendezvous.api import (
     TOKEN_ENV,
     RendezvousClosedError,
@@ -390,12 +391,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                                      self._stop_heartbeat),
             name="relaunch-heartbeat", daemon=True,
         )  # fmt: skip
-        self._heartbeat.start()
+        start_without_signals(self._heartbeat)
         if self._watch_store is not None:
-            threading.Thread(
+            start_without_signals(threading.Thread(
                 target=self._watch_changes, args=(self._round, self._stop_heartbeat),
                 name="relaunch-rdzv-watch", daemon=True,
-            ).start()  # fmt: skip
+            ))  # fmt: skip
 
     def _watch_changes(self, round_: int, stop: threading.Event) -> None:
         """Block on this round's ``changed`` key: a re-form anywhere reaches us at once."""

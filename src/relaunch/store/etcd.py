@@ -11,7 +11,8 @@ Mapping onto the ``Store`` protocol:
 * a key's *version* is its ``mod_revision`` (the cluster revision of its last change);
 * ``compare_set`` is one transaction comparing ``mod_revision`` (0 for an absent key);
 * ``add`` is a compare-and-set loop (etcd has no atomic counter), one round trip when the
-  client's last sight of the counter is still current;
+  client's last sight of the counter is still current; N clients adding at once make O(N²)
+  transactions (the limit of this backend at a thousand nodes joining at once);
 * ``watch`` and ``wait`` block on a streaming watch from the revision they read, never polling;
 * leases (``grant_lease``, ``keep_alive``, ``set(..., lease=)``) carry heartbeats: a member that
   dies stops renewing its lease, and etcd deletes its keys.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import ssl
 import threading
 import time
@@ -41,6 +43,8 @@ from relaunch.store.api import (
     StoreTimeout,
     Versioned,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 2379
 #: The longest a single attempt waits on one member before trying the next.
@@ -151,6 +155,7 @@ class EtcdStore:
         self._conn: http.client.HTTPConnection | None = None
         # The last sight of each counter ``add`` wrote: usually still current, saving a read.
         self._counters: dict[str, Versioned] = {}
+        self._warned_ttl = False
 
     def __repr__(self) -> str:
         user = f", user={self._user!r}" if self._user else ""
@@ -380,8 +385,15 @@ class EtcdStore:
 
     def grant_lease(self, ttl: float) -> int:
         """A new lease of ``ttl`` seconds (rounded up to whole seconds); its id."""
+        asked = max(1, int(-(-ttl // 1)))
         with self._lock:
-            reply = self._call("/v3/lease/grant", {"TTL": str(max(1, int(-(-ttl // 1))))})
+            reply = self._call("/v3/lease/grant", {"TTL": str(asked)})
+        granted = int(reply.get("TTL", asked))
+        if granted > asked and not self._warned_ttl:
+            self._warned_ttl = True
+            log.warning("etcd granted leases of %ds for the %ds asked (its minimum, 1.5 election "
+                        "timeouts): a lost node is noticed up to %ds later", granted, asked,
+                        granted - asked)  # fmt: skip
         return int(reply["ID"])
 
     def keep_alive(self, lease: int) -> bool:

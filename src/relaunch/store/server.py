@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from relaunch.procs.signals import start_without_signals
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.state import KeyValueState
@@ -109,7 +110,7 @@ class TcpStoreServer:
         """Serve in a background thread."""
         self._thread = threading.Thread(target=self.serve_forever, name="relaunch-store",
                                         daemon=True)  # fmt: skip
-        self._thread.start()
+        start_without_signals(self._thread)
         return self
 
     def stop(self) -> None:

@@ -24,8 +24,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer, TimerTable
+from relaunch.procs.signals import start_without_signals
 
 log = logging.getLogger(__name__)
+
+#: How many requests one read takes, and how many reads of already-queued requests a wake-up
+#: makes before it looks at the deadlines (so that a flood cannot starve the deadlines).
+_BATCH = 1 << 16
+_MAX_DRAINS = 64
 
 #: Called with the worker and its expired timers just before the worker is reaped.
 ReapHandler = Callable[[Any, list[Timer]], None]
@@ -126,10 +132,16 @@ class TimerServer(abc.ABC):
         next_deadline = self._next_deadline()
         if next_deadline is not None:
             timeout = max(0.0, min(timeout, next_deadline - time.time()))
-        requests = self._request_queue.get(max(1, self._request_queue.size()), timeout)
-        if self._stop_event.is_set():
-            return
-        self.register_timers(requests)
+        requests = self._request_queue.get(_BATCH, timeout)
+        for _ in range(_MAX_DRAINS):
+            if self._stop_event.is_set():
+                return
+            self.register_timers(requests)
+            # Everything already queued counts before any deadline is checked: a release that
+            # came in time must win, however many requests arrived with it.
+            requests = self._request_queue.get(_BATCH, 0)
+            if not requests:
+                break
         reaped = set()
         for worker_id, expired in self.get_expired_timers(time.time()).items():
             log.info("reaping worker %s: timer(s) %s expired", worker_id,
@@ -153,7 +165,7 @@ class TimerServer(abc.ABC):
         self._stop_event.clear()
         self._watchdog = threading.Thread(target=self._run_watchdog, daemon=self._daemon,
                                           name="relaunch-timer-watchdog")  # fmt: skip
-        self._watchdog.start()
+        start_without_signals(self._watchdog)
 
     def stop(self) -> None:
         """Stop the watchdog thread, promptly."""
