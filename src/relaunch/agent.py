@@ -304,6 +304,16 @@ class LocalElasticAgent:
             if outcome is not None and outcome.is_failed():
                 self._watchdog.explain(outcome.failures, self._pcontext.stderrs)
             change = spec.rdzv_handler.membership_change() if watching else None
+            if state is GroupState.FAILED and watching and change is None and not (
+                self._restarts_left
+            ):
+                # Collectives break at once when a peer node dies; heartbeats tell it a moment
+                # later. Before calling the job failed, give the lost node time to be noticed:
+                # then it is a membership change, which restarts without using a restart.
+                log.info("workers failed: waiting up to %gs for a lost node to be noticed",
+                         spec.rdzv_handler.lost_node_grace)
+                change = spec.rdzv_handler.wait_membership_change(
+                    spec.rdzv_handler.lost_node_grace)
             decision = decide(state, self._restarts_left, change)
             if decision.action is Action.CONTINUE:
                 continue

@@ -194,3 +194,31 @@ def test_standalone_runs_on_the_built_in_store(tmp_path, leaks: LeakCheck) -> No
     assert done.returncode == 0, done.stderr
     assert sorted(lines(done.stdout)) == ["3 0", "3 1", "3 2"]
     assert os.environ.get("RELAUNCH_RDZV_TOKEN") is None
+
+
+def test_workers_failing_because_a_node_died_do_not_fail_the_job(
+    tmp_path, leaks: LeakCheck, rdzv: Rendezvous
+) -> None:
+    """A collective breaks at once when a peer node dies; heartbeats tell it a moment later.
+    The failure is the membership change's, so the survivor re-forms instead of failing."""
+    broken = tmp_path / "broken"
+    job = script(tmp_path, f"""
+        import os, sys, time
+        print("world", os.environ["WORLD_SIZE"], flush=True)
+        if os.environ["WORLD_SIZE"] == "2":
+            while not os.path.exists({str(broken)!r}):  # the collective, until its peer dies
+                time.sleep(0.01)
+            sys.exit("the collective broke: peer gone")
+    """)  # fmt: skip
+    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FAST)
+    wait_until(rdzv.ready, what="the first agent to host the store")
+    other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FAST)
+    assert other.stdout is not None and host.stdout is not None
+    assert other.stdout.readline().endswith("world 2\n")
+    assert host.stdout.readline().endswith("world 2\n")
+    other.kill()
+    other.communicate()
+    broken.touch()
+    out, err = host.communicate(timeout=60)
+    assert host.returncode == 0, err
+    assert lines(out) == ["world 1"] and "lost" in err

@@ -111,6 +111,16 @@ class RendezvousHandler(abc.ABC):
         waiting = self.num_nodes_waiting()
         return f"{waiting} node(s) waiting to join" if waiting else None
 
+    def wait_membership_change(self, timeout: float) -> str | None:
+        """``membership_change()``, waiting up to ``timeout`` for one (a handler that cannot
+        notice changes while workers run answers at once)."""
+        return self.membership_change()
+
+    @property
+    def lost_node_grace(self) -> float:
+        """Seconds a lost node may take to be noticed (0: membership is fixed)."""
+        return 0.0
+
     def note_restart(self, reason: str) -> None:  # noqa: B027 - nobody else to tell
         """This node restarts its workers because of ``reason``: the others hear it as theirs."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -82,6 +83,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._final: plan.Final | None = None
         self._change: str | None = None
         self._change_lock = threading.Lock()
+        self._changed = threading.Event()
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
         # Set once the job is over for this node (closed, or its store gone with the node that
@@ -158,6 +160,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._round, self._ticket, self._final = round_, ticket, final
         with self._change_lock:
             self._change = None
+            self._changed.clear()
         group_rank, offset = plan.assign(ticket, through, self._local_world_size)
         self._start_heartbeat()
         log.info("rendezvous round %d complete: group rank %d of %d", round_, group_rank,
@@ -180,6 +183,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def note_restart(self, reason: str) -> None:
         self._restart_reason = reason
+
+    def wait_membership_change(self, timeout: float) -> str | None:
+        self._changed.wait(timeout)
+        return self.membership_change()
+
+    @property
+    def lost_node_grace(self) -> float:
+        # The neighbour's silence counts from its last beat seen, checked once a beat; an etcd
+        # lease lasts whole seconds, and etcd looks for expired leases every half second or so.
+        settings = self.settings
+        if self._leases:
+            return math.ceil(settings.dead_after) + 1.0 + settings.keep_alive_interval
+        return settings.dead_after + settings.keep_alive_interval
 
     def membership_change(self) -> str | None:
         with self._change_lock:
@@ -417,6 +433,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._change_lock:
             if self._change is None:
                 self._change = reason
+            self._changed.set()
 
     def _beat(self, round_: int, ticket: int, count: int, stop: threading.Event) -> None:
         """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
