@@ -21,7 +21,7 @@ from relaunch.core.group import GroupState, group_state
 from relaunch.core.lines import ConsoleFramer
 from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
-from relaunch.procs.signals import start_without_signals
+from relaunch.procs.signals import signals_deferred, start_without_signals
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -34,6 +34,8 @@ _READ_SIZE = 1 << 16
 #: than one wake-up per write. The first line of a burst is never delayed; an idle pipe costs
 #: nothing.
 COALESCE_SECONDS = 0.0005
+#: The longest the main thread sleeps in one wait, so that signals are acted on promptly.
+SIGNAL_SLICE = 0.2
 #: After the workers are gone, how long to keep reading pipes that descendants which escaped
 #: their process group still hold open.
 DRAIN_TIMEOUT = 1.0
@@ -182,12 +184,30 @@ class GroupMonitor:
         return self._done
 
     def wait_done(self, timeout: float | None) -> bool:
-        with self.lock:
-            return self.lock.wait_for(lambda: self._done, timeout)
+        """Whether every worker exited, waiting up to ``timeout`` seconds (None: no limit).
+
+        In the main thread, termination signals are deferred while the lock is held (see
+        ``signals_deferred``) and the wait is cut into slices of ``SIGNAL_SLICE``, so a stop
+        signal is acted on within a slice, between two waits, never inside one.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            with self.lock:
+                return self.lock.wait_for(lambda: self._done, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = SIGNAL_SLICE
+            if deadline is not None:
+                left = max(0.0, min(left, deadline - time.monotonic()))
+            with signals_deferred(), self.lock:
+                done = self.lock.wait_for(lambda: self._done, left)
+            if done:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def stop(self, sig: int, timeout: float) -> None:
         """Send ``sig`` to every worker tree; SIGKILL whatever still runs ``timeout`` s later."""
-        with self.lock:
+        with signals_deferred(), self.lock:
             self._stop_locked(sig, timeout)
         self._wake()
 
@@ -198,7 +218,7 @@ class GroupMonitor:
 
     def finish(self) -> None:
         """Drain the streams (bounded), then end the monitor thread and release everything."""
-        with self.lock:
+        with signals_deferred(), self.lock:
             self._finishing = True
             self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._wake()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -40,6 +42,24 @@ def start_without_signals(thread: threading.Thread) -> None:
         thread.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold termination signals back while the main thread is inside a lock's code.
+
+    Python raises a signal's exception wherever the main thread happens to be; raised inside
+    ``Condition.wait`` or an ``RLock``'s bookkeeping, it can leave the lock held and deadlock
+    the monitor thread. Deferred, it is raised when this block ends, outside any lock.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a deferred signal is raised here
 
 
 def reset_stop_request() -> None:
