@@ -414,7 +414,6 @@ class LocalElasticAgent:
         extra_env = {**self._watchdog.worker_env(), **self._channel.env()}
         envs = {ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
                 for ranks in self._ranks}  # fmt: skip
-        # A membership change keeps the attempt number: its logs replace the interrupted ones.
         attempt_dir = self._new_attempt_dir()
         self._pcontext = start_processes(
             name=spec.role,
