@@ -140,6 +140,10 @@ class Console:
         self._drawn_rows = 0
         self._dirty = False
         self._drawn_at = -1e9
+        #: Bar sources are asked once a period: as often as the live area may be redrawn, or as
+        #: a bar may be printed off a terminal.
+        self._period = REDRAW_SECONDS if self.live else THROTTLE_SECONDS
+        self._polled_at = -1e9
         self._lock = threading.RLock()
 
     # -- lines ----------------------------------------------------------------------------------
@@ -236,23 +240,27 @@ class Console:
         """Seconds until ``tick`` has something to do, or None."""
         with self._lock:
             now = time.monotonic()
-            if self.live:
-                if self._dirty:
-                    return max(0.0, self._drawn_at + REDRAW_SECONDS - now)
-                return REDRAW_SECONDS if self._sources else None
-            due = [bar.printed_at + THROTTLE_SECONDS - now for bar in self._bars.values()
-                   if bar.text != bar.printed]  # fmt: skip
-            if due:
-                return max(0.0, min(due))
-            return THROTTLE_SECONDS if self._sources else None
+            waits = []
+            if self._sources:
+                waits.append(self._polled_at + self._period - now)
+            if self.live and self._dirty:
+                waits.append(self._drawn_at + REDRAW_SECONDS - now)
+            if not self.live:
+                waits += [bar.printed_at + THROTTLE_SECONDS - now for bar in self._bars.values()
+                          if bar.text != bar.printed]  # fmt: skip
+            return max(0.0, min(waits)) if waits else None
 
     def tick(self) -> None:
         """Redraw (terminal) or print due refreshes (elsewhere); asks the bar sources."""
         with self._lock:
-            for source in self._sources:
-                for key, line in source().items():
-                    self.set_bar("source:" + key, line)
             now = time.monotonic()
+            if self._sources and now - self._polled_at >= self._period:
+                # Sources are asked at the display's rate, not at every wake-up of the monitor
+                # (which, under a flood of output, wakes thousands of times a second).
+                self._polled_at = now
+                for source in self._sources:
+                    for key, line in source().items():
+                        self.set_bar("source:" + key, line)
             if self.live:
                 if self._dirty and now - self._drawn_at >= REDRAW_SECONDS:
                     self.err.write_raw(self._erase() + self._draw())
