@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import LeakCheck, wait_until
+from test_rendezvous import serving
 
 from relaunch.rendezvous.static import find_free_port
 
@@ -140,7 +141,7 @@ def test_a_killed_node_leaves_the_survivor_to_resume_and_finish(
     flags = ("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", endpoint, "--rdzv-conf", FAST)  # fmt: skip
     host = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "weights.pt", "--step-time", "0.3"))
-    wait_until(lambda: _listening(port), timeout=60, what="the first node to host the store")
+    wait_until(lambda: serving(port), timeout=60, what="the first node to host the store")
     other = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "other.pt", "--step-time", "0.3"))
     seen: list[str] = []
     wait_for_step(host, 3, seen)
@@ -153,16 +154,6 @@ def test_a_killed_node_leaves_the_survivor_to_resume_and_finish(
     assert resumed and resumed[-1].endswith("(world size 2)")
     assert int(resumed[-1].split()[3]) >= 3, "it resumed from the checkpoint, not from 0"
     assert (tmp_path / "weights.pt").exists()
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def test_the_elastic_launch_example_all_reduces_over_four_function_workers(

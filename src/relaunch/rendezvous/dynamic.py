@@ -598,7 +598,7 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
     ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
     ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
     """
-    from relaunch.store.etcd import EtcdStore, parse_endpoints
+    from relaunch.store.etcd import EtcdStore
 
     settings = _plan_settings(params)
     options = {
@@ -614,16 +614,15 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
         path = options[path_option]
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"--rdzv-conf {path_option}={path}: no such file")
-    endpoints = parse_endpoints(params.endpoint or "127.0.0.1", options["protocol"])
-    stores = [EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)]
-    store, heartbeat_store, watch_store = stores
+    store, heartbeat_store, watch_store = (EtcdStore(params.endpoint or "127.0.0.1", **options)
+                                           for _ in range(3))  # fmt: skip
     try:
         store.get(f"relaunch/{params.run_id}/closed")  # reachable, and the credentials work
     except StoreError as exc:
         raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     if params.local_addr:
         local_addr = params.local_addr
-    elif all(is_loopback(endpoint.host) for endpoint in endpoints):
+    elif all(is_loopback(endpoint.host) for endpoint in store.endpoints):
         local_addr = "127.0.0.1"
     else:
         import socket
