@@ -336,3 +336,18 @@ def test_a_release_queued_behind_other_requests_still_wins(leaks: LeakCheck, rea
     server._watchdog_step()
     assert reaps.seen == [] and proc.poll() is None
     proc.communicate("", timeout=30)
+
+
+def test_a_report_says_how_long_the_worker_gave_itself_however_late_it_was_read(
+    leaks: LeakCheck, reaps: Reaps
+) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE, env=leaks.process_env())  # fmt: skip
+    made = time.time() - 2.0  # the request waited 2 s in the pipe before the server read it
+    server = TableTimerServer(ScriptedQueue([FileTimerRequest(proc.pid, "step", made + 0.5,
+                                                              acquired_at=made)]),
+                              max_interval=0.1, on_reap=reaps)  # fmt: skip
+    server._watchdog_step()
+    [(_, [timer], _)] = reaps.seen
+    assert timer.allowed == pytest.approx(0.5)
+    assert proc.wait(timeout=30) == -signal.SIGKILL

@@ -104,9 +104,10 @@ def test_faulthandler_dump_is_cut_from_the_stderr_tail() -> None:
 
 
 def test_requests_on_the_pipe_are_validated() -> None:
-    good = FileTimerRequest(12, "step", 1.5, 9)
+    good = FileTimerRequest(12, "step", 1.5, 9, acquired_at=1.0)
     assert parse_request(good.to_json().encode()) == good
     assert parse_request(good.to_json().encode()).signal == 9
+    assert parse_request(good.to_json().encode()).acquired_at == 1.0
     for line, reason in [
         (b"garbage", "not JSON"),
         (b"[1]", "not a JSON object"),
@@ -119,6 +120,8 @@ def test_requests_on_the_pipe_are_validated() -> None:
          "signal 999"),
         (json.dumps({"version": 7, "pid": 1, "scope_id": "s", "expiration_time": 1}).encode(),
          "protocol version 7"),
+        (json.dumps({"pid": 1, "scope_id": "s", "expiration_time": 1, "acquired_at": "x"}).encode(),
+         "acquired_at 'x'"),
     ]:
         with pytest.raises(ValueError, match=reason):
             parse_request(line)

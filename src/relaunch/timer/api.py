@@ -195,9 +195,6 @@ class TableTimerServer(TimerServer):
         self._on_reap = on_reap
         self._last_activity: dict[Any, float] = {}
 
-    def _signal_of(self, request: TimerRequest) -> int:
-        return 0
-
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
         now = time.time()
         with self._lock:
@@ -205,10 +202,13 @@ class TableTimerServer(TimerServer):
                 self._last_activity[request.worker_id] = now
                 if request.expiration_time < 0:
                     self._table.release(request.worker_id, request.scope_id)
-                else:
-                    self._table.acquire(request.worker_id, request.scope_id,
-                                        request.expiration_time, now,
-                                        self._signal_of(request))  # fmt: skip
+                    continue
+                # A request may say when it was made (the file client's do) and which signal
+                # reaps its worker; without, it counts from its arrival, with the default.
+                acquired_at = min(getattr(request, "acquired_at", 0.0) or now, now)
+                self._table.acquire(request.worker_id, request.scope_id,
+                                    request.expiration_time, acquired_at,
+                                    getattr(request, "signal", 0))  # fmt: skip
 
     def clear_timers(self, worker_ids: set[Any]) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ import os
 import select
 import signal as signals
 import stat
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -41,23 +42,35 @@ _MAX_LINE = 64 * 1024
 
 
 class FileTimerRequest(TimerRequest):
-    """A timer request for the file server: the worker's pid and the signal it is reaped with."""
+    """A timer request for the file server: the worker's pid, the signal it is reaped with,
+    and when the worker made it (``acquired_at``, 0 if unknown), so that a report says how long
+    the worker gave itself however late the request was read."""
 
-    __slots__ = ("signal",)
+    __slots__ = ("acquired_at", "signal")
 
     def __init__(self, worker_pid: int, scope_id: str, expiration_time: float,
-                 signal: int = 0) -> None:  # fmt: skip
+                 signal: int = 0, acquired_at: float = 0.0) -> None:  # fmt: skip
         super().__init__(worker_pid, scope_id, expiration_time)
         self.signal = signal
+        self.acquired_at = acquired_at
 
     @property
     def worker_pid(self) -> int:
         return int(self.worker_id)
 
     def to_json(self) -> str:
-        return json.dumps({"version": PROTOCOL_VERSION, "pid": self.worker_pid,
-                           "scope_id": self.scope_id, "expiration_time": self.expiration_time,
-                           "signal": self.signal})  # fmt: skip
+        data = {"version": PROTOCOL_VERSION, "pid": self.worker_pid, "scope_id": self.scope_id,
+                "expiration_time": self.expiration_time, "signal": self.signal}
+        if self.acquired_at:  # relaunch's addition; torch's server ignores it
+            data["acquired_at"] = self.acquired_at
+        return json.dumps(data)
+
+
+def _number(data: dict[str, Any], key: str, default: float | None = None) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} {value!r} is not a number")
+    return float(value)
 
 
 def parse_request(line: bytes) -> FileTimerRequest:
@@ -68,21 +81,17 @@ def parse_request(line: bytes) -> FileTimerRequest:
         raise ValueError("not JSON") from None
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
-    pid, scope, expiration = data.get("pid"), data.get("scope_id"), data.get("expiration_time")
-    sig = data.get("signal", 0)
+    pid, scope, sig = data.get("pid"), data.get("scope_id"), data.get("signal", 0)
     if data.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
         raise ValueError(f"protocol version {data.get('version')!r}, expected {PROTOCOL_VERSION}")
     if type(pid) is not int or pid <= 0:
         raise ValueError(f"pid {pid!r} is not a positive integer")
     if not isinstance(scope, str):
         raise ValueError(f"scope_id {scope!r} is not a string")
-    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not (
-        math.isfinite(expiration)
-    ):
-        raise ValueError(f"expiration_time {expiration!r} is not a number")
+    expiration = _number(data, "expiration_time")
     if type(sig) is not int or not 0 <= sig < signals.NSIG:
         raise ValueError(f"signal {sig!r} is not a signal number")
-    return FileTimerRequest(pid, scope, float(expiration), sig)
+    return FileTimerRequest(pid, scope, expiration, sig, _number(data, "acquired_at", 0.0))
 
 
 def _check_fifo(path: str) -> None:
@@ -133,7 +142,8 @@ class FileTimerClient(TimerClient):
             raise RuntimeError(f"the timer server reading {self._file_path} is gone") from None
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
-        self._send(FileTimerRequest(os.getpid(), scope_id, expiration_time, self.signal))
+        self._send(FileTimerRequest(os.getpid(), scope_id, expiration_time, self.signal,
+                                    time.time()))  # fmt: skip
 
     def release(self, scope_id: str) -> None:
         self._send(FileTimerRequest(os.getpid(), scope_id, -1, self.signal))
@@ -246,9 +256,6 @@ class FileTimerServer(TableTimerServer):
         log.warning("timer server: ignored a malformed request (%s): %r", reason, line[:200])
         if self._log_event is not None:
             self._log_event("malformed_request", None)
-
-    def _signal_of(self, request: TimerRequest) -> int:
-        return getattr(request, "signal", 0)
 
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
         if self._log_event is not None:
