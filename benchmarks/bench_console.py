@@ -593,27 +593,43 @@ def bench_console(bench: Bench, reps: int, seconds: float, hz: float) -> list[Ch
         if name != RELAUNCH:
             continue
         checks += [
-            Check(f"console ({mode}): log lines intact, once",
-                  f"{logs_ok}/{n_logs}, {logs_bad} bad", f"{n_logs}/{n_logs}, 0 bad",
-                  logs_ok == n_logs and logs_bad == 0),
-            Check(f"console ({mode}): final bars intact, once", f"{finals}/{RANKS}",
-                  f"{RANKS}/{RANKS}", finals == RANKS),
-            Check(f"console ({mode}): log files complete", f"{files}/{RANKS}",
-                  f"{RANKS}/{RANKS}", files == RANKS),
-        ]  # fmt: skip
+            Check(
+                f"console ({mode}): log lines intact, once",
+                f"{logs_ok}/{n_logs}, {logs_bad} bad",
+                f"{n_logs}/{n_logs}, 0 bad",
+                logs_ok == n_logs and logs_bad == 0,
+            ),
+            Check(
+                f"console ({mode}): final bars intact, once",
+                f"{finals}/{RANKS}",
+                f"{RANKS}/{RANKS}",
+                finals == RANKS,
+            ),
+            Check(
+                f"console ({mode}): log files complete",
+                f"{files}/{RANKS}",
+                f"{RANKS}/{RANKS}",
+                files == RANKS,
+            ),
+        ]
         if mode == PIPE:
             # At most one line a THROTTLE_S per rank (the first at once), plus the final one.
             limit = math.ceil(total / hz / THROTTLE_S) + 2
             checks.append(
-                Check(f"console ({mode}): bar lines per rank", str(most), f"<= {limit}",
-                      most <= limit)
-            )  # fmt: skip
+                Check(
+                    f"console ({mode}): bar lines per rank", str(most), f"<= {limit}", most <= limit
+                )
+            )
         else:
             checks += [
                 Check(f"console ({mode}): stale bar rows left", str(stale), "0", stale == 0),
-                Check(f"console ({mode}): timed redraws per s", f"{timed_hz:.1f}",
-                      f"<= {REDRAW_BUDGET_HZ:g}", timed_hz <= REDRAW_BUDGET_HZ),
-            ]  # fmt: skip
+                Check(
+                    f"console ({mode}): timed redraws per s",
+                    f"{timed_hz:.1f}",
+                    f"<= {REDRAW_BUDGET_HZ:g}",
+                    timed_hz <= REDRAW_BUDGET_HZ,
+                ),
+            ]
     legend = (
         f"wall = start to exit (ideal: {total / hz:g} s of bars + start-up); lCPU = user+system s"
         " of the launcher process itself, wCPU = of the workers it reaped (both from"
@@ -683,11 +699,14 @@ def bench_flood(bench: Bench, reps: int, seconds: float, hz: float, per: int) ->
         )
         if launcher.name == RELAUNCH:
             checks += [
-                Check("flood (terminal): log lines intact, once",
-                      f"{logs_ok}/{n_logs}, {logs_bad} bad", f"{n_logs}/{n_logs}, 0 bad",
-                      logs_ok == n_logs and logs_bad == 0),
+                Check(
+                    "flood (terminal): log lines intact, once",
+                    f"{logs_ok}/{n_logs}, {logs_bad} bad",
+                    f"{n_logs}/{n_logs}, 0 bad",
+                    logs_ok == n_logs and logs_bad == 0,
+                ),
                 Check("flood (terminal): stale bar rows left", str(stale), "0", stale == 0),
-            ]  # fmt: skip
+            ]
     print(
         "   term KiB = bytes the terminal got, x log = that over the log text alone; redraw ="
         " live-area\n   erases (each followed by a redraw of every bar), redraw/s = per s of bars"
@@ -708,9 +727,13 @@ def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
         for name in ("RELAUNCH_CHANNEL", "LOCAL_RANK"):
             env.pop(name, None)
     proc = subprocess.run(
-        argv, stdin=subprocess.DEVNULL, capture_output=True, env=env, cwd=bench.tmp,
+        argv,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env=env,
+        cwd=bench.tmp,
         timeout=RUN_TIMEOUT_S,
-    )  # fmt: skip
+    )
     for line in proc.stdout.splitlines():
         if line.startswith(b"RESULT "):
             result = json.loads(line[len(b"RESULT ") :])
@@ -753,10 +776,14 @@ def bench_cost(bench: Bench, calls: int, reps: int) -> list[Check]:
     ns = min(under["results"]["report_progress(step, total)"])
     mapped = bool(under["mapped"])
     return [
-        Check("report_progress under relaunch (min)", f"{ns:.0f} ns",
-              f"< {COST_BUDGET_NS:.0f} ns", ns < COST_BUDGET_NS and mapped),
+        Check(
+            "report_progress under relaunch (min)",
+            f"{ns:.0f} ns",
+            f"< {COST_BUDGET_NS:.0f} ns",
+            ns < COST_BUDGET_NS and mapped,
+        ),
         Check("  ... on the shared-memory path", "yes" if mapped else "no", "yes", mapped),
-    ]  # fmt: skip
+    ]
 
 
 # -- 4. the agent's per-node bar ---------------------------------------------------------------
@@ -775,9 +802,12 @@ def nodebar_run(bench: Bench, mode: str, report: bool, seconds: float) -> NodeBa
     log_dir = fresh_log_dir(bench)
     flags = ("--standalone", "--nproc-per-node", str(RANKS), "--log-dir", log_dir)
     argv = bench.relaunch.argv(
-        flags, bench.script("reporter.py"), str(round(seconds / REPORT_PERIOD_S)),
-        repr(REPORT_PERIOD_S), "report" if report else "quiet",
-    )  # fmt: skip
+        flags,
+        bench.script("reporter.py"),
+        str(round(seconds / REPORT_PERIOD_S)),
+        repr(REPORT_PERIOD_S),
+        "report" if report else "quiet",
+    )
     run = launch(bench, argv, mode, log_dir)
     if run.code != 0:
         raise BenchError(f"exit {run.code}: {tail(run)}")
@@ -836,9 +866,13 @@ def bench_nodebar(bench: Bench, reps: int, seconds: float) -> list[Check]:
         )
         if mode == PTY and report:
             checks.append(
-                Check("node bar (terminal, no --tee): worker lines glued to it", str(glued),
-                      "0", glued == 0)
-            )  # fmt: skip
+                Check(
+                    "node bar (terminal, no --tee): worker lines glued to it",
+                    str(glued),
+                    "0",
+                    glued == 0,
+                )
+            )
     for mode in (PIPE, PTY):
         if (mode, 1) in cpu and (mode, 0) in cpu:
             extra = cpu[(mode, 1)] - cpu[(mode, 0)]

@@ -233,9 +233,13 @@ def tee_run(tee: bool, nprocs: int, lines: int, env: dict[str, str], console: st
         cpu = time.process_time()
         started = time.perf_counter()
         ctx = start_processes(
-            "w", sys.executable, dict.fromkeys(range(nprocs), args),
-            dict.fromkeys(range(nprocs), env), log_dir, **kwargs,
-        )  # fmt: skip
+            "w",
+            sys.executable,
+            dict.fromkeys(range(nprocs), args),
+            dict.fromkeys(range(nprocs), env),
+            log_dir,
+            **kwargs,
+        )
         try:
             result = ctx.wait()
         finally:

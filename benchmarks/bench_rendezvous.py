@@ -129,10 +129,21 @@ class Launcher(_harness.Launcher):
         self, nnodes: str, endpoint: str, run_id: str, conf: str, script: str, *args: str
     ) -> list[str]:
         flags = [
-            "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", self.backend,
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf,
-            "--tee", "1",
-        ]  # fmt: skip
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            self.backend,
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--rdzv-conf",
+            conf,
+            "--tee",
+            "1",
+        ]
         return [*self.prefix, *flags, script, *args]
 
 
@@ -225,8 +236,10 @@ def start_etcd(bench: Bench) -> None:
         bench.etcd.unavailable = f"etcd did not start: {str(exc).splitlines()[0]}"
         return
     bench.etcd.unavailable = None
-    log(f"etcd: one member at {bench.cluster.endpoints} (pid {bench.cluster.pids[0]}), started"
-        f" in {time.perf_counter() - started:.2f} s")  # fmt: skip
+    log(
+        f"etcd: one member at {bench.cluster.endpoints} (pid {bench.cluster.pids[0]}), started"
+        f" in {time.perf_counter() - started:.2f} s"
+    )
 
 
 def stop_etcd(bench: Bench) -> list[Check]:
@@ -239,8 +252,7 @@ def stop_etcd(bench: Bench) -> list[Check]:
     left = [pid for pid in pids if _harness.alive(pid)]
     for pid in left:
         _harness.kill_pid(pid)
-    return [Check("etcd members running after the cluster stopped", str(len(left)), "0",
-                  not left)]  # fmt: skip
+    return [Check("etcd members running after the cluster stopped", str(len(left)), "0", not left)]
 
 
 def etcd_version() -> str:
@@ -385,8 +397,9 @@ def join_run(
     and the CPU seconds of the etcd member alone (0 on c10d: one of the agents hosts the store)."""
     run_dir = bench.run_dir(f"join{nodes}-{launcher.name}")
     rdzv_id = run_id(launcher, f"join{nodes}")
-    argv = launcher.argv(str(nodes), bench.endpoint(launcher), rdzv_id, JOIN_CONF,
-                         bench.script("hello.py"))  # fmt: skip
+    argv = launcher.argv(
+        str(nodes), bench.endpoint(launcher), rdzv_id, JOIN_CONF, bench.script("hello.py")
+    )
     seen: dict[int, tuple[float, float]] = {}  # rank -> (printed at, arrived at)
     with Agents(bench, run_dir) as agents:
         cpu, store_cpu = children_cpu(), bench.etcd_cpu()
@@ -797,17 +810,29 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0, bench: Bench | None = No
     handlers: list[Any] = []
     proxies: list[tuple[CountingStore, CountingStore]] = []
     try:
-        settings = Settings(min_nodes=nodes, max_nodes=nodes,
-                            join_timeout=SIM_JOIN_TIMEOUT["etcd" if on_etcd else "c10d"],
-                            last_call_timeout=1, keep_alive_interval=30)  # fmt: skip
+        settings = Settings(
+            min_nodes=nodes,
+            max_nodes=nodes,
+            join_timeout=SIM_JOIN_TIMEOUT["etcd" if on_etcd else "c10d"],
+            last_call_timeout=1,
+            keep_alive_interval=30,
+        )
         started = time.perf_counter()
         for _ in range(nodes):
             store, heartbeat = CountingStore(make_store()), CountingStore(make_store())
             proxies.append((store, heartbeat))
-            handlers.append(DynamicRendezvousHandler(run, store, settings, SIM_LOCAL_WORLD_SIZE,
-                                                     "127.0.0.1", heartbeat,
-                                                     backend="etcd" if on_etcd else "c10d",
-                                                     leases=on_etcd))  # fmt: skip
+            handlers.append(
+                DynamicRendezvousHandler(
+                    run,
+                    store,
+                    settings,
+                    SIM_LOCAL_WORLD_SIZE,
+                    "127.0.0.1",
+                    heartbeat,
+                    backend="etcd" if on_etcd else "c10d",
+                    leases=on_etcd,
+                )
+            )
         connect_s = time.perf_counter() - started
         results: list[Any] = [None] * nodes
         ended = [0.0] * nodes
@@ -987,8 +1012,7 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
         on = bench if store == "etcd" else None
         sizes, n = (etcd_sizes, etcd_reps) if store == "etcd" else (SIM_NODES, reps)
         at_once, error = sim_scenario("at once", sizes, n, 0.0, soft, on)
-        staggered, stagger_error = sim_scenario("one by one", STAGGER_NODES, 1, STAGGER_S, soft,
-                                                on)  # fmt: skip
+        staggered, stagger_error = sim_scenario("one by one", STAGGER_NODES, 1, STAGGER_S, soft, on)
         errors = [e for e in (error, stagger_error) if e]
         results.append(SimResults(store, at_once, staggered, errors, n))
 
@@ -1007,8 +1031,10 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
     )
     big = max(SIM_NODES)
     for res in results:
-        for label, runs in (("at once", res.at_once), (f"{STAGGER_S * 1e3:g} ms apart",
-                                                       res.staggered)):  # fmt: skip
+        for label, runs in (
+            ("at once", res.at_once),
+            (f"{STAGGER_S * 1e3:g} ms apart", res.staggered),
+        ):
             for nodes, sims in runs.items():
                 seconds = median([s.seconds for s in sims])
                 budgeted = label == "at once" and nodes == big
@@ -1035,8 +1061,10 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
         f" {'req mean':>9} {'req max':>8} {'CAS/join':>9} {'CAS max':>8} {'req/s':>7}"
     )
     for res in results:
-        for label, runs in (("at once", res.at_once), (f"{STAGGER_S * 1e3:g} ms apart",
-                                                       res.staggered)):  # fmt: skip
+        for label, runs in (
+            ("at once", res.at_once),
+            (f"{STAGGER_S * 1e3:g} ms apart", res.staggered),
+        ):
             for nodes, sims in runs.items():
                 etcd = res.store == "etcd"
                 req = [s.requests if etcd else s.ops for s in sims]
@@ -1056,8 +1084,7 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
         for label, runs in (("at once", res.at_once), ("one by one", res.staggered)):
             for nodes, sims in runs.items():
                 last = sims[-1]
-                parts = ", ".join(f"{op} {last.by_op[op]:.2f}" for op in SIM_OPS
-                                  if last.by_op[op])  # fmt: skip
+                parts = ", ".join(f"{op} {last.by_op[op]:.2f}" for op in SIM_OPS if last.by_op[op])
                 rank, counts = last.busiest
                 mine = ", ".join(f"{op} {n}" for op, n in counts.items())
                 print(
@@ -1065,8 +1092,9 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
                     f" rank {rank}) {mine}"
                 )
                 if last.by_path:
-                    paths = ", ".join(f"{path.removeprefix('/v3/')} {n:.2f}"
-                                      for path, n in last.by_path.items())  # fmt: skip
+                    paths = ", ".join(
+                        f"{path.removeprefix('/v3/')} {n:.2f}" for path, n in last.by_path.items()
+                    )
                     print(f"  {res.store}, {label}, N={nodes}: HTTP requests per node: {paths}")
                 for problem in sorted({p for s in sims for p in s.problems})[:10]:
                     print(f"  {res.store}, {label}, N={nodes}: INVALID: {problem}")
@@ -1089,8 +1117,9 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
                 None if seconds is None else seconds <= SIM_BUDGET_S,
             )
         )
-        measured = [s for runs in (res.at_once, res.staggered) for sims in runs.values()
-                    for s in sims]  # fmt: skip
+        measured = [
+            s for runs in (res.at_once, res.staggered) for sims in runs.values() for s in sims
+        ]
         # Without an etcd to run on (like torchrun without torch), the etcd side is only noted.
         absent = res.store == "etcd" and bench.etcd.unavailable is not None
         (into if absent else checks).append(
@@ -1104,8 +1133,9 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
         sizes = sorted(res.at_once) or [0]
         if len(sizes) > 1 or res.store == "c10d":
             into += ops_checks(f"at once{where}", res.at_once, sizes[0], sizes[-1])
-        into += ops_checks(f"one by one{where}", res.staggered, min(STAGGER_NODES),
-                           max(STAGGER_NODES))  # fmt: skip
+        into += ops_checks(
+            f"one by one{where}", res.staggered, min(STAGGER_NODES), max(STAGGER_NODES)
+        )
     return checks
 
 
@@ -1207,7 +1237,7 @@ def main() -> int:
                     if bench.cluster is not None
                     else f"not run: {etcd.unavailable}"
                 )
-                print(f"  etcd: {etcd_version()}, {where}")  # fmt: skip
+                print(f"  etcd: {etcd_version()}, {where}")
             if only & {"join", "death"}:
                 log("warm-up: one single-node run of each launcher")
                 warm_up(bench)
@@ -1216,8 +1246,7 @@ def main() -> int:
             if "death" in only:
                 checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
             if "sim" in only:
-                checks += bench_sim(bench, opts.sim_reps, opts.etcd_sim_reps,
-                                    opts.etcd_sim_nodes)  # fmt: skip
+                checks += bench_sim(bench, opts.sim_reps, opts.etcd_sim_reps, opts.etcd_sim_nodes)
             bench.collect(RELAUNCH)
         finally:
             checks += stop_etcd(bench)
@@ -1228,9 +1257,9 @@ def main() -> int:
     _harness.print_summary(checks)
     if bench.etcd_checks:
         _harness.print_summary(
-            bench.etcd_checks, "etcd side, against the same budgets (for comparison, not in the"
-            " exit status)"
-        )  # fmt: skip
+            bench.etcd_checks,
+            "etcd side, against the same budgets (for comparison, not in the exit status)",
+        )
     for side, leftovers in bench.leftovers.items():
         for leftover in leftovers:
             print(f"  left behind by {side} (killed): {leftover}")

@@ -469,8 +469,12 @@ def file_latency_once(host: Host, tmp: str, interval: float, after: float, rep: 
             raise BenchError(f"worker not reaped {interval + REAP_BOUND_S:g} s after deadline")
         # The server says "expired" (on_reap / log_event) just before it signals the worker.
         reaped = float(host.expect("expired", worker, timeout=5)[2])
-        return Sample(dead[worker] - deadline, reaped - deadline, host.wait(worker),
-                      host.stop_server(server)[0])  # fmt: skip
+        return Sample(
+            dead[worker] - deadline,
+            reaped - deadline,
+            host.wait(worker),
+            host.stop_server(server)[0],
+        )
     finally:
         if pidfd is not None:
             os.close(pidfd)
@@ -551,8 +555,9 @@ def local_latency_once(impl: str, interval: float, after: float) -> Sample:
         worker.join()
         code = worker.exitcode
         status = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
-        return Sample(dead[worker.pid] - deadline, reaps[0] - deadline if reaps else math.nan,
-                      status)  # fmt: skip
+        return Sample(
+            dead[worker.pid] - deadline, reaps[0] - deadline if reaps else math.nan, status
+        )
     finally:
         if pidfd is not None:
             os.close(pidfd)
@@ -653,8 +658,10 @@ def bench_latency(
             except BenchError as exc:
                 log(f"  {impl}: {exc}")
         for interval in intervals:
-            log(f"[1/3] deadline -> death: {kind}TimerServer, max_interval {interval:g}, "
-                f"{reps} runs of {' and '.join(impls)}")  # fmt: skip
+            log(
+                f"[1/3] deadline -> death: {kind}TimerServer, max_interval {interval:g}, "
+                f"{reps} runs of {' and '.join(impls)}"
+            )
             errors: dict[str, str] = {}
 
             def run_side(impl: str, kind: str = kind, interval: float = interval) -> Callable:
@@ -670,13 +677,23 @@ def bench_latency(
                 warmup=True,
             )
             for impl in impls:
-                rows.append(LatencyRow(kind, interval, impl, samples[impl], errors.get(impl),
-                                       floors.get(impl, math.nan)))  # fmt: skip
-    print(f"\n1. deadline -> death (ms): a worker sleeps in `with expires(after={after:g} + "
-          "phase)`; time.time() when its pidfd turned readable - the deadline it sent; reap md: "
-          "median of the server's reap call - the deadline; exit md: median SIGKILL -> pidfd "
-          "readable of an idle worker of the same kind (its own exit); rl/torch d/r: ratio of the "
-          "medians, death / reap")  # fmt: skip
+                rows.append(
+                    LatencyRow(
+                        kind,
+                        interval,
+                        impl,
+                        samples[impl],
+                        errors.get(impl),
+                        floors.get(impl, math.nan),
+                    )
+                )
+    print(
+        f"\n1. deadline -> death (ms): a worker sleeps in `with expires(after={after:g} + "
+        "phase)`; time.time() when its pidfd turned readable - the deadline it sent; reap md: "
+        "median of the server's reap call - the deadline; exit md: median SIGKILL -> pidfd "
+        "readable of an idle worker of the same kind (its own exit); rl/torch d/r: ratio of the "
+        "medians, death / reap"
+    )
     print(
         f"{'server':<16} {'max_interval':>12} {'impl':<9} {'runs':>4} {'median':>7} "
         f"{'p90':>7} {'max':>7} {'reap md':>7} {'exit md':>7} {'SIGKILLed':>9} "
@@ -696,18 +713,27 @@ def bench_latency(
         after_reap = ", ".join(f"{s} ({sum(x.server == s for x in row.samples)})" for s in servers)
         stats = " ".join(f"{fmt(row.stat(q), '.2f'):>7}" for q in (0.5, 0.9, 1))
         stats += f" {fmt(row.stat(0.5, reap=True), '.2f'):>7} {fmt(ms(row.floor), '.2f'):>7}"
-        print(f"{row.kind + 'TimerServer':<16} {row.interval:>12g} {row.impl:<9} "
-              f"{len(row.samples):>4} {stats} {f'{row.sigkilled()}/{len(row.samples)}':>9} "
-              f"{ratio:>12}  {after_reap}"
-              + (f"  ERROR: {row.error}" if row.error else ""))  # fmt: skip
+        print(
+            f"{row.kind + 'TimerServer':<16} {row.interval:>12g} {row.impl:<9} "
+            f"{len(row.samples):>4} {stats} {f'{row.sigkilled()}/{len(row.samples)}':>9} "
+            f"{ratio:>12}  {after_reap}" + (f"  ERROR: {row.error}" if row.error else "")
+        )
         if row.impl == RELAUNCH:
             budget = ms(row.interval + LATENCY_SLACK_S)
-            ok = (not row.error and len(row.samples) == reps and row.stat(0.5) <= budget
-                  and row.sigkilled() == reps)  # fmt: skip
-            checks.append(Check(
-                f"{row.kind} {row.interval:g}: median deadline->death, all SIGKILLed",
-                f"{fmt(row.stat(0.5), '.2f')} ms, {row.sigkilled()}/{reps}",
-                f"<= {budget:g} ms, {reps}/{reps}", ok))  # fmt: skip
+            ok = (
+                not row.error
+                and len(row.samples) == reps
+                and row.stat(0.5) <= budget
+                and row.sigkilled() == reps
+            )
+            checks.append(
+                Check(
+                    f"{row.kind} {row.interval:g}: median deadline->death, all SIGKILLed",
+                    f"{fmt(row.stat(0.5), '.2f')} ms, {row.sigkilled()}/{reps}",
+                    f"<= {budget:g} ms, {reps}/{reps}",
+                    ok,
+                )
+            )
     return checks
 
 
@@ -790,8 +816,9 @@ def many_once(
     try:
         for index in range(workers):
             late = late_index(index, workers, timers)
-            pid = host.fork("many", fifo, index, workers, timers, base, spread, margin, late,
-                            int(sig), gap)  # fmt: skip
+            pid = host.fork(
+                "many", fifo, index, workers, timers, base, spread, margin, late, int(sig), gap
+            )
             results.append(WorkerResult(index, pid))
             pidfds[pid] = os.pidfd_open(pid)
         wait_acquired(host, results, timeout=30)
@@ -820,8 +847,7 @@ def many_once(
         for words in host.take_all("expired"):
             for result in results:
                 if int(words[1]) == result.pid:
-                    result.expired.append((json.loads(words[3]), float(words[2]),
-                                           float(words[4])))  # fmt: skip
+                    result.expired.append((json.loads(words[3]), float(words[2]), float(words[4])))
     finally:
         for pid, fd in pidfds.items():
             os.close(fd)
@@ -839,11 +865,16 @@ def print_many(run: ManyRun, interval: float) -> list[Check]:
     reaped = [r for r in results if r.dead_at is not None]
     only_late = [r for r in results if [e[0] for e in r.expired] == [r.late_scope]]
     # A scope other than the late one fired: was its release written before its deadline?
-    fired_released = [(r, e) for r in results for e in r.expired
-                      if e[0] != r.late_scope and r.released.get(e[0], -1.0) > 0]  # fmt: skip
+    fired_released = [
+        (r, e)
+        for r in results
+        for e in r.expired
+        if e[0] != r.late_scope and r.released.get(e[0], -1.0) > 0
+    ]
     fired_other = sum(1 for r in results for e in r.expired if e[0] != r.late_scope)
-    reap_lat = [ms(e[1] - r.late_deadline) for r in results for e in r.expired
-                if e[0] == r.late_scope]  # fmt: skip
+    reap_lat = [
+        ms(e[1] - r.late_deadline) for r in results for e in r.expired if e[0] == r.late_scope
+    ]
     death_lat = [ms(r.dead_at - r.late_deadline) for r in reaped if r.dead_at is not None]
     early = sum(1 for r in reaped if r.dead_at is not None and r.dead_at < r.late_deadline)
     slacks = [v for r in results for v in r.released.values()]
@@ -854,36 +885,53 @@ def print_many(run: ManyRun, interval: float) -> list[Check]:
     if run.counts is not None:
         events = ", " + " ".join(f"{k}={v}" for k, v in sorted(run.counts.items()))
     label = many_label(run.impl, run.gap, run.margin)
-    print(f"{label:<46} {len(reaped):>6} {len(only_late):>9} {len(fired_released):>8} "
-          f"{fired_other - len(fired_released):>6} {early:>5} "
-          f"{fmt(percentile(reap_lat, 0.5), '.2f'):>7} {fmt(percentile(reap_lat, 1), '.2f'):>7} "
-          f"{fmt(percentile(death_lat, 0.5), '.2f'):>8} {fmt(percentile(death_lat, 1), '.2f'):>7} "
-          f"{releases:>5}/{errors:<3} {fmt(ms(min(slacks, default=math.nan)), '.1f'):>6} "
-          f"{fmt(ms(acquired_by), '.0f'):>8}  {run.server}{events}")  # fmt: skip
+    print(
+        f"{label:<46} {len(reaped):>6} {len(only_late):>9} {len(fired_released):>8} "
+        f"{fired_other - len(fired_released):>6} {early:>5} "
+        f"{fmt(percentile(reap_lat, 0.5), '.2f'):>7} {fmt(percentile(reap_lat, 1), '.2f'):>7} "
+        f"{fmt(percentile(death_lat, 0.5), '.2f'):>8} {fmt(percentile(death_lat, 1), '.2f'):>7} "
+        f"{releases:>5}/{errors:<3} {fmt(ms(min(slacks, default=math.nan)), '.1f'):>6} "
+        f"{fmt(ms(acquired_by), '.0f'):>8}  {run.server}{events}"
+    )
     for r, (scope, when, deadline) in fired_released:
-        print(f"    {run.impl}: {scope} of pid {r.pid} fired {ms(when - deadline):.1f} ms after "
-              f"its deadline; its release had been written {ms(r.released[scope]):.1f} ms "
-              "before the deadline")  # fmt: skip
+        print(
+            f"    {run.impl}: {scope} of pid {r.pid} fired {ms(when - deadline):.1f} ms after "
+            f"its deadline; its release had been written {ms(r.released[scope]):.1f} ms "
+            "before the deadline"
+        )
     for r in results:
         fired = ",".join(e[0] for e in r.expired) or "-"
         death = ms(r.dead_at - r.late_deadline) if r.dead_at is not None else None
-        log(f"    {run.impl} w{r.index} pid {r.pid}: late {r.late_scope}, fired {fired}, "
+        log(
+            f"    {run.impl} w{r.index} pid {r.pid}: late {r.late_scope}, fired {fired}, "
             f"death - deadline {fmt(death, '.2f')} ms, {r.status}"
-            + (f", release errors: {r.release_errors[0]}" if r.release_errors else ""))  # fmt: skip
+            + (f", release errors: {r.release_errors[0]}" if r.release_errors else "")
+        )
     if run.impl != RELAUNCH:
         return []
     budget = ms(interval + LATENCY_SLACK_S)
     acquires = (run.counts or {}).get("acquire")
     timers = acquires if acquires is not None else "?"
     return [
-        Check(f"{timers} timers: workers reaped, each for its late scope only",
-              f"{len(only_late)}/{n}", f"{n}/{n}", len(only_late) == n and len(reaped) == n),
-        Check(f"{timers} timers: timers released in time that fired", str(len(fired_released)),
-              "0", not fired_released),
-        Check(f"{timers} timers: max deadline->death",
-              f"{fmt(max(death_lat, default=math.nan), '.2f')} ms", f"<= {budget:g} ms",
-              len(death_lat) == n and max(death_lat) <= budget),
-    ]  # fmt: skip
+        Check(
+            f"{timers} timers: workers reaped, each for its late scope only",
+            f"{len(only_late)}/{n}",
+            f"{n}/{n}",
+            len(only_late) == n and len(reaped) == n,
+        ),
+        Check(
+            f"{timers} timers: timers released in time that fired",
+            str(len(fired_released)),
+            "0",
+            not fired_released,
+        ),
+        Check(
+            f"{timers} timers: max deadline->death",
+            f"{fmt(max(death_lat, default=math.nan), '.2f')} ms",
+            f"<= {budget:g} ms",
+            len(death_lat) == n and max(death_lat) <= budget,
+        ),
+    ]
 
 
 MANY_LEGEND = """\
@@ -899,8 +947,11 @@ MANY_LEGEND = """\
 
 
 def many_label(impl: str, gap: float, margin: float) -> str:
-    return (f"{impl}, " + (f"acquires {ms(gap):g} ms apart" if gap else "all at once")
-            + f", release {ms(margin):g} ms early")  # fmt: skip
+    return (
+        f"{impl}, "
+        + (f"acquires {ms(gap):g} ms apart" if gap else "all at once")
+        + f", release {ms(margin):g} ms early"
+    )
 
 
 def bench_many(
@@ -917,13 +968,17 @@ def bench_many(
             except BenchError as exc:
                 log(f"  {label}: {exc}")
                 errors.append(f"{label}: {exc}")
-    print(f"\n2. {workers * timers} live timers: {workers} workers x {timers} scopes on one "
-          f"FileTimerServer (max_interval {interval:g}), deadlines over {spread:g} s; each "
-          "worker releases every timer shortly before its deadline but its late scope")  # fmt: skip
+    print(
+        f"\n2. {workers * timers} live timers: {workers} workers x {timers} scopes on one "
+        f"FileTimerServer (max_interval {interval:g}), deadlines over {spread:g} s; each "
+        "worker releases every timer shortly before its deadline but its late scope"
+    )
     print(MANY_LEGEND)
-    print(f"{'impl, settings':<46} {'reaped':>6} {'late only':>9} {'rel+fire':>8} {'other':>6} "
-          f"{'early':>5} {'reap md':>7} {'max':>7} {'death md':>8} {'max':>7} {'rel/err':>9} "
-          f"{'slack':>6} {'acquired':>8}  server, events")  # fmt: skip
+    print(
+        f"{'impl, settings':<46} {'reaped':>6} {'late only':>9} {'rel+fire':>8} {'other':>6} "
+        f"{'early':>5} {'reap md':>7} {'max':>7} {'death md':>8} {'max':>7} {'rel/err':>9} "
+        f"{'slack':>6} {'acquired':>8}  server, events"
+    )
     checks: list[Check] = []
     for run in runs:
         checks += print_many(run, interval)
@@ -938,9 +993,11 @@ def bench_many(
 
 
 def bench_cost(hosts: dict[str, Host], tmp: str, batches: int, calls: int) -> None:
-    print(f"\n3. one `with expires(after=60, scope=...): pass` in a worker, us per call (median "
-          f"of {batches} batches of {calls}; FileTimerServer max_interval {COST_INTERVAL:g}; "
-          "'no client': the same with a client that sends nothing)")  # fmt: skip
+    print(
+        f"\n3. one `with expires(after=60, scope=...): pass` in a worker, us per call (median "
+        f"of {batches} batches of {calls}; FileTimerServer max_interval {COST_INTERVAL:g}; "
+        "'no client': the same with a client that sends nothing)"
+    )
     print(f"{'client':<24} {'scope given':>12} {'default scope':>14}")
     table: dict[tuple[str, str], list[float]] = {}
     for impl, host in hosts.items():
@@ -971,8 +1028,11 @@ def bench_cost(hosts: dict[str, Host], tmp: str, batches: int, calls: int) -> No
 
 def mp_helpers() -> set[int]:
     """multiprocessing's resource tracker (spawn starts it; it exits with this process)."""
-    return {pid for pid in _harness.our_children()
-            if "multiprocessing.resource_tracker" in _harness.cmdline(pid)}  # fmt: skip
+    return {
+        pid
+        for pid in _harness.our_children()
+        if "multiprocessing.resource_tracker" in _harness.cmdline(pid)
+    }
 
 
 def torch_version() -> str | None:
@@ -988,8 +1048,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20, help="latency runs per side and setting")
     parser.add_argument("--after", type=float, default=AFTER_S, help="expires(after=...), s")
-    parser.add_argument("--intervals", type=float, nargs="+", default=list(INTERVALS),
-                        help="max_interval values (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--intervals",
+        type=float,
+        nargs="+",
+        default=list(INTERVALS),
+        help="max_interval values (default: %(default)s)",
+    )
     parser.add_argument("--workers", type=int, default=MANY_WORKERS)
     parser.add_argument("--timers", type=int, default=MANY_TIMERS, help="timers per worker")
     parser.add_argument("--spread", type=float, default=MANY_SPREAD_S)
@@ -1002,8 +1067,10 @@ def main() -> int:
     started = time.perf_counter()
     subreaper = _harness.become_subreaper()
     torch = None if opts.no_torch else torch_version()
-    print(f"bench_timers: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    print(
+        f"bench_timers: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     print(f"  relaunch: {_harness.relaunch_source()}")
     print(f"  torch: {torch or ('not run: --no-torch' if opts.no_torch else 'import fails')}")
     print(f"  load average: {_harness.load_average()}")
@@ -1022,8 +1089,9 @@ def main() -> int:
             if "latency" in only:
                 checks += bench_latency(hosts, tmp, opts.reps, opts.after, opts.intervals)
             if "many" in only:
-                checks += bench_many(hosts, tmp, opts.workers, opts.timers, opts.spread,
-                                     MANY_INTERVAL)  # fmt: skip
+                checks += bench_many(
+                    hosts, tmp, opts.workers, opts.timers, opts.spread, MANY_INTERVAL
+                )
             if "cost" in only:
                 bench_cost(hosts, tmp, COST_BATCHES, COST_CALLS)
         finally:

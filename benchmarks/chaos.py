@@ -271,8 +271,12 @@ class Plan:
 
 
 def combinations(topologies: Sequence[str]) -> list[tuple[str, str]]:
-    return [(name, fault) for name in topologies for fault in FAULTS
-            if fault != "node" or TOPOLOGIES[name].killable]  # fmt: skip
+    return [
+        (name, fault)
+        for name in topologies
+        for fault in FAULTS
+        if fault != "node" or TOPOLOGIES[name].killable
+    ]
 
 
 def plan_runs(seed: int, runs: int, topologies: Sequence[str] = tuple(TOPOLOGIES)) -> list[Plan]:
@@ -305,8 +309,9 @@ def plan_runs(seed: int, runs: int, topologies: Sequence[str] = tuple(TOPOLOGIES
         local_rank = draw.randrange(NPROC)
         step = draw.randint(0, STEPS - 6)  # 0: as soon as the target has started
         code = draw.choice(EXIT_CODES)
-        plans.append(Plan(index, name, fault, killed if fault == "node" else node, local_rank,
-                          step, code))  # fmt: skip
+        plans.append(
+            Plan(index, name, fault, killed if fault == "node" else node, local_rank, step, code)
+        )
     return plans
 
 
@@ -353,8 +358,10 @@ class Outcome:
         if self.leaked:
             found.append(f"{len(self.leaked)} process(es) left behind: " + "; ".join(self.leaked))
         if self.lost:
-            found.append(f"{len(self.lost)} of {self.lines} line(s) lost from the log files, "
-                         "e.g. " + "; ".join(self.lost[:3]))  # fmt: skip
+            found.append(
+                f"{len(self.lost)} of {self.lines} line(s) lost from the log files, "
+                "e.g. " + "; ".join(self.lost[:3])
+            )
         if not self.report_ok:
             found.append(f"report: {self.report_note}")
         return found
@@ -373,8 +380,11 @@ class Outcome:
 
     def explain(self, tails: bool = True) -> str:
         """What went wrong, where the run's files are, and (``tails``) the agents' stderr."""
-        text = [self.line(), *(f"  - {problem}" for problem in self.problems()),
-                f"  run directory: {self.run_dir}"]  # fmt: skip
+        text = [
+            self.line(),
+            *(f"  - {problem}" for problem in self.problems()),
+            f"  run directory: {self.run_dir}",
+        ]
         for path in sorted(glob.glob(os.path.join(self.run_dir, "node*.err"))) if tails else ():
             text.append(f"  --- {os.path.basename(path)} (agent stderr, last 40 lines) ---")
             text.extend("  " + line for line in _tail(path, 40))
@@ -483,9 +493,14 @@ class Run:
     """One run of ``plan``: start the agents, inject the fault, wait for the end, check."""
 
     def __init__(
-        self, plan: Plan, base_dir: str, etcd_endpoints: str = "", mark: str | None = None,
-        steps: int = STEPS, timeout: float = RUN_TIMEOUT_S,
-    ) -> None:  # fmt: skip
+        self,
+        plan: Plan,
+        base_dir: str,
+        etcd_endpoints: str = "",
+        mark: str | None = None,
+        steps: int = STEPS,
+        timeout: float = RUN_TIMEOUT_S,
+    ) -> None:
         self.plan = plan
         self.topology = TOPOLOGIES[plan.topology]
         self.dir = os.path.join(base_dir, f"run{plan.index:03d}")
@@ -515,34 +530,67 @@ class Run:
         backend = self.topology.backend
         if backend == "static":
             return []
-        flags = ["--nnodes", f"1:{self.topology.nodes}", "--rdzv-backend", backend,
-                 "--rdzv-id", run_id]  # fmt: skip
+        flags = [
+            "--nnodes",
+            f"1:{self.topology.nodes}",
+            "--rdzv-backend",
+            backend,
+            "--rdzv-id",
+            run_id,
+        ]
         if backend == "c10d":
             host = "1" if node == 0 else "0"
-            return [*flags, "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "--rdzv-conf", f"{RDZV_CONF},is_host={host}"]  # fmt: skip
+            return [
+                *flags,
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-conf",
+                f"{RDZV_CONF},is_host={host}",
+            ]
         return [*flags, "--rdzv-endpoint", self.etcd_endpoints, "--rdzv-conf", RDZV_CONF]
 
     def start_agents(self) -> None:
         for sub in ("workers", "lines", "triggers", "results"):
             os.makedirs(self.path(sub))
-        env = {**os.environ, MARK_VAR: self.mark, "CHAOS_DIR": self.dir,
-               "CHAOS_STEPS": str(self.steps), "CHAOS_STEP_S": str(STEP_S)}  # fmt: skip
+        env = {
+            **os.environ,
+            MARK_VAR: self.mark,
+            "CHAOS_DIR": self.dir,
+            "CHAOS_STEPS": str(self.steps),
+            "CHAOS_STEP_S": str(STEP_S),
+        }
         run_id = f"chaos-{uuid.uuid4().hex[:12]}"
         port = _free_port()
         for node in range(self.topology.nodes):
             argv = [
-                sys.executable, "-m", "relaunch", "--nproc-per-node", str(NPROC),
-                "--max-restarts", str(MAX_RESTARTS), "--tee", "3",
-                "--log-dir", self.path("logs", f"node{node}"),
-                *self.rdzv_flags(node, run_id, port), THIS_FILE, "worker",
-            ]  # fmt: skip
-            with open(self.path(f"node{node}.out"), "wb") as out, \
-                    open(self.path(f"node{node}.err"), "wb") as err:  # fmt: skip
-                self.agents.append(subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    env={**env, "CHAOS_NODE": str(node)},
-                ))  # fmt: skip
+                sys.executable,
+                "-m",
+                "relaunch",
+                "--nproc-per-node",
+                str(NPROC),
+                "--max-restarts",
+                str(MAX_RESTARTS),
+                "--tee",
+                "3",
+                "--log-dir",
+                self.path("logs", f"node{node}"),
+                *self.rdzv_flags(node, run_id, port),
+                THIS_FILE,
+                "worker",
+            ]
+            with (
+                open(self.path(f"node{node}.out"), "wb") as out,
+                open(self.path(f"node{node}.err"), "wb") as err,
+            ):
+                self.agents.append(
+                    subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        env={**env, "CHAOS_NODE": str(node)},
+                    )
+                )
 
     def inject(self, deadline: float) -> float:
         """Wait for the moment, inject the fault; the time it was injected."""
@@ -551,13 +599,19 @@ class Run:
 
         def target() -> dict[str, int] | None:
             for meta in self.metas():
-                if (meta["node"], meta["local_rank"], meta["world"]) == (plan.node, local, full) \
-                        and _alive(meta["pid"]):  # fmt: skip
+                if (meta["node"], meta["local_rank"], meta["world"]) == (
+                    plan.node,
+                    local,
+                    full,
+                ) and _alive(meta["pid"]):
                     return meta
             return None
 
-        _wait(lambda: len([m for m in self.metas() if m["world"] == full]) >= full, deadline,
-              f"all {full} workers to start in one world")  # fmt: skip
+        _wait(
+            lambda: len([m for m in self.metas() if m["world"] == full]) >= full,
+            deadline,
+            f"all {full} workers to start in one world",
+        )
         _wait(target, deadline, "the target worker")
         meta = target()
         assert meta is not None
@@ -568,8 +622,11 @@ class Run:
             self.outcome.target = f"group rank {meta['group_rank']}, agent pid {agent}"
         self.target_meta = meta
         truth = self.path("lines", str(pid))
-        _wait(lambda: _count_lines(truth) >= plan.step or not _alive(pid), deadline,
-              f"the target (pid {pid}) to do {plan.step} steps")  # fmt: skip
+        _wait(
+            lambda: _count_lines(truth) >= plan.step or not _alive(pid),
+            deadline,
+            f"the target (pid {pid}) to do {plan.step} steps",
+        )
         if not _alive(pid):
             raise _Timeout(f"the target (pid {pid}) ended before the fault was injected")
         if plan.fault == "node":
@@ -591,8 +648,11 @@ class Run:
             for agent in self.agents:
                 agent.wait(timeout=max(0.0, deadline - time.monotonic()))
         except (_Timeout, subprocess.TimeoutExpired) as exc:
-            out.error = str(exc) if isinstance(exc, _Timeout) else (
-                f"the agents did not exit within {self.timeout:g}s")  # fmt: skip
+            out.error = (
+                str(exc)
+                if isinstance(exc, _Timeout)
+                else (f"the agents did not exit within {self.timeout:g}s")
+            )
         finally:
             for agent in self.agents:
                 if agent.poll() is None:
@@ -631,8 +691,9 @@ class Run:
             if not text:
                 wrong.append(f"rank {rank}: no result")
             elif int(text[0]) != want or int(text[1]) != world:
-                wrong.append(f"rank {rank}: {text[0]} in world {text[1]} (want {want} in "
-                             f"world {world})")  # fmt: skip
+                wrong.append(
+                    f"rank {rank}: {text[0]} in world {text[1]} (want {want} in world {world})"
+                )
         out.result_ok = not wrong
         out.result_note = "; ".join(wrong)
 
@@ -643,8 +704,10 @@ class Run:
 
     def check_lines(self) -> None:
         out, killed = self.outcome, self.killed_node()
-        consoles = {node: set(_read(self.path(f"node{node}.out")).splitlines())
-                    for node in range(self.topology.nodes)}  # fmt: skip
+        consoles = {
+            node: set(_read(self.path(f"node{node}.out")).splitlines())
+            for node in range(self.topology.nodes)
+        }
         for meta in sorted(self.metas(), key=lambda m: m["pid"]):
             truth = _read(self.path("lines", str(meta["pid"]))).splitlines()
             if meta["node"] == killed:
@@ -662,8 +725,10 @@ class Run:
 
     def check_report(self) -> None:
         out, plan = self.outcome, self.plan
-        out.restarts = [len(re.findall(r"(?m)^  restart \d+: ", _read(self.path(f"node{n}.err"))))
-                        for n in range(self.topology.nodes)]  # fmt: skip
+        out.restarts = [
+            len(re.findall(r"(?m)^  restart \d+: ", _read(self.path(f"node{n}.err"))))
+            for n in range(self.topology.nodes)
+        ]
         meta = self.target_meta
         if not meta:
             out.report_note = "no fault was injected"
@@ -672,22 +737,28 @@ class Run:
             group_rank = meta["group_rank"]
             pattern = rf"(?m)^  restart \d+: node of group rank {group_rank} lost"
             survivors = [n for n in range(self.topology.nodes) if n != plan.node]
-            missing = [n for n in survivors
-                       if not re.search(pattern, _read(self.path(f"node{n}.err")))]  # fmt: skip
+            missing = [
+                n for n in survivors if not re.search(pattern, _read(self.path(f"node{n}.err")))
+            ]
             out.report_ok = not missing
-            out.report_note = (f"the run summary of node(s) {missing} has no line "
-                               f"'restart N: node of group rank {group_rank} lost'")  # fmt: skip
+            out.report_note = (
+                f"the run summary of node(s) {missing} has no line "
+                f"'restart N: node of group rank {group_rank} lost'"
+            )
             return
         err = _read(self.path(f"node{plan.node}.err"))
         fault = describe_fault(plan)
         rank, local, pid = meta["rank"], meta["local_rank"], meta["pid"]
-        root = (rf"Root cause \(first failure\):\n  rank {rank} \(local_rank {local}, host "
-                rf"[^,]*, pid {pid}\) {re.escape(fault)}")  # fmt: skip
+        root = (
+            rf"Root cause \(first failure\):\n  rank {rank} \(local_rank {local}, host "
+            rf"[^,]*, pid {pid}\) {re.escape(fault)}"
+        )
         summary = rf"(?m)^  restart \d+: rank {rank} {re.escape(fault)}"
         notes = []
         if not re.search(root, err):
-            notes.append(f"no root cause 'rank {rank} (local_rank {local}, host ..., pid {pid}) "
-                         f"{fault}'")  # fmt: skip
+            notes.append(
+                f"no root cause 'rank {rank} (local_rank {local}, host ..., pid {pid}) {fault}'"
+            )
         if not re.search(summary, err):
             notes.append(f"no summary line 'restart N: rank {rank} {fault}'")
         out.report_ok = not notes
@@ -695,9 +766,14 @@ class Run:
 
 
 def run_plan(
-    plan: Plan, base_dir: str, etcd_endpoints: str = "", *, mark: str | None = None,
-    steps: int = STEPS, timeout: float = RUN_TIMEOUT_S,
-) -> Outcome:  # fmt: skip
+    plan: Plan,
+    base_dir: str,
+    etcd_endpoints: str = "",
+    *,
+    mark: str | None = None,
+    steps: int = STEPS,
+    timeout: float = RUN_TIMEOUT_S,
+) -> Outcome:
     """Run one plan in ``base_dir/runNNN``; ``etcd_endpoints`` for the etcd topology."""
     if plan.topology == "etcd" and not etcd_endpoints:
         raise ValueError("the etcd topology needs etcd endpoints")
@@ -717,12 +793,15 @@ def summarize(outcomes: Sequence[Outcome]) -> list[str]:
         ("runs", str(n)),
         ("survived (exit 0, right result)", f"{sum(o.survived for o in outcomes)} of {n}"),
         ("leaked processes", str(sum(len(o.leaked) for o in outcomes))),
-        ("lost log lines", f"{lost} of {lines}"
-         + (f" (+{unchecked} of killed nodes, not checked)" if unchecked else "")),
+        (
+            "lost log lines",
+            f"{lost} of {lines}"
+            + (f" (+{unchecked} of killed nodes, not checked)" if unchecked else ""),
+        ),
         ("lines missing on the console (tee)", f"{console} of {lines}"),
         ("reports naming the fault", f"{sum(o.report_ok for o in outcomes)} of {n}"),
         ("runs passing every check", f"{sum(o.ok for o in outcomes)} of {n}"),
-    ]  # fmt: skip
+    ]
     width = max(len(name) for name, _ in rows)
     return [f"  {name:<{width}}  {value}" for name, value in rows]
 
@@ -732,9 +811,11 @@ def table(outcomes: Sequence[Outcome]) -> list[str]:
     groups: dict[tuple[str, str], list[Outcome]] = {}
     for outcome in outcomes:
         groups.setdefault((outcome.plan.topology, outcome.plan.fault), []).append(outcome)
-    rows = ["| topology | fault | runs | all checks | survived | leaked | lost lines | "
-            "report names it | recovery s (median) |",
-            "|---|---|--:|--:|--:|--:|--:|--:|--:|"]  # fmt: skip
+    rows = [
+        "| topology | fault | runs | all checks | survived | leaked | lost lines | "
+        "report names it | recovery s (median) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
     for name in TOPOLOGIES:
         for fault in FAULTS:
             group = groups.get((name, fault))
@@ -768,8 +849,10 @@ def _indexes(text: str) -> list[int]:
 
 def start_etcd() -> Any:
     if shutil.which("etcd") is None:
-        raise SystemExit("chaos: no etcd binary on PATH (Debian: apt-get install etcd-server); "
-                         "use --no-etcd to leave the etcd topology out")  # fmt: skip
+        raise SystemExit(
+            "chaos: no etcd binary on PATH (Debian: apt-get install etcd-server); "
+            "use --no-etcd to leave the etcd topology out"
+        )
     sys.path.insert(0, TESTS_DIR)
     try:
         from etcd_cluster import EtcdCluster
@@ -782,19 +865,33 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="number of runs (default: 20)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    parser.add_argument("--topologies", type=_names, default=list(TOPOLOGIES),
-                        help="comma-separated: single,c10d,etcd (default: all)")  # fmt: skip
-    parser.add_argument("--etcd", action=argparse.BooleanOptionalAction, default=True,
-                        help="include the etcd topology (default: yes)")  # fmt: skip
-    parser.add_argument("--only", type=_indexes, default=None,
-                        help="run only these runs of the seed's plan, e.g. 3,17")  # fmt: skip
+    parser.add_argument(
+        "--topologies",
+        type=_names,
+        default=list(TOPOLOGIES),
+        help="comma-separated: single,c10d,etcd (default: all)",
+    )
+    parser.add_argument(
+        "--etcd",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="include the etcd topology (default: yes)",
+    )
+    parser.add_argument(
+        "--only",
+        type=_indexes,
+        default=None,
+        help="run only these runs of the seed's plan, e.g. 3,17",
+    )
     parser.add_argument("--steps", type=int, default=STEPS, help="steps of the job")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep all run directories (failed ones are always kept)")  # fmt: skip
+    parser.add_argument(
+        "--keep", action="store_true", help="keep all run directories (failed ones are always kept)"
+    )
     parser.add_argument("--dir", default=None, help="where the run directories go")
     parser.add_argument("--table", action="store_true", help="also print a markdown table")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="show the agents' stderr for a failed run")  # fmt: skip
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="show the agents' stderr for a failed run"
+    )
     opts = parser.parse_args(None if argv is None else list(argv))
     topologies = [name for name in opts.topologies if opts.etcd or name != "etcd"]
     if not topologies:
@@ -809,11 +906,17 @@ def main(argv: Iterable[str] | None = None) -> int:
     started = time.monotonic()
     with open("/proc/loadavg") as file:
         load = " ".join(file.read().split()[:3])
-    print(f"chaos: seed {seed}, {len(plans)} runs, topologies {','.join(topologies)}; python "
-          f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, load "
-          f"{load}", flush=True)  # fmt: skip
-    print(f"  reproduce: python {os.path.relpath(THIS_FILE)} --seed {seed} --runs {runs} "
-          f"--topologies {','.join(topologies)}; directories under {base}", flush=True)
+    print(
+        f"chaos: seed {seed}, {len(plans)} runs, topologies {','.join(topologies)}; python "
+        f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, load "
+        f"{load}",
+        flush=True,
+    )
+    print(
+        f"  reproduce: python {os.path.relpath(THIS_FILE)} --seed {seed} --runs {runs} "
+        f"--topologies {','.join(topologies)}; directories under {base}",
+        flush=True,
+    )
     cluster = start_etcd() if "etcd" in {plan.topology for plan in plans} else None
     outcomes = []
     try:
@@ -835,8 +938,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         print("\n".join(table(outcomes)))
     failed = [o for o in outcomes if not o.ok]
     if failed:
-        print(f"\nfailed runs: {', '.join(str(o.plan.index) for o in failed)} (rerun one with "
-              f"--seed {seed} --only N; directories kept under {base})")  # fmt: skip
+        print(
+            f"\nfailed runs: {', '.join(str(o.plan.index) for o in failed)} (rerun one with "
+            f"--seed {seed} --only N; directories kept under {base})"
+        )
     elif not opts.keep and not opts.dir:
         shutil.rmtree(base, ignore_errors=True)
     return 0 if outcomes and not failed and len(outcomes) == len(plans) else 1

@@ -23,8 +23,9 @@ def all_reduce_ranks() -> int:
 
 
 if __name__ == "__main__":
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=4,
-                          rdzv_endpoint="127.0.0.1:0", max_restarts=0)  # fmt: skip
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=4, rdzv_endpoint="127.0.0.1:0", max_restarts=0
+    )
     results = elastic_launch(config, all_reduce_ranks)()
     print(results)  # {0: 6, 1: 6, 2: 6, 3: 6}
     assert results == dict.fromkeys(range(4), 6)

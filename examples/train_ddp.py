@@ -33,13 +33,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--checkpoint-dir", default="checkpoints")
-    parser.add_argument("--step-time", type=float, default=0.0,
-                        help="seconds each step also takes (to watch it, or to interrupt it)")
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="seconds each step also takes (to watch it, or to interrupt it)",
+    )
     parser.add_argument("--out", default="", help="where rank 0 writes the final weights")
     return parser.parse_args()
 
 
-def batch(seed: int, step: int, rank: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E501
+def batch(
+    seed: int, step: int, rank: int, size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
     inputs = torch.randn(size, 16, generator=generator)
     truth = torch.arange(16, dtype=torch.float32) / 16
@@ -103,15 +109,22 @@ def main() -> None:
             time.sleep(args.step_time)
         relaunch.report_progress(step + 1, args.steps, "train")
         if rank == 0:
-            save_atomically({"step": step + 1, "model": model.state_dict(),
-                             "optimizer": optimizer.state_dict()}, checkpoint)  # fmt: skip
+            save_atomically(
+                {
+                    "step": step + 1,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                },
+                checkpoint,
+            )
             print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
         if relaunch.stop_requested():  # a preemption: the checkpoint is saved, leave cleanly
             break
     dist.barrier()
     if rank == 0 and args.out:
-        save_atomically({name: tensor.cpu() for name, tensor in model.state_dict().items()},
-                        args.out)  # fmt: skip
+        save_atomically(
+            {name: tensor.cpu() for name, tensor in model.state_dict().items()}, args.out
+        )
     dist.destroy_process_group()
 
 

@@ -289,27 +289,43 @@ class EtcdCluster:
             shutil.rmtree(data_dir, ignore_errors=True)
             args = [
                 "etcd",
-                "--name", f"m{i}",
-                "--data-dir", data_dir,
-                "--listen-client-urls", self.urls[i],
-                "--advertise-client-urls", self.urls[i],
-                "--listen-peer-urls", peers[i],
-                "--initial-advertise-peer-urls", peers[i],
-                "--initial-cluster", initial,
-                "--initial-cluster-token", token,
-                "--initial-cluster-state", "new",
-                "--heartbeat-interval", "50",
-                "--election-timeout", "500",
-                "--logger", "zap",
-                "--log-outputs", "stderr",
-            ]  # fmt: skip
+                "--name",
+                f"m{i}",
+                "--data-dir",
+                data_dir,
+                "--listen-client-urls",
+                self.urls[i],
+                "--advertise-client-urls",
+                self.urls[i],
+                "--listen-peer-urls",
+                peers[i],
+                "--initial-advertise-peer-urls",
+                peers[i],
+                "--initial-cluster",
+                initial,
+                "--initial-cluster-token",
+                token,
+                "--initial-cluster-state",
+                "new",
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+                "--logger",
+                "zap",
+                "--log-outputs",
+                "stderr",
+            ]
             if self.tls:
                 args += [
-                    "--cert-file", os.path.join(self.dir, "server.crt"),
-                    "--key-file", os.path.join(self.dir, "server.key"),
-                    "--trusted-ca-file", self.cacert,
+                    "--cert-file",
+                    os.path.join(self.dir, "server.crt"),
+                    "--key-file",
+                    os.path.join(self.dir, "server.key"),
+                    "--trusted-ca-file",
+                    self.cacert,
                     "--client-cert-auth",
-                ]  # fmt: skip
+                ]
             with open(self.log_path(i), "wb") as log:
                 self.procs.append(
                     subprocess.Popen(
@@ -425,22 +441,53 @@ class EtcdCluster:
             )
         key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
         self._openssl(
-            "req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-            "-subj", "/CN=relaunch-test-ca",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        )  # fmt: skip
+            "req",
+            "-x509",
+            *key,
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=relaunch-test-ca",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        )
         # The client certificate has no CN: with auth on, etcd's gateway answers 400 to a client
         # certificate with a CN ("CommonName of client ... will be ignored"). No CN is a user.
         for name, subject in (("server", "/CN=relaunch-test-server"), ("client", "/O=relaunch")):
             self._openssl(
-                "req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
-            )  # fmt: skip
+                "req",
+                *key,
+                "-keyout",
+                f"{name}.key",
+                "-out",
+                f"{name}.csr",
+                "-subj",
+                subject,
+            )
             self._openssl(
-                "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                "-set_serial", str(uuid.uuid4().int >> 64), "-days", "2",
-                "-extfile", f"{name}.ext", "-out", f"{name}.crt",
-            )  # fmt: skip
+                "x509",
+                "-req",
+                "-in",
+                f"{name}.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-set_serial",
+                str(uuid.uuid4().int >> 64),
+                "-days",
+                "2",
+                "-extfile",
+                f"{name}.ext",
+                "-out",
+                f"{name}.crt",
+            )
 
     def _openssl(self, *args: str) -> None:
         result = subprocess.run(

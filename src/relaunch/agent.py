@@ -198,7 +198,7 @@ class LocalElasticAgent:
             spec.rdzv_handler.get_run_id(),
             timers_enabled_by_env() if timers is None else timers,
             hang_timeout,
-        )  # fmt: skip
+        )
         self._channel: Channel | None = None
         self._last_outcome: RunProcsResult | None = None
         self._restart_reasons: list[str] = []
@@ -265,9 +265,13 @@ class LocalElasticAgent:
             return request  # nobody would hear it: stop them with the signal at once
         channel.request_stop()
         try:
-            log.warning("%s: asking the workers to stop (relaunch.stop_requested()); waiting up "
-                        "to %gs for them (send %s again to stop them now)", request.sigval.name,
-                        spec.shutdown_timeout, request.sigval.name)  # fmt: skip
+            log.warning(
+                "%s: asking the workers to stop (relaunch.stop_requested()); waiting up "
+                "to %gs for them (send %s again to stop them now)",
+                request.sigval.name,
+                spec.shutdown_timeout,
+                request.sigval.name,
+            )
             outcome = pcontext.wait(spec.shutdown_timeout)
         except SignalException as again:
             self._stop_note = f"{again.sigval.name} again: the workers were stopped at once"
@@ -278,9 +282,11 @@ class LocalElasticAgent:
             self._stop_note = "the workers stopped after the stop request, some of them failing"
         else:
             running = len(pcontext.running())
-            self._stop_note = (f"{running} worker(s) did not stop within "
-                               f"{spec.shutdown_timeout:g}s of the request and were sent "
-                               f"{request.sigval.name}")  # fmt: skip
+            self._stop_note = (
+                f"{running} worker(s) did not stop within "
+                f"{spec.shutdown_timeout:g}s of the request and were sent "
+                f"{request.sigval.name}"
+            )
         return request
 
     def _invoke_run(self) -> RunResult:
@@ -304,16 +310,20 @@ class LocalElasticAgent:
             if outcome is not None and outcome.is_failed():
                 self._watchdog.explain(outcome.failures, self._pcontext.stderrs)
             change = spec.rdzv_handler.membership_change() if watching else None
-            if state is GroupState.FAILED and watching and change is None and not (
-                self._restarts_left
+            if (
+                state is GroupState.FAILED
+                and watching
+                and change is None
+                and not (self._restarts_left)
             ):
                 # Collectives break at once when a peer node dies; heartbeats tell it a moment
                 # later. Before calling the job failed, give the lost node time to be noticed:
                 # then it is a membership change, which restarts without using a restart.
-                log.info("workers failed: waiting up to %gs for a lost node to be noticed",
-                         spec.rdzv_handler.lost_node_grace)
-                change = spec.rdzv_handler.wait_membership_change(
-                    spec.rdzv_handler.lost_node_grace)
+                log.info(
+                    "workers failed: waiting up to %gs for a lost node to be noticed",
+                    spec.rdzv_handler.lost_node_grace,
+                )
+                change = spec.rdzv_handler.wait_membership_change(spec.rdzv_handler.lost_node_grace)
             decision = decide(state, self._restarts_left, change)
             if decision.action is Action.CONTINUE:
                 continue
@@ -338,14 +348,23 @@ class LocalElasticAgent:
             reason = decision.reason
             if outcome is not None and outcome.is_failed():
                 failures = self._by_global_rank(outcome.failures)
-                log.warning("%s", format_report(spec.role, failures, os.uname().nodename,
-                                                self._by_global_rank(outcome.stopped)))  # fmt: skip
+                log.warning(
+                    "%s",
+                    format_report(
+                        spec.role,
+                        failures,
+                        os.uname().nodename,
+                        self._by_global_rank(outcome.stopped),
+                    ),
+                )
                 reason = _one_line(failures)
             self._restart_reasons.append(reason)
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
-                role, decision.reason, self._restarts_left,
-            )  # fmt: skip
+                role,
+                decision.reason,
+                self._restarts_left,
+            )
             self._stop_workers(signal.SIGTERM)
             if decision.uses_restart:  # the other nodes restart because of this: say why
                 spec.rdzv_handler.note_restart(f"{os.uname().nodename}: {reason}")
@@ -412,8 +431,10 @@ class LocalElasticAgent:
         assert self._channel is not None
         self._channel.reset()
         extra_env = {**self._watchdog.worker_env(), **self._channel.env()}
-        envs = {ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
-                for ranks in self._ranks}  # fmt: skip
+        envs = {
+            ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
+            for ranks in self._ranks
+        }
         attempt_dir = self._new_attempt_dir()
         self._pcontext = start_processes(
             name=spec.role,
@@ -434,8 +455,9 @@ class LocalElasticAgent:
         for worker, pid in zip(group.workers, pids.values(), strict=True):
             worker.id = pid
         stdouts, stderrs = self._pcontext.stdouts, self._pcontext.stderrs
-        log_files = {rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path]
-                     for rank in pids}  # fmt: skip
+        log_files = {
+            rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path] for rank in pids
+        }
         self._watchdog.watch(pids, log_files, self._pcontext.running, self._channel.progress)
         group.state = WorkerState.HEALTHY
 
@@ -481,16 +503,19 @@ class LocalElasticAgent:
         if self._watchdog.hang_timeout is None:
             return spec.tee
         redirects = per_rank(spec.redirects, spec.local_world_size)
-        return {rank: Std(std | (Std.ALL & ~redirects[rank]))
-                for rank, std in per_rank(spec.tee, spec.local_world_size).items()}  # fmt: skip
+        return {
+            rank: Std(std | (Std.ALL & ~redirects[rank]))
+            for rank, std in per_rank(spec.tee, spec.local_world_size).items()
+        }
 
     def _stop_workers(self, death_sig: signal.Signals) -> None:
         if self._pcontext is not None:
             self._pcontext.close(death_sig, self._worker_group.spec.shutdown_timeout)
             self._last_outcome = self._pcontext.wait(0)
             if self._channel is not None:
-                self._last_progress = {rank: self._channel.progress(rank)
-                                       for rank in range(self._channel.slots)}  # fmt: skip
+                self._last_progress = {
+                    rank: self._channel.progress(rank) for rank in range(self._channel.slots)
+                }
             self._console.remove_source(self._node_bar)  # prints the bar's final state
 
     def _node_bar(self) -> dict[str, bytes]:
@@ -518,10 +543,23 @@ class LocalElasticAgent:
             exitcode = None if result is None else result.exitcodes.get(local)
             duration = 0.0 if result is None else result.durations.get(local, 0.0)
             stopped = result is not None and local in result.stopped
-            ranks.append(RankEnd(worker.global_rank, local, exitcode, duration,
-                                 "stopped by relaunch" if stopped else ""))  # fmt: skip
-        return RunSummary(outcome, time.monotonic() - self._started_at, ranks,
-                          list(self._restart_reasons), self._log_dir, self._stop_note)  # fmt: skip
+            ranks.append(
+                RankEnd(
+                    worker.global_rank,
+                    local,
+                    exitcode,
+                    duration,
+                    "stopped by relaunch" if stopped else "",
+                )
+            )
+        return RunSummary(
+            outcome,
+            time.monotonic() - self._started_at,
+            ranks,
+            list(self._restart_reasons),
+            self._log_dir,
+            self._stop_note,
+        )
 
     # -- events -------------------------------------------------------------------------------
 
@@ -552,21 +590,28 @@ class LocalElasticAgent:
         for worker in self._worker_group.workers:
             failure = result.failures.get(worker.global_rank)
             if failure is not None:
-                state, raw = WorkerState.FAILED, json.dumps(failure.error_file_data or {
-                    "message": failure.message})  # fmt: skip
+                state, raw = (
+                    WorkerState.FAILED,
+                    json.dumps(failure.error_file_data or {"message": failure.message}),
+                )
             elif worker.global_rank in result.stopped:
                 state, raw = WorkerState.STOPPED, None
             else:
                 state, raw = result.state, None
             progress = self._last_progress.get(worker.local_rank)
             self._event(
-                EventSource.WORKER, state, global_rank=worker.global_rank,
-                worker_id=None if worker.id is None else str(worker.id), raw_error=raw,
-                local_rank=worker.local_rank, role_rank=worker.role_rank,
+                EventSource.WORKER,
+                state,
+                global_rank=worker.global_rank,
+                worker_id=None if worker.id is None else str(worker.id),
+                raw_error=raw,
+                local_rank=worker.local_rank,
+                role_rank=worker.role_rank,
                 role_world_size=worker.role_world_size,
-                progress=None if progress is None else {
-                    "step": progress.step, "total": progress.total, "desc": progress.desc},
-            )  # fmt: skip
+                progress=None
+                if progress is None
+                else {"step": progress.step, "total": progress.total, "desc": progress.desc},
+            )
         self._record_agent_event(result.state)
 
 

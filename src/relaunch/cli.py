@@ -171,62 +171,183 @@ def _spellings(name: str) -> tuple[str, ...]:
 
 
 FLAGS = [
-    _Flag("nodes", ("--nnodes",), "number of nodes, or MIN:MAX for an elastic job", "1:1",
-          parse_nnodes, metavar="N|MIN:MAX"),
-    _Flag("nodes", ("--nproc-per-node",), "workers per node: a number, cpu, gpu or auto", "1",
-          _nproc, metavar="N"),
-    _Flag("nodes", ("--node-rank",), "rank of this node (static rendezvous)", 0, _count(0),
-          metavar="RANK"),
-    _Flag("nodes", ("--master-addr",), "address of the node of rank 0 (static rendezvous)",
-          "127.0.0.1", metavar="ADDR"),
-    _Flag("nodes", ("--master-port",), "port on the node of rank 0 (static rendezvous; "
-          "default: 29500, or a free port when there is one node)", None, _count(0),
-          metavar="PORT"),
-    _Flag("nodes", ("--local-addr",), "address this node advertises to the others",
-          metavar="ADDR"),
-    _Flag("rendezvous", ("--standalone",), "one node: a local rendezvous on a free port, "
-          "nothing to set up", switch=True),
-    _Flag("rendezvous", ("--rdzv-backend",), "rendezvous backend: c10d (the built-in store), "
-          "etcd (an etcd v3 cluster) or static", "static", metavar="NAME"),
-    _Flag("rendezvous", ("--rdzv-endpoint",), "rendezvous endpoint (etcd: the members, "
-          "comma-separated)", "", _endpoint, metavar="HOST:PORT"),
-    _Flag("rendezvous", ("--rdzv-id",), "job id shared by every node of the job", "none",
-          metavar="ID"),
-    _Flag("rendezvous", ("--rdzv-conf",), "extra rendezvous settings", "", parse_rdzv_conf,
-          metavar="KEY=VALUE,..."),
-    _Flag("restarts", ("--max-restarts",), "restarts of the worker group after a failure", 0,
-          _count(0), metavar="N"),
-    _Flag("restarts", ("--monitor-interval",), "seconds between membership checks", 0.1,
-          _seconds(positive=True), metavar="SECONDS"),
-    _Flag("restarts", ("--shutdown-timeout",), "seconds between the stop signal and SIGKILL",
-          DEFAULT_SHUTDOWN_TIMEOUT, _seconds(positive=False), metavar="SECONDS"),
-    _Flag("restarts", ("--timers",), "serve expiry timers (relaunch.timer.expires) to the "
-          "workers; also on with TORCHELASTIC_ENABLE_FILE_TIMER=1", switch=True),
-    _Flag("restarts", ("--hang-timeout",), "restart the group when a worker shows no sign of "
-          "life (output, timer activity) for this long, with its stack in the report", None,
-          _seconds(positive=True), metavar="SECONDS"),
-    _Flag("restarts", ("--signals-to-handle",), "signals that stop the workers and relaunch",
-          DEFAULT_SIGNALS, _signals, metavar="SIGNALS"),
+    _Flag(
+        "nodes",
+        ("--nnodes",),
+        "number of nodes, or MIN:MAX for an elastic job",
+        "1:1",
+        parse_nnodes,
+        metavar="N|MIN:MAX",
+    ),
+    _Flag(
+        "nodes",
+        ("--nproc-per-node",),
+        "workers per node: a number, cpu, gpu or auto",
+        "1",
+        _nproc,
+        metavar="N",
+    ),
+    _Flag(
+        "nodes",
+        ("--node-rank",),
+        "rank of this node (static rendezvous)",
+        0,
+        _count(0),
+        metavar="RANK",
+    ),
+    _Flag(
+        "nodes",
+        ("--master-addr",),
+        "address of the node of rank 0 (static rendezvous)",
+        "127.0.0.1",
+        metavar="ADDR",
+    ),
+    _Flag(
+        "nodes",
+        ("--master-port",),
+        "port on the node of rank 0 (static rendezvous; "
+        "default: 29500, or a free port when there is one node)",
+        None,
+        _count(0),
+        metavar="PORT",
+    ),
+    _Flag("nodes", ("--local-addr",), "address this node advertises to the others", metavar="ADDR"),
+    _Flag(
+        "rendezvous",
+        ("--standalone",),
+        "one node: a local rendezvous on a free port, nothing to set up",
+        switch=True,
+    ),
+    _Flag(
+        "rendezvous",
+        ("--rdzv-backend",),
+        "rendezvous backend: c10d (the built-in store), etcd (an etcd v3 cluster) or static",
+        "static",
+        metavar="NAME",
+    ),
+    _Flag(
+        "rendezvous",
+        ("--rdzv-endpoint",),
+        "rendezvous endpoint (etcd: the members, comma-separated)",
+        "",
+        _endpoint,
+        metavar="HOST:PORT",
+    ),
+    _Flag(
+        "rendezvous", ("--rdzv-id",), "job id shared by every node of the job", "none", metavar="ID"
+    ),
+    _Flag(
+        "rendezvous",
+        ("--rdzv-conf",),
+        "extra rendezvous settings",
+        "",
+        parse_rdzv_conf,
+        metavar="KEY=VALUE,...",
+    ),
+    _Flag(
+        "restarts",
+        ("--max-restarts",),
+        "restarts of the worker group after a failure",
+        0,
+        _count(0),
+        metavar="N",
+    ),
+    _Flag(
+        "restarts",
+        ("--monitor-interval",),
+        "seconds between membership checks",
+        0.1,
+        _seconds(positive=True),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--shutdown-timeout",),
+        "seconds between the stop signal and SIGKILL",
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        _seconds(positive=False),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--timers",),
+        "serve expiry timers (relaunch.timer.expires) to the "
+        "workers; also on with TORCHELASTIC_ENABLE_FILE_TIMER=1",
+        switch=True,
+    ),
+    _Flag(
+        "restarts",
+        ("--hang-timeout",),
+        "restart the group when a worker shows no sign of "
+        "life (output, timer activity) for this long, with its stack in the report",
+        None,
+        _seconds(positive=True),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--signals-to-handle",),
+        "signals that stop the workers and relaunch",
+        DEFAULT_SIGNALS,
+        _signals,
+        metavar="SIGNALS",
+    ),
     _Flag("workers", ("--role",), "name of the workers' role", "default", metavar="NAME"),
-    _Flag("workers", ("-m", "--module"), "run the script as a Python module, like python -m",
-          switch=True),
-    _Flag("workers", ("--no-python",), "run the script as a binary, without Python",
-          switch=True),
-    _Flag("workers", ("--run-path",), "run the script with runpy.run_path in a function worker",
-          switch=True),
-    _Flag("workers", ("--start-method",), "how function workers start", "spawn",
-          choices=START_METHODS),
-    _Flag("logs", ("--log-dir",), "base directory for log files (default: a new temporary "
-          "directory)", metavar="DIR"),
-    _Flag("logs", ("-r", "--redirects"), "streams sent to log files only: 0 none, 1 stdout, "
-          "2 stderr, 3 both, or per rank as 0:1,1:2", Std.NONE, _std, metavar="MASK"),
-    _Flag("logs", ("-t", "--tee"), "streams sent to log files and the console, each line "
-          "prefixed by its rank (values as -r)", Std.NONE, _std, metavar="MASK"),
-    _Flag("logs", ("--local-ranks-filter",), "show only these local ranks on the console "
-          "(the log files keep everything)", None, _ranks_filter, metavar="RANKS"),
-    _Flag("logs", ("--event-log-handler",), "where status events go: null, console or "
-          "file:PATH", "null", metavar="HANDLER"),
-]  # fmt: skip
+    _Flag(
+        "workers",
+        ("-m", "--module"),
+        "run the script as a Python module, like python -m",
+        switch=True,
+    ),
+    _Flag("workers", ("--no-python",), "run the script as a binary, without Python", switch=True),
+    _Flag(
+        "workers",
+        ("--run-path",),
+        "run the script with runpy.run_path in a function worker",
+        switch=True,
+    ),
+    _Flag(
+        "workers", ("--start-method",), "how function workers start", "spawn", choices=START_METHODS
+    ),
+    _Flag(
+        "logs",
+        ("--log-dir",),
+        "base directory for log files (default: a new temporary directory)",
+        metavar="DIR",
+    ),
+    _Flag(
+        "logs",
+        ("-r", "--redirects"),
+        "streams sent to log files only: 0 none, 1 stdout, "
+        "2 stderr, 3 both, or per rank as 0:1,1:2",
+        Std.NONE,
+        _std,
+        metavar="MASK",
+    ),
+    _Flag(
+        "logs",
+        ("-t", "--tee"),
+        "streams sent to log files and the console, each line prefixed by its rank (values as -r)",
+        Std.NONE,
+        _std,
+        metavar="MASK",
+    ),
+    _Flag(
+        "logs",
+        ("--local-ranks-filter",),
+        "show only these local ranks on the console (the log files keep everything)",
+        None,
+        _ranks_filter,
+        metavar="RANKS",
+    ),
+    _Flag(
+        "logs",
+        ("--event-log-handler",),
+        "where status events go: null, console or file:PATH",
+        "null",
+        metavar="HANDLER",
+    ),
+]
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
@@ -238,8 +359,10 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "Each flag can also be set by the environment variable PET_<FLAG> "
         "(e.g. PET_NPROC_PER_NODE=4).",
     )
-    groups = {name: parser.add_argument_group(name) for name in
-              ("nodes", "rendezvous", "restarts", "workers", "logs")}  # fmt: skip
+    groups = {
+        name: parser.add_argument_group(name)
+        for name in ("nodes", "rendezvous", "restarts", "workers", "logs")
+    }
     for flag in FLAGS:
         long_name = flag.names[-1]
         names = [*flag.names[:-1], *_spellings(long_name)]
@@ -248,18 +371,25 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         group = groups[flag.group]
         if flag.switch:
             switched_on = from_env is not None and from_env.lower() in ("1", "true", "yes")
-            group.add_argument(*names, dest=dest, action="store_true", default=switched_on,
-                               help=flag.help_text())  # fmt: skip
+            group.add_argument(
+                *names, dest=dest, action="store_true", default=switched_on, help=flag.help_text()
+            )
             continue
         # argparse converts a string default with ``type``, so PET_* values are checked too.
         default = flag.default if from_env is None else from_env
         group.add_argument(
-            *names, dest=dest, default=default, type=flag.type or str, choices=flag.choices,
-            metavar=flag.metavar, help=flag.help_text(),
-        )  # fmt: skip
+            *names,
+            dest=dest,
+            default=default,
+            type=flag.type or str,
+            choices=flag.choices,
+            metavar=flag.metavar,
+            help=flag.help_text(),
+        )
     parser.add_argument("training_script", help="the script, module or binary to run")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
-                        help="arguments passed to every worker")  # fmt: skip
+    parser.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="arguments passed to every worker"
+    )
     return parser
 
 
@@ -300,8 +430,15 @@ def resolve_nproc(value: str) -> int:
 def _command(args: argparse.Namespace) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
     script: str = args.training_script
     rest = tuple(args.training_script_args)
-    modes = [flag for flag, on in (("--module", args.module), ("--no-python", args.no_python),
-                                   ("--run-path", args.run_path)) if on]  # fmt: skip
+    modes = [
+        flag
+        for flag, on in (
+            ("--module", args.module),
+            ("--no-python", args.no_python),
+            ("--run-path", args.run_path),
+        )
+        if on
+    ]
     if len(modes) > 1:
         raise UsageError(f"{' and '.join(modes)} cannot be used together")
     if args.no_python:
@@ -336,7 +473,9 @@ def _console_filter(
     return redirects, tee
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] | str, tuple[str, ...]]:  # noqa: E501
+def config_from_args(
+    args: argparse.Namespace,
+) -> tuple[Any, Callable[..., Any] | str, tuple[str, ...]]:
     """The ``LaunchConfig``, the entrypoint and its arguments the flags describe."""
     from relaunch.launcher import LaunchConfig
 
@@ -354,8 +493,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         backend, endpoint, run_id = "c10d", "127.0.0.1:0", new_run_id()
         rdzv_configs["is_host"] = "true"
     if backend not in BACKENDS:
-        raise UsageError(f"--rdzv-backend {backend!r} is unknown: valid backends are "
-                         + ", ".join(BACKENDS))  # fmt: skip
+        raise UsageError(
+            f"--rdzv-backend {backend!r} is unknown: valid backends are " + ", ".join(BACKENDS)
+        )
     if backend == "static" and not endpoint:
         port = args.master_port
         if port is None:
@@ -373,8 +513,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     elif not endpoint:
         raise UsageError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
     elif "," in endpoint and not backend.startswith("etcd"):
-        raise UsageError(f"--rdzv-backend {backend} takes one --rdzv-endpoint HOST:PORT; a "
-                         "list of members is for --rdzv-backend etcd")  # fmt: skip
+        raise UsageError(
+            f"--rdzv-backend {backend} takes one --rdzv-endpoint HOST:PORT; a "
+            "list of members is for --rdzv-backend etcd"
+        )
     redirects, tee = _console_filter(args, nproc)
     from relaunch.events import event_handler_from_spec
 
@@ -414,14 +556,25 @@ def _loopback(host: str) -> str:
 
 def store_main(argv: Sequence[str]) -> int:
     """``relaunch store``: serve the built-in rendezvous store in the foreground until stopped."""
-    parser = _Parser(prog="relaunch store",
-                     description="Serve the built-in rendezvous store until SIGTERM or SIGINT.")
-    parser.add_argument("--host", type=_loopback, default="127.0.0.1",
-                        help="loopback address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=_count(0), default=29400,
-                        help="port to listen on, 0 for any free one (default: 29400)")
-    parser.add_argument("--token", default=None,
-                        help=f"shared secret clients must prove (default: ${TOKEN_ENV})")
+    parser = _Parser(
+        prog="relaunch store",
+        description="Serve the built-in rendezvous store until SIGTERM or SIGINT.",
+    )
+    parser.add_argument(
+        "--host",
+        type=_loopback,
+        default="127.0.0.1",
+        help="loopback address to listen on (default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--port",
+        type=_count(0),
+        default=29400,
+        help="port to listen on, 0 for any free one (default: 29400)",
+    )
+    parser.add_argument(
+        "--token", default=None, help=f"shared secret clients must prove (default: ${TOKEN_ENV})"
+    )
     try:
         args = parser.parse_args(argv)
         from relaunch.store.server import TcpStoreServer
@@ -431,8 +584,10 @@ def store_main(argv: Sequence[str]) -> int:
         print(f"relaunch store: error: {exc} (see relaunch store --help)", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"relaunch store: error: cannot listen on {args.host}:{args.port}: "
-              f"{exc.strerror}", file=sys.stderr)  # fmt: skip
+        print(
+            f"relaunch store: error: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     print(f"relaunch store: serving on {server.endpoint}", flush=True)
     try:
@@ -446,8 +601,11 @@ def store_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``relaunch`` command and return its exit status."""
     level = os.environ.get("LOGLEVEL", "WARNING").upper()  # torchrun's variable
-    logging.basicConfig(format="relaunch: %(message)s", handlers=[_LogHandler()],
-                        level=level if isinstance(logging.getLevelName(level), int) else "WARNING")
+    logging.basicConfig(
+        format="relaunch: %(message)s",
+        handlers=[_LogHandler()],
+        level=level if isinstance(logging.getLevelName(level), int) else "WARNING",
+    )
     arguments = sys.argv[1:] if argv is None else list(argv)
     if arguments[:1] == ["store"]:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
@@ -480,8 +638,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     summaries: list[RunSummary] = []
     try:
-        launch_agent(config, entrypoint, list(entry_args), handler=handler,
-                     on_summary=summaries.append)  # fmt: skip
+        launch_agent(
+            config, entrypoint, list(entry_args), handler=handler, on_summary=summaries.append
+        )
         code = 0
     except RendezvousClosedError as exc:
         print(f"relaunch: {exc}: nothing to do", file=sys.stderr)

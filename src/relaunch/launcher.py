@@ -144,9 +144,14 @@ def launch_agent(
         metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
     )
     agent = LocalElasticAgent(
-        spec, config.start_method, log_dir=config.log_dir, event_handler=event_handler,
-        metrics=metrics, timers=config.timers, hang_timeout=config.hang_timeout,
-    )  # fmt: skip
+        spec,
+        config.start_method,
+        log_dir=config.log_dir,
+        event_handler=event_handler,
+        metrics=metrics,
+        timers=config.timers,
+        hang_timeout=config.hang_timeout,
+    )
     outcome = "ended by an error"
     try:
         result = agent.run()

@@ -52,8 +52,9 @@ class Watchdog:
 
     def __init__(self, run_id: str, timers: bool, hang_timeout: float | None) -> None:
         if hang_timeout is not None and not hang_timeout > 0:
-            raise ValueError(f"hang_timeout must be a positive number of seconds, got "
-                             f"{hang_timeout!r}")  # fmt: skip
+            raise ValueError(
+                f"hang_timeout must be a positive number of seconds, got {hang_timeout!r}"
+            )
         self._run_id = run_id
         self._hang_timeout = hang_timeout
         self._causes: dict[int, str] = {}
@@ -73,9 +74,12 @@ class Watchdog:
                 self._timer_dir = tempfile.mkdtemp(prefix="relaunch_timer_")
                 path = os.path.join(self._timer_dir, "timers.fifo")
             self._server = FileTimerServer(
-                path, run_id, TIMER_MAX_INTERVAL, on_reap=self._on_reap,
+                path,
+                run_id,
+                TIMER_MAX_INTERVAL,
+                on_reap=self._on_reap,
                 may_reap=descendant_of(lambda: set(self._pids.values())),
-            )  # fmt: skip
+            )
 
     @property
     def active(self) -> bool:
@@ -104,9 +108,13 @@ class Watchdog:
             env["PYTHONFAULTHANDLER"] = "1"
         return env
 
-    def watch(self, pids: Mapping[int, int], log_files: Mapping[int, list[str]],
-              running: Callable[[], set[int]],
-              progress: Callable[[int], Progress | None]) -> None:  # fmt: skip
+    def watch(
+        self,
+        pids: Mapping[int, int],
+        log_files: Mapping[int, list[str]],
+        running: Callable[[], set[int]],
+        progress: Callable[[int], Progress | None],
+    ) -> None:
         """A new group started: ``pids`` and ``log_files`` by local rank; ``running()`` says
         which ranks have not exited (a finished worker is not hung); ``progress(rank)`` is a
         rank's last ``report_progress``."""
@@ -150,8 +158,11 @@ class Watchdog:
             else:
                 waits.append(aborted_at + ABORT_GRACE - now)
         running = self._running()
-        live = {rank: self._last_sign(rank) for rank, pid in self._pids.items()
-                if rank in running and pid not in self._causes}  # fmt: skip
+        live = {
+            rank: self._last_sign(rank)
+            for rank, pid in self._pids.items()
+            if rank in running and pid not in self._causes
+        }
         hung, next_at = core_timers.silent(live, now, self._hang_timeout)
         for rank in hung:
             self._abort(rank, now - live[rank])
@@ -165,8 +176,13 @@ class Watchdog:
             f"hung: no output, progress or timer activity for {silent_for:.1f}s (--hang-timeout "
             f"{self._hang_timeout:g}); relaunch sent SIGABRT to get its stack"
         )
-        log.warning("local rank %d (pid %d) shows no sign of life for %.1fs: sending SIGABRT "
-                    "for its stack, then restarting", rank, pid, silent_for)  # fmt: skip
+        log.warning(
+            "local rank %d (pid %d) shows no sign of life for %.1fs: sending SIGABRT "
+            "for its stack, then restarting",
+            rank,
+            pid,
+            silent_for,
+        )
         try:
             # The stack is what is wanted, not a core file of the whole address space.
             resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
@@ -185,15 +201,16 @@ class Watchdog:
         scopes = "; ".join(
             f"expiry timer {t.scope!r} expired: the block was given {t.allowed:.3g}s"
             for t in timers
-        )  # fmt: skip
+        )
         self._causes[pid] = f"{scopes} (relaunch.timer.expires); relaunch reaped it"
         rank = next((r for r, p in self._pids.items() if p == pid), None)
         log.warning("local rank %s (pid %d) reaped: %s", rank, pid, scopes)
 
     # -- reports --------------------------------------------------------------------------------
 
-    def explain(self, failures: Mapping[int, ProcessFailure],
-                stderr_files: Mapping[int, str]) -> None:  # fmt: skip
+    def explain(
+        self, failures: Mapping[int, ProcessFailure], stderr_files: Mapping[int, str]
+    ) -> None:
         """Put why the watchdog killed a worker at the head of its failure message."""
         for rank, failure in failures.items():
             cause = self._causes.get(failure.pid)
@@ -202,8 +219,10 @@ class Watchdog:
             detail = "" if failure.message == NO_DETAIL_HINT else failure.message
             if cause.startswith("hung"):
                 dump = faulthandler_dump(read_tail(stderr_files.get(rank, ""), 256 * 1024))
-                detail = (f"stack of every thread when it hung ({stderr_files[rank]}):\n{dump}"
-                          if dump else detail)  # fmt: skip
+                detail = (
+                    f"stack of every thread when it hung ({stderr_files[rank]}):\n{dump}"
+                    if dump
+                    else detail
+                )
             failure.message = f"{cause}\n{detail}" if detail else cause
         self._aborted.clear()
-

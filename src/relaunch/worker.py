@@ -70,8 +70,9 @@ def report_progress(step: int, total: int | None = None, desc: str | None = None
     try:
         _FIELDS.pack_into(mapped, offset + 8, step, -1 if total is None else total, _time())
     except struct.error:  # a float or another number type: as an int
-        _FIELDS.pack_into(mapped, offset + 8, int(step), -1 if total is None else int(total),
-                          _time())  # fmt: skip
+        _FIELDS.pack_into(
+            mapped, offset + 8, int(step), -1 if total is None else int(total), _time()
+        )
     if desc is not None and desc != _desc_cache[0]:
         _desc_cache = (desc, channel.encode_desc(desc))
         mapped[offset + channel.DESC_OFFSET : offset + channel.SLOT] = _desc_cache[1]

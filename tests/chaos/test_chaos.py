@@ -11,8 +11,12 @@ import sys
 import pytest
 from conftest import LeakCheck
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks"))  # fmt: skip
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
+    ),
+)
 import chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -42,8 +46,9 @@ def test_the_expected_result_does_not_depend_on_the_world_size() -> None:
         value = 0
         for step in range(chaos.STEPS):
             items = range(step * chaos.ITEMS, (step + 1) * chaos.ITEMS)
-            parts = [sum(chaos.item(i) for i in items if i % world == rank)
-                     for rank in range(world)]  # fmt: skip
+            parts = [
+                sum(chaos.item(i) for i in items if i % world == rank) for rank in range(world)
+            ]
             value = chaos.advance(value, sum(parts))
         return value
 

@@ -38,7 +38,7 @@ def connect(request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
 
         def new_etcd_client() -> Store:
             # Each client starts at another member: the cluster's members must agree.
-            endpoints = cluster.endpoint_list[len(stores) % len(cluster.endpoint_list):]
+            endpoints = cluster.endpoint_list[len(stores) % len(cluster.endpoint_list) :]
             stores.append(EtcdStore(endpoints + cluster.endpoint_list, timeout=10))
             return stores[-1]
 

@@ -30,7 +30,13 @@ def main() -> int:
         args = dict.fromkeys(range(2), ("-c", GRANDCHILD, pid_dir))
         pc = start_processes("w", sys.executable, args, envs, log_dir)
     else:
-        pc = start_processes("w", procfns.start_grandchild_and_sleep, dict.fromkeys(range(2), (pid_dir,)), envs, log_dir)  # fmt: skip  # noqa: E501
+        pc = start_processes(
+            "w",
+            procfns.start_grandchild_and_sleep,
+            dict.fromkeys(range(2), (pid_dir,)),
+            envs,
+            log_dir,
+        )  #
     try:
         while len(os.listdir(pid_dir)) < 2:
             time.sleep(0.005)

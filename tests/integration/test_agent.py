@@ -20,10 +20,15 @@ pytestmark = pytest.mark.timeout(60)
 
 def config(tmp_path, **overrides: object) -> LaunchConfig:
     settings: dict = {
-        "min_nodes": 1, "max_nodes": 1, "nproc_per_node": 2, "run_id": "job42",
-        "rdzv_endpoint": "127.0.0.1:0", "max_restarts": 0, "log_dir": str(tmp_path / "logs"),
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "nproc_per_node": 2,
+        "run_id": "job42",
+        "rdzv_endpoint": "127.0.0.1:0",
+        "max_restarts": 0,
+        "log_dir": str(tmp_path / "logs"),
         **overrides,
-    }  # fmt: skip
+    }
     return LaunchConfig(**settings)
 
 
@@ -82,8 +87,14 @@ def test_agent_run_records_worker_and_agent_events(tmp_path, leaks: LeakCheck, m
     monkeypatch.setenv("RELAUNCH_TEST_MARK", leaks.mark)
     events_file = tmp_path / "events.jsonl"
     handler = StaticRendezvousHandler("run9", 0, 1, "127.0.0.1", 0, local_world_size=2)
-    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=handler,
-                      entrypoint=agentfns.environment, args=("e",), max_restarts=0)  # fmt: skip
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        rdzv_handler=handler,
+        entrypoint=agentfns.environment,
+        args=("e",),
+        max_restarts=0,
+    )
     sink = JsonLinesEventHandler(events_file)
     agent = LocalElasticAgent(spec, log_dir=str(tmp_path / "logs"), event_handler=sink)
     result = agent.run()
@@ -92,8 +103,10 @@ def test_agent_run_records_worker_and_agent_events(tmp_path, leaks: LeakCheck, m
     assert not result.is_failed() and sorted(result.return_values) == [0, 1]
     events = [json.loads(line) for line in events_file.read_text().splitlines()]
     assert [(e["source"], e["metadata"]["global_rank"]) for e in events] == [
-        ("WORKER", 0), ("WORKER", 1), ("AGENT", None),
-    ]  # fmt: skip
+        ("WORKER", 0),
+        ("WORKER", 1),
+        ("AGENT", None),
+    ]
     for event in events:
         assert event["name"] == "torchelastic.worker.status.SUCCEEDED"
         assert event["metadata"]["run_id"] == "run9"
@@ -107,8 +120,9 @@ def test_worker_spec_and_config_refuse_nonsense(tmp_path) -> None:
     with pytest.raises(ValueError, match="local_world_size"):
         WorkerSpec(role="r", local_world_size=0, rdzv_handler=handler, entrypoint="true")
     with pytest.raises(ValueError, match="max_restarts"):
-        WorkerSpec(role="r", local_world_size=1, rdzv_handler=handler, entrypoint="true",
-                   max_restarts=-1)  # fmt: skip
+        WorkerSpec(
+            role="r", local_world_size=1, rdzv_handler=handler, entrypoint="true", max_restarts=-1
+        )
     with pytest.raises(ValueError, match="min_nodes <= max_nodes"):
         config(tmp_path, min_nodes=3, max_nodes=1)
     with pytest.raises(ValueError, match=r"node-rank 2 is outside 0\.\.1"):

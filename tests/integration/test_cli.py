@@ -19,9 +19,13 @@ def relaunch(
     leaks: LeakCheck, *argv: str, cwd: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "relaunch", *argv], capture_output=True, text=True,
-        env=leaks.process_env(), cwd=cwd, timeout=50,
-    )  # fmt: skip
+        [sys.executable, "-m", "relaunch", *argv],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
+        cwd=cwd,
+        timeout=50,
+    )
 
 
 def script(tmp_path, body: str, name: str = "job.py") -> str:
@@ -31,10 +35,13 @@ def script(tmp_path, body: str, name: str = "job.py") -> str:
 
 
 def test_runs_n_workers_with_their_ranks(tmp_path, leaks: LeakCheck) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, sys
         print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], sys.argv[1:])
-    """)  # fmt: skip
+    """,
+    )
     done = relaunch(leaks, "--nproc-per-node", "3", "--tee", "3", job, "--lr", "0.1")
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == [
@@ -53,12 +60,15 @@ def test_underscore_spellings_and_log_dir(tmp_path, leaks: LeakCheck) -> None:
 
 
 def test_failure_prints_the_report_and_exits_1(tmp_path, leaks: LeakCheck) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, time
         if os.environ["RANK"] == "1":
             raise RuntimeError("the data is missing")
         time.sleep(300)
-    """)  # fmt: skip
+    """,
+    )
     done = relaunch(leaks, "--nproc-per-node", "2", "--redirects", "2", job)
     assert done.returncode == 1
     lines = done.stderr.splitlines()
@@ -92,24 +102,98 @@ def test_module_and_no_python(tmp_path, leaks: LeakCheck) -> None:
         (["--nnodes", "3:1", "x.py"], "MIN must not exceed MAX"),
         (["--nnodes", "two", "x.py"], "expected N or MIN:MAX"),
         (["--max-restarts", "-1", "x.py"], "--max-restarts"),
-        (["--rdzv-backend", "zookeeper", "x.py"], "valid backends are c10d, tcp, etcd, etcd-v2, "
-                                                  "static"),
+        (
+            ["--rdzv-backend", "zookeeper", "x.py"],
+            "valid backends are c10d, tcp, etcd, etcd-v2, static",
+        ),
         (["--rdzv-backend", "etcd", "x.py"], "etcd needs --rdzv-endpoint HOST:PORT"),
-        (["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-conf",
-          "protocol=ftp", "--no-python", "true"], "protocol='ftp': expected http or https"),
-        (["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-conf",
-          "cacert=/no/such/ca.pem", "--no-python", "true"], "cacert=/no/such/ca.pem: no such file"),
-        (["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1,,h:2",
-          "--no-python", "true"], "the endpoint is empty"),
-        (["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1,h:x",
-          "--no-python", "true"], "endpoint 'h:x' has port 'x'"),
-        (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1,h:2",
-          "--no-python", "true"], "a list of members is for --rdzv-backend etcd"),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-conf",
+                "protocol=ftp",
+                "--no-python",
+                "true",
+            ],
+            "protocol='ftp': expected http or https",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-conf",
+                "cacert=/no/such/ca.pem",
+                "--no-python",
+                "true",
+            ],
+            "cacert=/no/such/ca.pem: no such file",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "h:1,,h:2",
+                "--no-python",
+                "true",
+            ],
+            "the endpoint is empty",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "h:1,h:x",
+                "--no-python",
+                "true",
+            ],
+            "endpoint 'h:x' has port 'x'",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "h:1,h:2",
+                "--no-python",
+                "true",
+            ],
+            "a list of members is for --rdzv-backend etcd",
+        ),
         (["--rdzv-backend", "c10d", "x.py"], "c10d needs --rdzv-endpoint HOST:PORT"),
         (["--rdzv-endpoint", "host:port", "x.py"], "expected a number 0..65535"),
         (["--nnodes", "1:2", "x.py"], "needs an elastic rendezvous backend"),
-        (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf",
-          "join_timeout=x", "--no-python", "true"], "join_timeout='x': expected a number"),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-conf",
+                "join_timeout=x",
+                "--no-python",
+                "true",
+            ],
+            "join_timeout='x': expected a number",
+        ),
         (["--nnodes", "2", "--node-rank", "2", "x.py"], "--node-rank 2 must be below"),
         (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs one node"),
         (["--start-method", "vfork", "x.py"], "invalid choice: 'vfork'"),
@@ -133,9 +217,18 @@ def test_help_groups_the_flags(leaks: LeakCheck) -> None:
     done = relaunch(leaks, "--help")
     assert done.returncode == 0
     text = " ".join(done.stdout.split())
-    for heading in ("nodes:", "rendezvous:", "restarts:", "workers:", "logs:",
-                    "--nproc-per-node N", "--tee MASK", "(default: 1)",
-                    "--shutdown-timeout SECONDS", "(default: 30.0)"):
+    for heading in (
+        "nodes:",
+        "rendezvous:",
+        "restarts:",
+        "workers:",
+        "logs:",
+        "--nproc-per-node N",
+        "--tee MASK",
+        "(default: 1)",
+        "--shutdown-timeout SECONDS",
+        "(default: 30.0)",
+    ):
         assert heading in text
     assert "(default: None)" not in text and "(default: False)" not in text
 
@@ -146,16 +239,21 @@ def start_job_with_grandchildren(
     """relaunch with 2 workers that each start a grandchild; returns it and all 4 pids."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    job = script(tmp_path, f"""
+    job = script(
+        tmp_path,
+        f"""
         import os, subprocess, time
         child = subprocess.Popen(["sleep", "300"])
         open(os.path.join({str(pid_dir)!r}, f"{{os.getpid()}}.{{child.pid}}"), "w").close()
         time.sleep(300)
-    """)  # fmt: skip
+    """,
+    )
     launcher = subprocess.Popen(
         [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", job],
-        env=leaks.process_env(), stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=leaks.process_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_until(lambda: len(os.listdir(pid_dir)) == 2, what="the workers to start")
     return launcher, [int(p) for name in os.listdir(pid_dir) for p in name.split(".")]
 
@@ -176,16 +274,20 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
     tmp_path, leaks: LeakCheck
 ) -> None:
     ready = tmp_path / "ready"
-    job = script(tmp_path, f"""
+    job = script(
+        tmp_path,
+        f"""
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         open({str(ready)!r}, "w").close()
         time.sleep(300)
-    """)  # fmt: skip
+    """,
+    )
     launcher = subprocess.Popen(
         [sys.executable, "-m", "relaunch", "--shutdown-timeout", "0.5", job],
-        env=leaks.process_env(), stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        env=leaks.process_env(),
+        stderr=subprocess.DEVNULL,
+    )
     wait_until(ready.exists, what="the worker to start")
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
@@ -194,13 +296,17 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
 def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: LeakCheck) -> None:
     out = tmp_path / "envs"
     out.mkdir()
-    job = script(tmp_path, f"""
+    job = script(
+        tmp_path,
+        f"""
         import json, os
         with open(os.path.join({str(out)!r}, os.environ["RANK"]), "w") as f:
             json.dump(dict(os.environ), f)
-    """)  # fmt: skip
-    done = relaunch(leaks, "--standalone", "--nproc_per_node=3", "--role", "trainer",
-                    "--max-restarts", "2", job)  # fmt: skip
+    """,
+    )
+    done = relaunch(
+        leaks, "--standalone", "--nproc_per_node=3", "--role", "trainer", "--max-restarts", "2", job
+    )
     assert done.returncode == 0, done.stderr
     assert "setting OMP_NUM_THREADS=1 for each of the 3 workers" in done.stderr
     envs = {int(p.name): json.loads(p.read_text()) for p in out.iterdir()}
@@ -210,13 +316,22 @@ def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: Leak
     assert len(ports) == 1 and len(run_ids) == 1
     for rank, env in envs.items():
         expected = {
-            "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0",
-            "ROLE_RANK": str(rank), "ROLE_NAME": "trainer", "LOCAL_WORLD_SIZE": "3",
-            "WORLD_SIZE": "3", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "3",
-            "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
-        }  # fmt: skip
+            "LOCAL_RANK": str(rank),
+            "RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": "trainer",
+            "LOCAL_WORLD_SIZE": "3",
+            "WORLD_SIZE": "3",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "2",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "OMP_NUM_THREADS": "1",
+        }
         assert {key: env.get(key) for key in expected} == expected
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
 
@@ -224,21 +339,27 @@ def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: Leak
 def test_pet_environment_variables_set_flags(tmp_path, leaks: LeakCheck) -> None:
     job = script(tmp_path, "import os; print(os.environ['WORLD_SIZE'])\n")
     done = subprocess.run(
-        [sys.executable, "-m", "relaunch", job], capture_output=True, text=True, timeout=50,
+        [sys.executable, "-m", "relaunch", job],
+        capture_output=True,
+        text=True,
+        timeout=50,
         env=leaks.process_env(PET_NPROC_PER_NODE="2", PET_TEE="1", PET_STANDALONE="1"),
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == ["[default0]:2", "[default1]:2"]
 
 
 def test_a_failed_worker_group_is_restarted(tmp_path, leaks: LeakCheck) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, sys
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         print(f"rank {os.environ['RANK']} attempt {attempt}")
         if attempt == "0" and os.environ["RANK"] == "1":
             sys.exit(5)
-    """)  # fmt: skip
+    """,
+    )
     done = relaunch(leaks, "--nproc-per-node", "2", "--max-restarts", "1", "--tee", "1", job)
     assert done.returncode == 0, done.stderr
     assert "restarting the worker group (a worker failed); 0 restart(s) left" in done.stderr
@@ -249,8 +370,18 @@ def test_a_failed_worker_group_is_restarted(tmp_path, leaks: LeakCheck) -> None:
 def test_local_ranks_filter_shows_only_those_ranks(tmp_path, leaks: LeakCheck) -> None:
     job = script(tmp_path, "import os; print('hi from', os.environ['LOCAL_RANK'])\n")
     logs = tmp_path / "logs"
-    done = relaunch(leaks, "--nproc-per-node", "3", "--tee", "3", "--local-ranks-filter", "0,2",
-                    "--log-dir", str(logs), job)  # fmt: skip
+    done = relaunch(
+        leaks,
+        "--nproc-per-node",
+        "3",
+        "--tee",
+        "3",
+        "--local-ranks-filter",
+        "0,2",
+        "--log-dir",
+        str(logs),
+        job,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == ["[default0]:hi from 0", "[default2]:hi from 2"]
     (run_dir,) = logs.iterdir()
@@ -258,10 +389,13 @@ def test_local_ranks_filter_shows_only_those_ranks(tmp_path, leaks: LeakCheck) -
 
 
 def test_per_rank_tee_map_and_run_path(tmp_path, leaks: LeakCheck) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, sys
         print(__name__, sys.argv[1:], os.environ["LOCAL_RANK"])
-    """)  # fmt: skip
+    """,
+    )
     done = relaunch(leaks, "--nproc-per-node", "2", "--tee", "1:1", "--run-path", job, "a")
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == ["[default1]:__main__ ['a'] 1", "__main__ ['a'] 0"]
@@ -281,31 +415,53 @@ def test_two_static_nodes_form_one_world(tmp_path, leaks: LeakCheck) -> None:
     from relaunch.rendezvous.static import find_free_port
 
     port = str(find_free_port("127.0.0.1"))
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os
         print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["GROUP_RANK"],
               os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    """)  # fmt: skip
+    """,
+    )
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "relaunch", "--nnodes", "2", "--node-rank", str(rank),
-             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
-             "--tee", "1", job],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=leaks.process_env(),
+            [
+                sys.executable,
+                "-m",
+                "relaunch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--tee",
+                "1",
+                job,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=leaks.process_env(),
         )
         for rank in range(2)
-    ]  # fmt: skip
+    ]
     outputs = [node.communicate(timeout=50)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0]
     lines = sorted(line.split(":", 1)[1] for out in outputs for line in out.splitlines())
-    assert lines == [
-        f"{rank} 4 {rank // 2} 127.0.0.1 {port}" for rank in range(4)
-    ]
+    assert lines == [f"{rank} 4 {rank // 2} 127.0.0.1 {port}" for rank in range(4)]
 
 
 def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path, leaks: LeakCheck) -> None:
     launcher, pids = start_job_with_grandchildren(tmp_path, leaks)
     launcher.kill()
     launcher.communicate()
-    wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=1.0,
-               what="every worker and grandchild to die within 1 s")  # fmt: skip
+    wait_until(
+        lambda: not any(pid_alive(pid) for pid in pids),
+        timeout=1.0,
+        what="every worker and grandchild to die within 1 s",
+    )

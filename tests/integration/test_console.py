@@ -41,16 +41,22 @@ def write_job(tmp_path, body: str) -> str:
 
 
 def run(leaks: LeakCheck, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "relaunch", *argv], capture_output=True,
-                          text=True, env=leaks.process_env(**env), timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "relaunch", *argv],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(**env),
+        timeout=60,
+    )
 
 
 def test_off_a_terminal_bars_are_throttled_and_every_final_state_printed(
     tmp_path, leaks: LeakCheck
 ) -> None:
     job = write_job(tmp_path, BARS)
-    done = run(leaks, "--nproc-per-node", "8", "--tee", "3", "--log-dir", str(tmp_path / "logs"),
-               job)  # fmt: skip
+    done = run(
+        leaks, "--nproc-per-node", "8", "--tee", "3", "--log-dir", str(tmp_path / "logs"), job
+    )
     assert done.returncode == 0, done.stderr
     for rank in range(8):
         bars = [line for line in done.stderr.splitlines() if f"]:rank {rank} " in line]
@@ -92,8 +98,9 @@ def test_on_a_terminal_bars_are_redrawn_in_place_below_the_log(tmp_path, leaks: 
     job = write_job(tmp_path, BARS)
     env = leaks.process_env(TERM="xterm", COLUMNS="120")
     env.pop("NO_COLOR", None)
-    screen = run_in_terminal([sys.executable, "-m", "relaunch", "--nproc-per-node", "2",
-                              "--tee", "3", job], env)  # fmt: skip
+    screen = run_in_terminal(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", "--tee", "3", job], env
+    )
     assert b"\r\x1b[2K\x1b[1A\x1b[2K" in screen, "the live area (two bars) is erased in place"
     assert b"\x1b[36m[default0]:\x1b[0m" in screen and b"\x1b[33m[default1]:\x1b[0m" in screen
     plain = ANSI.sub(b"", screen)
@@ -107,8 +114,10 @@ def test_on_a_terminal_bars_are_redrawn_in_place_below_the_log(tmp_path, leaks: 
 
 def test_no_color_turns_colours_off(tmp_path, leaks: LeakCheck) -> None:
     job = write_job(tmp_path, "print('hello')\n")
-    screen = run_in_terminal([sys.executable, "-m", "relaunch", "--nproc-per-node", "2",
-                              "--tee", "3", job], leaks.process_env(TERM="xterm", NO_COLOR="1"))
+    screen = run_in_terminal(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", "--tee", "3", job],
+        leaks.process_env(TERM="xterm", NO_COLOR="1"),
+    )
     assert b"[default1]:hello" in screen and b"\x1b[3" not in screen
 
 
@@ -132,9 +141,14 @@ CHECKPOINTING = """
 
 
 def start(leaks: LeakCheck, tmp_path, *argv: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "relaunch", *argv], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=leaks.process_env(**env))  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "relaunch", *argv],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=leaks.process_env(**env),
+    )
 
 
 def test_a_first_sigterm_lets_the_workers_checkpoint_and_exit(tmp_path, leaks: LeakCheck) -> None:
@@ -147,7 +161,7 @@ def test_a_first_sigterm_lets_the_workers_checkpoint_and_exit(tmp_path, leaks: L
     assert out.count("saved at step") == 2, out  # both ranks saved
     assert (tmp_path / "ckpt0").exists() and (tmp_path / "ckpt1").exists()
     assert "asking the workers to stop" in err
-    summary = err[err.index("run summary"):]
+    summary = err[err.index("run summary") :]
     assert summary.startswith("run summary: stopped by SIGTERM")
     assert "the workers stopped cleanly after the stop request (all exited 0)" in summary
     assert "rank 0 (local 0): exited with code 0" in summary
@@ -171,12 +185,20 @@ def test_a_second_signal_stops_the_workers_at_once(tmp_path, leaks: LeakCheck) -
 
 
 def test_outside_relaunch_the_worker_calls_do_nothing(leaks: LeakCheck) -> None:
-    code = ("import relaunch, time; t = time.perf_counter(); "
-            "[relaunch.report_progress(i, 10) for i in range(1000)]; "
-            "print(relaunch.stop_requested(), (time.perf_counter() - t) < 1)")  # fmt: skip
+    code = (
+        "import relaunch, time; t = time.perf_counter(); "
+        "[relaunch.report_progress(i, 10) for i in range(1000)]; "
+        "print(relaunch.stop_requested(), (time.perf_counter() - t) < 1)"
+    )
     env = {k: v for k, v in leaks.process_env().items() if k != "RELAUNCH_CHANNEL"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=60,
+    )
     assert out.stdout.split() == ["False", "True"]
 
 
@@ -191,21 +213,36 @@ def test_the_summary_follows_the_root_cause_report(tmp_path, leaks: LeakCheck) -
 
 def test_rank_filter_and_prefix_template(tmp_path, leaks: LeakCheck) -> None:
     job = write_job(tmp_path, "import os; print('hello from', os.environ['RANK'])\n")
-    done = run(leaks, "--nproc-per-node", "3", "--tee", "3", "--local-ranks-filter", "0,2",
-               "--log-dir", str(tmp_path / "logs"), job,
-               TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}:${rank}/${local_rank}> ")
+    done = run(
+        leaks,
+        "--nproc-per-node",
+        "3",
+        "--tee",
+        "3",
+        "--local-ranks-filter",
+        "0,2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        job,
+        TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}:${rank}/${local_rank}> ",
+    )
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == ["<default:0/0> hello from 0",
-                                                "<default:2/2> hello from 2"]  # fmt: skip
+    assert sorted(done.stdout.splitlines()) == [
+        "<default:0/0> hello from 0",
+        "<default:2/2> hello from 2",
+    ]
     [log] = list((tmp_path / "logs").glob("*/attempt_0/1/stdout.log"))
     assert log.read_text() == "hello from 1\n", "the files keep every rank"
 
 
 def test_status_events_carry_each_workers_progress(tmp_path, leaks: LeakCheck) -> None:
-    job = write_job(tmp_path, """
+    job = write_job(
+        tmp_path,
+        """
         import os, relaunch
         relaunch.report_progress(int(os.environ["RANK"]) + 7, 10, "epoch")
-    """)  # fmt: skip
+    """,
+    )
     events = tmp_path / "events.jsonl"
     done = run(leaks, "--nproc-per-node", "2", "--event-log-handler", f"file:{events}", job)
     assert done.returncode == 0, done.stderr
@@ -215,20 +252,25 @@ def test_status_events_carry_each_workers_progress(tmp_path, leaks: LeakCheck) -
         inner = json.loads(event["metadata"]["metadata"])
         if event["source"] == "WORKER":
             progress[event["metadata"]["global_rank"]] = inner["progress"]
-    assert progress == {0: {"step": 7, "total": 10, "desc": "epoch"},
-                        1: {"step": 8, "total": 10, "desc": "epoch"}}  # fmt: skip
+    assert progress == {
+        0: {"step": 7, "total": 10, "desc": "epoch"},
+        1: {"step": 8, "total": 10, "desc": "epoch"},
+    }
 
 
 def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
     tmp_path, leaks: LeakCheck
 ) -> None:
-    job = write_job(tmp_path, """
+    job = write_job(
+        tmp_path,
+        """
         import os, time, relaunch
         slow = 0.02 if os.environ["LOCAL_RANK"] == "1" else 0.01
         for step in range(1, 126):
             relaunch.report_progress(step, 125, "train")
             time.sleep(slow)  # 2.5 s for the slowest rank
-    """)  # fmt: skip
+    """,
+    )
     done = run(leaks, "--nproc-per-node", "2", "--tee", "3", job)
     assert done.returncode == 0, done.stderr
     bars = [line for line in done.stderr.splitlines() if line.startswith("[default node 0]:")]

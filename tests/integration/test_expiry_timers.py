@@ -56,8 +56,7 @@ def reaps() -> Reaps:
 
 @pytest.fixture
 def file_server(tmp_path, reaps: Reaps) -> Iterator[FileTimerServer]:
-    server = FileTimerServer(str(tmp_path / "timers.fifo"), "run", max_interval=0.1,
-                             on_reap=reaps)  # fmt: skip
+    server = FileTimerServer(str(tmp_path / "timers.fifo"), "run", max_interval=0.1, on_reap=reaps)
     server.start()
     yield server
     server.stop()
@@ -67,9 +66,13 @@ def file_server(tmp_path, reaps: Reaps) -> Iterator[FileTimerServer]:
 def worker(leaks: LeakCheck, fifo: str, body: str) -> subprocess.Popen[str]:
     """A Python process that runs ``body`` with ``relaunch.timer`` pointed at ``fifo``."""
     code = "import sys, relaunch.timer as timer\n" + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True,
-                            env=leaks.process_env(TORCHELASTIC_TIMER_FILE=fifo))  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=leaks.process_env(TORCHELASTIC_TIMER_FILE=fifo),
+    )
 
 
 HANG = "sys.stdin.read()  # until the test closes stdin, or the process is reaped\n"
@@ -78,10 +81,14 @@ HANG = "sys.stdin.read()  # until the test closes stdin, or the process is reape
 def test_a_worker_stuck_past_its_deadline_is_reaped_on_time(
     leaks: LeakCheck, file_server: FileTimerServer, reaps: Reaps
 ) -> None:
-    stuck = worker(leaks, file_server.file_path, f"""
+    stuck = worker(
+        leaks,
+        file_server.file_path,
+        f"""
         with timer.expires(after=0.5, scope="stuck"):
             {HANG}
-    """)  # fmt: skip
+    """,
+    )
     assert stuck.wait(timeout=30) == -signal.SIGKILL
     [(pid, timers, reaped_at)] = reaps.seen
     assert pid == stuck.pid and [t.scope for t in timers] == ["stuck"]
@@ -95,12 +102,16 @@ def test_a_released_timer_never_fires(
 ) -> None:
     # The second timer, with a later deadline, is the clock: once it fired, the first one's
     # deadline had long passed.
-    proc = worker(leaks, file_server.file_path, f"""
+    proc = worker(
+        leaks,
+        file_server.file_path,
+        f"""
         with timer.expires(after=0.2, scope="released"):
             pass
         with timer.expires(after=0.6, scope="later"):
             {HANG}
-    """)  # fmt: skip
+    """,
+    )
     assert proc.wait(timeout=30) == -signal.SIGKILL
     assert reaps.scopes(proc.pid) == ["later"]
 
@@ -108,17 +119,25 @@ def test_a_released_timer_never_fires(
 def test_scopes_and_workers_are_independent(
     leaks: LeakCheck, file_server: FileTimerServer, reaps: Reaps
 ) -> None:
-    first = worker(leaks, file_server.file_path, f"""
+    first = worker(
+        leaks,
+        file_server.file_path,
+        f"""
         with timer.expires(after=30, scope="outer"):
             with timer.expires(after=0.4, scope="inner"):
                 {HANG}
-    """)  # fmt: skip
-    second = worker(leaks, file_server.file_path, f"""
+    """,
+    )
+    second = worker(
+        leaks,
+        file_server.file_path,
+        f"""
         with timer.expires(after=30, scope="inner"):
             print("holding", flush=True)
             {HANG}
         print("released", flush=True)
-    """)  # fmt: skip
+    """,
+    )
     assert second.stdout is not None and second.stdout.readline() == "holding\n"
     assert first.wait(timeout=30) == -signal.SIGKILL
     assert reaps.scopes(first.pid) == ["inner"]
@@ -145,12 +164,18 @@ def test_malformed_requests_are_logged_and_ignored(
     os.write(fd, b'garbage\n{"pid": -4}\n{"pid": 1, "scope_id": "s"')  # the last is partial
     os.write(fd, b"\n" + b"x" * 100_000 + b"\n")
     os.close(fd)
-    wait_until(lambda: sum("malformed" in r.message for r in caplog.records) >= 4,
-               what="four malformed requests logged")  # fmt: skip
-    proc = worker(leaks, file_server.file_path, f"""
+    wait_until(
+        lambda: sum("malformed" in r.message for r in caplog.records) >= 4,
+        what="four malformed requests logged",
+    )
+    proc = worker(
+        leaks,
+        file_server.file_path,
+        f"""
         with timer.expires(after=0.3, scope="after-garbage"):
             {HANG}
-    """)  # fmt: skip
+    """,
+    )
     assert proc.wait(timeout=30) == -signal.SIGKILL, "the server still works"
 
 
@@ -163,8 +188,10 @@ def test_the_server_never_signals_its_own_process(
     request = FileTimerRequest(os.getpid(), "self", time.time() - 1, signal.SIGKILL)
     os.write(fd, (request.to_json() + "\n").encode())
     os.close(fd)
-    wait_until(lambda: any("not reaping pid" in r.message for r in caplog.records),
-               what="the refusal logged")  # fmt: skip
+    wait_until(
+        lambda: any("not reaping pid" in r.message for r in caplog.records),
+        what="the refusal logged",
+    )
     assert reaps.seen == []
     client.release("self")
 
@@ -173,16 +200,23 @@ def test_reaping_is_limited_to_the_pids_the_server_may_reap(
     tmp_path, leaks: LeakCheck, reaps: Reaps, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    server = FileTimerServer(str(tmp_path / "fifo"), "run", max_interval=0.1, on_reap=reaps,
-                             may_reap=lambda pid: False)  # fmt: skip
+    server = FileTimerServer(
+        str(tmp_path / "fifo"), "run", max_interval=0.1, on_reap=reaps, may_reap=lambda pid: False
+    )
     server.start()
     try:
-        proc = worker(leaks, server.file_path, f"""
+        proc = worker(
+            leaks,
+            server.file_path,
+            f"""
             with timer.expires(after=0.2, scope="protected"):
                 {HANG}
-        """)  # fmt: skip
-        wait_until(lambda: any("not one of this agent's workers" in r.message
-                               for r in caplog.records), what="the refusal")  # fmt: skip
+        """,
+        )
+        wait_until(
+            lambda: any("not one of this agent's workers" in r.message for r in caplog.records),
+            what="the refusal",
+        )
         assert proc.poll() is None and reaps.seen == []
         proc.communicate("", timeout=30)
         assert proc.returncode == 0
@@ -221,8 +255,9 @@ def test_the_local_pair_reaps_over_a_multiprocessing_queue(reaps: Reaps) -> None
     server = LocalTimerServer(queue, max_interval=0.1, on_reap=reaps)
     server.start()
     try:
-        proc = context.Process(target=_local_worker,
-                               args=(queue, [("released", 0.2, False), ("stuck", 0.5, True)]))
+        proc = context.Process(
+            target=_local_worker, args=(queue, [("released", 0.2, False), ("stuck", 0.5, True)])
+        )
         proc.start()
         proc.join(timeout=30)
         assert proc.exitcode == -signal.SIGKILL
@@ -258,14 +293,18 @@ HANG_JOB = """
 """
 
 
-def relaunch(leaks: LeakCheck, tmp_path, job: str, *flags: str,
-             **env: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def relaunch(
+    leaks: LeakCheck, tmp_path, job: str, *flags: str, **env: str
+) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "job.py"
     path.write_text(textwrap.dedent(job))
     return subprocess.run(
         [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", *flags, str(path)],
-        capture_output=True, text=True, env=leaks.process_env(**env), timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(**env),
+        timeout=60,
+    )
 
 
 def test_a_reaped_worker_restarts_the_group_and_the_report_names_the_scope(
@@ -283,7 +322,7 @@ def test_torchruns_switch_turns_timers_on_and_a_last_failure_is_reported(
 ) -> None:
     done = relaunch(leaks, tmp_path, TIMER_JOB, TORCHELASTIC_ENABLE_FILE_TIMER="1")
     assert done.returncode == 1
-    report = done.stderr[done.stderr.index("Root cause"):]
+    report = done.stderr[done.stderr.index("Root cause") :]
     assert "rank 1 (local_rank 1" in report
     assert "expiry timer 'train_step' expired" in report and "@relaunch.record" not in report
 
@@ -293,7 +332,7 @@ def test_a_hung_worker_is_shown_with_its_stack_and_restarted(tmp_path, leaks: Le
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("finished attempt 1") == 2
     assert "local rank 1" not in done.stderr, "a worker that finished is not hung"
-    report = done.stderr[done.stderr.index("Root cause"):]
+    report = done.stderr[done.stderr.index("Root cause") :]
     assert "killed by SIGABRT" in report and "hung: no output, progress or timer activity" in report
     assert "Fatal Python error: Aborted" in report
     assert 'job.py", line 5 in load_batches' in report, "the hung thread's stack"
@@ -325,13 +364,20 @@ class ScriptedQueue(RequestQueue):
 
 
 def test_a_release_queued_behind_other_requests_still_wins(leaks: LeakCheck, reaps: Reaps) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                            stdin=subprocess.PIPE, env=leaks.process_env())  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        env=leaks.process_env(),
+    )
     past = time.time() - 1  # the server wakes late: the deadline has passed, the release came
-    queue = ScriptedQueue([TimerRequest(proc.pid, "a", past),
-                           TimerRequest(proc.pid, "b", past + 99),
-                           TimerRequest(proc.pid, "c", past + 99),
-                           TimerRequest(proc.pid, "a", -1)])  # fmt: skip
+    queue = ScriptedQueue(
+        [
+            TimerRequest(proc.pid, "a", past),
+            TimerRequest(proc.pid, "b", past + 99),
+            TimerRequest(proc.pid, "c", past + 99),
+            TimerRequest(proc.pid, "a", -1),
+        ]
+    )
     server = TableTimerServer(queue, max_interval=0.1, on_reap=reaps)
     server._watchdog_step()
     assert reaps.seen == [] and proc.poll() is None
@@ -341,12 +387,17 @@ def test_a_release_queued_behind_other_requests_still_wins(leaks: LeakCheck, rea
 def test_a_report_says_how_long_the_worker_gave_itself_however_late_it_was_read(
     leaks: LeakCheck, reaps: Reaps
 ) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                            stdin=subprocess.PIPE, env=leaks.process_env())  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        env=leaks.process_env(),
+    )
     made = time.time() - 2.0  # the request waited 2 s in the pipe before the server read it
-    server = TableTimerServer(ScriptedQueue([FileTimerRequest(proc.pid, "step", made + 0.5,
-                                                              acquired_at=made)]),
-                              max_interval=0.1, on_reap=reaps)  # fmt: skip
+    server = TableTimerServer(
+        ScriptedQueue([FileTimerRequest(proc.pid, "step", made + 0.5, acquired_at=made)]),
+        max_interval=0.1,
+        on_reap=reaps,
+    )
     server._watchdog_step()
     [(_, [timer], _)] = reaps.seen
     assert timer.allowed == pytest.approx(0.5)

@@ -21,8 +21,10 @@ def start_launcher(tmp_path, leaks: LeakCheck, kind: str) -> tuple[subprocess.Po
     env = leaks.process_env(PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     launcher = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "launcher.py"), str(log_dir), str(pid_dir), kind],
-        stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert launcher.stdout is not None
     assert launcher.stdout.readline() == "ready\n"
     return launcher, str(pid_dir)
@@ -40,9 +42,10 @@ def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path, leaks: LeakCheck, k
     launcher.kill()
     launcher.wait()
     wait_until(
-        lambda: not any(pid_alive(pid) for pid in pids), timeout=1.0,
+        lambda: not any(pid_alive(pid) for pid in pids),
+        timeout=1.0,
         what="workers and grandchildren to die within 1 s of the launcher's SIGKILL",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
@@ -66,8 +69,11 @@ def test_an_unclosed_context_is_killed_at_interpreter_exit(tmp_path, leaks: Leak
         "print(pc.pids()[0], flush=True)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=leaks.process_env(),
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
         timeout=30,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     wait_until(lambda: not pid_alive(int(out.stdout)), timeout=1.0, what="the worker to die")

@@ -32,8 +32,10 @@ from conftest import LeakCheck, wait_until
 
 #: Fast rendezvous: a lost node is noticed in ~0.6 s; a node's own store operations give up
 #: after 2 s, so a host that is cut off notices it soon too.
-FAST = ("keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,"
-        "join_timeout=20,timeout=2")  # fmt: skip
+FAST = (
+    "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,"
+    "join_timeout=20,timeout=2"
+)
 PORT = 29400  # a fresh namespace: nothing else listens there
 ROUND = re.compile(r"rendezvous round (\d+) complete: group rank (\d+) of (\d+)")
 
@@ -62,9 +64,13 @@ class Agent:
         self.name = name
         # ``ip netns exec`` enters the namespace and execs the command: the pid is the agent's.
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, *argv], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-        )  # fmt: skip
+            ["ip", "netns", "exec", namespace, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         self._readers = [
@@ -141,8 +147,9 @@ class Network:
         for name in (self.switch, *(self.namespace(h) for h in ("h1", "h2", "h3"))):
             done = ip("netns", "add", name)
             if done.returncode != 0:
-                pytest.skip(f"cannot create network namespaces (ip netns add: "
-                            f"{done.stderr.strip()})")  # fmt: skip
+                pytest.skip(
+                    f"cannot create network namespaces (ip netns add: {done.stderr.strip()})"
+                )
             self.created.append(name)  # ours from here on: deleted after the test
             must("-n", name, "link", "set", "lo", "up")
         must("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -150,8 +157,20 @@ class Network:
         for host in ("h1", "h2", "h3"):
             ns = self.namespace(host)
             # Both ends are made where they belong: none ever exists in the machine's namespace.
-            must("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", host,
-                 "netns", self.switch)  # fmt: skip
+            must(
+                "-n",
+                ns,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host,
+                "netns",
+                self.switch,
+            )
             must("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
             must("-n", ns, "link", "set", "eth0", "up")
             must("-n", self.switch, "link", "set", host, "master", "br0")
@@ -176,8 +195,12 @@ class Network:
         must("-n", self.switch, "link", "set", host, "up")
 
     def start(self, host: str, *argv: str) -> Agent:
-        agent = Agent(host, self.namespace(host), [sys.executable, *argv],
-                      self.leaks.process_env(LOGLEVEL="INFO"))  # fmt: skip
+        agent = Agent(
+            host,
+            self.namespace(host),
+            [sys.executable, *argv],
+            self.leaks.process_env(LOGLEVEL="INFO"),
+        )
         self.agents.append(agent)
         # The premise of stopping it by pid: the process is the agent itself, not ``ip``; and
         # the premise of the whole test: it runs in the host's namespace, not the machine's.
@@ -247,15 +270,19 @@ def net(leaks: LeakCheck) -> Iterator[Network]:
         assert not [n for n in network.created if n in left], f"namespaces left: {left}"
 
 
-def for_each(agents: list[Agent], condition: Callable[[Agent], bool], what: str,
-             timeout: float = 20.0) -> None:  # fmt: skip
+def for_each(
+    agents: list[Agent], condition: Callable[[Agent], bool], what: str, timeout: float = 20.0
+) -> None:
     def report() -> str:
         return "\n".join(agent.report() for agent in agents)
 
     for agent in agents:
         try:
-            wait_until(lambda agent=agent: condition(agent) or agent.proc.poll() is not None,
-                       timeout, what=f"{agent.name}: {what}")  # fmt: skip
+            wait_until(
+                lambda agent=agent: condition(agent) or agent.proc.poll() is not None,
+                timeout,
+                what=f"{agent.name}: {what}",
+            )
         except BaseException:
             print(report())
             raise
@@ -273,15 +300,39 @@ def test_a_host_cut_off_leaves_the_others_to_re_form_and_rejoins_once_back(
     run_id = uuid.uuid4().hex
 
     def start(host: str) -> Agent:
-        return net.start(host, "-m", "relaunch", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                         endpoint, "--rdzv-id", run_id, "--nnodes", "2:3", "--nproc-per-node",
-                         "1", "--local-addr", net.addr(host), "--rdzv-conf", FAST, "--tee", "1",
-                         "--shutdown-timeout", "5", "--log-dir", str(tmp_path / host),
-                         str(job), str(stop))  # fmt: skip
+        return net.start(
+            host,
+            "-m",
+            "relaunch",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "1",
+            "--local-addr",
+            net.addr(host),
+            "--rdzv-conf",
+            FAST,
+            "--tee",
+            "1",
+            "--shutdown-timeout",
+            "5",
+            "--log-dir",
+            str(tmp_path / host),
+            str(job),
+            str(stop),
+        )
 
     h1 = start("h1")  # hosts the store: h1 can bind the endpoint's address
-    wait_until(lambda: listening(h1.proc.pid, net.addr("h1"), PORT) or h1.proc.poll() is not None,
-               what="h1's agent to host the store")  # fmt: skip
+    wait_until(
+        lambda: listening(h1.proc.pid, net.addr("h1"), PORT) or h1.proc.poll() is not None,
+        what="h1's agent to host the store",
+    )
     assert h1.proc.poll() is None, h1.report()
     h2, h3 = start("h2"), start("h3")
     everyone = [h1, h2, h3]

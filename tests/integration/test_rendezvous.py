@@ -38,11 +38,24 @@ def agent(
     backend: str = "c10d",
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "relaunch", "--rdzv-backend", backend, "--rdzv-endpoint",
-         endpoint, "--tee", "1", *flags, job],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "relaunch",
+            "--rdzv-backend",
+            backend,
+            "--rdzv-endpoint",
+            endpoint,
+            "--tee",
+            "1",
+            *flags,
+            job,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=leaks.process_env(**(env or {})),
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -56,8 +69,9 @@ class Rendezvous:
     run_id: str = ""
 
     def agent(self, leaks: LeakCheck, job: str, *flags: str) -> subprocess.Popen[str]:
-        return agent(leaks, self.endpoint, job, "--rdzv-id", self.run_id, *flags,
-                     backend=self.backend)  # fmt: skip
+        return agent(
+            leaks, self.endpoint, job, "--rdzv-id", self.run_id, *flags, backend=self.backend
+        )
 
 
 @pytest.fixture(params=["c10d", "etcd"])
@@ -86,13 +100,15 @@ def lines(output: str) -> list[str]:
 def test_nodes_of_different_sizes_form_one_world(
     tmp_path, leaks: LeakCheck, rdzv: Rendezvous
 ) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os
         print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["GROUP_RANK"],
               os.environ["GROUP_WORLD_SIZE"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    """)  # fmt: skip
-    nodes = [rdzv.agent(leaks, job, "--nnodes", "2", "--nproc-per-node", str(n))
-             for n in (3, 2)]  # fmt: skip
+    """,
+    )
+    nodes = [rdzv.agent(leaks, job, "--nnodes", "2", "--nproc-per-node", str(n)) for n in (3, 2)]
     outputs = [node.communicate(timeout=60)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0]
     rows = sorted((line.split() for out in outputs for line in lines(out)), key=lambda r: int(r[0]))
@@ -108,12 +124,15 @@ def test_nodes_of_different_sizes_form_one_world(
 def test_a_killed_node_leaves_the_survivor_to_finish_alone(
     tmp_path, leaks: LeakCheck, rdzv: Rendezvous
 ) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, time
         print("world", os.environ["WORLD_SIZE"], flush=True)
         if os.environ["WORLD_SIZE"] == "2":
             time.sleep(120)
-    """)  # fmt: skip
+    """,
+    )
     host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
     wait_until(rdzv.ready, what="the first agent to host the store")
     other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
@@ -131,12 +150,15 @@ def test_a_killed_node_leaves_the_survivor_to_finish_alone(
 def test_a_node_joining_a_running_job_grows_it(
     tmp_path, leaks: LeakCheck, rdzv: Rendezvous
 ) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, time
         print("world", os.environ["WORLD_SIZE"], flush=True)
         if os.environ["WORLD_SIZE"] == "1":
             time.sleep(120)
-    """)  # fmt: skip
+    """,
+    )
     first = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
     assert first.stdout is not None
     assert first.stdout.readline().endswith("world 1\n")
@@ -164,8 +186,11 @@ def test_a_wrong_token_is_refused(tmp_path, leaks: LeakCheck) -> None:
     endpoint = f"127.0.0.1:{port}"
     store = subprocess.Popen(
         [sys.executable, "-m", "relaunch", "store", "--port", str(port), "--token", "right"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=leaks.process_env(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=leaks.process_env(),
+    )
     try:
         wait_until(lambda: serving(port), what="the store")
         node = agent(leaks, endpoint, job, "--rdzv-conf", "is_host=false,token=wrong")
@@ -188,9 +213,22 @@ def test_a_wrong_token_is_refused(tmp_path, leaks: LeakCheck) -> None:
 def test_standalone_runs_on_the_built_in_store(tmp_path, leaks: LeakCheck) -> None:
     job = script(tmp_path, "import os; print(os.environ['WORLD_SIZE'], os.environ['RANK'])\n")
     done = subprocess.run(
-        [sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node", "3", "--tee", "1",
-         job], capture_output=True, text=True, env=leaks.process_env(), timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "relaunch",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--tee",
+            "1",
+            job,
+        ],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(lines(done.stdout)) == ["3 0", "3 1", "3 2"]
     assert os.environ.get("RELAUNCH_RDZV_TOKEN") is None
@@ -202,14 +240,17 @@ def test_workers_failing_because_a_node_died_do_not_fail_the_job(
     """A collective breaks at once when a peer node dies; heartbeats tell it a moment later.
     The failure is the membership change's, so the survivor re-forms instead of failing."""
     broken = tmp_path / "broken"
-    job = script(tmp_path, f"""
+    job = script(
+        tmp_path,
+        f"""
         import os, sys, time
         print("world", os.environ["WORLD_SIZE"], flush=True)
         if os.environ["WORLD_SIZE"] == "2":
             while not os.path.exists({str(broken)!r}):  # the collective, until its peer dies
                 time.sleep(0.01)
             sys.exit("the collective broke: peer gone")
-    """)  # fmt: skip
+    """,
+    )
     host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FAST)
     wait_until(rdzv.ready, what="the first agent to host the store")
     other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FAST)

@@ -28,8 +28,14 @@ WORLD_THEN_WAIT = """
 """
 
 
-def etcd_agent(leaks: LeakCheck, endpoints: str, job: str, run_id: str, *flags: str,
-               env: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+def etcd_agent(
+    leaks: LeakCheck,
+    endpoints: str,
+    job: str,
+    run_id: str,
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]:
     return agent(leaks, endpoints, job, "--rdzv-id", run_id, *flags, backend="etcd", env=env)
 
 
@@ -53,10 +59,22 @@ def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
     order = [leader] + [i for i in range(3) if i != leader]
     endpoints = ",".join(etcd3.endpoint_list[i] for i in order)
     run_id = uuid.uuid4().hex
-    nodes = [etcd_agent(leaks, endpoints, job, run_id, "--nnodes", "2", "--rdzv-conf",
-                        "keep_alive_interval=0.2,keep_alive_max_attempt=5",
-                        "--max-restarts", "0", env={"GO_FILE": str(go)})
-             for _ in range(2)]  # fmt: skip
+    nodes = [
+        etcd_agent(
+            leaks,
+            endpoints,
+            job,
+            run_id,
+            "--nnodes",
+            "2",
+            "--rdzv-conf",
+            "keep_alive_interval=0.2,keep_alive_max_attempt=5",
+            "--max-restarts",
+            "0",
+            env={"GO_FILE": str(go)},
+        )
+        for _ in range(2)
+    ]
     assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
     etcd3.kill(leader)
     go.touch()
@@ -67,19 +85,23 @@ def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
         assert "lost" not in err and "restart" not in err.lower(), err
 
 
-def test_the_node_that_started_the_job_can_die(tmp_path, leaks: LeakCheck, etcd: EtcdCluster) -> None:  # noqa: E501
+def test_the_node_that_started_the_job_can_die(
+    tmp_path, leaks: LeakCheck, etcd: EtcdCluster
+) -> None:
     """With the built-in store the first node hosts it, and its death ends the job; on etcd the
     survivor re-forms and finishes."""
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os, time
         print("world", os.environ["WORLD_SIZE"], flush=True)
         if os.environ["WORLD_SIZE"] == "2":
             time.sleep(120)
-    """)  # fmt: skip
+    """,
+    )
     run_id = uuid.uuid4().hex
     first = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf", FAST)
-    second = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf",
-                        FAST)  # fmt: skip
+    second = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf", FAST)
     assert read_world(first) == "world 2" and read_world(second) == "world 2"
     first.kill()
     first.communicate()
@@ -103,13 +125,20 @@ def test_unreachable_etcd_is_a_clear_error_within_the_timeout(tmp_path, leaks: L
 
 
 def test_two_jobs_on_one_cluster_never_meet(tmp_path, leaks: LeakCheck, etcd: EtcdCluster) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
         import os
         print(os.environ["WORLD_SIZE"], os.environ["RANK"], os.environ["MASTER_PORT"])
-    """)  # fmt: skip
-    jobs = {run_id: [etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "2",
-                                "--nproc-per-node", "2") for _ in range(2)]
-            for run_id in (uuid.uuid4().hex, uuid.uuid4().hex)}  # fmt: skip
+    """,
+    )
+    jobs = {
+        run_id: [
+            etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "2", "--nproc-per-node", "2")
+            for _ in range(2)
+        ]
+        for run_id in (uuid.uuid4().hex, uuid.uuid4().hex)
+    }
     ports = set()
     for nodes in jobs.values():
         rows = []
@@ -132,25 +161,44 @@ def secure_etcd() -> EtcdCluster:
 
 def test_tls_and_authentication(tmp_path, leaks: LeakCheck, secure_etcd: EtcdCluster) -> None:
     job = script(tmp_path, "import os; print('world', os.environ['WORLD_SIZE'])\n")
-    tls = (f"protocol=https,cacert={secure_etcd.cacert},cert={secure_etcd.cert},"
-           f"key={secure_etcd.key}")  # fmt: skip
-    good = etcd_agent(leaks, secure_etcd.endpoints, job, uuid.uuid4().hex, "--rdzv-conf",
-                      f"{tls},user=root,password=pa55-w0rd-xyz")  # fmt: skip
+    tls = (
+        f"protocol=https,cacert={secure_etcd.cacert},cert={secure_etcd.cert},key={secure_etcd.key}"
+    )
+    good = etcd_agent(
+        leaks,
+        secure_etcd.endpoints,
+        job,
+        uuid.uuid4().hex,
+        "--rdzv-conf",
+        f"{tls},user=root,password=pa55-w0rd-xyz",
+    )
     out, err = good.communicate(timeout=60)
     assert good.returncode == 0, err
     assert lines(out) == ["world 1"]
     assert "pa55-w0rd-xyz" not in out + err
 
-    wrong = etcd_agent(leaks, secure_etcd.endpoints, job, uuid.uuid4().hex, "--rdzv-conf",
-                       f"{tls},user=root,password=wr0ng-pa55",
-                       env={"LOGLEVEL": "DEBUG"})  # fmt: skip
+    wrong = etcd_agent(
+        leaks,
+        secure_etcd.endpoints,
+        job,
+        uuid.uuid4().hex,
+        "--rdzv-conf",
+        f"{tls},user=root,password=wr0ng-pa55",
+        env={"LOGLEVEL": "DEBUG"},
+    )
     out, err = wrong.communicate(timeout=60)
     assert wrong.returncode == 1
     assert "refused the user name or password of user 'root'" in err
     assert "wr0ng-pa55" not in out + err, "credentials never appear in messages or logs"
 
-    plain = etcd_agent(leaks, secure_etcd.endpoints, job, uuid.uuid4().hex, "--rdzv-conf",
-                       "timeout=2,user=root,password=pa55-w0rd-xyz")  # fmt: skip
+    plain = etcd_agent(
+        leaks,
+        secure_etcd.endpoints,
+        job,
+        uuid.uuid4().hex,
+        "--rdzv-conf",
+        "timeout=2,user=root,password=pa55-w0rd-xyz",
+    )
     _, err = plain.communicate(timeout=60)
     assert plain.returncode == 1 and "cannot reach etcd" in err
     assert "pa55-w0rd-xyz" not in err
@@ -161,8 +209,16 @@ def test_a_node_arriving_after_the_job_finished_exits_cleanly(
 ) -> None:
     job = script(tmp_path, "print('ran')\n")
     run_id = uuid.uuid4().hex
-    first = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf",
-                       "last_call_timeout=0.2")  # fmt: skip
+    first = etcd_agent(
+        leaks,
+        etcd.endpoints,
+        job,
+        run_id,
+        "--nnodes",
+        "1:2",
+        "--rdzv-conf",
+        "last_call_timeout=0.2",
+    )
     out, err = first.communicate(timeout=60)
     assert first.returncode == 0 and lines(out) == ["ran"], err
     late = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2")

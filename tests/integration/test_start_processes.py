@@ -37,9 +37,13 @@ def read(path: str) -> str:
 @pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
 def test_function_return_values_by_rank(log_dir: str, leaks: LeakCheck, start_method: str) -> None:
     pc = start_processes(
-        "fn", procfns.echo_rank, {0: ("a",), 1: ("b",)}, leaks.envs(2), log_dir,
+        "fn",
+        procfns.echo_rank,
+        {0: ("a",), 1: ("b",)},
+        leaks.envs(2),
+        log_dir,
         start_method=start_method,
-    )  # fmt: skip
+    )
     try:
         assert isinstance(pc, MultiprocessContext)
         result = pc.wait()
@@ -128,14 +132,20 @@ def test_no_line_lost_when_a_worker_is_killed(log_dir: str, leaks: LeakCheck, ca
 
 def test_function_worker_output_is_redirected(log_dir: str, leaks: LeakCheck) -> None:
     pc = start_processes(
-        "fn", procfns.print_lines, {0: (3,)}, leaks.envs(1), log_dir,
+        "fn",
+        procfns.print_lines,
+        {0: (3,)},
+        leaks.envs(1),
+        log_dir,
         redirects=Std.ALL,
-    )  # fmt: skip
+    )
     assert pc.wait() is not None
     pc.close()
     assert read(os.path.join(log_dir, "0", "stdout.log")).splitlines() == [
-        "line 0 of rank 0", "line 1 of rank 0", "line 2 of rank 0",
-    ]  # fmt: skip
+        "line 0 of rank 0",
+        "line 1 of rank 0",
+        "line 2 of rank 0",
+    ]
     assert read(os.path.join(log_dir, "0", "stderr.log")) == "to stderr\n"
 
 
@@ -219,9 +229,12 @@ def test_close_stops_every_worker_tree(log_dir: str, leaks: LeakCheck, tmp_path)
     pid_dir = str(tmp_path / "pids")
     os.mkdir(pid_dir)
     pc = start_processes(
-        "w", procfns.start_grandchild_and_sleep, {0: (pid_dir,), 1: (pid_dir,)}, leaks.envs(2),
+        "w",
+        procfns.start_grandchild_and_sleep,
+        {0: (pid_dir,), 1: (pid_dir,)},
+        leaks.envs(2),
         log_dir,
-    )  # fmt: skip
+    )
     wait_until(lambda: len(os.listdir(pid_dir)) == 2, what="both grandchildren to start")
     pids = [int(p) for name in os.listdir(pid_dir) for p in name.split(".")]
     assert all(pid_alive(pid) for pid in pids)
@@ -263,9 +276,13 @@ def test_bad_input_is_refused_before_anything_runs(
     log_dir: str, leaks: LeakCheck, kwargs: dict, error: type, match: str
 ) -> None:
     call = {
-        "name": "w", "entrypoint": procfns.echo_rank, "args": {0: ("a",), 1: ("b",)},
-        "envs": leaks.envs(2), "log_dir": log_dir, **kwargs,
-    }  # fmt: skip
+        "name": "w",
+        "entrypoint": procfns.echo_rank,
+        "args": {0: ("a",), 1: ("b",)},
+        "envs": leaks.envs(2),
+        "log_dir": log_dir,
+        **kwargs,
+    }
     with pytest.raises(error, match=match):
         start_processes(**call)
     assert os.listdir(log_dir) == []
@@ -283,8 +300,19 @@ def test_log_dir_must_exist_and_be_empty(tmp_path, leaks: LeakCheck) -> None:
 
 def test_process_failure_reads_a_torch_style_error_file(tmp_path) -> None:
     path = tmp_path / "error.json"
-    path.write_text(json.dumps({"message": {"message": "RuntimeError: x", "extraInfo": {
-        "py_callstack": "Traceback...\nRuntimeError: x\n", "timestamp": "1"}}}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: x",
+                    "extraInfo": {
+                        "py_callstack": "Traceback...\nRuntimeError: x\n",
+                        "timestamp": "1",
+                    },
+                }
+            }
+        )
+    )
     failure = ProcessFailure(0, 123, 1, str(path))
     assert failure.message == "Traceback...\nRuntimeError: x"
     assert failure.error_file == str(path)
@@ -307,9 +335,14 @@ def test_tee_clears_the_progress_bar_around_worker_lines(
     watcher = threading.Thread(target=watch)
     watcher.start()
     pc = start_processes(
-        "w", PY, {0: py("print('a'); print('b')")}, leaks.envs(1), log_dir, tee=Std.OUT,
+        "w",
+        PY,
+        {0: py("print('a'); print('b')")},
+        leaks.envs(1),
+        log_dir,
+        tee=Std.OUT,
         progbar_events=events,
-    )  # fmt: skip
+    )
     pc.wait()
     pc.close()
     watcher.join(30)
@@ -332,9 +365,14 @@ def test_a_second_stop_brings_the_sigkill_closer(log_dir: str, leaks: LeakCheck,
     time.sleep(300)
     """
     pc = start_processes(
-        "w", PY, {0: py(code), 1: py(code)}, leaks.envs(2), log_dir, redirects=Std.OUT,
+        "w",
+        PY,
+        {0: py(code), 1: py(code)},
+        leaks.envs(2),
+        log_dir,
+        redirects=Std.OUT,
         shutdown_timeout=300,
-    )  # fmt: skip
+    )
     wait_until(lambda: read(os.path.join(log_dir, "0", "stdout.log")) == "ready\n")
     go.touch()
     # Rank 1 fails: rank 0 gets SIGTERM, which it ignores, with 300 s before SIGKILL ...

@@ -18,9 +18,12 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_standalone_store_serves_token_holders_until_sigterm(leaks: LeakCheck) -> None:
     server = subprocess.Popen(
-        [sys.executable, "-m", "relaunch", "store", "--port", "0"], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=leaks.process_env(RELAUNCH_RDZV_TOKEN="tok"),
-    )  # fmt: skip
+        [sys.executable, "-m", "relaunch", "store", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=leaks.process_env(RELAUNCH_RDZV_TOKEN="tok"),
+    )
     assert server.stdout is not None
     line = server.stdout.readline()
     assert line.startswith("relaunch store: serving on 127.0.0.1:")
@@ -44,8 +47,13 @@ def test_the_standalone_store_serves_token_holders_until_sigterm(leaks: LeakChec
     ],
 )
 def test_store_usage_errors(leaks: LeakCheck, argv: list[str], message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "relaunch", "store", *argv],
-                          capture_output=True, text=True, env=leaks.process_env(), timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "store", *argv],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
+        timeout=30,
+    )
     assert done.returncode == 2
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 

@@ -41,8 +41,16 @@ HOST = "127.0.0.1"
 IO_TIMEOUT = 5.0  # the most any single read from the server may take
 TOKEN = "fuzz-token-" + uuid.uuid4().hex
 FUZZ = settings(max_examples=60, deadline=None)
-HANDLED_OPS = (wire.GET, wire.SET, wire.CAS, wire.ADD, wire.DELETE, wire.WAIT, wire.WATCH,
-               wire.PING)  # fmt: skip
+HANDLED_OPS = (
+    wire.GET,
+    wire.SET,
+    wire.CAS,
+    wire.ADD,
+    wire.DELETE,
+    wire.WAIT,
+    wire.WATCH,
+    wire.PING,
+)
 Reply = tuple[int, list[bytes]]
 
 
@@ -433,8 +441,11 @@ def test_a_request_while_another_is_parked_closes_that_connection(
         raw.send(parked + follow_up)
     else:
         raw.send(parked)
-        wait_until(lambda: any(k.startswith("absent/") for k in list(server._waiters)), IO_TIMEOUT,
-                   "the request to park")  # fmt: skip
+        wait_until(
+            lambda: any(k.startswith("absent/") for k in list(server._waiters)),
+            IO_TIMEOUT,
+            "the request to park",
+        )
         raw.send(follow_up)
     assert raw.receive_until_closed() == []
     # The parked waiter went with the connection (it is unparked before the socket closes).

@@ -27,18 +27,30 @@ STEPS = "12"
 FAST = "keep_alive_interval=0.2,keep_alive_max_attempt=5,last_call_timeout=1,join_timeout=60"
 
 
-def relaunch(leaks: LeakCheck, tmp_path: pathlib.Path, *flags: str,
-             **env: str) -> subprocess.Popen[str]:  # fmt: skip
+def relaunch(
+    leaks: LeakCheck, tmp_path: pathlib.Path, *flags: str, **env: str
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "relaunch", "--tee", "1", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
         env=leaks.process_env(OMP_NUM_THREADS="1", **env),
-    )  # fmt: skip
+    )
 
 
 def train(tmp_path: pathlib.Path, out: str, *extra: str) -> list[str]:
-    return [TRAIN, "--steps", STEPS, "--checkpoint-dir", str(tmp_path / "ckpt"), "--out",
-            str(tmp_path / out), *extra]  # fmt: skip
+    return [
+        TRAIN,
+        "--steps",
+        STEPS,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path / out),
+        *extra,
+    ]
 
 
 def _torch():  # type: ignore[no-untyped-def]
@@ -63,8 +75,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ob
     """The job on 4 local workers, uninterrupted: the weights every other run must match."""
     tmp_path = tmp_path_factory.mktemp("reference")
     leaks = LeakCheck()
-    node = relaunch(leaks, tmp_path, "--standalone", "--nproc-per-node", "4",
-                    *train(tmp_path, "weights.pt"))  # fmt: skip
+    node = relaunch(
+        leaks, tmp_path, "--standalone", "--nproc-per-node", "4", *train(tmp_path, "weights.pt")
+    )
     out, err = node.communicate(timeout=200)
     assert node.returncode == 0, err
     losses = [float(line.split()[-1]) for line in out.splitlines() if " loss " in line]
@@ -80,9 +93,22 @@ def test_two_nodes_of_two_workers_end_with_the_single_node_weights(
     tmp_path: pathlib.Path, leaks: LeakCheck, reference: dict[str, object]
 ) -> None:
     endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
-    nodes = [relaunch(leaks, tmp_path, "--nnodes", "2", "--nproc-per-node", "2",
-                      "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                      *train(tmp_path, "weights.pt")) for _ in range(2)]  # fmt: skip
+    nodes = [
+        relaunch(
+            leaks,
+            tmp_path,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            *train(tmp_path, "weights.pt"),
+        )
+        for _ in range(2)
+    ]
     for node in nodes:
         _, err = node.communicate(timeout=200)
         assert node.returncode == 0, err
@@ -97,8 +123,9 @@ def worker_pids(agent_pid: int) -> dict[str, int]:
             for pid in map(int, file.read().split()):
                 try:
                     with open(f"/proc/{pid}/environ", "rb") as env:
-                        variables = dict(item.split(b"=", 1) for item in env.read().split(b"\0")
-                                         if b"=" in item)  # fmt: skip
+                        variables = dict(
+                            item.split(b"=", 1) for item in env.read().split(b"\0") if b"=" in item
+                        )
                 except OSError:
                     continue
                 if b"LOCAL_RANK" in variables:
@@ -119,8 +146,16 @@ def wait_for_step(node: subprocess.Popen[str], step: int, seen: list[str]) -> No
 def test_a_killed_worker_restarts_the_group_which_resumes_to_the_same_weights(
     tmp_path: pathlib.Path, leaks: LeakCheck, reference: dict[str, object]
 ) -> None:
-    node = relaunch(leaks, tmp_path, "--standalone", "--nproc-per-node", "4",
-                    "--max-restarts", "1", *train(tmp_path, "weights.pt", "--step-time", "0.2"))
+    node = relaunch(
+        leaks,
+        tmp_path,
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "1",
+        *train(tmp_path, "weights.pt", "--step-time", "0.2"),
+    )
     seen: list[str] = []
     wait_for_step(node, 4, seen)
     os.kill(worker_pids(node.pid)["1"], signal.SIGKILL)
@@ -138,8 +173,18 @@ def test_a_killed_node_leaves_the_survivor_to_resume_and_finish(
 ) -> None:
     endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
     port = int(endpoint.rsplit(":", 1)[1])
-    flags = ("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", endpoint, "--rdzv-conf", FAST)  # fmt: skip
+    flags = (
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-conf",
+        FAST,
+    )
     host = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "weights.pt", "--step-time", "0.3"))
     wait_until(lambda: serving(port), timeout=60, what="the first node to host the store")
     other = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "other.pt", "--step-time", "0.3"))
@@ -160,7 +205,12 @@ def test_the_elastic_launch_example_all_reduces_over_four_function_workers(
     leaks: LeakCheck,
 ) -> None:
     example = pathlib.Path(__file__).parents[2] / "examples" / "elastic_allreduce.py"
-    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
-                          env=leaks.process_env(OMP_NUM_THREADS="1"), timeout=200)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(OMP_NUM_THREADS="1"),
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "{0: 6, 1: 6, 2: 6, 3: 6}"

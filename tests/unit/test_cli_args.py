@@ -31,8 +31,9 @@ def test_bad_nnodes(text: str) -> None:
 
 def test_rdzv_conf() -> None:
     assert cli.parse_rdzv_conf("join_timeout=10, is_host=true,") == {
-        "join_timeout": "10", "is_host": "true",
-    }  # fmt: skip
+        "join_timeout": "10",
+        "is_host": "true",
+    }
     assert cli.parse_rdzv_conf("") == {}
     with pytest.raises(argparse.ArgumentTypeError):
         cli.parse_rdzv_conf("timeout")
@@ -40,9 +41,12 @@ def test_rdzv_conf() -> None:
 
 @pytest.mark.parametrize(
     ("env", "count"),
-    [({"CUDA_VISIBLE_DEVICES": "0,1,3"}, 3), ({"CUDA_VISIBLE_DEVICES": ""}, 0),
-     ({"CUDA_VISIBLE_DEVICES": "-1"}, 0)],
-)  # fmt: skip
+    [
+        ({"CUDA_VISIBLE_DEVICES": "0,1,3"}, 3),
+        ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, 0),
+    ],
+)
 def test_gpus_are_counted_from_cuda_visible_devices(env: dict[str, str], count: int) -> None:
     assert cli.count_gpus(env) == count
 
@@ -67,13 +71,27 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
         long_name = flag.names[-1]
         dest = long_name.lstrip("-").replace("-", "_")
         underscored = "--" + long_name[2:].replace("-", "_")
-        value = "1" if flag.switch else {
-            "nnodes": "2", "nproc_per_node": "3", "rdzv_conf": "a=b", "redirects": "1",
-            "tee": "2", "local_ranks_filter": "0", "signals_to_handle": "SIGTERM",
-            "start_method": "fork", "rdzv_endpoint": "h:1", "monitor_interval": "0.5",
-            "shutdown_timeout": "2", "max_restarts": "4", "node_rank": "1", "master_port": "9",
-            "hang_timeout": "30",
-        }.get(dest, "x")  # fmt: skip
+        value = (
+            "1"
+            if flag.switch
+            else {
+                "nnodes": "2",
+                "nproc_per_node": "3",
+                "rdzv_conf": "a=b",
+                "redirects": "1",
+                "tee": "2",
+                "local_ranks_filter": "0",
+                "signals_to_handle": "SIGTERM",
+                "start_method": "fork",
+                "rdzv_endpoint": "h:1",
+                "monitor_interval": "0.5",
+                "shutdown_timeout": "2",
+                "max_restarts": "4",
+                "node_rank": "1",
+                "master_port": "9",
+                "hang_timeout": "30",
+            }.get(dest, "x")
+        )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]
         from_flag = getattr(parse(*argv), dest)
         from_env = getattr(parse(**{f"PET_{dest.upper()}": value}), dest)
@@ -106,5 +124,7 @@ def test_local_ranks_filter_sends_the_other_ranks_to_files_only() -> None:
 
 def test_signals_to_handle() -> None:
     assert parse("--signals-to-handle", "SIGTERM,int,15").signals_to_handle == [
-        signal.SIGTERM, signal.SIGINT, signal.SIGTERM,
-    ]  # fmt: skip
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGTERM,
+    ]

@@ -72,11 +72,15 @@ def test_the_node_bar_follows_the_slowest_rank_with_rate_and_eta() -> None:
 
 
 def test_the_summary_says_how_each_rank_ended_and_why_it_restarted() -> None:
-    text = format_summary(RunSummary(
-        "succeeded", 75.0,
-        [RankEnd(1, 1, 0, 70.2), RankEnd(0, 0, -15, 3.0, "stopped by relaunch")],
-        ["rank 1 killed by SIGKILL (signal 9): expiry timer 'step' expired"], "/logs/run",
-    ))  # fmt: skip
+    text = format_summary(
+        RunSummary(
+            "succeeded",
+            75.0,
+            [RankEnd(1, 1, 0, 70.2), RankEnd(0, 0, -15, 3.0, "stopped by relaunch")],
+            ["rank 1 killed by SIGKILL (signal 9): expiry timer 'step' expired"],
+            "/logs/run",
+        )
+    )
     assert text.splitlines() == [
         "run summary: succeeded in 1m15s after 1 restart",
         "  rank 0 (local 0): killed by SIGTERM (signal 15) (stopped by relaunch) after 3.0s",

@@ -46,11 +46,18 @@ def test_half_given_credentials_are_refused() -> None:
 def test_passwords_and_tokens_never_show_in_a_repr() -> None:
     store = EtcdStore("h:1,h:2", user="root", password="hunter2-secret")
     assert "hunter2-secret" not in repr(store) and "root" in repr(store)
-    params = RendezvousParameters("etcd", "h:1", "job", 1, 2, password="hunter2-secret",
-                                  token="tok-secret", timeout=5)  # fmt: skip
+    params = RendezvousParameters(
+        "etcd", "h:1", "job", 1, 2, password="hunter2-secret", token="tok-secret", timeout=5
+    )
     assert "secret" not in repr(params) and "'timeout': 5" in repr(params)
-    config = LaunchConfig(1, 2, 1, rdzv_backend="etcd", rdzv_endpoint="h:1",
-                          rdzv_configs={"password": "hunter2-secret", "user": "root"})
+    config = LaunchConfig(
+        1,
+        2,
+        1,
+        rdzv_backend="etcd",
+        rdzv_endpoint="h:1",
+        rdzv_configs={"password": "hunter2-secret", "user": "root"},
+    )
     assert "hunter2-secret" not in repr(config) and "'user': 'root'" in repr(config)
 
 

@@ -62,9 +62,7 @@ def test_root_cause_is_the_earliest_failure_then_the_lowest_rank() -> None:
 def test_report_puts_the_root_cause_first_and_stopped_ranks_apart() -> None:
     failures = {
         3: F(1, 300, -11, message="segfault here", timestamp=20.0),
-        1: F(
-            1, 100, 2, "/logs/1/error.json", "Traceback\nValueError: boom", timestamp=10.0
-        ),
+        1: F(1, 100, 2, "/logs/1/error.json", "Traceback\nValueError: boom", timestamp=10.0),
     }
     report = format_report("train", failures, "hostA", stopped=[2, 0])
     lines = report.splitlines()

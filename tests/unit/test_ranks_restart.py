@@ -29,9 +29,16 @@ def test_bad_rank_assignment_inputs(sizes: list[int], group_rank: int) -> None:
 
 
 GROUP = GroupContext(
-    role="trainer", run_id="job7", group_rank=1, group_world_size=2, local_world_size=2,
-    master_addr="10.0.0.1", master_port=29500, restart_count=3, max_restarts=5,
-)  # fmt: skip
+    role="trainer",
+    run_id="job7",
+    group_rank=1,
+    group_world_size=2,
+    local_world_size=2,
+    master_addr="10.0.0.1",
+    master_port=29500,
+    restart_count=3,
+    max_restarts=5,
+)
 
 
 def test_worker_env_is_torchruns() -> None:

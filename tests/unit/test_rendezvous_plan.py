@@ -38,9 +38,14 @@ def test_join_counter_packs_ticket_and_workers() -> None:
     ],
 )
 def test_join_decisions(
-    ticket: int, joined: int, final: Final | None, min_at: float | None, now: float,
-    step: Step, extra: object,
-) -> None:  # fmt: skip
+    ticket: int,
+    joined: int,
+    final: Final | None,
+    min_at: float | None,
+    now: float,
+    step: Step,
+    extra: object,
+) -> None:
     decision = decide_join(S, ticket, joined, final, 0.0, min_at, now)
     assert decision.step is step
     if step is Step.COMPLETE:
@@ -67,8 +72,15 @@ def test_ring_and_liveness() -> None:
     assert not plan.is_dead(10.0, 13.0, fast) and plan.is_dead(10.0, 13.1, fast)
 
 
-@pytest.mark.parametrize("bad", [{"min_nodes": 0}, {"min_nodes": 3, "max_nodes": 2},
-                                 {"join_timeout": 0}, {"keep_alive_max_attempt": 0}])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"min_nodes": 0},
+        {"min_nodes": 3, "max_nodes": 2},
+        {"join_timeout": 0},
+        {"keep_alive_max_attempt": 0},
+    ],
+)
 def test_settings_refuse_nonsense(bad: dict) -> None:
     with pytest.raises(ValueError):
         Settings(**{"min_nodes": 1, "max_nodes": 2, **bad})
@@ -77,10 +89,12 @@ def test_settings_refuse_nonsense(bad: dict) -> None:
 def join_all(sizes: list[int], min_nodes: int, max_nodes: int) -> list[RendezvousInfo | str]:
     """Every node joins one in-memory store at once; each gets its info or its error."""
     store = MemoryStore()
-    rules = Settings(min_nodes, max_nodes, join_timeout=1.0, last_call_timeout=0.05,
-                     keep_alive_interval=0.05)  # fmt: skip
-    handlers = [DynamicRendezvousHandler("job", store, rules, size, "127.0.0.1", store)
-                for size in sizes]  # fmt: skip
+    rules = Settings(
+        min_nodes, max_nodes, join_timeout=1.0, last_call_timeout=0.05, keep_alive_interval=0.05
+    )
+    handlers = [
+        DynamicRendezvousHandler("job", store, rules, size, "127.0.0.1", store) for size in sizes
+    ]
     results: list[RendezvousInfo | str] = [""] * len(sizes)
 
     def join(index: int) -> None:
@@ -117,8 +131,9 @@ def test_concurrent_joins_always_form_one_consistent_world(
     assert sorted(info.group_rank for _, info in members) == list(range(len(members)))
     world = {info.world_size for _, info in members}
     assert world == {sum(sizes[i] for i, _ in members)}
-    ranks = sorted(r for i, info in members for r in range(info.rank_offset,
-                                                             info.rank_offset + sizes[i]))
+    ranks = sorted(
+        r for i, info in members for r in range(info.rank_offset, info.rank_offset + sizes[i])
+    )
     assert ranks == list(range(world.pop()))  # a permutation of 0..world-1
     assert len({(info.master_addr, info.master_port) for _, info in members}) == 1
     assert {info.group_world_size for _, info in members} == {len(members)}

@@ -70,11 +70,14 @@ def test_released_entries_do_not_pile_up() -> None:
     assert len(table._heap) <= 64 + 4
 
 
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from("xyz"),
-                          st.floats(0, 100), st.booleans()), max_size=60),
-       st.floats(0, 100))  # fmt: skip
-def test_expired_matches_a_plain_model(ops: list[tuple[str, str, float, bool]],
-                                       now: float) -> None:  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.sampled_from("xyz"), st.floats(0, 100), st.booleans()),
+        max_size=60,
+    ),
+    st.floats(0, 100),
+)
+def test_expired_matches_a_plain_model(ops: list[tuple[str, str, float, bool]], now: float) -> None:
     table, model = TimerTable(), {}
     for worker, scope, deadline, release in ops:
         if release:
@@ -96,7 +99,7 @@ def test_silent_names_the_hung_and_the_next_moment_to_look() -> None:
 
 
 def test_faulthandler_dump_is_cut_from_the_stderr_tail() -> None:
-    stderr = "noise\nFatal Python error: Aborted\n\nThread 0x1:\n  File \"x.py\", line 3\n"
+    stderr = 'noise\nFatal Python error: Aborted\n\nThread 0x1:\n  File "x.py", line 3\n'
     assert faulthandler_dump(stderr).startswith("Fatal Python error: Aborted\n\nThread")
     assert faulthandler_dump("no dump here") == ""
     long = "Fatal Python error: Aborted\n" + "line\n" * 500
@@ -116,12 +119,20 @@ def test_requests_on_the_pipe_are_validated() -> None:
         (json.dumps({"pid": 1, "scope_id": 3, "expiration_time": 1}).encode(), "scope_id 3"),
         (json.dumps({"pid": 1, "scope_id": "s", "expiration_time": "x"}).encode(), "'x'"),
         (b'{"pid": 1, "scope_id": "s", "expiration_time": NaN}', "nan"),
-        (json.dumps({"pid": 1, "scope_id": "s", "expiration_time": 1, "signal": 999}).encode(),
-         "signal 999"),
-        (json.dumps({"version": 7, "pid": 1, "scope_id": "s", "expiration_time": 1}).encode(),
-         "protocol version 7"),
-        (json.dumps({"pid": 1, "scope_id": "s", "expiration_time": 1, "acquired_at": "x"}).encode(),
-         "acquired_at 'x'"),
+        (
+            json.dumps({"pid": 1, "scope_id": "s", "expiration_time": 1, "signal": 999}).encode(),
+            "signal 999",
+        ),
+        (
+            json.dumps({"version": 7, "pid": 1, "scope_id": "s", "expiration_time": 1}).encode(),
+            "protocol version 7",
+        ),
+        (
+            json.dumps(
+                {"pid": 1, "scope_id": "s", "expiration_time": 1, "acquired_at": "x"}
+            ).encode(),
+            "acquired_at 'x'",
+        ),
     ]:
         with pytest.raises(ValueError, match=reason):
             parse_request(line)
@@ -154,8 +165,12 @@ def test_expires_names_its_scope_after_the_caller() -> None:
 
 @pytest.mark.parametrize("after", [0, -1, math.inf, math.nan, True, "5"])
 def test_expires_refuses_a_duration_that_is_not_positive(after: object) -> None:
-    with pytest.raises(ValueError, match="expected a positive number of seconds"), expires(
-        after=after, client=Recording()  # type: ignore[arg-type]
+    with (
+        pytest.raises(ValueError, match="expected a positive number of seconds"),
+        expires(
+            after=after,
+            client=Recording(),  # type: ignore[arg-type]
+        ),
     ):
         pass
 

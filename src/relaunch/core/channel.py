@@ -54,8 +54,9 @@ class Progress:
     reports: int
 
 
-def read_progress(buffer: bytes | bytearray | memoryview, rank: int,
-                  tries: int = 8) -> Progress | None:  # fmt: skip
+def read_progress(
+    buffer: bytes | bytearray | memoryview, rank: int, tries: int = 8
+) -> Progress | None:
     """The last progress report of ``rank``; None before its first (or if always torn)."""
     offset = slot_offset(rank)
     for _ in range(tries):
@@ -68,8 +69,13 @@ def read_progress(buffer: bytes | bytearray | memoryview, rank: int,
         desc = bytes(buffer[offset + DESC_OFFSET : offset + SLOT]).split(b"\0", 1)[0]
         (after,) = SEQ.unpack_from(buffer, offset)
         if after == before:
-            return Progress(step, None if total < 0 else total, when,
-                            desc.decode("utf-8", errors="replace"), before // 2)  # fmt: skip
+            return Progress(
+                step,
+                None if total < 0 else total,
+                when,
+                desc.decode("utf-8", errors="replace"),
+                before // 2,
+            )
     return None
 
 

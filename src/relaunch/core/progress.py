@@ -63,6 +63,8 @@ class NodeProgress:
             filled = int(fraction * BAR_WIDTH)
             bar = "█" * filled + " " * (BAR_WIDTH - filled)
             eta = _clock((progress.total - progress.step) / rate) if rate > 0 else "?"
-            return (f"{desc}{fraction * 100:3.0f}%|{bar}| {progress.step}/{progress.total} "
-                    f"[{elapsed}<{eta}, {_rate(rate)}] {slowest}")  # fmt: skip
+            return (
+                f"{desc}{fraction * 100:3.0f}%|{bar}| {progress.step}/{progress.total} "
+                f"[{elapsed}<{eta}, {_rate(rate)}] {slowest}"
+            )
         return f"{desc}step {progress.step} [{elapsed}, {_rate(rate)}] {slowest}"

@@ -21,8 +21,7 @@ def ranks_at_offset(rank_offset: int, local_world_size: int, world_size: int) ->
     """The ranks of a node whose first worker has global rank ``rank_offset``."""
     if local_world_size < 1 or not 0 <= rank_offset <= world_size - local_world_size:
         raise ValueError(
-            f"{local_world_size} workers from rank {rank_offset} do not fit a world of "
-            f"{world_size}"
+            f"{local_world_size} workers from rank {rank_offset} do not fit a world of {world_size}"
         )
     return [
         WorkerRanks(local, rank_offset + local, rank_offset + local, world_size, world_size)

@@ -52,8 +52,10 @@ def format_summary(summary: RunSummary) -> str:
     for end in sorted(summary.ranks, key=lambda e: e.rank):
         how = "did not end" if end.exitcode is None else describe_exit(end.exitcode)
         note = f" ({end.note})" if end.note else ""
-        lines.append(f"  rank {end.rank} (local {end.local_rank}): {how}{note} after "
-                     f"{_duration(end.duration)}")  # fmt: skip
+        lines.append(
+            f"  rank {end.rank} (local {end.local_rank}): {how}{note} after "
+            f"{_duration(end.duration)}"
+        )
     for number, reason in enumerate(summary.restarts, 1):
         lines.append(f"  restart {number}: {reason}")
     if summary.log_dir:

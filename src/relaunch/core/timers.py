@@ -51,8 +51,9 @@ class TimerTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def acquire(self, worker: Hashable, scope: str, deadline: float, now: float,
-                signal: int = 0) -> Timer:  # fmt: skip
+    def acquire(
+        self, worker: Hashable, scope: str, deadline: float, now: float, signal: int = 0
+    ) -> Timer:
         """Start (or move) the timer of ``scope`` of ``worker``."""
         timer = Timer(worker, scope, deadline, now, signal)
         self._live[(worker, scope)] = timer

@@ -125,8 +125,9 @@ class Console:
     and its final state always. Prefixes get a stable colour per rank on a terminal.
     """
 
-    def __init__(self, stdout: TextIO, stderr: TextIO,
-                 progbar_events: ProgbarEvents | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, stdout: TextIO, stderr: TextIO, progbar_events: ProgbarEvents | None = None
+    ) -> None:
         self.out = ConsoleWriter(stdout, progbar_events)
         self.err = ConsoleWriter(stderr, progbar_events)
         # ice-learn's handshake means the program draws its own bar: relaunch draws none.
@@ -246,8 +247,11 @@ class Console:
             if self.live and self._dirty:
                 waits.append(self._drawn_at + REDRAW_SECONDS - now)
             if not self.live:
-                waits += [bar.printed_at + THROTTLE_SECONDS - now for bar in self._bars.values()
-                          if bar.text != bar.printed]  # fmt: skip
+                waits += [
+                    bar.printed_at + THROTTLE_SECONDS - now
+                    for bar in self._bars.values()
+                    if bar.text != bar.printed
+                ]
             return max(0.0, min(waits)) if waits else None
 
     def tick(self) -> None:
@@ -320,12 +324,15 @@ def _display_order(key: str) -> tuple[bool, list[str | int]]:
     plain = _ANSI.sub("", key)
     parts = [int(p) if p.isdigit() else p for p in _DIGITS.split(plain)]
     return key.startswith("source:"), parts
+
+
 _consoles: dict[tuple[int, int, int], Console] = {}
 _consoles_guard = threading.Lock()
 
 
-def console_for(stdout: TextIO, stderr: TextIO,
-                progbar_events: ProgbarEvents | None = None) -> Console:  # fmt: skip
+def console_for(
+    stdout: TextIO, stderr: TextIO, progbar_events: ProgbarEvents | None = None
+) -> Console:
     """The one ``Console`` of this stdout/stderr pair (there is one live area per terminal)."""
     key = (id(stdout), id(stderr), id(progbar_events))
     with _consoles_guard:

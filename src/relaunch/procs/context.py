@@ -38,6 +38,7 @@ def _close_open_contexts() -> None:
     for context in list(_open_contexts):
         context.close(signal.SIGKILL, timeout=0)
 
+
 #: Default seconds between the stop signal and SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
@@ -185,10 +186,15 @@ class PContext(abc.ABC):
                 prefix = self.log_line_prefixes.get(rank, f"[{self.name}{rank}]:").encode()
                 for target, err in ((stdout, False), (stderr, True)):
                     if target.read_fd is not None and target.log_fd is not None:
-                        worker.streams.append(TeeStream(
-                            target.read_fd, target.log_fd, console,
-                            console.prefix(prefix, rank, err), err,
-                        ))  # fmt: skip
+                        worker.streams.append(
+                            TeeStream(
+                                target.read_fd,
+                                target.log_fd,
+                                console,
+                                console.prefix(prefix, rank, err),
+                                err,
+                            )
+                        )
                 targets = []
         except BaseException:
             self._abort_start(workers, targets)
@@ -284,11 +290,17 @@ class PContext(abc.ABC):
         else:
             values = {rank: self._return_value(worker) for rank, worker in workers.items()}
         self._result = RunProcsResult(
-            values, failures, self.stdouts, self.stderrs, stopped,
+            values,
+            failures,
+            self.stdouts,
+            self.stderrs,
+            stopped,
             exitcodes={rank: worker.exitcode or 0 for rank, worker in workers.items()},
-            durations={rank: max(0.0, worker.exit_time - self._started_at)
-                       for rank, worker in workers.items()},
-        )  # fmt: skip
+            durations={
+                rank: max(0.0, worker.exit_time - self._started_at)
+                for rank, worker in workers.items()
+            },
+        )
 
 
 def _wait_exit(handle: PopenHandle | ProcessHandle) -> None:
@@ -346,9 +358,18 @@ class MultiprocessContext(PContext):
         if start_method != "fork":
             _check_picklable(entrypoint, args, start_method)
         super().__init__(
-            name, entrypoint, args, envs, stdouts, stderrs, tee_stdouts, tee_stderrs,
-            error_files, progbar_events, shutdown_timeout,
-        )  # fmt: skip
+            name,
+            entrypoint,
+            args,
+            envs,
+            stdouts,
+            stderrs,
+            tee_stdouts,
+            tee_stderrs,
+            error_files,
+            progbar_events,
+            shutdown_timeout,
+        )
         self.entrypoint: Callable[..., Any] = entrypoint
         self.start_method = start_method
         import multiprocessing  # only function workers need it: keep it off the CLI's path
@@ -507,17 +528,35 @@ def start_processes(
     context: PContext
     if isinstance(entrypoint, str):
         context = SubprocessContext(
-            name, entrypoint, rank_args, envs, stdouts, stderrs, tee_stdouts, tee_stderrs,
-            error_files, progbar_events, shutdown_timeout,
-        )  # fmt: skip
+            name,
+            entrypoint,
+            rank_args,
+            envs,
+            stdouts,
+            stderrs,
+            tee_stdouts,
+            tee_stderrs,
+            error_files,
+            progbar_events,
+            shutdown_timeout,
+        )
     else:
         context = MultiprocessContext(
-            name, entrypoint, rank_args, envs, stdouts, stderrs, tee_stdouts, tee_stderrs,
-            error_files, start_method, progbar_events, shutdown_timeout,
-        )  # fmt: skip
+            name,
+            entrypoint,
+            rank_args,
+            envs,
+            stdouts,
+            stderrs,
+            tee_stdouts,
+            tee_stderrs,
+            error_files,
+            start_method,
+            progbar_events,
+            shutdown_timeout,
+        )
     context.log_line_prefixes = dict(log_line_prefixes or {})
     for rank in range(nprocs):
         os.mkdir(os.path.join(log_dir, str(rank)))
     context.start()
     return context
-

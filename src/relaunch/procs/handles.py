@@ -52,8 +52,9 @@ def _exit_fd(pid: int, wait: Callable[[], object]) -> int:
         finally:
             os.close(write_end)
 
-    start_without_signals(threading.Thread(target=wait_then_close, name=f"relaunch-wait-{pid}",
-                                           daemon=True))  # fmt: skip
+    start_without_signals(
+        threading.Thread(target=wait_then_close, name=f"relaunch-wait-{pid}", daemon=True)
+    )
     return read_end
 
 
@@ -94,4 +95,3 @@ class ProcessHandle:
             self.process.close()
         except ValueError:
             pass  # still running: only possible when it could not be killed
-

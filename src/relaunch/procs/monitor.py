@@ -56,8 +56,9 @@ class TeeStream:
     than lines; the log file gets every byte either way.
     """
 
-    def __init__(self, read_fd: int, log_fd: int, console: Console, prefix: bytes,
-                 err: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, read_fd: int, log_fd: int, console: Console, prefix: bytes, err: bool = False
+    ) -> None:
         os.set_blocking(read_fd, False)
         self.read_fd = read_fd
         self.log_fd = log_fd
@@ -321,10 +322,12 @@ class GroupMonitor:
         for stream in bars:
             assert stream.bar is not None
             if not stream.bar:  # wiped: its last state first, for a log that keeps it
-                stream.console.set_bar(stream.key, stream.prefix + stream.framer.last_bar,
-                                       stream.err)  # fmt: skip
-            stream.console.set_bar(stream.key, stream.prefix + stream.bar if stream.bar else b"",
-                                   stream.err)  # fmt: skip
+                stream.console.set_bar(
+                    stream.key, stream.prefix + stream.framer.last_bar, stream.err
+                )
+            stream.console.set_bar(
+                stream.key, stream.prefix + stream.bar if stream.bar else b"", stream.err
+            )
         return True
 
     def _reap(self, worker: WorkerProcess) -> None:

@@ -78,10 +78,12 @@ class RendezvousParameters:
         return self.config.get(key, default)
 
     def __repr__(self) -> str:
-        return (f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
-                f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, "
-                f"max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
-                f"config={redacted(self.config)!r})")  # fmt: skip
+        return (
+            f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
+            f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, "
+            f"max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
+            f"config={redacted(self.config)!r})"
+        )
 
 
 def redacted(config: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +180,5 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
 
         return create_etcd_handler(params)
     raise ValueError(
-        f"unknown rendezvous backend {params.backend!r}: valid backends are "
-        + ", ".join(BACKENDS)
+        f"unknown rendezvous backend {params.backend!r}: valid backends are " + ", ".join(BACKENDS)
     )

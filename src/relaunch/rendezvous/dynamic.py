@@ -112,8 +112,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if value == CLOSED:
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
         data = json.loads(value)
-        return plan.Final(data["count"], data["world_size"], data["master_addr"],
-                          data["master_port"])  # fmt: skip
+        return plan.Final(
+            data["count"], data["world_size"], data["master_addr"], data["master_port"]
+        )
 
     # -- RendezvousHandler ----------------------------------------------------------------------
 
@@ -143,13 +144,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         except StoreError as exc:
             # A connection that stalled while this node was cut off fails once, then the next
             # call reconnects (retrying for join_timeout): marking the old round is best effort.
-            log.warning("could not mark round %s for re-forming (%s); joining again", self._round,
-                        exc)  # fmt: skip
+            log.warning(
+                "could not mark round %s for re-forming (%s); joining again", self._round, exc
+            )
         started_at = time.monotonic()
         round_ = self._round_to_join()
         while True:
-            total = self._store.add(self._key("joins", round_),
-                                    plan.join_increment(self._local_world_size))  # fmt: skip
+            total = self._store.add(
+                self._key("joins", round_), plan.join_increment(self._local_world_size)
+            )
             ticket, through = plan.unpack_join(total)
             self._store.set(self._key(f"node/{ticket}", round_), str(through).encode())
             final = self._await_round(round_, ticket, started_at)
@@ -163,8 +166,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._changed.clear()
         group_rank, offset = plan.assign(ticket, through, self._local_world_size)
         self._start_heartbeat()
-        log.info("rendezvous round %d complete: group rank %d of %d", round_, group_rank,
-                 final.count)  # fmt: skip
+        log.info(
+            "rendezvous round %d complete: group rank %d of %d", round_, group_rank, final.count
+        )
         return RendezvousInfo(
             group_rank=group_rank,
             group_world_size=final.count,
@@ -219,8 +223,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if left <= 0:
                     log.warning("exit barrier: not every node finished within %gs", timeout)
                     return
-                self._store.watch(done_key, current.version,
-                                  min(left, self.settings.keep_alive_interval))  # fmt: skip
+                self._store.watch(
+                    done_key, current.version, min(left, self.settings.keep_alive_interval)
+                )
         except StoreConnectionError:
             self._finished = True  # the hosting node finished and left: everyone is done
 
@@ -243,13 +248,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
-        if (self._round is not None and self._final is not None and not self._finished
-                and not self._store_lost):  # fmt: skip
+        if (
+            self._round is not None
+            and self._final is not None
+            and not self._finished
+            and not self._store_lost
+        ):
             try:
                 # Leaving before the job finished: the others re-form without this node. This
                 # also wakes this node's own watcher, so its connection can close.
-                self._supersede(self._round, f"node of group rank {self._ticket - 1} left the "
-                                "job", self._final.count - 1)  # fmt: skip
+                self._supersede(
+                    self._round,
+                    f"node of group rank {self._ticket - 1} left the job",
+                    self._final.count - 1,
+                )
             except StoreError:
                 pass
         for close in (self._hb_store.close, self._store.close, *self._on_shutdown):
@@ -306,16 +318,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if ticket == 1 and final is None:
                 previous_running, expected = self._previous(round_)
             decision = plan.decide_join(
-                self.settings, ticket, joined, final, started_at, min_reached_at, now,
-                previous_running, expected,
-            )  # fmt: skip
+                self.settings,
+                ticket,
+                joined,
+                final,
+                started_at,
+                min_reached_at,
+                now,
+                previous_running,
+                expected,
+            )
             if decision.step is plan.Step.MEMBER:
                 return final
             if decision.step is plan.Step.LATE:
                 return None
             if decision.step is plan.Step.FAIL:
-                raise RendezvousError(f"rendezvous of job {self._run_id!r} failed: "
-                                      f"{decision.reason}")  # fmt: skip
+                raise RendezvousError(
+                    f"rendezvous of job {self._run_id!r} failed: {decision.reason}"
+                )
             if decision.step is plan.Step.COMPLETE:
                 self._complete(round_, decision.count)
                 continue
@@ -326,8 +346,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             elif previous_running:
                 awaited = self._key("changed", round_ - 1)
             else:
-                threshold = (self.settings.min_nodes if min_reached_at is None
-                             else plan.completion_target(self.settings, expected))  # fmt: skip
+                threshold = (
+                    self.settings.min_nodes
+                    if min_reached_at is None
+                    else plan.completion_target(self.settings, expected)
+                )
                 awaited = self._key(f"node/{threshold}", round_)
             timeout = max(0.0, decision.deadline - time.monotonic())
             if ticket == 1:
@@ -352,8 +375,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._store.wait([last], self.settings.keep_alive_interval)
                 break
             except StoreTimeout:
-                log.warning("rendezvous: the node holding ticket %d joined but never "
-                            "registered; completing the round without it", members)  # fmt: skip
+                log.warning(
+                    "rendezvous: the node holding ticket %d joined but never "
+                    "registered; completing the round without it",
+                    members,
+                )
         else:
             raise RendezvousError(
                 f"rendezvous of job {self._run_id!r} failed: fewer than "
@@ -403,16 +429,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_heartbeat = threading.Event()
         assert self._round is not None and self._final is not None
         self._heartbeat = threading.Thread(
-            target=self._beat, args=(self._round, self._ticket, self._final.count,
-                                     self._stop_heartbeat),
-            name="relaunch-heartbeat", daemon=True,
-        )  # fmt: skip
+            target=self._beat,
+            args=(self._round, self._ticket, self._final.count, self._stop_heartbeat),
+            name="relaunch-heartbeat",
+            daemon=True,
+        )
         start_without_signals(self._heartbeat)
         if self._watch_store is not None:
-            start_without_signals(threading.Thread(
-                target=self._watch_changes, args=(self._round, self._stop_heartbeat),
-                name="relaunch-rdzv-watch", daemon=True,
-            ))  # fmt: skip
+            start_without_signals(
+                threading.Thread(
+                    target=self._watch_changes,
+                    args=(self._round, self._stop_heartbeat),
+                    name="relaunch-rdzv-watch",
+                    daemon=True,
+                )
+            )
 
     def _watch_changes(self, round_: int, stop: threading.Event) -> None:
         """Block on this round's ``changed`` key: a re-form anywhere reaches us at once."""
@@ -557,9 +588,16 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         from relaunch.store.memory import MemoryStore
 
         memory = MemoryStore()
-        return DynamicRendezvousHandler(params.run_id, memory, settings, local_world_size,
-                                        host, memory, backend=params.backend,
-                                        watch_store=memory)  # fmt: skip
+        return DynamicRendezvousHandler(
+            params.run_id,
+            memory,
+            settings,
+            local_world_size,
+            host,
+            memory,
+            backend=params.backend,
+            watch_store=memory,
+        )
     import socket
 
     from relaunch.store.client import TcpStore
@@ -577,19 +615,27 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     on_shutdown = (server.stop,) if server is not None else ()
     try:
         store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
-        heartbeat_store = TcpStore(host, port, token, timeout=timeout,
-                                   connect_timeout=settings.join_timeout)  # fmt: skip
-        watch_store = TcpStore(host, port, token, timeout=timeout,
-                               connect_timeout=settings.join_timeout)  # fmt: skip
+        heartbeat_store = TcpStore(
+            host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
+        )
+        watch_store = TcpStore(
+            host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
+        )
     except StoreError as exc:
         for stop in on_shutdown:
             stop()
         raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     return DynamicRendezvousHandler(
-        params.run_id, store, settings, local_world_size, local_addr, heartbeat_store,
-        backend=params.backend, on_shutdown=(watch_store.close, *on_shutdown),
+        params.run_id,
+        store,
+        settings,
+        local_world_size,
+        local_addr,
+        heartbeat_store,
+        backend=params.backend,
+        on_shutdown=(watch_store.close, *on_shutdown),
         watch_store=watch_store,
-    )  # fmt: skip
+    )
 
 
 def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
@@ -614,8 +660,9 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
         path = options[path_option]
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"--rdzv-conf {path_option}={path}: no such file")
-    store, heartbeat_store, watch_store = (EtcdStore(params.endpoint or "127.0.0.1", **options)
-                                           for _ in range(3))  # fmt: skip
+    store, heartbeat_store, watch_store = (
+        EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
+    )
     try:
         store.get(f"relaunch/{params.run_id}/closed")  # reachable, and the credentials work
     except StoreError as exc:
@@ -629,7 +676,14 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
 
         local_addr = socket.getfqdn()
     return DynamicRendezvousHandler(
-        params.run_id, store, settings, int(params.get("local_world_size", 1)), local_addr,
-        heartbeat_store, backend=params.backend, on_shutdown=(watch_store.close,),
-        watch_store=watch_store, leases=True,
-    )  # fmt: skip
+        params.run_id,
+        store,
+        settings,
+        int(params.get("local_world_size", 1)),
+        local_addr,
+        heartbeat_store,
+        backend=params.backend,
+        on_shutdown=(watch_store.close,),
+        watch_store=watch_store,
+        leases=True,
+    )

@@ -169,8 +169,9 @@ class EtcdStore:
 
     def _connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
         if endpoint.scheme == "https":
-            return http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout,
-                                               context=self._ssl)  # fmt: skip
+            return http.client.HTTPSConnection(
+                endpoint.host, endpoint.port, timeout=timeout, context=self._ssl
+            )
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
 
     def _drop(self) -> None:
@@ -182,16 +183,22 @@ class EtcdStore:
         self._drop()
         self._current = (self._current + 1) % len(self.endpoints)
 
-    def _post(self, conn: http.client.HTTPConnection, path: str, body: dict[str, Any],
-              authorized: bool = True) -> http.client.HTTPResponse:  # fmt: skip
+    def _post(
+        self,
+        conn: http.client.HTTPConnection,
+        path: str,
+        body: dict[str, Any],
+        authorized: bool = True,
+    ) -> http.client.HTTPResponse:
         headers = {"Content-Type": "application/json"}
         if authorized and self._token is not None:
             headers["Authorization"] = self._token
         conn.request("POST", path, json.dumps(body).encode(), headers)
         return conn.getresponse()
 
-    def _attempt(self, path: str, body: dict[str, Any], timeout: float,
-                 authorized: bool = True) -> dict[str, Any]:  # fmt: skip
+    def _attempt(
+        self, path: str, body: dict[str, Any], timeout: float, authorized: bool = True
+    ) -> dict[str, Any]:
         """One request to the current member; ``_Retry`` when another member may do better."""
         endpoint = self.endpoints[self._current]
         try:
@@ -210,8 +217,10 @@ class EtcdStore:
             reply: dict[str, Any] = json.loads(payload) if payload else {}
         except ValueError:
             self._rotate()
-            raise _Retry(f"{endpoint}: answered HTTP {response.status} with a body that is "
-                         "not JSON (is this an etcd v3 client port?)") from None  # fmt: skip
+            raise _Retry(
+                f"{endpoint}: answered HTTP {response.status} with a body that is "
+                "not JSON (is this an etcd v3 client port?)"
+            ) from None
         if response.status == 200 and "error" not in reply:
             return reply
         message = str(reply.get("message") or reply.get("error") or f"HTTP {response.status}")
@@ -219,14 +228,18 @@ class EtcdStore:
         if code in _RETRY_CODES or any(m in message for m in _RETRY_MESSAGES):
             self._rotate()
             raise _Retry(f"{endpoint}: {message}")
-        if authorized and self._user is not None and (
-            code == _UNAUTHENTICATED or any(m in message for m in _BAD_TOKEN_MESSAGES)
+        if (
+            authorized
+            and self._user is not None
+            and (code == _UNAUTHENTICATED or any(m in message for m in _BAD_TOKEN_MESSAGES))
         ):
             self._token = None  # expired or never had one: authenticate, then try again
             raise _Retry(f"{endpoint}: {message}")
         if "permission denied" in message or code == _UNAUTHENTICATED:
-            raise StoreAuthError(f"etcd at {endpoint} refused the request: {message}"
-                                 + ("" if self._user else " (set user= and password=)"))
+            raise StoreAuthError(
+                f"etcd at {endpoint} refused the request: {message}"
+                + ("" if self._user else " (set user= and password=)")
+            )
         raise StoreError(f"etcd at {endpoint}: {message}")
 
     def _authenticate(self, timeout: float) -> None:
@@ -235,8 +248,9 @@ class EtcdStore:
             reply = self._attempt("/v3/auth/authenticate", body, timeout, authorized=False)
         except StoreError as exc:
             if "password" in str(exc) or "authentication failed" in str(exc):
-                raise StoreAuthError(f"etcd refused the user name or password of user "
-                                     f"{self._user!r}") from None  # fmt: skip
+                raise StoreAuthError(
+                    f"etcd refused the user name or password of user {self._user!r}"
+                ) from None
             raise
         self._token = str(reply["token"])
 
@@ -289,11 +303,17 @@ class EtcdStore:
         encoded = _key_b64(key)
         read = {"request_range": {"key": encoded}}
         body = {
-            "compare": [{"key": encoded, "target": "MOD", "result": "EQUAL",
-                         "mod_revision": str(expected_version)}],
+            "compare": [
+                {
+                    "key": encoded,
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": str(expected_version),
+                }
+            ],
             "success": [{"request_put": {"key": encoded, "value": _b64(value)}}, read],
             "failure": [read],
-        }  # fmt: skip
+        }
         with self._lock:
             reply = self._call("/v3/kv/txn", body)
         responses = reply.get("responses", [])
@@ -327,8 +347,9 @@ class EtcdStore:
         for index, key in enumerate(keys):
             if self.watch(key, 0, max(0.0, deadline - time.monotonic())).value is None:
                 missing = [k for k in keys[index:] if self.get(k).value is None]
-                raise StoreTimeout(f"keys still missing after {timeout:g}s: "
-                                   + ", ".join(missing or [key]))  # fmt: skip
+                raise StoreTimeout(
+                    f"keys still missing after {timeout:g}s: " + ", ".join(missing or [key])
+                )
 
     def watch(self, key: str, version: int, timeout: float) -> Versioned:
         deadline = time.monotonic() + timeout
@@ -363,8 +384,10 @@ class EtcdStore:
                     break  # the member closed the stream
                 message = json.loads(line)
                 result = message.get("result")
-                if result is None or int(result.get("compact_revision", 0)) or result.get(
-                    "canceled"
+                if (
+                    result is None
+                    or int(result.get("compact_revision", 0))
+                    or result.get("canceled")
                 ):
                     break
                 for event in result.get("events", ()):
@@ -391,9 +414,13 @@ class EtcdStore:
         granted = int(reply.get("TTL", asked))
         if granted > asked and not self._warned_ttl:
             self._warned_ttl = True
-            log.warning("etcd granted leases of %ds for the %ds asked (its minimum, 1.5 election "
-                        "timeouts): a lost node is noticed up to %ds later", granted, asked,
-                        granted - asked)  # fmt: skip
+            log.warning(
+                "etcd granted leases of %ds for the %ds asked (its minimum, 1.5 election "
+                "timeouts): a lost node is noticed up to %ds later",
+                granted,
+                asked,
+                granted - asked,
+            )
         return int(reply["ID"])
 
     def keep_alive(self, lease: int) -> bool:
@@ -410,4 +437,3 @@ class EtcdStore:
     def close(self) -> None:
         with self._lock:
             self._drop()
-

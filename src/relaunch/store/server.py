@@ -108,8 +108,9 @@ class TcpStoreServer:
 
     def start(self) -> TcpStoreServer:
         """Serve in a background thread."""
-        self._thread = threading.Thread(target=self.serve_forever, name="relaunch-store",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self.serve_forever, name="relaunch-store", daemon=True
+        )
         start_without_signals(self._thread)
         return self
 
@@ -163,8 +164,12 @@ class TcpStoreServer:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client = _Client(sock, f"{address[0]}:{address[1]}", auth.nonce(),
-                             handshake_deadline=time.monotonic() + HANDSHAKE_TIMEOUT)  # fmt: skip
+            client = _Client(
+                sock,
+                f"{address[0]}:{address[1]}",
+                auth.nonce(),
+                handshake_deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
+            )
             self._clients.add(client)
             self._selector.register(sock, selectors.EVENT_READ, client)
             required = b"1" if self._token else b"0"
@@ -273,9 +278,15 @@ class TcpStoreServer:
         self._reply(client, wire.OK)
 
     _HANDLERS = {
-        wire.GET: _get, wire.SET: _set, wire.CAS: _cas, wire.ADD: _add,
-        wire.DELETE: _delete, wire.WAIT: _wait, wire.WATCH: _watch, wire.PING: _ping,
-    }  # fmt: skip
+        wire.GET: _get,
+        wire.SET: _set,
+        wire.CAS: _cas,
+        wire.ADD: _add,
+        wire.DELETE: _delete,
+        wire.WAIT: _wait,
+        wire.WATCH: _watch,
+        wire.PING: _ping,
+    }
 
     # -- waiters --------------------------------------------------------------------------------
 
@@ -311,12 +322,16 @@ class TcpStoreServer:
                 missing = [k.encode() for k in waiter.keys if not self._state.all_exist([k])]
                 self._reply(waiter.client, wire.TIMEOUT, missing)
             else:
-                self._reply(waiter.client, wire.OK, _versioned_fields(*self._state.get(
-                    waiter.keys[0])))  # fmt: skip
+                self._reply(
+                    waiter.client, wire.OK, _versioned_fields(*self._state.get(waiter.keys[0]))
+                )
         for client in [c for c in self._clients if not c.authenticated]:
             if client.handshake_deadline <= now:
-                log.warning("store: closing %s: no authentication within %ss", client.peer,
-                            HANDSHAKE_TIMEOUT)  # fmt: skip
+                log.warning(
+                    "store: closing %s: no authentication within %ss",
+                    client.peer,
+                    HANDSHAKE_TIMEOUT,
+                )
                 self._close(client)
 
     # -- sending and closing --------------------------------------------------------------------

@@ -52,14 +52,19 @@ class TimerRequest:
         if not isinstance(other, TimerRequest):
             return NotImplemented
         return (self.worker_id, self.scope_id, self.expiration_time) == (
-            other.worker_id, other.scope_id, other.expiration_time)  # fmt: skip
+            other.worker_id,
+            other.scope_id,
+            other.expiration_time,
+        )
 
     def __hash__(self) -> int:
         return hash((self.worker_id, self.scope_id, self.expiration_time))
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(worker_id={self.worker_id!r}, scope_id="
-                f"{self.scope_id!r}, expiration_time={self.expiration_time!r})")  # fmt: skip
+        return (
+            f"{type(self).__name__}(worker_id={self.worker_id!r}, scope_id="
+            f"{self.scope_id!r}, expiration_time={self.expiration_time!r})"
+        )
 
 
 class TimerClient(abc.ABC):
@@ -96,11 +101,13 @@ class TimerServer(abc.ABC):
     most ``max_interval`` seconds; ``stop()`` wakes it, so it returns at once.
     """
 
-    def __init__(self, request_queue: RequestQueue, max_interval: float,
-                 daemon: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, request_queue: RequestQueue, max_interval: float, daemon: bool = True
+    ) -> None:
         if not max_interval > 0:
-            raise ValueError(f"max_interval must be a positive number of seconds, got "
-                             f"{max_interval!r}")  # fmt: skip
+            raise ValueError(
+                f"max_interval must be a positive number of seconds, got {max_interval!r}"
+            )
         self._request_queue = request_queue
         self._max_interval = max_interval
         self._daemon = daemon
@@ -144,8 +151,11 @@ class TimerServer(abc.ABC):
                 break
         reaped = set()
         for worker_id, expired in self.get_expired_timers(time.time()).items():
-            log.info("reaping worker %s: timer(s) %s expired", worker_id,
-                     ", ".join(repr(request.scope_id) for request in expired))  # fmt: skip
+            log.info(
+                "reaping worker %s: timer(s) %s expired",
+                worker_id,
+                ", ".join(repr(request.scope_id) for request in expired),
+            )
             if self._reap_worker(worker_id):
                 reaped.add(worker_id)
         if reaped:
@@ -163,8 +173,9 @@ class TimerServer(abc.ABC):
         if self._watchdog is not None:
             raise RuntimeError(f"{type(self).__name__} was already started")
         self._stop_event.clear()
-        self._watchdog = threading.Thread(target=self._run_watchdog, daemon=self._daemon,
-                                          name="relaunch-timer-watchdog")  # fmt: skip
+        self._watchdog = threading.Thread(
+            target=self._run_watchdog, daemon=self._daemon, name="relaunch-timer-watchdog"
+        )
         start_without_signals(self._watchdog)
 
     def stop(self) -> None:
@@ -186,8 +197,14 @@ class TableTimerServer(TimerServer):
     #: The signal a reaped worker gets when its request named none.
     _default_signal: int = signal.SIGKILL
 
-    def __init__(self, request_queue: RequestQueue, max_interval: float, daemon: bool = True,
-                 *, on_reap: ReapHandler | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_queue: RequestQueue,
+        max_interval: float,
+        daemon: bool = True,
+        *,
+        on_reap: ReapHandler | None = None,
+    ) -> None:
         super().__init__(request_queue, max_interval, daemon)
         self._table = TimerTable()
         self._lock = threading.Lock()
@@ -206,9 +223,13 @@ class TableTimerServer(TimerServer):
                 # A request may say when it was made (the file client's do) and which signal
                 # reaps its worker; without, it counts from its arrival, with the default.
                 acquired_at = min(getattr(request, "acquired_at", 0.0) or now, now)
-                self._table.acquire(request.worker_id, request.scope_id,
-                                    request.expiration_time, acquired_at,
-                                    getattr(request, "signal", 0))  # fmt: skip
+                self._table.acquire(
+                    request.worker_id,
+                    request.scope_id,
+                    request.expiration_time,
+                    acquired_at,
+                    getattr(request, "signal", 0),
+                )
 
     def clear_timers(self, worker_ids: set[Any]) -> None:
         with self._lock:
@@ -221,8 +242,10 @@ class TableTimerServer(TimerServer):
             expired = self._table.expired(deadline)
             for worker_id, timers in expired.items():
                 self._expired.setdefault(worker_id, []).extend(timers)
-        return {worker_id: [TimerRequest(worker_id, t.scope, t.deadline) for t in timers]
-                for worker_id, timers in expired.items()}  # fmt: skip
+        return {
+            worker_id: [TimerRequest(worker_id, t.scope, t.deadline) for t in timers]
+            for worker_id, timers in expired.items()
+        }
 
     def _next_deadline(self) -> float | None:
         with self._lock:
@@ -246,17 +269,22 @@ class TableTimerServer(TimerServer):
             timers = self._expired.pop(worker_id, [])
         pid = int(worker_id)
         if pid <= 1 or pid == os.getpid():
-            log.error("timer server: not reaping pid %d: it is %s", pid,
-                      "this process" if pid == os.getpid() else "not a worker")  # fmt: skip
+            log.error(
+                "timer server: not reaping pid %d: it is %s",
+                pid,
+                "this process" if pid == os.getpid() else "not a worker",
+            )
             return False
         if not self._may_reap(pid):
-            log.warning("timer server: pid %d is not one of this agent's workers: not reaped",
-                        pid)  # fmt: skip
+            log.warning("timer server: pid %d is not one of this agent's workers: not reaped", pid)
             return False
         sig = next((t.signal for t in timers if t.signal), 0) or self._default_signal
         if sig <= 0:
-            log.warning("timer server: the timer of pid %d expired; its signal is %d, so it "
-                        "is not killed", pid, sig)  # fmt: skip
+            log.warning(
+                "timer server: the timer of pid %d expired; its signal is %d, so it is not killed",
+                pid,
+                sig,
+            )
             return True
         if self._on_reap is not None:
             self._on_reap(worker_id, timers)
@@ -305,15 +333,18 @@ def _caller_scope() -> str:
 
 
 @contextmanager
-def expires(after: float, scope: str | None = None,
-            client: TimerClient | None = None) -> Iterator[None]:  # fmt: skip
+def expires(
+    after: float, scope: str | None = None, client: TimerClient | None = None
+) -> Iterator[None]:
     """``with expires(after=60):``: the worker may be reaped if the block runs past 60 s.
 
     ``scope`` names the timer (by default the caller's ``file#line``); ``client`` defaults to
     the configured one, or under ``relaunch --timers`` to the agent's file timer server.
     """
-    if isinstance(after, bool) or not isinstance(after, (int, float)) or not (
-        after > 0 and math.isfinite(after)
+    if (
+        isinstance(after, bool)
+        or not isinstance(after, (int, float))
+        or not (after > 0 and math.isfinite(after))
     ):
         raise ValueError(f"expires(after={after!r}): expected a positive number of seconds")
     timer_client = client or _configured_client()

@@ -48,8 +48,14 @@ class FileTimerRequest(TimerRequest):
 
     __slots__ = ("acquired_at", "signal")
 
-    def __init__(self, worker_pid: int, scope_id: str, expiration_time: float,
-                 signal: int = 0, acquired_at: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        worker_pid: int,
+        scope_id: str,
+        expiration_time: float,
+        signal: int = 0,
+        acquired_at: float = 0.0,
+    ) -> None:
         super().__init__(worker_pid, scope_id, expiration_time)
         self.signal = signal
         self.acquired_at = acquired_at
@@ -59,8 +65,13 @@ class FileTimerRequest(TimerRequest):
         return int(self.worker_id)
 
     def to_json(self) -> str:
-        data = {"version": PROTOCOL_VERSION, "pid": self.worker_pid, "scope_id": self.scope_id,
-                "expiration_time": self.expiration_time, "signal": self.signal}
+        data = {
+            "version": PROTOCOL_VERSION,
+            "pid": self.worker_pid,
+            "scope_id": self.scope_id,
+            "expiration_time": self.expiration_time,
+            "signal": self.signal,
+        }
         if self.acquired_at:  # relaunch's addition; torch's server ignores it
             data["acquired_at"] = self.acquired_at
         return json.dumps(data)
@@ -98,8 +109,9 @@ def _check_fifo(path: str) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise FileNotFoundError(f"timer file {path} does not exist: is the timer server "
-                                "running?") from None  # fmt: skip
+        raise FileNotFoundError(
+            f"timer file {path} does not exist: is the timer server running?"
+        ) from None
     if not stat.S_ISFIFO(mode):
         raise ValueError(f"timer file {path} is not a FIFO (named pipe)")
 
@@ -124,8 +136,7 @@ class FileTimerClient(TimerClient):
             # Non-blocking open fails at once when nobody reads, rather than hanging.
             fd = os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise RuntimeError(f"no timer server reads {self._file_path}: "
-                               f"{exc.strerror}") from None  # fmt: skip
+            raise RuntimeError(f"no timer server reads {self._file_path}: {exc.strerror}") from None
         os.set_blocking(fd, True)
         self._fd, self._fd_pid = fd, os.getpid()
         return fd
@@ -133,8 +144,10 @@ class FileTimerClient(TimerClient):
     def _send(self, request: FileTimerRequest) -> None:
         data = (request.to_json() + "\n").encode()
         if len(data) > MAX_REQUEST:
-            raise ValueError(f"timer scope {request.scope_id[:40]!r}... is too long: a request "
-                             f"must fit in {MAX_REQUEST} bytes")  # fmt: skip
+            raise ValueError(
+                f"timer scope {request.scope_id[:40]!r}... is too long: a request "
+                f"must fit in {MAX_REQUEST} bytes"
+            )
         try:
             os.write(self._pipe(), data)
         except BrokenPipeError:
@@ -142,8 +155,9 @@ class FileTimerClient(TimerClient):
             raise RuntimeError(f"the timer server reading {self._file_path} is gone") from None
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
-        self._send(FileTimerRequest(os.getpid(), scope_id, expiration_time, self.signal,
-                                    time.time()))  # fmt: skip
+        self._send(
+            FileTimerRequest(os.getpid(), scope_id, expiration_time, self.signal, time.time())
+        )
 
     def release(self, scope_id: str) -> None:
         self._send(FileTimerRequest(os.getpid(), scope_id, -1, self.signal))

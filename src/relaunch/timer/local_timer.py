@@ -53,8 +53,7 @@ class MultiprocessingRequestQueue(RequestQueue):
                 if isinstance(item, TimerRequest):
                     requests.append(item)
                 elif item != _WAKE:
-                    log.warning("timer server: ignored %r on its queue: not a TimerRequest",
-                                item)  # fmt: skip
+                    log.warning("timer server: ignored %r on its queue: not a TimerRequest", item)
                 if len(requests) >= size:
                     break
                 item = self._mp_queue.get_nowait()
@@ -69,7 +68,14 @@ class MultiprocessingRequestQueue(RequestQueue):
 class LocalTimerServer(TableTimerServer):
     """Reaps (SIGKILL) the workers whose ``LocalTimerClient`` timers on ``mp_queue`` expire."""
 
-    def __init__(self, mp_queue: Any, max_interval: float = 60, daemon: bool = True, *,
-                 on_reap: ReapHandler | None = None) -> None:  # fmt: skip
-        super().__init__(MultiprocessingRequestQueue(mp_queue), max_interval, daemon,
-                         on_reap=on_reap)  # fmt: skip
+    def __init__(
+        self,
+        mp_queue: Any,
+        max_interval: float = 60,
+        daemon: bool = True,
+        *,
+        on_reap: ReapHandler | None = None,
+    ) -> None:
+        super().__init__(
+            MultiprocessingRequestQueue(mp_queue), max_interval, daemon, on_reap=on_reap
+        )
