@@ -21,6 +21,7 @@ from typing import Any
 from relaunch.core.ranks import omp_num_threads_default
 from relaunch.core.streams import Std, per_rank
 from relaunch.core.summary import RunSummary, format_summary
+from relaunch.endpoints import is_loopback, parse_endpoint
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
@@ -28,8 +29,6 @@ from relaunch.rendezvous.api import (
     TOKEN_ENV,
     RendezvousClosedError,
     RendezvousError,
-    is_loopback,
-    parse_endpoint,
 )
 
 EXIT_FAILED = 1

@@ -412,7 +412,7 @@ def test_status_events_go_to_a_json_lines_file(tmp_path, leaks: LeakCheck) -> No
 
 
 def test_two_static_nodes_form_one_world(tmp_path, leaks: LeakCheck) -> None:
-    from relaunch.rendezvous.static import find_free_port
+    from relaunch.endpoints import find_free_port
 
     port = str(find_free_port("127.0.0.1"))
     job = script(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import LeakCheck, wait_until
 
-from relaunch.rendezvous.static import find_free_port
+from relaunch.endpoints import find_free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,7 +15,7 @@ from conftest import LeakCheck
 from etcd_cluster import EtcdCluster
 from test_rendezvous import FAST, agent, lines, script
 
-from relaunch.rendezvous.static import find_free_port
+from relaunch.endpoints import find_free_port
 
 pytestmark = pytest.mark.timeout(90)
 

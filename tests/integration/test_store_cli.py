@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import LeakCheck
 
-from relaunch.rendezvous.static import find_free_port
+from relaunch.endpoints import find_free_port
 from relaunch.store import StoreAuthError, StoreConnectionError, TcpStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ import pytest
 from conftest import LeakCheck, wait_until
 from test_rendezvous import serving
 
-from relaunch.rendezvous.static import find_free_port
+from relaunch.endpoints import find_free_port
 
 pytestmark = pytest.mark.timeout(240)
 

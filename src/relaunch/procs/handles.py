@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch.procs.signals import start_without_signals
+from relaunch.runtime import start_without_signals
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess

@@ -21,7 +21,8 @@ from relaunch.core.group import GroupState, group_state
 from relaunch.core.lines import ConsoleFramer
 from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
-from relaunch.procs.signals import signals_deferred, start_without_signals
+from relaunch.procs.signals import signals_deferred
+from relaunch.runtime import start_without_signals
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

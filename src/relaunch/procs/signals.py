@@ -11,8 +11,8 @@ from types import FrameType
 from typing import Any
 
 from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.runtime import TERMINATION_SIGNALS
 
-TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: The signals that first ask for a graceful stop (a preemption notice, a Ctrl-C).
 GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -28,20 +28,6 @@ def raise_signal_exception(signum: int, frame: FrameType | None) -> None:
         _stop_requested = True
         raise StopRequested(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
     raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
-
-
-def start_without_signals(thread: threading.Thread) -> None:
-    """Start ``thread`` with the termination signals blocked in it (a thread inherits the mask).
-
-    The kernel gives a process-directed signal to any thread that does not block it. Taken by a
-    helper thread, it would only set Python's flag, and the main thread, asleep in a lock's
-    wait, would not run its handler until the wait ended: a stop would come a timeout late.
-    """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
-    try:
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from typing import TextIO
 
 from relaunch.core.lines import LineFramer
 from relaunch.procs.console import ConsoleWriter, ProgbarEvents
-from relaunch.procs.signals import start_without_signals
+from relaunch.runtime import start_without_signals
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ built-in store one agent hosts) and ``etcd`` (elastic, on an etcd v3 cluster: no
 failure). ``--standalone`` is one node on an in-process store.
 """
 
+from relaunch.endpoints import parse_endpoint
 from relaunch.rendezvous.api import (
     BACKENDS,
     RendezvousError,
@@ -12,7 +13,6 @@ from relaunch.rendezvous.api import (
     RendezvousInfo,
     RendezvousParameters,
     get_rendezvous_handler,
-    parse_endpoint,
 )
 from relaunch.rendezvous.static import StaticRendezvousHandler
 

@@ -17,11 +17,6 @@ SECRET_KEYS = ("password", "token")
 TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface."""
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 class RendezvousError(Exception):
     """The rendezvous could not complete; the message says what it waited for."""
 
@@ -142,27 +137,6 @@ class RendezvousHandler(abc.ABC):
 
     def shutdown(self) -> bool:
         return True
-
-
-def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``host:port`` (or ``host``, or ``[v6]:port``) into its parts; ValueError when malformed."""
-    text = endpoint.strip()
-    if not text:
-        raise ValueError("the endpoint is empty: expected HOST:PORT")
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    else:
-        host, port_text = text, ""
-    if not port_text:
-        return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(
-            f"endpoint {endpoint!r} has port {port_text!r}: expected a number 0..65535"
-        )
-    return host, int(port_text)
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:

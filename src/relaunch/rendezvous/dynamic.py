@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import rendezvous as plan
-from relaunch.procs.signals import start_without_signals
+from relaunch.endpoints import find_free_port, is_loopback, parse_endpoint
 from relaunch.rendezvous.api import (
     TOKEN_ENV,
     RendezvousClosedError,
@@ -32,10 +32,8 @@ from relaunch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-    is_loopback,
-    parse_endpoint,
 )
-from relaunch.rendezvous.static import find_free_port
+from relaunch.runtime import start_without_signals
 from relaunch.store.api import Store, StoreConnectionError, StoreError, StoreTimeout
 
 if TYPE_CHECKING:

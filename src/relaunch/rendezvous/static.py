@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-from relaunch.rendezvous.api import (
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousParameters,
-    parse_endpoint,
-)
-
-
-def find_free_port(host: str) -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+from relaunch.endpoints import find_free_port, parse_endpoint
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
 
 class StaticRendezvousHandler(RendezvousHandler):

@@ -91,7 +91,7 @@ class Endpoint:
 
 def parse_endpoints(text: str, protocol: str = "http") -> list[Endpoint]:
     """``host1:2379,https://host2:2379,...`` into endpoints; ValueError saying what is wrong."""
-    from relaunch.rendezvous.api import parse_endpoint
+    from relaunch.endpoints import parse_endpoint
 
     if protocol not in ("http", "https"):
         raise ValueError(f"protocol={protocol!r}: expected http or https")

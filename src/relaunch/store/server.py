@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from relaunch.procs.signals import start_without_signals
+from relaunch.runtime import start_without_signals
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.state import KeyValueState

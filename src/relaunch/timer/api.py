@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer, TimerTable
-from relaunch.procs.signals import start_without_signals
+from relaunch.runtime import start_without_signals
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,43 @@
+"""Network endpoints: ``HOST:PORT`` parsing, loopback checks and free ports.
+
+Below the store and the rendezvous, so both can use it without importing each other.
+"""
+
+from __future__ import annotations
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host:port`` (or ``host``, or ``[v6]:port``) into its parts; ValueError when malformed."""
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("the endpoint is empty: expected HOST:PORT")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(
+            f"endpoint {endpoint!r} has port {port_text!r}: expected a number 0..65535"
+        )
+    return host, int(port_text)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -1,0 +1,34 @@
+"""The runtime seam: how relaunch's helper threads are started, and the clock they read.
+
+Every long-lived helper thread (the group monitor, the console, the store server, timer servers,
+heartbeats) starts through ``start_thread``, so each starts with the termination signals
+blocked: the kernel gives a process-directed signal to any thread that does not block it, and
+taken by a helper it would only set Python's flag while the main thread, asleep in a wait, ran
+its handler a timeout late.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: The signals the CLI turns into exceptions in the main thread; helper threads block them.
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def start_without_signals(thread: threading.Thread) -> None:
+    """Start ``thread`` with the termination signals blocked in it (a thread inherits the mask)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread:
+    """A daemon thread running ``target(*args)``, started with the termination signals blocked."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    start_without_signals(thread)
+    return thread
