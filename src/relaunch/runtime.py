@@ -1,5 +1,8 @@
 """The runtime seam: how relaunch's helper threads are started, and the clock they read.
 
+Code that keeps deadlines takes a ``Clock`` (default ``SYSTEM_CLOCK``), so a test can drive it
+with a clock of its own instead of patching ``time.monotonic`` for the whole process.
+
 Every long-lived helper thread (the group monitor, the console, the store server, timer servers,
 heartbeats) starts through ``start_thread``, so each starts with the termination signals
 blocked: the kernel gives a process-directed signal to any thread that does not block it, and
@@ -11,8 +14,9 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 #: The signals the CLI turns into exceptions in the main thread; helper threads block them.
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -32,3 +36,21 @@ def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     start_without_signals(thread)
     return thread
+
+
+class Clock(Protocol):
+    """Where deadlines come from: ``monotonic()`` for intervals, ``time()`` for wall-clock stamps."""
+
+    def monotonic(self) -> float: ...
+
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    """The process's real clocks."""
+
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+
+SYSTEM_CLOCK: Clock = SystemClock()
