@@ -39,7 +39,7 @@ def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading
 
 
 class Clock(Protocol):
-    """Where deadlines come from: ``monotonic()`` for intervals, ``time()`` for wall-clock stamps."""
+    """Where deadlines come from: ``monotonic()`` for intervals, ``time()`` for timestamps."""
 
     def monotonic(self) -> float: ...
 
