@@ -17,7 +17,13 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+
+# Not ``typing.TYPE_CHECKING``: a worker imports this module and typing would cost it
+# milliseconds. Type checkers read any name TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from relaunch.core.progress import Progress as Progress
+    from relaunch.core.progress import read_progress as read_progress
 
 CHANNEL_ENV = "RELAUNCH_CHANNEL"
 MAGIC = b"RLCHAN1\0"
@@ -42,43 +48,6 @@ def slot_offset(rank: int) -> int:
     return HEADER + rank * SLOT
 
 
-@dataclass(frozen=True)
-class Progress:
-    """One worker's last report."""
-
-    step: int
-    total: int | None
-    time: float
-    desc: str
-    #: How many reports the worker made (the seqlock's count): growth is a sign of life.
-    reports: int
-
-
-def read_progress(
-    buffer: bytes | bytearray | memoryview, rank: int, tries: int = 8
-) -> Progress | None:
-    """The last progress report of ``rank``; None before its first (or if always torn)."""
-    offset = slot_offset(rank)
-    for _ in range(tries):
-        (before,) = SEQ.unpack_from(buffer, offset)
-        if before == 0:
-            return None
-        if before % 2:
-            continue  # the worker is writing
-        step, total, when = FIELDS.unpack_from(buffer, offset + 8)
-        desc = bytes(buffer[offset + DESC_OFFSET : offset + SLOT]).split(b"\0", 1)[0]
-        (after,) = SEQ.unpack_from(buffer, offset)
-        if after == before:
-            return Progress(
-                step,
-                None if total < 0 else total,
-                when,
-                desc.decode("utf-8", errors="replace"),
-                before // 2,
-            )
-    return None
-
-
 def listening(buffer: bytes | bytearray | memoryview, rank: int) -> bool:
     """Whether ``rank`` has asked ``stop_requested()``: a stop request will be heard."""
     return buffer[slot_offset(rank) + LISTENING_OFFSET] != 0
@@ -88,3 +57,13 @@ def encode_desc(desc: str) -> bytes:
     """``desc`` as the slot stores it: at most ``DESC`` bytes, cut on a character boundary."""
     data = desc.encode("utf-8")[:DESC]
     return data.decode("utf-8", errors="ignore").encode("utf-8").ljust(DESC, b"\0")
+
+
+def __getattr__(name: str) -> object:
+    """``Progress`` and ``read_progress``, the agent's reading of a slot, still importable from
+    here: they live in ``core.progress`` so that a worker never loads dataclasses."""
+    if name in ("Progress", "read_progress"):
+        from relaunch.core import progress
+
+        return getattr(progress, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,15 +1,53 @@
-"""The per-node progress bar the agent draws from its workers' ``report_progress`` calls."""
+"""Workers' progress as the agent reads it from the channel, and the per-node bar it draws."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from relaunch.core.channel import Progress
+from relaunch.core.channel import DESC_OFFSET, FIELDS, SEQ, SLOT, slot_offset
 
 #: Seconds of history the rate is computed over.
 RATE_WINDOW = 10.0
 BAR_WIDTH = 20
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One worker's last report."""
+
+    step: int
+    total: int | None
+    time: float
+    desc: str
+    #: How many reports the worker made (the seqlock's count): growth is a sign of life.
+    reports: int
+
+
+def read_progress(
+    buffer: bytes | bytearray | memoryview, rank: int, tries: int = 8
+) -> Progress | None:
+    """The last progress report of ``rank``; None before its first (or if always torn)."""
+    offset = slot_offset(rank)
+    for _ in range(tries):
+        (before,) = SEQ.unpack_from(buffer, offset)
+        if before == 0:
+            return None
+        if before % 2:
+            continue  # the worker is writing
+        step, total, when = FIELDS.unpack_from(buffer, offset + 8)
+        desc = bytes(buffer[offset + DESC_OFFSET : offset + SLOT]).split(b"\0", 1)[0]
+        (after,) = SEQ.unpack_from(buffer, offset)
+        if after == before:
+            return Progress(
+                step,
+                None if total < 0 else total,
+                when,
+                desc.decode("utf-8", errors="replace"),
+                before // 2,
+            )
+    return None
 
 
 def _clock(seconds: float) -> str:

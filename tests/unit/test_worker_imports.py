@@ -1,0 +1,84 @@
+"""A worker that only reports progress loads the channel, not the launcher: which modules load."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import relaunch
+
+#: Run without site (-S), so nothing a site hook imports hides what relaunch imports; relaunch is
+#: found on PYTHONPATH, the same copy this test imported.
+SRC = str(pathlib.Path(relaunch.__file__).resolve().parents[1])
+
+#: What ``import relaunch`` must not load for a worker (the agent side and its imports).
+AGENT_SIDE = (
+    "relaunch.procs",
+    "relaunch.agent",
+    "relaunch.rendezvous",
+    "relaunch.store",
+    "relaunch.cli",
+    "relaunch.launcher",
+)
+#: Standard modules that cost a worker milliseconds and that the channel does not need.
+COSTLY = ("dataclasses", "enum", "logging", "json", "typing", "inspect", "tempfile")
+
+
+def _modules_after(code: str) -> list[str]:
+    """The modules a fresh interpreter (no site) holds after running ``code``."""
+    probe = (
+        f"{code}\nimport sys\nloaded = sorted(sys.modules)\nimport json\nprint(json.dumps(loaded))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    return list(json.loads(out.stdout.splitlines()[-1]))
+
+
+def _loaded(modules: list[str], names: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == n or m.startswith(n + ".") for n in names)]
+
+
+def test_report_progress_and_stop_requested_load_only_the_channel() -> None:
+    modules = _modules_after(
+        "import relaunch\nrelaunch.report_progress(1)\nrelaunch.stop_requested()"
+    )
+    assert _loaded(modules, AGENT_SIDE) == []
+    assert _loaded(modules, COSTLY) == []
+    assert [m for m in modules if m.startswith("relaunch")] == [
+        "relaunch",
+        "relaunch.core",
+        "relaunch.core.channel",
+        "relaunch.worker",
+    ]
+
+
+def test_from_import_of_the_worker_names_loads_no_agent_side() -> None:
+    modules = _modules_after("from relaunch import report_progress, stop_requested")
+    assert _loaded(modules, AGENT_SIDE) == []
+
+
+def test_every_public_name_still_imports() -> None:
+    code = f"from relaunch import {', '.join(relaunch.__all__)}"
+    modules = _modules_after(code)
+    assert "relaunch.agent" in modules and "relaunch.procs" in modules
+
+
+def test_names_load_on_first_use_and_dir_lists_them() -> None:
+    assert set(relaunch.__all__) <= set(dir(relaunch))
+    assert relaunch.procs.record is relaunch.record
+    assert relaunch.report_progress is relaunch.worker.report_progress
+    try:
+        relaunch.no_such_name  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_name" in str(exc)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
