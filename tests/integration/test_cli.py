@@ -74,7 +74,9 @@ def test_failure_prints_the_report_and_exits_1(tmp_path, leaks: LeakCheck) -> No
     lines = done.stderr.splitlines()
     lines = lines[lines.index("job.py failed: 1 worker failed, 1 stopped because of it") :]
     assert "RuntimeError: the data is missing" in done.stderr
-    report_end = lines.index("Stopped because of the failure (not failures): rank 0")
+    report_end = lines.index(
+        "Rank 0 did not fail: relaunch stopped it because of the failure above"
+    )
     assert lines[report_end + 1].startswith("relaunch: run summary: failed")
     assert "relaunch/cli.py" not in done.stderr, "no traceback of the launcher's own"
 

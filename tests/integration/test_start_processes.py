@@ -171,7 +171,7 @@ def test_one_failure_stops_the_rest_and_names_the_root_cause(
     assert not any(pid_alive(pid) for pid in pids.values())
     report = str(ChildFailedError("trainer", result.failures, result.stopped))
     assert report.index("Root cause") < report.index("ValueError: rank 1 cannot go on")
-    assert "Stopped because of the failure (not failures): ranks 0, 2" in report
+    assert "Ranks 0, 2 did not fail: relaunch stopped them because of the failure above" in report
 
 
 def test_binary_failure_carries_the_stderr_tail(log_dir: str, leaks: LeakCheck) -> None:

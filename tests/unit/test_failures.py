@@ -7,12 +7,17 @@ import pytest
 from relaunch.core.failures import (
     describe_exit,
     format_report,
+    headline,
     message_from_error_file,
+    one_line,
     root_cause_rank,
+    signal_meaning,
     signal_name,
+    stderr_tail_message,
     tail_lines,
 )
 from relaunch.core.group import GroupState, group_state
+from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
 
 
 @dataclass
@@ -73,7 +78,77 @@ def test_report_puts_the_root_cause_first_and_stopped_ranks_apart() -> None:
     assert "    ValueError: boom" in lines
     assert report.index("Other failures:") < report.index("rank 3 (")
     assert "killed by SIGSEGV (signal 11)" in report
-    assert lines[-1] == "Stopped because of the failure (not failures): ranks 0, 2"
+    assert (
+        lines[-1] == "Ranks 0, 2 did not fail: relaunch stopped them because of the failures above"
+    )
+
+
+def test_one_stopped_rank_reads_as_a_sentence() -> None:
+    report = format_report("train", {1: F(1, 100, 2, message="boom")}, "hostA", stopped=[0])
+    assert report.splitlines()[-1] == (
+        "Rank 0 did not fail: relaunch stopped it because of the failure above"
+    )
+
+
+def test_a_signal_is_explained_not_answered_with_record_or_redirects() -> None:
+    assert signal_meaning(-9) == (
+        "SIGKILL: killed from outside, most often by the out-of-memory killer (see dmesg) "
+        "or a scheduler"
+    )
+    assert signal_meaning(-11).startswith("SIGSEGV: a crash in native code")
+    assert signal_meaning(-7).startswith("SIGBUS: a bad memory access")
+    assert signal_meaning(1) == signal_meaning(0) == ""
+    assert signal_meaning(-200) == ""
+    # No error file and no stderr log: the meaning stands where the hint was.
+    killed = ProcessFailure.from_exit(0, 10, -9, "", stderr_file="", timestamp=1.0)
+    assert killed.message == ""
+    report = format_report("train", {0: killed}, "hostA")
+    assert "@relaunch.record" not in report and "-r 2" not in report
+    assert report.splitlines()[-1] == "    " + signal_meaning(-9)
+    # An exit code can still be explained by an error file: the hint stays for it.
+    exited = ProcessFailure.from_exit(0, 10, 1, "", stderr_file="", timestamp=1.0)
+    assert exited.message == NO_DETAIL_HINT
+
+
+def test_the_meaning_comes_before_the_stderr_tail_but_not_after_a_watchdog_cause() -> None:
+    tail = stderr_tail_message("/logs/0/stderr.log", "loading shard 7")
+    report = format_report("train", {0: F(0, 10, -9, message=tail)}, "hostA")
+    assert report.splitlines()[-3:] == [
+        "    " + signal_meaning(-9),
+        "    last lines of stderr (/logs/0/stderr.log):",
+        "    loading shard 7",
+    ]
+    reaped = "expiry timer 'step' expired: the block was given 5s; relaunch reaped it"
+    report = format_report("train", {0: F(0, 10, -9, message=reaped)}, "hostA")
+    assert "SIGKILL:" not in report and report.splitlines()[-1] == "    " + reaped
+
+
+@pytest.mark.parametrize(
+    ("message", "line"),
+    [
+        ("", ""),
+        ("ValueError: boom", "ValueError: boom"),
+        ("Traceback (most recent call last):\n  File x\nValueError: boom\n", "ValueError: boom"),
+        (stderr_tail_message("/l/stderr.log", "a\nb\nlast words"), "last words"),
+        ("last lines of stderr (/l/stderr.log):\n", ""),
+        (
+            "hung: no progress for 30s\nstack of every thread when it hung (x):",
+            "hung: no progress for 30s",
+        ),
+    ],
+)
+def test_headline_skips_a_heading(message: str, line: str) -> None:
+    assert headline(message) == line
+
+
+def test_one_line_never_ends_with_a_heading() -> None:
+    tail = stderr_tail_message("/l/stderr.log", "Traceback: boom")
+    assert one_line(0, F(0, 1, 3, message=tail)) == "rank 0 exited with code 3: Traceback: boom"
+    assert one_line(2, F(0, 1, -9)) == "rank 2 killed by SIGKILL (signal 9)"
+    assert (
+        one_line(1, F(0, 1, 1, message="x" * 200), width=10)
+        == "rank 1 exited with code 1: xxxxxxx..."
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,29 @@ from typing import Any, Protocol
 
 #: How many lines of a worker's stderr a failure message carries when there is no error file.
 STDERR_TAIL_LINES = 20
+#: How a failure message made of the worker's last stderr lines begins.
+STDERR_TAIL_HEADING = "last lines of stderr"
+
+#: What a signal that ends a worker usually means. Killed by a signal, a process runs no Python
+#: code on its way out, so it leaves no error file: the report says this instead.
+SIGNAL_MEANINGS = {
+    "SIGKILL": (
+        "killed from outside, most often by the out-of-memory killer (see dmesg) or a scheduler"
+    ),
+    "SIGSEGV": "a crash in native code (an invalid memory access), e.g. in an extension or driver",
+    "SIGABRT": (
+        "aborted by native code: a failed C/C++ assertion, an uncaught C++ exception or "
+        "corrupted memory"
+    ),
+    "SIGBUS": "a bad memory access, often a full /dev/shm (shared memory) or a truncated file",
+    "SIGFPE": "an arithmetic fault in native code, e.g. an integer division by zero",
+    "SIGILL": "an illegal instruction: native code built for another CPU",
+    "SIGTERM": "asked to stop from outside: a scheduler, a preemption or a person",
+    "SIGINT": "interrupted (Ctrl-C)",
+    "SIGHUP": "its terminal or session went away",
+    "SIGPIPE": "it wrote to a pipe or socket whose reader had gone",
+    "SIGXCPU": "it went over its CPU time limit",
+}
 
 
 class Failure(Protocol):
@@ -40,6 +63,42 @@ def describe_exit(exitcode: int) -> str:
     if exitcode < 0:
         return f"killed by {signal_name(exitcode)} (signal {-exitcode})"
     return f"exited with code {exitcode}"
+
+
+def signal_meaning(exitcode: int) -> str:
+    """``SIGKILL: killed from outside: ...`` for an exit code of -9; "" for an exit code or a
+    signal without a usual meaning."""
+    name = signal_name(exitcode)
+    meaning = SIGNAL_MEANINGS.get(name)
+    return f"{name}: {meaning}" if meaning else ""
+
+
+def stderr_tail_message(path: str, tail: str) -> str:
+    """A failure message made of the last lines of the worker's stderr log at ``path``."""
+    return f"{STDERR_TAIL_HEADING} ({path}):\n{tail}"
+
+
+def headline(message: str) -> str:
+    """The line of a failure message that says most on its own, for a one-line reason.
+
+    That is the first line, unless it is a heading (it ends with ``:``) such as
+    ``last lines of stderr (...):`` or ``Traceback (most recent call last):``: then the last
+    non-empty line (where a Python traceback names its exception); "" for a bare heading.
+    """
+    lines = [line for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if not lines[0].rstrip().endswith(":"):
+        return lines[0]
+    return lines[-1].strip() if len(lines) > 1 else ""
+
+
+def one_line(rank: int, failure: Failure, width: int = 160) -> str:
+    """A failure in one line: ``rank 1 exited with code 3: ValueError: boom``."""
+    why = headline(failure.message)
+    if len(why) > width:
+        why = why[: width - 3] + "..."
+    return f"rank {rank} {describe_exit(failure.exitcode)}" + (f": {why}" if why else "")
 
 
 def message_from_error_file(data: Mapping[str, Any]) -> str:
@@ -93,6 +152,10 @@ def _describe(rank: int, failure: Failure, host: str) -> str:
     parts = [head]
     if failure.error_file:
         parts.append(f"  error file: {failure.error_file}")
+    meaning = signal_meaning(failure.exitcode)
+    # Said unless the message already explains the signal (relaunch's watchdog sent it).
+    if meaning and (not failure.message or failure.message.startswith(STDERR_TAIL_HEADING)):
+        parts.append(_indent(meaning))
     if failure.message:
         parts.append(_indent(failure.message))
     return "\n".join(parts)
@@ -124,7 +187,12 @@ def format_report(
         sections.append("Other failures:")
         sections.extend(_describe(rank, failures[rank], host) for rank in others)
     if stopped:
-        sections.append(f"Stopped because of the failure (not failures): {_ranks(stopped)}")
+        they = "it" if len(stopped) == 1 else "them"
+        cause = "the failure" if count == 1 else "the failures"
+        sections.append(
+            f"{_ranks(stopped).capitalize()} did not fail: relaunch stopped {they} "
+            f"because of {cause} above"
+        )
     return "\n".join(sections)
 
 

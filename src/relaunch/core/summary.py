@@ -11,7 +11,7 @@ from relaunch.core.failures import describe_exit
 class RankEnd:
     """How one worker of the last attempt ended."""
 
-    rank: int
+    rank: int  # -1: it was given no rank, so it never started (the rendezvous did not complete)
     local_rank: int
     exitcode: int | None  # None: it never ran to an end (the run stopped before)
     duration: float
@@ -40,6 +40,18 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+def _never_started(end: RankEnd) -> bool:
+    """Ranks come from the rendezvous, before any worker starts: one without never started."""
+    return end.exitcode is None and end.rank < 0
+
+
+def _restart(reason: str) -> str:
+    """``reason`` without its why when that is a heading (``...: last lines of stderr (...):``)
+    with nothing under it: a one-line reason has no room for the lines it announces."""
+    head, sep, why = reason.partition(": ")
+    return head if sep and why.endswith(":") else reason
+
+
 def format_summary(summary: RunSummary) -> str:
     """The summary as lines, the first one naming the outcome."""
     restarts = len(summary.restarts)
@@ -49,7 +61,14 @@ def format_summary(summary: RunSummary) -> str:
     lines = [head]
     if summary.stop:
         lines.append(f"  {summary.stop}")
+    never = sorted(end.local_rank for end in summary.ranks if _never_started(end))
+    if never:
+        which = "local rank" if len(never) == 1 else "local ranks"
+        count = f"{len(never)} worker{'s' if len(never) != 1 else ''}"
+        lines.append(f"  {count} never started ({which} {', '.join(map(str, never))})")
     for end in sorted(summary.ranks, key=lambda e: e.rank):
+        if _never_started(end):
+            continue
         how = "did not end" if end.exitcode is None else describe_exit(end.exitcode)
         note = f" ({end.note})" if end.note else ""
         lines.append(
@@ -57,7 +76,7 @@ def format_summary(summary: RunSummary) -> str:
             f"{_duration(end.duration)}"
         )
     for number, reason in enumerate(summary.restarts, 1):
-        lines.append(f"  restart {number}: {reason}")
+        lines.append(f"  restart {number}: {_restart(reason)}")
     if summary.log_dir:
         lines.append(f"  logs: {summary.log_dir}")
     return "\n".join(lines)

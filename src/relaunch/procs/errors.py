@@ -101,8 +101,10 @@ class ProcessFailure:
         if not failure.message:
             tail = core_failures.tail_lines(read_tail(stderr_file))
             if tail:
-                failure.message = f"last lines of stderr ({stderr_file}):\n{tail}"
-            elif not stderr_file:
+                failure.message = core_failures.stderr_tail_message(stderr_file, tail)
+            elif not stderr_file and exitcode >= 0:
+                # A worker killed by a signal cannot write an error file: the report says what
+                # the signal means instead (core.failures.signal_meaning).
                 failure.message = NO_DETAIL_HINT
         return failure
 

@@ -1,0 +1,38 @@
+"""The end-of-run summary's wording for workers that never started and restart reasons."""
+
+from __future__ import annotations
+
+from relaunch.core.summary import RankEnd, RunSummary, format_summary
+
+
+def test_workers_that_never_started_are_one_line() -> None:
+    ranks = [RankEnd(-1, 0, None, 0.0), RankEnd(-1, 1, None, 0.0)]
+    text = format_summary(RunSummary("ended by an error", 2.0, ranks, log_dir="/logs/run"))
+    assert text.splitlines() == [
+        "run summary: ended by an error in 2.0s",
+        "  2 workers never started (local ranks 0, 1)",
+        "  logs: /logs/run",
+    ]
+    one = format_summary(RunSummary("ended by an error", 2.0, [RankEnd(-1, 0, None, 0.0)]))
+    assert one.splitlines()[1] == "  1 worker never started (local rank 0)"
+
+
+def test_a_started_worker_that_did_not_end_is_still_said_so() -> None:
+    text = format_summary(RunSummary("stopped by SIGTERM", 9.0, [RankEnd(3, 0, None, 8.0)]))
+    assert text.splitlines()[1] == "  rank 3 (local 0): did not end after 8.0s"
+
+
+def test_a_restart_reason_does_not_end_with_a_heading() -> None:
+    reasons = [
+        "rank 0 exited with code 3: last lines of stderr (/logs/attempt_0/0/stderr.log):",
+        "rank 1 exited with code 1: Traceback (most recent call last):",
+        "rank 0 exited with code 3: ValueError: boom",
+        "membership changed",
+    ]
+    text = format_summary(RunSummary("failed", 1.0, restarts=reasons))
+    assert text.splitlines()[1:] == [
+        "  restart 1: rank 0 exited with code 3",
+        "  restart 2: rank 1 exited with code 1",
+        "  restart 3: rank 0 exited with code 3: ValueError: boom",
+        "  restart 4: membership changed",
+    ]
