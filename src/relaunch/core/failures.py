@@ -66,7 +66,7 @@ def describe_exit(exitcode: int) -> str:
 
 
 def signal_meaning(exitcode: int) -> str:
-    """``SIGKILL: killed from outside: ...`` for an exit code of -9; "" for an exit code or a
+    """``SIGKILL: killed from outside, ...`` for an exit code of -9; "" for an exit code, or for a
     signal without a usual meaning."""
     name = signal_name(exitcode)
     meaning = SIGNAL_MEANINGS.get(name)
