@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import relaunch
+from relaunch.core import channel
+from relaunch.core.progress import read_progress
 
 #: Run without site (-S), so nothing a site hook imports hides what relaunch imports; relaunch is
 #: found on PYTHONPATH, the same copy this test imported.
@@ -27,7 +29,7 @@ AGENT_SIDE = (
 COSTLY = ("dataclasses", "enum", "logging", "json", "typing", "inspect", "tempfile")
 
 
-def _modules_after(code: str) -> list[str]:
+def _modules_after(code: str, **env: str) -> list[str]:
     """The modules a fresh interpreter (no site) holds after running ``code``."""
     probe = (
         f"{code}\nimport sys\nloaded = sorted(sys.modules)\nimport json\nprint(json.dumps(loaded))"
@@ -38,7 +40,7 @@ def _modules_after(code: str) -> list[str]:
         text=True,
         check=True,
         timeout=30,
-        env={**os.environ, "PYTHONPATH": SRC},
+        env={**os.environ, "PYTHONPATH": SRC, **env},
     )
     return list(json.loads(out.stdout.splitlines()[-1]))
 
@@ -47,10 +49,18 @@ def _loaded(modules: list[str], names: tuple[str, ...]) -> list[str]:
     return [m for m in modules if any(m == n or m.startswith(n + ".") for n in names)]
 
 
-def test_report_progress_and_stop_requested_load_only_the_channel() -> None:
+def test_report_progress_and_stop_requested_load_only_the_channel(tmp_path) -> None:
+    # A channel file as the agent makes it, so the worker maps it and writes its slot.
+    path = tmp_path / "channel"
+    buffer = bytearray(channel.size(1))
+    channel.HEADER_STRUCT.pack_into(buffer, 0, channel.MAGIC, 0, 1)
+    path.write_bytes(buffer)
     modules = _modules_after(
-        "import relaunch\nrelaunch.report_progress(1)\nrelaunch.stop_requested()"
+        "import relaunch\nrelaunch.report_progress(7, 10, 'x')\nrelaunch.stop_requested()",
+        **{channel.CHANNEL_ENV: str(path), "LOCAL_RANK": "0"},
     )
+    progress = read_progress(path.read_bytes(), 0)
+    assert progress is not None and (progress.step, progress.total) == (7, 10)
     assert _loaded(modules, AGENT_SIDE) == []
     assert _loaded(modules, COSTLY) == []
     assert [m for m in modules if m.startswith("relaunch")] == [
