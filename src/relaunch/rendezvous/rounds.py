@@ -44,11 +44,13 @@ class Rounds:
         self._prefix = f"relaunch/{run_id}"
 
     def key(self, name: str, round_: int | None = None) -> str:
+        """The store key ``name`` of the job, or of its round ``round_``."""
         if round_ is None:
             return f"{self._prefix}/{name}"
         return f"{self._prefix}/r{round_}/{name}"
 
     def is_closed(self) -> bool:
+        """Whether the job finished (late nodes then exit rather than wait)."""
         return self._store.get(self.key("closed")).value is not None
 
     def join(self, local_world_size: int) -> tuple[int, int, int, plan.Final]:
