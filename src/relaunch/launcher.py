@@ -18,8 +18,8 @@ from relaunch.rendezvous.api import (
     RendezvousClosedError,
     RendezvousHandler,
     RendezvousParameters,
-    get_rendezvous_handler,
 )
+from relaunch.rendezvous.backends import get_rendezvous_handler
 
 log = logging.getLogger(__name__)
 

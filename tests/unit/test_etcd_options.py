@@ -7,7 +7,8 @@ import re
 import pytest
 
 from relaunch.launcher import LaunchConfig
-from relaunch.rendezvous.api import RendezvousParameters, get_rendezvous_handler
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.rendezvous.backends import get_rendezvous_handler
 from relaunch.store.etcd import Endpoint, EtcdStore, parse_endpoints
 
 

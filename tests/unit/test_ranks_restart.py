@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relaunch.core.group import GroupState
+from relaunch.core.membership import MembershipChange
 from relaunch.core.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
 from relaunch.core.restart import Action, decide
 
@@ -77,16 +78,16 @@ def test_worker_env_respects_the_users_settings() -> None:
     ("state", "left", "change", "action", "uses"),
     [
         (GroupState.SUCCEEDED, 0, None, Action.SUCCEED, False),
-        (GroupState.SUCCEEDED, 3, "1 node waiting", Action.SUCCEED, False),
+        (GroupState.SUCCEEDED, 3, MembershipChange.nodes_waiting(1), Action.SUCCEED, False),
         (GroupState.FAILED, 1, None, Action.RESTART, True),
         (GroupState.FAILED, 0, None, Action.FAIL, False),
-        (GroupState.FAILED, 0, "node 2 lost", Action.RESTART, False),
+        (GroupState.FAILED, 0, MembershipChange.member_lost(2, "gone", 1), Action.RESTART, False),
         (GroupState.RUNNING, 0, None, Action.CONTINUE, False),
-        (GroupState.RUNNING, 0, "1 node waiting", Action.RESTART, False),
+        (GroupState.RUNNING, 0, MembershipChange.nodes_waiting(1), Action.RESTART, False),
     ],
 )
 def test_restart_policy(
-    state: GroupState, left: int, change: str | None, action: Action, uses: bool
+    state: GroupState, left: int, change: MembershipChange | None, action: Action, uses: bool
 ) -> None:
     decision = decide(state, left, change)
     assert (decision.action, decision.uses_restart) == (action, uses)

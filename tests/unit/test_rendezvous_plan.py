@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -9,10 +10,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relaunch.core import rendezvous as plan
+from relaunch.core.membership import (
+    ChangeKind,
+    MembershipChange,
+    decode_change,
+    encode_change,
+    expected_size,
+)
 from relaunch.core.rendezvous import Final, Settings, Step, decide_join
 from relaunch.rendezvous.api import RendezvousError, RendezvousInfo
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.store import MemoryStore
+from relaunch.store.api import StoreConnectionError, Versioned
 
 S = Settings(min_nodes=2, max_nodes=4, join_timeout=100, last_call_timeout=10)
 
@@ -169,3 +178,203 @@ def test_a_node_that_dies_between_joining_and_registering_is_left_out(
         assert (result.group_world_size, result.world_size) == (1, 1)
     else:
         assert isinstance(result, RendezvousError) and "fewer than 2" in str(result)
+
+
+@pytest.mark.parametrize(
+    ("change", "members", "waiting", "expected"),
+    [
+        (MembershipChange.nodes_waiting(2), 3, 2, 5),
+        (MembershipChange.member_lost(1, "no heartbeat for 3s", 0), 3, 0, 2),
+        (MembershipChange.member_lost(1, "its etcd lease expired", 2), 3, 1, 3),
+        (MembershipChange.member_left(0), 3, 0, 2),
+        (MembershipChange.restarting(), 3, 0, 3),
+        (MembershipChange.restarting("h1: rank 0 failed: NCCL peer lost"), 3, 1, 4),
+        (MembershipChange.finished(), 3, 0, 3),
+        (MembershipChange.store_lost("connection lost"), 3, 0, 3),
+        (MembershipChange.store_lost("timed out"), 1, 2, 3),
+    ],
+)
+def test_expected_size_follows_the_kind_not_the_words(
+    change: MembershipChange, members: int, waiting: int, expected: int
+) -> None:
+    assert expected_size(members, change, waiting) == expected
+
+
+@pytest.mark.parametrize("kind", list(ChangeKind))
+def test_a_changed_record_carries_the_kind(kind: ChangeKind) -> None:
+    change = MembershipChange(kind, f"{kind.value}: lost", member=2, detected_by=1)
+    assert decode_change(encode_change(change, 7)) == (change, 7)
+    assert json.loads(encode_change(change, 7))["kind"] == kind.value
+
+
+def test_a_changed_record_without_a_kind_never_shrinks_the_next_round() -> None:
+    change, expected = decode_change(b'{"reason": "node of group rank 1 lost", "expected": 2}')
+    assert (change.kind, change.reason, expected) == (
+        ChangeKind.RESTARTING,
+        "node of group rank 1 lost",
+        2,
+    )
+    assert expected_size(3, change) == 3
+
+
+def _rules(min_nodes: int, max_nodes: int) -> Settings:
+    """Fast beats; a silent node counts as lost after 1s, so one that stops beating to join
+    the next round is not taken for lost before its ``changed`` record arrives."""
+    return Settings(
+        min_nodes,
+        max_nodes,
+        join_timeout=10,
+        last_call_timeout=5,
+        keep_alive_interval=0.05,
+        keep_alive_max_attempt=20,
+    )
+
+
+class _UnreachableWatch(MemoryStore):
+    """A watch connection that breaks at once: its node sees "lost the rendezvous store"."""
+
+    def watch(self, key: str, version: int, timeout: float) -> Versioned:
+        raise StoreConnectionError("connection lost")
+
+
+def _rejoin(handler: DynamicRendezvousHandler) -> tuple[threading.Thread, list[object]]:
+    """Start ``handler.next_rendezvous()`` in a thread; the list gets its info or error."""
+    results: list[object] = []
+
+    def join() -> None:
+        try:
+            results.append(handler.next_rendezvous())
+        except RendezvousError as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    return thread, results
+
+
+def _form(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo]:
+    """Every handler joins at once; their infos, in order."""
+    joins = [_rejoin(handler) for handler in handlers]
+    for thread, _ in joins:
+        thread.join(20)
+    infos = [result for _, results in joins for result in results]
+    assert len(infos) == len(handlers) and all(isinstance(i, RendezvousInfo) for i in infos)
+    return [info for info in infos if isinstance(info, RendezvousInfo)]
+
+
+def _changed(store: MemoryStore, run_id: str, round_: int) -> dict[str, object]:
+    value = store.get(f"relaunch/{run_id}/r{round_}/changed").value
+    assert value is not None
+    record: dict[str, object] = json.loads(value)
+    return record
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("min_nodes", [1, 2])
+def test_losing_the_store_is_not_losing_a_member(min_nodes: int) -> None:
+    """A node whose watch connection broke re-forms the round for all its members: the next
+    round expects every one of them (the reason says "lost", but no member was)."""
+    store = MemoryStore()
+    rules = _rules(min_nodes, 2)
+    cut_off = DynamicRendezvousHandler(
+        "store", store, rules, 1, "127.0.0.1", store, watch_store=_UnreachableWatch()
+    )
+    other = DynamicRendezvousHandler(
+        "store", store, rules, 1, "127.0.0.1", store, watch_store=store
+    )
+    handlers = [cut_off, other]
+    try:
+        _form(handlers)
+        change = cut_off.wait_membership_change(10)
+        assert change is not None and change.kind is ChangeKind.STORE_LOST
+        assert other.membership_change() is None
+        thread, results = _rejoin(cut_off)  # it re-forms round 0, then waits in round 1
+        seen = other.wait_membership_change(10)
+        assert seen is not None and seen.kind is ChangeKind.STORE_LOST
+        assert "lost the rendezvous store" in seen.reason
+        record = _changed(store, "store", 0)
+        assert (record["kind"], record["expected"]) == ("store_lost", 2)
+        again = other.next_rendezvous()
+        thread.join(20)
+        assert again.group_world_size == 2
+        assert [r.group_world_size for r in results if isinstance(r, RendezvousInfo)] == [2]
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_forwarded_worker_error_saying_lost_restarts_the_round_at_full_size() -> None:
+    store = MemoryStore()
+    rules = _rules(1, 2)
+    failed, other = (
+        DynamicRendezvousHandler("fwd", store, rules, 1, "127.0.0.1", store, watch_store=store)
+        for _ in range(2)
+    )
+    handlers = [failed, other]
+    notified = threading.Event()
+    other.set_change_listener(notified.set)
+    try:
+        _form(handlers)
+        failed.note_restart("h1: rank 0 failed: connection to peer lost")
+        thread, results = _rejoin(failed)
+        assert notified.wait(10), "the listener hears of the change"
+        seen = other.membership_change()
+        assert seen is not None and seen.kind is ChangeKind.RESTARTING
+        assert seen.reason == "h1: rank 0 failed: connection to peer lost"
+        assert _changed(store, "fwd", 0)["expected"] == 2
+        # What this node read forwards the restart: it must not count a member lost either.
+        assert expected_size(2, seen) == 2
+        other.set_change_listener(None)
+        again = other.next_rendezvous()
+        thread.join(20)
+        assert again.group_world_size == 2
+        assert [r.group_world_size for r in results if isinstance(r, RendezvousInfo)] == [2]
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_member_shrinks_the_next_round_and_says_who_noticed() -> None:
+    store = MemoryStore()
+    rules = _rules(1, 3)
+    handlers = [
+        DynamicRendezvousHandler("lost", store, rules, 1, "127.0.0.1", store, watch_store=store)
+        for _ in range(3)
+    ]
+    try:
+        infos = _form(handlers)
+        rank = {info.group_rank: handler for info, handler in zip(infos, handlers, strict=True)}
+        rank[1]._stop_watching()  # its heartbeat stops: it "dies" (its neighbour is rank 0)
+        change = rank[0].wait_membership_change(10)
+        assert change is not None and change.kind is ChangeKind.MEMBER_LOST
+        assert (change.member, change.detected_by) == (1, 0)
+        assert change.reason.startswith("node of group rank 1 lost (no heartbeat for")
+        thread, results = _rejoin(rank[0])
+        seen = rank[2].wait_membership_change(10)
+        assert seen == change  # the record carries the kind and who noticed
+        assert _changed(store, "lost", 0)["expected"] == 2
+        again = rank[2].next_rendezvous()
+        thread.join(20)
+        assert again.group_world_size == 2
+        assert [r.group_world_size for r in results if isinstance(r, RendezvousInfo)] == [2]
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+
+
+def test_a_listener_set_after_the_change_is_called_at_once() -> None:
+    store = MemoryStore()
+    rules = _rules(1, 1)
+    handler = DynamicRendezvousHandler(
+        "late", store, rules, 1, "127.0.0.1", store, watch_store=_UnreachableWatch()
+    )
+    try:
+        handler.next_rendezvous()
+        assert handler.wait_membership_change(10) is not None
+        calls: list[int] = []
+        handler.set_change_listener(lambda: calls.append(1))
+        assert calls == [1]
+    finally:
+        handler.shutdown()

@@ -14,6 +14,8 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
   there; running nodes see it (``nodes_waiting``) and restart into that larger round.
 - Each member heartbeats its own counter and watches one neighbour on a ring, so a dead node is
   noticed after ``keep_alive_interval * keep_alive_max_attempt`` at O(1) cost per node.
+- A change while the round runs (``core.membership``) marks it for re-forming, with the size the
+  next round expects.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class Step(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Decision:
+class JoinDecision:
+    """What a joining node does next (``decide_join``), with what that step needs."""
+
     step: Step
     deadline: float | None = None  # WAIT: when to decide again at the latest
     count: int = 0  # COMPLETE: how many members
@@ -104,7 +108,7 @@ def decide_join(
     now: float,
     previous_running: bool = False,
     expected: int | None = None,
-) -> Decision:
+) -> JoinDecision:
     """What a node holding ``ticket`` does next, having seen ``joined`` joins and ``final``.
 
     ``min_reached_at`` is when this node first saw ``joined >= min_nodes`` (None before).
@@ -113,9 +117,9 @@ def decide_join(
     expects (its survivors plus the waiting ones); reaching it completes the round at once.
     """
     if final is not None:
-        return Decision(Step.MEMBER if ticket <= final.count else Step.LATE)
+        return JoinDecision(Step.MEMBER if ticket <= final.count else Step.LATE)
     if ticket > settings.max_nodes:
-        return Decision(Step.LATE)
+        return JoinDecision(Step.LATE)
     fail_at = started_at + settings.join_timeout
     if now >= fail_at:
         if ticket != 1:
@@ -124,17 +128,17 @@ def decide_join(
             waited = "the running job to make room for this node"
         else:
             waited = f"{settings.min_nodes} node(s) to join ({joined} joined)"
-        return Decision(Step.FAIL, reason=f"waited {settings.join_timeout:g}s for {waited}")
+        return JoinDecision(Step.FAIL, reason=f"waited {settings.join_timeout:g}s for {waited}")
     if ticket != 1 or previous_running:
-        return Decision(Step.WAIT, deadline=fail_at)
+        return JoinDecision(Step.WAIT, deadline=fail_at)
     if joined >= completion_target(settings, expected):
-        return Decision(Step.COMPLETE, count=min(joined, settings.max_nodes))
+        return JoinDecision(Step.COMPLETE, count=min(joined, settings.max_nodes))
     if min_reached_at is not None:
         complete_at = min_reached_at + settings.last_call_timeout
         if now >= complete_at:
-            return Decision(Step.COMPLETE, count=min(joined, settings.max_nodes))
-        return Decision(Step.WAIT, deadline=min(complete_at, fail_at))
-    return Decision(Step.WAIT, deadline=fail_at)
+            return JoinDecision(Step.COMPLETE, count=min(joined, settings.max_nodes))
+        return JoinDecision(Step.WAIT, deadline=min(complete_at, fail_at))
+    return JoinDecision(Step.WAIT, deadline=fail_at)
 
 
 def assign(ticket: int, workers_through_me: int, local_world_size: int) -> tuple[int, int]:

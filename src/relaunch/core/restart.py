@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from relaunch.core.group import GroupState
+from relaunch.core.membership import MembershipChange
 
 
 class Action(str, enum.Enum):
@@ -22,14 +23,16 @@ class Decision:
     reason: str = ""
 
 
-def decide(state: GroupState, restarts_left: int, membership_change: str | None = None) -> Decision:
+def decide(
+    state: GroupState, restarts_left: int, membership_change: MembershipChange | None = None
+) -> Decision:
     """A failure restarts the group while restarts remain. A membership change (nodes waiting to
     join, a node lost) restarts it without using one up, also when the workers failed because of
     it (a lost peer breaks their collectives)."""
     if state is GroupState.SUCCEEDED:
         return Decision(Action.SUCCEED)
-    if membership_change:
-        return Decision(Action.RESTART, reason=membership_change)
+    if membership_change is not None:
+        return Decision(Action.RESTART, reason=membership_change.reason)
     if state is GroupState.FAILED:
         if restarts_left > 0:
             return Decision(Action.RESTART, uses_restart=True, reason="a worker failed")

@@ -5,6 +5,7 @@ built-in store one agent hosts) and ``etcd`` (elastic, on an etcd v3 cluster: no
 failure). ``--standalone`` is one node on an in-process store.
 """
 
+from relaunch.core.membership import ChangeKind, MembershipChange
 from relaunch.endpoints import parse_endpoint
 from relaunch.rendezvous.api import (
     BACKENDS,
@@ -12,12 +13,14 @@ from relaunch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-    get_rendezvous_handler,
 )
+from relaunch.rendezvous.backends import get_rendezvous_handler
 from relaunch.rendezvous.static import StaticRendezvousHandler
 
 __all__ = [
     "BACKENDS",
+    "ChangeKind",
+    "MembershipChange",
     "RendezvousError",
     "RendezvousHandler",
     "RendezvousInfo",

@@ -1,10 +1,16 @@
-"""The rendezvous handler interface the agent drives, and the registry of backends."""
+"""The rendezvous handler interface the agent drives (``backends`` builds one by name).
+
+This module imports no handler, so every handler can import it.
+"""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from relaunch.core.membership import MembershipChange
 
 #: Backends this release can run, by ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name
 #: for the dynamic rendezvous on etcd; relaunch speaks etcd's v3 API under both names.
@@ -103,15 +109,20 @@ class RendezvousHandler(abc.ABC):
         """Nodes waiting to join a running job (a reason to restart into a larger round)."""
         return 0
 
-    def membership_change(self) -> str | None:
+    def membership_change(self) -> MembershipChange | None:
         """Why the running round should be re-formed (nodes waiting, a node lost), or None."""
         waiting = self.num_nodes_waiting()
-        return f"{waiting} node(s) waiting to join" if waiting else None
+        return MembershipChange.nodes_waiting(waiting) if waiting else None
 
-    def wait_membership_change(self, timeout: float) -> str | None:
+    def wait_membership_change(self, timeout: float) -> MembershipChange | None:
         """``membership_change()``, waiting up to ``timeout`` for one (a handler that cannot
         notice changes while workers run answers at once)."""
         return self.membership_change()
+
+    def set_change_listener(self, listener: Callable[[], None] | None) -> None:  # noqa: B027
+        """Call ``listener`` (from any thread) whenever ``membership_change()`` may have become
+        non-None, so the agent need not poll; None removes it. Fixed membership never changes,
+        so by default there is nothing to call."""
 
     @property
     def lost_node_grace(self) -> float:
@@ -137,22 +148,3 @@ class RendezvousHandler(abc.ABC):
 
     def shutdown(self) -> bool:
         return True
-
-
-def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler for ``params.backend``; ValueError naming the valid backends otherwise."""
-    if params.backend == "static":
-        from relaunch.rendezvous.static import StaticRendezvousHandler
-
-        return StaticRendezvousHandler.from_parameters(params)
-    if params.backend in ("c10d", "tcp"):
-        from relaunch.rendezvous.dynamic import create_handler
-
-        return create_handler(params)
-    if params.backend in ("etcd", "etcd-v2"):
-        from relaunch.rendezvous.dynamic import create_etcd_handler
-
-        return create_etcd_handler(params)
-    raise ValueError(
-        f"unknown rendezvous backend {params.backend!r}: valid backends are " + ", ".join(BACKENDS)
-    )

@@ -18,7 +18,8 @@ Mapping onto the ``Store`` protocol:
   dies stops renewing its lease, and etcd deletes its keys.
 
 Every call retries on another member when one cannot be reached, has no leader, or times out,
-until the store's ``timeout`` passes. Passwords never appear in messages or ``repr``.
+until the store's ``timeout`` passes (``etcd_gateway``). Passwords never appear in messages or
+``repr``.
 """
 
 from __future__ import annotations
@@ -27,33 +28,17 @@ import base64
 import http.client
 import json
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from relaunch.store.api import (
-    CasResult,
-    StoreAuthError,
-    StoreConnectionError,
-    StoreError,
-    StoreProtocolError,
-    StoreTimeout,
-    Versioned,
-)
+from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
+from relaunch.store.etcd_gateway import Endpoint, Gateway, parse_endpoints
+
+__all__ = ["Endpoint", "EtcdStore", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PORT = 2379
-#: The longest a single attempt waits on one member before trying the next.
-ATTEMPT_TIMEOUT = 5.0
-#: gRPC status codes etcd answers while it cannot serve: retry, on another member if need be.
-_RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
-_UNAUTHENTICATED = 16
-_RETRY_MESSAGES = ("leader", "timed out", "too many requests", "not capable", "stopped")
-_BAD_TOKEN_MESSAGES = ("invalid auth token", "user name is empty")
 
 
 def _b64(data: bytes) -> str:
@@ -74,45 +59,6 @@ def _versioned(kv: dict[str, Any] | None) -> Versioned:
 def _first_kv(range_response: dict[str, Any]) -> dict[str, Any] | None:
     kvs = range_response.get("kvs")
     return kvs[0] if kvs else None
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One etcd member's client URL."""
-
-    scheme: str
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def parse_endpoints(text: str, protocol: str = "http") -> list[Endpoint]:
-    """``host1:2379,https://host2:2379,...`` into endpoints; ValueError saying what is wrong."""
-    from relaunch.endpoints import parse_endpoint
-
-    if protocol not in ("http", "https"):
-        raise ValueError(f"protocol={protocol!r}: expected http or https")
-    endpoints = []
-    for item in text.split(","):
-        item = item.strip()
-        scheme = protocol
-        if "://" in item:
-            scheme, _, item = item.partition("://")
-            if scheme not in ("http", "https"):
-                raise ValueError(f"etcd endpoint scheme {scheme!r}: expected http or https")
-        item = item.rstrip("/")
-        if not item:
-            raise ValueError(f"etcd endpoints {text!r}: expected HOST:PORT[,HOST:PORT...]")
-        host, port = parse_endpoint(item, DEFAULT_PORT)
-        endpoints.append(Endpoint(scheme, host, port))
-    return endpoints
-
-
-class _Retry(Exception):
-    """This attempt failed in a way another attempt (on another member) may not."""
 
 
 class EtcdStore:
@@ -138,153 +84,26 @@ class EtcdStore:
         text = endpoints if isinstance(endpoints, str) else ",".join(endpoints)
         self.endpoints = parse_endpoints(text, protocol)
         self.timeout = timeout
-        self._user = user
-        self._password = password
-        if (user is None) != (password is None):
-            raise ValueError("etcd authentication needs both user and password")
-        if key is not None and cert is None:
-            raise ValueError("etcd TLS: key= needs cert= too")
-        self._ssl: ssl.SSLContext | None = None
-        if any(e.scheme == "https" for e in self.endpoints) or cacert or cert:
-            self._ssl = ssl.create_default_context(cafile=cacert)
-            if cert is not None:
-                self._ssl.load_cert_chain(cert, key)
-        self._token: str | None = None
-        self._lock = threading.Lock()
-        self._current = 0
-        self._conn: http.client.HTTPConnection | None = None
+        self._gateway = Gateway(self.endpoints, timeout, cacert, cert, key, user, password)
+        self._lock = threading.Lock()  # one request at a time on the gateway's connection
         # The last sight of each counter ``add`` wrote: usually still current, saving a read.
         self._counters: dict[str, Versioned] = {}
         self._warned_ttl = False
 
     def __repr__(self) -> str:
-        user = f", user={self._user!r}" if self._user else ""
+        user = f", user={self._gateway.user!r}" if self._gateway.user else ""
         return f"EtcdStore({self.describe()!r}{user})"
 
     def describe(self) -> str:
         """The endpoints, as a person would write them."""
-        return ", ".join(str(e) for e in self.endpoints)
-
-    # -- transport ------------------------------------------------------------------------------
-
-    def _connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
-        if endpoint.scheme == "https":
-            return http.client.HTTPSConnection(
-                endpoint.host, endpoint.port, timeout=timeout, context=self._ssl
-            )
-        return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def _rotate(self) -> None:
-        self._drop()
-        self._current = (self._current + 1) % len(self.endpoints)
-
-    def _post(
-        self,
-        conn: http.client.HTTPConnection,
-        path: str,
-        body: dict[str, Any],
-        authorized: bool = True,
-    ) -> http.client.HTTPResponse:
-        headers = {"Content-Type": "application/json"}
-        if authorized and self._token is not None:
-            headers["Authorization"] = self._token
-        conn.request("POST", path, json.dumps(body).encode(), headers)
-        return conn.getresponse()
-
-    def _attempt(
-        self, path: str, body: dict[str, Any], timeout: float, authorized: bool = True
-    ) -> dict[str, Any]:
-        """One request to the current member; ``_Retry`` when another member may do better."""
-        endpoint = self.endpoints[self._current]
-        try:
-            if self._conn is None:
-                self._conn = self._connection(endpoint, timeout)
-            else:
-                self._conn.timeout = timeout
-                if self._conn.sock is not None:
-                    self._conn.sock.settimeout(timeout)
-            response = self._post(self._conn, path, body, authorized)
-            payload = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self._rotate()
-            raise _Retry(f"{endpoint}: {exc or type(exc).__name__}") from None
-        try:
-            reply: dict[str, Any] = json.loads(payload) if payload else {}
-        except ValueError:
-            self._rotate()
-            raise _Retry(
-                f"{endpoint}: answered HTTP {response.status} with a body that is "
-                "not JSON (is this an etcd v3 client port?)"
-            ) from None
-        if response.status == 200 and "error" not in reply:
-            return reply
-        message = str(reply.get("message") or reply.get("error") or f"HTTP {response.status}")
-        code = reply.get("code")
-        if code in _RETRY_CODES or any(m in message for m in _RETRY_MESSAGES):
-            self._rotate()
-            raise _Retry(f"{endpoint}: {message}")
-        if (
-            authorized
-            and self._user is not None
-            and (code == _UNAUTHENTICATED or any(m in message for m in _BAD_TOKEN_MESSAGES))
-        ):
-            self._token = None  # expired or never had one: authenticate, then try again
-            raise _Retry(f"{endpoint}: {message}")
-        if "permission denied" in message or code == _UNAUTHENTICATED:
-            raise StoreAuthError(
-                f"etcd at {endpoint} refused the request: {message}"
-                + ("" if self._user else " (set user= and password=)")
-            )
-        raise StoreError(f"etcd at {endpoint}: {message}")
-
-    def _authenticate(self, timeout: float) -> None:
-        body = {"name": self._user, "password": self._password}
-        try:
-            reply = self._attempt("/v3/auth/authenticate", body, timeout, authorized=False)
-        except StoreError as exc:
-            if "password" in str(exc) or "authentication failed" in str(exc):
-                raise StoreAuthError(
-                    f"etcd refused the user name or password of user {self._user!r}"
-                ) from None
-            raise
-        self._token = str(reply["token"])
-
-    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST path body`` on some live member, within ``timeout``; the decoded reply."""
-        deadline = time.monotonic() + self.timeout
-        delay, failures = 0.01, 0
-        last = ""
-        while True:
-            left = deadline - time.monotonic()
-            attempt_timeout = max(0.05, min(left, ATTEMPT_TIMEOUT))
-            try:
-                if self._user is not None and self._token is None:
-                    self._authenticate(attempt_timeout)
-                return self._attempt(path, body, attempt_timeout)
-            except _Retry as exc:
-                last = str(exc)
-            failures += 1
-            if failures % len(self.endpoints) == 0:
-                # Every member failed once: back off before the next lap.
-                if time.monotonic() + delay > deadline:
-                    raise StoreConnectionError(
-                        f"cannot reach etcd at {self.describe()} within {self.timeout:g}s "
-                        f"(last: {last})"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        return self._gateway.describe()
 
     # -- Store ----------------------------------------------------------------------------------
 
     def _range(self, key: str) -> tuple[Versioned, int]:
         """``key``'s value and version, and the cluster revision the read saw."""
         with self._lock:
-            reply = self._call("/v3/kv/range", {"key": _key_b64(key)})
+            reply = self._gateway.call("/v3/kv/range", {"key": _key_b64(key)})
         return _versioned(_first_kv(reply)), int(reply["header"]["revision"])
 
     def get(self, key: str) -> Versioned:
@@ -296,7 +115,7 @@ class EtcdStore:
         if lease:
             body["lease"] = str(lease)
         with self._lock:
-            reply = self._call("/v3/kv/put", body)
+            reply = self._gateway.call("/v3/kv/put", body)
         return int(reply["header"]["revision"])
 
     def compare_set(self, key: str, expected_version: int, value: bytes) -> CasResult:
@@ -315,7 +134,7 @@ class EtcdStore:
             "failure": [read],
         }
         with self._lock:
-            reply = self._call("/v3/kv/txn", body)
+            reply = self._gateway.call("/v3/kv/txn", body)
         responses = reply.get("responses", [])
         try:
             current = _versioned(_first_kv(responses[-1]["response_range"]))
@@ -339,7 +158,7 @@ class EtcdStore:
     def delete(self, key: str) -> bool:
         self._counters.pop(key, None)
         with self._lock:
-            reply = self._call("/v3/kv/deleterange", {"key": _key_b64(key)})
+            reply = self._gateway.call("/v3/kv/deleterange", {"key": _key_b64(key)})
         return int(reply.get("deleted", 0)) > 0
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
@@ -365,18 +184,20 @@ class EtcdStore:
     def _watch_once(self, key: str, start_revision: int, timeout: float) -> Versioned | None:
         """The first change of ``key`` from ``start_revision`` on, or None: the time ran out,
         or the stream broke (the caller reads again, on another member if need be)."""
+        gateway = self._gateway
         with self._lock:
-            endpoint = self.endpoints[self._current]
-            if self._user is not None and self._token is None:
-                self._call("/v3/kv/range", {"key": _key_b64(key)})  # authenticates
-        conn = self._connection(endpoint, timeout)
+            endpoint = gateway.current
+            if gateway.needs_token:
+                gateway.call("/v3/kv/range", {"key": _key_b64(key)})  # authenticates
+        conn = gateway.connection(endpoint, timeout)
         body = {"create_request": {"key": _key_b64(key), "start_revision": str(start_revision)}}
         try:
-            response = self._post(conn, "/v3/watch", body)
+            response = gateway.post(conn, "/v3/watch", body)
             if response.status != 200:
                 response.read()
-                with self._lock:
-                    self._token = None if response.status == 401 else self._token
+                if response.status == 401:
+                    with self._lock:
+                        gateway.forget_token()
                 return None
             while True:
                 line = response.readline()
@@ -398,8 +219,8 @@ class EtcdStore:
             pass
         except (OSError, http.client.HTTPException, ValueError):
             with self._lock:
-                if self.endpoints[self._current] == endpoint:
-                    self._rotate()  # the member died under the stream: read elsewhere
+                if gateway.current == endpoint:
+                    gateway.rotate()  # the member died under the stream: read elsewhere
         finally:
             conn.close()
         return None
@@ -410,7 +231,7 @@ class EtcdStore:
         """A new lease of ``ttl`` seconds (rounded up to whole seconds); its id."""
         asked = max(1, int(-(-ttl // 1)))
         with self._lock:
-            reply = self._call("/v3/lease/grant", {"TTL": str(asked)})
+            reply = self._gateway.call("/v3/lease/grant", {"TTL": str(asked)})
         granted = int(reply.get("TTL", asked))
         if granted > asked and not self._warned_ttl:
             self._warned_ttl = True
@@ -426,14 +247,14 @@ class EtcdStore:
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease``; False when it already expired (its keys are gone)."""
         with self._lock:
-            reply = self._call("/v3/lease/keepalive", {"ID": str(lease)})
+            reply = self._gateway.call("/v3/lease/keepalive", {"ID": str(lease)})
         return int(reply.get("result", {}).get("TTL", 0)) > 0
 
     def revoke_lease(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys."""
         with self._lock:
-            self._call("/v3/lease/revoke", {"ID": str(lease)})
+            self._gateway.call("/v3/lease/revoke", {"ID": str(lease)})
 
     def close(self) -> None:
         with self._lock:
-            self._drop()
+            self._gateway.drop()

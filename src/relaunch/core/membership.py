@@ -1,0 +1,109 @@
+"""Membership changes of a running rendezvous round: what happened, and how big the next round is.
+
+A member that notices a change marks the round for re-forming with a record (``r{n}/changed``)
+that every member reads. The record says what kind of change it was, why (for the logs), and
+how many nodes the next round expects: the round's members, less the one lost or gone, plus
+the nodes waiting to join. The kind, not the wording of the reason, decides that size: a
+reason may quote a worker's error, whose text can say anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class ChangeKind(str, enum.Enum):
+    NODES_WAITING = "nodes_waiting"  # nodes wait to join: the next round grows
+    MEMBER_LOST = "member_lost"  # a member stopped heartbeating (seen by its ring neighbour)
+    MEMBER_LEFT = "member_left"  # a member shut down before the job finished
+    RESTARTING = "restarting"  # a member restarts its workers (after a failure, say)
+    FINISHED = "finished"  # the job finished: nobody re-forms, late nodes exit
+    STORE_LOST = "store_lost"  # this node could not reach the store: no member is gone
+
+    @property
+    def removes_member(self) -> bool:
+        """Whether the round loses one of its members by this change."""
+        return self in (ChangeKind.MEMBER_LOST, ChangeKind.MEMBER_LEFT)
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """Why a running round must be re-formed.
+
+    ``member`` is the group rank of the member lost or gone; ``detected_by`` the group rank of
+    the member that noticed a loss. ``reason`` is the line the logs and restart reasons show.
+    """
+
+    kind: ChangeKind
+    reason: str
+    member: int | None = None
+    detected_by: int | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+    @classmethod
+    def nodes_waiting(cls, count: int) -> MembershipChange:
+        return cls(ChangeKind.NODES_WAITING, f"{count} node(s) waiting to join")
+
+    @classmethod
+    def member_lost(cls, member: int, why: str, detected_by: int | None) -> MembershipChange:
+        reason = f"node of group rank {member} lost ({why})"
+        return cls(ChangeKind.MEMBER_LOST, reason, member, detected_by)
+
+    @classmethod
+    def member_left(cls, member: int) -> MembershipChange:
+        return cls(ChangeKind.MEMBER_LEFT, f"node of group rank {member} left the job", member)
+
+    @classmethod
+    def restarting(cls, reason: str = "") -> MembershipChange:
+        return cls(ChangeKind.RESTARTING, reason or "the worker group is restarting")
+
+    @classmethod
+    def finished(cls) -> MembershipChange:
+        return cls(ChangeKind.FINISHED, "the job finished")
+
+    @classmethod
+    def store_lost(cls, error: object) -> MembershipChange:
+        return cls(ChangeKind.STORE_LOST, f"lost the rendezvous store: {error}")
+
+
+def expected_size(members: int, change: MembershipChange, waiting: int = 0) -> int:
+    """How many nodes the round after one of ``members`` nodes expects, ``waiting`` more
+    having asked to join: one fewer when ``change`` removed a member."""
+    return members - (1 if change.kind.removes_member else 0) + waiting
+
+
+def encode_change(change: MembershipChange, expected: int) -> bytes:
+    """The ``changed`` record: the change, and the size of the round that re-forms after it."""
+    record: dict[str, Any] = {
+        "kind": change.kind.value,
+        "reason": change.reason,
+        "expected": expected,
+    }
+    if change.member is not None:
+        record["member"] = change.member
+    if change.detected_by is not None:
+        record["detected_by"] = change.detected_by
+    return json.dumps(record).encode()
+
+
+def decode_change(raw: bytes) -> tuple[MembershipChange, int | None]:
+    """The change a ``changed`` record holds and the size it expects (None if it says none).
+
+    A record without a known kind (written by an older relaunch) counts as a restart, which
+    never shrinks the next round below its size.
+    """
+    data = json.loads(raw)
+    try:
+        kind = ChangeKind(data.get("kind"))
+    except ValueError:
+        kind = ChangeKind.RESTARTING
+    change = MembershipChange(
+        kind, str(data.get("reason", "")), data.get("member"), data.get("detected_by")
+    )
+    expected = data.get("expected")
+    return change, None if expected is None else int(expected)

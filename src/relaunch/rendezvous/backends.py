@@ -1,0 +1,179 @@
+"""Building a rendezvous handler from ``--rdzv-*`` flags: the registry of backends.
+
+``static`` takes its rank from the flags; ``c10d``/``tcp`` run the dynamic rendezvous on the
+built-in store (hosted by the agent that can bind the endpoint), ``etcd``/``etcd-v2`` on an etcd
+v3 cluster, and ``--standalone`` on a store in this process. The store and network code load
+only for the backend that needs them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from relaunch.core import rendezvous as plan
+from relaunch.endpoints import is_loopback, parse_endpoint
+from relaunch.rendezvous.api import (
+    BACKENDS,
+    TOKEN_ENV,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+from relaunch.rendezvous.static import StaticRendezvousHandler
+from relaunch.store.api import StoreError
+
+DEFAULT_PORT = 29400
+
+
+def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler for ``params.backend``; ValueError naming the valid backends otherwise."""
+    if params.backend == "static":
+        return StaticRendezvousHandler.from_parameters(params)
+    if params.backend in ("c10d", "tcp"):
+        return create_handler(params)
+    if params.backend in ("etcd", "etcd-v2"):
+        return create_etcd_handler(params)
+    raise ValueError(
+        f"unknown rendezvous backend {params.backend!r}: valid backends are " + ", ".join(BACKENDS)
+    )
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _setting(params: RendezvousParameters, key: str, default: float, whole: bool = False) -> Any:
+    value = params.get(key, default)
+    try:
+        return int(value) if whole else float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if whole else "a number of seconds"
+        raise ValueError(f"--rdzv-conf {key}={value!r}: expected {kind}") from None
+
+
+def _plan_settings(params: RendezvousParameters) -> plan.Settings:
+    return plan.Settings(
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        join_timeout=_setting(params, "join_timeout", 600),
+        last_call_timeout=_setting(params, "last_call_timeout", 30),
+        keep_alive_interval=_setting(params, "keep_alive_interval", 5),
+        keep_alive_max_attempt=_setting(params, "keep_alive_max_attempt", 3, whole=True),
+    )
+
+
+def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
+    host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
+    token = params.get("token") or os.environ.get(TOKEN_ENV) or None
+    timeout = _setting(params, "timeout", 60)
+    settings = _plan_settings(params)
+    is_host = params.get("is_host")
+    local_world_size = int(params.get("local_world_size", 1))
+    if port == 0 and params.max_nodes == 1 and (is_host is None or _truthy(is_host)):
+        # --standalone: one node on a port nobody knows, so nobody else can join. The same
+        # rendezvous runs on the store in this process, with no server and no sockets.
+        from relaunch.store.memory import MemoryStore
+
+        memory = MemoryStore()
+        return DynamicRendezvousHandler(
+            params.run_id,
+            memory,
+            settings,
+            local_world_size,
+            host,
+            memory,
+            backend=params.backend,
+            watch_store=memory,
+        )
+    import socket
+
+    from relaunch.store.client import TcpStore
+    from relaunch.store.server import TcpStoreServer
+
+    server: TcpStoreServer | None = None
+    if is_host is None or _truthy(is_host):
+        try:
+            server = TcpStoreServer(host, port, token).start()
+            port = server.port
+        except OSError as exc:
+            if is_host is not None:
+                raise RendezvousError(f"cannot host the store on {host}:{port}: {exc}") from None
+    local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
+    on_shutdown = (server.stop,) if server is not None else ()
+    try:
+        store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
+        heartbeat_store = TcpStore(
+            host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
+        )
+        watch_store = TcpStore(
+            host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
+        )
+    except StoreError as exc:
+        for stop in on_shutdown:
+            stop()
+        raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+    return DynamicRendezvousHandler(
+        params.run_id,
+        store,
+        settings,
+        local_world_size,
+        local_addr,
+        heartbeat_store,
+        backend=params.backend,
+        on_shutdown=(watch_store.close, *on_shutdown),
+        watch_store=watch_store,
+    )
+
+
+def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """Build the handler for ``etcd``: the same rendezvous, on an etcd v3 cluster.
+
+    ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
+    ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
+    """
+    from relaunch.store.etcd import EtcdStore
+
+    settings = _plan_settings(params)
+    options = {
+        "protocol": str(params.get("protocol", "http")),
+        "cacert": params.get("cacert"),
+        "cert": params.get("cert"),
+        "key": params.get("key"),
+        "user": params.get("user"),
+        "password": params.get("password"),
+        "timeout": _setting(params, "timeout", 60),
+    }
+    for path_option in ("cacert", "cert", "key"):
+        path = options[path_option]
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--rdzv-conf {path_option}={path}: no such file")
+    store, heartbeat_store, watch_store = (
+        EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
+    )
+    try:
+        store.get(f"relaunch/{params.run_id}/closed")  # reachable, and the credentials work
+    except StoreError as exc:
+        raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+    if params.local_addr:
+        local_addr = params.local_addr
+    elif all(is_loopback(endpoint.host) for endpoint in store.endpoints):
+        local_addr = "127.0.0.1"
+    else:
+        import socket
+
+        local_addr = socket.getfqdn()
+    return DynamicRendezvousHandler(
+        params.run_id,
+        store,
+        settings,
+        int(params.get("local_world_size", 1)),
+        local_addr,
+        heartbeat_store,
+        backend=params.backend,
+        on_shutdown=(watch_store.close,),
+        watch_store=watch_store,
+        leases=True,
+    )

@@ -1,0 +1,168 @@
+"""Watching a running round: this member's heartbeat, its ring neighbour's, and the round's
+``changed`` record. Whatever they notice goes to one callback, as a ``MembershipChange``.
+
+Each member watches one neighbour, so a round of N nodes costs O(1) store operations per node
+and beat. Two ways to beat: a counter the member bumps (the built-in store), or an etcd lease
+holding the member's key, which etcd deletes when the member stops renewing it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+from relaunch.core import rendezvous as plan
+from relaunch.core.membership import MembershipChange, decode_change
+from relaunch.runtime import start_without_signals
+from relaunch.store.api import Store, StoreError
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd import EtcdStore
+
+
+class RoundWatch:
+    """The threads that watch one round for the member holding ``ticket`` of ``count``.
+
+    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). With a ``watch_store``
+    a second thread blocks on the ``changed`` record, so a re-form reaches this member at once;
+    without one the heartbeat looks at it each beat.
+    """
+
+    def __init__(
+        self,
+        round_key: Callable[[str], str],
+        ticket: int,
+        count: int,
+        settings: plan.Settings,
+        store: Store,
+        watch_store: Store | None,
+        leases: bool,
+        flag: Callable[[MembershipChange], None],
+    ) -> None:
+        self._key = round_key
+        self._ticket, self._count = ticket, count
+        self._settings = settings
+        self._store, self._watch_store, self._leases = store, watch_store, leases
+        self._flag = flag
+        self._stop = threading.Event()
+        self._beating = threading.Thread(target=self._beat, name="relaunch-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        start_without_signals(self._beating)
+        if self._watch_store is not None:
+            watching = threading.Thread(
+                target=self._watch_changes, name="relaunch-rdzv-watch", daemon=True
+            )
+            start_without_signals(watching)
+
+    def stop(self) -> None:
+        """Stop beating (an etcd lease is revoked) and wait for the heartbeat thread; the
+        watching thread ends within a beat and reports nothing more."""
+        self._stop.set()
+        self._beating.join()
+
+    def _watch_changes(self) -> None:
+        """Block on this round's ``changed`` record: a re-form anywhere reaches us at once."""
+        assert self._watch_store is not None
+        key, stop = self._key("changed"), self._stop
+        try:
+            while not stop.is_set():
+                changed = self._watch_store.watch(key, 0, self._settings.keep_alive_interval)
+                if changed.value is not None:
+                    if not stop.is_set():
+                        self._flag(decode_change(changed.value)[0])
+                    return
+        except StoreError as exc:
+            if not stop.is_set():
+                self._flag(MembershipChange.store_lost(exc))
+
+    def _beat(self) -> None:
+        """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
+        store, settings, stop = self._store, self._settings, self._stop
+        pulse: CounterPulse | LeasePulse
+        if self._leases:
+            pulse = LeasePulse(cast("EtcdStore", store), settings)
+        else:
+            pulse = CounterPulse(store, settings)
+        neighbour = plan.ring_neighbour(self._ticket, self._count)
+        try:
+            while True:
+                pulse.beat(self._key(f"hb/{self._ticket}"))
+                if self._watch_store is None:  # nobody blocks on ``changed``: look each beat
+                    changed = store.get(self._key("changed")).value
+                    if changed is not None:
+                        self._flag(decode_change(changed)[0])
+                if neighbour is not None:
+                    lost = pulse.lost(self._key(f"hb/{neighbour}"), time.monotonic())
+                    if lost:
+                        self._flag(
+                            MembershipChange.member_lost(neighbour - 1, lost, self._ticket - 1)
+                        )
+                if stop.wait(settings.keep_alive_interval):
+                    pulse.end()
+                    return
+        except StoreError as exc:
+            if not stop.is_set():
+                self._flag(MembershipChange.store_lost(exc))
+
+
+class CounterPulse:
+    """Heartbeats as a counter each member bumps; a neighbour whose counter stands still died."""
+
+    def __init__(self, store: Store, settings: plan.Settings) -> None:
+        self._store, self._settings = store, settings
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def beat(self, key: str) -> None:
+        self._store.add(key, 1)
+
+    def lost(self, key: str, now: float) -> str | None:
+        """Why the member beating at ``key`` counts as dead, or None while it lives."""
+        version = self._store.get(key).version
+        seen_version, seen_at = self._seen.get(key, (-1, now))
+        if version != seen_version:
+            self._seen[key] = (version, now)
+            return None
+        if plan.is_dead(seen_at, now, self._settings):
+            return f"no heartbeat for {self._settings.dead_after:g}s"
+        return None
+
+    def end(self) -> None:
+        pass
+
+
+class LeasePulse:
+    """Heartbeats as an etcd lease the member renews, holding its key: when the member dies,
+    etcd lets the lease expire and deletes the key, which is how its neighbour learns it."""
+
+    def __init__(self, store: EtcdStore, settings: plan.Settings) -> None:
+        self._store, self._settings = store, settings
+        self._lease: int | None = None
+        self._started = time.monotonic()
+        self._seen: set[str] = set()
+
+    def beat(self, key: str) -> None:
+        if self._lease is not None and self._store.keep_alive(self._lease):
+            return
+        self._lease = self._store.grant_lease(self._settings.dead_after)
+        self._store.set(key, b"", lease=self._lease)
+
+    def lost(self, key: str, now: float) -> str | None:
+        if self._store.get(key).value is not None:
+            self._seen.add(key)
+            return None
+        if key in self._seen:
+            return "its etcd lease expired"
+        if plan.is_dead(self._started, now, self._settings):
+            return f"no heartbeat for {self._settings.dead_after:g}s"
+        return None
+
+    def end(self) -> None:
+        """Revoke the lease, so the key goes at once rather than when the lease runs out."""
+        if self._lease is not None:
+            try:
+                self._store.revoke_lease(self._lease)
+            except StoreError:
+                pass

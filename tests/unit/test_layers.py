@@ -1,0 +1,192 @@
+"""The layers of relaunch, read from the source: no import cycles, a pure core, and no layer
+importing one above it.
+
+The graph has an edge for every import of a relaunch module, at module level or inside a
+function (a lazy import is still a dependency); imports under ``if TYPE_CHECKING:`` are left
+out, as they never run. ``from package import name`` is an edge to ``package.name`` when that
+is a module, else to the package itself (its ``__init__``), so a package's ``__init__`` that
+re-exports its submodules has an edge to each of them, and a submodule that imports from its
+own package's ``__init__`` closes a cycle. The implicit import of a parent package when a
+submodule loads is not an edge: it runs no code the submodule depends on.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import relaunch
+
+SRC = pathlib.Path(relaunch.__file__).parent
+#: Standard library modules core must not import: core is decisions, not I/O, threads or time.
+FORBIDDEN_IN_CORE = {"os", "subprocess", "socket", "threading", "time", "select", "selectors"}
+
+#: Module prefixes each layer must not import. A prefix names a module and everything under it.
+LAYERS = {
+    "relaunch.store": (
+        "relaunch.rendezvous",
+        "relaunch.procs",
+        "relaunch.agent",
+        "relaunch.timer",
+        "relaunch.cli",
+        "relaunch.launcher",
+    ),
+    "relaunch.rendezvous": (
+        "relaunch.procs",
+        "relaunch.agent",
+        "relaunch.cli",
+        "relaunch.launcher",
+    ),
+    "relaunch.procs": (
+        "relaunch.store",
+        "relaunch.rendezvous",
+        "relaunch.agent",
+        "relaunch.cli",
+        "relaunch.launcher",
+    ),
+}
+#: Modules below everything but core: they import nothing else from relaunch.
+FOUNDATIONS = ("relaunch.endpoints", "relaunch.runtime")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(SRC.rglob("*.py"))}
+
+
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``tree``, at any depth, but those under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        runs = node.orelse if isinstance(node, ast.If) and is_type_checking(node.test) else [node]
+        for child in runs:
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            yield from imports(child)
+
+
+def imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules ``node`` (in ``module``) imports, by full name."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = node.module or ""
+    if node.level:
+        package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    submodules = (f"{base}.{alias.name}" for alias in node.names)
+    return {name if name in MODULES else base for name in submodules}
+
+
+def graph() -> dict[str, set[str]]:
+    """Each relaunch module and the relaunch modules it imports."""
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        names = set().union(*(imported(module, node) for node in imports(tree)))
+        edges[module] = {name for name in names if name in MODULES and name != module}
+    return edges
+
+
+def all_imports(module: str) -> set[str]:
+    """Every module ``module`` imports, relaunch or not (top-level names for the others)."""
+    tree = ast.parse(MODULES[module].read_text())
+    names = set().union(*(imported(module, node) for node in imports(tree)))
+    return {name if under(name, "relaunch") else name.split(".")[0] for name in names}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    edges = graph()
+    assert "relaunch.core.rendezvous" in edges["relaunch.rendezvous.rounds"]  # from pkg import mod
+    assert "relaunch.rendezvous.api" in edges["relaunch.rendezvous"]  # __init__ re-exports
+    assert "relaunch.store.memory" in edges["relaunch.rendezvous.backends"]  # inside a function
+    assert "relaunch.store.etcd" not in edges["relaunch.rendezvous.heartbeat"]  # TYPE_CHECKING
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_core_imports_only_core_and_the_pure_standard_library() -> None:
+    for module in MODULES:
+        if not under(module, "relaunch.core"):
+            continue
+        for name in all_imports(module):
+            if under(name, "relaunch"):
+                assert under(name, "relaunch.core"), f"{module} imports {name}"
+            else:
+                assert name in sys.stdlib_module_names or name == "__future__", (
+                    f"{module} imports {name}, which is not in the standard library"
+                )
+                assert name not in FORBIDDEN_IN_CORE, f"{module} imports {name}"
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_no_layer_imports_one_above_it(layer: str) -> None:
+    edges = graph()
+    wrong = {
+        (module, target)
+        for module, targets in edges.items()
+        if under(module, layer)
+        for target in targets
+        if any(under(target, above) for above in LAYERS[layer])
+    }
+    assert wrong == set()
+
+
+@pytest.mark.parametrize("module", FOUNDATIONS)
+def test_foundations_import_only_core(module: str) -> None:
+    edges = graph()
+    assert {target for target in edges[module] if not under(target, "relaunch.core")} == set()
