@@ -65,7 +65,7 @@ def plan_rank_io(
     redirect_by_rank = per_rank(redirects, nprocs)
     tee_by_rank = per_rank(tee, nprocs)
     chosen = prefixes or {}
-    plan = {}
+    plan: dict[int, RankIO] = {}
     for rank in range(nprocs):
         rank_dir = posixpath.join(log_dir, str(rank))
         logged = redirect_by_rank[rank] | tee_by_rank[rank]
