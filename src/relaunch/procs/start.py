@@ -25,13 +25,34 @@ from relaunch.procs.console import ProgbarEvents
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, PContext
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.monitor import WorkerProcess
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 
 class SubprocessContext(PContext):
     """Workers that are binaries (any executable, a Python interpreter included)."""
 
-    def __init__(self, name: str, entrypoint: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(name, entrypoint, *args, **kwargs)
+    def __init__(
+        self,
+        name: str,
+        entrypoint: str,
+        args: Mapping[int, tuple[Any, ...]],
+        envs: Mapping[int, Mapping[str, str]],
+        rank_io: Mapping[int, RankIO],
+        progbar_events: ProgbarEvents | None = None,
+        *,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        super().__init__(
+            name,
+            entrypoint,
+            args,
+            envs,
+            rank_io,
+            progbar_events,
+            shutdown_timeout=shutdown_timeout,
+            clock=clock,
+        )
         self.entrypoint: str = entrypoint
 
     def _start_worker(
@@ -65,12 +86,23 @@ class MultiprocessContext(PContext):
         rank_io: Mapping[int, RankIO],
         start_method: str,
         progbar_events: ProgbarEvents | None = None,
-        **kwargs: Any,
+        *,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         check_start_method(start_method)
         if start_method != "fork":
             check_picklable(entrypoint, args, start_method)
-        super().__init__(name, entrypoint, args, envs, rank_io, progbar_events, **kwargs)
+        super().__init__(
+            name,
+            entrypoint,
+            args,
+            envs,
+            rank_io,
+            progbar_events,
+            shutdown_timeout=shutdown_timeout,
+            clock=clock,
+        )
         self.entrypoint: Callable[..., Any] = entrypoint
         self.start_method = start_method
         import multiprocessing  # only function workers need it: keep it off the CLI's path
