@@ -77,6 +77,7 @@ class GroupMonitor:
     ) -> None:
         self.workers = {worker.local_rank: worker for worker in workers}
         self._console = console
+        self._clock = clock
         self.stop_timeout = stop_timeout
         self.stopped_ranks: set[int] = set()
         self.lock = threading.Condition()
@@ -97,7 +98,6 @@ class GroupMonitor:
             if worker.result_conn is not None:
                 conn = worker.result_conn
                 self._selector.register(conn.fileno(), selectors.EVENT_READ, ("result", worker))
-        self._clock = clock
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
