@@ -42,9 +42,9 @@ from relaunch.procs.context import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     PContext,
     RunProcsResult,
+    start_processes,
 )
 from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
-from relaunch.procs.start import start_processes
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler, RendezvousInfo
 from relaunch.watchdog import Watchdog, timers_enabled_by_env
 

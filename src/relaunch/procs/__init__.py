@@ -1,9 +1,14 @@
 """Processes and their output: start a group of workers, watch them, stop them as one unit."""
 
 from relaunch.core.streams import Std
-from relaunch.procs.context import PContext, RunProcsResult
+from relaunch.procs.context import (
+    MultiprocessContext,
+    PContext,
+    RunProcsResult,
+    SubprocessContext,
+    start_processes,
+)
 from relaunch.procs.errors import ChildFailedError, ProcessFailure, SignalException, record
-from relaunch.procs.start import MultiprocessContext, SubprocessContext, start_processes
 from relaunch.procs.tail import TailLog
 
 __all__ = [
