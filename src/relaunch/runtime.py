@@ -31,9 +31,12 @@ def start_without_signals(thread: threading.Thread) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread:
-    """A daemon thread running ``target(*args)``, started with the termination signals blocked."""
-    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+def start_thread(
+    target: Callable[..., Any], name: str, *args: Any, daemon: bool = True
+) -> threading.Thread:
+    """A thread (daemon by default) running ``target(*args)``, started with the termination
+    signals blocked."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
     start_without_signals(thread)
     return thread
 
@@ -54,3 +57,22 @@ class SystemClock:
 
 
 SYSTEM_CLOCK: Clock = SystemClock()
+
+
+class ManualClock:
+    """A clock that moves only when told to (``advance``): tests drive deadlines with it."""
+
+    def __init__(self, monotonic: float = 1000.0, time: float = 1.7e9) -> None:
+        self._monotonic = monotonic
+        self._time = time
+
+    def monotonic(self) -> float:
+        return self._monotonic
+
+    def time(self) -> float:
+        return self._time
+
+    def advance(self, seconds: float) -> None:
+        """Move both clocks ``seconds`` forward."""
+        self._monotonic += seconds
+        self._time += seconds

@@ -19,6 +19,7 @@ import pytest
 from conftest import LeakCheck, wait_until
 
 from relaunch.core.timers import Timer
+from relaunch.runtime import ManualClock
 from relaunch.timer import (
     FileTimerServer,
     LocalTimerClient,
@@ -28,7 +29,7 @@ from relaunch.timer import (
     configure,
     expires,
 )
-from relaunch.timer.api import TableTimerServer
+from relaunch.timer.base import TableTimerServer
 from relaunch.timer.file_based_local_timer import FileTimerClient, FileTimerRequest
 
 pytestmark = pytest.mark.timeout(60)
@@ -379,7 +380,7 @@ def test_a_release_queued_behind_other_requests_still_wins(leaks: LeakCheck, rea
         ]
     )
     server = TableTimerServer(queue, max_interval=0.1, on_reap=reaps)
-    server._watchdog_step()
+    server._reap_step()
     assert reaps.seen == [] and proc.poll() is None
     proc.communicate("", timeout=30)
 
@@ -398,7 +399,29 @@ def test_a_report_says_how_long_the_worker_gave_itself_however_late_it_was_read(
         max_interval=0.1,
         on_reap=reaps,
     )
-    server._watchdog_step()
+    server._reap_step()
     [(_, [timer], _)] = reaps.seen
     assert timer.allowed == pytest.approx(0.5)
     assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_the_reaper_reads_its_deadlines_from_its_clock(leaks: LeakCheck, reaps: Reaps) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        env=leaks.process_env(),
+    )
+    try:
+        clock = ManualClock(time=1000.0)
+        queue = ScriptedQueue([TimerRequest(proc.pid, "step", 1010.0)])
+        server = TableTimerServer(queue, max_interval=0.1, on_reap=reaps, clock=clock)
+        server._reap_step()
+        assert reaps.seen == [] and proc.poll() is None, "not due before the clock says so"
+        clock.advance(10)
+        server._reap_step()
+        assert reaps.scopes(proc.pid) == ["step"]
+        assert server.last_activity(proc.pid) == 1000.0
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)

@@ -20,6 +20,8 @@ from relaunch import (
     SubprocessContext,
     start_processes,
 )
+from relaunch.core.rank_io import plan_rank_io
+from relaunch.runtime import ManualClock
 
 PY = sys.executable
 pytestmark = pytest.mark.timeout(60)
@@ -382,3 +384,26 @@ def test_a_second_stop_brings_the_sigkill_closer(log_dir: str, leaks: LeakCheck,
     result = pc.wait(0)
     assert result is not None
     assert set(result.failures) == {1} and result.stopped == {0: -signal.SIGKILL}
+
+
+def test_a_context_runs_a_plan_of_rank_io_and_reads_its_clock(
+    log_dir: str, leaks: LeakCheck
+) -> None:
+    plan = plan_rank_io("w", log_dir, 2, redirects=Std.OUT, tee={1: Std.ERR})
+    for io in plan.values():
+        os.mkdir(io.log_dir)
+    code = "import sys; print('out', sys.argv[1]); print('err', sys.argv[1], file=sys.stderr)"
+    args = {rank: (*py(code), str(rank)) for rank in range(2)}
+    pc = SubprocessContext("w", PY, args, leaks.envs(2), plan, clock=ManualClock())
+    pc.start()
+    try:
+        result = pc.wait()
+    finally:
+        pc.close()
+    assert result is not None and not result.is_failed()
+    assert result.durations == {0: 0.0, 1: 0.0}, "the exits are timed on the context's clock"
+    assert pc.stdouts == {rank: plan[rank].stdout for rank in range(2)}
+    assert pc.tee_stderrs == {1: plan[1].stderr} and pc.tee_stdouts == {}
+    assert pc.error_files == {rank: plan[rank].error_file for rank in range(2)}
+    assert [read(result.stdouts[rank]) for rank in range(2)] == ["out 0\n", "out 1\n"]
+    assert read(plan[1].stderr) == "err 1\n"

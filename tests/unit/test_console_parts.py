@@ -14,8 +14,8 @@ from relaunch.core.channel import Progress
 from relaunch.core.lines import ConsoleFramer, as_shown
 from relaunch.core.progress import NodeProgress
 from relaunch.core.summary import RankEnd, RunSummary, format_summary
-from relaunch.procs import console as console_module
 from relaunch.procs.console import Console
+from relaunch.runtime import ManualClock
 
 
 def test_lines_are_shown_as_a_terminal_leaves_them() -> None:
@@ -117,21 +117,19 @@ class FakeTerminal(io.TextIOWrapper):
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    now = [1000.0]
-    monkeypatch.setattr(console_module.time, "monotonic", lambda: now[0])
-    return now
+def clock() -> ManualClock:
+    return ManualClock(monotonic=1000.0)
 
 
-def test_off_a_terminal_bars_are_throttled_and_end_printed(clock: list[float]) -> None:
+def test_off_a_terminal_bars_are_throttled_and_end_printed(clock: ManualClock) -> None:
     out, err = FakeTerminal(False), FakeTerminal(False)
-    console = Console(out, err)
+    console = Console(out, err, clock=clock)
     assert not console.live
     for percent in range(0, 100, 10):  # ten refreshes within one second
         console.set_bar("r0", b"[w0]:%d%%" % percent)
         console.tick()
-        clock[0] += 0.05
-    clock[0] += 1.0
+        clock.advance(0.05)
+    clock.advance(1.0)
     console.tick()
     console.set_bar("r0", b"[w0]:99%")
     console.end_bar("r0", print_last=True)
@@ -140,28 +138,28 @@ def test_off_a_terminal_bars_are_throttled_and_end_printed(clock: list[float]) -
 
 
 def test_on_a_terminal_bars_live_below_the_scrolling_lines(
-    clock: list[float], monkeypatch: pytest.MonkeyPatch
+    clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TERM", "xterm")
     monkeypatch.delenv("NO_COLOR", raising=False)
     out, err = FakeTerminal(False), FakeTerminal(True)
-    console = Console(out, err)
+    console = Console(out, err, clock=clock)
     assert console.live and console.prefix(b"[w1]:", 1, err=True) == b"\033[33m[w1]:\033[0m"
     console.set_bar("a", b"[w0]: 10%")
     console.set_bar("b", b"[w1]: 20%")
     console.tick()
-    clock[0] += 0.2
+    clock.advance(0.2)
     console.write(b"", b"[w0]:a log line\n")
     assert err.text().endswith(
         b"[w0]: 10%\n[w1]: 20%"  # drawn
         + b"\r\033[2K\033[1A\033[2K"  # erased: two rows
         + b"[w0]:a log line\n[w0]: 10%\n[w1]: 20%"  # the line above, the area redrawn
     )
-    clock[0] += 0.01  # lines within a tenth of a second of the last drawing: no redraw yet
+    clock.advance(0.01)  # lines within a tenth of a second of the last drawing: no redraw yet
     console.write(b"", b"[w0]:another\n")
     assert err.text().endswith(b"\r\033[2K\033[1A\033[2K[w0]:another\n")
     assert console.next_tick() == pytest.approx(0.09)
-    clock[0] += 0.09
+    clock.advance(0.09)
     console.tick()
     assert err.text().endswith(b"[w0]:another\n[w0]: 10%\n[w1]: 20%")
     console.set_bar("a", b"   ")  # wiped (leave=False): gone, not printed, on a terminal

@@ -6,11 +6,11 @@ import os
 import re
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from typing import TextIO
 
 from relaunch.core.lines import prefix_lines
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 #: How long a writer waits for a progress bar to clear itself before writing anyway.
 PROGBAR_CLEAR_TIMEOUT = 0.5
@@ -122,12 +122,19 @@ class Console:
     On a terminal (stderr a tty), each bar being redrawn with ``\\r`` lives in an area at the
     bottom, redrawn in place (at most every ``REDRAW_SECONDS``) while log lines scroll above it.
     Elsewhere (a CI log, a pipe) a bar is printed as a line at most every ``THROTTLE_SECONDS``,
-    and its final state always. Prefixes get a stable colour per rank on a terminal.
+    and its final state always. Prefixes get a stable colour per rank on a terminal. Those
+    periods are measured on ``clock``.
     """
 
     def __init__(
-        self, stdout: TextIO, stderr: TextIO, progbar_events: ProgbarEvents | None = None
+        self,
+        stdout: TextIO,
+        stderr: TextIO,
+        progbar_events: ProgbarEvents | None = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self._clock = clock
         self.out = ConsoleWriter(stdout, progbar_events)
         self.err = ConsoleWriter(stderr, progbar_events)
         # ice-learn's handshake means the program draws its own bar: relaunch draws none.
@@ -174,7 +181,7 @@ class Console:
                 return
             erase = self._erase()
             self._dirty = True
-            due = time.monotonic() - self._drawn_at >= REDRAW_SECONDS
+            due = self._clock.monotonic() - self._drawn_at >= REDRAW_SECONDS
             draw = self._draw() if due else b""
             if out and self._stdout_crosses:
                 self.err.write_raw(erase)
@@ -240,7 +247,7 @@ class Console:
     def next_tick(self) -> float | None:
         """Seconds until ``tick`` has something to do, or None."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock.monotonic()
             waits = []
             if self._sources:
                 waits.append(self._polled_at + self._period - now)
@@ -257,7 +264,7 @@ class Console:
     def tick(self) -> None:
         """Redraw (terminal) or print due refreshes (elsewhere); asks the bar sources."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock.monotonic()
             if self._sources and now - self._polled_at >= self._period:
                 # Sources are asked at the display's rate, not at every wake-up of the monitor
                 # (which, under a flood of output, wakes thousands of times a second).
@@ -299,7 +306,7 @@ class Console:
 
     def _draw(self) -> bytes:
         self._dirty = False
-        self._drawn_at = time.monotonic()
+        self._drawn_at = self._clock.monotonic()
         order = sorted(self._bars, key=_display_order)
         lines = [self._fit(self._bars[key].text) for key in order]
         self._drawn_rows = len(lines)

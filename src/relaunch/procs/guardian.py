@@ -1,4 +1,4 @@
-"""Orphan-proofing: a tiny watchdog that kills every live worker tree if the launcher dies.
+"""The orphan guardian: a tiny process that kills every live worker tree if the launcher dies.
 
 Workers run in process groups of their own, so that stopping a worker stops whatever it started.
 That also means nothing kills them if the launching process is itself killed (even by SIGKILL,
@@ -37,7 +37,8 @@ for file in $files; do rm -f -- "$file"; done
 
 
 class Guardian:
-    """One watchdog per launching process; ``register`` a worker's pid right after starting it."""
+    """The orphan guardian of one launching process; ``register`` a worker's pid right after
+    starting it."""
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(

@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch.runtime import start_without_signals
+from relaunch.runtime import start_thread
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -52,9 +51,7 @@ def _exit_fd(pid: int, wait: Callable[[], object]) -> int:
         finally:
             os.close(write_end)
 
-    start_without_signals(
-        threading.Thread(target=wait_then_close, name=f"relaunch-wait-{pid}", daemon=True)
-    )
+    start_thread(wait_then_close, f"relaunch-wait-{pid}")
     return read_end
 
 

@@ -18,18 +18,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from relaunch.core.group import GroupState, group_state
-from relaunch.core.lines import ConsoleFramer
 from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+from relaunch.procs.rank_streams import TeeStream
 from relaunch.procs.signals import signals_deferred
-from relaunch.runtime import start_without_signals
+from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
 log = logging.getLogger(__name__)
 
-_READ_SIZE = 1 << 16
 #: After a wake-up that copied output, the monitor lets this long pass before it looks again, so a
 #: flood of tiny writes (unbuffered workers: two writes a line) is read in large chunks rather
 #: than one wake-up per write. The first line of a burst is never delayed; an idle pipe costs
@@ -40,83 +39,6 @@ SIGNAL_SLICE = 0.2
 #: After the workers are gone, how long to keep reading pipes that descendants which escaped
 #: their process group still hold open.
 DRAIN_TIMEOUT = 1.0
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-class TeeStream:
-    """One tee'd stream: bytes from a worker's pipe to its log file and, as lines, to a console.
-
-    Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
-    all streams together: under a flood of small writes that is one console write per round, not
-    one per read. Carriage-return refreshes (progress bars) become the stream's ``bar`` rather
-    than lines; the log file gets every byte either way.
-    """
-
-    def __init__(
-        self, read_fd: int, log_fd: int, console: Console, prefix: bytes, err: bool = False
-    ) -> None:
-        os.set_blocking(read_fd, False)
-        self.read_fd = read_fd
-        self.log_fd = log_fd
-        self.console = console
-        self.prefix = prefix
-        self.err = err
-        self.key = f"{prefix.decode(errors='replace')}{'e' if err else 'o'}"
-        self.framer = ConsoleFramer()
-        self.pending: list[bytes] = []
-        #: The bar the stream redraws now (None: none), and whether the console must hear of it.
-        self.bar: bytes | None = None
-        self.bar_changed = False
-        self.open = True
-
-    def pump(self, until_empty: bool = False) -> bool:
-        """Copy what the pipe holds to the log file; True once the pipe is at end of file.
-
-        One read is enough when woken by the selector (it wakes again while data remains); with
-        ``until_empty`` it reads until the pipe is empty, as after the worker has exited.
-        """
-        while True:
-            try:
-                chunk = os.read(self.read_fd, _READ_SIZE)
-            except BlockingIOError:
-                return False
-            except InterruptedError:
-                continue
-            if not chunk:
-                return True
-            write_all(self.log_fd, chunk)
-            lines, bar = self.framer.feed(chunk)
-            if lines:
-                self.pending.append(self.console.render(lines, self.prefix))
-            if bar is not None or self.bar is not None:
-                self.bar_changed = self.bar_changed or bar != self.bar
-                self.bar = bar
-            if not until_empty and len(chunk) < _READ_SIZE:
-                return False
-
-    def take_pending(self) -> bytes:
-        data = b"".join(self.pending)
-        self.pending.clear()
-        return data
-
-    def finish(self) -> None:
-        """Write out the last partial line (a bar's last state) and close the stream's files."""
-        if not self.open:
-            return
-        self.open = False
-        self.pending.append(self.console.render(self.framer.flush(), self.prefix))
-        if self.bar is not None:
-            self.console.end_bar(self.key, print_last=False)  # the last line shows it
-            self.bar = None
-        data = self.take_pending()
-        self.console.write(b"" if self.err else data, data if self.err else b"")
-        os.close(self.read_fd)
-        os.close(self.log_fd)
 
 
 @dataclass
@@ -140,7 +62,8 @@ class GroupMonitor:
     """Watches the workers of one group; stops the rest as soon as one fails.
 
     ``on_done`` is called (in the monitor thread) once every worker has exited: the caller builds
-    its result there. ``stop`` and ``finish`` may be called from any thread.
+    its result there. ``stop`` and ``finish`` may be called from any thread. Deadlines and exit
+    times are read from ``clock``.
     """
 
     def __init__(
@@ -149,9 +72,12 @@ class GroupMonitor:
         stop_timeout: float,
         on_done: Callable[[], None],
         console: Console | None = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.workers = {worker.local_rank: worker for worker in workers}
         self._console = console
+        self._clock = clock
         self.stop_timeout = stop_timeout
         self.stopped_ranks: set[int] = set()
         self.lock = threading.Condition()
@@ -172,12 +98,12 @@ class GroupMonitor:
             if worker.result_conn is not None:
                 conn = worker.result_conn
                 self._selector.register(conn.fileno(), selectors.EVENT_READ, ("result", worker))
-        self._thread = threading.Thread(target=self._run, name="relaunch-monitor", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._console is not None:
             self._console.add_waker(self._wake)
-        start_without_signals(self._thread)
+        self._thread = start_thread(self._run, "relaunch-monitor")
 
     # -- called from any thread -------------------------------------------------------------
 
@@ -222,16 +148,17 @@ class GroupMonitor:
         """Drain the streams (bounded), then end the monitor thread and release everything."""
         with signals_deferred(), self.lock:
             self._finishing = True
-            self._drain_until = time.monotonic() + DRAIN_TIMEOUT
+            self._drain_until = self._clock.monotonic() + DRAIN_TIMEOUT
         self._wake()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join()
 
     # -- the monitor thread --------------------------------------------------------------------
 
     def _stop_locked(self, sig: int, timeout: float) -> None:
         running = [w for w in self.workers.values() if w.exitcode is None]
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         # A second stop (a Ctrl-C during a stop) may only bring the SIGKILL closer.
         self._kill_at = deadline if self._kill_at is None else min(self._kill_at, deadline)
         for worker in self.workers.values():
@@ -246,7 +173,7 @@ class GroupMonitor:
             pass
 
     def _timeout(self) -> float | None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         waits = [d - now for d in (self._kill_at, self._drain_until) if d is not None]
         if self._console is not None:
             tick = self._console.next_tick()
@@ -343,7 +270,7 @@ class GroupMonitor:
             self._receive_result(worker)
         with self.lock:
             worker.exitcode = exitcode
-            worker.exit_time = time.time()
+            worker.exit_time = self._clock.time()
             codes = {rank: w.exitcode for rank, w in self.workers.items()}
             state = group_state(codes)
             if state is GroupState.FAILED and self._kill_at is None:
@@ -369,7 +296,7 @@ class GroupMonitor:
         worker.result_conn = None
 
     def _past_deadlines(self) -> bool:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         with self.lock:
             if self._kill_at is not None and now >= self._kill_at:
                 self._kill_at = None

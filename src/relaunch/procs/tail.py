@@ -9,7 +9,7 @@ from typing import TextIO
 
 from relaunch.core.lines import LineFramer
 from relaunch.procs.console import ConsoleWriter, ProgbarEvents
-from relaunch.runtime import start_without_signals
+from relaunch.runtime import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class TailLog:
 
     def start(self) -> TailLog:
         if self._files and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="relaunch-taillog", daemon=True)
-            start_without_signals(self._thread)
+            self._thread = start_thread(self._run, "relaunch-taillog")
         return self
 
     def _run(self) -> None:

@@ -23,7 +23,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from relaunch.core.lines import LineFramer
-from relaunch.timer.api import (
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.timer.base import (
     ReapHandler,
     RequestQueue,
     TableTimerServer,
@@ -253,9 +254,10 @@ class FileTimerServer(TableTimerServer):
         *,
         on_reap: ReapHandler | None = None,
         may_reap: Callable[[int], bool] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._fifo_queue = _FifoRequestQueue(self._malformed)
-        super().__init__(self._fifo_queue, max_interval, daemon, on_reap=on_reap)
+        super().__init__(self._fifo_queue, max_interval, daemon, on_reap=on_reap, clock=clock)
         self._file_path = file_path
         self._run_id = run_id
         self._log_event = log_event
@@ -291,7 +293,7 @@ class FileTimerServer(TableTimerServer):
         return super()._reap_worker(worker_id)
 
     def start(self) -> None:
-        """Create (or reuse) the FIFO and start the watchdog."""
+        """Create (or reuse) the FIFO and start the reaper thread."""
         try:
             os.mkfifo(self._file_path, 0o600)
             self._created = True
@@ -301,7 +303,7 @@ class FileTimerServer(TableTimerServer):
         super().start()
 
     def stop(self) -> None:
-        """Stop the watchdog at once, close the FIFO, and remove it if this server made it."""
+        """Stop the reaper at once, close the FIFO, and remove it if this server made it."""
         super().stop()
         self._fifo_queue.close()
         if self._created:

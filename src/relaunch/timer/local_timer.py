@@ -7,7 +7,8 @@ import os
 import queue
 from typing import Any
 
-from relaunch.timer.api import (
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.timer.base import (
     ReapHandler,
     RequestQueue,
     TableTimerServer,
@@ -75,7 +76,12 @@ class LocalTimerServer(TableTimerServer):
         daemon: bool = True,
         *,
         on_reap: ReapHandler | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(
-            MultiprocessingRequestQueue(mp_queue), max_interval, daemon, on_reap=on_reap
+            MultiprocessingRequestQueue(mp_queue),
+            max_interval,
+            daemon,
+            on_reap=on_reap,
+            clock=clock,
         )

@@ -1,0 +1,81 @@
+"""Where each worker's output goes, planned once per group: a value per local rank.
+
+``start_processes`` turns its ``log_dir``, ``redirects``, ``tee`` and console prefixes into one
+``RankIO`` per local rank; the context that runs the group, and its result, read them from there.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from relaunch.core.streams import Std, per_rank
+
+STDOUT_LOG = "stdout.log"
+STDERR_LOG = "stderr.log"
+ERROR_FILE = "error.json"
+
+
+@dataclass(frozen=True)
+class RankIO:
+    """The I/O of one local rank.
+
+    ``stdout``/``stderr`` are log file paths, "" where the stream is inherited from the launcher;
+    ``tee`` names the logged streams that are also echoed to the console, each line prefixed
+    ``prefix``. ``error_file`` is where the worker reports its failure; all its files live in
+    ``log_dir``.
+    """
+
+    local_rank: int
+    log_dir: str
+    stdout: str
+    stderr: str
+    tee: Std
+    error_file: str
+    prefix: str
+
+    @property
+    def tee_stdout(self) -> bool:
+        return bool(self.tee & Std.OUT)
+
+    @property
+    def tee_stderr(self) -> bool:
+        return bool(self.tee & Std.ERR)
+
+
+def default_prefix(name: str, local_rank: int) -> str:
+    """The console prefix of a rank's lines when none is given: ``[{name}{local_rank}]:``."""
+    return f"[{name}{local_rank}]:"
+
+
+def plan_rank_io(
+    name: str,
+    log_dir: str,
+    nprocs: int,
+    redirects: Std | Mapping[int, Std] = Std.NONE,
+    tee: Std | Mapping[int, Std] = Std.NONE,
+    prefixes: Mapping[int, str] | None = None,
+) -> dict[int, RankIO]:
+    """One ``RankIO`` per local rank ``0..nprocs-1``, its files in ``{log_dir}/{rank}/``.
+
+    A stream is logged when redirected or tee'd (a tee is a redirect echoed to the console).
+    ``prefixes`` replaces the console prefix of some ranks.
+    """
+    redirect_by_rank = per_rank(redirects, nprocs)
+    tee_by_rank = per_rank(tee, nprocs)
+    chosen = prefixes or {}
+    plan: dict[int, RankIO] = {}
+    for rank in range(nprocs):
+        rank_dir = posixpath.join(log_dir, str(rank))
+        logged = redirect_by_rank[rank] | tee_by_rank[rank]
+        plan[rank] = RankIO(
+            local_rank=rank,
+            log_dir=rank_dir,
+            stdout=posixpath.join(rank_dir, STDOUT_LOG) if logged & Std.OUT else "",
+            stderr=posixpath.join(rank_dir, STDERR_LOG) if logged & Std.ERR else "",
+            tee=tee_by_rank[rank],
+            error_file=posixpath.join(rank_dir, ERROR_FILE),
+            prefix=chosen.get(rank, default_prefix(name, rank)),
+        )
+    return plan

@@ -1,0 +1,288 @@
+"""``PContext``: a group of worker processes started, watched and stopped as one unit.
+
+The base of both kinds of context; ``procs.context`` has the kinds (functions, binaries) and
+``start_processes``, which picks one.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import logging
+import signal
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaunch.core.rank_io import RankIO
+from relaunch.procs.console import ProgbarEvents, console_for
+from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
+from relaunch.procs.guardian import guardian
+from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+from relaunch.procs.monitor import GroupMonitor, WorkerProcess
+from relaunch.procs.rank_streams import RankStreams
+from relaunch.procs.signals import SignalsToExceptions
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+
+log = logging.getLogger(__name__)
+
+
+#: Contexts started and not yet closed. At interpreter exit their workers are killed (as the
+#: guardian would do a moment later), before multiprocessing's exit hook waits for its children.
+_open_contexts: weakref.WeakSet[PContext] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_contexts() -> None:
+    for context in list(_open_contexts):
+        context.close(signal.SIGKILL, timeout=0)
+
+
+#: Default seconds between the stop signal and SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+
+
+@dataclass
+class RunProcsResult:
+    """The outcome of a finished group.
+
+    ``return_values`` maps local rank to what a function returned (None for binaries) when all
+    succeeded; ``failures`` holds the workers that failed; ``stopped`` maps the ranks that were
+    stopped only because another failed to their exit codes. ``stdouts``/``stderrs`` are the log
+    file paths ("" where a stream was not redirected). ``exitcodes`` and ``durations``
+    (seconds from the group's start to each exit) cover every rank.
+    """
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    stopped: dict[int, int] = field(default_factory=dict)
+    exitcodes: dict[int, int] = field(default_factory=dict)
+    durations: dict[int, float] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return len(self.failures) > 0
+
+
+class PContext(abc.ABC):
+    """A group of worker processes started, watched and stopped as one unit.
+
+    ``rank_io`` says, for each local rank, where its streams go (see ``plan_rank_io``);
+    ``stdouts``/``stderrs``, ``tee_stdouts``/``tee_stderrs`` and ``error_files`` show it as the
+    seed's per-rank maps. When one worker fails, the others are sent SIGTERM, then SIGKILL after
+    ``shutdown_timeout`` seconds. ``clock`` timestamps the workers' exits.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: Mapping[int, tuple[Any, ...]],
+        envs: Mapping[int, Mapping[str, str]],
+        rank_io: Mapping[int, RankIO],
+        progbar_events: ProgbarEvents | None = None,
+        *,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = dict(args)
+        self.envs = {rank: dict(env) for rank, env in envs.items()}
+        self.rank_io = dict(rank_io)
+        self.nprocs = len(self.args)
+        self._progbar_events = progbar_events
+        self._shutdown_timeout = shutdown_timeout
+        self._clock = clock
+        self._signals = SignalsToExceptions()
+        self._monitor: GroupMonitor | None = None
+        self._result: RunProcsResult | None = None
+        self._closed = False
+        self._started_at = 0.0
+
+    # -- the seed's per-rank maps, read from ``rank_io`` ---------------------------------------
+
+    @property
+    def stdouts(self) -> dict[int, str]:
+        """Each rank's stdout log file, "" where stdout is inherited."""
+        return {rank: io.stdout for rank, io in self.rank_io.items()}
+
+    @property
+    def stderrs(self) -> dict[int, str]:
+        """Each rank's stderr log file, "" where stderr is inherited."""
+        return {rank: io.stderr for rank, io in self.rank_io.items()}
+
+    @property
+    def tee_stdouts(self) -> dict[int, str]:
+        """The ranks whose stdout log is also echoed to the console, with that log's path."""
+        return {rank: io.stdout for rank, io in self.rank_io.items() if io.tee_stdout}
+
+    @property
+    def tee_stderrs(self) -> dict[int, str]:
+        """The ranks whose stderr log is also echoed to the console, with that log's path."""
+        return {rank: io.stderr for rank, io in self.rank_io.items() if io.tee_stderr}
+
+    @property
+    def error_files(self) -> dict[int, str]:
+        """Where each rank reports its failure."""
+        return {rank: io.error_file for rank, io in self.rank_io.items()}
+
+    # -- what each kind of context supplies ----------------------------------------------------
+
+    @abc.abstractmethod
+    def _start_worker(
+        self, local_rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
+    ) -> tuple[PopenHandle | ProcessHandle, Any]:
+        """Start one worker writing to the descriptors ``stdout``/``stderr`` (None: inherit);
+        return its handle and the read end of its result channel, if any."""
+
+    def _return_value(self, worker: WorkerProcess) -> Any:
+        return None
+
+    # -- the life cycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every worker. A worker that cannot be started stops those already running."""
+        if self._monitor is not None:
+            raise RuntimeError(f"{type(self).__name__} {self.name!r} was already started")
+        self._signals.install()
+        self._started_at = self._clock.time()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        orphans = guardian()
+        console = console_for(sys.stdout, sys.stderr, self._progbar_events)
+        workers: list[WorkerProcess] = []
+        opened: RankStreams | None = None
+        try:
+            for rank in range(self.nprocs):
+                opened = streams = RankStreams(self.rank_io[rank])
+                try:
+                    streams.open()
+                    env = {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}
+                    handle, result_conn = self._start_worker(
+                        rank, env, streams.stdout.child_fd, streams.stderr.child_fd
+                    )
+                    orphans.register(handle.pid)
+                finally:
+                    streams.close_child_ends()
+                worker = WorkerProcess(rank, handle, result_conn=result_conn)
+                workers.append(worker)
+                worker.streams = streams.tees(console)
+                opened = None
+        except BaseException:
+            self._abort_start(workers, opened)
+            raise
+        self._monitor = GroupMonitor(
+            workers, self._shutdown_timeout, self._build_result, console, clock=self._clock
+        )
+        self._monitor.start()
+        _open_contexts.add(self)
+
+    def _abort_start(self, workers: list[WorkerProcess], opened: RankStreams | None) -> None:
+        if opened is not None:
+            opened.close_all()
+        for worker in workers:
+            signal_tree(worker.pid, signal.SIGKILL)
+        for worker in workers:
+            _wait_exit(worker.handle)
+            guardian().unregister(worker.pid)
+            for stream in worker.streams:
+                stream.finish()
+            worker.handle.release()
+        self._signals.restore()
+
+    def pids(self) -> dict[int, int]:
+        """The pid of each worker by local rank."""
+        if self._monitor is None:
+            return {}
+        return {rank: worker.pid for rank, worker in self._monitor.workers.items()}
+
+    def running(self) -> set[int]:
+        """The local ranks whose process has not exited (or not been reaped) yet."""
+        if self._monitor is None:
+            return set()
+        return {rank for rank, w in self._monitor.workers.items() if w.exitcode is None}
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Wait up to ``timeout`` seconds (forever if negative, a mere check if 0) for the end.
+
+        Returns None while workers still run, else the result; when a worker failed, the others
+        have already been stopped. Returns as soon as the group ends: ``period`` is accepted for
+        compatibility and unused, since exits are events here, not polled.
+        """
+        monitor = self._monitor
+        if monitor is None:
+            raise RuntimeError(f"{type(self).__name__} {self.name!r} was not started")
+        if not monitor.wait_done(None if timeout < 0 else timeout):
+            return None
+        return self._result
+
+    def close(
+        self, death_sig: signal.Signals | None = None, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    ) -> None:
+        """Stop every worker and its descendants: ``death_sig``, then SIGKILL after ``timeout`` s.
+
+        Log and error files stay. Idempotent; safe to call whether or not the workers still run.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _open_contexts.discard(self)
+        self._signals.restore()
+        monitor = self._monitor
+        if monitor is None:
+            return
+        if not monitor.done:
+            monitor.stop(death_sig or signal.SIGTERM, timeout)
+            monitor.wait_done(None)
+        # Descendants of workers that already exited may linger in their process groups.
+        monitor.kill_all_trees()
+        monitor.finish()
+        for worker in monitor.workers.values():
+            guardian().unregister(worker.pid)
+            worker.handle.release()
+
+    def _build_result(self) -> None:
+        """Called by the monitor once every worker has exited."""
+        assert self._monitor is not None
+        monitor = self._monitor
+        workers = monitor.workers
+        failures = {
+            rank: ProcessFailure.from_exit(
+                rank,
+                worker.pid,
+                worker.exitcode or 0,
+                self.rank_io[rank].error_file,
+                stderr_file=self.rank_io[rank].stderr,
+                timestamp=worker.exit_time,
+            )
+            for rank, worker in workers.items()
+            if worker.exitcode and rank not in monitor.stopped_ranks
+        }
+        stopped = {rank: workers[rank].exitcode or 0 for rank in monitor.stopped_ranks}
+        if failures:
+            values: dict[int, Any] = {}
+        else:
+            values = {rank: self._return_value(worker) for rank, worker in workers.items()}
+        self._result = RunProcsResult(
+            values,
+            failures,
+            self.stdouts,
+            self.stderrs,
+            stopped,
+            exitcodes={rank: worker.exitcode or 0 for rank, worker in workers.items()},
+            durations={
+                rank: max(0.0, worker.exit_time - self._started_at)
+                for rank, worker in workers.items()
+            },
+        )
+
+
+def _wait_exit(handle: PopenHandle | ProcessHandle) -> None:
+    if isinstance(handle, PopenHandle):
+        handle.popen.wait()
+    else:
+        handle.process.join()
