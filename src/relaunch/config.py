@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# Nothing from relaunch.rendezvous at import time: the rendezvous code imports this module.
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.rendezvous.api import BACKENDS, redacted
 
 if TYPE_CHECKING:
     import argparse
@@ -90,6 +90,8 @@ class LaunchConfig:
     def __repr__(self) -> str:
         from dataclasses import fields
 
+        from relaunch.rendezvous.api import redacted
+
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["rdzv_configs"] = redacted(self.rdzv_configs)
         return "LaunchConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
@@ -109,6 +111,8 @@ def _check_counts(config: LaunchConfig) -> None:
 
 def validate(config: LaunchConfig) -> None:
     """Check ``config`` as a whole, before anything starts; ConfigError on the first problem."""
+    from relaunch.rendezvous.api import BACKENDS
+
     _check_counts(config)
     backend, endpoint, conf = config.rdzv_backend, config.rdzv_endpoint, config.rdzv_configs
     if backend not in BACKENDS:
