@@ -1,8 +1,8 @@
 """The ``relaunch`` command: torchrun's flags in, an exit status out.
 
 ``flags`` holds the table of flags and the parser, ``values`` the parsers of their values,
-``command`` the command itself (``main``) and ``store`` the ``relaunch store`` subcommand. The
-config they build, and its checks, live in ``relaunch.config``.
+``command`` the command itself (``main``), and ``store`` the ``relaunch store`` subcommand (loaded
+only for it). The config they build, and its checks, live in ``relaunch.config``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from relaunch.cli.command import (
     resolve_nproc,
 )
 from relaunch.cli.flags import DEFAULT_SIGNALS, FLAGS, build_parser, parse_nnodes, parse_rdzv_conf
-from relaunch.cli.store import store_main
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -34,7 +33,6 @@ __all__ = [
     "parse_nnodes",
     "parse_rdzv_conf",
     "resolve_nproc",
-    "store_main",
 ]
 
 
