@@ -29,9 +29,8 @@ from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
 if TYPE_CHECKING:
     import argparse
 
-#: Default ports of the static and the dynamic (``c10d``) rendezvous.
+#: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
-DYNAMIC_PORT = 29400
 
 
 class ConfigError(ValueError):
@@ -130,7 +129,7 @@ def validate(config: LaunchConfig) -> None:
             raise ConfigError(f"--node-rank {rank} must be >= 0")
         if rank >= config.max_nodes:
             raise ConfigError(f"--node-rank {rank} must be below --nnodes {config.max_nodes}")
-        _endpoint(endpoint, STATIC_PORT)
+        _endpoint(endpoint)
     elif backend in ("etcd", "etcd-v2"):
         options = etcd_options(conf)
         from relaunch.store.etcd import parse_endpoints
@@ -145,7 +144,7 @@ def validate(config: LaunchConfig) -> None:
                 f"--rdzv-backend {backend} takes one --rdzv-endpoint HOST:PORT; a "
                 "list of members is for --rdzv-backend etcd"
             )
-        _endpoint(endpoint or "127.0.0.1", DYNAMIC_PORT)
+        _endpoint(endpoint or "127.0.0.1")
         rdzv_settings(conf)
     from relaunch.events import event_handler_from_spec
 
@@ -155,9 +154,9 @@ def validate(config: LaunchConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _endpoint(endpoint: str, default_port: int) -> None:
+def _endpoint(endpoint: str) -> None:
     try:
-        parse_endpoint(endpoint, default_port)
+        parse_endpoint(endpoint, default_port=0)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -279,7 +278,8 @@ def config_from_args(
     ``--nproc-per-node gpu/cpu/auto``, and ``fresh_run_id`` is ``--standalone``'s run id (empty:
     a fresh one at launch).
     """
-    nproc = resolve_nproc(args.nproc_per_node, cpus or os.cpu_count() or 1, gpus)
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    nproc = resolve_nproc(args.nproc_per_node, cpus, gpus)
     min_nodes, max_nodes = args.nnodes
     backend, run_id, endpoint = args.rdzv_backend, args.rdzv_id, args.rdzv_endpoint
     rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
