@@ -79,6 +79,7 @@ def test_failure_prints_the_report_and_exits_1(tmp_path, leaks: LeakCheck) -> No
     )
     assert lines[report_end + 1].startswith("relaunch: run summary: failed")
     assert "relaunch/cli.py" not in done.stderr, "no traceback of the launcher's own"
+    assert "relaunch/cli/" not in done.stderr, "no traceback of the launcher's own"
 
 
 def test_module_and_no_python(tmp_path, leaks: LeakCheck) -> None:

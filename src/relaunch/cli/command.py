@@ -1,0 +1,175 @@
+"""``relaunch`` itself: parse the flags, check the config, run the agent, map the outcome.
+
+The only place that installs signal handlers. Exit status: 0 on success; 1 when workers failed
+(the report, root cause first, goes to stderr); 128 + signal when stopped by a signal, once the
+workers are gone; 2 for bad input (a usage error or a ``ConfigError``), reported in one line with
+no traceback. Any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from relaunch.cli.flags import build_parser
+
+if TYPE_CHECKING:
+    from relaunch.config import LaunchConfig
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def count_gpus(environ: Mapping[str, str]) -> int:
+    """GPUs visible to workers, without importing a framework."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return 0 if visible.strip() in ("", "-1") else len(visible.split(","))
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+
+
+def _gpus_for(nproc_per_node: str) -> int:
+    """This machine's GPUs, counted only when ``--nproc-per-node`` asks for them."""
+    return count_gpus(os.environ) if nproc_per_node in ("gpu", "auto") else 0
+
+
+def resolve_nproc(value: str) -> int:
+    """``relaunch.config.resolve_nproc`` with this machine's CPUs and GPUs."""
+    from relaunch import config
+
+    return config.resolve_nproc(value, os.cpu_count() or 1, _gpus_for(value))
+
+
+def config_from_args(
+    args: argparse.Namespace,
+) -> tuple[LaunchConfig, Callable[..., Any] | str, tuple[str, ...]]:
+    """``relaunch.config.config_from_args`` with this process's environment and GPUs."""
+    from relaunch import config
+
+    run_id = config.new_run_id() if args.standalone else ""
+    return config.config_from_args(
+        args, os.environ, _gpus_for(args.nproc_per_node), fresh_run_id=run_id
+    )
+
+
+def usage_error(exc: BaseException, prog: str) -> int:
+    """Report a ``ConfigError`` in one line and return exit status 2; re-raise anything else."""
+    from relaunch.config import ConfigError
+
+    if not isinstance(exc, ConfigError):
+        raise exc
+    print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``relaunch`` command and return its exit status."""
+    level = os.environ.get("LOGLEVEL", "WARNING").upper()  # torchrun's variable
+    logging.basicConfig(
+        format="relaunch: %(message)s",
+        handlers=[_LogHandler()],
+        level=level if isinstance(logging.getLevelName(level), int) else "WARNING",
+    )
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["store"]:
+        from relaunch.cli.store import store_main
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        return store_main(arguments[1:])
+    try:
+        args = build_parser().parse_args(argv)
+    except Exception as exc:  # the parser's ConfigError, whose module --help never loads
+        return usage_error(exc, "relaunch")
+    return _launch(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from relaunch.config import ConfigError
+    from relaunch.core.ranks import omp_num_threads_default
+    from relaunch.core.summary import RunSummary, format_summary
+    from relaunch.procs.errors import ChildFailedError, SignalException
+    from relaunch.procs.signals import raise_signal_exception
+    from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
+
+    try:
+        for sig in args.signals_to_handle:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, raise_signal_exception)
+        config, entrypoint, entry_args = config_from_args(args)
+        from relaunch.launcher import launch_agent, rendezvous_handler
+
+        handler = rendezvous_handler(config)
+    except ConfigError as exc:
+        return usage_error(exc, "relaunch")
+    except RendezvousError as exc:
+        print(f"relaunch: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    if omp_num_threads_default(config.nproc_per_node, os.environ) is not None:
+        print(
+            f"relaunch: setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} "
+            "workers to avoid overloading the machine; set it yourself to tune",
+            file=sys.stderr,
+        )
+    summaries: list[RunSummary] = []
+    try:
+        launch_agent(
+            config, entrypoint, list(entry_args), handler=handler, on_summary=summaries.append
+        )
+        code = 0
+    except RendezvousClosedError as exc:
+        print(f"relaunch: {exc}: nothing to do", file=sys.stderr)
+        return 0
+    except RendezvousError as exc:
+        print(f"relaunch: error: {exc}", file=sys.stderr)
+        code = EXIT_FAILED
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)  # the root cause first, then the summary
+        code = EXIT_FAILED
+    except SignalException as exc:
+        print(f"relaunch: stopped by {exc.sigval.name}; the workers are gone", file=sys.stderr)
+        code = 128 + int(exc.sigval)
+    for summary in summaries:
+        print("relaunch: " + format_summary(summary), file=sys.stderr)
+    return code
+
+
+class _LogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, except that a stop signal raised while a line is written is not swallowed (as
+    ``logging`` does with errors in handlers): it reaches the agent, which stops the run."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        from relaunch.procs.errors import SignalException
+
+        error = sys.exc_info()[1]
+        if isinstance(error, SignalException):
+            raise error
+        super().handleError(record)
+
+
+def console_main() -> None:
+    """The ``relaunch`` executable: ``main`` then an immediate exit.
+
+    Once ``main`` returns, the workers are gone and every file is closed, so the interpreter's
+    teardown (about 20 ms of freeing modules) is skipped; output is flushed first.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,302 @@
+"""torchrun's flags: the table, and the parser built from it with ``PET_*`` variables as defaults.
+
+Nothing here loads the config code: each flag's value parser (``relaunch.cli.values``) is imported
+when a value is first parsed, so ``relaunch --help`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from relaunch.core.streams import Std
+from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
+
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from relaunch.config import ConfigError
+
+        raise ConfigError(message)
+
+
+def _checked(name: str, *extra: Any) -> Callable[[str], Any]:
+    """The value parser ``relaunch.cli.values.<name>`` for argparse, loaded on first use; its
+    ConfigError becomes argparse's error, which names the flag."""
+
+    def parse(text: str) -> Any:
+        from relaunch.cli import values
+        from relaunch.config import ConfigError
+
+        try:
+            return getattr(values, name)(text, *extra)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = name
+    return parse
+
+
+parse_nnodes = _checked("parse_nnodes")
+parse_rdzv_conf = _checked("parse_rdzv_conf")
+
+
+class _Flag:
+    """One row of the table: the help group, the names, the default and the value parser."""
+
+    __slots__ = ("choices", "default", "group", "help", "metavar", "names", "switch", "type")
+
+    def __init__(
+        self,
+        group: str,
+        names: tuple[str, ...],
+        help: str,
+        default: Any = None,
+        type: Callable[[str], Any] | None = None,
+        switch: bool = False,
+        choices: tuple[str, ...] | None = None,
+        metavar: str | None = None,
+    ) -> None:
+        self.group, self.names, self.help, self.default = group, names, help, default
+        self.type, self.switch, self.choices, self.metavar = type, switch, choices, metavar
+
+    def help_text(self) -> str:
+        shown = self.default
+        if isinstance(shown, Std):
+            shown = int(shown)
+        if shown is None or shown == "" or self.switch:
+            return self.help
+        return f"{self.help} (default: {shown})"
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """``--nproc-per-node`` and ``--nproc_per_node``."""
+    underscored = "--" + name[2:].replace("-", "_")
+    return (name,) if underscored == name else (name, underscored)
+
+
+FLAGS = [
+    _Flag(
+        "nodes",
+        ("--nnodes",),
+        "number of nodes, or MIN:MAX for an elastic job",
+        "1:1",
+        parse_nnodes,
+        metavar="N|MIN:MAX",
+    ),
+    _Flag(
+        "nodes",
+        ("--nproc-per-node",),
+        "workers per node: a number, cpu, gpu or auto",
+        "1",
+        _checked("parse_nproc"),
+        metavar="N",
+    ),
+    _Flag(
+        "nodes",
+        ("--node-rank",),
+        "rank of this node (static rendezvous)",
+        0,
+        _checked("parse_count", 0),
+        metavar="RANK",
+    ),
+    _Flag(
+        "nodes",
+        ("--master-addr",),
+        "address of the node of rank 0 (static rendezvous)",
+        "127.0.0.1",
+        metavar="ADDR",
+    ),
+    _Flag(
+        "nodes",
+        ("--master-port",),
+        "port on the node of rank 0 (static rendezvous; "
+        "default: 29500, or a free port when there is one node)",
+        None,
+        _checked("parse_count", 0),
+        metavar="PORT",
+    ),
+    _Flag("nodes", ("--local-addr",), "address this node advertises to the others", metavar="ADDR"),
+    _Flag(
+        "rendezvous",
+        ("--standalone",),
+        "one node: a local rendezvous on a free port, nothing to set up",
+        switch=True,
+    ),
+    _Flag(
+        "rendezvous",
+        ("--rdzv-backend",),
+        "rendezvous backend: c10d (the built-in store), etcd (an etcd v3 cluster) or static",
+        "static",
+        metavar="NAME",
+    ),
+    _Flag(
+        "rendezvous",
+        ("--rdzv-endpoint",),
+        "rendezvous endpoint (etcd: the members, comma-separated)",
+        "",
+        _checked("parse_rdzv_endpoint"),
+        metavar="HOST:PORT",
+    ),
+    _Flag(
+        "rendezvous", ("--rdzv-id",), "job id shared by every node of the job", "none", metavar="ID"
+    ),
+    _Flag(
+        "rendezvous",
+        ("--rdzv-conf",),
+        "extra rendezvous settings",
+        "",
+        parse_rdzv_conf,
+        metavar="KEY=VALUE,...",
+    ),
+    _Flag(
+        "restarts",
+        ("--max-restarts",),
+        "restarts of the worker group after a failure",
+        0,
+        _checked("parse_count", 0),
+        metavar="N",
+    ),
+    _Flag(
+        "restarts",
+        ("--monitor-interval",),
+        "seconds between membership checks",
+        0.1,
+        _checked("parse_seconds", True),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--shutdown-timeout",),
+        "seconds between the stop signal and SIGKILL",
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        _checked("parse_seconds", False),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--timers",),
+        "serve expiry timers (relaunch.timer.expires) to the "
+        "workers; also on with TORCHELASTIC_ENABLE_FILE_TIMER=1",
+        switch=True,
+    ),
+    _Flag(
+        "restarts",
+        ("--hang-timeout",),
+        "restart the group when a worker shows no sign of "
+        "life (output, timer activity) for this long, with its stack in the report",
+        None,
+        _checked("parse_seconds", True),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--signals-to-handle",),
+        "signals that stop the workers and relaunch",
+        DEFAULT_SIGNALS,
+        _checked("parse_signals"),
+        metavar="SIGNALS",
+    ),
+    _Flag("workers", ("--role",), "name of the workers' role", "default", metavar="NAME"),
+    _Flag(
+        "workers",
+        ("-m", "--module"),
+        "run the script as a Python module, like python -m",
+        switch=True,
+    ),
+    _Flag("workers", ("--no-python",), "run the script as a binary, without Python", switch=True),
+    _Flag(
+        "workers",
+        ("--run-path",),
+        "run the script with runpy.run_path in a function worker",
+        switch=True,
+    ),
+    _Flag(
+        "workers", ("--start-method",), "how function workers start", "spawn", choices=START_METHODS
+    ),
+    _Flag(
+        "logs",
+        ("--log-dir",),
+        "base directory for log files (default: a new temporary directory)",
+        metavar="DIR",
+    ),
+    _Flag(
+        "logs",
+        ("-r", "--redirects"),
+        "streams sent to log files only: 0 none, 1 stdout, "
+        "2 stderr, 3 both, or per rank as 0:1,1:2",
+        Std.NONE,
+        _checked("parse_std"),
+        metavar="MASK",
+    ),
+    _Flag(
+        "logs",
+        ("-t", "--tee"),
+        "streams sent to log files and the console, each line prefixed by its rank (values as -r)",
+        Std.NONE,
+        _checked("parse_std"),
+        metavar="MASK",
+    ),
+    _Flag(
+        "logs",
+        ("--local-ranks-filter",),
+        "show only these local ranks on the console (the log files keep everything)",
+        None,
+        _checked("parse_ranks_filter"),
+        metavar="RANKS",
+    ),
+    _Flag(
+        "logs",
+        ("--event-log-handler",),
+        "where status events go: null, console or file:PATH",
+        "null",
+        metavar="HANDLER",
+    ),
+]
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """torchrun's flags, each with its dash and underscore spelling and its PET_* variable."""
+    env = os.environ if environ is None else environ
+    parser = _Parser(
+        prog="relaunch",
+        description="Launch a distributed job: N workers per node, watched and restarted as one. "
+        "Each flag can also be set by the environment variable PET_<FLAG> "
+        "(e.g. PET_NPROC_PER_NODE=4).",
+    )
+    groups = {
+        name: parser.add_argument_group(name)
+        for name in ("nodes", "rendezvous", "restarts", "workers", "logs")
+    }
+    for flag in FLAGS:
+        long_name = flag.names[-1]
+        names = [*flag.names[:-1], *_spellings(long_name)]
+        dest = long_name.lstrip("-").replace("-", "_")
+        from_env = env.get(f"PET_{dest.upper()}")
+        group = groups[flag.group]
+        if flag.switch:
+            switched_on = from_env is not None and from_env.lower() in ("1", "true", "yes")
+            group.add_argument(
+                *names, dest=dest, action="store_true", default=switched_on, help=flag.help_text()
+            )
+            continue
+        # argparse converts a string default with ``type``, so PET_* values are checked too.
+        default = flag.default if from_env is None else from_env
+        group.add_argument(
+            *names,
+            dest=dest,
+            default=default,
+            type=flag.type or str,
+            choices=flag.choices,
+            metavar=flag.metavar,
+            help=flag.help_text(),
+        )
+    parser.add_argument("training_script", help="the script, module or binary to run")
+    parser.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="arguments passed to every worker"
+    )
+    return parser

@@ -1,0 +1,109 @@
+"""The text of one flag (or its ``PET_*`` variable) into its value; ConfigError otherwise.
+
+``relaunch.cli.flags`` hands these to argparse, which reports their messages as usage errors.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from relaunch.config import ConfigError
+from relaunch.core.streams import Std
+from relaunch.endpoints import is_loopback, parse_endpoint
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(f"expected N or MIN:MAX with whole numbers >= 1, got {text!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if low > high:
+        raise ConfigError(f"MIN must not exceed MAX, got {text!r}")
+    return low, high
+
+
+def parse_nproc(text: str) -> str:
+    """A number of workers >= 1, or ``cpu``, ``gpu`` or ``auto`` (see ``resolve_nproc``)."""
+    if text in ("cpu", "gpu", "auto") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise ConfigError(f"expected a whole number >= 1, or cpu, gpu or auto, got {text!r}")
+
+
+def parse_count(text: str, minimum: int) -> int:
+    """A whole number >= ``minimum``."""
+    if text.strip().lstrip("-").isdigit() and int(text) >= minimum:
+        return int(text)
+    raise ConfigError(f"expected a whole number >= {minimum}, got {text!r}")
+
+
+def parse_seconds(text: str, positive: bool) -> float:
+    """A number of seconds, > 0 when ``positive``, else >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"expected a number of seconds {bound}, got {text!r}")
+    return value
+
+
+def parse_std(text: str) -> Std | dict[int, Std]:
+    """A stream mask for ``--redirects``/``--tee``: ``3``, or per rank ``0:1,1:2``."""
+    try:
+        return Std.from_str(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``"a=1,b=x"`` -> ``{"a": "1", "b": "x"}``."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_rdzv_endpoint(text: str) -> str:
+    """``HOST:PORT``, or for etcd a list of members ``HOST:PORT,HOST:PORT`` (``http(s)://``)."""
+    for item in text.split(",") if text else ():
+        try:
+            parse_endpoint(item.partition("://")[2] or item, default_port=0)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return text
+
+
+def parse_ranks_filter(text: str) -> set[int]:
+    """Local ranks such as ``0,3``."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(item.isdigit() for item in items):
+        raise ConfigError(f"expected local ranks such as 0,3, got {text!r}")
+    return {int(item) for item in items}
+
+
+def parse_signals(text: str) -> list[signal.Signals]:
+    """Signals by name (``SIGTERM``, ``term``) or number, comma-separated."""
+    found = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else f"SIG{item.upper()}"
+        try:
+            found.append(signal.Signals(int(item)) if item.isdigit() else signal.Signals[name])
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"unknown signal {item!r}: expected names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+            ) from None
+    return found
+
+
+def parse_loopback(text: str) -> str:
+    """A loopback address, for the standalone store (``relaunch store --host``)."""
+    if not is_loopback(text):
+        raise ConfigError(
+            f"the standalone store listens on loopback only, got {text!r}: use 127.0.0.1"
+        )
+    return text

@@ -1,0 +1,372 @@
+"""One launch configuration: ``LaunchConfig``, the rules on it, and the flags turned into one.
+
+The checks on what a launch may be raise ``ConfigError`` (a ``ValueError``), which the
+``relaunch`` command reports in one line with exit status 2. Here:
+
+- ``LaunchConfig.__post_init__``: the counts every launch needs (nodes, workers, restarts);
+- ``validate``: a config as a whole (backend, endpoint, static membership, ``rdzv_configs``);
+- ``rdzv_settings`` and ``etcd_options``: the ``--rdzv-conf`` keys the rendezvous reads, typed;
+- ``config_from_args``: the combinations of flags that never reach a config (``--standalone``,
+  ``--module`` with ``--no-python``, the training script).
+
+The text of each flag is checked by ``relaunch.cli.values``, with the same ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+# Nothing from relaunch.rendezvous at import time: the rendezvous code imports this module.
+from relaunch.core.streams import Std, per_rank
+from relaunch.endpoints import parse_endpoint
+from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
+
+if TYPE_CHECKING:
+    import argparse
+
+#: ``--master-port`` when not given, for more than one node (torchrun's).
+STATIC_PORT = 29500
+
+
+class ConfigError(ValueError):
+    """A launch that cannot be: the message says what is wrong and what to do."""
+
+
+# -- the config ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How to launch: nodes, workers per node, rendezvous, restarts, logs.
+
+    ``rdzv_backend="static"`` with ``rdzv_endpoint="MASTER_ADDR:MASTER_PORT"`` and
+    ``rdzv_configs={"rank": NODE_RANK}`` runs a fixed set of nodes; a port of 0 picks a free one
+    (one node). ``metrics_cfg`` may name ``{"handler": "console" | "file:PATH" | "null"}``.
+    Frozen, and its dicts are copies of the caller's: change one with ``dataclasses.replace``.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    run_id: str = ""
+    role: str = "default"
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "static"
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    rdzv_timeout: int = -1
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_dir: str | None = None
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    metrics_cfg: dict[str, str] = field(default_factory=dict)
+    local_addr: str | None = None
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    event_log_handler: str = "null"
+    #: Run a file timer server for ``relaunch.timer.expires`` (None: when
+    #: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); restart when a worker hangs this many seconds.
+    timers: bool | None = None
+    hang_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        configs = dict(self.rdzv_configs)
+        if self.rdzv_timeout > 0:
+            configs.setdefault("timeout", self.rdzv_timeout)
+        object.__setattr__(self, "rdzv_configs", configs)
+        object.__setattr__(self, "metrics_cfg", dict(self.metrics_cfg))
+        for name in ("redirects", "tee"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, dict(value))
+        _check_counts(self)
+
+    def __repr__(self) -> str:
+        from dataclasses import fields
+
+        from relaunch.rendezvous.api import redacted
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["rdzv_configs"] = redacted(self.rdzv_configs)
+        return "LaunchConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def _check_counts(config: LaunchConfig) -> None:
+    if not 0 < config.min_nodes <= config.max_nodes:
+        raise ConfigError(
+            f"nodes must satisfy 0 < min_nodes <= max_nodes, got {config.min_nodes}:"
+            f"{config.max_nodes}"
+        )
+    if config.nproc_per_node < 1:
+        raise ConfigError(f"nproc_per_node must be >= 1, got {config.nproc_per_node}")
+    if config.max_restarts < 0:
+        raise ConfigError(f"max_restarts must be >= 0, got {config.max_restarts}")
+
+
+def validate(config: LaunchConfig) -> None:
+    """Check ``config`` as a whole, before anything starts; ConfigError on the first problem."""
+    from relaunch.rendezvous.api import BACKENDS
+
+    _check_counts(config)
+    backend, endpoint, conf = config.rdzv_backend, config.rdzv_endpoint, config.rdzv_configs
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"--rdzv-backend {backend!r} is unknown: valid backends are " + ", ".join(BACKENDS)
+        )
+    if backend == "static":
+        if config.min_nodes != config.max_nodes:
+            raise ConfigError(
+                f"--nnodes {config.min_nodes}:{config.max_nodes} needs an elastic rendezvous "
+                "backend; the static backend takes a fixed number of nodes"
+            )
+        rank = _number(conf, "rank", 0, whole=True)
+        if rank < 0:
+            raise ConfigError(f"--node-rank {rank} must be >= 0")
+        if rank >= config.max_nodes:
+            raise ConfigError(f"--node-rank {rank} must be below --nnodes {config.max_nodes}")
+        _endpoint(endpoint)
+    elif backend in ("etcd", "etcd-v2"):
+        options = etcd_options(conf)
+        from relaunch.store.etcd import parse_endpoints
+
+        try:
+            parse_endpoints(endpoint or "127.0.0.1", options["protocol"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    else:
+        if "," in endpoint:
+            raise ConfigError(
+                f"--rdzv-backend {backend} takes one --rdzv-endpoint HOST:PORT; a "
+                "list of members is for --rdzv-backend etcd"
+            )
+        _endpoint(endpoint or "127.0.0.1")
+        rdzv_settings(conf)
+    from relaunch.events import event_handler_from_spec
+
+    try:
+        event_handler_from_spec(config.event_log_handler).close()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _endpoint(endpoint: str) -> None:
+    try:
+        parse_endpoint(endpoint, default_port=0)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+# -- the --rdzv-conf keys ------------------------------------------------------------------------
+
+
+class RdzvSettings(NamedTuple):
+    """The ``--rdzv-conf`` keys the dynamic rendezvous reads, typed, with torchrun's defaults.
+
+    A named tuple, not a dataclass: cheaper to create on the launch path.
+    """
+
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    #: Seconds each store operation may take.
+    timeout: float = 60.0
+    #: Host the store on this node: None (not given) hosts it when the endpoint can be bound.
+    is_host: bool | None = None
+    #: The store's shared secret (else ``$RELAUNCH_RDZV_TOKEN``, read by the rendezvous).
+    token: str | None = None
+
+
+def _number(conf: Mapping[str, Any], key: str, default: float, whole: bool = False) -> Any:
+    value = conf.get(key, default)
+    try:
+        return int(value) if whole else float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if whole else "a number of seconds"
+        raise ConfigError(f"--rdzv-conf {key}={value!r}: expected {kind}") from None
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def rdzv_settings(conf: Mapping[str, Any]) -> RdzvSettings:
+    """The dynamic rendezvous' settings in ``conf`` (``--rdzv-conf``, ``rdzv_configs``)."""
+    settings = RdzvSettings(
+        join_timeout=_number(conf, "join_timeout", 600),
+        last_call_timeout=_number(conf, "last_call_timeout", 30),
+        keep_alive_interval=_number(conf, "keep_alive_interval", 5),
+        keep_alive_max_attempt=_number(conf, "keep_alive_max_attempt", 3, whole=True),
+        timeout=_number(conf, "timeout", 60),
+        is_host=None if conf.get("is_host") is None else _truthy(conf["is_host"]),
+        token=conf.get("token") or None,
+    )
+    for key in ("join_timeout", "last_call_timeout", "keep_alive_interval"):
+        if getattr(settings, key) <= 0:
+            raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds > 0")
+    if settings.keep_alive_max_attempt < 1:
+        raise ConfigError(
+            f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']!r}: "
+            "expected a whole number >= 1"
+        )
+    return settings
+
+
+def etcd_options(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """``EtcdStore``'s keyword arguments in ``conf``: protocol, TLS files, credentials, timeout."""
+    options: dict[str, Any] = {
+        "protocol": str(conf.get("protocol", "http")),
+        "cacert": conf.get("cacert"),
+        "cert": conf.get("cert"),
+        "key": conf.get("key"),
+        "user": conf.get("user"),
+        "password": conf.get("password"),
+        "timeout": rdzv_settings(conf).timeout,
+    }
+    if options["protocol"] not in ("http", "https"):
+        raise ConfigError(f"--rdzv-conf protocol={options['protocol']!r}: expected http or https")
+    for path_option in ("cacert", "cert", "key"):
+        path = options[path_option]
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"--rdzv-conf {path_option}={path}: no such file")
+    if (options["user"] is None) != (options["password"] is None):
+        raise ConfigError("--rdzv-conf: etcd authentication needs both user and password")
+    if options["key"] is not None and options["cert"] is None:
+        raise ConfigError("--rdzv-conf: etcd TLS: key= needs cert= too")
+    return options
+
+
+# -- the flags, as one config --------------------------------------------------------------------
+
+
+def new_run_id() -> str:
+    """A fresh random run id (32 hex digits, like a uuid4's)."""
+    return os.urandom(16).hex()
+
+
+def resolve_nproc(value: str, cpus: int, gpus: int) -> int:
+    """``--nproc-per-node`` as a number: ``cpu`` is ``cpus``, ``gpu`` ``gpus``, ``auto`` either."""
+    if value.isdigit():
+        return int(value)
+    if value == "cpu":
+        return cpus
+    if value == "gpu" and gpus == 0:
+        raise ConfigError(
+            "--nproc-per-node gpu: no GPU found (CUDA_VISIBLE_DEVICES and nvidia-smi -L list "
+            "none); give a number or use cpu"
+        )
+    return gpus or cpus
+
+
+def config_from_args(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    gpus: int,
+    *,
+    cpus: int | None = None,
+    fresh_run_id: str = "",
+) -> tuple[LaunchConfig, Callable[..., Any] | str, tuple[str, ...]]:
+    """The checked ``LaunchConfig``, the entrypoint and its arguments the parsed flags describe.
+
+    Reads nothing but its arguments (and the training script's file): ``environ`` gives ``PATH``
+    for ``--no-python``, ``gpus`` and ``cpus`` (default: ``os.cpu_count()``) resolve
+    ``--nproc-per-node gpu/cpu/auto``, and ``fresh_run_id`` is ``--standalone``'s run id (empty:
+    a fresh one at launch).
+    """
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    nproc = resolve_nproc(args.nproc_per_node, cpus, gpus)
+    min_nodes, max_nodes = args.nnodes
+    backend, run_id, endpoint = args.rdzv_backend, args.rdzv_id, args.rdzv_endpoint
+    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
+    if args.standalone:
+        if max_nodes != 1:
+            raise ConfigError("--standalone runs one node: drop --nnodes or use --rdzv-backend")
+        backend, endpoint, run_id = "c10d", "127.0.0.1:0", fresh_run_id
+        rdzv_configs["is_host"] = "true"
+    if backend == "static":
+        if not endpoint:
+            port = args.master_port
+            if port is None:
+                port = 0 if max_nodes == 1 else STATIC_PORT
+            endpoint = f"{args.master_addr}:{port}"
+        rdzv_configs["rank"] = args.node_rank
+    redirects, tee = _console_filter(args, nproc)
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role=args.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_addr=args.local_addr,
+        shutdown_timeout=args.shutdown_timeout,
+        event_log_handler=args.event_log_handler,
+        timers=True if args.timers else None,
+        hang_timeout=args.hang_timeout,
+    )
+    validate(config)
+    if backend != "static" and not endpoint:
+        raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+    entrypoint, entry_args = _command(args, environ)
+    return config, entrypoint, entry_args
+
+
+def _command(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
+    script: str = args.training_script
+    rest = tuple(args.training_script_args)
+    modes = [
+        flag
+        for flag, on in (
+            ("--module", args.module),
+            ("--no-python", args.no_python),
+            ("--run-path", args.run_path),
+        )
+        if on
+    ]
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)} cannot be used together")
+    if args.no_python:
+        if os.sep in script:
+            usable = os.path.isfile(script) and os.access(script, os.X_OK)
+        else:
+            usable = shutil.which(script, path=environ.get("PATH", os.defpath)) is not None
+        if not usable:
+            raise ConfigError(f"binary {script!r} was not found or is not executable")
+        return script, rest
+    if args.module:
+        return sys.executable, ("-u", "-m", script, *rest)
+    if not os.path.isfile(script):
+        raise ConfigError(f"training script {script!r} does not exist")
+    if args.run_path:
+        from relaunch._run_path import run_script
+
+        return run_script, (script, *rest)
+    return sys.executable, ("-u", script, *rest)
+
+
+def _console_filter(
+    args: argparse.Namespace, nproc: int
+) -> tuple[Std | dict[int, Std], Std | dict[int, Std]]:
+    """Apply --local-ranks-filter: the other ranks go to their log files only."""
+    if args.local_ranks_filter is None:
+        return args.redirects, args.tee
+    redirects, tee = per_rank(args.redirects, nproc), per_rank(args.tee, nproc)
+    for rank in range(nproc):
+        if rank not in args.local_ranks_filter:
+            redirects[rank], tee[rank] = Std.ALL, Std.NONE
+    return redirects, tee
