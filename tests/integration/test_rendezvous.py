@@ -21,6 +21,9 @@ from relaunch.endpoints import find_free_port
 pytestmark = pytest.mark.timeout(90)
 
 FAST = "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,join_timeout=20"
+#: For two agents started one after the other that must first form one world of 2: the host's
+#: last call outlasts the second agent's start on a loaded machine.
+FORM_TWO = FAST.replace("last_call_timeout=0.5", "last_call_timeout=3")
 
 
 def script(tmp_path, body: str, name: str = "job.py") -> str:
@@ -133,9 +136,9 @@ def test_a_killed_node_leaves_the_survivor_to_finish_alone(
             time.sleep(120)
     """,
     )
-    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FORM_TWO)
     wait_until(rdzv.ready, what="the first agent to host the store")
-    other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FORM_TWO)
     assert other.stdout is not None
     assert other.stdout.readline().endswith("world 2\n")
     other.kill()
@@ -251,9 +254,11 @@ def test_workers_failing_because_a_node_died_do_not_fail_the_job(
             sys.exit("the collective broke: peer gone")
     """,
     )
-    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FAST)
+    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FORM_TWO)
     wait_until(rdzv.ready, what="the first agent to host the store")
-    other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FAST)
+    other = rdzv.agent(
+        leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FORM_TWO
+    )
     assert other.stdout is not None and host.stdout is not None
     assert other.stdout.readline().endswith("world 2\n")
     assert host.stdout.readline().endswith("world 2\n")

@@ -9,8 +9,8 @@ only for the backend that needs them.
 from __future__ import annotations
 
 import os
-from typing import Any
 
+from relaunch.config import RdzvSettings, etcd_options, rdzv_settings
 from relaunch.core import rendezvous as plan
 from relaunch.endpoints import is_loopback, parse_endpoint
 from relaunch.rendezvous.api import (
@@ -40,39 +40,27 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
     )
 
 
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _setting(params: RendezvousParameters, key: str, default: float, whole: bool = False) -> Any:
-    value = params.get(key, default)
-    try:
-        return int(value) if whole else float(value)
-    except (TypeError, ValueError):
-        kind = "a whole number" if whole else "a number of seconds"
-        raise ValueError(f"--rdzv-conf {key}={value!r}: expected {kind}") from None
-
-
-def _plan_settings(params: RendezvousParameters) -> plan.Settings:
+def _plan_settings(params: RendezvousParameters, conf: RdzvSettings) -> plan.Settings:
     return plan.Settings(
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
-        join_timeout=_setting(params, "join_timeout", 600),
-        last_call_timeout=_setting(params, "last_call_timeout", 30),
-        keep_alive_interval=_setting(params, "keep_alive_interval", 5),
-        keep_alive_max_attempt=_setting(params, "keep_alive_max_attempt", 3, whole=True),
+        join_timeout=conf.join_timeout,
+        last_call_timeout=conf.last_call_timeout,
+        keep_alive_interval=conf.keep_alive_interval,
+        keep_alive_max_attempt=conf.keep_alive_max_attempt,
     )
 
 
 def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
     host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
-    token = params.get("token") or os.environ.get(TOKEN_ENV) or None
-    timeout = _setting(params, "timeout", 60)
-    settings = _plan_settings(params)
-    is_host = params.get("is_host")
+    conf = rdzv_settings(params.config)
+    token = conf.token or os.environ.get(TOKEN_ENV) or None
+    timeout = conf.timeout
+    settings = _plan_settings(params, conf)
+    is_host = conf.is_host
     local_world_size = int(params.get("local_world_size", 1))
-    if port == 0 and params.max_nodes == 1 and (is_host is None or _truthy(is_host)):
+    if port == 0 and params.max_nodes == 1 and is_host is not False:
         # --standalone: one node on a port nobody knows, so nobody else can join. The same
         # rendezvous runs on the store in this process, with no server and no sockets.
         from relaunch.store.memory import MemoryStore
@@ -94,7 +82,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     from relaunch.store.server import TcpStoreServer
 
     server: TcpStoreServer | None = None
-    if is_host is None or _truthy(is_host):
+    if is_host is not False:
         try:
             server = TcpStoreServer(host, port, token).start()
             port = server.port
@@ -136,20 +124,8 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
     """
     from relaunch.store.etcd import EtcdStore
 
-    settings = _plan_settings(params)
-    options = {
-        "protocol": str(params.get("protocol", "http")),
-        "cacert": params.get("cacert"),
-        "cert": params.get("cert"),
-        "key": params.get("key"),
-        "user": params.get("user"),
-        "password": params.get("password"),
-        "timeout": _setting(params, "timeout", 60),
-    }
-    for path_option in ("cacert", "cert", "key"):
-        path = options[path_option]
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"--rdzv-conf {path_option}={path}: no such file")
+    settings = _plan_settings(params, rdzv_settings(params.config))
+    options = etcd_options(params.config)
     store, heartbeat_store, watch_store = (
         EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
     )
