@@ -22,6 +22,7 @@ from relaunch.core.lines import ConsoleFramer
 from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 from relaunch.procs.signals import signals_deferred
+from relaunch.procs.wakeup import EventQueue
 from relaunch.runtime import start_without_signals
 
 if TYPE_CHECKING:
@@ -35,8 +36,6 @@ _READ_SIZE = 1 << 16
 #: than one wake-up per write. The first line of a burst is never delayed; an idle pipe costs
 #: nothing.
 COALESCE_SECONDS = 0.0005
-#: The longest the main thread sleeps in one wait, so that signals are acted on promptly.
-SIGNAL_SLICE = 0.2
 #: After the workers are gone, how long to keep reading pipes that descendants which escaped
 #: their process group still hold open.
 DRAIN_TIMEOUT = 1.0
@@ -157,6 +156,7 @@ class GroupMonitor:
         self.lock = threading.Condition()
         self._on_done = on_done
         self._done = False
+        self._done_callbacks: list[Callable[[], None]] = []
         self._kill_at: float | None = None
         self._finishing = False
         self._drain_until: float | None = None
@@ -188,24 +188,41 @@ class GroupMonitor:
     def wait_done(self, timeout: float | None) -> bool:
         """Whether every worker exited, waiting up to ``timeout`` seconds (None: no limit).
 
-        In the main thread, termination signals are deferred while the lock is held (see
-        ``signals_deferred``) and the wait is cut into slices of ``SIGNAL_SLICE``, so a stop
-        signal is acted on within a slice, between two waits, never inside one.
+        The main thread sleeps on an ``EventQueue`` that the end of the group and signals wake,
+        never inside the lock: a stop signal is acted on at once, outside any lock.
         """
         if threading.current_thread() is not threading.main_thread():
             with self.lock:
                 return self.lock.wait_for(lambda: self._done, timeout)
+        if self._done or timeout == 0:
+            return self._done
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = SIGNAL_SLICE
-            if deadline is not None:
-                left = max(0.0, min(left, deadline - time.monotonic()))
-            with signals_deferred(), self.lock:
-                done = self.lock.wait_for(lambda: self._done, left)
-            if done:
+        with EventQueue[None]() as ended:
+
+            def wake() -> None:
+                ended.put(None)
+
+            self.add_done_callback(wake)
+            try:
+                while not self._done:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    ended.get(left)
                 return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
+            finally:
+                with signals_deferred(), self.lock:
+                    if wake in self._done_callbacks:
+                        self._done_callbacks.remove(wake)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once every worker has exited: in the monitor thread (holding its
+        lock: be quick, wait for nothing), or at once here if they already have."""
+        with signals_deferred(), self.lock:
+            if not self._done:
+                self._done_callbacks.append(callback)
+                return
+        callback()
 
     def stop(self, sig: int, timeout: float) -> None:
         """Send ``sig`` to every worker tree; SIGKILL whatever still runs ``timeout`` s later."""
@@ -354,6 +371,9 @@ class GroupMonitor:
                 self._on_done()
                 self._done = True
                 self.lock.notify_all()
+                for callback in self._done_callbacks:
+                    callback()
+                self._done_callbacks.clear()
 
     def _receive_result(self, worker: WorkerProcess) -> None:
         conn = worker.result_conn

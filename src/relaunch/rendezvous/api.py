@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,11 @@ class RendezvousHandler(abc.ABC):
     def lost_node_grace(self) -> float:
         """Seconds a lost node may take to be noticed (0: membership is fixed)."""
         return 0.0
+
+    def set_change_listener(self, listener: Callable[[], None] | None) -> None:  # noqa: B027
+        """Have ``listener()`` called, from any thread, whenever ``membership_change()`` may have
+        become non-None (None: stop). A handler that watches membership without it is polled
+        every ``monitor_interval``; fixed membership never changes, so this one does nothing."""
 
     def note_restart(self, reason: str) -> None:  # noqa: B027 - nobody else to tell
         """This node restarts its workers because of ``reason``: the others hear it as theirs."""

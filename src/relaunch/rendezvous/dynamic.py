@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import rendezvous as plan
@@ -82,6 +83,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._change: str | None = None
         self._change_lock = threading.Lock()
         self._changed = threading.Event()
+        self._change_listener: Callable[[], None] | None = None
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
         # Set once the job is over for this node (closed, or its store gone with the node that
@@ -458,11 +460,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if not stop.is_set():
                 self._flag(f"lost the rendezvous store: {exc}")
 
+    def set_change_listener(self, listener: Callable[[], None] | None) -> None:
+        self._change_listener = listener
+
     def _flag(self, reason: str) -> None:
         with self._change_lock:
             if self._change is None:
                 self._change = reason
             self._changed.set()
+        listener = self._change_listener
+        if listener is not None:
+            listener()
 
     def _beat(self, round_: int, ticket: int, count: int, stop: threading.Event) -> None:
         """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
