@@ -56,6 +56,7 @@ class EventQueue(Generic[T]):
         """
         if not self._items and (timeout is None or timeout > 0):
             self._sleep(timeout)
+        self._drain()  # first: a wake-up still in the pipe then stands for an item not taken
         items = []
         while self._items:
             items.append(self._items.popleft())
@@ -71,6 +72,8 @@ class EventQueue(Generic[T]):
         finally:
             if in_main:
                 signal.set_wakeup_fd(previous)
+
+    def _drain(self) -> None:
         try:
             while os.read(self._read_fd, 512):
                 pass
