@@ -14,8 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
@@ -29,7 +28,7 @@ from relaunch.core.console_plan import (
 )
 from relaunch.core.failures import format_report
 from relaunch.core.group import GroupState
-from relaunch.core.ranks import GroupContext, WorkerRanks, ranks_at_offset, worker_env
+from relaunch.core.ranks import GroupContext, worker_env
 from relaunch.core.restart import Action, RestartDecision, decide
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullEventHandler, NullMetricHandler
@@ -37,7 +36,7 @@ from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.wakeup import EventQueue
-from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,6 @@ class LocalElasticAgent:
         self._start_processes = start_processes
         self._restarts_left = spec.max_restarts
         self._pcontext: PContext | None = None
-        self._ranks: list[WorkerRanks] = []
         self._log_dir = make_log_dir(log_dir, spec.rdzv_handler.get_run_id())
         self._report = RunReport(
             self._worker_group, event_handler or NullEventHandler(), self._log_dir
@@ -209,7 +207,7 @@ class LocalElasticAgent:
                 spec.rdzv_handler.set_closed()
                 return RunResult(
                     WorkerState.SUCCEEDED,
-                    return_values=self._by_global_rank(outcome.return_values),
+                    return_values=group.by_global_rank(outcome.return_values),
                 )
             if decision.action is Action.FAIL:
                 assert outcome is not None
@@ -218,14 +216,14 @@ class LocalElasticAgent:
                 self._restarts_left -= 1
             reason = decision.reason
             if outcome is not None and outcome.is_failed():
-                failures = self._by_global_rank(outcome.failures)
+                failures = group.by_global_rank(outcome.failures)
                 log.warning(
                     "%s",
                     format_report(
                         spec.role,
                         failures,
                         os.uname().nodename,
-                        self._by_global_rank(outcome.stopped),
+                        group.by_global_rank(outcome.stopped),
                     ),
                 )
                 reason = one_line(failures)
@@ -295,34 +293,18 @@ class LocalElasticAgent:
         return handler.watches_membership and not reports
 
     def _failed(self, outcome: RunProcsResult) -> RunResult:
-        self._worker_group.state = WorkerState.FAILED
+        group = self._worker_group
+        group.state = WorkerState.FAILED
         return RunResult(
             WorkerState.FAILED,
-            failures=self._by_global_rank(outcome.failures),
-            stopped=sorted(self._by_global_rank(outcome.stopped)),
+            failures=group.by_global_rank(outcome.failures),
+            stopped=sorted(group.by_global_rank(outcome.stopped)),
         )
-
-    def _by_global_rank(self, by_local_rank: Mapping[int, Any]) -> dict[int, Any]:
-        workers = self._worker_group.workers
-        return {workers[local].global_rank: value for local, value in by_local_rank.items()}
 
     # -- the steps ----------------------------------------------------------------------------
 
     def _rendezvous(self) -> None:
-        group = self._worker_group
-        spec = group.spec
-        info: RendezvousInfo = spec.rdzv_handler.next_rendezvous()
-        group.store = info.store
-        group.group_rank = info.group_rank
-        group.group_world_size = info.group_world_size
-        group.master_addr = spec.master_addr or info.master_addr
-        group.master_port = spec.master_port or info.master_port
-        self._ranks = ranks_at_offset(info.rank_offset, spec.local_world_size, info.world_size)
-        for worker, ranks in zip(group.workers, self._ranks, strict=True):
-            worker.global_rank = ranks.global_rank
-            worker.role_rank = ranks.role_rank
-            worker.world_size = ranks.world_size
-            worker.role_world_size = ranks.role_world_size
+        self._worker_group.join(self._worker_group.spec.rdzv_handler.next_rendezvous())
 
     def _start_workers(self) -> None:
         group = self._worker_group
@@ -346,7 +328,7 @@ class LocalElasticAgent:
         extra_env = {**self._expiry.worker_env(), **self._channel.env()}
         envs = {
             ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
-            for ranks in self._ranks
+            for ranks in group.ranks
         }
         nprocs = spec.local_world_size
         tee = agent_tee(spec.tee, spec.redirects, nprocs, self._expiry.hang_timeout is not None)

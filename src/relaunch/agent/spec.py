@@ -5,14 +5,15 @@ from __future__ import annotations
 import enum
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.core.ranks import WorkerRanks, ranks_at_offset
 from relaunch.core.streams import Std
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.procs.errors import ProcessFailure
-from relaunch.rendezvous.api import RendezvousHandler
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
 
 DEFAULT_ROLE = "default"
 
@@ -102,6 +103,26 @@ class WorkerGroup:
         self.master_addr: str | None = None
         self.master_port: int | None = None
         self.state = WorkerState.INIT
+        self.ranks: list[WorkerRanks] = []
+
+    def join(self, info: RendezvousInfo) -> None:
+        """Take this node's place from a completed rendezvous: the group's and every worker's."""
+        spec = self.spec
+        self.store = info.store
+        self.group_rank = info.group_rank
+        self.group_world_size = info.group_world_size
+        self.master_addr = spec.master_addr or info.master_addr
+        self.master_port = spec.master_port or info.master_port
+        self.ranks = ranks_at_offset(info.rank_offset, spec.local_world_size, info.world_size)
+        for worker, ranks in zip(self.workers, self.ranks, strict=True):
+            worker.global_rank = ranks.global_rank
+            worker.role_rank = ranks.role_rank
+            worker.world_size = ranks.world_size
+            worker.role_world_size = ranks.role_world_size
+
+    def by_global_rank(self, by_local_rank: Mapping[int, Any]) -> dict[int, Any]:
+        """``by_local_rank`` keyed by the workers' global ranks instead."""
+        return {self.workers[local].global_rank: value for local, value in by_local_rank.items()}
 
 
 @dataclass
