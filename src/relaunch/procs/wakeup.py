@@ -36,6 +36,7 @@ class EventQueue(Generic[T]):
         self._poll.register(self._read_fd, select.POLLIN)
         self._lock = threading.Lock()  # keeps ``put`` from writing to a closed (reused) fd
         self._closed = False
+        self._previous_fd: int | None = None  # the signal wake-up fd to give back after a wait
 
     def put(self, item: T) -> None:
         """Add ``item`` and wake the waiting thread; from any thread. A no-op once closed."""
@@ -64,14 +65,16 @@ class EventQueue(Generic[T]):
 
     def _sleep(self, timeout: float | None) -> None:
         in_main = threading.current_thread() is threading.main_thread()
-        previous = (
-            signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False) if in_main else -1
-        )
+        previous = -1
+        if in_main:
+            previous = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+            self._previous_fd = previous
         try:
             self._poll.poll(None if timeout is None else timeout * 1000)
         finally:
             if in_main:
                 signal.set_wakeup_fd(previous)
+                self._previous_fd = None
 
     def _drain(self) -> None:
         try:
@@ -83,11 +86,9 @@ class EventQueue(Generic[T]):
     def close(self) -> None:
         """Release the pipe; later ``put`` calls only queue (nobody waits any more)."""
         with signals_deferred():
-            if threading.current_thread() is threading.main_thread():
-                # A signal's exception may have cut the wait's restore short: undo it here.
-                current = signal.set_wakeup_fd(-1)
-                if current != self._write_fd:
-                    signal.set_wakeup_fd(current)
+            if self._previous_fd is not None:  # a signal's exception cut the restore short
+                signal.set_wakeup_fd(self._previous_fd)
+                self._previous_fd = None
             with self._lock:
                 if self._closed:
                     return
