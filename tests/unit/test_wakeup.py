@@ -11,7 +11,7 @@ import pytest
 
 from relaunch.procs.errors import SignalException
 from relaunch.procs.signals import raise_signal_exception
-from relaunch.procs.wakeup import EventQueue
+from relaunch.procs.wakeup import EventQueue, Latch
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,3 +73,28 @@ def test_put_after_close_does_nothing() -> None:
     queue.close()
     queue.put("late")  # no write to a closed (maybe reused) fd
     queue.close()
+
+
+def test_a_latch_set_by_another_thread_wakes_the_main_thread_and_runs_callbacks_once() -> None:
+    latch = Latch()
+    calls: list[str] = []
+    latch.add_callback(lambda: calls.append("early"))
+    assert not latch.wait(0) and not latch.wait(0.01)
+    setter = threading.Thread(target=latch.set)
+    setter.start()
+    assert latch.wait(20)
+    setter.join()
+    latch.set()  # a second set changes nothing
+    latch.add_callback(lambda: calls.append("late"))  # already set: called at once
+    assert calls == ["early", "late"]
+    assert wakeup_fd() == -1
+
+
+def test_a_latch_is_waited_for_in_other_threads_too() -> None:
+    latch = Latch()
+    seen: list[bool] = []
+    waiter = threading.Thread(target=lambda: seen.append(latch.wait(20)))
+    waiter.start()
+    latch.set()
+    waiter.join()
+    assert seen == [True]

@@ -22,7 +22,7 @@ from relaunch.core.lines import ConsoleFramer
 from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 from relaunch.procs.signals import signals_deferred
-from relaunch.procs.wakeup import EventQueue
+from relaunch.procs.wakeup import Latch
 from relaunch.runtime import start_without_signals
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class GroupMonitor:
         self.lock = threading.Condition()
         self._on_done = on_done
         self._done = False
-        self._done_callbacks: list[Callable[[], None]] = []
+        self._ended = Latch()
         self._kill_at: float | None = None
         self._finishing = False
         self._drain_until: float | None = None
@@ -186,43 +186,13 @@ class GroupMonitor:
         return self._done
 
     def wait_done(self, timeout: float | None) -> bool:
-        """Whether every worker exited, waiting up to ``timeout`` seconds (None: no limit).
-
-        The main thread sleeps on an ``EventQueue`` that the end of the group and signals wake,
-        never inside the lock: a stop signal is acted on at once, outside any lock.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            with self.lock:
-                return self.lock.wait_for(lambda: self._done, timeout)
-        if self._done or timeout == 0:
-            return self._done
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with EventQueue[None]() as ended:
-
-            def wake() -> None:
-                ended.put(None)
-
-            self.add_done_callback(wake)
-            try:
-                while not self._done:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return False
-                    ended.get(left)
-                return True
-            finally:
-                with signals_deferred(), self.lock:
-                    if wake in self._done_callbacks:
-                        self._done_callbacks.remove(wake)
+        """Whether every worker exited, waiting up to ``timeout`` seconds (None: no limit); the
+        main thread sleeps outside any lock, woken by a signal at once (see ``Latch``)."""
+        return self._ended.wait(timeout)
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once every worker has exited: in the monitor thread (holding its
-        lock: be quick, wait for nothing), or at once here if they already have."""
-        with signals_deferred(), self.lock:
-            if not self._done:
-                self._done_callbacks.append(callback)
-                return
-        callback()
+        """Call ``callback()`` once every worker has exited (at once if they have)."""
+        self._ended.add_callback(callback)
 
     def stop(self, sig: int, timeout: float) -> None:
         """Send ``sig`` to every worker tree; SIGKILL whatever still runs ``timeout`` s later."""
@@ -370,10 +340,7 @@ class GroupMonitor:
                 self._kill_at = None
                 self._on_done()
                 self._done = True
-                self.lock.notify_all()
-                for callback in self._done_callbacks:
-                    callback()
-                self._done_callbacks.clear()
+                self._ended.set()
 
     def _receive_result(self, worker: WorkerProcess) -> None:
         conn = worker.result_conn

@@ -1,5 +1,5 @@
 """A queue one thread sleeps on until another thread posts to it, or, in the main thread, until
-a signal arrives.
+a signal arrives; and a ``Latch`` (a one-shot flag) waited for the same way.
 
 Threads ``put`` events; the waiting thread's ``get`` sleeps in ``poll`` on a self-pipe, so it
 wakes only when there is something to do. In the main thread the pipe is also Python's signal
@@ -17,6 +17,8 @@ import os
 import select
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from relaunch.procs.signals import signals_deferred
@@ -101,3 +103,59 @@ class EventQueue(Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Latch:
+    """A flag set once, from any thread: its waiters wake and its callbacks run (in the setting
+    thread: they must be quick). The main thread waits on an ``EventQueue``, so a signal wakes it
+    at once and its exception is never raised inside a lock."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the flag is set: at once (here) if it is already."""
+        with signals_deferred(), self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the flag is set, waiting up to ``timeout`` seconds (None: no limit)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._event.wait(timeout)
+        if self._event.is_set() or timeout == 0:
+            return self._event.is_set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with EventQueue[None]() as woken:
+
+            def wake() -> None:
+                woken.put(None)
+
+            self.add_callback(wake)
+            try:
+                while not self._event.is_set():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    woken.get(left)
+                return True
+            finally:
+                with signals_deferred(), self._lock:
+                    if wake in self._callbacks:
+                        self._callbacks.remove(wake)
