@@ -27,6 +27,21 @@ pytestmark = pytest.mark.timeout(30)
 NPROCS = 2
 
 
+class NoGuardian:
+    """The channel's file would be registered with the guardian process: none is started here."""
+
+    def register_file(self, path: str) -> None:
+        pass
+
+    def unregister_file(self, path: str) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def no_guardian(monkeypatch) -> None:
+    monkeypatch.setattr("relaunch.agent.channel.guardian", NoGuardian)
+
+
 class FakeContext:
     """Stands in for a ``PContext``: the test ends the group with ``end``, from any thread."""
 

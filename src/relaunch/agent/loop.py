@@ -4,7 +4,8 @@
 place, plans every worker's ranks and environment (``core.ranks``), starts them through the
 process layer, and lets the restart policy (``core.restart``) decide what comes next. Between
 decisions it sleeps on one event queue, woken by the end of the workers, a membership change,
-a signal, or the next deadline (hang detection, the grace given a lost node): nothing is polled.
+a signal, or the next deadline (hang detection, the grace given a lost node). Only a rendezvous
+handler that cannot report membership changes is asked for them, every ``monitor_interval``.
 """
 
 from __future__ import annotations
