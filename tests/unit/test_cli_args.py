@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from relaunch import cli
+from relaunch.config import ConfigError
 from relaunch.core.streams import Std
 
 
@@ -56,7 +57,7 @@ def test_nproc_gpu_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.resolve_nproc("gpu") == 2
     assert cli.resolve_nproc("auto") == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(cli.UsageError, match="no GPU found"):
+    with pytest.raises(ConfigError, match="no GPU found"):
         cli.resolve_nproc("gpu")
     assert cli.resolve_nproc("auto") >= 1
     assert cli.resolve_nproc("7") == 7

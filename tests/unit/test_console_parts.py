@@ -10,9 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relaunch.core import channel
-from relaunch.core.channel import Progress
 from relaunch.core.lines import ConsoleFramer, as_shown
-from relaunch.core.progress import NodeProgress
+from relaunch.core.progress import NodeProgress, Progress, read_progress
 from relaunch.core.summary import RankEnd, RunSummary, format_summary
 from relaunch.procs.console import Console
 from relaunch.runtime import ManualClock
@@ -92,14 +91,14 @@ def test_the_summary_says_how_each_rank_ended_and_why_it_restarted() -> None:
 
 def test_a_slot_round_trips_and_a_torn_write_is_not_read() -> None:
     buffer = bytearray(channel.size(2))
-    assert channel.read_progress(buffer, 0) is None
+    assert read_progress(buffer, 0) is None
     offset = channel.slot_offset(1)
     channel.FIELDS.pack_into(buffer, offset + 8, 5, -1, 12.5)
     buffer[offset + channel.DESC_OFFSET : offset + channel.SLOT] = channel.encode_desc("é" * 100)
     channel.SEQ.pack_into(buffer, offset, 3)  # odd: a write in progress
-    assert channel.read_progress(buffer, 1) is None
+    assert read_progress(buffer, 1) is None
     channel.SEQ.pack_into(buffer, offset, 4)
-    progress = channel.read_progress(buffer, 1)
+    progress = read_progress(buffer, 1)
     assert progress == Progress(5, None, 12.5, "é" * 44, 2)
 
 

@@ -7,18 +7,22 @@ only for it). The config they build, and its checks, live in ``relaunch.config``
 
 from __future__ import annotations
 
-from typing import Any
-
 from relaunch.cli.command import (
-    EXIT_FAILED,
-    EXIT_USAGE,
     config_from_args,
     console_main,
     count_gpus,
     main,
     resolve_nproc,
 )
-from relaunch.cli.flags import DEFAULT_SIGNALS, FLAGS, build_parser, parse_nnodes, parse_rdzv_conf
+from relaunch.cli.flags import (
+    DEFAULT_SIGNALS,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    FLAGS,
+    build_parser,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -34,13 +38,3 @@ __all__ = [
     "parse_rdzv_conf",
     "resolve_nproc",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # ``UsageError``, the old name of ``relaunch.config.ConfigError``, loads the config module
-    # only when asked for, so that ``relaunch --help`` does not.
-    if name == "UsageError":
-        from relaunch.config import ConfigError
-
-        return ConfigError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

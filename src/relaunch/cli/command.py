@@ -18,13 +18,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relaunch.cli.flags import build_parser
+from relaunch.cli.flags import EXIT_FAILED, build_parser, usage_error
 
 if TYPE_CHECKING:
     from relaunch.config import LaunchConfig
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 def count_gpus(environ: Mapping[str, str]) -> int:
@@ -65,16 +62,6 @@ def config_from_args(
     return config.config_from_args(
         args, os.environ, _gpus_for(args.nproc_per_node), fresh_run_id=run_id
     )
-
-
-def usage_error(exc: BaseException, prog: str) -> int:
-    """Report a ``ConfigError`` in one line and return exit status 2; re-raise anything else."""
-    from relaunch.config import ConfigError
-
-    if not isinstance(exc, ConfigError):
-        raise exc
-    print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

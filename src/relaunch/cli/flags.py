@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,6 +16,18 @@ from relaunch.core.streams import Std
 from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def usage_error(exc: BaseException, prog: str) -> int:
+    """Report a ``ConfigError`` in one line and return exit status 2; re-raise anything else."""
+    from relaunch.config import ConfigError
+
+    if not isinstance(exc, ConfigError):
+        raise exc
+    print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+    return EXIT_USAGE
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,8 +7,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from relaunch.cli.command import EXIT_USAGE, usage_error
-from relaunch.cli.flags import _checked, _Parser
+from relaunch.cli.flags import EXIT_USAGE, _checked, _Parser, usage_error
 
 
 def store_main(argv: Sequence[str]) -> int:

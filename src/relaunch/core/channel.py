@@ -18,13 +18,6 @@ from __future__ import annotations
 
 import struct
 
-# Not ``typing.TYPE_CHECKING``: a worker imports this module and typing would cost it
-# milliseconds. Type checkers read any name TYPE_CHECKING as true.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from relaunch.core.progress import Progress as Progress
-    from relaunch.core.progress import read_progress as read_progress
-
 CHANNEL_ENV = "RELAUNCH_CHANNEL"
 MAGIC = b"RLCHAN1\0"
 HEADER = 64
@@ -57,13 +50,3 @@ def encode_desc(desc: str) -> bytes:
     """``desc`` as the slot stores it: at most ``DESC`` bytes, cut on a character boundary."""
     data = desc.encode("utf-8")[:DESC]
     return data.decode("utf-8", errors="ignore").encode("utf-8").ljust(DESC, b"\0")
-
-
-def __getattr__(name: str) -> object:
-    """``Progress`` and ``read_progress``, the agent's reading of a slot, still importable from
-    here: they live in ``core.progress`` so that a worker never loads dataclasses."""
-    if name in ("Progress", "read_progress"):
-        from relaunch.core import progress
-
-        return getattr(progress, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

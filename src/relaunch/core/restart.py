@@ -14,27 +14,50 @@ class Action(str, enum.Enum):
     SUCCEED = "SUCCEED"  # every worker finished: pass the exit barrier and return
     RESTART = "RESTART"  # stop the group, rendezvous again, start it again
     FAIL = "FAIL"  # no restarts left: report the failure
+    AWAIT_CHANGE = "AWAIT_CHANGE"  # failed: until ``deadline``, wait for a membership change
 
 
 @dataclass(frozen=True)
-class Decision:
+class RestartDecision:
+    """What to do next; ``deadline`` (AWAIT_CHANGE) is on the clock ``decide`` was given."""
+
     action: Action
     uses_restart: bool = False
     reason: str = ""
+    deadline: float | None = None
 
 
 def decide(
-    state: GroupState, restarts_left: int, membership_change: MembershipChange | None = None
-) -> Decision:
+    state: GroupState,
+    restarts_left: int,
+    membership_change: MembershipChange | None = None,
+    *,
+    lost_node_grace: float = 0.0,
+    now: float = 0.0,
+    grace_ends: float | None = None,
+) -> RestartDecision:
     """A failure restarts the group while restarts remain. A membership change (nodes waiting to
     join, a node lost) restarts it without using one up, also when the workers failed because of
-    it (a lost peer breaks their collectives)."""
+    it (a lost peer breaks their collectives).
+
+    Collectives break at once when a peer node dies; heartbeats tell it a moment later. So a
+    failure with no restarts left is not final before ``lost_node_grace`` seconds (from ``now``,
+    or until ``grace_ends`` once a previous decision set it) have passed without a change: then
+    the lost node is noticed, and the restart is free.
+    """
     if state is GroupState.SUCCEEDED:
-        return Decision(Action.SUCCEED)
+        return RestartDecision(Action.SUCCEED)
     if membership_change is not None:
-        return Decision(Action.RESTART, reason=membership_change.reason)
+        return RestartDecision(Action.RESTART, reason=membership_change.reason)
     if state is GroupState.FAILED:
         if restarts_left > 0:
-            return Decision(Action.RESTART, uses_restart=True, reason="a worker failed")
-        return Decision(Action.FAIL, reason="a worker failed and no restarts are left")
-    return Decision(Action.CONTINUE)
+            return RestartDecision(Action.RESTART, uses_restart=True, reason="a worker failed")
+        ends = now + lost_node_grace if grace_ends is None else grace_ends
+        if now < ends:
+            return RestartDecision(
+                Action.AWAIT_CHANGE,
+                reason="a worker failed: waiting for a lost node to be noticed",
+                deadline=ends,
+            )
+        return RestartDecision(Action.FAIL, reason="a worker failed and no restarts are left")
+    return RestartDecision(Action.CONTINUE)

@@ -220,6 +220,13 @@ class PContext(abc.ABC):
             return None
         return self._result
 
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once every worker has ended (then ``wait(0)`` has the result): from the
+        monitor thread, so it must be quick and wait for nothing; at once if they already have."""
+        if self._monitor is None:
+            raise RuntimeError(f"{type(self).__name__} {self.name!r} was not started")
+        self._monitor.add_done_callback(fn)
+
     def close(
         self, death_sig: signal.Signals | None = None, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     ) -> None:

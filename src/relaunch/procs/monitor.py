@@ -22,6 +22,7 @@ from relaunch.procs.console import Console
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 from relaunch.procs.rank_streams import TeeStream
 from relaunch.procs.signals import signals_deferred
+from relaunch.procs.wakeup import Latch
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
 if TYPE_CHECKING:
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 #: than one wake-up per write. The first line of a burst is never delayed; an idle pipe costs
 #: nothing.
 COALESCE_SECONDS = 0.0005
-#: The longest the main thread sleeps in one wait, so that signals are acted on promptly.
-SIGNAL_SLICE = 0.2
 #: After the workers are gone, how long to keep reading pipes that descendants which escaped
 #: their process group still hold open.
 DRAIN_TIMEOUT = 1.0
@@ -83,6 +82,7 @@ class GroupMonitor:
         self.lock = threading.Condition()
         self._on_done = on_done
         self._done = False
+        self._ended = Latch()
         self._kill_at: float | None = None
         self._finishing = False
         self._drain_until: float | None = None
@@ -112,26 +112,13 @@ class GroupMonitor:
         return self._done
 
     def wait_done(self, timeout: float | None) -> bool:
-        """Whether every worker exited, waiting up to ``timeout`` seconds (None: no limit).
+        """Whether every worker exited, waiting up to ``timeout`` seconds (None: no limit); the
+        main thread sleeps outside any lock, woken by a signal at once (see ``Latch``)."""
+        return self._ended.wait(timeout)
 
-        In the main thread, termination signals are deferred while the lock is held (see
-        ``signals_deferred``) and the wait is cut into slices of ``SIGNAL_SLICE``, so a stop
-        signal is acted on within a slice, between two waits, never inside one.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            with self.lock:
-                return self.lock.wait_for(lambda: self._done, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = SIGNAL_SLICE
-            if deadline is not None:
-                left = max(0.0, min(left, deadline - time.monotonic()))
-            with signals_deferred(), self.lock:
-                done = self.lock.wait_for(lambda: self._done, left)
-            if done:
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once every worker has exited (at once if they have)."""
+        self._ended.add_callback(callback)
 
     def stop(self, sig: int, timeout: float) -> None:
         """Send ``sig`` to every worker tree; SIGKILL whatever still runs ``timeout`` s later."""
@@ -280,7 +267,7 @@ class GroupMonitor:
                 self._kill_at = None
                 self._on_done()
                 self._done = True
-                self.lock.notify_all()
+                self._ended.set()
 
     def _receive_result(self, worker: WorkerProcess) -> None:
         conn = worker.result_conn

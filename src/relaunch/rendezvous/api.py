@@ -121,8 +121,9 @@ class RendezvousHandler(abc.ABC):
 
     def set_change_listener(self, listener: Callable[[], None] | None) -> None:  # noqa: B027
         """Call ``listener`` (from any thread) whenever ``membership_change()`` may have become
-        non-None, so the agent need not poll; None removes it. Fixed membership never changes,
-        so by default there is nothing to call."""
+        non-None, so the agent need not poll; None removes it. A handler that watches membership
+        but keeps this default is polled every ``monitor_interval``; fixed membership never
+        changes, so by default there is nothing to call."""
 
     @property
     def lost_node_grace(self) -> float:

@@ -7,7 +7,7 @@ import os
 import tempfile
 
 from relaunch.core import channel
-from relaunch.core.channel import Progress
+from relaunch.core.progress import Progress, read_progress
 from relaunch.procs.guardian import guardian
 
 
@@ -43,7 +43,7 @@ class Channel:
 
     def progress(self, rank: int) -> Progress | None:
         with memoryview(self._map) as view:
-            return channel.read_progress(view, rank)
+            return read_progress(view, rank)
 
     def listening(self, rank: int) -> bool:
         """Whether ``rank`` reads the stop flag (it has called ``stop_requested()``)."""

@@ -8,7 +8,8 @@
   ``PYTHONFAULTHANDLER=1``, so Python dumps every thread's stack to stderr), then SIGKILLed if
   it is still there after ``ABORT_GRACE`` seconds.
 
-Either way the death is a failure like any other, and the watchdog says why in its report.
+Either way the death is a failure like any other, and ``ExpiryWatch.explain`` says why in its
+report.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.core import timers as core_timers
-from relaunch.core.channel import Progress
 from relaunch.core.failures import faulthandler_dump
+from relaunch.core.progress import Progress
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
 from relaunch.procs.handles import signal_tree
@@ -47,8 +48,9 @@ def timers_enabled_by_env() -> bool:
     return os.environ.get(ENABLE_FILE_TIMER_ENV, "") == "1"
 
 
-class Watchdog:
-    """Expiry timers and hang detection for the workers of one agent."""
+class ExpiryWatch:
+    """Expiry timers and hang detection for the workers of one agent: runs the file timer server
+    that reaps workers past their ``expires`` deadline, and finds workers that hang."""
 
     def __init__(self, run_id: str, timers: bool, hang_timeout: float | None) -> None:
         if hang_timeout is not None and not hang_timeout > 0:
@@ -211,7 +213,8 @@ class Watchdog:
     def explain(
         self, failures: Mapping[int, ProcessFailure], stderr_files: Mapping[int, str]
     ) -> None:
-        """Put why the watchdog killed a worker at the head of its failure message."""
+        """Put why a worker was killed (reaped, or aborted as hung) at the head of its failure
+        message."""
         for rank, failure in failures.items():
             cause = self._causes.get(failure.pid)
             if cause is None:

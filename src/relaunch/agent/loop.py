@@ -1,0 +1,379 @@
+"""The elastic agent: rendezvous, start the local workers, watch them, restart them as one.
+
+``LocalElasticAgent.run`` is the one driver: it asks the rendezvous handler for this node's
+place, plans every worker's ranks and environment (``core.ranks``), starts them through the
+process layer, and lets the restart policy (``core.restart``) decide what comes next. Between
+decisions it sleeps on one event queue, woken by the end of the workers, a membership change,
+a signal, or the next deadline (hang detection, the grace given a lost node). Only a rendezvous
+handler that cannot report membership changes is asked for them, every ``monitor_interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from relaunch.agent.channel import Channel
+from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
+from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir, one_line
+from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from relaunch.core.console_plan import (
+    LOG_LINE_PREFIX_TEMPLATE_ENV,
+    agent_tee,
+    console_is_relaunchs,
+    log_line_prefixes,
+)
+from relaunch.core.failures import format_report
+from relaunch.core.group import GroupState
+from relaunch.core.ranks import GroupContext, worker_env
+from relaunch.core.restart import Action, RestartDecision, decide
+from relaunch.core.summary import RunSummary
+from relaunch.events import EventHandler, Metrics, NullEventHandler, NullMetricHandler
+from relaunch.procs.console import console_for
+from relaunch.procs.context import PContext, RunProcsResult, start_processes
+from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.procs.wakeup import EventQueue
+from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler
+
+log = logging.getLogger(__name__)
+
+
+class LocalElasticAgent:
+    """Runs ``spec.local_world_size`` workers on this host as one unit, restarting the whole group
+    on failure while ``spec.max_restarts`` allow, and when nodes wait to join (for free).
+
+    Agent and workers talk through a shared-memory channel (``relaunch.report_progress``,
+    ``relaunch.stop_requested``): the first SIGTERM/SIGINT (``StopRequested``) asks the workers
+    to stop and waits up to ``spec.shutdown_timeout`` for them before stopping them as for any
+    other signal. ``events`` (ice-learn's control channel) is accepted for compatibility; the
+    channel takes its place. Status events go to ``event_handler`` and metrics to ``metrics``
+    (both discard by default).
+
+    ``timers`` runs a file timer server for ``relaunch.timer.expires`` in the workers (by
+    default when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); ``hang_timeout`` restarts the group when
+    a worker shows no sign of life for that many seconds, with its stack in the report.
+    ``start_processes`` starts each group (a seam for tests).
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_dir: str | None = None,
+        events: object = None,
+        *,
+        event_handler: EventHandler | None = None,
+        metrics: Metrics | None = None,
+        timers: bool | None = None,
+        hang_timeout: float | None = None,
+        start_processes: Callable[..., PContext] = start_processes,
+    ) -> None:
+        self._worker_group = WorkerGroup(spec)
+        self._start_method = start_method
+        self._exit_barrier_timeout = exit_barrier_timeout
+        self._events = events
+        self._metrics = metrics or Metrics(NullMetricHandler(), group="torchelastic")
+        self._start_processes = start_processes
+        self._restarts_left = spec.max_restarts
+        self._pcontext: PContext | None = None
+        self._log_dir = make_log_dir(log_dir, spec.rdzv_handler.get_run_id())
+        self._report = RunReport(
+            self._worker_group, event_handler or NullEventHandler(), self._log_dir
+        )
+        self._expiry = ExpiryWatch(
+            spec.rdzv_handler.get_run_id(),
+            timers_enabled_by_env() if timers is None else timers,
+            hang_timeout,
+        )
+        self._channel: Channel | None = None
+        self._wakeups: EventQueue[str] | None = None
+        self._explained: RunProcsResult | None = None
+        self._grace_ends: float | None = None
+        self._node_bar = NodeBar(self._worker_group)
+        self._console = console_for(sys.stdout, sys.stderr)
+
+    @property
+    def log_dir(self) -> str:
+        return self._log_dir
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        return self._worker_group
+
+    @property
+    def restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._restarts_left
+
+    def summary(self, outcome: str) -> RunSummary:
+        """The end-of-run summary of the last attempt, for a run that ended with ``outcome``."""
+        return self._report.summary(outcome)
+
+    # -- the run loop -------------------------------------------------------------------------
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
+        self._report.started_at = time.monotonic()
+        handler = self._worker_group.spec.rdzv_handler
+        self._channel = Channel(self._worker_group.spec.local_world_size)
+        self._wakeups = wakeups = EventQueue[str]()
+        handler.set_change_listener(lambda: wakeups.put("membership changed"))
+        self._expiry.start()
+        try:
+            try:
+                result = self._invoke_run()
+            except StopRequested as exc:
+                raise self._stop_gracefully(exc) from None
+            self._stop_workers(signal.SIGTERM)
+        except SignalException as exc:
+            self._stop_workers(exc.sigval)
+            self._report.agent_event(WorkerState.FAILED, self.restart_count, raw_error=str(exc))
+            raise
+        except BaseException:
+            self._stop_workers(signal.SIGTERM)
+            self._report.agent_event(WorkerState.FAILED, self.restart_count)
+            raise
+        finally:
+            handler.set_change_listener(None)
+            self._console.remove_source(self._node_bar)
+            self._expiry.close()
+            self._channel.close()
+            wakeups.close()
+        self._report.run_events(result, self.restart_count)
+        return result
+
+    def _stop_gracefully(self, request: StopRequested) -> SignalException:
+        """Ask the workers to stop, give them ``shutdown_timeout`` seconds, then stop the rest.
+
+        Only when a running worker listens (has called ``stop_requested()``); otherwise the
+        workers are stopped at once, as by torchrun. Returns the exception to end the run with:
+        the request, or a second signal.
+        """
+        spec = self._worker_group.spec
+        channel, pcontext = self._channel, self._pcontext
+        if pcontext is None or channel is None:
+            return request
+        if not any(channel.listening(rank) for rank in pcontext.running()):
+            return request  # nobody would hear it: stop them with the signal at once
+        channel.request_stop()
+        try:
+            log.warning(
+                "%s: asking the workers to stop (relaunch.stop_requested()); waiting up "
+                "to %gs for them (send %s again to stop them now)",
+                request.sigval.name,
+                spec.shutdown_timeout,
+                request.sigval.name,
+            )
+            outcome = pcontext.wait(spec.shutdown_timeout)
+        except SignalException as again:
+            self._report.stop_note = f"{again.sigval.name} again: the workers were stopped at once"
+            return again
+        if outcome is not None and not outcome.is_failed():
+            note = "the workers stopped cleanly after the stop request (all exited 0)"
+        elif outcome is not None:
+            note = "the workers stopped after the stop request, some of them failing"
+        else:
+            running = len(pcontext.running())
+            note = (
+                f"{running} worker(s) did not stop within "
+                f"{spec.shutdown_timeout:g}s of the request and were sent "
+                f"{request.sigval.name}"
+            )
+        self._report.stop_note = note
+        return request
+
+    def _invoke_run(self) -> RunResult:
+        group = self._worker_group
+        spec = group.spec
+        role = spec.role
+        self._rendezvous()
+        self._start_workers()
+        while True:
+            outcome, decision = self._next_decision()
+            if decision.action in (Action.CONTINUE, Action.AWAIT_CHANGE):
+                self._sleep(decision.deadline)
+                continue
+            state = GroupState.RUNNING if outcome is None else _state_of(outcome)
+            self._metrics.put_metric(f"workers.{role}.remaining_restarts", self._restarts_left)
+            self._metrics.put_metric(f"workers.{role}.{state.value.lower()}", 1)
+            if decision.action is Action.SUCCEED:
+                assert outcome is not None
+                group.state = WorkerState.SUCCEEDED
+                # Keep heartbeating until every live node is done, so an early finisher is not
+                # mistaken for a lost node; then close the job to latecomers.
+                spec.rdzv_handler.exit_barrier(self._exit_barrier_timeout)
+                spec.rdzv_handler.set_closed()
+                return RunResult(
+                    WorkerState.SUCCEEDED,
+                    return_values=group.by_global_rank(outcome.return_values),
+                )
+            if decision.action is Action.FAIL:
+                assert outcome is not None
+                return self._failed(outcome)
+            if decision.uses_restart:
+                self._restarts_left -= 1
+            reason = decision.reason
+            if outcome is not None and outcome.is_failed():
+                failures = group.by_global_rank(outcome.failures)
+                log.warning(
+                    "%s",
+                    format_report(
+                        spec.role,
+                        failures,
+                        os.uname().nodename,
+                        group.by_global_rank(outcome.stopped),
+                    ),
+                )
+                reason = one_line(failures)
+            self._report.restart_reasons.append(reason)
+            log.warning(
+                "[%s] restarting the worker group (%s); %d restart(s) left",
+                role,
+                decision.reason,
+                self._restarts_left,
+            )
+            self._stop_workers(signal.SIGTERM)
+            if decision.uses_restart:  # the other nodes restart because of this: say why
+                spec.rdzv_handler.note_restart(f"{os.uname().nodename}: {reason}")
+            try:
+                self._rendezvous()
+            except RendezvousClosedError:
+                if outcome is None or not outcome.is_failed():
+                    raise
+                # The other nodes finished the job meanwhile: this node's failure stands.
+                return self._failed(outcome)
+            self._start_workers()
+
+    def _next_decision(self) -> tuple[RunProcsResult | None, RestartDecision]:
+        """How the workers stand (None: running) and what the restart policy makes of it."""
+        assert self._pcontext is not None
+        handler = self._worker_group.spec.rdzv_handler
+        outcome = self._pcontext.wait(0)
+        if outcome is not None and outcome.is_failed() and outcome is not self._explained:
+            self._explained = outcome
+            self._expiry.explain(outcome.failures, self._pcontext.stderrs)
+        watching = handler.watches_membership
+        decision = decide(
+            GroupState.RUNNING if outcome is None else _state_of(outcome),
+            self._restarts_left,
+            handler.membership_change() if watching else None,
+            lost_node_grace=handler.lost_node_grace if watching else 0.0,
+            now=time.monotonic(),
+            grace_ends=self._grace_ends,
+        )
+        if decision.action is Action.AWAIT_CHANGE and self._grace_ends is None:
+            log.info(
+                "workers failed: waiting up to %gs for a lost node to be noticed",
+                handler.lost_node_grace,
+            )
+        self._grace_ends = decision.deadline
+        return outcome, decision
+
+    def _sleep(self, deadline: float | None) -> None:
+        """Wait for the next event: the workers ended, the membership changed, a signal came,
+        hang detection is due, or ``deadline`` (``time.monotonic``) passed."""
+        assert self._wakeups is not None
+        waits = []
+        check_in = self._expiry.check()  # acts on hung workers; when to look again
+        if check_in is not None:
+            waits.append(check_in)
+        if deadline is not None:
+            waits.append(deadline - time.monotonic())
+        if self._polls_membership():
+            waits.append(self._worker_group.spec.monitor_interval)
+        self._wakeups.get(max(0.0, min(waits)) if waits else None)
+
+    def _polls_membership(self) -> bool:
+        """Whether the handler watches membership but cannot report changes (it kept the default
+        ``set_change_listener``): then it is asked every ``monitor_interval``."""
+        handler = self._worker_group.spec.rdzv_handler
+        reports = type(handler).set_change_listener is not RendezvousHandler.set_change_listener
+        return handler.watches_membership and not reports
+
+    def _failed(self, outcome: RunProcsResult) -> RunResult:
+        group = self._worker_group
+        group.state = WorkerState.FAILED
+        return RunResult(
+            WorkerState.FAILED,
+            failures=group.by_global_rank(outcome.failures),
+            stopped=sorted(group.by_global_rank(outcome.stopped)),
+        )
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    def _rendezvous(self) -> None:
+        self._worker_group.join(self._worker_group.spec.rdzv_handler.next_rendezvous())
+
+    def _start_workers(self) -> None:
+        group = self._worker_group
+        spec = group.spec
+        assert group.group_rank is not None and group.group_world_size is not None
+        assert group.master_addr is not None and group.master_port is not None
+        assert spec.entrypoint is not None
+        context = GroupContext(
+            role=spec.role,
+            run_id=spec.rdzv_handler.get_run_id(),
+            group_rank=group.group_rank,
+            group_world_size=group.group_world_size,
+            local_world_size=spec.local_world_size,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            restart_count=self.restart_count,
+            max_restarts=spec.max_restarts,
+        )
+        assert self._channel is not None and self._wakeups is not None
+        self._channel.reset()
+        extra_env = {**self._expiry.worker_env(), **self._channel.env()}
+        envs = {
+            ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
+            for ranks in group.ranks
+        }
+        nprocs = spec.local_world_size
+        tee = agent_tee(spec.tee, spec.redirects, nprocs, self._expiry.hang_timeout is not None)
+        self._pcontext = self._start_processes(
+            name=spec.role,
+            entrypoint=spec.entrypoint,
+            args=dict.fromkeys(envs, spec.args),
+            envs=envs,
+            log_dir=new_attempt_dir(self._log_dir, self.restart_count),
+            start_method=self._start_method,
+            redirects=spec.redirects,
+            tee=tee,
+            shutdown_timeout=spec.shutdown_timeout,
+            log_line_prefixes=log_line_prefixes(
+                os.environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV),
+                spec.role,
+                ((worker.local_rank, worker.global_rank) for worker in group.workers),
+            ),
+        )
+        wakeups = self._wakeups
+        self._pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
+        self._node_bar.restart(self._channel)
+        if console_is_relaunchs(spec.redirects, tee, nprocs):
+            self._console.add_source(self._node_bar)
+        pids = self._pcontext.pids()
+        for worker, pid in zip(group.workers, pids.values(), strict=True):
+            worker.id = pid
+        stdouts, stderrs = self._pcontext.stdouts, self._pcontext.stderrs
+        log_files = {
+            rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path] for rank in pids
+        }
+        self._expiry.watch(pids, log_files, self._pcontext.running, self._channel.progress)
+        group.state = WorkerState.HEALTHY
+
+    def _stop_workers(self, death_sig: signal.Signals) -> None:
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig, self._worker_group.spec.shutdown_timeout)
+            self._report.last_outcome = self._pcontext.wait(0)
+            if self._channel is not None:
+                self._report.last_progress = {
+                    rank: self._channel.progress(rank) for rank in range(self._channel.slots)
+                }
+            self._console.remove_source(self._node_bar)  # prints the bar's final state
+
+
+def _state_of(outcome: RunProcsResult) -> GroupState:
+    return GroupState.FAILED if outcome.is_failed() else GroupState.SUCCEEDED

@@ -1,0 +1,187 @@
+"""What the agent tells about a run: status events as it goes, the summary at its end, the
+one-line cause of each restart, the node's progress bar, and the directories logs go to."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from relaunch.agent.channel import Channel
+from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
+from relaunch.core.failures import describe_exit, root_cause_rank
+from relaunch.core.progress import NodeProgress, Progress
+from relaunch.core.summary import RankEnd, RunSummary
+from relaunch.events import EventHandler, EventSource, status_event
+from relaunch.procs.context import RunProcsResult
+from relaunch.procs.errors import ProcessFailure
+
+log = logging.getLogger(__name__)
+
+
+class RunReport:
+    """The record of one agent's run: what its status events and its summary are made of.
+
+    The agent fills in ``last_outcome`` and ``last_progress`` when it stops a group,
+    ``restart_reasons`` when it restarts one, and ``stop_note`` when a stop request ends.
+    """
+
+    def __init__(self, group: WorkerGroup, event_handler: EventHandler, log_dir: str) -> None:
+        self._group = group
+        self._event_handler = event_handler
+        self.log_dir = log_dir
+        self.started_at = time.monotonic()
+        self.restart_reasons: list[str] = []
+        self.stop_note = ""
+        self.last_outcome: RunProcsResult | None = None
+        self.last_progress: dict[int, Progress | None] = {}
+
+    def agent_event(
+        self, state: WorkerState, restart_count: int, raw_error: str | None = None
+    ) -> None:
+        self._event(EventSource.AGENT, state, restart_count, raw_error=raw_error)
+
+    def run_events(self, result: RunResult, restart_count: int) -> None:
+        """One event per worker (how it ended, its last progress), then the agent's."""
+        for worker in self._group.workers:
+            failure = result.failures.get(worker.global_rank)
+            if failure is not None:
+                state, raw = (
+                    WorkerState.FAILED,
+                    json.dumps(failure.error_file_data or {"message": failure.message}),
+                )
+            elif worker.global_rank in result.stopped:
+                state, raw = WorkerState.STOPPED, None
+            else:
+                state, raw = result.state, None
+            progress = self.last_progress.get(worker.local_rank)
+            self._event(
+                EventSource.WORKER,
+                state,
+                restart_count,
+                global_rank=worker.global_rank,
+                worker_id=None if worker.id is None else str(worker.id),
+                raw_error=raw,
+                local_rank=worker.local_rank,
+                role_rank=worker.role_rank,
+                role_world_size=worker.role_world_size,
+                progress=None
+                if progress is None
+                else {"step": progress.step, "total": progress.total, "desc": progress.desc},
+            )
+        self.agent_event(result.state, restart_count)
+
+    def _event(
+        self, source: EventSource, state: WorkerState, restart_count: int, **fields: Any
+    ) -> None:
+        group = self._group
+        spec = group.spec
+        self._event_handler.record(
+            status_event(
+                source=source,
+                state=state.value,
+                run_id=spec.rdzv_handler.get_run_id(),
+                role=spec.role,
+                hostname=os.uname().nodename,
+                rdzv_backend=spec.rdzv_handler.get_backend(),
+                group_rank=group.group_rank,
+                agent_restarts=restart_count,
+                total_run_time=int(time.monotonic() - self.started_at),
+                group_world_size=group.group_world_size,
+                entry_point=spec.get_entrypoint_name(),
+                **fields,
+            )
+        )
+
+    def summary(self, outcome: str) -> RunSummary:
+        """The end-of-run summary of the last attempt, for a run that ended with ``outcome``."""
+        result = self.last_outcome
+        ranks = []
+        for worker in self._group.workers:
+            local = worker.local_rank
+            exitcode = None if result is None else result.exitcodes.get(local)
+            duration = 0.0 if result is None else result.durations.get(local, 0.0)
+            stopped = result is not None and local in result.stopped
+            ranks.append(
+                RankEnd(
+                    worker.global_rank,
+                    local,
+                    exitcode,
+                    duration,
+                    "stopped by relaunch" if stopped else "",
+                )
+            )
+        return RunSummary(
+            outcome,
+            time.monotonic() - self.started_at,
+            ranks,
+            list(self.restart_reasons),
+            self.log_dir,
+            self.stop_note,
+        )
+
+
+def one_line(failures: Mapping[int, ProcessFailure]) -> str:
+    """The root cause of a failed attempt in one line: rank, how it ended, the first line why."""
+    rank = root_cause_rank(failures)
+    failure = failures[rank]
+    why = failure.message.splitlines()[0] if failure.message else ""
+    if len(why) > 160:
+        why = why[:157] + "..."
+    return f"rank {rank} {describe_exit(failure.exitcode)}" + (f": {why}" if why else "")
+
+
+class NodeBar:
+    """The per-node bar (a ``Console`` bar source): the slowest local rank's progress."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._group = group
+        self._channel: Channel | None = None
+        self._tracker: NodeProgress | None = None
+
+    def restart(self, channel: Channel) -> None:
+        """A new group of workers reports through ``channel``."""
+        self._channel = channel
+        self._tracker = NodeProgress(time.time())
+
+    def __call__(self) -> dict[str, bytes]:
+        channel, tracker = self._channel, self._tracker
+        if channel is None or tracker is None:
+            return {}
+        now = time.time()
+        try:
+            tracker.update({rank: channel.progress(rank) for rank in range(channel.slots)}, now)
+        except ValueError:  # the channel was closed under us: the run is over
+            return {}
+        line = tracker.line(now)
+        if line is None:
+            return {}
+        group = self._group
+        return {"node": f"[{group.spec.role} node {group.group_rank}]:{line}".encode()}
+
+
+def make_log_dir(log_dir: str | None, run_id: str) -> str:
+    """A new directory for this run's logs, under ``log_dir`` (default: a new temporary one)."""
+    base = log_dir or tempfile.mkdtemp(prefix="relaunch_")
+    os.makedirs(base, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+    log.info("log directory: %s", path)
+    return path
+
+
+def new_attempt_dir(log_dir: str, restart_count: int) -> str:
+    """``attempt_{n}`` for restart ``n``; a group re-formed after a membership change (which
+    uses no restart) gets ``attempt_{n}.1``, ``.2``, ...: no log is ever replaced."""
+    base = os.path.join(log_dir, f"attempt_{restart_count}")
+    path, reformed = base, 0
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            reformed += 1
+            path = f"{base}.{reformed}"

@@ -1,0 +1,139 @@
+"""What the agent runs and how a run ended: the spec, the workers, their group and its states."""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaunch.core.ranks import WorkerRanks, ranks_at_offset
+from relaunch.core.streams import Std
+from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.procs.errors import ProcessFailure
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+
+DEFAULT_ROLE = "default"
+
+
+class WorkerState(str, enum.Enum):
+    """The state of a worker group (all workers of one node move together)."""
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @staticmethod
+    def is_running(state: WorkerState) -> bool:
+        return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
+
+
+@dataclass
+class WorkerSpec:
+    """What to run on this node: the entrypoint, how many copies, and the restart budget.
+
+    ``entrypoint`` is a function (run with multiprocessing) or a binary path; ``args`` are passed
+    to every worker, with ``${local_rank}`` replaced by its local rank. ``monitor_interval`` is
+    how often a rendezvous handler that cannot report membership changes is asked for them;
+    everything else is an event.
+    """
+
+    role: str
+    local_world_size: int
+    rdzv_handler: RendezvousHandler
+    entrypoint: Callable[..., Any] | str | None = None
+    args: tuple[Any, ...] = ()
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    master_port: int | None = None
+    master_addr: str | None = None
+    local_addr: str | None = None
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.entrypoint is None:
+            raise ValueError("WorkerSpec needs an entrypoint: a function or a binary")
+
+    def get_entrypoint_name(self) -> str:
+        """The function's name, the script a Python interpreter runs, or the binary's name."""
+        entrypoint = self.entrypoint
+        if callable(entrypoint):
+            return getattr(entrypoint, "__name__", repr(entrypoint))
+        assert isinstance(entrypoint, str)
+        if entrypoint == sys.executable:
+            script = next((str(a) for a in self.args if not str(a).startswith("-")), "")
+            if script:
+                return os.path.basename(script)
+        return os.path.basename(entrypoint)
+
+
+@dataclass
+class Worker:
+    """One worker of the group; ranks are -1 until a rendezvous assigned them."""
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    id: int | None = None
+
+
+class WorkerGroup:
+    """The workers of one ``WorkerSpec`` on this node, and their shared place in the job."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.workers = [Worker(local_rank=i) for i in range(spec.local_world_size)]
+        self.store: Any = None
+        self.group_rank: int | None = None
+        self.group_world_size: int | None = None
+        self.master_addr: str | None = None
+        self.master_port: int | None = None
+        self.state = WorkerState.INIT
+        self.ranks: list[WorkerRanks] = []
+
+    def join(self, info: RendezvousInfo) -> None:
+        """Take this node's place from a completed rendezvous: the group's and every worker's."""
+        spec = self.spec
+        self.store = info.store
+        self.group_rank = info.group_rank
+        self.group_world_size = info.group_world_size
+        self.master_addr = spec.master_addr or info.master_addr
+        self.master_port = spec.master_port or info.master_port
+        self.ranks = ranks_at_offset(info.rank_offset, spec.local_world_size, info.world_size)
+        for worker, ranks in zip(self.workers, self.ranks, strict=True):
+            worker.global_rank = ranks.global_rank
+            worker.role_rank = ranks.role_rank
+            worker.world_size = ranks.world_size
+            worker.role_world_size = ranks.role_world_size
+
+    def by_global_rank(self, by_local_rank: Mapping[int, Any]) -> dict[int, Any]:
+        """``by_local_rank`` keyed by the workers' global ranks instead."""
+        return {self.workers[local].global_rank: value for local, value in by_local_rank.items()}
+
+
+@dataclass
+class RunResult:
+    """How a run ended. ``return_values`` and ``failures`` are keyed by global rank;
+    ``stopped`` lists the global ranks stopped only because another failed."""
+
+    state: WorkerState
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stopped: list[int] = field(default_factory=list)
+
+    def is_failed(self) -> bool:
+        return self.state is WorkerState.FAILED

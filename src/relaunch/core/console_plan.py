@@ -1,0 +1,56 @@
+"""How the agent lays out its workers' console output: what is tee'd, whether relaunch may draw
+on the console, and torchrun's per-rank line prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from relaunch.core.streams import Std, per_rank
+
+#: torchrun's variable for the console prefix of worker lines.
+LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+
+def agent_tee(
+    tee: Std | Mapping[int, Std],
+    redirects: Std | Mapping[int, Std],
+    nprocs: int,
+    hang_detection: bool,
+) -> Std | Mapping[int, Std]:
+    """The tee to start workers with: ``tee`` as given, or with hang detection on, every stream
+    left on the console tee'd too, so that its output counts as a sign of life and a hung
+    worker's stack is on file."""
+    if not hang_detection:
+        return tee
+    redirected = per_rank(redirects, nprocs)
+    return {
+        rank: Std(std | (Std.ALL & ~redirected[rank]))
+        for rank, std in per_rank(tee, nprocs).items()
+    }
+
+
+def console_is_relaunchs(
+    redirects: Std | Mapping[int, Std], tee: Std | Mapping[int, Std], nprocs: int
+) -> bool:
+    """Whether no worker writes to the console itself: only then can relaunch draw on it (a bar
+    drawn where workers write straight to the terminal would collide with them). ``tee`` is the
+    one workers start with (``agent_tee``)."""
+    redirected = per_rank(redirects, nprocs)
+    teed = per_rank(tee, nprocs)
+    return all(redirected[rank] | teed[rank] == Std.ALL for rank in redirected)
+
+
+def log_line_prefixes(
+    template: str | None, role: str, ranks: Iterable[tuple[int, int]]
+) -> dict[int, str]:
+    """Prefixes by local rank from torchrun's template (``${role_name}``, ``${rank}``,
+    ``${local_rank}``) for ``ranks`` given as (local rank, global rank); none without a
+    template (the default ``[{role}{local_rank}]:`` then applies)."""
+    if not template:
+        return {}
+    return {
+        local: template.replace("${role_name}", role)
+        .replace("${rank}", str(global_rank))
+        .replace("${local_rank}", str(local))
+        for local, global_rank in ranks
+    }
