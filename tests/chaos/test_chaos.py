@@ -1,23 +1,14 @@
-"""A short chaos run (benchmarks/chaos.py): a worker or a whole node of a real relaunch job is
+"""A short chaos run (tests/chaos/harness.py): a worker or a whole node of a real relaunch job is
 killed at a chosen moment, on one node, on two nodes over the built-in store and on two nodes
 over etcd; the job must finish with the right result, leave no process behind, lose no log line
-and name the fault in its report. ``python benchmarks/chaos.py --runs 60`` is the long version."""
+and name the fault in its report. ``python -m benchmarks chaos --runs 60`` is the long version."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-from conftest import LeakCheck
 
-sys.path.insert(
-    0,
-    os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
-    ),
-)
-import chaos
+from tests.chaos import harness as chaos
+from tests.support.procs import LeakCheck
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

@@ -1,12 +1,9 @@
 """Chaos runs: kill a worker or a whole node of a relaunch job at a random moment, and check.
 
-Run by hand (the test suite runs a short version, tests/chaos/test_chaos.py)::
+The library of the chaos runs: tests/chaos/test_chaos.py runs a short version, and the long one
+is a benchmark (``python -m benchmarks chaos --runs 60 --seed 1``, see benchmarks/chaos.py).
 
-    python benchmarks/chaos.py --runs 60 --seed 1
-    python benchmarks/chaos.py --runs 10 --seed 7 --no-etcd --topologies single,c10d
-    python benchmarks/chaos.py --seed 7 --only 3,5 --keep     # rerun runs 3 and 5 of seed 7
-
-Each run starts a job of plain-Python workers (this file, run as ``chaos.py worker``) under the
+Each run starts a job of plain-Python workers (tests/chaos/worker.py) under the
 ``relaunch`` command in one of three topologies: one node (``single``), two nodes on the
 built-in store (``c10d``), two nodes on etcd (``etcd``, a single-member etcd that the harness
 starts with tests/etcd_cluster.py). Once the chosen target has done a chosen number of steps, it
@@ -35,36 +32,31 @@ for the etcd topology). The exit status is 0 only when every check of every run 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import json
 import os
 import random
 import re
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS_DIR = os.path.join(os.path.dirname(HERE), "tests")
-THIS_FILE = os.path.abspath(__file__)
+from relaunch.endpoints import find_free_port
+from tests.chaos.worker import ITEMS, advance, item, write_atomic
+from tests.support.procs import MARK_VAR, collect_leaks, pid_alive
 
-MARK_VAR = "RELAUNCH_TEST_MARK"  # the variable tests/conftest.py's LeakCheck uses
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 NPROC = 2  # workers per node
 MAX_RESTARTS = 3
 STEPS = 30  # steps of the job
 STEP_S = 0.03  # each worker sleeps this long after each step
-ITEMS = 64  # items summed per step, split between the ranks
 EXIT_CODES = (1, 3, 42)
 #: The rendezvous settings of the multi-node topologies: a node counts as lost 0.6 s after its
 #: last heartbeat. ``last_call_timeout`` is long so that the two agents, started together,
@@ -93,157 +85,12 @@ TOPOLOGIES = {
 }
 
 
-# -- the job: what the workers compute ---------------------------------------------------------
-
-
-def item(i: int) -> int:
-    return (i * 2654435761) % 4294967291
-
-
-def advance(value: int, total: int) -> int:
-    return (value * 6364136223846793005 + total + 1442695040888963407) % (1 << 64)
-
-
 def expected_value(steps: int = STEPS, items: int = ITEMS) -> int:
     """What every rank holds after ``steps`` steps, whatever the failures and world sizes."""
     value = 0
     for k in range(steps):
         value = advance(value, sum(item(i) for i in range(k * items, (k + 1) * items)))
     return value
-
-
-def _hang(reason: str) -> None:
-    """What a collective does when a peer dies: never return (relaunch must stop us)."""
-    os.write(2, f"chaos worker {os.getpid()}: {reason}; waiting to be stopped\n".encode())
-    while True:
-        time.sleep(3600)
-
-
-class _Peers:
-    """A blocking all-reduce among the ranks of one world, over TCP: rank 0 serves at
-    ``MASTER_ADDR:MASTER_PORT`` (as torch's store would) and sums what each rank sends."""
-
-    def __init__(self, rank: int, world: int, addr: str, port: int) -> None:
-        self.rank, self.world = rank, world
-        self.files: dict[int, Any] = {}
-        self._keep: list[socket.socket] = []
-        if world == 1:
-            return
-        if rank == 0:
-            server = socket.create_server((addr, port), backlog=world)
-            self._keep.append(server)
-            while len(self.files) < world - 1:
-                conn, _ = server.accept()
-                self._keep.append(conn)
-                file = conn.makefile("rwb")
-                hello = file.readline().split()
-                if len(hello) == 2 and hello[0] == b"hello":
-                    self.files[int(hello[1])] = file
-            return
-        while True:  # rank 0 may not listen yet
-            try:
-                conn = socket.create_connection((addr, port))
-                break
-            except OSError:
-                time.sleep(0.01)
-        self._keep.append(conn)
-        self.files[0] = conn.makefile("rwb")
-        self._send(0, f"hello {rank}")
-
-    def _send(self, rank: int, text: str) -> None:
-        try:
-            self.files[rank].write(text.encode() + b"\n")
-            self.files[rank].flush()
-        except OSError as exc:
-            _hang(f"lost rank {rank}: {exc}")
-
-    def _recv(self, rank: int) -> list[str]:
-        try:
-            line = self.files[rank].readline()
-        except OSError as exc:
-            _hang(f"lost rank {rank}: {exc}")
-        if not line:
-            _hang(f"lost rank {rank}")
-        return line.decode().split()
-
-    def start(self, step: int, value: int) -> tuple[int, int]:
-        """Rank 0's checkpoint, for every rank."""
-        if self.rank == 0:
-            for rank in self.files:
-                self._send(rank, f"{step} {value}")
-            return step, value
-        fields = self._recv(0)
-        return int(fields[0]), int(fields[1])
-
-    def allreduce(self, step: int, part: int) -> int:
-        if self.rank == 0:
-            total = part
-            for rank in sorted(self.files):
-                fields = self._recv(rank)
-                if int(fields[0]) != step:
-                    _hang(f"rank {rank} is at step {fields[0]}, not {step}")
-                total += int(fields[1])
-            for rank in self.files:
-                self._send(rank, str(total))
-            return total
-        self._send(0, f"{step} {part}")
-        return int(self._recv(0)[0])
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as file:
-        file.write(text)
-    os.replace(tmp, path)
-
-
-def worker_main() -> int:
-    """One worker of the job: ``STEPS`` steps of an all-reduce, a checkpoint after each (rank
-    0), one line per step on stdout and in its own file, the result in ``results/<rank>``; and
-    a child process that never exits by itself."""
-    env = os.environ
-    top = env["CHAOS_DIR"]
-    steps, step_s = int(env["CHAOS_STEPS"]), float(env["CHAOS_STEP_S"])
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    pid = os.getpid()
-    meta = {
-        "node": int(env["CHAOS_NODE"]),
-        "attempt": int(env["TORCHELASTIC_RESTART_COUNT"]),
-        "local_rank": int(env["LOCAL_RANK"]),
-        "rank": rank,
-        "world": world,
-        "group_rank": int(env["GROUP_RANK"]),
-        "pid": pid,
-        "log_dir": os.path.dirname(env["TORCHELASTIC_ERROR_FILE"]),
-    }
-    _write_atomic(os.path.join(top, "workers", f"{pid}.json"), json.dumps(meta))
-    if os.fork() == 0:  # a helper, like a data loader, that relaunch must stop with the worker
-        while True:  # it keeps the worker's stdout and stderr open, and outlives the worker
-            time.sleep(3600)
-    truth = os.open(os.path.join(top, "lines", str(pid)), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    trigger = os.path.join(top, "triggers", str(pid))
-    checkpoint = os.path.join(top, "checkpoint")
-    peers = _Peers(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-    step, value = 0, 0
-    if rank == 0 and os.path.exists(checkpoint):
-        with open(checkpoint) as file:
-            step, value = map(int, file.read().split())
-    step, value = peers.start(step, value)
-    while step < steps:
-        if os.path.exists(trigger):  # an injected exit code
-            with open(trigger) as file:
-                return int(file.read())
-        part = sum(item(i) for i in range(step * ITEMS, (step + 1) * ITEMS) if i % world == rank)
-        value = advance(value, peers.allreduce(step, part))
-        step += 1
-        if rank == 0:
-            _write_atomic(checkpoint, f"{step} {value}")
-        line = f"rank {rank} pid {pid} step {step} value {value}\n".encode()
-        os.write(1, line)  # stdout first: a line in the truth file is a line printed
-        os.write(truth, line)
-        time.sleep(step_s)
-    _write_atomic(os.path.join(top, "results", str(rank)), f"{value} {world} {pid}")
-    return 0
 
 
 # -- plans: which fault, where, when -----------------------------------------------------------
@@ -407,58 +254,6 @@ def _read(path: str) -> str:
         return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    """Running: a zombie counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def _cmdline(pid: int) -> str:
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as file:
-        return file.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    return "?"
-
-
-def marked_pids(mark: str) -> list[int]:
-    """Live processes whose environment carries ``RELAUNCH_TEST_MARK=mark``."""
-    needle = f"{MARK_VAR}={mark}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as file:
-                environ = file.read()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and _alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def collect_leaks(mark: str, grace: float = LEAK_GRACE_S) -> list[str]:
-    """Processes of the run still alive ``grace`` seconds from now: killed by pid, described."""
-    deadline = time.monotonic() + grace
-    left = marked_pids(mark)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.02)
-        left = marked_pids(mark)
-    described = [f"pid {pid} {_cmdline(pid)[:100]}" for pid in left]
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return described
-
-
 class _Timeout(Exception):
     pass
 
@@ -560,7 +355,7 @@ class Run:
             "CHAOS_STEP_S": str(STEP_S),
         }
         run_id = f"chaos-{uuid.uuid4().hex[:12]}"
-        port = _free_port()
+        port = find_free_port("127.0.0.1")
         for node in range(self.topology.nodes):
             argv = [
                 sys.executable,
@@ -575,8 +370,7 @@ class Run:
                 "--log-dir",
                 self.path("logs", f"node{node}"),
                 *self.rdzv_flags(node, run_id, port),
-                THIS_FILE,
-                "worker",
+                WORKER,
             ]
             with (
                 open(self.path(f"node{node}.out"), "wb") as out,
@@ -603,7 +397,7 @@ class Run:
                     plan.node,
                     local,
                     full,
-                ) and _alive(meta["pid"]):
+                ) and pid_alive(meta["pid"]):
                     return meta
             return None
 
@@ -623,16 +417,16 @@ class Run:
         self.target_meta = meta
         truth = self.path("lines", str(pid))
         _wait(
-            lambda: _count_lines(truth) >= plan.step or not _alive(pid),
+            lambda: _count_lines(truth) >= plan.step or not pid_alive(pid),
             deadline,
             f"the target (pid {pid}) to do {plan.step} steps",
         )
-        if not _alive(pid):
+        if not pid_alive(pid):
             raise _Timeout(f"the target (pid {pid}) ended before the fault was injected")
         if plan.fault == "node":
             self.agents[plan.node].send_signal(signal.SIGKILL)
         elif plan.fault == "exit":
-            _write_atomic(self.path("triggers", str(pid)), str(plan.code))
+            write_atomic(self.path("triggers", str(pid)), str(plan.code))
         else:
             os.kill(pid, WORKER_SIGNALS[plan.fault])
         return time.monotonic()
@@ -662,7 +456,7 @@ class Run:
         if injected is not None and not out.error:
             out.recovery = time.monotonic() - injected
         out.exits = [agent.returncode for agent in self.agents]
-        out.leaked = collect_leaks(self.mark)
+        out.leaked = collect_leaks(self.mark, LEAK_GRACE_S)
         self.check()
         return out
 
@@ -830,122 +624,3 @@ def table(outcomes: Sequence[Outcome]) -> list[str]:
                 f"{statistics.median(recoveries) if recoveries else float('nan'):.2f} |"
             )
     return rows
-
-
-# -- main --------------------------------------------------------------------------------------
-
-
-def _names(text: str) -> list[str]:
-    names = [name for name in text.split(",") if name]
-    for name in names:
-        if name not in TOPOLOGIES:
-            raise argparse.ArgumentTypeError(f"unknown topology {name!r} ({', '.join(TOPOLOGIES)})")
-    return names
-
-
-def _indexes(text: str) -> list[int]:
-    return [int(index) for index in text.split(",") if index]
-
-
-def start_etcd() -> Any:
-    if shutil.which("etcd") is None:
-        raise SystemExit(
-            "chaos: no etcd binary on PATH (Debian: apt-get install etcd-server); "
-            "use --no-etcd to leave the etcd topology out"
-        )
-    sys.path.insert(0, TESTS_DIR)
-    try:
-        from etcd_cluster import EtcdCluster
-    finally:
-        sys.path.remove(TESTS_DIR)
-    return EtcdCluster(1).start()
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=20, help="number of runs (default: 20)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    parser.add_argument(
-        "--topologies",
-        type=_names,
-        default=list(TOPOLOGIES),
-        help="comma-separated: single,c10d,etcd (default: all)",
-    )
-    parser.add_argument(
-        "--etcd",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="include the etcd topology (default: yes)",
-    )
-    parser.add_argument(
-        "--only",
-        type=_indexes,
-        default=None,
-        help="run only these runs of the seed's plan, e.g. 3,17",
-    )
-    parser.add_argument("--steps", type=int, default=STEPS, help="steps of the job")
-    parser.add_argument(
-        "--keep", action="store_true", help="keep all run directories (failed ones are always kept)"
-    )
-    parser.add_argument("--dir", default=None, help="where the run directories go")
-    parser.add_argument("--table", action="store_true", help="also print a markdown table")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="show the agents' stderr for a failed run"
-    )
-    opts = parser.parse_args(None if argv is None else list(argv))
-    topologies = [name for name in opts.topologies if opts.etcd or name != "etcd"]
-    if not topologies:
-        parser.error("no topology left")
-    seed = opts.seed if opts.seed is not None else random.randrange(1 << 31)
-    runs = max(opts.only) + 1 if opts.only else opts.runs
-    plans = plan_runs(seed, runs, topologies)
-    if opts.only:
-        plans = [plan for plan in plans if plan.index in opts.only]
-    base = opts.dir or tempfile.mkdtemp(prefix="relaunch-chaos-")
-    os.makedirs(base, exist_ok=True)
-    started = time.monotonic()
-    with open("/proc/loadavg") as file:
-        load = " ".join(file.read().split()[:3])
-    print(
-        f"chaos: seed {seed}, {len(plans)} runs, topologies {','.join(topologies)}; python "
-        f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, load "
-        f"{load}",
-        flush=True,
-    )
-    print(
-        f"  reproduce: python {os.path.relpath(THIS_FILE)} --seed {seed} --runs {runs} "
-        f"--topologies {','.join(topologies)}; directories under {base}",
-        flush=True,
-    )
-    cluster = start_etcd() if "etcd" in {plan.topology for plan in plans} else None
-    outcomes = []
-    try:
-        for plan in plans:
-            outcome = run_plan(plan, base, cluster.endpoints if cluster else "", steps=opts.steps)
-            outcomes.append(outcome)
-            print(outcome.line() if outcome.ok else outcome.explain(opts.verbose), flush=True)
-            if outcome.ok and not opts.keep:
-                shutil.rmtree(outcome.run_dir, ignore_errors=True)
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
-    finally:
-        if cluster is not None:
-            cluster.stop()
-    print(f"\nsummary (seed {seed}, {time.monotonic() - started:.0f} s)")
-    print("\n".join(summarize(outcomes)))
-    if opts.table:
-        print()
-        print("\n".join(table(outcomes)))
-    failed = [o for o in outcomes if not o.ok]
-    if failed:
-        print(
-            f"\nfailed runs: {', '.join(str(o.plan.index) for o in failed)} (rerun one with "
-            f"--seed {seed} --only N; directories kept under {base})"
-        )
-    elif not opts.keep and not opts.dir:
-        shutil.rmtree(base, ignore_errors=True)
-    return 0 if outcomes and not failed and len(outcomes) == len(plans) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main() if sys.argv[1:2] == ["worker"] else main())
