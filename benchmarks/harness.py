@@ -418,15 +418,14 @@ def main(name: str, argv: Sequence[str]) -> int:
             "--no-torchrun" if opts.no_torchrun else find_torchrun(shlex.split(opts.torchrun))
         )
     started = time.perf_counter()
-    subreaper = become_subreaper()
+    orphans = getattr(module, "ORPHANS", True) and become_subreaper()
     mark = uuid.uuid4().hex
     with temp_dir(f"relaunch-bench-{name}-") as tmp:
         env = prepare(tmp, mark, not getattr(opts, "no_bytecode_cache", False))
-        orphans = subreaper and getattr(module, "ORPHANS", True)
         ctx = Context(name, opts, tmp, env, mark, orphans)
         info = header(name, opts, launchers)
-        if not subreaper:
-            print("  note: not a child subreaper; only marked processes can be checked")
+        if not orphans:
+            print("  leftovers: marked processes only (not a child subreaper)")
         try:
             checks = module.run(ctx)
         finally:
