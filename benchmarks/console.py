@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import RELAUNCH, BenchError, Check, fmt, log, median
@@ -430,8 +431,8 @@ def usable(bench: Bench, launcher: Launcher) -> str | None:
 
 
 def run_sides(
-    bench: Bench, sides: dict[str, Callable[[int], object]], reps: int
-) -> tuple[dict[str, list], dict[str, str]]:
+    bench: Bench, sides: dict[str, Callable[..., Any]], reps: int
+) -> tuple[dict[str, list[Any]], dict[str, str]]:
     """``reps`` runs of every side, alternating (see harness.run_alternating)."""
     errors: dict[str, str] = {}
     samples = harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
@@ -625,7 +626,7 @@ def bench_flood(bench: Bench, reps: int, seconds: float, hz: float, per: int) ->
 # -- 3. the cost of report_progress and stop_requested -----------------------------------------
 
 
-def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
+def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict[str, Any]:
     args = [bench.script("cost.py"), str(calls), str(reps)]
     env = dict(bench.env)
     if under_relaunch:
@@ -644,7 +645,7 @@ def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
     )
     for line in proc.stdout.splitlines():
         if line.startswith(b"RESULT "):
-            result = json.loads(line[len(b"RESULT ") :])
+            result: dict[str, Any] = json.loads(line[len(b"RESULT ") :])
             result["node_bar"] = NODE_PREFIX in proc.stderr + proc.stdout
             return result
     raise BenchError(
@@ -654,7 +655,7 @@ def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
 
 def bench_cost(bench: Bench, calls: int, reps: int) -> list[Check]:
     log(f"[3/4] cost: {reps} x {calls} calls of each, under relaunch and outside it")
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, under in (("under relaunch", True), ("outside relaunch", False)):
         try:
             results[name] = cost_run(bench, under, calls, reps)
@@ -677,12 +678,12 @@ def bench_cost(bench: Bench, calls: int, reps: int) -> list[Check]:
             f" {'yes' if result['node_bar'] else 'no'}"
         )
     print("   python call floor = the same loop calling an empty Python function with (i, n)")
-    under = results.get("under relaunch")
-    if under is None:
+    got = results.get("under relaunch")
+    if got is None:
         return [Check("report_progress under relaunch", "-", f"< {COST_BUDGET_NS:.0f} ns", None)]
     # The fastest sample: the call's own cost; a busy machine only ever adds to it.
-    ns = min(under["results"]["report_progress(step, total)"])
-    mapped = bool(under["mapped"])
+    ns = min(got["results"]["report_progress(step, total)"])
+    mapped = bool(got["mapped"])
     return [
         Check(
             "report_progress under relaunch (min)",

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Generic, TypeVar
@@ -173,16 +173,16 @@ def alternate(sides: list[str], rep: int) -> list[str]:
 
 
 def run_alternating(
-    sides: dict[str, Callable[[int], Any]],
+    sides: Mapping[str, Callable[..., Any]],
     reps: dict[str, int],
     errors: dict[str, str],
     after_each: Callable[[str], None],
     warmup: bool = False,
-) -> dict[str, list]:
+) -> dict[str, list[Any]]:
     """``reps[side]`` runs of each side, interleaved, each called with its repetition number;
     with ``warmup``, after one untimed run of each (repetition -1). A side that fails once is
     dropped; ``after_each(side)`` runs after every run (the orphan collection)."""
-    samples: dict[str, list] = {side: [] for side in sides}
+    samples: dict[str, list[Any]] = {side: [] for side in sides}
     first = -1 if warmup else 0
     for rep in range(first, max(reps.values(), default=0)):
         for side in alternate(list(sides), rep):

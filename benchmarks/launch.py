@@ -73,7 +73,9 @@ class Bench(harness.Bench[Launcher]):
             return lines[-1][:160] if lines else "(no stderr)"
         return "(no stderr)"
 
-    def popen(self, argv: list[str], stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    def popen(
+        self, argv: list[str], stdout: int | None = subprocess.DEVNULL
+    ) -> subprocess.Popen[bytes]:
         with open(self.stderr_file(), "wb") as err:
             return subprocess.Popen(
                 argv,
@@ -135,7 +137,7 @@ class Lines:
         return self.ready.pop(0) if self.ready else None
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+def finish(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> int:
     """Wait for a launcher; SIGKILL it (by pid) if it hangs."""
     try:
         return proc.wait(timeout=timeout)
@@ -191,7 +193,7 @@ def bench_startup(
     errors: dict[str, str] = {}
     for nprocs in nprocs_list:
         log(f"  N={nprocs}")
-        sides: dict[str, Callable[[int], Any]] = {
+        sides: dict[str, Callable[..., Any]] = {
             FLOOR: lambda _rep, n=nprocs: startup_floor(bench, n)
         }
         for lch in usable:
@@ -281,7 +283,7 @@ def rss_run(bench: Bench, launcher: Launcher) -> tuple[float, float]:
 def bench_rss(bench: Bench, reps: int) -> list[Check]:
     log(f"[2/4] peak RSS: {RSS_WORKERS} workers sleeping 1 s, {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1")
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda _rep, lch=lch: rss_run(bench, lch)
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
@@ -351,7 +353,7 @@ def bench_restart(bench: Bench, reps: int) -> list[Check]:
     log(f"[3/4] failure -> restarted worker's first line: {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--tee", "3")
     counter = iter(range(1 << 30))
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda _rep, lch=lch: restart_run(bench, lch, next(counter))
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
@@ -450,7 +452,7 @@ def bench_stop(bench: Bench, reps: int) -> list[Check]:
     log(f"[4/4] SIGTERM -> launcher exited: {STOP_WORKERS} workers, {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1", "--tee", "3")
     counter = iter(range(1 << 30))
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda _rep, lch=lch: stop_run(bench, lch, next(counter))
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import Check, log, temp_dir, verdict
@@ -215,7 +216,7 @@ class TeeRun:
 
 def tee_run(tee: bool, nprocs: int, lines: int, env: dict[str, str], console: str) -> TeeRun:
     """One group printing ``lines`` lines per worker, stdout tee'd or redirected to a file."""
-    kwargs = {"tee": Std.OUT} if tee else {"redirects": Std.OUT}
+    kwargs: dict[str, Any] = {"tee": Std.OUT} if tee else {"redirects": Std.OUT}
     args = (PRINT_LINES, str(lines))
     with fresh_log_dir() as log_dir, stdout_to(console):
         reads = read_syscalls()

@@ -43,6 +43,7 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 from relaunch.endpoints import find_free_port
+from relaunch.store import Store
 
 #: The etcd side: the launcher (``relaunch --rdzv-backend etcd``) is a side of its own.
 ETCD = "relaunch-etcd"
@@ -166,7 +167,7 @@ class Bench(harness.Bench[Launcher]):
         self._runs += 1
         return tempfile.mkdtemp(prefix=f"{self._runs:03d}-{what}-", dir=self.tmp)
 
-    def collect(self, side: str) -> None:
+    def collect(self, side: str = "") -> None:
         """Kill what the last run left behind (but not the etcd members); note it against
         ``side``."""
         if killed := self.leaks():
@@ -243,7 +244,7 @@ class Agents:
 
     def __init__(self, bench: Bench, run_dir: str) -> None:
         self.bench, self.run_dir = bench, run_dir
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.exited_at: dict[int, float] = {}  # index -> time.perf_counter() at exit
         self._partial: dict[int, bytes] = {}
         self._open: dict[int, int] = {}  # fd -> index
@@ -405,7 +406,7 @@ def bench_join(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     errors: dict[str, str] = {}
     for nodes in JOIN_NODES:
         log(f"  K={nodes}")
-        sides: dict[str, Callable[[int], Any]] = {
+        sides: dict[str, Callable[..., Any]] = {
             lch.name: lambda rep, lch=lch, k=nodes: join_run(bench, lch, k)
             for lch in bench.launchers()
         }
@@ -422,7 +423,7 @@ def bench_join(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         f"{'K':>3} {'launcher':<14} {'runs':>4} {'printed':>8} {'arrived':>8} {'exited':>7}"
         f" {'CPU':>5} {'etcd CPU':>8} {'<= 1.5 s':>8} {'vs c10d':>7}"
     )
-    checks = []
+    checks: list[Check] = []
     for nodes, samples in rows:
         base = median([r[0] for r in samples[RELAUNCH]]) if samples.get(RELAUNCH) else None
         for lch in bench.sides():
@@ -550,7 +551,7 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         f" (torchrun: {torchrun_reps}), up to {DEATH_BOUND_S:g} s each; sides: "
         + ", ".join(LABELS[lch.name] for lch in bench.launchers())
     )
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda rep, lch=lch: death_run(bench, lch, rep) for lch in bench.launchers()
     }
     counts = {side: torchrun_reps if side == TORCHRUN else reps for side in sides}
@@ -569,7 +570,7 @@ def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
         f"{'launcher':<14} {'runs':>4} {'recovered':>9} {'printed - kill':>18}"
         f" {'arrived - kill':>18} {'killed worker gone':>19}  survivor at the end"
     )
-    checks = []
+    checks: list[Check] = []
     for name in [lch.name for lch in bench.sides()]:
         runs: list[DeathRun] = samples.get(name, [])
         if not runs:
@@ -624,8 +625,8 @@ class CountingStore:
     (an inner store with ``requests``, see counted_etcd_store) it also notes how many
     compare-and-set transactions each ``add`` took: EtcdStore.add is a CAS loop."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
+    def __init__(self, inner: Store) -> None:
+        self._inner: Any = inner  # a TcpStore, or an EtcdStore with leases and ``requests``
         self.counts = dict.fromkeys(SIM_OPS + LEASE_OPS, 0)
         self.joined_at: float | None = None  # perf_counter() when the first add() returned
         self.cas_tries: list[int] = []  # etcd: transactions per add()
@@ -649,7 +650,7 @@ class CountingStore:
 
     def set(self, key: str, value: bytes, **kwargs: Any) -> int:
         self._count("set")
-        return self._inner.set(key, value, **kwargs)  # lease= on etcd
+        return int(self._inner.set(key, value, **kwargs))  # lease= on etcd
 
     def compare_set(self, key: str, expected_version: int, value: bytes) -> Any:
         self._count("compare_set")
@@ -658,7 +659,7 @@ class CountingStore:
     def add(self, key: str, amount: int) -> int:
         self._count("add")
         before = self.requests("/v3/kv/txn")
-        total = self._inner.add(key, amount)
+        total = int(self._inner.add(key, amount))
         if before is not None:
             self.cas_tries.append((self.requests("/v3/kv/txn") or 0) - before)
         if self.joined_at is None:
@@ -667,11 +668,11 @@ class CountingStore:
 
     def delete(self, key: str) -> bool:
         self._count("delete")
-        return self._inner.delete(key)
+        return bool(self._inner.delete(key))
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         self._count("wait")
-        return self._inner.wait(keys, timeout)
+        self._inner.wait(keys, timeout)
 
     def watch(self, key: str, version: int, timeout: float) -> Any:
         self._count("watch")
@@ -1072,13 +1073,13 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
         where = "" if res.store == "c10d" else f" ({res.store})"
         into = checks if res.store == "c10d" else bench.etcd_checks
         big_runs = res.at_once.get(big)
-        seconds = median([s.seconds for s in big_runs]) if big_runs else None
+        big_s = median([s.seconds for s in big_runs]) if big_runs else None
         into.append(
             Check(
                 f"{big} nodes -> all next_rendezvous() back{where}",
-                f"{fmt(seconds, '.2f')} s",
+                f"{fmt(big_s, '.2f')} s",
                 f"<= {SIM_BUDGET_S:g} s",
-                None if seconds is None else seconds <= SIM_BUDGET_S,
+                None if big_s is None else big_s <= SIM_BUDGET_S,
             )
         )
         measured = [

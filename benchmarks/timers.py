@@ -194,7 +194,7 @@ class Host:
     def stop_server(self, pid: int) -> tuple[str, dict[str, int] | None]:
         """Stop a server child still alive; (its exit status, its event counts)."""
         counts = None
-        if harness.proc_stat(pid) is not None and harness.proc_stat(pid)[0] not in "ZX":
+        if is_running(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
             with contextlib.suppress(BenchError):
@@ -331,10 +331,10 @@ def local_server(impl: str, queue: Any, interval: float, reaps: list[float]) -> 
         return LocalTimerServer(queue, max_interval=interval, on_reap=on_reap)
     from torch.distributed.elastic.timer import LocalTimerServer as TorchServer
 
-    class Timed(TorchServer):  # torch's server has no hook: the time of its _reap_worker call
+    class Timed(TorchServer):  # type: ignore[misc]  # torch's server has no hook: time its _reap_worker
         def _reap_worker(self, worker_id: int) -> bool:
             reaps.append(time.time())
-            return super()._reap_worker(worker_id)
+            return bool(super()._reap_worker(worker_id))
 
     return Timed(queue, max_interval=interval)
 
@@ -471,7 +471,9 @@ def bench_latency(
             )
             errors: dict[str, str] = {}
 
-            def run_side(impl: str, kind: str = kind, interval: float = interval) -> Callable:
+            def run_side(
+                impl: str, kind: str = kind, interval: float = interval
+            ) -> Callable[[int], Sample]:
                 if kind == FILE:
                     return lambda rep: file_latency_once(hosts[impl], tmp, interval, after, rep)
                 return lambda rep: local_latency_once(impl, interval, after + phase(rep, interval))

@@ -41,7 +41,7 @@ def serve(fifo, max_interval, mode):
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     if mode == "survive":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    counts = {}
+    counts: dict[str, int] = {}
 
     def count(name):
         counts[name] = counts.get(name, 0) + 1
@@ -141,7 +141,8 @@ def cost(fifo, batches, calls):
     # server to drain it: a full pipe would time the server, not the client. "-": no client
     # (expires() itself).
     client = Null() if fifo == "-" else FileTimerClient(fifo)
-    per_call = {"cost": [], None: []}  # the scope given / the default scope, alternating
+    # the scope given / the default scope, alternating
+    per_call: dict[object, list[float]] = {"cost": [], None: []}
     try:
         for batch in range(batches):
             for scope in ("cost", None) if batch % 2 else (None, "cost"):

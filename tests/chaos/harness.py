@@ -304,7 +304,7 @@ class Run:
         self.steps = steps
         self.timeout = timeout
         self.agents: list[subprocess.Popen[bytes]] = []
-        self.target_meta: dict[str, int] = {}  # the target worker's, once it is chosen
+        self.target_meta: dict[str, Any] = {}  # the target worker's, once it is chosen
         self.outcome = Outcome(plan, self.dir)
 
     # -- paths --
@@ -312,7 +312,7 @@ class Run:
     def path(self, *parts: str) -> str:
         return os.path.join(self.dir, *parts)
 
-    def metas(self) -> list[dict[str, int]]:
+    def metas(self) -> list[dict[str, Any]]:
         found = []
         for path in glob.glob(self.path("workers", "*.json")):
             with contextlib.suppress(OSError, ValueError):
@@ -391,7 +391,7 @@ class Run:
         plan, full = self.plan, NPROC * self.topology.nodes
         local = 0 if plan.fault == "node" else plan.local_rank
 
-        def target() -> dict[str, int] | None:
+        def target() -> dict[str, Any] | None:
             for meta in self.metas():
                 if (meta["node"], meta["local_rank"], meta["world"]) == (
                     plan.node,

@@ -79,7 +79,8 @@ class _Peers:
             _hang(f"lost rank {rank}: {exc}")
         if not line:
             _hang(f"lost rank {rank}")
-        return line.decode().split()
+        words: list[str] = line.decode().split()
+        return words
 
     def start(self, step: int, value: int) -> tuple[int, int]:
         """Rank 0's checkpoint, for every rank."""
