@@ -38,7 +38,7 @@ import termios
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,10 +77,7 @@ CALL_RE = re.compile(rb"CALL rank (\d+) (\d+) ns")
 # -- launchers and runs ------------------------------------------------------------------------
 
 
-@dataclass
-class Launcher(harness.Launcher):
-    def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
-        return [*self.prefix, *flags, script, *args]
+Launcher = harness.Launcher
 
 
 @dataclass

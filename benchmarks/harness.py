@@ -117,6 +117,10 @@ class Launcher:
     prefix: list[str]
     unavailable: str | None = None  # why it cannot run at all
 
+    def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
+        """``prefix FLAGS SCRIPT ARGS``: the same torchrun flags for both launchers."""
+        return [*self.prefix, *flags, script, *args]
+
 
 L = TypeVar("L", bound=Launcher)
 

@@ -16,7 +16,6 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks import harness
@@ -33,15 +32,8 @@ LAUNCHERS = True
 QUICK = {"window": 2.0, "settle": 0.5}
 
 
-@dataclass
-class Launcher(harness.Launcher):
-    def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
-        return [*self.prefix, *flags, script, *args]
-
-
-@dataclass
-class Bench(harness.Bench[Launcher]):
-    pass
+Launcher = harness.Launcher
+Bench = harness.Bench[Launcher]
 
 
 def flags(variant: str) -> list[str]:

@@ -51,9 +51,6 @@ class Launcher(harness.Launcher):
 
     _probed: dict[tuple[str, ...], str | None] = field(default_factory=dict)
 
-    def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
-        return [*self.prefix, *flags, script, *args]
-
 
 @dataclass
 class Bench(harness.Bench[Launcher]):

@@ -102,7 +102,7 @@ class Launcher(harness.Launcher):
 
     backend: str = "c10d"
 
-    def argv(
+    def argv(  # type: ignore[override]  # rendezvous flags, not torchrun's
         self, nnodes: str, endpoint: str, run_id: str, conf: str, script: str, *args: str
     ) -> list[str]:
         flags = [
