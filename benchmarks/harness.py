@@ -111,7 +111,7 @@ def print_summary(
 
 @dataclass
 class Launcher:
-    """A launcher command line, ``prefix``; each benchmark adds ``argv()`` with its flags."""
+    """A launcher command line, ``prefix``, and why it cannot run (None: it can)."""
 
     name: str
     prefix: list[str]

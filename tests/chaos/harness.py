@@ -63,7 +63,7 @@ EXIT_CODES = (1, 3, 42)
 #: always form their first world together (the round completes as soon as both joined).
 RDZV_CONF = "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=5,join_timeout=20"
 RUN_TIMEOUT_S = 60.0  # from the start of the agents to their end
-LEAK_GRACE_S = 5.0  # what may still run after the agents exited (conftest.LeakCheck's 5 s)
+LEAK_GRACE_S = 5.0  # what may still run after the agents exited (as the leaks fixture allows)
 
 FAULTS = ("SIGKILL", "SIGTERM", "SIGSEGV", "exit", "node")
 WORKER_SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGSEGV": signal.SIGSEGV}
