@@ -84,9 +84,6 @@ Launcher = harness.Launcher
 class Bench(harness.Bench[Launcher]):
     probed: set[str] = field(default_factory=set)  # launchers that ran the no-op check
 
-    def launchers(self) -> list[Launcher]:
-        return [self.relaunch, self.torchrun]
-
 
 @dataclass
 class Run:

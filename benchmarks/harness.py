@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -86,6 +87,22 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None or value != value else format(value, spec)
 
 
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest rank: the smallest sample with at least ``q`` of the samples at or below it."""
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[max(0, min(len(ordered), math.ceil(q * len(ordered))) - 1)]
+
+
+def last_line(path: str, default: str = "(no stderr)") -> str:
+    """The last non-blank line of the file ``path`` (a launcher's stderr), cut to 160."""
+    with contextlib.suppress(OSError), open(path, errors="replace") as file:
+        lines = [line.strip() for line in file if line.strip()]
+        return lines[-1][:160] if lines else default
+    return default
+
+
 @dataclass
 class Check:
     what: str
@@ -137,6 +154,9 @@ class Bench(Generic[L]):
     mark: str = ""
     orphans: bool = False  # this process is a child subreaper: every child left is an orphan
     leftovers: list[str] = field(default_factory=list)
+
+    def launchers(self) -> list[L]:
+        return [self.relaunch, self.torchrun]
 
     def script(self, name: str) -> str:
         """The worker program ``name`` (benchmarks/workers/NAME)."""

@@ -93,9 +93,8 @@ def idle_run(
         deadline = time.monotonic() + START_TIMEOUT_S
         while len([n for n in os.listdir(pid_dir) if n.endswith(".pid")]) < NPROC:
             if proc.poll() is not None or time.monotonic() > deadline:
-                with open(err_path, errors="replace") as file:
-                    tail = file.read().strip().splitlines()[-1:] or ["(no stderr)"]
-                raise BenchError(f"the workers did not all start (exit {proc.poll()}): {tail[0]}")
+                tail = harness.last_line(err_path)
+                raise BenchError(f"the workers did not all start (exit {proc.poll()}): {tail}")
             time.sleep(0.02)
         time.sleep(settle)  # the measurement's settling time, not a synchronisation
         before = switches(proc.pid)

@@ -58,17 +58,11 @@ class Bench(harness.Bench[Launcher]):
 
     leftovers: list[str] = field(default_factory=list)
 
-    def launchers(self) -> list[Launcher]:
-        return [self.relaunch, self.torchrun]
-
     def stderr_file(self) -> str:
         return os.path.join(self.tmp, "launcher-stderr.txt")
 
     def stderr_tail(self) -> str:
-        with contextlib.suppress(OSError), open(self.stderr_file(), errors="replace") as file:
-            lines = [line.strip() for line in file if line.strip()]
-            return lines[-1][:160] if lines else "(no stderr)"
-        return "(no stderr)"
+        return harness.last_line(self.stderr_file())
 
     def popen(
         self, argv: list[str], stdout: int | None = subprocess.DEVNULL

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import resource
 import statistics
@@ -116,10 +115,7 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    index = max(0, min(len(sorted_values) - 1, math.ceil(fraction * len(sorted_values)) - 1))
-    return sorted_values[index]
+percentile = harness.percentile
 
 
 # -- 1. start-up overhead ---------------------------------------------------------------------

@@ -286,10 +286,7 @@ class Agents:
         if index is None:
             failed = [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             index = failed[0] if failed else 0
-        with contextlib.suppress(OSError), open(self.stderr_file(index), errors="replace") as f:
-            lines = [line.strip() for line in f if line.strip()]
-            return f"agent {index}: " + (lines[-1][:200] if lines else "(no stderr)")
-        return f"agent {index}: (no stderr)"
+        return f"agent {index}: {harness.last_line(self.stderr_file(index))}"
 
     def _poll_exits(self) -> None:
         now = time.perf_counter()

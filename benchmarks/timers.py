@@ -78,12 +78,7 @@ HOST = harness.worker("timer_host.py")
 # -- numbers -----------------------------------------------------------------------------------
 
 
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest rank: the smallest sample with at least ``q`` of the samples at or below it."""
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+percentile = harness.percentile
 
 
 def ms(seconds: float) -> float:
