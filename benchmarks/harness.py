@@ -419,8 +419,8 @@ def parser_for(name: str, module: ModuleType) -> argparse.ArgumentParser:
     parser.add_argument(
         "--json",
         metavar="PATH",
-        default=os.path.join(RESULTS, f"{name}.json"),
-        help="where the results go (default: %(default)s)",
+        help=f"where the results go (default: {os.path.relpath(RESULTS)}/{name}.json, or "
+        f"{name}-quick.json with --quick)",
     )
     if getattr(module, "LAUNCHERS", True):
         add_launcher_options(parser, "run with the environment's bytecode settings as they are")
@@ -436,6 +436,8 @@ def main(name: str, argv: Sequence[str]) -> int:
     if "--quick" in argv:
         parser.set_defaults(**getattr(module, "QUICK", {}))
     opts = parser.parse_args(list(argv))
+    if opts.json is None:
+        opts.json = os.path.join(RESULTS, f"{name}-quick.json" if opts.quick else f"{name}.json")
     launchers = getattr(module, "LAUNCHERS", True)
     if launchers:
         opts.no_torchrun_reason = (
