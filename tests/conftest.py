@@ -1,18 +1,21 @@
-"""Fixtures shared by all tests: conditions with deadlines, and proof that no process leaks."""
+"""Fixtures shared by all tests: conditions with deadlines, and proof that no process leaks.
+
+The leak detector lives in tests/support/procs.py (shared with the chaos harness and the
+benchmarks); its names are re-exported here for the tests that import them from conftest."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 from etcd_cluster import EtcdCluster
 
-MARK_VAR = "RELAUNCH_TEST_MARK"
+from tests.support.procs import MARK_VAR, LeakCheck, marked_pids, pid_alive
+
+__all__ = ["MARK_VAR", "LeakCheck", "marked_pids", "pid_alive", "wait_until"]
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
@@ -24,16 +27,6 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str
             pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            state = file.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _helpers_of_this_process() -> set[int]:
@@ -51,56 +44,13 @@ def _helpers_of_this_process() -> set[int]:
     return pids
 
 
-def marked_pids(mark: str) -> list[int]:
-    """Live processes whose environment carries ``RELAUNCH_TEST_MARK=mark``."""
-    needle = f"{MARK_VAR}={mark}".encode()
-    found = []
-    helpers = _helpers_of_this_process()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in helpers:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as file:
-                environ = file.read()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and pid_alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-class LeakCheck:
-    """A mark to put in the environment of everything a test starts; checked after the test."""
-
-    def __init__(self) -> None:
-        self.mark = uuid.uuid4().hex
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {MARK_VAR: self.mark}
-
-    def envs(self, nprocs: int, **extra: str) -> dict[int, dict[str, str]]:
-        """One environment per local rank: the mark, ``LOCAL_RANK`` and ``extra``."""
-        return {rank: {**self.env, "LOCAL_RANK": str(rank), **extra} for rank in range(nprocs)}
-
-    def process_env(self, **extra: str) -> dict[str, str]:
-        """A full environment for a process the test starts itself (e.g. the relaunch CLI)."""
-        return {**os.environ, **self.env, **extra}
-
-
 @pytest.fixture
 def leaks() -> Iterator[LeakCheck]:
     """Fails the test if any process started with ``leaks.env`` is still alive 5 s after it."""
     check = LeakCheck()
     yield check
-    deadline = time.monotonic() + 5.0
-    left = marked_pids(check.mark)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.02)
-        left = marked_pids(check.mark)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes left behind: {left}"
+    left = check.collect(5.0, keep=_helpers_of_this_process())
+    assert not left, "processes left behind (killed): " + "; ".join(left)
 
 
 @pytest.fixture

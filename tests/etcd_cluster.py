@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import uuid
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+from relaunch.endpoints import find_free_port
 
 MARK_VAR = "RELAUNCH_TEST_MARK"
 HOST = "127.0.0.1"
@@ -49,16 +50,12 @@ def unb64(text: str) -> bytes:
 
 def _free_ports(count: int) -> list[int]:
     """``count`` distinct ports that were free on loopback a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = find_free_port(HOST)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _clean_env() -> dict[str, str]:

@@ -1,23 +1,17 @@
-"""A short chaos run (benchmarks/chaos.py): a worker or a whole node of a real relaunch job is
+"""A short chaos run (tests/chaos/harness.py): a worker or a whole node of a real relaunch job is
 killed at a chosen moment, on one node, on two nodes over the built-in store and on two nodes
 over etcd; the job must finish with the right result, leave no process behind, lose no log line
-and name the fault in its report. ``python benchmarks/chaos.py --runs 60`` is the long version."""
+and name the fault in its report. ``python -m benchmarks chaos --runs 60`` is the long version."""
 
 from __future__ import annotations
 
-import os
-import sys
+from pathlib import Path
 
 import pytest
-from conftest import LeakCheck
 
-sys.path.insert(
-    0,
-    os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
-    ),
-)
-import chaos
+from tests.chaos import harness as chaos
+from tests.chaos.worker import ITEMS, advance, item
+from tests.support.procs import LeakCheck
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -45,11 +39,9 @@ def test_the_expected_result_does_not_depend_on_the_world_size() -> None:
     def compute(world: int) -> int:
         value = 0
         for step in range(chaos.STEPS):
-            items = range(step * chaos.ITEMS, (step + 1) * chaos.ITEMS)
-            parts = [
-                sum(chaos.item(i) for i in items if i % world == rank) for rank in range(world)
-            ]
-            value = chaos.advance(value, sum(parts))
+            items = range(step * ITEMS, (step + 1) * ITEMS)
+            parts = [sum(item(i) for i in items if i % world == rank) for rank in range(world)]
+            value = advance(value, sum(parts))
         return value
 
     assert compute(1) == compute(2) == compute(4) == chaos.expected_value()
@@ -57,7 +49,7 @@ def test_the_expected_result_does_not_depend_on_the_world_size() -> None:
 
 @pytest.mark.parametrize("plan", PLANS, ids=[plan.label() for plan in PLANS])
 def test_a_job_survives_the_fault_and_reports_it(
-    plan: chaos.Plan, tmp_path, leaks: LeakCheck, request: pytest.FixtureRequest
+    plan: chaos.Plan, tmp_path: Path, leaks: LeakCheck, request: pytest.FixtureRequest
 ) -> None:
     endpoints = ""
     if plan.topology == "etcd":  # fails (never skips) without etcd, as the etcd fixtures do

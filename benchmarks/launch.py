@@ -1,8 +1,6 @@
 """Side by side: the ``relaunch`` command against ``torchrun`` and a plain-``Popen`` floor.
 
-Run by hand (not part of the test suite)::
-
-    python benchmarks/bench_launch.py
+Run by hand (not part of the test suite): ``python -m benchmarks launch [--quick]``.
 
 Four measurements, each run under relaunch and, where ``torch`` can be imported, under torchrun
 (``python -m torch.distributed.run``) in the same run, alternating: start-up wall time against
@@ -28,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import _harness
-from _harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
+from benchmarks import harness
+from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 
 STARTUP_NPROCS = (1, 2, 4, 8, 16, 32)
 STARTUP_BUDGET_S = 0.15  # relaunch wall time <= floor + this
@@ -43,67 +41,32 @@ LINE_TIMEOUT_S = 60.0  # give up on a launcher that prints nothing for this long
 
 FLOOR = "floor"
 
-#: The worker scripts, written to a temporary directory; both launchers run them as
-#: ``python -u SCRIPT ARGS``.
-SCRIPTS = {
-    "noop.py": "pass\n",
-    "sleep1.py": "import time\ntime.sleep(1.0)\n",
-    # First attempt: no output, stamp the failure time, exit 1 at once. Restart: print a line.
-    "restart.py": """\
-import os, sys, time
-if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    with open(sys.argv[1], "w") as file:
-        file.write(repr(time.time()))
-    os._exit(1)
-print(f"started {time.time()!r}", flush=True)
-""",
-    # Record the pid, say ready, then sleep until stopped.
-    "ready.py": """\
-import os, sys, time
-with open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w") as file:
-    file.write(str(os.getpid()))
-print("ready", flush=True)
-while True:
-    time.sleep(3600)
-""",
-}
 
 STARTED_RE = re.compile(rb"started (\d+(?:\.\d+)?)")
 
 
 @dataclass
-class Launcher(_harness.Launcher):
+class Launcher(harness.Launcher):
     """A launcher command line; ``flags`` are torchrun's, passed to both launchers as they are."""
 
     _probed: dict[tuple[str, ...], str | None] = field(default_factory=dict)
 
-    def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
-        return [*self.prefix, *flags, script, *args]
-
 
 @dataclass
-class Bench(_harness.Bench[Launcher]):
-    """Shared state (see _harness.Bench), and what was left behind."""
+class Bench(harness.Bench[Launcher]):
+    """Shared state (see harness.Bench), and what was left behind."""
 
     leftovers: list[str] = field(default_factory=list)
-
-    def launchers(self) -> list[Launcher]:
-        return [self.relaunch, self.torchrun]
-
-    def collect(self, side: str = "") -> None:
-        """Kill and note what the last run left behind (for every side alike)."""
-        self.leftovers += _harness.collect_orphans()
 
     def stderr_file(self) -> str:
         return os.path.join(self.tmp, "launcher-stderr.txt")
 
     def stderr_tail(self) -> str:
-        with contextlib.suppress(OSError), open(self.stderr_file(), errors="replace") as file:
-            lines = [line.strip() for line in file if line.strip()]
-            return lines[-1][:160] if lines else "(no stderr)"
-        return "(no stderr)"
+        return harness.last_line(self.stderr_file())
 
-    def popen(self, argv: list[str], stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    def popen(
+        self, argv: list[str], stdout: int | None = subprocess.DEVNULL
+    ) -> subprocess.Popen[bytes]:
         with open(self.stderr_file(), "wb") as err:
             return subprocess.Popen(
                 argv,
@@ -129,7 +92,7 @@ class Bench(_harness.Bench[Launcher]):
             try:
                 code = proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                _harness.kill_pid(proc.pid)
+                harness.kill_pid(proc.pid)
                 code = proc.wait()
             reason = None if code == 0 else f"exit {code}: {self.stderr_tail()}"
             launcher._probed[key] = reason
@@ -165,12 +128,12 @@ class Lines:
         return self.ready.pop(0) if self.ready else None
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+def finish(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> int:
     """Wait for a launcher; SIGKILL it (by pid) if it hangs."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _harness.kill_pid(proc.pid)
+        harness.kill_pid(proc.pid)
         proc.wait()
         raise BenchError(f"launcher did not exit within {timeout:.0f} s; killed") from None
     finally:
@@ -204,18 +167,24 @@ def startup_floor(bench: Bench, nprocs: int) -> float:
     return elapsed
 
 
-def bench_startup(bench: Bench, reps: int, torchrun_reps: int, big_reps: int) -> list[Check]:
+def bench_startup(
+    bench: Bench,
+    reps: int,
+    torchrun_reps: int,
+    big_reps: int,
+    nprocs_list: Sequence[int] = STARTUP_NPROCS,
+) -> list[Check]:
     log(
-        f"[1/4] start-up: N in {STARTUP_NPROCS}, {reps} repetitions (torchrun: {torchrun_reps},"
+        f"[1/4] start-up: N in {tuple(nprocs_list)}, {reps} repetitions (torchrun: {torchrun_reps},"
         f" {big_reps} at N >= 16), alternating"
     )
     probe = ("--standalone", "--nproc-per-node", "1")
     usable = [lch for lch in bench.launchers() if bench.usable(lch, probe) is None]
     rows = []
     errors: dict[str, str] = {}
-    for nprocs in STARTUP_NPROCS:
+    for nprocs in nprocs_list:
         log(f"  N={nprocs}")
-        sides: dict[str, Callable[[int], Any]] = {
+        sides: dict[str, Callable[..., Any]] = {
             FLOOR: lambda _rep, n=nprocs: startup_floor(bench, n)
         }
         for lch in usable:
@@ -223,7 +192,9 @@ def bench_startup(bench: Bench, reps: int, torchrun_reps: int, big_reps: int) ->
         counts = {side: reps for side in sides}
         if TORCHRUN in counts:
             counts[TORCHRUN] = torchrun_reps if nprocs <= 8 else big_reps
-        samples = _harness.run_alternating(sides, counts, errors, bench.collect, warmup=nprocs == 1)
+        samples = harness.run_alternating(
+            sides, counts, errors, bench.collect, warmup=nprocs == nprocs_list[0]
+        )
         rows.append((nprocs, {side: [x * 1e3 for x in runs] for side, runs in samples.items()}))
 
     print("\n1. start-up: launcher --standalone --nproc-per-node N noop.py, wall time, medians;")
@@ -286,7 +257,7 @@ def vm_hwm_kib(pid: int) -> int:
 def rss_run(bench: Bench, launcher: Launcher) -> tuple[float, float]:
     """(VmHWM sampled every 5 ms, ru_maxrss from wait4) of the launcher process, in MiB."""
     flags = ("--standalone", "--nproc-per-node", str(RSS_WORKERS))
-    proc = bench.popen(launcher.argv(flags, bench.script("sleep1.py")))
+    proc = bench.popen(launcher.argv(flags, bench.script("sleep.py")))
     hwm = 0
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -303,13 +274,13 @@ def rss_run(bench: Bench, launcher: Launcher) -> tuple[float, float]:
 def bench_rss(bench: Bench, reps: int) -> list[Check]:
     log(f"[2/4] peak RSS: {RSS_WORKERS} workers sleeping 1 s, {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1")
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda _rep, lch=lch: rss_run(bench, lch)
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
     }
     errors: dict[str, str] = {}
-    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
+    samples = harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     print(f"\n2. launcher's own peak RSS, {RSS_WORKERS} workers sleeping 1 s, medians")
     print(f"{'launcher':<9} {'runs':>4} {'VmHWM MiB':>10} {'ru_maxrss MiB':>14}  <= 40 MiB")
     checks = []
@@ -373,13 +344,13 @@ def bench_restart(bench: Bench, reps: int) -> list[Check]:
     log(f"[3/4] failure -> restarted worker's first line: {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--tee", "3")
     counter = iter(range(1 << 30))
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda _rep, lch=lch: restart_run(bench, lch, next(counter))
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
     }
     errors: dict[str, str] = {}
-    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
+    samples = harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     print("\n3. failure -> restarted worker (--max-restarts 1 --tee 3), ms, median [min-max]")
     print(
         f"{'launcher':<9} {'runs':>4} {'own start - failure':>22} {'arrival - failure':>22}"
@@ -447,24 +418,24 @@ def stop_run(bench: Bench, launcher: Launcher, rep: int) -> StopRun:
         code = proc.wait(timeout=60)
         elapsed = time.perf_counter() - started
     except (BenchError, subprocess.TimeoutExpired) as exc:
-        _harness.kill_pid(proc.pid)
+        harness.kill_pid(proc.pid)
         proc.wait()
         for pid in worker_pids(pid_dir):
-            if _harness.alive(pid):
-                _harness.kill_pid(pid)
+            if harness.alive(pid):
+                harness.kill_pid(pid)
         raise BenchError(f"{exc}: {bench.stderr_tail()}") from None
     finally:
         proc.stdout.close()
     pids = worker_pids(pid_dir)
-    at_exit = [pid for pid in pids if _harness.alive(pid)]
+    at_exit = [pid for pid in pids if harness.alive(pid)]
     deadline = time.monotonic() + 1.0
     while (
-        survivors := [pid for pid in at_exit if _harness.alive(pid)]
+        survivors := [pid for pid in at_exit if harness.alive(pid)]
     ) and time.monotonic() < deadline:
         time.sleep(0.01)
     for pid in survivors:
         bench.leftovers.append(f"pid {pid}: {launcher.name} worker alive 1 s after SIGTERM")
-        _harness.kill_pid(pid)
+        harness.kill_pid(pid)
     return StopRun(elapsed * 1e3, code, len(pids), len(at_exit), len(survivors))
 
 
@@ -472,13 +443,13 @@ def bench_stop(bench: Bench, reps: int) -> list[Check]:
     log(f"[4/4] SIGTERM -> launcher exited: {STOP_WORKERS} workers, {reps} repetitions")
     probe = ("--standalone", "--nproc-per-node", "1", "--tee", "3")
     counter = iter(range(1 << 30))
-    sides: dict[str, Callable[[int], Any]] = {
+    sides: dict[str, Callable[..., Any]] = {
         lch.name: lambda _rep, lch=lch: stop_run(bench, lch, next(counter))
         for lch in bench.launchers()
         if bench.usable(lch, probe) is None
     }
     errors: dict[str, str] = {}
-    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
+    samples = harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     print(f"\n4. SIGTERM -> launcher exited, {STOP_WORKERS} workers sleeping, ms")
     print(
         f"{'launcher':<9} {'runs':>4} {'median':>7} {'max':>7} {'exit codes':>11}"
@@ -521,8 +492,17 @@ def bench_stop(bench: Bench, reps: int) -> list[Check]:
 # -- main --------------------------------------------------------------------------------------
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+QUICK = {
+    "reps": 2,
+    "startup_reps": 2,
+    "startup_torchrun_reps": 1,
+    "startup_torchrun_big_reps": 1,
+    "rss_reps": 1,
+    "nprocs": [1, 8],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=5, help="restart and stop repetitions")
     parser.add_argument(
         "--startup-reps", type=int, default=7, help="start-up repetitions of floor and relaunch"
@@ -533,6 +513,13 @@ def main() -> int:
     parser.add_argument(
         "--startup-torchrun-big-reps", type=int, default=3, help="start-up torchrun reps at N >= 16"
     )
+    parser.add_argument(
+        "--nprocs",
+        type=int,
+        nargs="+",
+        default=list(STARTUP_NPROCS),
+        help="start-up: workers per run (default: %(default)s)",
+    )
     parser.add_argument("--rss-reps", type=int, default=3, help="repetitions of the RSS test")
     parser.add_argument(
         "--only",
@@ -540,40 +527,26 @@ def main() -> int:
         choices=("startup", "rss", "restart", "stop"),
         help="run only these measurements (repeatable)",
     )
-    _harness.add_launcher_options(
-        parser, "run with the environment's bytecode settings as they are"
-    )
-    opts = parser.parse_args()
+
+
+def run(ctx: harness.Context) -> list[Check]:
+    opts = ctx.opts
     only = set(opts.only or ("startup", "rss", "restart", "stop"))
-
-    subreaper = _harness.become_subreaper()
-    started = time.perf_counter()
-    with _harness.temp_dir("relaunch-bench-launch-") as tmp:
-        env = _harness.prepare(tmp, SCRIPTS, not opts.no_bytecode_cache)
-        relaunch, torchrun = _harness.make_launchers(opts, Launcher)
-        bench = Bench(tmp, env, relaunch, torchrun)
-        _harness.print_header("bench_launch", opts, torchrun.unavailable, subreaper)
-        checks: list[Check] = []
-        if "startup" in only:
-            checks += bench_startup(
-                bench, opts.startup_reps, opts.startup_torchrun_reps, opts.startup_torchrun_big_reps
-            )
-        if "rss" in only:
-            checks += bench_rss(bench, opts.rss_reps)
-        if "restart" in only:
-            checks += bench_restart(bench, opts.reps)
-        if "stop" in only:
-            checks += bench_stop(bench, opts.reps)
-        bench.collect()
-
-    leftovers = bench.leftovers
-    checks.append(Check("processes left behind", str(len(leftovers)), "0", not leftovers))
-    _harness.print_summary(checks)
-    for leftover in leftovers:
-        print(f"  left behind (killed): {leftover}")
-    print(f"total time {time.perf_counter() - started:.1f} s")
-    return 0 if all(check.ok for check in checks) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    relaunch, torchrun = ctx.launchers(Launcher)
+    bench = ctx.bench(Bench, relaunch, torchrun)
+    checks: list[Check] = []
+    if "startup" in only:
+        checks += bench_startup(
+            bench,
+            opts.startup_reps,
+            opts.startup_torchrun_reps,
+            opts.startup_torchrun_big_reps,
+            opts.nprocs,
+        )
+    if "rss" in only:
+        checks += bench_rss(bench, opts.rss_reps)
+    if "restart" in only:
+        checks += bench_restart(bench, opts.reps)
+    if "stop" in only:
+        checks += bench_stop(bench, opts.reps)
+    return checks

@@ -1,10 +1,7 @@
 """Expiry timers, relaunch.timer vs torch.distributed.elastic.timer: deadline-to-death latency,
 1,000 live timers across 8 workers, and the cost of one ``expires()``.
 
-Run by hand (not part of the test suite)::
-
-    python benchmarks/bench_timers.py
-    python benchmarks/bench_timers.py --only latency --reps 10
+Run by hand (not part of the test suite): ``python -m benchmarks timers [--quick]``.
 
 Three measurements, relaunch and torch side by side in one run:
 
@@ -46,8 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import _harness
-from _harness import BenchError, Check, fmt, log, print_summary, temp_dir
+from benchmarks import harness
+from benchmarks.harness import BenchError, Check, fmt, log
 
 RELAUNCH = "relaunch"
 TORCH = "torch"
@@ -74,209 +71,14 @@ COST_BATCHES = 9
 COST_CALLS = 200  # per batch: 400 requests of about 110 bytes fit in the pipe's 64 KiB
 COST_INTERVAL = 0.01
 
-#: The helper process, one per implementation: it imports that implementation once (torch takes
-#: seconds), then forks a server or a worker for each command on stdin. Every line it or its
-#: children print is one ``write`` (atomic on the pipe): ``<kind> <pid> <fields...>``.
-HOST_SCRIPT = r'''
-import json, math, os, signal, sys, time, traceback
-
-IMPL = sys.argv[1]
-if IMPL == "torch":
-    from torch.distributed.elastic.timer import FileTimerClient, FileTimerServer, expires
-else:
-    from relaunch.timer import FileTimerClient, FileTimerServer, expires
-
-
-def say(*words):
-    os.write(1, (" ".join(str(w) for w in words) + "\n").encode())
-
-
-class Recording:
-    """Forwards to the real client and remembers each expiration time that it sent."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.sent = {}
-
-    def acquire(self, scope_id, expiration_time):
-        self.sent[scope_id] = expiration_time
-        self.inner.acquire(scope_id, expiration_time)
-
-    def release(self, scope_id):
-        self.inner.release(scope_id)
-
-
-def serve(fifo, max_interval, mode):
-    # SIGUSR1 stops the server (sigwait below). "survive": SIGTERM is ignored, so that torch's
-    # server outlives the SIGTERM it sends itself after a reap (the workers ask for SIGTERM).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    if mode == "survive":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    counts = {}
-
-    def count(name):
-        counts[name] = counts.get(name, 0) + 1
-
-    if IMPL == "torch":
-        def log_event(name, request):
-            count(name)
-            if name == "timer expired" and request is not None:
-                say("expired", request.worker_pid, repr(time.time()),
-                    json.dumps(request.scope_id), repr(request.expiration_time))
-
-        server = FileTimerServer(fifo, "bench", max_interval=max_interval, log_event=log_event)
-    else:
-        def on_reap(worker_id, timers):
-            now = time.time()
-            for timer in timers:
-                say("expired", worker_id, repr(now), json.dumps(timer.scope), repr(timer.deadline))
-
-        server = FileTimerServer(fifo, "bench", max_interval=max_interval,
-                                 log_event=lambda name, request: count(name), on_reap=on_reap)
-    server.start()
-    say("ready", os.getpid())
-    signal.sigwait({signal.SIGUSR1})
-    server.stop()
-    counts = {name.replace(" ", "_"): n for name, n in counts.items()}  # one word each
-    say("stopped", os.getpid(), json.dumps(counts, separators=(",", ":")))
-
-
-def latency(fifo, after):
-    client = Recording(FileTimerClient(fifo))
-    with expires(after=after, scope="latency", client=client):
-        say("deadline", os.getpid(), repr(client.sent["latency"]))
-        time.sleep(600)
-    say("survived", os.getpid())
-
-
-def many(fifo, index, workers, timers, base, spread, margin, late, sig, gap):
-    client = Recording(FileTimerClient(fifo, signal=sig))
-    scopes = [f"w{index}-s{j}" for j in range(timers)]
-    entered = []
-    try:
-        for j, scope in enumerate(scopes):
-            deadline = base + spread * (j + index / workers) / timers
-            context = expires(after=deadline - time.time(), scope=scope, client=client)
-            context.__enter__()
-            entered.append(context)
-            if gap > 0:
-                time.sleep(gap)
-    except Exception as exc:
-        say("error", os.getpid(), json.dumps(f"acquire {len(entered) + 1} of {timers}: "
-                                             f"{type(exc).__name__}: {exc}"))
-        os._exit(1)  # no releases from the garbage collector
-    say("acquired", os.getpid(), len(entered), repr(time.time()))
-    for j, context in enumerate(entered):
-        deadline = client.sent[scopes[j]]
-        if j == late:
-            say("holding", os.getpid(), json.dumps(scopes[j]), repr(deadline))
-            continue
-        pause = deadline - margin - time.time()
-        if pause > 0:
-            time.sleep(pause)
-        try:
-            context.__exit__(None, None, None)
-        except Exception as exc:
-            say("relerr", os.getpid(), j, json.dumps(f"{type(exc).__name__}: {exc}"))
-            continue
-        # Written after the release: the release certainly left this long before the deadline.
-        say("rel", os.getpid(), j, repr(deadline - time.time()))
-    time.sleep(600)
-
-
-class Null:
-    def acquire(self, scope_id, expiration_time):
-        pass
-
-    def release(self, scope_id):
-        pass
-
-
-def cost(fifo, batches, calls):
-    # Batches of ``calls`` small enough for the pipe's buffer (64 KiB), with a pause for the
-    # server to drain it: a full pipe would time the server, not the client. "-": no client
-    # (expires() itself).
-    client = Null() if fifo == "-" else FileTimerClient(fifo)
-    per_call = {"cost": [], None: []}  # the scope given / the default scope, alternating
-    try:
-        for batch in range(batches):
-            for scope in ("cost", None) if batch % 2 else (None, "cost"):
-                time.sleep(0.1)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    with expires(after=60, scope=scope, client=client):
-                        pass
-                per_call[scope].append((time.perf_counter() - start) / calls * 1e6)
-    except Exception as exc:
-        say("error", os.getpid(), json.dumps(f"{type(exc).__name__}: {exc}"))
-        return
-    say("cost", os.getpid(), *(f"{sorted(r)[len(r) // 2]:.3f}" for r in per_call.values()))
-
-
-def idle():
-    say("idle", os.getpid())
-    time.sleep(600)
-
-
-COMMANDS = {
-    "idle": lambda a: idle(),
-    "serve": lambda a: serve(a[0], float(a[1]), a[2]),
-    "latency": lambda a: latency(a[0], float(a[1])),
-    "many": lambda a: many(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]),
-                           float(a[6]), int(a[7]), int(a[8]), float(a[9])),
-    "cost": lambda a: cost(a[0], int(a[1]), int(a[2])),
-}
-
-say("hello", os.getpid())
-children = set()
-while True:
-    line = sys.stdin.readline()
-    if not line:
-        break
-    command, *args = line.split()
-    if command == "wait":
-        pid = int(args[0])
-        children.discard(pid)
-        try:
-            _, status = os.waitpid(pid, 0)
-        except ChildProcessError:
-            say("status", pid, "not-a-child")
-            continue
-        if os.WIFSIGNALED(status):
-            say("status", pid, "signal", os.WTERMSIG(status))
-        else:
-            say("status", pid, "exit", os.WEXITSTATUS(status))
-        continue
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            COMMANDS[command](args)
-        except BaseException:
-            traceback.print_exc()
-            code = 70
-        finally:
-            os._exit(code)
-    children.add(pid)
-    say("forked", pid, command)
-for pid in children:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except OSError:
-        pass
-'''
+#: The helper process of each implementation (forks file servers and workers on command).
+HOST = harness.worker("timer_host.py")
 
 
 # -- numbers -----------------------------------------------------------------------------------
 
 
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest rank: the smallest sample with at least ``q`` of the samples at or below it."""
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+percentile = harness.percentile
 
 
 def ms(seconds: float) -> float:
@@ -387,7 +189,7 @@ class Host:
     def stop_server(self, pid: int) -> tuple[str, dict[str, int] | None]:
         """Stop a server child still alive; (its exit status, its event counts)."""
         counts = None
-        if _harness.proc_stat(pid) is not None and _harness.proc_stat(pid)[0] not in "ZX":
+        if is_running(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
             with contextlib.suppress(BenchError):
@@ -432,7 +234,7 @@ def wait_dead(pidfds: dict[int, int], until: float, host: Host | None = None) ->
 
 
 def is_running(pid: int) -> bool:
-    stat = _harness.proc_stat(pid)
+    stat = harness.proc_stat(pid)
     return stat is not None and stat[0] not in "ZX"
 
 
@@ -465,7 +267,7 @@ def file_latency_once(host: Host, tmp: str, interval: float, after: float, rep: 
         deadline = float(host.expect("deadline", worker, timeout=30)[2])
         dead = wait_dead({worker: pidfd}, deadline + interval + REAP_BOUND_S)
         if worker not in dead:
-            _harness.kill_pid(worker)
+            harness.kill_pid(worker)
             raise BenchError(f"worker not reaped {interval + REAP_BOUND_S:g} s after deadline")
         # The server says "expired" (on_reap / log_event) just before it signals the worker.
         reaped = float(host.expect("expired", worker, timeout=5)[2])
@@ -479,7 +281,7 @@ def file_latency_once(host: Host, tmp: str, interval: float, after: float, rep: 
         if pidfd is not None:
             os.close(pidfd)
         if is_running(worker):
-            _harness.kill_pid(worker)
+            harness.kill_pid(worker)
             host.wait(worker)
         if is_running(server):
             host.stop_server(server)
@@ -524,10 +326,10 @@ def local_server(impl: str, queue: Any, interval: float, reaps: list[float]) -> 
         return LocalTimerServer(queue, max_interval=interval, on_reap=on_reap)
     from torch.distributed.elastic.timer import LocalTimerServer as TorchServer
 
-    class Timed(TorchServer):  # torch's server has no hook: the time of its _reap_worker call
+    class Timed(TorchServer):  # type: ignore[misc]  # torch's server has no hook: time its _reap_worker
         def _reap_worker(self, worker_id: int) -> bool:
             reaps.append(time.time())
-            return super()._reap_worker(worker_id)
+            return bool(super()._reap_worker(worker_id))
 
     return Timed(queue, max_interval=interval)
 
@@ -664,12 +466,14 @@ def bench_latency(
             )
             errors: dict[str, str] = {}
 
-            def run_side(impl: str, kind: str = kind, interval: float = interval) -> Callable:
+            def run_side(
+                impl: str, kind: str = kind, interval: float = interval
+            ) -> Callable[[int], Sample]:
                 if kind == FILE:
                     return lambda rep: file_latency_once(hosts[impl], tmp, interval, after, rep)
                 return lambda rep: local_latency_once(impl, interval, after + phase(rep, interval))
 
-            samples = _harness.run_alternating(
+            samples = harness.run_alternating(
                 {impl: run_side(impl) for impl in impls},
                 {impl: reps for impl in impls},
                 errors,
@@ -852,7 +656,7 @@ def many_once(
         for pid, fd in pidfds.items():
             os.close(fd)
             if is_running(pid):
-                _harness.kill_pid(pid)
+                harness.kill_pid(pid)
         for result in results:
             result.status = host.wait(result.pid)
         server_status, counts = host.stop_server(server)
@@ -1030,22 +834,17 @@ def mp_helpers() -> set[int]:
     """multiprocessing's resource tracker (spawn starts it; it exits with this process)."""
     return {
         pid
-        for pid in _harness.our_children()
-        if "multiprocessing.resource_tracker" in _harness.cmdline(pid)
+        for pid in harness.our_children()
+        if "multiprocessing.resource_tracker" in harness.cmdline(pid)
     }
 
 
-def torch_version() -> str | None:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.__version__)"],
-        capture_output=True,
-        text=True,
-    )
-    return probe.stdout.strip() if probe.returncode == 0 else None
+LAUNCHERS = False  # the timer classes, in a helper process per implementation
+
+QUICK = {"reps": 2, "intervals": [0.1], "timers": 25, "spread": 1.0}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20, help="latency runs per side and setting")
     parser.add_argument("--after", type=float, default=AFTER_S, help="expires(after=...), s")
     parser.add_argument(
@@ -1062,51 +861,31 @@ def main() -> int:
     parser.add_argument(
         "--only", choices=("latency", "many", "cost"), action="append", help="run only these"
     )
-    opts = parser.parse_args()
+
+
+def run(ctx: harness.Context) -> list[Check]:
+    opts = ctx.opts
     only = set(opts.only or ("latency", "many", "cost"))
-    started = time.perf_counter()
-    subreaper = _harness.become_subreaper()
-    torch = None if opts.no_torch else torch_version()
-    print(
-        f"bench_timers: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-        f"{time.strftime('%Y-%m-%d')}"
-    )
-    print(f"  relaunch: {_harness.relaunch_source()}")
+    torch = None if opts.no_torch else harness.torch_version()
     print(f"  torch: {torch or ('not run: --no-torch' if opts.no_torch else 'import fails')}")
-    print(f"  load average: {_harness.load_average()}")
+    ctx.data["torch"] = torch
     checks: list[Check] = []
-    with temp_dir("relaunch-bench-timers-") as tmp:
-        script = os.path.join(tmp, "timer_host.py")
-        with open(script, "w") as file:
-            file.write(HOST_SCRIPT)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        hosts: dict[str, Host] = {}
-        try:
-            log("starting the helper processes (torch's imports take a few seconds)")
-            hosts[RELAUNCH] = Host(RELAUNCH, script, env)
-            if torch:
-                hosts[TORCH] = Host(TORCH, script, env)
-            if "latency" in only:
-                checks += bench_latency(hosts, tmp, opts.reps, opts.after, opts.intervals)
-            if "many" in only:
-                checks += bench_many(
-                    hosts, tmp, opts.workers, opts.timers, opts.spread, MANY_INTERVAL
-                )
-            if "cost" in only:
-                bench_cost(hosts, tmp, COST_BATCHES, COST_CALLS)
-        finally:
-            for host in hosts.values():
-                host.close()
-    leftovers = _harness.collect_orphans(keep=mp_helpers()) if subreaper else []
-    checks.append(Check("processes left behind", str(len(leftovers)), "0", not leftovers))
-    print_summary(checks)
-    for leftover in leftovers:
-        print(f"  left behind: {leftover}")
-    if not subreaper:
-        print("  note: not a child subreaper; orphans could not be checked")
-    print(f"total time {time.perf_counter() - started:.1f} s")
-    return 0 if all(check.ok for check in checks) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    hosts: dict[str, Host] = {}
+    try:
+        log("starting the helper processes (torch's imports take a few seconds)")
+        hosts[RELAUNCH] = Host(RELAUNCH, HOST, ctx.env)
+        if torch:
+            hosts[TORCH] = Host(TORCH, HOST, ctx.env)
+        if "latency" in only:
+            checks += bench_latency(hosts, ctx.tmp, opts.reps, opts.after, opts.intervals)
+        if "many" in only:
+            checks += bench_many(
+                hosts, ctx.tmp, opts.workers, opts.timers, opts.spread, MANY_INTERVAL
+            )
+        if "cost" in only:
+            bench_cost(hosts, ctx.tmp, COST_BATCHES, COST_CALLS)
+    finally:
+        for host in hosts.values():
+            host.close()
+    ctx.keep |= mp_helpers()
+    return checks

@@ -1,8 +1,6 @@
 """Console throughput with progress bars, relaunch vs torchrun, and the cost of the worker API.
 
-Run by hand (not part of the test suite)::
-
-    python benchmarks/bench_console.py
+Run by hand (not part of the test suite): ``python -m benchmarks console [--quick]``.
 
 Four measurements:
 
@@ -40,11 +38,12 @@ import termios
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import _harness
-from _harness import RELAUNCH, BenchError, Check, fmt, log, median
+from benchmarks import harness
+from benchmarks.harness import RELAUNCH, BenchError, Check, fmt, log, median
 
 RANKS = 8
 HZ = 100.0  # bar refreshes per second per rank
@@ -62,92 +61,6 @@ RUN_TIMEOUT_S = 120.0
 
 PIPE, PTY = "file", "terminal"
 
-#: The worker scripts; both launchers run them as ``python -u SCRIPT ARGS``.
-SCRIPTS = {
-    "noop.py": "pass\n",
-    # A tqdm-like bar: "\r" + text (+ spaces over a longer previous text) on stderr, argv[2]
-    # times a second on a fixed schedule, argv[1] times, then "\n" after the final state. Log
-    # lines on stdout, numbered from 1: one a second, or argv[3] after every refresh.
-    "bars.py": """\
-import os, sys, time
-rank = int(os.environ["LOCAL_RANK"])
-total, hz, per_refresh = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-per_second = max(1, round(hz))
-err, last, logged = sys.stderr, 0, 0
-t0 = time.monotonic()
-for i in range(1, total + 1):
-    delay = t0 + i / hz - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
-    elapsed = time.monotonic() - t0
-    filled = 20 * i // total
-    text = (f"rank {rank}: {100 * i // total:3d}%|{'#' * filled}{' ' * (20 - filled)}| "
-            f"{i}/{total} [{elapsed:05.2f}s, {i / elapsed:.1f}it/s]")
-    err.write("\\r" + text + " " * max(last - len(text), 0))
-    err.flush()
-    last = len(text)
-    for _ in range(per_refresh if per_refresh else i % per_second == 0):
-        logged += 1
-        print(f"log rank {rank} line {logged}", flush=True)
-err.write("\\n")
-err.flush()
-""",
-    # Time COST_CALLS calls of each function, REPS times; one JSON line with ns per call.
-    "cost.py": """\
-import json, os, sys, time
-import relaunch
-import relaunch.worker
-from relaunch import report_progress, stop_requested
-calls, reps = int(sys.argv[1]), int(sys.argv[2])
-def floor(step, total=None):
-    pass
-def timed(name, call):
-    samples = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - started) / calls * 1e9)
-    return name, samples
-def loop_floor():
-    for i in range(calls):
-        floor(i, calls)
-def loop_report():
-    for i in range(calls):
-        report_progress(i, calls)
-def loop_report_desc():
-    for i in range(calls):
-        report_progress(i, calls, desc="train")
-def loop_stop():
-    for _ in range(calls):
-        stop_requested()
-results = dict(timed(*args) for args in (
-    ("python call floor", loop_floor), ("report_progress(step, total)", loop_report),
-    ("report_progress(step, total, desc)", loop_report_desc), ("stop_requested()", loop_stop)))
-mapped = relaunch.worker._map is not None
-print("RESULT " + json.dumps({"results": results, "mapped": mapped,
-      "channel": os.environ.get("RELAUNCH_CHANNEL", "")}), flush=True)
-""",
-    # argv[1] steps argv[2] s apart on a fixed schedule, each calling report_progress
-    # (argv[3] == "report") or an empty function; the calls are timed, and the mean printed.
-    "reporter.py": """\
-import os, sys, time
-from relaunch import report_progress
-def floor(step, total=None, desc=None):
-    pass
-total, period = int(sys.argv[1]), float(sys.argv[2])
-call = report_progress if sys.argv[3] == "report" else floor
-clock, spent = time.perf_counter, 0.0
-t0 = time.monotonic()
-for i in range(1, total + 1):
-    delay = t0 + i * period - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
-    started = clock()
-    call(i, total, desc="steps")
-    spent += clock() - started
-print(f"CALL rank {os.environ['LOCAL_RANK']} {spent / total * 1e9:.0f} ns", flush=True)
-""",
-}
 
 ANSI_RE = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 PREFIX_RE = re.compile(rb"\[default(\d+)\]:")
@@ -164,22 +77,12 @@ CALL_RE = re.compile(rb"CALL rank (\d+) (\d+) ns")
 # -- launchers and runs ------------------------------------------------------------------------
 
 
-@dataclass
-class Launcher(_harness.Launcher):
-    def argv(self, flags: Sequence[str], script: str, *args: str) -> list[str]:
-        return [*self.prefix, *flags, script, *args]
+Launcher = harness.Launcher
 
 
 @dataclass
-class Bench(_harness.Bench[Launcher]):
-    leftovers: list[str] = field(default_factory=list)
+class Bench(harness.Bench[Launcher]):
     probed: set[str] = field(default_factory=set)  # launchers that ran the no-op check
-
-    def collect(self, side: str = "") -> None:
-        self.leftovers += _harness.collect_orphans()
-
-    def launchers(self) -> list[Launcher]:
-        return [self.relaunch, self.torchrun]
 
 
 @dataclass
@@ -275,12 +178,12 @@ def launch(bench: Bench, argv: list[str], mode: str, log_dir: str) -> Run:
         exited = wait_exit(proc.pid, RUN_TIMEOUT_S)
         wall = time.perf_counter() - started
         if not exited:
-            _harness.kill_pid(proc.pid)
+            harness.kill_pid(proc.pid)
         own, children = proc_times(proc.pid)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     except BaseException:
-        _harness.kill_pid(proc.pid)
+        harness.kill_pid(proc.pid)
         proc.wait()
         raise
     finally:
@@ -522,11 +425,11 @@ def usable(bench: Bench, launcher: Launcher) -> str | None:
 
 
 def run_sides(
-    bench: Bench, sides: dict[str, Callable[[int], object]], reps: int
-) -> tuple[dict[str, list], dict[str, str]]:
-    """``reps`` runs of every side, alternating (see _harness.run_alternating)."""
+    bench: Bench, sides: dict[str, Callable[..., Any]], reps: int
+) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    """``reps`` runs of every side, alternating (see harness.run_alternating)."""
     errors: dict[str, str] = {}
-    samples = _harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
+    samples = harness.run_alternating(sides, dict.fromkeys(sides, reps), errors, bench.collect)
     return samples, errors
 
 
@@ -717,7 +620,7 @@ def bench_flood(bench: Bench, reps: int, seconds: float, hz: float, per: int) ->
 # -- 3. the cost of report_progress and stop_requested -----------------------------------------
 
 
-def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
+def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict[str, Any]:
     args = [bench.script("cost.py"), str(calls), str(reps)]
     env = dict(bench.env)
     if under_relaunch:
@@ -736,7 +639,7 @@ def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
     )
     for line in proc.stdout.splitlines():
         if line.startswith(b"RESULT "):
-            result = json.loads(line[len(b"RESULT ") :])
+            result: dict[str, Any] = json.loads(line[len(b"RESULT ") :])
             result["node_bar"] = NODE_PREFIX in proc.stderr + proc.stdout
             return result
     raise BenchError(
@@ -746,7 +649,7 @@ def cost_run(bench: Bench, under_relaunch: bool, calls: int, reps: int) -> dict:
 
 def bench_cost(bench: Bench, calls: int, reps: int) -> list[Check]:
     log(f"[3/4] cost: {reps} x {calls} calls of each, under relaunch and outside it")
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, under in (("under relaunch", True), ("outside relaunch", False)):
         try:
             results[name] = cost_run(bench, under, calls, reps)
@@ -769,12 +672,12 @@ def bench_cost(bench: Bench, calls: int, reps: int) -> list[Check]:
             f" {'yes' if result['node_bar'] else 'no'}"
         )
     print("   python call floor = the same loop calling an empty Python function with (i, n)")
-    under = results.get("under relaunch")
-    if under is None:
+    got = results.get("under relaunch")
+    if got is None:
         return [Check("report_progress under relaunch", "-", f"< {COST_BUDGET_NS:.0f} ns", None)]
     # The fastest sample: the call's own cost; a busy machine only ever adds to it.
-    ns = min(under["results"]["report_progress(step, total)"])
-    mapped = bool(under["mapped"])
+    ns = min(got["results"]["report_progress(step, total)"])
+    mapped = bool(got["mapped"])
     return [
         Check(
             "report_progress under relaunch (min)",
@@ -890,8 +793,16 @@ def bench_nodebar(bench: Bench, reps: int, seconds: float) -> list[Check]:
 # -- main --------------------------------------------------------------------------------------
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+QUICK = {
+    "reps": 1,
+    "seconds": 2.0,
+    "flood_seconds": 1.0,
+    "calls": 100_000,
+    "nodebar_reps": 1,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3, help="console repetitions per side")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="seconds of bars")
     parser.add_argument("--hz", type=float, default=HZ, help="bar refreshes per second")
@@ -909,40 +820,20 @@ def main() -> int:
         choices=("console", "flood", "cost", "nodebar"),
         help="run only these measurements (repeatable)",
     )
-    _harness.add_launcher_options(
-        parser, "run with the environment's bytecode settings as they are"
-    )
-    opts = parser.parse_args()
+
+
+def run(ctx: harness.Context) -> list[Check]:
+    opts = ctx.opts
     only = set(opts.only or ("console", "flood", "cost", "nodebar"))
-
-    subreaper = _harness.become_subreaper()
-    started = time.perf_counter()
-    with _harness.temp_dir("relaunch-bench-console-") as tmp:
-        env = _harness.prepare(tmp, SCRIPTS, not opts.no_bytecode_cache)
-        relaunch, torchrun = _harness.make_launchers(opts, Launcher)
-        bench = Bench(tmp, env, relaunch, torchrun)
-        _harness.print_header("bench_console", opts, torchrun.unavailable, subreaper)
-        checks: list[Check] = []
-        if "console" in only:
-            checks += bench_console(bench, opts.reps, opts.seconds, opts.hz)
-        if "flood" in only:
-            checks += bench_flood(
-                bench, opts.flood_reps, opts.flood_seconds, opts.hz, opts.flood_lines
-            )
-        if "cost" in only:
-            checks += bench_cost(bench, opts.calls, opts.cost_reps)
-        if "nodebar" in only:
-            checks += bench_nodebar(bench, opts.nodebar_reps, opts.seconds)
-        bench.collect()
-
-    leftovers = bench.leftovers
-    checks.append(Check("processes left behind", str(len(leftovers)), "0", not leftovers))
-    _harness.print_summary(checks)
-    for leftover in leftovers:
-        print(f"  left behind (killed): {leftover}")
-    print(f"total time {time.perf_counter() - started:.1f} s")
-    return 0 if all(check.ok for check in checks) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    relaunch, torchrun = ctx.launchers(Launcher)
+    bench = ctx.bench(Bench, relaunch, torchrun)
+    checks: list[Check] = []
+    if "console" in only:
+        checks += bench_console(bench, opts.reps, opts.seconds, opts.hz)
+    if "flood" in only:
+        checks += bench_flood(bench, opts.flood_reps, opts.flood_seconds, opts.hz, opts.flood_lines)
+    if "cost" in only:
+        checks += bench_cost(bench, opts.calls, opts.cost_reps)
+    if "nodebar" in only:
+        checks += bench_nodebar(bench, opts.nodebar_reps, opts.seconds)
+    return checks

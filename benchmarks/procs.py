@@ -1,8 +1,6 @@
 """Benchmarks of ``relaunch.start_processes``: start-up overhead, tee throughput, line latency.
 
-Run by hand (not part of the test suite)::
-
-    python benchmarks/bench_procs.py
+Run by hand (not part of the test suite): ``python -m benchmarks procs [--quick]``.
 
 Standard library only. Every number is compared with a floor that does the same work without
 relaunch, and checked against the budget it was given; the exit status is 0 when every budget
@@ -13,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import resource
 import statistics
@@ -21,11 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from _harness import Check, log, print_summary, temp_dir, verdict
-
+from benchmarks import harness
+from benchmarks.harness import Check, log, temp_dir, verdict
 from relaunch import Std, start_processes
 
 STARTUP_NPROCS = (1, 2, 4, 8, 16, 32)
@@ -37,28 +35,20 @@ LATENCY_P99_BUDGET_MS = 20.0
 #: A worker that does nothing: the same command on both sides of the start-up comparison.
 NOOP_ARGS = ("-S", "-c", "pass")
 
-#: A worker that prints ``sys.argv[1]`` lines; the same script on both sides of the tee test.
-PRINT_SCRIPT = """\
-import sys
-for i in range(int(sys.argv[1])):
-    print(f"line {i} some payload text")
-"""
+#: Worker programs (benchmarks/workers): lines for the tee test, stamped lines for the latency
+#: test (run with ``-u``: each ``write`` is one ``write(2)`` of one whole line), and the
+#: launcher of the latency test, a child of the benchmark whose stdout is a pipe.
+PRINT_LINES = harness.worker("print_lines.py")
+STAMPED_LINES = harness.worker("stamped_lines.py")
+TEE_LATENCY = harness.worker("tee_latency.py")
+
+#: The leak mark of this run (``run`` sets it): in every worker's environment.
+MARK: dict[str, str] = {}
 
 
 def expected_line(i: int) -> bytes:
     return f"line {i} some payload text\n".encode()
 
-
-#: A worker that prints ``sys.argv[1]`` lines ``{i} {time.time_ns()}``, ``sys.argv[2]`` s apart.
-#: Run with ``-u``: each ``write`` is one ``write(2)`` of one whole line.
-LATENCY_SCRIPT = """\
-import sys, time
-count, gap = int(sys.argv[1]), float(sys.argv[2])
-write = sys.stdout.write
-for i in range(count):
-    write(f"{i} {time.time_ns()}\\n")
-    time.sleep(gap)
-"""
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -96,7 +86,7 @@ def run_group(
         name,
         sys.executable,
         dict.fromkeys(range(nprocs), args),
-        {rank: {} for rank in range(nprocs)},
+        {rank: dict(MARK) for rank in range(nprocs)},
         log_dir,
         redirects=redirects,
         tee=tee,
@@ -125,10 +115,7 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    index = max(0, min(len(sorted_values) - 1, math.ceil(fraction * len(sorted_values)) - 1))
-    return sorted_values[index]
+percentile = harness.percentile
 
 
 # -- 1. start-up overhead ---------------------------------------------------------------------
@@ -148,13 +135,13 @@ def startup_relaunch(nprocs: int) -> float:
         return time.perf_counter() - started
 
 
-def bench_startup(reps: int) -> list[Check]:
-    log(f"[1/3] start-up overhead: N in {STARTUP_NPROCS}, {reps} repetitions, alternating")
+def bench_startup(reps: int, nprocs_list: Sequence[int] = STARTUP_NPROCS) -> list[Check]:
+    log(f"[1/3] start-up overhead: N in {tuple(nprocs_list)}, {reps} repetitions, alternating")
     # Warm up: the page cache, and relaunch's once-per-process orphan guardian.
     startup_relaunch(2)
     startup_floor(2)
     rows: list[tuple[int, float, float]] = []
-    for nprocs in STARTUP_NPROCS:
+    for nprocs in nprocs_list:
         floor: list[float] = []
         ours: list[float] = []
         for rep in range(reps):
@@ -225,8 +212,8 @@ class TeeRun:
 
 def tee_run(tee: bool, nprocs: int, lines: int, env: dict[str, str], console: str) -> TeeRun:
     """One group printing ``lines`` lines per worker, stdout tee'd or redirected to a file."""
-    kwargs = {"tee": Std.OUT} if tee else {"redirects": Std.OUT}
-    args = ("-c", PRINT_SCRIPT, str(lines))
+    kwargs: dict[str, Any] = {"tee": Std.OUT} if tee else {"redirects": Std.OUT}
+    args = (PRINT_LINES, str(lines))
     with fresh_log_dir() as log_dir, stdout_to(console):
         reads = read_syscalls()
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -236,7 +223,7 @@ def tee_run(tee: bool, nprocs: int, lines: int, env: dict[str, str], console: st
             "w",
             sys.executable,
             dict.fromkeys(range(nprocs), args),
-            dict.fromkeys(range(nprocs), env),
+            {rank: {**env, **MARK} for rank in range(nprocs)},
             log_dir,
             **kwargs,
         )
@@ -346,11 +333,6 @@ def bench_tee(reps: int, nprocs: int, lines: int) -> list[Check]:
 # -- 3. line latency --------------------------------------------------------------------------
 
 
-def latency_launcher(log_dir: str, count: int, gap: float) -> None:
-    """In a child of the benchmark whose stdout is a pipe: run one tee'd latency worker."""
-    run_group("lat", ("-u", "-c", LATENCY_SCRIPT, str(count), str(gap)), 1, log_dir, tee=Std.OUT)
-
-
 def read_latencies(argv: list[str], prefix: bytes) -> list[float]:
     """Start ``argv`` with stdout a pipe; latency in ms of each line, from its embedded stamp."""
     latencies: list[float] = []
@@ -386,20 +368,11 @@ def summarize(latencies: list[float]) -> tuple[float, float, float]:
 
 def bench_latency(count: int, gap: float) -> list[Check]:
     log(f"[3/3] line latency: {count} lines {gap * 1e3:g} ms apart, tee'd and direct")
-    worker_args = ["-u", "-c", LATENCY_SCRIPT, str(count), str(gap)]
+    worker_args = ["-u", STAMPED_LINES, str(count), str(gap)]
     # Floor: the same worker writing straight into the pipe this process reads.
     floor = read_latencies([sys.executable, *worker_args], b"")
     with fresh_log_dir() as log_dir:
-        argv = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--latency-launcher",
-            log_dir,
-            "--latency-lines",
-            str(count),
-            "--latency-gap",
-            str(gap),
-        ]
+        argv = [sys.executable, TEE_LATENCY, log_dir, str(count), str(gap), MARK[harness.MARK_VAR]]
         tee = read_latencies(argv, b"[lat0]:")
     f50, f99, fmax = summarize(floor)
     p50, p99, pmax = summarize(tee)
@@ -419,29 +392,21 @@ def bench_latency(count: int, gap: float) -> list[Check]:
 # -- main --------------------------------------------------------------------------------------
 
 
-def leftover_children() -> list[str]:
-    """Our children still alive, other than relaunch's orphan guardian (it exits with us)."""
-    from relaunch.procs.guardian import guardian
+LAUNCHERS = False  # start_processes in this process, against a Popen floor
+ORPHANS = False  # start_processes runs in this process: relaunch's guardian is our child
 
-    guardian_pid = guardian().pid
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == guardian_pid:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as file:
-                stat = file.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == os.getpid():
-            found.append(f"{entry} ({stat[stat.index('(') + 1 : stat.rindex(')')]}, {fields[0]})")
-    return found
+QUICK = {"reps": 2, "tee_reps": 1, "tee_lines": 20_000, "latency_lines": 200, "nprocs": [1, 8]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=11, help="start-up repetitions per side")
+    parser.add_argument(
+        "--nprocs",
+        type=int,
+        nargs="+",
+        default=list(STARTUP_NPROCS),
+        help="start-up: workers per run (default: %(default)s)",
+    )
     parser.add_argument("--tee-reps", type=int, default=7, help="tee repetitions per side")
     parser.add_argument("--tee-lines", type=int, default=200_000, help="lines per tee worker")
     parser.add_argument("--tee-procs", type=int, default=2, help="tee workers")
@@ -450,31 +415,17 @@ def main() -> int:
     parser.add_argument(
         "--only", choices=("startup", "tee", "latency"), action="append", help="run only these"
     )
-    parser.add_argument("--latency-launcher", metavar="LOG_DIR", help=argparse.SUPPRESS)
-    opts = parser.parse_args()
-    if opts.latency_launcher:
-        latency_launcher(opts.latency_launcher, opts.latency_lines, opts.latency_gap)
-        return 0
 
+
+def run(ctx: harness.Context) -> list[Check]:
+    opts = ctx.opts
+    MARK[harness.MARK_VAR] = ctx.mark
     only = set(opts.only or ("startup", "tee", "latency"))
-    started = time.perf_counter()
-    print(f"relaunch benchmarks: python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     checks: list[Check] = []
     if "startup" in only:
-        checks += bench_startup(opts.reps)
+        checks += bench_startup(opts.reps, opts.nprocs)
     if "tee" in only:
         checks += bench_tee(opts.tee_reps, opts.tee_procs, opts.tee_lines)
     if "latency" in only:
         checks += bench_latency(opts.latency_lines, opts.latency_gap)
-
-    leftovers = leftover_children()
-    checks.append(Check("processes left behind", str(len(leftovers)), "0", not leftovers))
-    print_summary(checks, "summary")
-    for leftover in leftovers:
-        print(f"  left behind: {leftover}")
-    print(f"total time {time.perf_counter() - started:.1f} s")
-    return 0 if all(check.ok for check in checks) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return checks

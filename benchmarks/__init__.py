@@ -1,0 +1,15 @@
+"""relaunch's benchmarks, for maintainers: ``python -m benchmarks --list`` (see README.md)."""
+
+from __future__ import annotations
+
+#: Every benchmark: its name (a module of this package) and what it measures.
+BENCHMARKS = {
+    "launch": "the relaunch command vs torchrun: start-up, RSS, failure -> restart, SIGTERM",
+    "procs": "start_processes: start-up vs Popen, tee throughput, line latency",
+    "rendezvous": "c10d and etcd rendezvous: K agents, a node killed, 1024 simulated nodes",
+    "timers": "expiry timers vs torch's: deadline -> death, 1,000 live timers, expires() cost",
+    "console": "progress bars on the console, report_progress cost, the node bar",
+    "idle": "wake-ups per second of an idle 8-worker job's launcher, vs torchrun",
+    "imports": "worker import cost: import relaunch + report_progress vs python -c pass",
+    "chaos": "faults at random moments in real jobs: survival, leaks, lost lines, reports",
+}
