@@ -701,10 +701,13 @@ def counted_etcd_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.requests: Counter[str] = Counter()
+            call = self._gateway.call
 
-        def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-            self.requests[path] += 1
-            return super()._call(path, body)
+            def counted(path: str, body: dict[str, Any]) -> Any:
+                self.requests[path] += 1
+                return call(path, body)
+
+            setattr(self._gateway, "call", counted)  # noqa: B010 - an instance's method, wrapped
 
         def _watch_once(self, key: str, start_revision: int, timeout: float) -> Any:
             self.requests["/v3/watch"] += 1
