@@ -19,5 +19,7 @@ lint:
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
 
+# Three xdist workers on two cores: tests that wait on processes overlap; the torch tests,
+# which keep both cores busy, run one after another in one group.
 test: install-test lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 3 --dist loadgroup

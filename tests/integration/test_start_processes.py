@@ -375,7 +375,10 @@ def test_a_second_stop_brings_the_sigkill_closer(log_dir: str, leaks: LeakCheck,
         redirects=Std.OUT,
         shutdown_timeout=300,
     )
-    wait_until(lambda: read(os.path.join(log_dir, "0", "stdout.log")) == "ready\n")
+    wait_until(
+        lambda: all(read(os.path.join(log_dir, r, "stdout.log")) == "ready\n" for r in "01"),
+        what="both ranks to ignore SIGTERM and SIGINT",
+    )
     go.touch()
     # Rank 1 fails: rank 0 gets SIGTERM, which it ignores, with 300 s before SIGKILL ...
     assert pc.wait(timeout=0.2) is None

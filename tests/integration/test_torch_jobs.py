@@ -20,7 +20,8 @@ from test_rendezvous import serving
 
 from relaunch.endpoints import find_free_port
 
-pytestmark = pytest.mark.timeout(240)
+# Four workers importing torch keep both cores busy: these run one at a time, on one xdist worker.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("torch")]
 
 TRAIN = str(pathlib.Path(__file__).parents[2] / "examples" / "train_ddp.py")
 STEPS = "12"
