@@ -23,7 +23,7 @@ from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, 
 from relaunch.endpoints import find_free_port
 
 NPROC = 8
-BUDGETS = {"standalone": 5.0, "c10d": 10.0}  # relaunch's wake-ups per second, at most
+BUDGETS = {"standalone": 2.0, "c10d": 3.0}  # relaunch's wake-ups per second, at most
 START_TIMEOUT_S = 120.0  # until every worker runs
 #: One node of ``--nnodes 1:2`` completes its round after ``last_call_timeout`` (default 30 s).
 C10D_CONF = "last_call_timeout=1"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
-from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir, one_line
+from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.core.console_plan import (
     LOG_LINE_PREFIX_TEMPLATE_ENV,
@@ -27,7 +27,7 @@ from relaunch.core.console_plan import (
     console_is_relaunchs,
     log_line_prefixes,
 )
-from relaunch.core.failures import format_report
+from relaunch.core.failures import format_report, one_line, root_cause_rank
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, worker_env
 from relaunch.core.restart import Action, RestartDecision, decide
@@ -227,7 +227,8 @@ class LocalElasticAgent:
                         group.by_global_rank(outcome.stopped),
                     ),
                 )
-                reason = one_line(failures)
+                rank = root_cause_rank(failures)
+                reason = one_line(rank, failures[rank])
             self._report.restart_reasons.append(reason)
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",

@@ -8,17 +8,14 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
-from relaunch.core.failures import describe_exit, root_cause_rank
 from relaunch.core.progress import NodeProgress, Progress
 from relaunch.core.summary import RankEnd, RunSummary
 from relaunch.events import EventHandler, EventSource, status_event
 from relaunch.procs.context import RunProcsResult
-from relaunch.procs.errors import ProcessFailure
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +120,6 @@ class RunReport:
             self.log_dir,
             self.stop_note,
         )
-
-
-def one_line(failures: Mapping[int, ProcessFailure]) -> str:
-    """The root cause of a failed attempt in one line: rank, how it ended, the first line why."""
-    rank = root_cause_rank(failures)
-    failure = failures[rank]
-    why = failure.message.splitlines()[0] if failure.message else ""
-    if len(why) > 160:
-        why = why[:157] + "..."
-    return f"rank {rank} {describe_exit(failure.exitcode)}" + (f": {why}" if why else "")
 
 
 class NodeBar:

@@ -44,29 +44,7 @@ __all__ = [
 class SubprocessContext(PContext):
     """Workers that are binaries (any executable, a Python interpreter included)."""
 
-    def __init__(
-        self,
-        name: str,
-        entrypoint: str,
-        args: Mapping[int, tuple[Any, ...]],
-        envs: Mapping[int, Mapping[str, str]],
-        rank_io: Mapping[int, RankIO],
-        progbar_events: ProgbarEvents | None = None,
-        *,
-        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> None:
-        super().__init__(
-            name,
-            entrypoint,
-            args,
-            envs,
-            rank_io,
-            progbar_events,
-            shutdown_timeout=shutdown_timeout,
-            clock=clock,
-        )
-        self.entrypoint: str = entrypoint
+    entrypoint: str
 
     def _start_worker(
         self, local_rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
