@@ -54,3 +54,20 @@ def test_line_prefixes_follow_torchruns_template() -> None:
         0: "[trainer 4/0] ",
         1: "[trainer 5/1] ",
     }
+
+
+def test_hang_detection_counts_silence_on_its_clock() -> None:
+    from relaunch.agent.expiry import ExpiryWatch
+    from relaunch.core.progress import Progress
+    from relaunch.runtime import ManualClock
+
+    clock = ManualClock()
+    watch = ExpiryWatch("run", timers=False, hang_timeout=10.0, clock=clock)
+    progress: dict[int, Progress | None] = {0: None}
+    watch.watch({0: 4_000_000}, {0: []}, lambda: {0}, progress.get)  # no such pid: never signalled
+    assert watch.check() == 10.0
+    clock.advance(4.0)
+    assert watch.check() == 6.0
+    progress[0] = Progress(1, None, clock.time(), "", 1)  # a sign of life restarts the count
+    clock.advance(3.0)
+    assert watch.check() == 7.0

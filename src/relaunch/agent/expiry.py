@@ -20,7 +20,6 @@ import resource
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -30,6 +29,7 @@ from relaunch.core.progress import Progress
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
 from relaunch.procs.handles import signal_tree
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
     from relaunch.timer.file_based_local_timer import FileTimerServer
@@ -50,14 +50,18 @@ def timers_enabled_by_env() -> bool:
 
 class ExpiryWatch:
     """Expiry timers and hang detection for the workers of one agent: runs the file timer server
-    that reaps workers past their ``expires`` deadline, and finds workers that hang."""
+    that reaps workers past their ``expires`` deadline, and finds workers that hang. ``clock``
+    is read for wall-clock time (``clock.time()``), the timer server's too."""
 
-    def __init__(self, run_id: str, timers: bool, hang_timeout: float | None) -> None:
+    def __init__(
+        self, run_id: str, timers: bool, hang_timeout: float | None, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         if hang_timeout is not None and not hang_timeout > 0:
             raise ValueError(
                 f"hang_timeout must be a positive number of seconds, got {hang_timeout!r}"
             )
         self._run_id = run_id
+        self._clock = clock  # wall-clock time: log files' mtimes are compared with it
         self._hang_timeout = hang_timeout
         self._causes: dict[int, str] = {}
         self._pids: dict[int, int] = {}  # local rank -> pid of the running group
@@ -81,6 +85,7 @@ class ExpiryWatch:
                 TIMER_MAX_INTERVAL,
                 on_reap=self._on_reap,
                 may_reap=descendant_of(lambda: set(self._pids.values())),
+                clock=clock,
             )
 
     @property
@@ -128,7 +133,7 @@ class ExpiryWatch:
         self._running = running
         self._causes.clear()
         self._aborted.clear()
-        self._started_at = time.time()
+        self._started_at = self._clock.time()
 
     # -- hangs ----------------------------------------------------------------------------------
 
@@ -150,7 +155,7 @@ class ExpiryWatch:
         """Act on hung workers now; the seconds until the next check is due (None: never)."""
         if self._hang_timeout is None or not self._pids:
             return None
-        now = time.time()
+        now = self._clock.time()
         waits = []
         for pid, aborted_at in list(self._aborted.items()):
             if now - aborted_at >= ABORT_GRACE:
@@ -194,7 +199,7 @@ class ExpiryWatch:
             os.kill(pid, signal.SIGABRT)
         except ProcessLookupError:
             return
-        self._aborted[pid] = time.time()
+        self._aborted[pid] = self._clock.time()
 
     # -- timers ---------------------------------------------------------------------------------
 
