@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 from tests.support.procs import LeakCheck, collect_leaks, marked_pids, pid_alive
 
@@ -15,7 +16,11 @@ def test_a_marked_process_that_outlives_the_grace_is_killed_and_named() -> None:
     check = LeakCheck()
     proc = subprocess.Popen(SLEEPER, env=check.process_env())
     try:
-        assert proc.pid in marked_pids(check.mark)
+        # Right after a vfork'd exec the new image's environment may not be readable yet.
+        deadline = time.monotonic() + 10
+        while proc.pid not in marked_pids(check.mark):
+            assert time.monotonic() < deadline, "the marked process is never seen"
+            time.sleep(0.01)
         left = collect_leaks(check.mark, grace=0.2)
         assert len(left) == 1 and f"pid {proc.pid} " in left[0]
         assert proc.wait(timeout=10) < 0  # killed by a signal
