@@ -6,6 +6,7 @@ changes. The loop must sleep until one of them (or a signal, or a deadline) wake
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from conftest import wait_until
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
 from relaunch.core.membership import MembershipChange
+from relaunch.events import Event, EventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure, SignalException
 from relaunch.procs.signals import raise_signal_exception
@@ -174,7 +176,12 @@ class ListeningHandler(Handler):
 
 
 def agent_for(
-    tmp_path, handler: Handler, starter: Starter, max_restarts: int = 0, interval: float = 0.1
+    tmp_path,
+    handler: Handler,
+    starter: Starter,
+    max_restarts: int = 0,
+    interval: float = 0.1,
+    event_handler: EventHandler | None = None,
 ) -> LocalElasticAgent:
     spec = WorkerSpec(
         role="trainer",
@@ -184,7 +191,9 @@ def agent_for(
         max_restarts=max_restarts,
         monitor_interval=interval,
     )
-    return LocalElasticAgent(spec, log_dir=str(tmp_path), start_processes=starter)
+    return LocalElasticAgent(
+        spec, log_dir=str(tmp_path), start_processes=starter, event_handler=event_handler
+    )
 
 
 def in_thread(target: Callable[[], None]) -> threading.Thread:
@@ -336,3 +345,28 @@ def test_a_signal_from_another_thread_wakes_the_sleeping_loop_at_once(tmp_path) 
     wakeup_fd = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(wakeup_fd)
     assert wakeup_fd == -1  # the loop gave the signal wake-up fd back
+
+
+def test_a_worker_killed_by_a_signal_has_its_meaning_in_its_event(tmp_path) -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.events: list[Event] = []
+
+        def record(self, event: Event) -> None:
+            self.events.append(event)
+
+        def close(self) -> None:
+            pass
+
+    def killed() -> RunProcsResult:
+        failure = ProcessFailure(1, 1_000_001, -signal.SIGKILL, "")  # no error file, no log
+        return RunProcsResult(failures={1: failure}, stopped={0: -15})
+
+    recorder = Recorder()
+    agent = agent_for(tmp_path, Handler(), Starter(ends_with(killed)), event_handler=recorder)
+    assert agent.run().state is WorkerState.FAILED
+    (worker,) = [e for e in recorder.events if e.metadata.get("global_rank") == 1]
+    assert worker.metadata["state"] == "FAILED"
+    raw = worker.metadata["raw_error"]
+    assert isinstance(raw, str)
+    assert json.loads(raw)["message"].startswith("SIGKILL: killed from outside")

@@ -12,6 +12,7 @@ from typing import Any
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
+from relaunch.core.failures import signal_meaning
 from relaunch.core.progress import NodeProgress, Progress
 from relaunch.core.summary import RankEnd, RunSummary
 from relaunch.events import EventHandler, EventSource, status_event
@@ -49,7 +50,11 @@ class RunReport:
             if failure is not None:
                 state, raw = (
                     WorkerState.FAILED,
-                    json.dumps(failure.error_file_data or {"message": failure.message}),
+                    json.dumps(
+                        failure.error_file_data
+                        # a worker killed by a signal leaves no message: say what it means
+                        or {"message": failure.message or signal_meaning(failure.exitcode)}
+                    ),
                 )
             elif worker.global_rank in result.stopped:
                 state, raw = WorkerState.STOPPED, None
