@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 # Nothing from relaunch.rendezvous at import time: the rendezvous code imports this module.
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint
-from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
 
 if TYPE_CHECKING:
     import argparse

@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.ranks import WorkerRanks, ranks_at_offset
 from relaunch.core.streams import Std
-from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.procs.errors import ProcessFailure
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
 

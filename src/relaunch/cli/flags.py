@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.core.streams import Std
-from relaunch.procs.context import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 EXIT_FAILED = 1

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rank_io import RankIO
 from relaunch.procs.console import ProgbarEvents, console_for
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
@@ -38,10 +39,6 @@ _open_contexts: weakref.WeakSet[PContext] = weakref.WeakSet()
 def _close_open_contexts() -> None:
     for context in list(_open_contexts):
         context.close(signal.SIGKILL, timeout=0)
-
-
-#: Default seconds between the stop signal and SIGKILL.
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 @dataclass

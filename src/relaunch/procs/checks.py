@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-START_METHODS = ("spawn", "fork", "forkserver")
+from relaunch.core.defaults import START_METHODS
 
 
 def check_start_method(start_method: str) -> None:

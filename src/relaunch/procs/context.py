@@ -13,12 +13,12 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
-from relaunch.procs.base import DEFAULT_SHUTDOWN_TIMEOUT, PContext, RunProcsResult
+from relaunch.procs.base import PContext, RunProcsResult
 from relaunch.procs.checks import (
-    START_METHODS,
     check_entrypoint,
     check_log_dir,
     check_picklable,

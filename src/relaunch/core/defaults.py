@@ -1,0 +1,9 @@
+"""The process layer's defaults that the config and the flags name too: here, so that reading
+them (``relaunch --help``, a ``LaunchConfig``) does not load the process layer."""
+
+from __future__ import annotations
+
+#: Default seconds between the stop signal and SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+#: How function workers may be started (multiprocessing's start methods).
+START_METHODS = ("spawn", "fork", "forkserver")
