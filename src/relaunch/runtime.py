@@ -22,22 +22,17 @@ from typing import Any, Protocol
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
-def start_without_signals(thread: threading.Thread) -> None:
-    """Start ``thread`` with the termination signals blocked in it (a thread inherits the mask)."""
+def start_thread(
+    target: Callable[..., Any], name: str, *args: Any, daemon: bool = True
+) -> threading.Thread:
+    """A thread (daemon by default) running ``target(*args)``, started with the termination
+    signals blocked in it (a thread inherits the mask)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
     try:
         thread.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def start_thread(
-    target: Callable[..., Any], name: str, *args: Any, daemon: bool = True
-) -> threading.Thread:
-    """A thread (daemon by default) running ``target(*args)``, started with the termination
-    signals blocked."""
-    thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
-    start_without_signals(thread)
     return thread
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change
-from relaunch.runtime import start_without_signals
+from relaunch.runtime import start_thread
 from relaunch.store.api import Store, StoreError
 
 if TYPE_CHECKING:
@@ -47,21 +47,19 @@ class RoundWatch:
         self._store, self._watch_store, self._leases = store, watch_store, leases
         self._flag = flag
         self._stop = threading.Event()
-        self._beating = threading.Thread(target=self._beat, name="relaunch-heartbeat", daemon=True)
+        self._beating: threading.Thread | None = None
 
     def start(self) -> None:
-        start_without_signals(self._beating)
+        self._beating = start_thread(self._beat, "relaunch-heartbeat")
         if self._watch_store is not None:
-            watching = threading.Thread(
-                target=self._watch_changes, name="relaunch-rdzv-watch", daemon=True
-            )
-            start_without_signals(watching)
+            start_thread(self._watch_changes, "relaunch-rdzv-watch")
 
     def stop(self) -> None:
         """Stop beating (an etcd lease is revoked) and wait for the heartbeat thread; the
         watching thread ends within a beat and reports nothing more."""
         self._stop.set()
-        self._beating.join()
+        if self._beating is not None:
+            self._beating.join()
 
     def _watch_changes(self) -> None:
         """Block on this round's ``changed`` record: a re-form anywhere reaches us at once."""

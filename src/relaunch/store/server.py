@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from relaunch.runtime import start_without_signals
+from relaunch.runtime import start_thread
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.state import KeyValueState
@@ -108,10 +108,7 @@ class TcpStoreServer:
 
     def start(self) -> TcpStoreServer:
         """Serve in a background thread."""
-        self._thread = threading.Thread(
-            target=self.serve_forever, name="relaunch-store", daemon=True
-        )
-        start_without_signals(self._thread)
+        self._thread = start_thread(self.serve_forever, "relaunch-store")
         return self
 
     def stop(self) -> None:
