@@ -21,7 +21,7 @@ from relaunch.core.rank_io import RankIO
 from relaunch.procs.console import ProgbarEvents, console_for
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
 from relaunch.procs.guardian import guardian
-from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree, wait_groups_gone
 from relaunch.procs.monitor import GroupMonitor, WorkerProcess
 from relaunch.procs.rank_streams import RankStreams
 from relaunch.procs.signals import SignalsToExceptions
@@ -29,6 +29,9 @@ from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
+
+#: Seconds ``close`` waits for SIGKILLed descendants to die (one stuck in the kernel may not).
+TREE_KILL_WAIT = 2.0
 
 #: Contexts started and not yet closed. At interpreter exit their workers are killed (as the
 #: guardian would do a moment later), before multiprocessing's exit hook waits for its children.
@@ -242,8 +245,10 @@ class PContext(abc.ABC):
         if not monitor.done:
             monitor.stop(death_sig or signal.SIGTERM, timeout)
             monitor.wait_done(None)
-        # Descendants of workers that already exited may linger in their process groups.
+        # Descendants of workers that already exited may linger in their process groups: once
+        # close returns, they are gone too (unless stuck in the kernel past TREE_KILL_WAIT).
         monitor.kill_all_trees()
+        wait_groups_gone([worker.pid for worker in monitor.workers.values()], TREE_KILL_WAIT)
         monitor.finish()
         for worker in monitor.workers.values():
             guardian().unregister(worker.pid)

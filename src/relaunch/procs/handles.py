@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import subprocess
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from relaunch.runtime import start_thread
@@ -32,6 +34,65 @@ def signal_tree(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def wait_groups_gone(groups: Collection[int], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for every live process of the process ``groups`` (just
+    sent SIGKILL) to die; True once none is left. No scan at all while the groups are empty,
+    as they are when workers started nothing; otherwise their members are found once in
+    /proc and waited for on pidfds, not polled."""
+    occupied = [group for group in groups if _group_exists(group)]
+    if not occupied:
+        return True
+    fds = []
+    for pid in _live_members(set(occupied)):
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            continue
+        except (AttributeError, OSError):  # no pidfds here: do not wait
+            break
+    deadline = time.monotonic() + timeout
+    try:
+        pending = set(fds)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.debug("%d process(es) of the stopped groups are still alive", len(pending))
+                return False
+            ready, _, _ = select.select(pending, [], [], left)
+            pending.difference_update(ready)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _group_exists(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _live_members(groups: set[int]) -> list[int]:
+    """Processes of ``groups`` that have not exited (zombies are done: they only await a wait)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                stat = file.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) in groups and fields[0] not in (b"Z", b"X"):
+            members.append(int(entry))
+    return members
 
 
 def _exit_fd(pid: int, wait: Callable[[], object]) -> int:
