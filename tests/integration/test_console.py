@@ -277,6 +277,94 @@ def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
     assert 2 <= len(bars) <= 6, bars
     assert "slowest: local rank 1" in bars[0] and "step/s" in bars[-2]
     assert "100%|" in bars[-1] and "125/125" in bars[-1], "the final state, always"
-    # Workers writing straight to the console (no --tee): relaunch draws nothing among them.
+    # No --tee off a terminal: the workers' output goes through relaunch, which draws its bar.
     done = run(leaks, "--nproc-per-node", "2", job)
-    assert done.returncode == 0 and "[default node 0]:" not in done.stderr
+    assert done.returncode == 0 and "[default node 0]:train: 100%|" in done.stderr
+    # Workers writing straight to a terminal (no --tee): relaunch draws nothing among them.
+    screen = run_in_terminal(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", job],
+        leaks.process_env(TERM="xterm"),
+    )
+    assert b"[default node 0]:" not in screen
+
+
+def test_off_a_terminal_with_no_flags_lines_are_whole_and_refreshes_collapsed(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    job = write_job(tmp_path, BARS)
+    done = run(leaks, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), job)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr, "no refresh reaches a CI log"
+    for rank in (0, 1):
+        bars = [line for line in done.stderr.splitlines() if line.startswith(f"rank {rank} ")]
+        assert 1 <= len(bars) <= 5 and bars[-1] == f"rank {rank} 100%|##########|", bars
+        for step in (25, 50, 75, 100):  # no prefix, as torchrun prints them
+            assert f"rank {rank} reached {step}\n" in done.stdout
+    assert not list((tmp_path / "logs").glob("*/attempt_0/*/std*.log")), "nothing asked a log"
+
+
+def test_on_a_terminal_with_no_flags_workers_keep_the_terminal(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(
+        tmp_path,
+        """
+        import sys
+        print("terminal", sys.stdout.isatty(), sys.stderr.isatty(), sys.stdin.isatty())
+        sys.stderr.write("\\r 10%\\r 20%\\r100%\\n")
+        """,
+    )
+    screen = run_in_terminal(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "1", job],
+        leaks.process_env(TERM="xterm"),
+    )
+    assert b"terminal True True True" in screen and b"\r 10%\r 20%\r100%" in screen
+
+
+LIVE_DISPLAY = r"""
+    import os, sys, time
+    # What Rich's live display writes: colours, the area erased (return, erase, up, erase),
+    # log lines printed above it, the area drawn again; the cursor hidden meanwhile.
+    rank = os.environ["LOCAL_RANK"]
+    size = os.get_terminal_size(sys.stderr.fileno())
+    out = sys.stderr
+    out.write(f"terminal {sys.stdout.isatty()} {out.isatty()} {size.columns}x{size.lines}\n")
+    out.write("\x1b[?25l")
+    for step in range(1, 31):
+        if step > 1:
+            out.write("\r\x1b[2K\x1b[1A\x1b[2K")
+        if step % 10 == 0:
+            out.write(f"\x1b[1mrank {rank} saved {step}\x1b[0m\n")
+        out.write(f"Epoch 0 \x1b[35m{'━' * (step // 3)}\x1b[0m {step}/30\nloss {1 / step:.3f}")
+        out.flush()
+        time.sleep(0.02)
+    out.write("\x1b[?25h\n")
+    print(f"rank {rank} done")
+"""
+
+
+def test_on_a_terminal_tee_gives_each_worker_a_terminal_of_its_own(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    from relaunch.core.screen import ScreenFramer
+
+    job = write_job(tmp_path, LIVE_DISPLAY)
+    env = leaks.process_env(TERM="xterm", COLUMNS="100", LINES="30")
+    env.pop("NO_COLOR", None)
+    logs = tmp_path / "logs"
+    argv = ["--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs), job]
+    screen = run_in_terminal([sys.executable, "-m", "relaunch", *argv], env)
+    # What the user's terminal shows at the end, read by relaunch's own terminal model.
+    framer = ScreenFramer()
+    shown = framer.feed(screen.replace(b"\r\n", b"\n"))[0] + framer.flush()
+    plain = ANSI.sub(b"", shown).decode()
+    for rank in (0, 1):
+        prefix = f"[default{rank}]:"
+        # 100 columns less the prefix and one, both streams a terminal
+        assert f"{prefix}terminal True True 88x30" in plain
+        for step in (10, 20, 30):  # each log line once, under its prefix, never erased
+            assert plain.count(f"{prefix}rank {rank} saved {step}\n") == 1, plain
+        assert f"{prefix}Epoch 0 ━━━━━━━━━━ 30/30\n{prefix}loss 0.033\n" in plain
+        assert f"{prefix}rank {rank} done" in plain
+    assert b"\x1b[1m" in screen and b"\x1b[35m" in screen, "the worker's colours are kept"
+    [log] = list(logs.glob("*/attempt_0/1/stderr.log"))
+    raw = log.read_bytes()
+    assert raw.count(b"\r\x1b[2K\x1b[1A\x1b[2K") == 29 and b"\r\n" not in raw, "every byte"

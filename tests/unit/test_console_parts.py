@@ -6,55 +6,12 @@ from __future__ import annotations
 import io
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from relaunch.core import channel
-from relaunch.core.lines import ConsoleFramer, as_shown
 from relaunch.core.progress import NodeProgress, Progress, read_progress
 from relaunch.core.summary import RankEnd, RunSummary, format_summary
 from relaunch.procs.console import Console
 from relaunch.runtime import ManualClock
-
-
-def test_lines_are_shown_as_a_terminal_leaves_them() -> None:
-    assert as_shown(b"plain\n") == b"plain\n"
-    assert as_shown(b" 10%\r 20%\r100%\nnext\r\n") == b"100%\nnext\n"
-
-
-def test_carriage_return_refreshes_become_the_bar_not_lines() -> None:
-    framer = ConsoleFramer()
-    assert framer.feed(b"log line\n\r 10%|#") == (b"log line\n", b" 10%|#")
-    assert framer.feed(b"#|\r 20%|##|") == (b"", b" 20%|##|")
-    assert framer.feed(b"\r") == (b"", b" 20%|##|"), "a bare return leaves the bar on screen"
-    assert framer.feed(b"100%|###|\n") == (b"100%|###|\n", None), "the newline makes it a line"
-    assert framer.feed(b"\r        \r") == (b"", b""), "wiped (tqdm's leave=False)"
-    assert framer.feed(b"tail") == (b"", None) and framer.flush() == b"tail\n"
-
-
-def test_a_wiped_bar_remembers_its_last_state() -> None:
-    framer = ConsoleFramer()
-    assert framer.feed(b"\r 99%\r100%\r      \r") == (b"", b"")
-    assert framer.last_bar == b"100%"
-
-
-def test_a_bar_left_unfinished_is_flushed_as_its_last_state() -> None:
-    framer = ConsoleFramer()
-    framer.feed(b"\r 10%\r 55%")
-    assert framer.flush() == b" 55%\n"
-
-
-@given(st.lists(st.binary(max_size=40), max_size=20))
-def test_every_line_is_kept_whatever_the_chunking(chunks: list[bytes]) -> None:
-    data = b"".join(chunks)
-    framer = ConsoleFramer()
-    lines = b"".join(framer.feed(chunk)[0] for chunk in chunks) + framer.flush()
-    expected = as_shown(data[: data.rfind(b"\n") + 1])
-
-    def visible(text: bytes) -> list[bytes]:  # a wiped bar may leave a blank line less
-        return [line.strip() for line in text.split(b"\n") if line.strip()]
-
-    assert visible(lines)[: len(visible(expected))] == visible(expected)
 
 
 def test_the_node_bar_follows_the_slowest_rank_with_rate_and_eta() -> None:

@@ -26,6 +26,7 @@ from relaunch.core.console_plan import (
     agent_tee,
     console_is_relaunchs,
     log_line_prefixes,
+    relayed,
 )
 from relaunch.core.failures import format_report, one_line, root_cause_rank
 from relaunch.core.group import GroupState
@@ -334,6 +335,10 @@ class LocalElasticAgent:
         }
         nprocs = spec.local_world_size
         tee = agent_tee(spec.tee, spec.redirects, nprocs, self._expiry.hang_timeout is not None)
+        relay = relayed(spec.redirects, tee, nprocs, self._console.terminals())
+        # Only a relay that does something is passed: a start_processes given by the user
+        # (torch's, say) knows no such argument.
+        extra = {"relay": relay} if any(relay.values()) else {}
         self._pcontext = self._start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,
@@ -349,11 +354,12 @@ class LocalElasticAgent:
                 spec.role,
                 ((worker.local_rank, worker.global_rank) for worker in group.workers),
             ),
+            **extra,
         )
         wakeups = self._wakeups
         self._pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
         self._node_bar.restart(self._channel)
-        if console_is_relaunchs(spec.redirects, tee, nprocs):
+        if console_is_relaunchs(spec.redirects, tee, nprocs, relay):
             self._console.add_source(self._node_bar)
         pids = self._pcontext.pids()
         for worker, pid in zip(group.workers, pids.values(), strict=True):

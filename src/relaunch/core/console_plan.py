@@ -29,15 +29,39 @@ def agent_tee(
     }
 
 
+def relayed(
+    redirects: Std | Mapping[int, Std],
+    tee: Std | Mapping[int, Std],
+    nprocs: int,
+    terminals: Std,
+) -> dict[int, Std]:
+    """The streams relaunch copies to its console itself, by local rank: those neither logged
+    nor bound for a terminal (``terminals``: the launcher's streams that are one).
+
+    Off a terminal (a CI log, a pipe) a worker writing straight to the console would put every
+    progress-bar refresh in it; through relaunch, lines stay whole and refreshes are collapsed.
+    On a terminal the worker keeps it, as under torchrun (its bars draw, its prompts read).
+    """
+    redirected = per_rank(redirects, nprocs)
+    teed = per_rank(tee, nprocs)
+    return {rank: Std(Std.ALL & ~(redirected[rank] | teed[rank] | terminals)) for rank in teed}
+
+
 def console_is_relaunchs(
-    redirects: Std | Mapping[int, Std], tee: Std | Mapping[int, Std], nprocs: int
+    redirects: Std | Mapping[int, Std],
+    tee: Std | Mapping[int, Std],
+    nprocs: int,
+    relay: Std | Mapping[int, Std] = Std.NONE,
 ) -> bool:
     """Whether no worker writes to the console itself: only then can relaunch draw on it (a bar
     drawn where workers write straight to the terminal would collide with them). ``tee`` is the
-    one workers start with (``agent_tee``)."""
+    one workers start with (``agent_tee``), ``relay`` what ``relayed`` gives."""
     redirected = per_rank(redirects, nprocs)
     teed = per_rank(tee, nprocs)
-    return all(redirected[rank] | teed[rank] == Std.ALL for rank in redirected)
+    relay_by_rank = per_rank(relay, nprocs)
+    return all(
+        redirected[rank] | teed[rank] | relay_by_rank[rank] == Std.ALL for rank in redirected
+    )
 
 
 def log_line_prefixes(

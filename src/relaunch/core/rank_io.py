@@ -21,10 +21,11 @@ ERROR_FILE = "error.json"
 class RankIO:
     """The I/O of one local rank.
 
-    ``stdout``/``stderr`` are log file paths, "" where the stream is inherited from the launcher;
+    ``stdout``/``stderr`` are log file paths, "" where the stream is not logged;
     ``tee`` names the logged streams that are also echoed to the console, each line prefixed
-    ``prefix``. ``error_file`` is where the worker reports its failure; all its files live in
-    ``log_dir``.
+    ``prefix``; ``relay`` the streams not logged that relaunch copies to the console (whole
+    lines, bar refreshes collapsed) rather than letting the worker inherit it. ``error_file`` is
+    where the worker reports its failure; all its files live in ``log_dir``.
     """
 
     local_rank: int
@@ -34,6 +35,7 @@ class RankIO:
     tee: Std
     error_file: str
     prefix: str
+    relay: Std = Std.NONE
 
     @property
     def tee_stdout(self) -> bool:
@@ -42,6 +44,14 @@ class RankIO:
     @property
     def tee_stderr(self) -> bool:
         return bool(self.tee & Std.ERR)
+
+    @property
+    def relay_stdout(self) -> bool:
+        return bool(self.relay & Std.OUT)
+
+    @property
+    def relay_stderr(self) -> bool:
+        return bool(self.relay & Std.ERR)
 
 
 def default_prefix(name: str, local_rank: int) -> str:
@@ -56,14 +66,17 @@ def plan_rank_io(
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
     prefixes: Mapping[int, str] | None = None,
+    relay: Std | Mapping[int, Std] = Std.NONE,
 ) -> dict[int, RankIO]:
     """One ``RankIO`` per local rank ``0..nprocs-1``, its files in ``{log_dir}/{rank}/``.
 
-    A stream is logged when redirected or tee'd (a tee is a redirect echoed to the console).
-    ``prefixes`` replaces the console prefix of some ranks.
+    A stream is logged when redirected or tee'd (a tee is a redirect echoed to the console);
+    ``relay`` applies to the streams that are not. ``prefixes`` replaces the console prefix of
+    some ranks.
     """
     redirect_by_rank = per_rank(redirects, nprocs)
     tee_by_rank = per_rank(tee, nprocs)
+    relay_by_rank = per_rank(relay, nprocs)
     chosen = prefixes or {}
     plan: dict[int, RankIO] = {}
     for rank in range(nprocs):
@@ -77,5 +90,6 @@ def plan_rank_io(
             tee=tee_by_rank[rank],
             error_file=posixpath.join(rank_dir, ERROR_FILE),
             prefix=chosen.get(rank, default_prefix(name, rank)),
+            relay=relay_by_rank[rank] & ~logged,
         )
     return plan

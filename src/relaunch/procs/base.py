@@ -160,7 +160,7 @@ class PContext(abc.ABC):
             for rank in range(self.nprocs):
                 opened = streams = RankStreams(self.rank_io[rank])
                 try:
-                    streams.open()
+                    streams.open(console)
                     env = {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}
                     handle, result_conn = self._start_worker(
                         rank, env, streams.stdout.child_fd, streams.stderr.child_fd

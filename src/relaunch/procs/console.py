@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from relaunch.core.lines import prefix_lines
+from relaunch.core.streams import Std
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 #: How long a writer waits for a progress bar to clear itself before writing anyway.
@@ -37,6 +38,7 @@ class ConsoleWriter:
     """
 
     def __init__(self, dst: TextIO, progbar_events: ProgbarEvents | None = None) -> None:
+        self.stream = dst
         self._dst = dst
         self._binary = getattr(dst, "buffer", None)
         self._progbar = progbar_events
@@ -141,7 +143,8 @@ class Console:
         self.live = progbar_events is None and _is_terminal(stderr)
         self._stdout_crosses = self.live and _is_terminal(stdout)
         self._colour = {False: colours_wanted(stdout), True: colours_wanted(stderr)}
-        self._width = shutil.get_terminal_size((100, 24)).columns if self.live else 0
+        self._size = shutil.get_terminal_size((100, 24)) if self.live else None
+        self._width = self._size.columns if self._size else 0
         self._bars: dict[str, _Bar] = {}
         self._sources: list[BarSource] = []
         self._wakers: list[Callable[[], None]] = []
@@ -153,6 +156,18 @@ class Console:
         self._period = REDRAW_SECONDS if self.live else THROTTLE_SECONDS
         self._polled_at = -1e9
         self._lock = threading.RLock()
+
+    def terminals(self) -> Std:
+        """The launcher's streams that are a terminal."""
+        out = Std.OUT if _is_terminal(self.out.stream) else Std.NONE
+        return Std(out | (Std.ERR if _is_terminal(self.err.stream) else Std.NONE))
+
+    def terminal_size(self, err: bool, prefix_width: int) -> tuple[int, int] | None:
+        """(columns, rows) of a pseudo-terminal for a worker stream shown on this console with a
+        prefix ``prefix_width`` wide; None when it is not drawn on a terminal by relaunch."""
+        if self._size is None or not (err or self._stdout_crosses):
+            return None
+        return max(20, self._size.columns - prefix_width - 1), self._size.lines
 
     # -- lines ----------------------------------------------------------------------------------
 
@@ -308,7 +323,7 @@ class Console:
         self._dirty = False
         self._drawn_at = self._clock.monotonic()
         order = sorted(self._bars, key=_display_order)
-        lines = [self._fit(self._bars[key].text) for key in order]
+        lines = [self._fit(row) for key in order for row in self._bars[key].text.split(b"\n")]
         self._drawn_rows = len(lines)
         return b"\n".join(lines)
 

@@ -143,6 +143,7 @@ def start_processes(
     *,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     log_line_prefixes: Mapping[int, str] | None = None,
+    relay: Std | Mapping[int, Std] = Std.NONE,
 ) -> PContext:
     """Start one copy of ``entrypoint`` per local rank and return the running context.
 
@@ -152,11 +153,14 @@ def start_processes(
     must be an existing empty directory; each rank gets ``{log_dir}/{rank}/`` with
     ``stdout.log``/``stderr.log`` for redirected or tee'd streams and ``error.json`` on failure.
     ``log_line_prefixes`` replaces the console prefix ``[{name}{local_rank}]:`` of some ranks.
+    ``relay`` (relaunch's own) names streams, neither redirected nor tee'd, that relaunch copies
+    to its console as whole lines with bar refreshes collapsed, rather than letting the workers
+    inherit the console.
     """
     nprocs = check_ranks(args, envs)
     check_entrypoint(entrypoint, start_method)
     check_log_dir(log_dir)
-    rank_io = plan_rank_io(name, log_dir, nprocs, redirects, tee, log_line_prefixes)
+    rank_io = plan_rank_io(name, log_dir, nprocs, redirects, tee, log_line_prefixes, relay)
     rank_args = {rank: substitute_local_rank(args[rank], rank) for rank in range(nprocs)}
     context: PContext
     if isinstance(entrypoint, str):

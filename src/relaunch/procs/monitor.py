@@ -238,11 +238,9 @@ class GroupMonitor:
             assert stream.bar is not None
             if not stream.bar:  # wiped: its last state first, for a log that keeps it
                 stream.console.set_bar(
-                    stream.key, stream.prefix + stream.framer.last_bar, stream.err
+                    stream.key, stream.shown_bar(stream.framer.last_bar), stream.err
                 )
-            stream.console.set_bar(
-                stream.key, stream.prefix + stream.bar if stream.bar else b"", stream.err
-            )
+            stream.console.set_bar(stream.key, stream.shown_bar(stream.bar), stream.err)
         return True
 
     def _reap(self, worker: WorkerProcess) -> None:

@@ -1,16 +1,22 @@
-"""The files and pipes behind one rank's ``RankIO``, while its worker starts and runs.
+"""The files, pipes and terminals behind one rank's ``RankIO``, while its worker starts and runs.
 
 ``core.rank_io`` plans where each stream goes; this opens it: a log file the child writes to, or,
-for a tee'd stream, a pipe whose other end the monitor copies (``TeeStream``) to the log file and
-the console.
+for a stream relaunch shows on its console (tee'd, or relayed), a pipe whose other end the
+monitor copies (``TeeStream``) to the log file, if any, and the console. Where that console is a
+terminal the pipe is a pseudo-terminal of the console's width less the prefix, so that the
+worker draws its bars as it would in a terminal of its own.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import struct
+import termios
 
-from relaunch.core.lines import ConsoleFramer
 from relaunch.core.rank_io import RankIO
+from relaunch.core.screen import ScreenFramer
 from relaunch.procs.console import Console
 
 _READ_SIZE = 1 << 16
@@ -23,16 +29,23 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 class TeeStream:
-    """One tee'd stream: bytes from a worker's pipe to its log file and, as lines, to a console.
+    """One stream shown on a console: bytes from a worker's pipe (or pseudo-terminal) to its log
+    file, if any, and, as lines, to the console.
 
     Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
     all streams together: under a flood of small writes that is one console write per round, not
-    one per read. Carriage-return refreshes (progress bars) become the stream's ``bar`` rather
-    than lines; the log file gets every byte either way.
+    one per read. Rows being redrawn (progress bars, live displays) become the stream's ``bar``
+    rather than lines; the log file gets every byte either way.
     """
 
     def __init__(
-        self, read_fd: int, log_fd: int, console: Console, prefix: bytes, err: bool = False
+        self,
+        read_fd: int,
+        log_fd: int | None,
+        console: Console,
+        prefix: bytes,
+        err: bool = False,
+        key: str = "",
     ) -> None:
         os.set_blocking(read_fd, False)
         self.read_fd = read_fd
@@ -40,8 +53,8 @@ class TeeStream:
         self.console = console
         self.prefix = prefix
         self.err = err
-        self.key = f"{prefix.decode(errors='replace')}{'e' if err else 'o'}"
-        self.framer = ConsoleFramer()
+        self.key = f"{prefix.decode(errors='replace')}{key}{'e' if err else 'o'}"
+        self.framer = ScreenFramer()
         self.pending: list[bytes] = []
         #: The bar the stream redraws now (None: none), and whether the console must hear of it.
         self.bar: bytes | None = None
@@ -61,9 +74,14 @@ class TeeStream:
                 return False
             except InterruptedError:
                 continue
+            except OSError as error:  # a pseudo-terminal whose worker side is closed
+                if error.errno != errno.EIO:
+                    raise
+                return True
             if not chunk:
                 return True
-            write_all(self.log_fd, chunk)
+            if self.log_fd is not None:
+                write_all(self.log_fd, chunk)
             lines, bar = self.framer.feed(chunk)
             if lines:
                 self.pending.append(self.console.render(lines, self.prefix))
@@ -72,6 +90,10 @@ class TeeStream:
                 self.bar = bar
             if not until_empty and len(chunk) < _READ_SIZE:
                 return False
+
+    def shown_bar(self, bar: bytes) -> bytes:
+        """``bar`` as the console shows it: each of its rows prefixed."""
+        return self.prefix + bar.replace(b"\n", b"\n" + self.prefix) if bar else b""
 
     def take_pending(self) -> bytes:
         data = b"".join(self.pending)
@@ -90,28 +112,50 @@ class TeeStream:
         data = self.take_pending()
         self.console.write(b"" if self.err else data, data if self.err else b"")
         os.close(self.read_fd)
-        os.close(self.log_fd)
+        if self.log_fd is not None:
+            os.close(self.log_fd)
+
+
+def open_terminal(columns: int, rows: int) -> tuple[int, int]:
+    """A pseudo-terminal of ``columns`` x ``rows``: (the end relaunch reads, the worker's end).
+
+    Newlines are left as the worker wrote them (no CR LF), so the log file gets its bytes.
+    """
+    read_fd, child_fd = os.openpty()
+    try:
+        fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+        attributes = termios.tcgetattr(child_fd)
+        attributes[1] &= ~termios.ONLCR
+        termios.tcsetattr(child_fd, termios.TCSANOW, attributes)
+    except BaseException:
+        os.close(read_fd)
+        os.close(child_fd)
+        raise
+    return read_fd, child_fd
 
 
 class StreamEnds:
-    """Where one standard stream of one worker goes: inherited, a file, or a tee pipe."""
+    """Where one standard stream of one worker goes: inherited, a file, or a pipe to relaunch
+    (tee'd to a file and the console, or relayed to the console only)."""
 
-    def __init__(self, path: str, tee: bool) -> None:
+    def __init__(self, path: str, tee: bool, relay: bool = False) -> None:
         self.path = path
         self.tee = tee
+        self.relay = relay
         self.child_fd: int | None = None  # what the child writes to
-        self.read_fd: int | None = None  # tee: what the monitor reads
+        self.read_fd: int | None = None  # tee or relay: what the monitor reads
         self.log_fd: int | None = None  # tee: where the monitor writes
 
-    def open(self) -> None:
-        if not self.path:
+    def open(self, terminal: tuple[int, int] | None = None) -> None:
+        """Open the stream's ends; ``terminal`` (columns, rows) makes its pipe a terminal."""
+        if not self.path and not self.relay:
             return
-        log_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        if self.tee:
-            self.read_fd, self.child_fd = os.pipe()
-            self.log_fd = log_fd
-        else:
-            self.child_fd = log_fd
+        if self.path and not self.tee:
+            self.child_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            return
+        if self.path:
+            self.log_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.read_fd, self.child_fd = open_terminal(*terminal) if terminal else os.pipe()
 
     def close_child_end(self) -> None:
         if self.child_fd is not None:
@@ -135,12 +179,14 @@ class RankStreams:
 
     def __init__(self, io: RankIO) -> None:
         self.io = io
-        self.stdout = StreamEnds(io.stdout, io.tee_stdout)
-        self.stderr = StreamEnds(io.stderr, io.tee_stderr)
+        self.stdout = StreamEnds(io.stdout, io.tee_stdout, io.relay_stdout)
+        self.stderr = StreamEnds(io.stderr, io.tee_stderr, io.relay_stderr)
 
-    def open(self) -> None:
-        self.stdout.open()
-        self.stderr.open()
+    def open(self, console: Console) -> None:
+        """Open both streams; those shown on a terminal get one of their own."""
+        width = len(self.io.prefix) if self.io.prefix else 0
+        self.stdout.open(console.terminal_size(err=False, prefix_width=width))
+        self.stderr.open(console.terminal_size(err=True, prefix_width=width))
 
     def close_child_ends(self) -> None:
         self.stdout.close_child_end()
@@ -152,16 +198,18 @@ class RankStreams:
         self.stderr.close_all()
 
     def tees(self, console: Console) -> list[TeeStream]:
-        """A ``TeeStream`` per tee'd stream, its lines prefixed with the rank's prefix."""
+        """A ``TeeStream`` per stream shown on the console, its lines prefixed with the rank's
+        prefix (relayed streams have none)."""
         prefix = self.io.prefix.encode()
         return [
             TeeStream(
                 ends.read_fd,
                 ends.log_fd,
                 console,
-                console.prefix(prefix, self.io.local_rank, err),
+                console.prefix(prefix, self.io.local_rank, err) if ends.tee else b"",
                 err,
+                key=f"{self.io.local_rank}:",
             )
             for ends, err in ((self.stdout, False), (self.stderr, True))
-            if ends.read_fd is not None and ends.log_fd is not None
+            if ends.read_fd is not None
         ]
