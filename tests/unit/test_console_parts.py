@@ -9,6 +9,7 @@ import pytest
 
 from relaunch.core import channel
 from relaunch.core.progress import NodeProgress, Progress, read_progress
+from relaunch.core.streams import Std
 from relaunch.core.summary import RankEnd, RunSummary, format_summary
 from relaunch.procs.console import Console
 from relaunch.runtime import ManualClock
@@ -122,3 +123,27 @@ def test_on_a_terminal_bars_live_below_the_scrolling_lines(
     assert not err.text().endswith(b"[w0]: 10%\n")
     monkeypatch.setenv("NO_COLOR", "1")
     assert Console(out, err).prefix(b"[w1]:", 1, err=True) == b"[w1]:"
+
+
+def test_a_live_area_of_several_rows_per_bar_fits_the_screen(
+    clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setenv("LINES", "4")
+    out, err = FakeTerminal(False), FakeTerminal(True)
+    console = Console(out, err, clock=clock)
+    assert console.terminals() == Std.ERR
+    assert console.terminal_size(err=True, prefix_width=5) == (34, 4), "40 less prefix and one"
+    assert console.terminal_size(err=False, prefix_width=5) is None, "stdout is no terminal"
+    console.set_bar("a", b"[w0]:Epoch 1\n[w0]:loss 0.5")
+    console.set_bar("b", b"[w1]:Epoch 1\n[w1]:loss 0.6")
+    console.tick()
+    # Four rows on a screen of four: the top one is left out, so that all can be erased again.
+    assert err.text() == b"[w0]:loss 0.5\n[w1]:Epoch 1\n[w1]:loss 0.6"
+    clock.advance(0.2)
+    console.write(b"", b"[w0]:saved\n")
+    assert err.text().endswith(
+        b"\r\033[2K\033[1A\033[2K\033[1A\033[2K"  # three rows erased
+        + b"[w0]:saved\n[w0]:loss 0.5\n[w1]:Epoch 1\n[w1]:loss 0.6"
+    )

@@ -324,6 +324,9 @@ class Console:
         self._drawn_at = self._clock.monotonic()
         order = sorted(self._bars, key=_display_order)
         lines = [self._fit(row) for key in order for row in self._bars[key].text.split(b"\n")]
+        if self._size is not None and len(lines) >= self._size.lines:
+            # Rows above the screen's top could not be erased again: the lowest ones are shown.
+            lines = lines[len(lines) - self._size.lines + 1 :]
         self._drawn_rows = len(lines)
         return b"\n".join(lines)
 
