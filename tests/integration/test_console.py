@@ -368,3 +368,54 @@ def test_on_a_terminal_tee_gives_each_worker_a_terminal_of_its_own(
     [log] = list(logs.glob("*/attempt_0/1/stderr.log"))
     raw = log.read_bytes()
     assert raw.count(b"\r\x1b[2K\x1b[1A\x1b[2K") == 29 and b"\r\n" not in raw, "every byte"
+
+
+RICH_AND_TQDM = r"""
+    import os, sys, time
+    from rich.console import Console
+    from rich.progress import Progress
+    from tqdm import tqdm
+
+    rank = os.environ["LOCAL_RANK"]
+    with Progress(console=Console(file=sys.stderr), refresh_per_second=20) as progress:
+        task = progress.add_task(f"rank {rank} train", total=40)
+        for step in range(1, 41):
+            progress.advance(task)
+            if step % 20 == 0:
+                progress.console.print(f"rank {rank} checkpoint {step}")
+            time.sleep(0.01)
+    for _ in tqdm(range(30), desc=f"rank {rank} eval", mininterval=0):
+        time.sleep(0.005)
+    print(f"rank {rank} done")
+"""
+
+
+def test_real_rich_and_tqdm_bars_draw_under_their_prefix_at_the_terminals_width(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    pytest.importorskip("rich")
+    pytest.importorskip("tqdm")
+    from relaunch.core.screen import ScreenFramer
+
+    job = write_job(tmp_path, RICH_AND_TQDM)
+    env = leaks.process_env(TERM="xterm", COLUMNS="100", LINES="30")
+    env.pop("NO_COLOR", None)
+    screen = run_in_terminal(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", "--tee", "3", job], env
+    )
+    framer = ScreenFramer()
+    shown = framer.feed(screen.replace(b"\r\n", b"\n"))[0] + framer.flush()
+    lines = ANSI.sub(b"", shown).decode().splitlines()
+    for rank in (0, 1):
+        prefix = f"[default{rank}]:"
+        mine = [line for line in lines if line.startswith(prefix)]
+        for step in (20, 40):  # Rich's lines printed above its live bar, under the prefix
+            assert mine.count(f"{prefix}rank {rank} checkpoint {step}") == 1, lines
+        [rich_bar] = [line for line in mine if f"rank {rank} train" in line]
+        assert "━━━━━━━━━━" in rich_bar, "Rich drew its bar (it draws nothing in a pipe)"
+        [tqdm_bar] = [line for line in mine if f"rank {rank} eval" in line]
+        # tqdm fills its terminal (88 columns) but the last: with the prefix, 98 of 100
+        assert "30/30" in tqdm_bar and len(tqdm_bar) == 98, tqdm_bar
+        assert f"{prefix}rank {rank} done" in mine
+    unprefixed = [line for line in lines if re.search(r"checkpoint|eval|train", line)]
+    assert all(line.startswith("[default") for line in unprefixed), "no prefix erased"

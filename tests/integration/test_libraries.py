@@ -210,7 +210,6 @@ def test_a_killed_worker_restarts_the_group_which_resumes_to_the_same_weights(
 
 @pytest.mark.timeout(ONE_JOB)
 @pytest.mark.parametrize("library", LIBRARIES)
-@pytest.mark.xfail(strict=False, reason="needs the default console relay")
 def test_the_piped_console_gets_no_bar_refresh(library: str, clean: Callable[[str], Run]) -> None:
     require(library)
     run = clean(library)
