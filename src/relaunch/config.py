@@ -285,8 +285,9 @@ def config_from_args(
     """The checked ``LaunchConfig``, the entrypoint and its arguments the parsed flags describe.
 
     Reads nothing but its arguments (and the training script's file): ``environ`` gives ``PATH``
-    for ``--no-python``, ``gpus`` and ``cpus`` (default: ``os.cpu_count()``) resolve
-    ``--nproc-per-node gpu/cpu/auto``, and ``fresh_run_id`` is the run id of a job that
+    for ``--no-python`` and ``PYTHON_EXEC`` (torchrun's: the Python that runs the script),
+    ``gpus`` and ``cpus`` (default: ``os.cpu_count()``) resolve ``--nproc-per-node
+    gpu/cpu/auto``, and ``fresh_run_id`` is the run id of a job that
     torchrun gives a fresh one (empty: a fresh one at launch): ``--standalone``, and one node with
     the static backend, no ``--rdzv-endpoint`` and no ``--master-port``, which torchrun 2.13 runs
     as ``--standalone`` (ignoring ``--rdzv-id``), so that runs on one machine never share an id.
@@ -368,15 +369,16 @@ def _command(
         if not usable:
             raise ConfigError(f"binary {script!r} was not found or is not executable")
         return script, rest
+    python = environ.get("PYTHON_EXEC") or sys.executable  # torchrun's variable
     if args.module:
-        return sys.executable, ("-u", "-m", script, *rest)
+        return python, ("-u", "-m", script, *rest)
     if not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} does not exist")
     if args.run_path:
         from relaunch._run_path import run_script
 
         return run_script, (script, *rest)
-    return sys.executable, ("-u", script, *rest)
+    return python, ("-u", script, *rest)
 
 
 def _console_filter(

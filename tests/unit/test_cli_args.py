@@ -142,3 +142,25 @@ def test_signals_to_handle() -> None:
         signal.SIGINT,
         signal.SIGTERM,
     ]
+
+
+def test_torchruns_shutdown_timeout_variable_sets_the_default() -> None:
+    def timeout(**env: str) -> float:
+        return float(cli.build_parser(env).parse_args(["job.py"]).shutdown_timeout)
+
+    assert timeout() == 30.0
+    assert timeout(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="7") == 7.0
+    assert timeout(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="7", PET_SHUTDOWN_TIMEOUT="9") == 9.0
+    parser = cli.build_parser({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"})
+    assert parser.parse_args(["--shutdown-timeout", "3", "job.py"]).shutdown_timeout == 3.0
+
+
+def test_torchruns_python_exec_runs_the_script(tmp_path) -> None:
+    from relaunch.config import config_from_args
+
+    args = cli.build_parser({}).parse_args(["-m", "pkg.main"])
+    assert config_from_args(args, {"PYTHON_EXEC": "/opt/py"}, 0)[1:] == (
+        "/opt/py",
+        ("-u", "-m", "pkg.main"),
+    )
+    assert config_from_args(args, {}, 0)[1] == sys.executable
