@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
+#: ``--signals-to-handle`` when not given (torchrun's).
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 class ConfigError(ValueError):
@@ -73,6 +75,8 @@ class LaunchConfig:
     #: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); restart when a worker hangs this many seconds.
     timers: bool | None = None
     hang_timeout: float | None = None
+    #: torchrun's ``--signals-to-handle``, given to workers as ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
+    signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)
@@ -245,8 +249,15 @@ def etcd_options(conf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def new_run_id() -> str:
-    """A fresh random run id (32 hex digits, like a uuid4's)."""
-    return os.urandom(16).hex()
+    """A fresh random run id, a uuid4 in its text form as torchrun's (``str(uuid.uuid4())``).
+
+    Built from ``os.urandom`` so that the launch path does not import ``uuid`` (5 ms).
+    """
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def resolve_nproc(value: str, cpus: int, gpus: int) -> int:
@@ -274,9 +285,14 @@ def config_from_args(
     """The checked ``LaunchConfig``, the entrypoint and its arguments the parsed flags describe.
 
     Reads nothing but its arguments (and the training script's file): ``environ`` gives ``PATH``
-    for ``--no-python``, ``gpus`` and ``cpus`` (default: ``os.cpu_count()``) resolve
-    ``--nproc-per-node gpu/cpu/auto``, and ``fresh_run_id`` is ``--standalone``'s run id (empty:
-    a fresh one at launch).
+    for ``--no-python`` and ``PYTHON_EXEC`` (torchrun's: the Python that runs the script),
+    ``gpus`` and ``cpus`` (default: ``os.cpu_count()``) resolve ``--nproc-per-node
+    gpu/cpu/auto``, and ``fresh_run_id`` is the run id of a job that
+    torchrun gives a fresh one (empty: a fresh one at launch): ``--standalone``, and one node with
+    the static backend, no ``--rdzv-endpoint`` and no ``--master-port``, which torchrun 2.13 runs
+    as ``--standalone`` (ignoring ``--rdzv-id``), so that runs on one machine never share an id.
+    That one stays on the static backend, with a free port (as fast, and a failure is final at
+    once: the dynamic rendezvous waits for a lost node to be noticed first).
     """
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     nproc = resolve_nproc(args.nproc_per_node, cpus, gpus)
@@ -291,8 +307,12 @@ def config_from_args(
     if backend == "static":
         if not endpoint:
             port = args.master_port
-            if port is None:
-                port = 0 if max_nodes == 1 else STATIC_PORT
+            if port is None and max_nodes == 1:
+                # torchrun 2.13 runs this as --standalone: a fresh run id (whatever --rdzv-id
+                # says) and a free port. The static backend with port 0 does the same here.
+                port, run_id = 0, fresh_run_id
+            elif port is None:
+                port = STATIC_PORT
             endpoint = f"{args.master_addr}:{port}"
         rdzv_configs["rank"] = args.node_rank
     redirects, tee = _console_filter(args, nproc)
@@ -316,6 +336,7 @@ def config_from_args(
         event_log_handler=args.event_log_handler,
         timers=True if args.timers else None,
         hang_timeout=args.hang_timeout,
+        signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
     )
     validate(config)
     if backend != "static" and not endpoint:
@@ -348,15 +369,16 @@ def _command(
         if not usable:
             raise ConfigError(f"binary {script!r} was not found or is not executable")
         return script, rest
+    python = environ.get("PYTHON_EXEC") or sys.executable  # torchrun's variable
     if args.module:
-        return sys.executable, ("-u", "-m", script, *rest)
+        return python, ("-u", "-m", script, *rest)
     if not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} does not exist")
     if args.run_path:
         from relaunch._run_path import run_script
 
         return run_script, (script, *rest)
-    return sys.executable, ("-u", script, *rest)
+    return python, ("-u", script, *rest)
 
 
 def _console_filter(

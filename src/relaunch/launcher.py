@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
@@ -53,6 +55,21 @@ def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
     return get_rendezvous_handler(params)
 
 
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, as torchrun's launch_agent sets it (the
+    workers inherit it); the caller's value is put back after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def launch_agent(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -94,7 +111,8 @@ def launch_agent(
     )
     outcome = "ended by an error"
     try:
-        result = agent.run()
+        with _environ("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle):
+            result = agent.run()
         outcome = "failed" if result.is_failed() else "succeeded"
     except SignalException as exc:
         outcome = f"stopped by {exc.sigval.name}"

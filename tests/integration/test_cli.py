@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
+import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -296,19 +302,176 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
 
 
+#: The variables torchrun 2.13 adds to a worker's environment (its LocalElasticAgent, plus
+#: OMP_NUM_THREADS and TORCHELASTIC_SIGNALS_TO_HANDLE, which torchrun puts in its own
+#: environment), as dumped by a worker under ``torchrun --nproc-per-node 2``: what relaunch is
+#: compared with where torch is not installed.
+TORCHRUN_2_13_NAMES = frozenset(
+    {
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "OMP_NUM_THREADS",
+    }
+)
+#: What relaunch adds of its own: the channel of ``stop_requested`` and ``report_progress``.
+RELAUNCH_OWN_NAMES = frozenset({"RELAUNCH_CHANNEL"})
+#: The values both launchers must give alike (MASTER_PORT, the run id, the error file's path
+#: and TORCHELASTIC_USE_AGENT_STORE are compared apart).
+MUST_AGREE = (
+    "LOCAL_RANK",
+    "RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+)
+UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+DUMP_ENV = """
+    import json, os, sys
+    with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+        json.dump(dict(os.environ), f)
+"""
+
+
+def has_torchrun() -> bool:
+    """Whether torch (hence torchrun) is installed, found without importing it."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def clean_env(leaks: LeakCheck) -> dict[str, str]:
+    """The test's environment without any variable a launcher sets, so every one it sets shows."""
+    return {
+        name: value
+        for name, value in leaks.process_env().items()
+        if name not in TORCHRUN_2_13_NAMES | RELAUNCH_OWN_NAMES and not name.startswith("PET_")
+    }
+
+
+def dump_envs(
+    leaks: LeakCheck, tmp_path, launcher: list[str], nodes: list[list[str]]
+) -> dict[int, dict[str, str]]:
+    """Run one launcher per entry of ``nodes`` (its flags) together, each with 2 workers that
+    dump their environment; what each worker got on top of the launcher's, by global rank."""
+    out = pathlib.Path(tempfile.mkdtemp(prefix="envs_", dir=tmp_path))
+    job = script(tmp_path, DUMP_ENV, name="dump_env.py")
+    base = clean_env(leaks)
+    procs = [
+        subprocess.Popen(
+            [*launcher, "--nproc-per-node", "2", *flags, job, str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=base,
+        )
+        for flags in nodes
+    ]
+    try:
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 0, stderr
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    envs = {int(p.name): json.loads(p.read_text()) for p in out.iterdir()}
+    return {
+        rank: {name: value for name, value in env.items() if base.get(name) != value}
+        for rank, env in envs.items()
+    }
+
+
+def is_this_host(addr: str) -> bool:
+    """Whether ``addr`` names this machine: every address it resolves to can be bound here."""
+    try:
+        infos = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            try:
+                sock.bind(sockaddr)
+            except OSError:
+                return False
+    return bool(infos)
+
+
+def ephemeral(port: str) -> bool:
+    """Whether ``port`` is in the kernel's range for ports it picks: a free port, not 29500."""
+    text = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+    low, high = map(int, text.split())
+    return low <= int(port) <= high
+
+
+def assert_names_and_values(
+    relaunch_envs: dict[int, dict[str, str]],
+    torchrun_envs: dict[int, dict[str, str]] | None,
+    expected: dict[str, str],
+) -> None:
+    """relaunch's workers got torchrun's names (plus its own), ``expected`` by rank, and, when
+    torchrun ran, the values torchrun's workers got for the names that must agree."""
+    assert sorted(relaunch_envs) == list(range(len(relaunch_envs)))
+    if torchrun_envs is None:
+        names = TORCHRUN_2_13_NAMES
+    else:
+        assert sorted(torchrun_envs) == sorted(relaunch_envs)
+        names = frozenset(torchrun_envs[0])
+        if importlib.metadata.version("torch").startswith("2.13."):
+            assert names == TORCHRUN_2_13_NAMES, "the written-down list is torchrun 2.13's"
+    for rank, env in relaunch_envs.items():
+        assert set(env) == names | RELAUNCH_OWN_NAMES, rank
+        local_rank = str(rank % int(env["LOCAL_WORLD_SIZE"]))
+        assert env["RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == local_rank
+        assert {name: env[name] for name in expected} == expected
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{local_rank}/error.json")
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # on purpose: rank 0 hosts it
+        if torchrun_envs is not None:
+            theirs = torchrun_envs[rank]
+            assert set(theirs) == names, rank
+            assert {n: env[n] for n in MUST_AGREE} == {n: theirs[n] for n in MUST_AGREE}
+            assert theirs["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{local_rank}/error.json")
+            assert theirs["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
 def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: LeakCheck) -> None:
     out = tmp_path / "envs"
     out.mkdir()
-    job = script(
-        tmp_path,
-        f"""
-        import json, os
-        with open(os.path.join({str(out)!r}, os.environ["RANK"]), "w") as f:
-            json.dump(dict(os.environ), f)
-    """,
-    )
+    job = script(tmp_path, DUMP_ENV)
     done = relaunch(
-        leaks, "--standalone", "--nproc_per_node=3", "--role", "trainer", "--max-restarts", "2", job
+        leaks,
+        "--standalone",
+        "--nproc_per_node=3",
+        "--role",
+        "trainer",
+        "--max-restarts",
+        "2",
+        job,
+        str(out),
     )
     assert done.returncode == 0, done.stderr
     assert "setting OMP_NUM_THREADS=1 for each of the 3 workers" in done.stderr
@@ -317,6 +480,7 @@ def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: Leak
     ports = {env["MASTER_PORT"] for env in envs.values()}
     run_ids = {env["TORCHELASTIC_RUN_ID"] for env in envs.values()}
     assert len(ports) == 1 and len(run_ids) == 1
+    assert UUID4.fullmatch(run_ids.pop()), "a fresh uuid4, as torchrun's --standalone gives"
     for rank, env in envs.items():
         expected = {
             "LOCAL_RANK": str(rank),
@@ -332,11 +496,86 @@ def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: Leak
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "2",
             "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "OMP_NUM_THREADS": "1",
         }
         assert {key: env.get(key) for key in expected} == expected
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
+
+
+RELAUNCH = [sys.executable, "-m", "relaunch"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+@pytest.mark.xdist_group("torch")
+@pytest.mark.timeout(120)
+def test_one_node_gives_torchruns_environment(tmp_path, leaks: LeakCheck) -> None:
+    flags = ["--role", "trainer", "--max-restarts", "1"]
+    first, second = (dump_envs(leaks, tmp_path, RELAUNCH, [flags]) for _ in range(2))
+    theirs = dump_envs(leaks, tmp_path, TORCHRUN, [flags]) if has_torchrun() else None
+    expected = {
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "trainer",
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "2",
+        "ROLE_WORLD_SIZE": "2",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    assert_names_and_values(first, theirs, expected)
+    runs = [first, second] if theirs is None else [first, second, theirs]
+    for envs in runs:
+        # One node, no --master-port: a fresh run id (so paths built from it never collide
+        # between runs) and a port the kernel found free, on this host, for every rank alike.
+        assert len({env["TORCHELASTIC_RUN_ID"] for env in envs.values()}) == 1
+        assert UUID4.fullmatch(envs[0]["TORCHELASTIC_RUN_ID"])
+        assert len({(env["MASTER_ADDR"], env["MASTER_PORT"]) for env in envs.values()}) == 1
+        assert ephemeral(envs[0]["MASTER_PORT"])
+        assert is_this_host(envs[0]["MASTER_ADDR"])
+    assert first[0]["TORCHELASTIC_RUN_ID"] != second[0]["TORCHELASTIC_RUN_ID"]
+    assert first[0]["MASTER_ADDR"] == "127.0.0.1"  # on purpose; torchrun: socket.getfqdn()
+    assert theirs is None or theirs[0]["MASTER_ADDR"] == socket.getfqdn()
+
+
+@pytest.mark.xdist_group("torch")
+@pytest.mark.timeout(120)
+def test_two_static_nodes_give_torchruns_environment(tmp_path, leaks: LeakCheck) -> None:
+    from relaunch.endpoints import find_free_port
+
+    def nodes(port: int) -> list[list[str]]:
+        static = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        return [[*static, "--node-rank", str(rank)] for rank in range(2)]
+
+    port = find_free_port("127.0.0.1")
+    ours = dump_envs(leaks, tmp_path, RELAUNCH, nodes(port))
+    their_port = find_free_port("127.0.0.1")
+    theirs = dump_envs(leaks, tmp_path, TORCHRUN, nodes(their_port)) if has_torchrun() else None
+    expected = {
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",  # --rdzv-id's default: the static backend keeps it
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    assert_names_and_values(ours, theirs, expected)
+    assert [ours[rank]["GROUP_RANK"] for rank in range(4)] == ["0", "0", "1", "1"]
+    if theirs is not None:
+        for env in theirs.values():
+            assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(their_port))
+            assert env["TORCHELASTIC_RUN_ID"] == "none"
 
 
 def test_pet_environment_variables_set_flags(tmp_path, leaks: LeakCheck) -> None:

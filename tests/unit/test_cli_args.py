@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import uuid
 
 import pytest
 
@@ -105,7 +106,19 @@ def test_standalone_picks_a_fresh_run_id_and_a_free_port() -> None:
     assert entrypoint == sys.executable and args == ("-u", "job.py")
     assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "127.0.0.1:0"
     assert config.rdzv_configs == {"is_host": "true"}
-    assert len(config.run_id) == 32 and config.nproc_per_node == 2
+    assert str(uuid.UUID(config.run_id, version=4)) == config.run_id  # torchrun's uuid4 text
+    assert config.nproc_per_node == 2
+
+
+def test_one_node_without_a_master_port_gets_a_fresh_run_id_as_under_torchrun() -> None:
+    fresh = cli.config_from_args(parse("--rdzv-id", "mine"))[0]
+    assert fresh.rdzv_backend == "static" and fresh.rdzv_endpoint == "127.0.0.1:0"
+    assert str(uuid.UUID(fresh.run_id, version=4)) == fresh.run_id  # torchrun ignores --rdzv-id
+    kept = cli.config_from_args(parse("--master-port", "29511", "--rdzv-id", "mine"))[0]
+    assert (kept.rdzv_backend, kept.rdzv_endpoint) == ("static", "127.0.0.1:29511")
+    assert kept.run_id == "mine"
+    two = cli.config_from_args(parse("--nnodes", "2"))[0]
+    assert two.run_id == "none" and two.rdzv_endpoint == "127.0.0.1:29500"
 
 
 def test_static_multi_node_uses_master_addr_and_port() -> None:
@@ -129,3 +142,25 @@ def test_signals_to_handle() -> None:
         signal.SIGINT,
         signal.SIGTERM,
     ]
+
+
+def test_torchruns_shutdown_timeout_variable_sets_the_default() -> None:
+    def timeout(**env: str) -> float:
+        return float(cli.build_parser(env).parse_args(["job.py"]).shutdown_timeout)
+
+    assert timeout() == 30.0
+    assert timeout(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="7") == 7.0
+    assert timeout(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="7", PET_SHUTDOWN_TIMEOUT="9") == 9.0
+    parser = cli.build_parser({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"})
+    assert parser.parse_args(["--shutdown-timeout", "3", "job.py"]).shutdown_timeout == 3.0
+
+
+def test_torchruns_python_exec_runs_the_script(tmp_path) -> None:
+    from relaunch.config import config_from_args
+
+    args = cli.build_parser({}).parse_args(["-m", "pkg.main"])
+    assert config_from_args(args, {"PYTHON_EXEC": "/opt/py"}, 0)[1:] == (
+        "/opt/py",
+        ("-u", "-m", "pkg.main"),
+    )
+    assert config_from_args(args, {}, 0)[1] == sys.executable

@@ -61,15 +61,22 @@ def test_worker_env_is_torchruns() -> None:
         "TORCHELASTIC_RUN_ID": "job7",
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "OMP_NUM_THREADS": "1",
     }
 
 
 def test_worker_env_respects_the_users_settings() -> None:
     ranks = assign_ranks([2, 2], 1)[0]
-    env = worker_env(ranks, GROUP, {"OMP_NUM_THREADS": "8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    inherited = {
+        "OMP_NUM_THREADS": "8",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGUSR1",
+    }
+    env = worker_env(ranks, GROUP, inherited)
     assert "OMP_NUM_THREADS" not in env  # inherited as the user set it
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1"
     single = GroupContext(**{**GROUP.__dict__, "local_world_size": 1})
     assert "OMP_NUM_THREADS" not in worker_env(assign_ranks([1], 0)[0], single, {})
 

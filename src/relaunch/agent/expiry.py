@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.core import timers as core_timers
-from relaunch.core.failures import faulthandler_dump
+from relaunch.core.failures import AT_EXIT, faulthandler_dump, waits_at_exit
 from relaunch.core.progress import Progress
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a worker asked for its stack (SIGABRT) has to die before it is SIGKILLed.
 ABORT_GRACE = 5.0
+#: The longest last output line a hang report quotes.
+LAST_LINE_CHARS = 200
 #: How often the timer server looks at its FIFO when no deadline is near (it wakes for each
 #: request and each deadline anyway).
 TIMER_MAX_INTERVAL = 1.0
@@ -177,11 +179,32 @@ class ExpiryWatch:
             waits.append(next_at - now)
         return max(0.0, min(waits)) if waits else None
 
+    def _last_output_line(self, rank: int) -> str | None:
+        """The last line ``rank`` wrote (in the log file written last), or None: no output."""
+        written = []
+        for path in self._log_files.get(rank, ()):
+            try:
+                written.append((os.stat(path).st_mtime, path))
+            except OSError:
+                pass
+        for _, path in sorted(written, reverse=True):
+            lines = [line for line in read_tail(path, 4096).splitlines() if line.strip()]
+            if lines:
+                line = lines[-1].split("\r")[-1] or lines[-1]  # a progress bar's last redraw
+                return line if len(line) <= LAST_LINE_CHARS else line[:LAST_LINE_CHARS] + "..."
+        return None
+
     def _abort(self, rank: int, silent_for: float) -> None:
         pid = self._pids[rank]
+        last = self._last_output_line(rank)
+        after = (
+            "since it started, and it wrote no output"
+            if last is None
+            else f"after its last output line {last!r}"
+        )
         self._causes[pid] = (
-            f"hung: no output, progress or timer activity for {silent_for:.1f}s (--hang-timeout "
-            f"{self._hang_timeout:g}); relaunch sent SIGABRT to get its stack"
+            f"hung: no output, progress or timer activity for {silent_for:.1f}s {after} "
+            f"(--hang-timeout {self._hang_timeout:g}); relaunch sent SIGABRT to get its stack"
         )
         log.warning(
             "local rank %d (pid %d) shows no sign of life for %.1fs: sending SIGABRT "
@@ -227,6 +250,8 @@ class ExpiryWatch:
             detail = "" if failure.message == NO_DETAIL_HINT else failure.message
             if cause.startswith("hung"):
                 dump = faulthandler_dump(read_tail(stderr_files.get(rank, ""), 256 * 1024))
+                if dump and waits_at_exit(dump):
+                    cause += f"\n{AT_EXIT}"
                 detail = (
                     f"stack of every thread when it hung ({stderr_files[rank]}):\n{dump}"
                     if dump

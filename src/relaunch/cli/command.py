@@ -58,9 +58,8 @@ def config_from_args(
     """``relaunch.config.config_from_args`` with this process's environment and GPUs."""
     from relaunch import config
 
-    run_id = config.new_run_id() if args.standalone else ""
     return config.config_from_args(
-        args, os.environ, _gpus_for(args.nproc_per_node), fresh_run_id=run_id
+        args, os.environ, _gpus_for(args.nproc_per_node), fresh_run_id=config.new_run_id()
     )
 
 

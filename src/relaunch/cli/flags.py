@@ -61,7 +61,17 @@ parse_rdzv_conf = _checked("parse_rdzv_conf")
 class _Flag:
     """One row of the table: the help group, the names, the default and the value parser."""
 
-    __slots__ = ("choices", "default", "group", "help", "metavar", "names", "switch", "type")
+    __slots__ = (
+        "choices",
+        "default",
+        "env",
+        "group",
+        "help",
+        "metavar",
+        "names",
+        "switch",
+        "type",
+    )
 
     def __init__(
         self,
@@ -73,9 +83,12 @@ class _Flag:
         switch: bool = False,
         choices: tuple[str, ...] | None = None,
         metavar: str | None = None,
+        env: str | None = None,
     ) -> None:
         self.group, self.names, self.help, self.default = group, names, help, default
         self.type, self.switch, self.choices, self.metavar = type, switch, choices, metavar
+        #: A variable of torchrun's that sets the default when ``PET_<FLAG>`` is not set.
+        self.env = env
 
     def help_text(self) -> str:
         shown = self.default
@@ -185,10 +198,11 @@ FLAGS = [
     _Flag(
         "restarts",
         ("--shutdown-timeout",),
-        "seconds between the stop signal and SIGKILL",
+        "seconds between the stop signal and SIGKILL (also TORCH_ELASTIC_SHUTDOWN_TIMEOUT)",
         DEFAULT_SHUTDOWN_TIMEOUT,
         _checked("parse_seconds", False),
         metavar="SECONDS",
+        env="TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
     ),
     _Flag(
         "restarts",
@@ -290,6 +304,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         names = [*flag.names[:-1], *_spellings(long_name)]
         dest = long_name.lstrip("-").replace("-", "_")
         from_env = env.get(f"PET_{dest.upper()}")
+        if from_env is None and flag.env is not None:
+            from_env = env.get(flag.env)
         group = groups[flag.group]
         if flag.switch:
             switched_on = from_env is not None and from_env.lower() in ("1", "true", "yes")

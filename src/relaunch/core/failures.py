@@ -6,6 +6,7 @@ are listed apart, so a report never blames the innocent.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
@@ -198,6 +199,21 @@ def format_report(
 
 #: How Python's faulthandler starts the stack dump of a process killed by SIGABRT.
 FAULTHANDLER_MARK = "Fatal Python error: Aborted"
+
+
+#: A stack dump's line for a main thread that returned and waits, at interpreter exit, for the
+#: non-daemon threads to end (``threading._shutdown`` joins them).
+_AT_EXIT_FRAME = re.compile(r'threading\.py", line \d+ in _shutdown$', re.MULTILINE)
+#: What a hang report says when the stack shows that.
+AT_EXIT = (
+    "it hung at exit: its main thread had returned and was waiting in threading._shutdown "
+    "for a non-daemon thread to end (the threads' stacks below show which, and on what)"
+)
+
+
+def waits_at_exit(dump: str) -> bool:
+    """Whether the faulthandler ``dump`` shows the interpreter waiting at exit for threads."""
+    return _AT_EXIT_FRAME.search(dump) is not None
 
 
 def faulthandler_dump(stderr_text: str, max_lines: int = 200) -> str:

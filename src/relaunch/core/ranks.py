@@ -62,7 +62,12 @@ class GroupContext:
 
 
 #: Variables passed through from the launcher's environment, with torchrun's defaults.
-PASS_THROUGH_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+#: ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is ``--signals-to-handle``: ``launch_agent`` puts it in
+#: the launcher's environment, as torchrun 2.13's does, for the workers to inherit.
+PASS_THROUGH_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+}
 
 
 def omp_num_threads_default(local_world_size: int, inherited: Mapping[str, str]) -> str | None:
