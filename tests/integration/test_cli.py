@@ -707,3 +707,13 @@ def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path, leaks: LeakCheck) -
         timeout=1.0,
         what="every worker and grandchild to die within 1 s",
     )
+
+
+@pytest.mark.timeout(20)
+def test_a_failure_on_a_standalone_node_is_final_at_once(tmp_path, leaks: LeakCheck) -> None:
+    """One node has no other node to lose: no grace for a lost node to be noticed (20 s)."""
+    job = script(tmp_path, "import sys; sys.exit(3)\n")
+    done = relaunch(leaks, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", job)
+    assert done.returncode == 1, done.stderr
+    assert "exited with code 3" in done.stderr
+    assert "waiting up to" not in done.stderr and "lost node" not in done.stderr

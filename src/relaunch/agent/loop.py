@@ -258,11 +258,13 @@ class LocalElasticAgent:
             self._explained = outcome
             self._expiry.explain(outcome.failures, self._pcontext.stderrs)
         watching = handler.watches_membership
+        # A group of one node has no other node to lose: its failure is final at once.
+        alone = (self._worker_group.group_world_size or 1) <= 1
         decision = decide(
             GroupState.RUNNING if outcome is None else _state_of(outcome),
             self._restarts_left,
             handler.membership_change() if watching else None,
-            lost_node_grace=handler.lost_node_grace if watching else 0.0,
+            lost_node_grace=handler.lost_node_grace if watching and not alone else 0.0,
             now=time.monotonic(),
             grace_ends=self._grace_ends,
         )
