@@ -123,9 +123,10 @@ def keeps_running(context: FakeContext) -> None:
 
 
 class Handler(RendezvousHandler):
-    """One node, membership the test changes with ``announce``; no listener support."""
+    """This node (group rank 0) of ``nodes``, membership the test changes with ``announce``; no
+    listener support."""
 
-    def __init__(self, watching: bool = True, grace: float = 0.0) -> None:
+    def __init__(self, watching: bool = True, grace: float = 0.0, nodes: int = 1) -> None:
         self.change: MembershipChange | None = None
         self.listener: Callable[[], None] | None = None
         self.asked = 0
@@ -134,11 +135,14 @@ class Handler(RendezvousHandler):
         self.closed = False
         self._watching = watching
         self._grace = grace
+        self._nodes = nodes
 
     def next_rendezvous(self) -> RendezvousInfo:
         self.rounds += 1
         self.change = None
-        return RendezvousInfo(0, 1, "127.0.0.1", 29500, rank_offset=0, world_size=NPROCS)
+        return RendezvousInfo(
+            0, self._nodes, "127.0.0.1", 29500, rank_offset=0, world_size=NPROCS * self._nodes
+        )
 
     def get_backend(self) -> str:
         return "fake"
@@ -284,7 +288,7 @@ def test_a_handler_without_a_listener_is_asked_every_monitor_interval(tmp_path) 
 
 
 def test_a_failure_without_restarts_waits_for_a_lost_node_to_be_noticed(tmp_path) -> None:
-    handler = ListeningHandler(grace=60)
+    handler = ListeningHandler(grace=60, nodes=2)
     starter = Starter(ends_with(failed), ends_with(succeeded))
     agent = agent_for(tmp_path, handler, starter)
 
@@ -300,7 +304,7 @@ def test_a_failure_without_restarts_waits_for_a_lost_node_to_be_noticed(tmp_path
 
 
 def test_a_failure_without_restarts_fails_once_the_grace_has_passed(tmp_path) -> None:
-    handler = ListeningHandler(grace=0.3)
+    handler = ListeningHandler(grace=0.3, nodes=2)
     starter = Starter(ends_with(failed))
     agent = agent_for(tmp_path, handler, starter, interval=0.01)
     started = time.monotonic()
@@ -310,6 +314,15 @@ def test_a_failure_without_restarts_fails_once_the_grace_has_passed(tmp_path) ->
     assert set(result.failures) == {1} and result.stopped == [0]
     assert starter.contexts[0].looks <= 4  # it slept through the grace, it did not poll
     assert result.failures[1].message == "ValueError: boom"  # explained once, not per look
+
+
+def test_in_a_group_of_one_node_a_failure_fails_at_once(tmp_path) -> None:
+    handler = ListeningHandler(grace=60, nodes=1)  # no other node to lose
+    starter = Starter(ends_with(failed))
+    agent = agent_for(tmp_path, handler, starter)
+    started = time.monotonic()
+    assert agent.run().state is WorkerState.FAILED
+    assert time.monotonic() - started < 30
 
 
 def test_without_watched_membership_a_failure_fails_at_once(tmp_path) -> None:

@@ -133,10 +133,13 @@ class ScreenFramer:
 
     def _is_clean(self) -> bool:
         """Whether plain text may pass untouched: nothing drawn or pending, no colour set."""
+        row = self._rows[0]
         return (
             self._row == 0
+            and self._col == 0
             and len(self._rows) == 1
-            and not self._rows[0].cells
+            and not row.cells
+            and not row.drawn
             and not self._style
             and not self._escape
             and not self._decoder.getstate()[0]
