@@ -3,16 +3,20 @@ the run summary; rank filters and prefixes; progress in status events."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import re
 import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 from conftest import LeakCheck
@@ -419,3 +423,55 @@ def test_real_rich_and_tqdm_bars_draw_under_their_prefix_at_the_terminals_width(
         assert f"{prefix}rank {rank} done" in mine
     unprefixed = [line for line in lines if re.search(r"checkpoint|eval|train", line)]
     assert all(line.startswith("[default") for line in unprefixed), "no prefix erased"
+
+
+RESIZED = r"""
+    import os, signal, sys, threading
+    changed = threading.Event()
+    signal.signal(signal.SIGWINCH, lambda *_: changed.set())
+
+    def size():
+        columns, lines = os.get_terminal_size(sys.stdout.fileno())
+        return f"{columns}x{lines}"
+
+    print("size", size(), flush=True)
+    if not changed.wait(30):
+        sys.exit("no SIGWINCH came")
+    print("resized", size(), flush=True)
+"""
+
+
+def read_until(fd: int, output: bytearray, done: Callable[[bytes], bool], timeout: float) -> None:
+    """Read the terminal ``fd`` into ``output`` until ``done(output)``; fail at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not done(ANSI.sub(b"", bytes(output))):
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([fd], [], [], left)[0], output.decode(errors="replace")
+        output.extend(os.read(fd, 65536))
+
+
+def test_a_resized_terminal_resizes_the_workers_terminals(tmp_path, leaks: LeakCheck) -> None:
+    job = write_job(tmp_path, RESIZED)
+    env = leaks.process_env(TERM="xterm")
+    for name in ("COLUMNS", "LINES"):
+        env.pop(name, None)
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    argv = [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", "--tee", "3", job]
+    launcher = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    output = bytearray()
+    try:
+        read_until(master, output, lambda text: text.count(b"]:size 88x30") == 2, 30)
+        # What a terminal does when its window shrinks: a new size, SIGWINCH to the program.
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 20, 80, 0, 0))
+        launcher.send_signal(signal.SIGWINCH)
+        read_until(master, output, lambda text: b"run summary: succeeded" in text, 30)
+        assert launcher.wait(10) == 0, output.decode(errors="replace")
+        plain = ANSI.sub(b"", bytes(output))
+        assert b"[default0]:resized 68x20" in plain and b"[default1]:resized 68x20" in plain
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        os.close(master)

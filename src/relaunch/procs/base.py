@@ -170,7 +170,7 @@ class PContext(abc.ABC):
                     streams.close_child_ends()
                 worker = WorkerProcess(rank, handle, result_conn=result_conn)
                 workers.append(worker)
-                worker.streams = streams.tees(console)
+                worker.streams = streams.tees(console, handle.pid)
                 opened = None
         except BaseException:
             self._abort_start(workers, opened)

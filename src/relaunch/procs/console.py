@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+import signal
+import struct
+import termios
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import TextIO
 
 from relaunch.core.lines import prefix_lines
@@ -156,6 +161,11 @@ class Console:
         self._period = REDRAW_SECONDS if self.live else THROTTLE_SECONDS
         self._polled_at = -1e9
         self._lock = threading.RLock()
+        #: The workers' pseudo-terminals: read end -> (prefix width, worker pid).
+        self._ptys: dict[int, tuple[int, int]] = {}
+        self._resized = False
+        if self.live:
+            _follow_resizes(self)
 
     def terminals(self) -> Std:
         """The launcher's streams that are a terminal."""
@@ -167,7 +177,42 @@ class Console:
         prefix ``prefix_width`` wide; None when it is not drawn on a terminal by relaunch."""
         if self._size is None or not (err or self._stdout_crosses):
             return None
-        return max(20, self._size.columns - prefix_width - 1), self._size.lines
+        return _pty_size(self._size, prefix_width)
+
+    def add_terminal(self, fd: int, prefix_width: int, pid: int) -> None:
+        """Resize the pseudo-terminal ``fd`` of worker ``pid`` with the launcher's terminal."""
+        with self._lock:
+            self._ptys[fd] = (prefix_width, pid)
+
+    def remove_terminal(self, fd: int) -> None:
+        with self._lock:
+            self._ptys.pop(fd, None)
+
+    def resized(self) -> None:
+        """The launcher's terminal changed size (SIGWINCH): the next ``tick`` follows it. Safe
+        in a signal handler: it only wakes the threads that tick."""
+        self._resized = True
+        for wake in list(self._wakers):
+            wake()
+
+    def _follow_resize(self) -> None:
+        self._resized = False
+        try:
+            size = os.get_terminal_size(self.err.stream.fileno())
+        except (OSError, ValueError):
+            return
+        if size == self._size:
+            return
+        self._size, self._width = size, size.columns
+        self._dirty = True
+        for fd, (prefix_width, pid) in self._ptys.items():
+            columns, rows = _pty_size(size, prefix_width)
+            try:
+                fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+                # The worker's terminal is not its controlling one: the kernel tells it nothing.
+                os.killpg(pid, signal.SIGWINCH)
+            except OSError:
+                pass
 
     # -- lines ----------------------------------------------------------------------------------
 
@@ -262,6 +307,8 @@ class Console:
     def next_tick(self) -> float | None:
         """Seconds until ``tick`` has something to do, or None."""
         with self._lock:
+            if self._resized:
+                return 0.0
             now = self._clock.monotonic()
             waits = []
             if self._sources:
@@ -279,6 +326,8 @@ class Console:
     def tick(self) -> None:
         """Redraw (terminal) or print due refreshes (elsewhere); asks the bar sources."""
         with self._lock:
+            if self._resized:
+                self._follow_resize()
             now = self._clock.monotonic()
             if self._sources and now - self._polled_at >= self._period:
                 # Sources are asked at the display's rate, not at every wake-up of the monitor
@@ -349,6 +398,26 @@ def _display_order(key: str) -> tuple[bool, list[str | int]]:
     plain = _ANSI.sub("", key)
     parts = [int(p) if p.isdigit() else p for p in _DIGITS.split(plain)]
     return key.startswith("source:"), parts
+
+
+def _pty_size(size: os.terminal_size, prefix_width: int) -> tuple[int, int]:
+    """A worker's terminal: the launcher's, less the prefix and the last column (a row that
+    fills it would wrap)."""
+    return max(20, size.columns - prefix_width - 1), size.lines
+
+
+def _follow_resizes(console: Console) -> None:
+    """Tell ``console`` of SIGWINCH, unless the program handles it already or this is not the
+    main thread (only it may set signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGWINCH) not in (signal.SIG_DFL, None):
+        return
+
+    def on_resize(signum: int, frame: FrameType | None) -> None:
+        console.resized()
+
+    signal.signal(signal.SIGWINCH, on_resize)
 
 
 _consoles: dict[tuple[int, int, int], Console] = {}

@@ -55,6 +55,8 @@ class TeeStream:
         self.err = err
         self.key = f"{prefix.decode(errors='replace')}{key}{'e' if err else 'o'}"
         self.framer = ScreenFramer()
+        #: Whether ``read_fd`` is a pseudo-terminal the console resizes.
+        self.terminal = False
         self.pending: list[bytes] = []
         #: The bar the stream redraws now (None: none), and whether the console must hear of it.
         self.bar: bytes | None = None
@@ -111,6 +113,8 @@ class TeeStream:
             self.bar = None
         data = self.take_pending()
         self.console.write(b"" if self.err else data, data if self.err else b"")
+        if self.terminal:
+            self.console.remove_terminal(self.read_fd)
         os.close(self.read_fd)
         if self.log_fd is not None:
             os.close(self.log_fd)
@@ -145,6 +149,7 @@ class StreamEnds:
         self.child_fd: int | None = None  # what the child writes to
         self.read_fd: int | None = None  # tee or relay: what the monitor reads
         self.log_fd: int | None = None  # tee: where the monitor writes
+        self.terminal = False  # read_fd is a pseudo-terminal
 
     def open(self, terminal: tuple[int, int] | None = None) -> None:
         """Open the stream's ends; ``terminal`` (columns, rows) makes its pipe a terminal."""
@@ -156,6 +161,7 @@ class StreamEnds:
         if self.path:
             self.log_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.read_fd, self.child_fd = open_terminal(*terminal) if terminal else os.pipe()
+        self.terminal = terminal is not None
 
     def close_child_end(self) -> None:
         if self.child_fd is not None:
@@ -184,7 +190,7 @@ class RankStreams:
 
     def open(self, console: Console) -> None:
         """Open both streams; those shown on a terminal get one of their own."""
-        width = len(self.io.prefix) if self.io.prefix else 0
+        width = len(self.io.prefix)
         self.stdout.open(console.terminal_size(err=False, prefix_width=width))
         self.stderr.open(console.terminal_size(err=True, prefix_width=width))
 
@@ -197,12 +203,16 @@ class RankStreams:
         self.stdout.close_all()
         self.stderr.close_all()
 
-    def tees(self, console: Console) -> list[TeeStream]:
+    def tees(self, console: Console, pid: int) -> list[TeeStream]:
         """A ``TeeStream`` per stream shown on the console, its lines prefixed with the rank's
-        prefix (relayed streams have none)."""
+        prefix (relayed streams have none); the pseudo-terminals of worker ``pid`` follow the
+        console's size."""
         prefix = self.io.prefix.encode()
-        return [
-            TeeStream(
+        streams = []
+        for ends, err in ((self.stdout, False), (self.stderr, True)):
+            if ends.read_fd is None:
+                continue
+            stream = TeeStream(
                 ends.read_fd,
                 ends.log_fd,
                 console,
@@ -210,6 +220,8 @@ class RankStreams:
                 err,
                 key=f"{self.io.local_rank}:",
             )
-            for ends, err in ((self.stdout, False), (self.stderr, True))
-            if ends.read_fd is not None
-        ]
+            if ends.terminal:
+                stream.terminal = True
+                console.add_terminal(ends.read_fd, len(self.io.prefix), pid)
+            streams.append(stream)
+        return streams
