@@ -147,3 +147,25 @@ def test_a_live_area_of_several_rows_per_bar_fits_the_screen(
         b"\r\033[2K\033[1A\033[2K\033[1A\033[2K"  # three rows erased
         + b"[w0]:saved\n[w0]:loss 0.5\n[w1]:Epoch 1\n[w1]:loss 0.6"
     )
+
+
+def test_bars_of_a_stream_that_is_no_terminal_are_printed_not_drawn(
+    clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``relaunch train.py | tee log``: stderr is the terminal, stdout a pipe. A bar on stdout
+    goes to the pipe, throttled; the terminal's live area shows only stderr's bars."""
+    monkeypatch.setenv("TERM", "xterm")
+    out, err = FakeTerminal(False), FakeTerminal(True)
+    console = Console(out, err, clock=clock)
+    assert console.live and console.terminals() == Std.ERR
+    for percent in range(0, 100, 10):  # ten refreshes within one second
+        console.set_bar("o", b"%d%%" % percent, err=False)
+        console.tick()
+        clock.advance(0.05)
+    console.set_bar("e", b"[w0]: on the terminal")
+    clock.advance(1.0)
+    assert console.next_tick() == 0.0
+    console.tick()
+    console.end_bar("o", print_last=True)
+    assert out.text().splitlines() == [b"0%", b"90%"], "throttled, then the final state"
+    assert err.text() == b"[w0]: on the terminal", "only stderr's bar is drawn"

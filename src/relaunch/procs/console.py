@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
-import signal
-import struct
-import termios
 import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import TextIO
 
 from relaunch.core.lines import prefix_lines
 from relaunch.core.streams import Std
+from relaunch.procs.terminals import WorkerTerminals, on_resize, pty_size
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 #: How long a writer waits for a progress bar to clear itself before writing anyway.
@@ -115,10 +111,12 @@ def colours_wanted(stream: TextIO) -> bool:
 
 
 class _Bar:
-    __slots__ = ("err", "printed", "printed_at", "text")
+    __slots__ = ("err", "live", "printed", "printed_at", "text")
 
-    def __init__(self, text: bytes, err: bool) -> None:
+    def __init__(self, text: bytes, err: bool, live: bool) -> None:
         self.text, self.err = text, err
+        #: Drawn in the live area (its stream is the terminal), else printed now and then.
+        self.live = live
         self.printed: bytes | None = None
         self.printed_at = -1e9
 
@@ -126,11 +124,11 @@ class _Bar:
 class Console:
     """The launcher's stdout and stderr, shared by every rank: whole lines, and progress bars.
 
-    On a terminal (stderr a tty), each bar being redrawn with ``\\r`` lives in an area at the
-    bottom, redrawn in place (at most every ``REDRAW_SECONDS``) while log lines scroll above it.
-    Elsewhere (a CI log, a pipe) a bar is printed as a line at most every ``THROTTLE_SECONDS``,
-    and its final state always. Prefixes get a stable colour per rank on a terminal. Those
-    periods are measured on ``clock``.
+    On a terminal (stderr a tty), the bars of the streams that are the terminal (stderr, and
+    stdout when it is one too) live in an area at the bottom, redrawn in place (at most every
+    ``REDRAW_SECONDS``) while log lines scroll above it. Elsewhere (a CI log, a pipe) a bar is
+    printed as a line at most every ``THROTTLE_SECONDS``, and its final state always. Prefixes
+    get a stable colour per rank on a terminal. Those periods are measured on ``clock``.
     """
 
     def __init__(
@@ -161,11 +159,11 @@ class Console:
         self._period = REDRAW_SECONDS if self.live else THROTTLE_SECONDS
         self._polled_at = -1e9
         self._lock = threading.RLock()
-        #: The workers' pseudo-terminals: read end -> (prefix width, worker pid).
-        self._ptys: dict[int, tuple[int, int]] = {}
+        #: The workers' pseudo-terminals, resized with the launcher's.
+        self.worker_terminals = WorkerTerminals()
         self._resized = False
         if self.live:
-            _follow_resizes(self)
+            on_resize(self.resized)
 
     def terminals(self) -> Std:
         """The launcher's streams that are a terminal."""
@@ -177,16 +175,7 @@ class Console:
         prefix ``prefix_width`` wide; None when it is not drawn on a terminal by relaunch."""
         if self._size is None or not (err or self._stdout_crosses):
             return None
-        return _pty_size(self._size, prefix_width)
-
-    def add_terminal(self, fd: int, prefix_width: int, pid: int) -> None:
-        """Resize the pseudo-terminal ``fd`` of worker ``pid`` with the launcher's terminal."""
-        with self._lock:
-            self._ptys[fd] = (prefix_width, pid)
-
-    def remove_terminal(self, fd: int) -> None:
-        with self._lock:
-            self._ptys.pop(fd, None)
+        return pty_size(self._size, prefix_width)
 
     def resized(self) -> None:
         """The launcher's terminal changed size (SIGWINCH): the next ``tick`` follows it. Safe
@@ -205,14 +194,7 @@ class Console:
             return
         self._size, self._width = size, size.columns
         self._dirty = True
-        for fd, (prefix_width, pid) in self._ptys.items():
-            columns, rows = _pty_size(size, prefix_width)
-            try:
-                fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
-                # The worker's terminal is not its controlling one: the kernel tells it nothing.
-                os.killpg(pid, signal.SIGWINCH)
-            except OSError:
-                pass
+        self.worker_terminals.resize(size)
 
     # -- lines ----------------------------------------------------------------------------------
 
@@ -235,7 +217,7 @@ class Console:
         if not out and not err:
             return
         with self._lock:
-            if not self.live or (not self._drawn_rows and not self._bars):
+            if not self.live or (not self._drawn_rows and not self._live_bars()):
                 self.out.write(out)
                 self.err.write(err)
                 return
@@ -260,14 +242,15 @@ class Console:
             bar = self._bars.get(key)
             if not line.strip():
                 if bar is not None:
-                    self._remove(key, print_last=not self.live)
+                    self._remove(key, print_last=not bar.live)
                 return
             if bar is None:
-                bar = self._bars[key] = _Bar(line, err)
+                live = self.live and (err or self._stdout_crosses)
+                bar = self._bars[key] = _Bar(line, err, live)
             elif bar.text == line:
                 return
             bar.text = line
-            self._dirty = True
+            self._dirty = self._dirty or bar.live
 
     def end_bar(self, key: str, print_last: bool) -> None:
         """The bar ``key`` is over: its line completed (``print_last=False``: the line says it
@@ -315,12 +298,11 @@ class Console:
                 waits.append(self._polled_at + self._period - now)
             if self.live and self._dirty:
                 waits.append(self._drawn_at + REDRAW_SECONDS - now)
-            if not self.live:
-                waits += [
-                    bar.printed_at + THROTTLE_SECONDS - now
-                    for bar in self._bars.values()
-                    if bar.text != bar.printed
-                ]
+            waits += [
+                bar.printed_at + THROTTLE_SECONDS - now
+                for bar in self._bars.values()
+                if not bar.live and bar.text != bar.printed
+            ]
             return max(0.0, min(waits)) if waits else None
 
     def tick(self) -> None:
@@ -336,14 +318,14 @@ class Console:
                 for source in self._sources:
                     for key, line in source().items():
                         self.set_bar("source:" + key, line)
-            if self.live:
-                if self._dirty and now - self._drawn_at >= REDRAW_SECONDS:
-                    self.err.write_raw(self._erase() + self._draw())
-                return
+            if self.live and self._dirty and now - self._drawn_at >= REDRAW_SECONDS:
+                self.err.write_raw(self._erase() + self._draw())
             out: list[bytes] = []
             err: list[bytes] = []
             for bar in self._bars.values():
-                if bar.text != bar.printed and now - bar.printed_at >= THROTTLE_SECONDS:
+                if bar.live or bar.text == bar.printed:
+                    continue
+                if now - bar.printed_at >= THROTTLE_SECONDS:
                     (err if bar.err else out).append(bar.text + b"\n")
                     bar.printed, bar.printed_at = bar.text, now
             self.out.write(b"".join(out))
@@ -352,7 +334,7 @@ class Console:
     def _remove(self, key: str, print_last: bool) -> None:
         bar = self._bars.pop(key)
         last = bar.text + b"\n" if print_last and bar.text != bar.printed else b""
-        if self.live:
+        if bar.live:
             self.err.write_raw(self._erase() + (last if bar.err else b"") + self._draw())
             if last and not bar.err:
                 self.out.write(last)
@@ -360,6 +342,9 @@ class Console:
             (self.err if bar.err else self.out).write(last)
 
     # -- the live area --------------------------------------------------------------------------
+
+    def _live_bars(self) -> bool:
+        return any(bar.live for bar in self._bars.values())
 
     def _erase(self) -> bytes:
         if not self._drawn_rows:
@@ -371,7 +356,7 @@ class Console:
     def _draw(self) -> bytes:
         self._dirty = False
         self._drawn_at = self._clock.monotonic()
-        order = sorted(self._bars, key=_display_order)
+        order = sorted((key for key, bar in self._bars.items() if bar.live), key=_display_order)
         lines = [self._fit(row) for key in order for row in self._bars[key].text.split(b"\n")]
         if self._size is not None and len(lines) >= self._size.lines:
             # Rows above the screen's top could not be erased again: the lowest ones are shown.
@@ -398,26 +383,6 @@ def _display_order(key: str) -> tuple[bool, list[str | int]]:
     plain = _ANSI.sub("", key)
     parts = [int(p) if p.isdigit() else p for p in _DIGITS.split(plain)]
     return key.startswith("source:"), parts
-
-
-def _pty_size(size: os.terminal_size, prefix_width: int) -> tuple[int, int]:
-    """A worker's terminal: the launcher's, less the prefix and the last column (a row that
-    fills it would wrap)."""
-    return max(20, size.columns - prefix_width - 1), size.lines
-
-
-def _follow_resizes(console: Console) -> None:
-    """Tell ``console`` of SIGWINCH, unless the program handles it already or this is not the
-    main thread (only it may set signal handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGWINCH) not in (signal.SIG_DFL, None):
-        return
-
-    def on_resize(signum: int, frame: FrameType | None) -> None:
-        console.resized()
-
-    signal.signal(signal.SIGWINCH, on_resize)
 
 
 _consoles: dict[tuple[int, int, int], Console] = {}

@@ -10,14 +10,12 @@ worker draws its bars as it would in a terminal of its own.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import struct
-import termios
 
 from relaunch.core.rank_io import RankIO
 from relaunch.core.screen import ScreenFramer
 from relaunch.procs.console import Console
+from relaunch.procs.terminals import open_terminal
 
 _READ_SIZE = 1 << 16
 
@@ -114,28 +112,10 @@ class TeeStream:
         data = self.take_pending()
         self.console.write(b"" if self.err else data, data if self.err else b"")
         if self.terminal:
-            self.console.remove_terminal(self.read_fd)
+            self.console.worker_terminals.remove(self.read_fd)
         os.close(self.read_fd)
         if self.log_fd is not None:
             os.close(self.log_fd)
-
-
-def open_terminal(columns: int, rows: int) -> tuple[int, int]:
-    """A pseudo-terminal of ``columns`` x ``rows``: (the end relaunch reads, the worker's end).
-
-    Newlines are left as the worker wrote them (no CR LF), so the log file gets its bytes.
-    """
-    read_fd, child_fd = os.openpty()
-    try:
-        fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
-        attributes = termios.tcgetattr(child_fd)
-        attributes[1] &= ~termios.ONLCR
-        termios.tcsetattr(child_fd, termios.TCSANOW, attributes)
-    except BaseException:
-        os.close(read_fd)
-        os.close(child_fd)
-        raise
-    return read_fd, child_fd
 
 
 class StreamEnds:
@@ -222,6 +202,6 @@ class RankStreams:
             )
             if ends.terminal:
                 stream.terminal = True
-                console.add_terminal(ends.read_fd, len(self.io.prefix), pid)
+                console.worker_terminals.add(ends.read_fd, len(self.io.prefix), pid)
             streams.append(stream)
         return streams
