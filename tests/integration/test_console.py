@@ -117,7 +117,18 @@ def test_on_a_terminal_bars_are_redrawn_in_place_below_the_log(tmp_path, leaks: 
 
 
 def test_no_color_turns_colours_off(tmp_path, leaks: LeakCheck) -> None:
-    job = write_job(tmp_path, "print('hello')\n")
+    """Relaunch's prefixes, and the workers (a terminal of their own, NO_COLOR inherited)."""
+    job = write_job(
+        tmp_path,
+        """
+        try:
+            from rich import print as rich_print  # colours on a terminal, unless NO_COLOR
+        except ImportError:
+            print("hello")
+        else:
+            rich_print("[red]hello[/red]")
+        """,
+    )
     screen = run_in_terminal(
         [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", "--tee", "3", job],
         leaks.process_env(TERM="xterm", NO_COLOR="1"),
