@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+#: The variables torchrun 2.13 adds to a worker's environment (its LocalElasticAgent, plus
+#: OMP_NUM_THREADS and TORCHELASTIC_SIGNALS_TO_HANDLE, which torchrun puts in its own
+#: environment), as dumped by a worker under ``torchrun --nproc-per-node 2``.
 CONTRACT = (
     "LOCAL_RANK",
     "RANK",
@@ -21,6 +24,7 @@ CONTRACT = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
 )

@@ -51,6 +51,7 @@ def test_elastic_launch_returns_values_by_global_rank_with_torchruns_env(
         assert env["TORCHELASTIC_RUN_ID"] == "job42"
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         assert env["OMP_NUM_THREADS"] == "1"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
     assert values[0]["MASTER_PORT"] == values[1]["MASTER_PORT"]

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 
+import agentfns
 import pytest
 from conftest import LeakCheck, pid_alive, wait_until
 
@@ -302,53 +303,23 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
 
 
-#: The variables torchrun 2.13 adds to a worker's environment (its LocalElasticAgent, plus
-#: OMP_NUM_THREADS and TORCHELASTIC_SIGNALS_TO_HANDLE, which torchrun puts in its own
-#: environment), as dumped by a worker under ``torchrun --nproc-per-node 2``: what relaunch is
-#: compared with where torch is not installed.
-TORCHRUN_2_13_NAMES = frozenset(
-    {
-        "LOCAL_RANK",
-        "RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "LOCAL_WORLD_SIZE",
-        "WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCHELASTIC_ERROR_FILE",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "OMP_NUM_THREADS",
-    }
-)
+#: What relaunch is compared with where torch is not installed: torchrun 2.13's names.
+TORCHRUN_2_13_NAMES = frozenset(agentfns.CONTRACT)
 #: What relaunch adds of its own: the channel of ``stop_requested`` and ``report_progress``.
 RELAUNCH_OWN_NAMES = frozenset({"RELAUNCH_CHANNEL"})
-#: The values both launchers must give alike (MASTER_PORT, the run id, the error file's path
-#: and TORCHELASTIC_USE_AGENT_STORE are compared apart).
-MUST_AGREE = (
-    "LOCAL_RANK",
-    "RANK",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "LOCAL_WORLD_SIZE",
-    "WORLD_SIZE",
-    "GROUP_WORLD_SIZE",
-    "ROLE_WORLD_SIZE",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_SIGNALS_TO_HANDLE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "OMP_NUM_THREADS",
+#: Compared apart: where they may differ (the port, the run id, the error file's path, the
+#: agent store) or how (the address).
+COMPARED_APART = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    }
 )
+#: The values both launchers must give alike.
+MUST_AGREE = tuple(name for name in agentfns.CONTRACT if name not in COMPARED_APART)
 UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 DUMP_ENV = """
     import json, os, sys
