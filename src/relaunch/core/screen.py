@@ -17,8 +17,8 @@ import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
 
-#: A row longer than this becomes a line of its own rather than being held forever.
-MAX_ROW = 1 << 20
+from relaunch.core.lines import MAX_PARTIAL_LINE
+
 #: The farthest above the cursor a program may redraw (taller live displays are cut).
 MAX_REACH = 32
 
@@ -109,7 +109,7 @@ class ScreenFramer:
             buffer = self._tail + data if self._tail else data
             cut = buffer.rfind(b"\n") + 1
             self._tail = buffer[cut:]
-            if len(self._tail) >= MAX_ROW:
+            if len(self._tail) >= MAX_PARTIAL_LINE:
                 buffer, cut, self._tail = buffer + b"\n", len(buffer) + 1, b""
             self._given.clear()
             return buffer[:cut], None
@@ -253,7 +253,7 @@ class ScreenFramer:
         row.cells[self._col : end] = cells
         row.styles[self._col : end] = [self._style] * len(cells)
         self._col = end
-        if len(row.cells) >= MAX_ROW:
+        if len(row.cells) >= MAX_PARTIAL_LINE:
             self._line_feed()
 
     def _line_feed(self) -> None:

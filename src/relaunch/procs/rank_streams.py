@@ -44,6 +44,7 @@ class TeeStream:
         prefix: bytes,
         err: bool = False,
         key: str = "",
+        terminal: bool = False,
     ) -> None:
         os.set_blocking(read_fd, False)
         self.read_fd = read_fd
@@ -54,7 +55,7 @@ class TeeStream:
         self.key = f"{prefix.decode(errors='replace')}{key}{'e' if err else 'o'}"
         self.framer = ScreenFramer()
         #: Whether ``read_fd`` is a pseudo-terminal the console resizes.
-        self.terminal = False
+        self.terminal = terminal
         self.pending: list[bytes] = []
         #: The bar the stream redraws now (None: none), and whether the console must hear of it.
         self.bar: bytes | None = None
@@ -199,9 +200,9 @@ class RankStreams:
                 console.prefix(prefix, self.io.local_rank, err) if ends.tee else b"",
                 err,
                 key=f"{self.io.local_rank}:",
+                terminal=ends.terminal,
             )
             if ends.terminal:
-                stream.terminal = True
                 console.worker_terminals.add(ends.read_fd, len(self.io.prefix), pid)
             streams.append(stream)
         return streams
