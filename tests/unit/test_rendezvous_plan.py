@@ -43,7 +43,7 @@ def test_join_counter_packs_ticket_and_workers() -> None:
         (1, 3, None, 5, 15, Step.COMPLETE, 3),  # last call over
         (2, 3, None, 5, 50, Step.WAIT, 100),  # not ticket 1: wait for the final record
         (1, 1, None, None, 100, Step.FAIL, "2 node(s) to join (1 joined)"),
-        (2, 1, None, None, 100, Step.FAIL, "ticket 1 to complete the round"),
+        (2, 1, None, None, 100, Step.FAIL, "the first node to complete the round"),
     ],
 )
 def test_join_decisions(
@@ -147,7 +147,7 @@ def test_concurrent_joins_always_form_one_consistent_world(
     assert len({(info.master_addr, info.master_port) for _, info in members}) == 1
     assert {info.group_world_size for _, info in members} == {len(members)}
     # Latecomers wait for the running job to make room (or behind one that does).
-    assert all("make room" in r or "ticket 1 to complete" in r for r in refused)
+    assert all("make room" in r or "first node to complete" in r for r in refused)
 
 
 @pytest.mark.timeout(30)

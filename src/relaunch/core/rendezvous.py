@@ -2,14 +2,18 @@
 
 How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
 
-- A node joins round ``r`` with one atomic ``add`` on the round's join counter. The counter packs
-  two numbers, so the reply gives the node its *ticket* (1, 2, ... in arrival order, its group
-  rank plus one) and the sum of the workers of every node up to it (its base global rank). Joining
-  costs O(1) store operations whatever the number of nodes: nobody retries a compare-and-set.
-- The node holding ticket 1 completes the round: at ``max_nodes`` joins, or at ``min_nodes`` once
-  ``last_call_timeout`` has passed since the count reached ``min_nodes``. It writes the round's
-  final record (compare-and-set from absent, so there is only ever one), carrying the member
-  count, the world size, and its own address and port for MASTER_ADDR/MASTER_PORT.
+- A node joins round ``r`` with O(1) store operations whatever the number of nodes; nobody
+  retries a compare-and-set. On the built-in store it is one atomic ``add`` on the round's join
+  counter, which packs two numbers, so the reply gives the node its *ticket* (1, 2, ... in arrival
+  order, its group rank plus one) and the sum of the workers of every node up to it (its base
+  global rank). etcd has no atomic add: there each node writes its own key in one transaction
+  that also claims the round's lead if nobody has, and the order is the keys' create revisions,
+  which the final record carries as ``runs`` (``revision_runs``, ``place_by_revision``).
+- The first node (ticket 1, or the lead) completes the round: at ``max_nodes`` joins, or at
+  ``min_nodes`` once ``last_call_timeout`` has passed since the count reached ``min_nodes``. It
+  writes the round's final record (compare-and-set from absent, so there is only ever one),
+  carrying the member count, the world size, and its own address and port for
+  MASTER_ADDR/MASTER_PORT.
 - A node whose ticket is beyond the final count arrived late: it joins the next round and waits
   there; running nodes see it (``nodes_waiting``) and restart into that larger round.
 - Each member heartbeats its own counter and watches one neighbour on a ring, so a dead node is
@@ -64,14 +68,48 @@ class Settings:
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
 
+#: One run of members whose join keys have consecutive create revisions and the same number of
+#: workers: ``(first revision, nodes, workers per node)``.
+Run = tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class Final:
-    """A completed round: who is in it and where the workers' master is."""
+    """A completed round: who is in it and where the workers' master is. ``runs`` places the
+    members by the create revisions of their join keys (etcd); empty, the tickets do."""
 
     count: int
     world_size: int
     master_addr: str
     master_port: int
+    runs: tuple[Run, ...] = ()
+
+
+def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:
+    """The members ``(create revision, workers)`` in revision order, as runs: one run when the
+    nodes joined back to back with the same number of workers, whatever their number."""
+    runs: list[Run] = []
+    for revision, workers in joins:
+        if runs:
+            first, nodes, per_node = runs[-1]
+            if revision == first + nodes and workers == per_node:
+                runs[-1] = (first, nodes + 1, per_node)
+                continue
+        runs.append((revision, 1, workers))
+    return tuple(runs)
+
+
+def place_by_revision(runs: tuple[Run, ...], revision: int) -> tuple[int, int] | None:
+    """``(ticket, workers up to and including this node)`` of the member whose join key has
+    create revision ``revision``; None when the round completed without it."""
+    ticket = through = 0
+    for first, nodes, per_node in runs:
+        if first <= revision < first + nodes:
+            before = revision - first
+            return ticket + before + 1, through + (before + 1) * per_node
+        ticket += nodes
+        through += nodes * per_node
+    return None
 
 
 class Step(str, enum.Enum):
@@ -100,7 +138,7 @@ def completion_target(settings: Settings, expected: int | None) -> int:
 
 def decide_join(
     settings: Settings,
-    ticket: int,
+    ticket: int | None,
     joined: int,
     final: Final | None,
     started_at: float,
@@ -108,22 +146,26 @@ def decide_join(
     now: float,
     previous_running: bool = False,
     expected: int | None = None,
+    member: bool = False,
 ) -> JoinDecision:
     """What a node holding ``ticket`` does next, having seen ``joined`` joins and ``final``.
 
+    ``ticket`` is None when the node's place is known only from the final record (etcd, where
+    only the lead knows it is first); ``member`` then says whether the final record places it.
     ``min_reached_at`` is when this node first saw ``joined >= min_nodes`` (None before).
     ``previous_running``: the round before still runs (its members have not come over yet), so
     this round must not complete. ``expected``: how many nodes the round that was superseded
     expects (its survivors plus the waiting ones); reaching it completes the round at once.
     """
     if final is not None:
-        return JoinDecision(Step.MEMBER if ticket <= final.count else Step.LATE)
-    if ticket > settings.max_nodes:
+        inside = member if ticket is None else ticket <= final.count
+        return JoinDecision(Step.MEMBER if inside else Step.LATE)
+    if ticket is not None and ticket > settings.max_nodes:
         return JoinDecision(Step.LATE)
     fail_at = started_at + settings.join_timeout
     if now >= fail_at:
         if ticket != 1:
-            waited = f"the node holding ticket 1 to complete the round ({joined} joined)"
+            waited = f"the first node to complete the round ({joined} joined)"
         elif previous_running:
             waited = "the running job to make room for this node"
         else:

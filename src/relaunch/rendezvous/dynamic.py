@@ -11,14 +11,18 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 from relaunch.rendezvous.heartbeat import RoundWatch
+from relaunch.rendezvous.roster import new_node_id
 from relaunch.rendezvous.rounds import CLOSED, Rounds
 from relaunch.store.api import Store, StoreConnectionError, StoreError
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self.settings = settings
         self._local_world_size = local_world_size
         self._backend = backend
-        self._rounds = Rounds(run_id, store, settings, local_addr)
+        self._rounds = Rounds(run_id, store, settings, local_addr, new_node_id(), keyed=leases)
+        self._roster = self._rounds.roster
         self._key = self._rounds.key
         self._on_shutdown = on_shutdown
         self._round: int | None = None
@@ -150,35 +155,44 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._change
 
     def exit_barrier(self, timeout: float) -> None:
+        """Count this node done; group rank 0 waits for every member, then closes the job,
+        which is what the others wait for. O(1) store operations a node, and no event that
+        reaches every node but the one ``closed`` record. Ends early when a member is lost."""
         if self._round is None or self._final is None:
             return
-        done_key = self._key("done", self._round)
-        changed_key = self._key("changed", self._round)
+        round_, members = self._round, self._final.count
         deadline = time.monotonic() + timeout
+        interval = self.settings.keep_alive_interval
         try:
-            self._store.add(done_key, 1)
-            while True:
-                current = self._store.get(done_key)
-                if int(current.value or b"0") >= self._final.count:
-                    return
-                if self._store.get(changed_key).value is not None:
-                    return  # a member was lost: the live ones are done
+            self._roster.mark("done", round_)
+            closed = self._key("closed")
+            while not self._changed.is_set():  # a member was lost: the live ones are done
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("exit barrier: not every node finished within %gs", timeout)
                     return
-                self._store.watch(
-                    done_key, current.version, min(left, self.settings.keep_alive_interval)
-                )
+                if self._ticket == 1:
+                    done = self._roster.await_tally("done", round_, members, min(left, interval))
+                    if done >= members:
+                        return
+                elif self._store.watch(closed, 0, min(left, interval)).value is not None:
+                    return
         except StoreConnectionError:
             self._finished = True  # the hosting node finished and left: everyone is done
 
     def set_closed(self) -> None:
+        """Mark the job finished, so late nodes exit rather than wait. On etcd the job's keys
+        go then: all but ``closed``, which lives on a lease of ``join_timeout`` seconds."""
         if self._finished:
             return
         self._finished = True
         round_ = self._round or 0
         try:
+            if self._rounds.is_closed():
+                return  # another node closed it (and cleaned up)
+            if self._leases:
+                self._close_on_etcd(round_)
+                return
             self._store.set(self._key("closed"), b"1")
             if self._round is not None and self._final is not None:
                 finished = MembershipChange.finished()
@@ -187,9 +201,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 )
             # Wake and dismiss anyone waiting to join the next round.
             self._store.compare_set(self._key("final", round_ + 1), 0, CLOSED)
-            self._store.add(self._key("joins", round_ + 1), 0)
         except StoreError as exc:
             log.debug("could not mark the rendezvous closed: %s", exc)
+
+    def _close_on_etcd(self, round_: int) -> None:
+        """Delete the job's keys, then write ``closed`` on a lease: the members in the exit
+        barrier wait for it, and nodes waiting to join the next round are dismissed."""
+        store = cast("EtcdStore", self._store)
+        store.delete_prefix(self._key(""))
+        lease = store.grant_lease(self.settings.join_timeout)
+        store.set(self._key("final", round_ + 1), CLOSED, lease=lease)
+        store.set(self._key("closed"), b"1", lease=lease)
 
     def shutdown(self) -> bool:
         self._stop_watching()

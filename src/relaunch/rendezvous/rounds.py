@@ -4,15 +4,17 @@ The I/O that carries out ``core.rendezvous``'s decisions; the handler in ``dynam
 Keys, under ``relaunch/{run_id}/``::
 
     round                   the round nodes join now
-    closed                  set once the job finished: late nodes exit cleanly
-    r{n}/joins              join counter (ticket and workers so far, see core.rendezvous)
-    r{n}/node/{ticket}      workers up to and including that node
-    r{n}/final              the completed round: members, world size, master address
+    closed                  set once the job finished: late nodes exit cleanly (on etcd the
+                            job's other keys are deleted then, and this one lives on a lease)
+    r{n}/...                who joined, per store (``roster``): a join counter on the built-in
+                            store, one key per node on etcd
+    r{n}/final              the completed round: members, world size, master address, and on
+                            etcd the runs of create revisions that place the members
     r{n}/changed            set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
     r{n}/hb/{ticket}        heartbeat of a member: a counter it bumps, or on etcd a key bound
                             to its lease, which etcd deletes when the member stops renewing it
-    r{n}/done               members whose workers finished (the exit barrier)
+    r{n}/done               members whose workers finished (the exit barrier), a tally
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change, encode_change, expected_size
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
+from relaunch.rendezvous.roster import Entry, Roster, roster_for
 from relaunch.store.api import Store, StoreTimeout
 
 log = logging.getLogger(__name__)
@@ -34,14 +37,24 @@ CLOSED = b"closed"
 
 
 class Rounds:
-    """The rounds of job ``run_id`` on ``store``, seen by a node at ``local_addr``."""
+    """The rounds of job ``run_id`` on ``store``, seen by node ``node_id`` at ``local_addr``;
+    ``keyed``: count joins as keys (etcd) rather than with counters."""
 
-    def __init__(self, run_id: str, store: Store, settings: plan.Settings, local_addr: str) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        store: Store,
+        settings: plan.Settings,
+        local_addr: str,
+        node_id: str,
+        keyed: bool = False,
+    ) -> None:
         self._run_id = run_id
         self._store = store
         self.settings = settings
         self._local_addr = local_addr
         self._prefix = f"relaunch/{run_id}"
+        self.roster: Roster = roster_for(store, self.key, node_id, keyed)
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key ``name`` of the job, or of its round ``round_``."""
@@ -59,20 +72,17 @@ class Rounds:
         started_at = time.monotonic()
         round_ = self._round_to_join()
         while True:
-            total = self._store.add(
-                self.key("joins", round_), plan.join_increment(local_world_size)
-            )
-            ticket, through = plan.unpack_join(total)
-            self._store.set(self.key(f"node/{ticket}", round_), str(through).encode())
-            final = self._await_round(round_, ticket, started_at)
-            if final is not None:
-                return round_, ticket, through, final
+            entry = self.roster.join(round_, local_world_size)
+            final = self._await_round(round_, entry, started_at)
+            placed = None if final is None else self.roster.place(entry, final)
+            if final is not None and placed is not None:
+                return round_, placed[0], placed[1], final
             self._announce_late(round_)
             round_ = self._advance_round(round_)
 
     def waiting(self, round_: int) -> int:
         """Nodes that joined the round after ``round_``."""
-        return plan.unpack_join(self._get_int(self.key("joins", round_ + 1)))[0]
+        return self.roster.joined(round_ + 1)
 
     def _get_int(self, key: str) -> int:
         value = self._store.get(key).value
@@ -86,7 +96,11 @@ class Rounds:
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
         data = json.loads(value)
         return plan.Final(
-            data["count"], data["world_size"], data["master_addr"], data["master_port"]
+            data["count"],
+            data["world_size"],
+            data["master_addr"],
+            data["master_port"],
+            tuple((int(a), int(b), int(c)) for a, b, c in data.get("runs", ())),
         )
 
     def _round_to_join(self) -> int:
@@ -120,22 +134,25 @@ class Rounds:
             return True, None
         return False, decode_change(changed)[1]
 
-    def _await_round(self, round_: int, ticket: int, started_at: float) -> plan.Final | None:
+    def _await_round(self, round_: int, entry: Entry, started_at: float) -> plan.Final | None:
         """Wait for round ``round_`` to complete; its final record, or None if this node is late."""
-        joins_key, final_key = self.key("joins", round_), self.key("final", round_)
+        final_key = self.key("final", round_)
+        settings = self.settings
         min_reached_at: float | None = None
         while True:
             final = self._final_of(round_)
-            joined = plan.unpack_join(self._get_int(joins_key))[0]
             now = time.monotonic()
-            if min_reached_at is None and joined >= self.settings.min_nodes:
+            # Only the lead counts the joins (and anyone about to give up, to say how many).
+            counts = entry.lead or now >= started_at + settings.join_timeout
+            joined = self.roster.joined(round_) if counts and final is None else 0
+            if min_reached_at is None and joined >= settings.min_nodes:
                 min_reached_at = now
             previous_running, expected = (False, None)
-            if ticket == 1 and final is None:
+            if entry.lead and final is None:
                 previous_running, expected = self._previous(round_)
             decision = plan.decide_join(
-                self.settings,
-                ticket,
+                settings,
+                entry.ticket,
                 joined,
                 final,
                 started_at,
@@ -143,6 +160,7 @@ class Rounds:
                 now,
                 previous_running,
                 expected,
+                member=final is not None and self.roster.place(entry, final) is not None,
             )
             if decision.step is plan.Step.MEMBER:
                 return final
@@ -156,64 +174,51 @@ class Rounds:
                 self._complete(round_, decision.count)
                 continue
             assert decision.deadline is not None
-            # One wait per threshold, not one wake-up per join: O(1) operations for ticket 1 too.
-            if ticket != 1:
-                awaited = final_key
-            elif previous_running:
-                awaited = self.key("changed", round_ - 1)
+            timeout = max(0.0, decision.deadline - time.monotonic())
+            # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
+            if not entry.lead:
+                try:
+                    self._store.wait([final_key], timeout)
+                except StoreTimeout:
+                    pass  # a deadline passed: decide again
+                continue
+            # Look at the joins again now and then: on the built-in store, a node that took a
+            # ticket but died before registering never writes the key awaited here.
+            timeout = min(timeout, settings.keep_alive_interval)
+            if previous_running:
+                try:
+                    self._store.wait([self.key("changed", round_ - 1)], timeout)
+                except StoreTimeout:
+                    pass
             else:
                 threshold = (
-                    self.settings.min_nodes
+                    settings.min_nodes
                     if min_reached_at is None
-                    else plan.completion_target(self.settings, expected)
+                    else plan.completion_target(settings, expected)
                 )
-                awaited = self.key(f"node/{threshold}", round_)
-            timeout = max(0.0, decision.deadline - time.monotonic())
-            if ticket == 1:
-                # Look at the join counter again now and then: a node that took a ticket but
-                # died before registering never writes the key awaited here.
-                timeout = min(timeout, self.settings.keep_alive_interval)
-            try:
-                self._store.wait([awaited], timeout)
-            except StoreTimeout:
-                pass  # a deadline passed: decide again
+                self.roster.await_joined(round_, threshold, timeout)
 
     def _complete(self, round_: int, count: int) -> None:
-        """As the holder of ticket 1: write the final record of ``round_`` with ``count`` nodes.
-
-        The last member's record gives the world size. A node that took a ticket but died
-        before writing its record is left out (it is the last one here); one in the middle is
-        caught by the heartbeats once the workers start.
-        """
-        for members in range(count, self.settings.min_nodes - 1, -1):
-            last = self.key(f"node/{members}", round_)
-            try:
-                self._store.wait([last], self.settings.keep_alive_interval)
-                break
-            except StoreTimeout:
-                log.warning(
-                    "rendezvous: the node holding ticket %d joined but never "
-                    "registered; completing the round without it",
-                    members,
-                )
-        else:
-            raise RendezvousError(
-                f"rendezvous of job {self._run_id!r} failed: fewer than "
-                f"{self.settings.min_nodes} joined nodes registered"
-            )
-        world_size = int(self._store.get(last).value or b"0")
-        record = {
+        """As the lead: write the final record of ``round_`` with (up to) ``count`` nodes."""
+        try:
+            members, world_size, runs = self.roster.members(round_, count, self.settings)
+        except RendezvousError as exc:
+            raise RendezvousError(f"rendezvous of job {self._run_id!r} failed: {exc}") from None
+        record: dict[str, object] = {
             "count": members,
             "world_size": world_size,
             "master_addr": self._local_addr,
             "master_port": find_free_port(self._local_addr),
         }
+        if runs:
+            record["runs"] = runs
         self._store.compare_set(self.key("final", round_), 0, json.dumps(record).encode())
 
-    def supersede(self, round_: int, change: MembershipChange, expected: int) -> None:
-        """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes (the
-        first change wins); its members see it at once."""
-        self._store.compare_set(self.key("changed", round_), 0, encode_change(change, expected))
+    def supersede(self, round_: int, change: MembershipChange, expected: int) -> bool:
+        """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes; its
+        members see it at once. The first change wins: whether it was this one."""
+        record = encode_change(change, expected)
+        return self._store.compare_set(self.key("changed", round_), 0, record).succeeded
 
     def _announce_late(self, round_: int) -> None:
         """Having come too late for ``round_``: ask its members to make room, if there is any
@@ -221,6 +226,6 @@ class Rounds:
         final = self._final_of(round_)
         if final is None or final.count >= self.settings.max_nodes:
             return
-        if self._get_int(self.key("done", round_)) == 0:
+        if self.roster.tally("done", round_) == 0:
             waiting = MembershipChange.nodes_waiting(1)
             self.supersede(round_, waiting, expected_size(final.count, waiting, waiting=1))

@@ -12,7 +12,9 @@ Mapping onto the ``Store`` protocol:
 * ``compare_set`` is one transaction comparing ``mod_revision`` (0 for an absent key);
 * ``add`` is a compare-and-set loop (etcd has no atomic counter), one round trip when the
   client's last sight of the counter is still current; N clients adding at once make O(N²)
-  transactions (the limit of this backend at a thousand nodes joining at once);
+  transactions, so what many nodes count (joins, members done, answers) is counted as keys
+  instead: each node writes its own key under a prefix (``put_claiming``, idempotent), and
+  ``count_prefix``/``await_prefix_count``/``range_prefix`` read them, O(1) requests each;
 * ``watch`` and ``wait`` block on a streaming watch from the revision they read, never polling;
 * leases (``grant_lease``, ``keep_alive``, ``set(..., lease=)``) carry heartbeats: a member that
   dies stops renewing its lease, and etcd deletes its keys.
@@ -30,7 +32,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
@@ -59,6 +61,17 @@ def _versioned(kv: dict[str, Any] | None) -> Versioned:
 def _first_kv(range_response: dict[str, Any]) -> dict[str, Any] | None:
     kvs = range_response.get("kvs")
     return kvs[0] if kvs else None
+
+
+def _prefix_end(prefix: str) -> str:
+    """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return _b64(b"\0")  # every key
+    raw[-1] += 1
+    return _b64(bytes(raw))
 
 
 class EtcdStore:
@@ -184,37 +197,47 @@ class EtcdStore:
     def _watch_once(self, key: str, start_revision: int, timeout: float) -> Versioned | None:
         """The first change of ``key`` from ``start_revision`` on, or None: the time ran out,
         or the stream broke (the caller reads again, on another member if need be)."""
+        for event in self._events(key, None, start_revision, timeout):
+            if event.get("type") == "DELETE":
+                return Versioned(None, 0)
+            return _versioned(event["kv"])
+        return None
+
+    def _events(
+        self, key: str, range_end: str | None, start_revision: int, timeout: float
+    ) -> Iterator[dict[str, Any]]:
+        """The events of a streaming watch on ``key`` (or on every key up to ``range_end``)
+        from ``start_revision`` on. The iteration ends when the time runs out or the stream
+        breaks; the caller then reads again (on another member, if this one died)."""
         gateway = self._gateway
         with self._lock:
             endpoint = gateway.current
             if gateway.needs_token:
                 gateway.call("/v3/kv/range", {"key": _key_b64(key)})  # authenticates
         conn = gateway.connection(endpoint, timeout)
-        body = {"create_request": {"key": _key_b64(key), "start_revision": str(start_revision)}}
+        request: dict[str, Any] = {"key": _key_b64(key), "start_revision": str(start_revision)}
+        if range_end is not None:
+            request["range_end"] = range_end
         try:
-            response = gateway.post(conn, "/v3/watch", body)
+            response = gateway.post(conn, "/v3/watch", {"create_request": request})
             if response.status != 200:
                 response.read()
                 if response.status == 401:
                     with self._lock:
                         gateway.forget_token()
-                return None
+                return
             while True:
                 line = response.readline()
                 if not line:
-                    break  # the member closed the stream
-                message = json.loads(line)
-                result = message.get("result")
+                    return  # the member closed the stream
+                result = json.loads(line).get("result")
                 if (
                     result is None
                     or int(result.get("compact_revision", 0))
                     or result.get("canceled")
                 ):
-                    break
-                for event in result.get("events", ()):
-                    if event.get("type") == "DELETE":
-                        return Versioned(None, 0)
-                    return _versioned(event["kv"])
+                    return
+                yield from result.get("events", ())
         except TimeoutError:
             pass
         except (OSError, http.client.HTTPException, ValueError):
@@ -223,7 +246,106 @@ class EtcdStore:
                     gateway.rotate()  # the member died under the stream: read elsewhere
         finally:
             conn.close()
-        return None
+
+    # -- keys under a prefix: what many nodes count ------------------------------------------
+
+    def put_claiming(
+        self, key: str, value: bytes, claim: str, claimant: bytes
+    ) -> tuple[int, bytes]:
+        """Write ``key`` and, if nobody holds ``claim`` yet, take it for ``claimant``: one
+        transaction. Returns ``key``'s create revision and the claim's holder. Idempotent: a
+        retry after an ambiguous failure keeps the create revision the first write gave."""
+        encoded, claim_encoded = _key_b64(key), _key_b64(claim)
+        put = {"request_put": {"key": encoded, "value": _b64(value)}}
+        read_key = {"request_range": {"key": encoded}}
+        read_claim = {"request_range": {"key": claim_encoded}}
+        body = {
+            "compare": [
+                {
+                    "key": claim_encoded,
+                    "target": "CREATE",
+                    "result": "EQUAL",
+                    "create_revision": "0",
+                }
+            ],
+            "success": [
+                put,
+                {"request_put": {"key": claim_encoded, "value": _b64(claimant)}},
+                read_key,
+                read_claim,
+            ],
+            "failure": [put, read_key, read_claim],
+        }
+        with self._lock:
+            reply = self._gateway.call("/v3/kv/txn", body)
+        try:
+            responses = reply["responses"]
+            mine = _first_kv(responses[-2]["response_range"])
+            holder = _first_kv(responses[-1]["response_range"])
+            assert mine is not None and holder is not None
+        except (KeyError, IndexError, AssertionError):
+            raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
+        return int(mine["create_revision"]), base64.b64decode(holder.get("value", ""))
+
+    def count_prefix(self, prefix: str) -> tuple[int, int]:
+        """How many keys start with ``prefix``, and the cluster revision of that count."""
+        body = {"key": _key_b64(prefix), "range_end": _prefix_end(prefix), "count_only": True}
+        with self._lock:
+            reply = self._gateway.call("/v3/kv/range", body)
+        return int(reply.get("count", 0)), int(reply["header"]["revision"])
+
+    def range_prefix(self, prefix: str, limit: int = 0) -> list[tuple[str, bytes, int]]:
+        """The first ``limit`` keys (0: all) under ``prefix`` in the order they were created:
+        ``(key, value, create revision)`` each."""
+        body = {
+            "key": _key_b64(prefix),
+            "range_end": _prefix_end(prefix),
+            "sort_target": "CREATE",
+            "sort_order": "ASCEND",
+            "limit": str(limit),
+        }
+        with self._lock:
+            reply = self._gateway.call("/v3/kv/range", body)
+        return [
+            (
+                base64.b64decode(kv["key"]).decode(),
+                base64.b64decode(kv.get("value", "")),
+                int(kv["create_revision"]),
+            )
+            for kv in reply.get("kvs", ())
+        ]
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every key under ``prefix``; how many there were."""
+        body = {"key": _key_b64(prefix), "range_end": _prefix_end(prefix)}
+        with self._lock:
+            reply = self._gateway.call("/v3/kv/deleterange", body)
+        self._counters = {k: v for k, v in self._counters.items() if not k.startswith(prefix)}
+        return int(reply.get("deleted", 0))
+
+    def await_prefix_count(self, prefix: str, at_least: int, timeout: float) -> int:
+        """Block until ``at_least`` keys exist under ``prefix`` (or ``timeout`` passed); the
+        count then. One streaming watch from the revision counted: O(1) requests, never a poll."""
+        deadline = time.monotonic() + timeout
+        while True:
+            count, revision = self.count_prefix(prefix)
+            left = deadline - time.monotonic()
+            if count >= at_least or left <= 0:
+                return count
+            self._watch_prefix_growth(prefix, revision + 1, count, at_least, left)
+
+    def _watch_prefix_growth(
+        self, prefix: str, start_revision: int, count: int, at_least: int, timeout: float
+    ) -> None:
+        """Follow creations and deletions under ``prefix`` from ``start_revision`` until the
+        count reaches ``at_least``, the time runs out or the stream breaks."""
+        for event in self._events(prefix, _prefix_end(prefix), start_revision, timeout):
+            if event.get("type") == "DELETE":
+                count -= 1
+            elif event["kv"].get("version") == "1":  # created, not overwritten
+                count += 1
+            if count >= at_least:
+                return
 
     # -- leases ---------------------------------------------------------------------------------
 

@@ -1,0 +1,205 @@
+"""Who joined a round, and what many nodes count, kept the way each kind of store does it best.
+
+Both keep every operation of a node O(1), whatever the number of nodes:
+
+- ``CounterRoster`` (the built-in store, and the in-process one): an atomic ``add`` on a counter
+  gives each joining node its ticket at once; counts are counters.
+- ``KeyRoster`` (etcd, which has no atomic add): each node writes its own key, in one
+  transaction that also claims the round's lead if nobody has; the keys' create revisions order
+  the nodes, and counts are counts of keys under a prefix. Writing one's own key is idempotent,
+  so a write retried after a member fail-over never counts a node twice.
+
+Counts that many nodes wait on (members done, answers to a roll call) are awaited by one node,
+which then writes a single key the others wait for: no store event goes to every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
+
+from relaunch.core import rendezvous as plan
+from relaunch.rendezvous.api import RendezvousError
+from relaunch.store.api import Store, StoreTimeout
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd import EtcdStore
+
+log = logging.getLogger(__name__)
+
+#: ``key(name, round)``: a store key of the job (``round`` None) or of one of its rounds.
+KeyOf = Callable[[str, "int | None"], str]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A node's join of a round. ``ticket`` (its place, 1-based) and ``through`` (workers up to
+    and including it) when the store tells them at once, else None and 0 until the final record
+    places the node by ``revision``, the create revision of its join key. ``lead``: this node
+    completes the round."""
+
+    ticket: int | None
+    through: int
+    revision: int
+    lead: bool
+
+
+class Roster(Protocol):
+    def join(self, round_: int, local_world_size: int) -> Entry:
+        """Join ``round_``: one write."""
+
+    def joined(self, round_: int) -> int:
+        """How many nodes joined ``round_`` so far."""
+
+    def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
+        """Return once ``at_least`` nodes joined ``round_``, or after ``timeout``."""
+
+    def members(
+        self, round_: int, count: int, settings: plan.Settings
+    ) -> tuple[int, int, tuple[plan.Run, ...]]:
+        """As the lead: ``(members, world size, runs)`` of the first ``count`` joins."""
+
+    def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
+        """``(ticket, workers through this node)`` in the completed round; None when late."""
+
+    def mark(self, name: str, round_: int) -> None:
+        """Count this node once in the tally ``name`` of ``round_``."""
+
+    def tally(self, name: str, round_: int) -> int:
+        """How many nodes the tally ``name`` of ``round_`` counts."""
+
+    def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
+        """The tally once it reaches ``at_least``, or as it is after ``timeout``."""
+
+
+def new_node_id() -> str:
+    """A name for this node's keys, unique across the job's nodes and restarts."""
+    return f"{os.getpid():x}-{os.urandom(6).hex()}"
+
+
+def roster_for(store: Store, key: KeyOf, node_id: str, keyed: bool) -> Roster:
+    """The roster of ``store``: ``keyed`` (etcd) counts keys, otherwise counters."""
+    if keyed:
+        return KeyRoster(cast("EtcdStore", store), key, node_id)
+    return CounterRoster(store, key)
+
+
+class CounterRoster:
+    """Joins and tallies as atomic counters (the built-in store). Keys, under ``r{n}/``::
+
+    joins           join counter: ticket and workers so far (``core.rendezvous``)
+    node/{ticket}   workers up to and including that node
+    {tally}         a counter
+    """
+
+    def __init__(self, store: Store, key: KeyOf) -> None:
+        self._store, self._key = store, key
+
+    def join(self, round_: int, local_world_size: int) -> Entry:
+        total = self._store.add(self._key("joins", round_), plan.join_increment(local_world_size))
+        ticket, through = plan.unpack_join(total)
+        self._store.set(self._key(f"node/{ticket}", round_), str(through).encode())
+        return Entry(ticket, through, 0, ticket == 1)
+
+    def joined(self, round_: int) -> int:
+        value = self._store.get(self._key("joins", round_)).value
+        return plan.unpack_join(int(value) if value else 0)[0]
+
+    def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
+        try:
+            self._store.wait([self._key(f"node/{at_least}", round_)], timeout)
+        except StoreTimeout:
+            pass
+
+    def members(
+        self, round_: int, count: int, settings: plan.Settings
+    ) -> tuple[int, int, tuple[plan.Run, ...]]:
+        """A node that took a ticket but died before registering is left out (it is the last
+        one here); one in the middle is caught by the heartbeats once the workers start."""
+        for members in range(count, settings.min_nodes - 1, -1):
+            last = self._key(f"node/{members}", round_)
+            try:
+                self._store.wait([last], settings.keep_alive_interval)
+            except StoreTimeout:
+                log.warning(
+                    "rendezvous: the node holding ticket %d joined but never "
+                    "registered; completing the round without it",
+                    members,
+                )
+                continue
+            return members, int(self._store.get(last).value or b"0"), ()
+        raise RendezvousError(f"fewer than {settings.min_nodes} joined nodes registered")
+
+    def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
+        assert entry.ticket is not None
+        return (entry.ticket, entry.through) if entry.ticket <= final.count else None
+
+    def mark(self, name: str, round_: int) -> None:
+        self._store.add(self._key(name, round_), 1)
+
+    def tally(self, name: str, round_: int) -> int:
+        value = self._store.get(self._key(name, round_)).value
+        return int(value) if value else 0
+
+    def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
+        key = self._key(name, round_)
+        deadline = time.monotonic() + timeout
+        current = self._store.get(key)
+        while int(current.value or b"0") < at_least:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            current = self._store.watch(key, current.version, left)
+        return int(current.value or b"0")
+
+
+class KeyRoster:
+    """Joins and tallies as one key per node (etcd). Keys, under ``r{n}/``::
+
+    join/{node}     this node's join: its number of workers; the create revision orders it
+    lead            the node that completes the round (the first to join)
+    {tally}/{node}  this node, counted
+    """
+
+    def __init__(self, store: EtcdStore, key: KeyOf, node_id: str) -> None:
+        self._store, self._key, self._node = store, key, node_id
+
+    def join(self, round_: int, local_world_size: int) -> Entry:
+        revision, lead = self._store.put_claiming(
+            self._key(f"join/{self._node}", round_),
+            str(local_world_size).encode(),
+            self._key("lead", round_),
+            self._node.encode(),
+        )
+        if lead == self._node.encode():
+            return Entry(1, local_world_size, revision, True)
+        return Entry(None, 0, revision, False)
+
+    def joined(self, round_: int) -> int:
+        return self._store.count_prefix(self._key("join/", round_))[0]
+
+    def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
+        self._store.await_prefix_count(self._key("join/", round_), at_least, timeout)
+
+    def members(
+        self, round_: int, count: int, settings: plan.Settings
+    ) -> tuple[int, int, tuple[plan.Run, ...]]:
+        joins = self._store.range_prefix(self._key("join/", round_), count)
+        runs = plan.revision_runs([(revision, int(value)) for _, value, revision in joins])
+        return len(joins), sum(nodes * workers for _, nodes, workers in runs), runs
+
+    def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
+        return plan.place_by_revision(final.runs, entry.revision)
+
+    def mark(self, name: str, round_: int) -> None:
+        self._store.set(self._key(f"{name}/{self._node}", round_), b"")
+
+    def tally(self, name: str, round_: int) -> int:
+        return self._store.count_prefix(self._key(f"{name}/", round_))[0]
+
+    def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
+        return self._store.await_prefix_count(self._key(f"{name}/", round_), at_least, timeout)
