@@ -81,6 +81,8 @@ STAGGER_S = 0.005
 SIM_JOIN_TIMEOUT = {"c10d": 60.0, "etcd": 600.0}
 ETCD_SIM_NODES = SIM_NODES
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
+#: EtcdStore's operations on keys under a prefix (joins and tallies on etcd)
+PREFIX_OPS = ("put_claiming", "count_prefix", "await_prefix_count", "range_prefix", "delete_prefix")
 LEASE_OPS = ("grant_lease", "keep_alive", "revoke_lease")  # EtcdStore's, for the heartbeats
 LINE_TIMEOUT_S = 60.0  # give up on launchers that print nothing for this long
 
@@ -624,7 +626,7 @@ class CountingStore:
 
     def __init__(self, inner: Store) -> None:
         self._inner: Any = inner  # a TcpStore, or an EtcdStore with leases and ``requests``
-        self.counts = dict.fromkeys(SIM_OPS + LEASE_OPS, 0)
+        self.counts = dict.fromkeys(SIM_OPS + LEASE_OPS + PREFIX_OPS, 0)
         self.joined_at: float | None = None  # perf_counter() when the first add() returned
         self.cas_tries: list[int] = []  # etcd: transactions per add()
 
@@ -666,6 +668,29 @@ class CountingStore:
     def delete(self, key: str) -> bool:
         self._count("delete")
         return bool(self._inner.delete(key))
+
+    def put_claiming(self, key: str, value: bytes, claim: str, claimant: bytes) -> Any:
+        self._count("put_claiming")
+        result = self._inner.put_claiming(key, value, claim, claimant)
+        if self.joined_at is None:
+            self.joined_at = time.perf_counter()
+        return result
+
+    def count_prefix(self, prefix: str) -> Any:
+        self._count("count_prefix")
+        return self._inner.count_prefix(prefix)
+
+    def await_prefix_count(self, prefix: str, at_least: int, timeout: float) -> Any:
+        self._count("await_prefix_count")
+        return self._inner.await_prefix_count(prefix, at_least, timeout)
+
+    def range_prefix(self, prefix: str, limit: int = 0) -> Any:
+        self._count("range_prefix")
+        return self._inner.range_prefix(prefix, limit)
+
+    def delete_prefix(self, prefix: str) -> Any:
+        self._count("delete_prefix")
+        return self._inner.delete_prefix(prefix)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         self._count("wait")
@@ -829,7 +854,9 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0, bench: Bench | None = No
         etcd_cpu_s = bench.etcd_cpu() - cpu_at[1] if bench else None
         t0 = released[0]
         ops = [store.total() for store, _ in proxies]
-        by_op = {op: statistics.fmean(s.counts[op] for s, _ in proxies) for op in SIM_OPS}
+        by_op = {
+            op: statistics.fmean(s.counts[op] for s, _ in proxies) for op in SIM_OPS + PREFIX_OPS
+        }
         worst = max(range(nodes), key=ops.__getitem__)
         rank = getattr(results[worst], "group_rank", -1)
         busiest = (rank, {op: n for op, n in proxies[worst][0].counts.items() if n})
@@ -922,7 +949,7 @@ def sim_scenario(
                 f"    all back {sim.seconds:.2f} s, {statistics.fmean(sim.ops):.1f} ops/node"
                 + (
                     f", {statistics.fmean(sim.requests):.1f} requests/node, "
-                    f"{statistics.fmean(sim.cas):.1f} CAS tries/join"
+                    f"{statistics.fmean(sim.cas or [0]):.1f} CAS tries/join"
                     if sim.requests
                     else ""
                 )
@@ -1041,15 +1068,15 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
                     f" {fmt(median([s.etcd_cpu_s or 0 for s in sims]) if etcd else None, '.2f'):>8}"
                     f" {median([statistics.fmean(r) for r in req]):>9.1f}"
                     f" {median([max(r) for r in req]):>8.0f}"
-                    f" {fmt(median([statistics.fmean(s.cas) for s in sims]) if etcd else None):>9}"
-                    f" {fmt(median([max(s.cas) for s in sims]) if etcd else None, '.0f'):>8}"
+                    f" {fmt(median([statistics.fmean(s.cas or [0]) for s in sims]) if etcd else None):>9}"
+                    f" {fmt(median([max(s.cas or [0]) for s in sims]) if etcd else None, '.0f'):>8}"
                     f" {rate:>7.0f}"
                 )
     for res in results:
         for label, runs in (("at once", res.at_once), ("one by one", res.staggered)):
             for nodes, sims in runs.items():
                 last = sims[-1]
-                parts = ", ".join(f"{op} {last.by_op[op]:.2f}" for op in SIM_OPS if last.by_op[op])
+                parts = ", ".join(f"{op} {n:.2f}" for op, n in last.by_op.items() if n)
                 rank, counts = last.busiest
                 mine = ", ".join(f"{op} {n}" for op, n in counts.items())
                 print(
