@@ -82,7 +82,14 @@ SIM_JOIN_TIMEOUT = {"c10d": 60.0, "etcd": 600.0}
 ETCD_SIM_NODES = SIM_NODES
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
 #: EtcdStore's operations on keys under a prefix (joins and tallies on etcd)
-PREFIX_OPS = ("put_claiming", "count_prefix", "await_prefix_count", "range_prefix", "delete_prefix")
+PREFIX_OPS = (
+    "txn",
+    "await_put",
+    "count_prefix",
+    "await_prefix_count",
+    "range_prefix",
+    "delete_prefix",
+)
 LEASE_OPS = ("grant_lease", "keep_alive", "revoke_lease")  # EtcdStore's, for the heartbeats
 LINE_TIMEOUT_S = 60.0  # give up on launchers that print nothing for this long
 
@@ -669,12 +676,16 @@ class CountingStore:
         self._count("delete")
         return bool(self._inner.delete(key))
 
-    def put_claiming(self, key: str, value: bytes, claim: str, claimant: bytes) -> Any:
-        self._count("put_claiming")
-        result = self._inner.put_claiming(key, value, claim, claimant)
+    def txn(self, compare: Any, success: Any, failure: Any) -> Any:
+        self._count("txn")
+        result = self._inner.txn(compare, success, failure)
         if self.joined_at is None:
             self.joined_at = time.perf_counter()
         return result
+
+    def await_put(self, key: str, after_revision: int, timeout: float) -> Any:
+        self._count("await_put")
+        return self._inner.await_put(key, after_revision, timeout)
 
     def count_prefix(self, prefix: str) -> Any:
         self._count("count_prefix")
@@ -734,9 +745,9 @@ def counted_etcd_class() -> type:
 
             setattr(self._gateway, "call", counted)  # noqa: B010 - an instance's method, wrapped
 
-        def _watch_once(self, key: str, start_revision: int, timeout: float) -> Any:
+        def _events(self, *args: Any) -> Any:
             self.requests["/v3/watch"] += 1
-            return super()._watch_once(key, start_revision, timeout)
+            return super()._events(*args)
 
     return CountedEtcdStore
 
@@ -901,6 +912,10 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0, bench: Bench | None = No
             handler.shutdown()
         if server is not None:
             server.stop()
+
+
+def fmean0(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
 
 def validate(results: list[Any], nodes: int) -> list[str]:
@@ -1068,7 +1083,7 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
                     f" {fmt(median([s.etcd_cpu_s or 0 for s in sims]) if etcd else None, '.2f'):>8}"
                     f" {median([statistics.fmean(r) for r in req]):>9.1f}"
                     f" {median([max(r) for r in req]):>8.0f}"
-                    f" {fmt(median([statistics.fmean(s.cas or [0]) for s in sims]) if etcd else None):>9}"
+                    f" {fmt(median([fmean0(s.cas) for s in sims]) if etcd else None):>9}"
                     f" {fmt(median([max(s.cas or [0]) for s in sims]) if etcd else None, '.0f'):>8}"
                     f" {rate:>7.0f}"
                 )

@@ -25,6 +25,7 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: The join counter adds ``1 + workers * TICKET_SPAN``: tickets live in the low digits.
@@ -198,3 +199,30 @@ def ring_neighbour(ticket: int, count: int) -> int | None:
 def is_dead(last_change_at: float, now: float, settings: Settings) -> bool:
     """Whether a heartbeat that last changed at ``last_change_at`` has stopped."""
     return now - last_change_at > settings.dead_after
+
+
+#: ``key(name, round)``: a store key of the job (``round`` None) or of one of its rounds.
+KeyOf = Callable[[str, "int | None"], str]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A node's join of a round. ``ticket`` (its place, 1-based) and ``through`` (workers up to
+    and including it) when the store tells them at once, else None and 0 until the final record
+    places the node by ``revision``, the create revision of its join key. ``lead``: this node
+    completes the round."""
+
+    ticket: int | None
+    through: int
+    revision: int
+    lead: bool
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What trying to join a round found: the ``entry`` when this node joined it; otherwise
+    whether the job is ``closed``, and the round the job's ``round`` record names now."""
+
+    entry: Entry | None
+    closed: bool = False
+    round_now: int = 0

@@ -4,7 +4,7 @@ Both keep every operation of a node O(1), whatever the number of nodes:
 
 - ``CounterRoster`` (the built-in store, and the in-process one): an atomic ``add`` on a counter
   gives each joining node its ticket at once; counts are counters.
-- ``KeyRoster`` (etcd, which has no atomic add): each node writes its own key, in one
+- ``roster_etcd.KeyRoster`` (etcd, which has no atomic add): each node writes its own key, in one
   transaction that also claims the round's lead if nobody has; the keys' create revisions order
   the nodes, and counts are counts of keys under a prefix. Writing one's own key is idempotent,
   so a write retried after a member fail-over never counts a node twice.
@@ -18,11 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from relaunch.core import rendezvous as plan
+from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.store.api import Store, StoreTimeout
 
@@ -31,26 +30,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``key(name, round)``: a store key of the job (``round`` None) or of one of its rounds.
-KeyOf = Callable[[str, "int | None"], str]
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A node's join of a round. ``ticket`` (its place, 1-based) and ``through`` (workers up to
-    and including it) when the store tells them at once, else None and 0 until the final record
-    places the node by ``revision``, the create revision of its join key. ``lead``: this node
-    completes the round."""
-
-    ticket: int | None
-    through: int
-    revision: int
-    lead: bool
-
 
 class Roster(Protocol):
-    def join(self, round_: int, local_world_size: int) -> Entry:
-        """Join ``round_``: one write."""
+    def join(self, round_: int, local_world_size: int) -> Joined:
+        """Join ``round_`` unless it completed already or the job closed: one write."""
+
+    def await_final(self, round_: int, entry: Entry, timeout: float) -> bytes | None:
+        """The final record of ``round_`` once written (None after ``timeout``)."""
 
     def joined(self, round_: int) -> int:
         """How many nodes joined ``round_`` so far."""
@@ -84,6 +70,8 @@ def new_node_id() -> str:
 def roster_for(store: Store, key: KeyOf, node_id: str, keyed: bool) -> Roster:
     """The roster of ``store``: ``keyed`` (etcd) counts keys, otherwise counters."""
     if keyed:
+        from relaunch.rendezvous.roster_etcd import KeyRoster  # loads the etcd client
+
         return KeyRoster(cast("EtcdStore", store), key, node_id)
     return CounterRoster(store, key)
 
@@ -99,11 +87,24 @@ class CounterRoster:
     def __init__(self, store: Store, key: KeyOf) -> None:
         self._store, self._key = store, key
 
-    def join(self, round_: int, local_world_size: int) -> Entry:
-        total = self._store.add(self._key("joins", round_), plan.join_increment(local_world_size))
+    def join(self, round_: int, local_world_size: int) -> Joined:
+        store, key = self._store, self._key
+        if store.get(key("closed", None)).value is not None:
+            return Joined(None, closed=True)
+        if store.get(key("final", round_)).value is not None:
+            return Joined(None, round_now=int(store.get(key("round", None)).value or b"0"))
+        total = store.add(key("joins", round_), plan.join_increment(local_world_size))
         ticket, through = plan.unpack_join(total)
-        self._store.set(self._key(f"node/{ticket}", round_), str(through).encode())
-        return Entry(ticket, through, 0, ticket == 1)
+        store.set(key(f"node/{ticket}", round_), str(through).encode())
+        return Joined(Entry(ticket, through, 0, ticket == 1))
+
+    def await_final(self, round_: int, entry: Entry, timeout: float) -> bytes | None:
+        final = self._key("final", round_)
+        try:
+            self._store.wait([final], timeout)
+        except StoreTimeout:
+            return None
+        return self._store.get(final).value
 
     def joined(self, round_: int) -> int:
         value = self._store.get(self._key("joins", round_)).value
@@ -155,51 +156,3 @@ class CounterRoster:
                 break
             current = self._store.watch(key, current.version, left)
         return int(current.value or b"0")
-
-
-class KeyRoster:
-    """Joins and tallies as one key per node (etcd). Keys, under ``r{n}/``::
-
-    join/{node}     this node's join: its number of workers; the create revision orders it
-    lead            the node that completes the round (the first to join)
-    {tally}/{node}  this node, counted
-    """
-
-    def __init__(self, store: EtcdStore, key: KeyOf, node_id: str) -> None:
-        self._store, self._key, self._node = store, key, node_id
-
-    def join(self, round_: int, local_world_size: int) -> Entry:
-        revision, lead = self._store.put_claiming(
-            self._key(f"join/{self._node}", round_),
-            str(local_world_size).encode(),
-            self._key("lead", round_),
-            self._node.encode(),
-        )
-        if lead == self._node.encode():
-            return Entry(1, local_world_size, revision, True)
-        return Entry(None, 0, revision, False)
-
-    def joined(self, round_: int) -> int:
-        return self._store.count_prefix(self._key("join/", round_))[0]
-
-    def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
-        self._store.await_prefix_count(self._key("join/", round_), at_least, timeout)
-
-    def members(
-        self, round_: int, count: int, settings: plan.Settings
-    ) -> tuple[int, int, tuple[plan.Run, ...]]:
-        joins = self._store.range_prefix(self._key("join/", round_), count)
-        runs = plan.revision_runs([(revision, int(value)) for _, value, revision in joins])
-        return len(joins), sum(nodes * workers for _, nodes, workers in runs), runs
-
-    def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
-        return plan.place_by_revision(final.runs, entry.revision)
-
-    def mark(self, name: str, round_: int) -> None:
-        self._store.set(self._key(f"{name}/{self._node}", round_), b"")
-
-    def tally(self, name: str, round_: int) -> int:
-        return self._store.count_prefix(self._key(f"{name}/", round_))[0]
-
-    def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
-        return self._store.await_prefix_count(self._key(f"{name}/", round_), at_least, timeout)

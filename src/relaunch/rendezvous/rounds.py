@@ -25,9 +25,10 @@ import time
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change, encode_change, expected_size
+from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
-from relaunch.rendezvous.roster import Entry, Roster, roster_for
+from relaunch.rendezvous.roster import Roster, roster_for
 from relaunch.store.api import Store, StoreTimeout
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class Rounds:
         self._local_addr = local_addr
         self._prefix = f"relaunch/{run_id}"
         self.roster: Roster = roster_for(store, self.key, node_id, keyed)
+        self._next_round = 0  # where this node tries to join first
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key ``name`` of the job, or of its round ``round_``."""
@@ -68,14 +70,25 @@ class Rounds:
 
     def join(self, local_world_size: int) -> tuple[int, int, int, plan.Final]:
         """Join the first open round, and the next ones while late: ``(round, ticket, workers
-        through this node, final record)``."""
+        through this node, final record)``. A member starts from the round after its last."""
         started_at = time.monotonic()
-        round_ = self._round_to_join()
+        round_ = self._next_round
         while True:
-            entry = self.roster.join(round_, local_world_size)
+            joined = self.roster.join(round_, local_world_size)
+            if joined.closed:
+                raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
+            if joined.entry is None:  # the round completed without this node
+                if joined.round_now > round_:
+                    round_ = joined.round_now
+                    continue
+                self._announce_late(round_)
+                round_ = self._advance_round(round_)
+                continue
+            entry = joined.entry
             final = self._await_round(round_, entry, started_at)
             placed = None if final is None else self.roster.place(entry, final)
             if final is not None and placed is not None:
+                self._next_round = round_ + 1
                 return round_, placed[0], placed[1], final
             self._announce_late(round_)
             round_ = self._advance_round(round_)
@@ -89,7 +102,9 @@ class Rounds:
         return int(value) if value else 0
 
     def _final_of(self, round_: int) -> plan.Final | None:
-        value = self._store.get(self.key("final", round_)).value
+        return self._parse_final(self._store.get(self.key("final", round_)).value)
+
+    def _parse_final(self, value: bytes | None) -> plan.Final | None:
         if value is None:
             return None
         if value == CLOSED:
@@ -102,16 +117,6 @@ class Rounds:
             data["master_port"],
             tuple((int(a), int(b), int(c)) for a, b, c in data.get("runs", ())),
         )
-
-    def _round_to_join(self) -> int:
-        """The first round that has not completed (or that this node was told to move to)."""
-        if self.is_closed():
-            raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
-        round_ = self._get_int(self.key("round"))
-        while self._final_of(round_) is not None:
-            self._announce_late(round_)  # a no-op for rounds already re-formed
-            round_ = self._advance_round(round_)
-        return round_
 
     def _advance_round(self, round_: int) -> int:
         """Record that round ``round_ + 1`` is the one to join now; return it."""
@@ -135,19 +140,24 @@ class Rounds:
         return False, decode_change(changed)[1]
 
     def _await_round(self, round_: int, entry: Entry, started_at: float) -> plan.Final | None:
-        """Wait for round ``round_`` to complete; its final record, or None if this node is late."""
-        final_key = self.key("final", round_)
+        """Wait for round ``round_`` to complete; its final record, or None if this node is late.
+
+        Only the lead reads the joins (and whether the round before still runs); the others
+        just wait for the final record, which the join saw absent.
+        """
         settings = self.settings
         min_reached_at: float | None = None
+        final: plan.Final | None = None
         while True:
-            final = self._final_of(round_)
             now = time.monotonic()
-            # Only the lead counts the joins (and anyone about to give up, to say how many).
-            counts = entry.lead or now >= started_at + settings.join_timeout
-            joined = self.roster.joined(round_) if counts and final is None else 0
+            joined = 0
+            previous_running, expected = (False, None)
+            if entry.lead or now >= started_at + settings.join_timeout:
+                final = self._final_of(round_)
+                if final is None:  # count the joins (also to say how many, on giving up)
+                    joined = self.roster.joined(round_)
             if min_reached_at is None and joined >= settings.min_nodes:
                 min_reached_at = now
-            previous_running, expected = (False, None)
             if entry.lead and final is None:
                 previous_running, expected = self._previous(round_)
             decision = plan.decide_join(
@@ -177,10 +187,7 @@ class Rounds:
             timeout = max(0.0, decision.deadline - time.monotonic())
             # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
             if not entry.lead:
-                try:
-                    self._store.wait([final_key], timeout)
-                except StoreTimeout:
-                    pass  # a deadline passed: decide again
+                final = self._parse_final(self.roster.await_final(round_, entry, timeout))
                 continue
             # Look at the joins again now and then: on the built-in store, a node that took a
             # ticket but died before registering never writes the key awaited here.

@@ -13,7 +13,7 @@ Mapping onto the ``Store`` protocol:
 * ``add`` is a compare-and-set loop (etcd has no atomic counter), one round trip when the
   client's last sight of the counter is still current; N clients adding at once make O(N²)
   transactions, so what many nodes count (joins, members done, answers) is counted as keys
-  instead: each node writes its own key under a prefix (``put_claiming``, idempotent), and
+  instead: each node writes its own key under a prefix (idempotent, in a ``txn``), and
   ``count_prefix``/``await_prefix_count``/``range_prefix`` read them, O(1) requests each;
 * ``watch`` and ``wait`` block on a streaming watch from the revision they read, never polling;
 * leases (``grant_lease``, ``keep_alive``, ``set(..., lease=)``) carry heartbeats: a member that
@@ -27,18 +27,18 @@ until the store's ``timeout`` passes (``etcd_gateway``). Passwords never appear 
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
 from relaunch.store.etcd_gateway import Endpoint, Gateway, parse_endpoints
 
-__all__ = ["Endpoint", "EtcdStore", "parse_endpoints"]
+__all__ = ["Endpoint", "EtcdStore", "KeyValue", "TxnReply", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,59 @@ def _prefix_end(prefix: str) -> str:
         return _b64(b"\0")  # every key
     raw[-1] += 1
     return _b64(bytes(raw))
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """A key as a transaction read it."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+
+    @classmethod
+    def of(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(
+            base64.b64decode(kv["key"]).decode(),
+            base64.b64decode(kv.get("value", "")),
+            int(kv.get("create_revision", 0)),
+            int(kv.get("mod_revision", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class TxnReply:
+    """A transaction's outcome: which branch ran, at what revision, and what each of its
+    operations read (None for writes, and for reads of an absent key)."""
+
+    succeeded: bool
+    revision: int
+    reads: list[KeyValue | None]
+
+
+def absent(key: str) -> dict[str, Any]:
+    """A transaction comparison: ``key`` does not exist."""
+    return {"key": _key_b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+
+def put(key: str, value: bytes) -> dict[str, Any]:
+    """A transaction operation writing ``key``."""
+    return {"request_put": {"key": _key_b64(key), "value": _b64(value)}}
+
+
+def read(key: str) -> dict[str, Any]:
+    """A transaction operation reading ``key``."""
+    return {"request_range": {"key": _key_b64(key)}}
+
+
+def txn_op(
+    compare: list[dict[str, Any]],
+    success: list[dict[str, Any]],
+    failure: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A transaction nested in another (what it reads is not returned)."""
+    return {"request_txn": {"compare": compare, "success": success, "failure": failure or []}}
 
 
 class EtcdStore:
@@ -240,7 +293,7 @@ class EtcdStore:
                 yield from result.get("events", ())
         except TimeoutError:
             pass
-        except (OSError, http.client.HTTPException, ValueError):
+        except (OSError, ValueError):
             with self._lock:
                 if gateway.current == endpoint:
                     gateway.rotate()  # the member died under the stream: read elsewhere
@@ -249,43 +302,46 @@ class EtcdStore:
 
     # -- keys under a prefix: what many nodes count ------------------------------------------
 
-    def put_claiming(
-        self, key: str, value: bytes, claim: str, claimant: bytes
-    ) -> tuple[int, bytes]:
-        """Write ``key`` and, if nobody holds ``claim`` yet, take it for ``claimant``: one
-        transaction. Returns ``key``'s create revision and the claim's holder. Idempotent: a
-        retry after an ambiguous failure keeps the create revision the first write gave."""
-        encoded, claim_encoded = _key_b64(key), _key_b64(claim)
-        put = {"request_put": {"key": encoded, "value": _b64(value)}}
-        read_key = {"request_range": {"key": encoded}}
-        read_claim = {"request_range": {"key": claim_encoded}}
-        body = {
-            "compare": [
-                {
-                    "key": claim_encoded,
-                    "target": "CREATE",
-                    "result": "EQUAL",
-                    "create_revision": "0",
-                }
-            ],
-            "success": [
-                put,
-                {"request_put": {"key": claim_encoded, "value": _b64(claimant)}},
-                read_key,
-                read_claim,
-            ],
-            "failure": [put, read_key, read_claim],
-        }
+    def txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+    ) -> TxnReply:
+        """One transaction (build its parts with ``absent``, ``put``, ``read``, ``txn_op``):
+        several reads and writes in one request, at one revision."""
+        body = {"compare": compare, "success": success, "failure": failure}
         with self._lock:
             reply = self._gateway.call("/v3/kv/txn", body)
         try:
-            responses = reply["responses"]
-            mine = _first_kv(responses[-2]["response_range"])
-            holder = _first_kv(responses[-1]["response_range"])
-            assert mine is not None and holder is not None
-        except (KeyError, IndexError, AssertionError):
+            reads = [
+                _first_kv(response["response_range"]) if "response_range" in response else None
+                for response in reply.get("responses", ())
+            ]
+            return TxnReply(
+                bool(reply.get("succeeded", False)),
+                int(reply["header"]["revision"]),
+                [None if kv is None else KeyValue.of(kv) for kv in reads],
+            )
+        except (KeyError, TypeError, ValueError):
             raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
-        return int(mine["create_revision"]), base64.b64decode(holder.get("value", ""))
+
+    def await_put(self, key: str, after_revision: int, timeout: float) -> Versioned | None:
+        """``key`` once written after ``after_revision`` (a revision at which the caller saw it
+        absent), without reading it first: one streaming watch. None when the time ran out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for event in self._events(key, None, after_revision + 1, left):
+                if event.get("type") != "DELETE":
+                    return _versioned(event["kv"])
+            # the stream broke or a deletion came: read, then follow on from there
+            current, revision = self._range(key)
+            if current.value is not None:
+                return current
+            after_revision = revision
 
     def count_prefix(self, prefix: str) -> tuple[int, int]:
         """How many keys start with ``prefix``, and the cluster revision of that count."""

@@ -7,7 +7,6 @@ appear in messages or ``repr``. ``etcd.EtcdStore`` builds the ``Store`` on it.
 
 from __future__ import annotations
 
-import http.client
 import json
 import ssl
 import time
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaunch.endpoints import parse_endpoint
+from relaunch.store import http1
 from relaunch.store.api import StoreAuthError, StoreConnectionError, StoreError
 
 DEFAULT_PORT = 2379
@@ -96,7 +96,7 @@ class Gateway:
                 self._ssl.load_cert_chain(cert, key)
         self._token: str | None = None
         self._current = 0
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn: http1.Connection | None = None
 
     def describe(self) -> str:
         """The endpoints, as a person would write them."""
@@ -116,13 +116,10 @@ class Gateway:
         """Drop a token etcd refused: the next request authenticates again."""
         self._token = None
 
-    def connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
+    def connection(self, endpoint: Endpoint, timeout: float) -> http1.Connection:
         """A new connection to ``endpoint`` (TLS when its scheme says so)."""
-        if endpoint.scheme == "https":
-            return http.client.HTTPSConnection(
-                endpoint.host, endpoint.port, timeout=timeout, context=self._ssl
-            )
-        return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
+        context = self._ssl if endpoint.scheme == "https" else None
+        return http1.Connection(endpoint.host, endpoint.port, timeout, context)
 
     def drop(self) -> None:
         """Close the connection requests go through; the next request opens another."""
@@ -137,17 +134,16 @@ class Gateway:
 
     def post(
         self,
-        conn: http.client.HTTPConnection,
+        conn: http1.Connection,
         path: str,
         body: dict[str, Any],
         authorized: bool = True,
-    ) -> http.client.HTTPResponse:
+    ) -> http1.Response:
         """Send one JSON request on ``conn``, with the token unless ``authorized`` is False."""
         headers = {"Content-Type": "application/json"}
         if authorized and self._token is not None:
             headers["Authorization"] = self._token
-        conn.request("POST", path, json.dumps(body).encode(), headers)
-        return conn.getresponse()
+        return conn.post(path, json.dumps(body).encode(), headers)
 
     def _attempt(
         self, path: str, body: dict[str, Any], timeout: float, authorized: bool = True
@@ -159,11 +155,9 @@ class Gateway:
                 self._conn = self.connection(endpoint, timeout)
             else:
                 self._conn.timeout = timeout
-                if self._conn.sock is not None:
-                    self._conn.sock.settimeout(timeout)
             response = self.post(self._conn, path, body, authorized)
             payload = response.read()
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError) as exc:
             self.rotate()
             raise _Retry(f"{endpoint}: {exc or type(exc).__name__}") from None
         try:

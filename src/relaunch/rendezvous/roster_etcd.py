@@ -1,0 +1,77 @@
+"""Joins and tallies on etcd, which has no atomic add: one key per node (see ``roster``)."""
+
+from __future__ import annotations
+
+from relaunch.core import rendezvous as plan
+from relaunch.core.rendezvous import Entry, Joined, KeyOf
+from relaunch.store import etcd
+from relaunch.store.api import StoreProtocolError
+from relaunch.store.etcd import EtcdStore
+
+
+class KeyRoster:
+    """Joins and tallies as one key per node (etcd). Keys, under ``r{n}/``::
+
+    join/{node}     this node's join: its number of workers; the create revision orders it
+    lead            the node that completes the round (the first to join)
+    {tally}/{node}  this node, counted
+    """
+
+    def __init__(self, store: EtcdStore, key: KeyOf, node_id: str) -> None:
+        self._store, self._key, self._node = store, key, node_id
+
+    def join(self, round_: int, local_world_size: int) -> Joined:
+        """One transaction: unless the job closed or the round completed, write this node's
+        key and claim the lead if nobody has; else read why not."""
+        key, node = self._key, self._node.encode()
+        closed, final, lead = key("closed", None), key("final", round_), key("lead", round_)
+        mine = key(f"join/{self._node}", round_)
+        reply = self._store.txn(
+            [etcd.absent(closed), etcd.absent(final)],
+            [
+                etcd.put(mine, str(local_world_size).encode()),
+                etcd.txn_op([etcd.absent(lead)], [etcd.put(lead, node)]),
+                etcd.read(mine),
+                etcd.read(lead),
+            ],
+            [etcd.read(closed), etcd.read(key("round", None))],
+        )
+        if not reply.succeeded:
+            now_closed, round_now = reply.reads
+            return Joined(None, now_closed is not None, int(round_now.value) if round_now else 0)
+        joined, holder = reply.reads[-2:]
+        if joined is None or holder is None:
+            raise StoreProtocolError(f"etcd lost {mine!r} within its own transaction")
+        if holder.value == node:
+            return Joined(Entry(1, local_world_size, joined.create_revision, True))
+        return Joined(Entry(None, 0, joined.create_revision, False))
+
+    def await_final(self, round_: int, entry: Entry, timeout: float) -> bytes | None:
+        """Follows the final record from this node's join on: no read before the watch."""
+        final = self._store.await_put(self._key("final", round_), entry.revision, timeout)
+        return None if final is None else final.value
+
+    def joined(self, round_: int) -> int:
+        return self._store.count_prefix(self._key("join/", round_))[0]
+
+    def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
+        self._store.await_prefix_count(self._key("join/", round_), at_least, timeout)
+
+    def members(
+        self, round_: int, count: int, settings: plan.Settings
+    ) -> tuple[int, int, tuple[plan.Run, ...]]:
+        joins = self._store.range_prefix(self._key("join/", round_), count)
+        runs = plan.revision_runs([(revision, int(value)) for _, value, revision in joins])
+        return len(joins), sum(nodes * workers for _, nodes, workers in runs), runs
+
+    def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
+        return plan.place_by_revision(final.runs, entry.revision)
+
+    def mark(self, name: str, round_: int) -> None:
+        self._store.set(self._key(f"{name}/{self._node}", round_), b"")
+
+    def tally(self, name: str, round_: int) -> int:
+        return self._store.count_prefix(self._key(f"{name}/", round_))[0]
+
+    def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
+        return self._store.await_prefix_count(self._key(f"{name}/", round_), at_least, timeout)
