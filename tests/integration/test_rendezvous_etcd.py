@@ -12,10 +12,13 @@ import uuid
 
 import pytest
 from conftest import LeakCheck
-from etcd_cluster import EtcdCluster
+from etcd_cluster import EtcdCluster, b64
 from test_rendezvous import FAST, agent, lines, script
 
+from relaunch.core.rendezvous import Settings
 from relaunch.endpoints import find_free_port
+from relaunch.rendezvous.rounds import Rounds
+from relaunch.store.etcd import EtcdStore
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -224,3 +227,49 @@ def test_a_node_arriving_after_the_job_finished_exits_cleanly(
     late = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2")
     out, err = late.communicate(timeout=60)
     assert late.returncode == 0 and "has already finished" in err and lines(out) == []
+
+
+def job_keys(etcd: EtcdCluster, run_id: str) -> dict[str, int]:
+    """The keys job ``run_id`` left in etcd, each with its lease (0: none)."""
+    store = EtcdStore(etcd.endpoints)
+    try:
+        prefix = f"relaunch/{run_id}/"
+        keys = {key: 0 for key, _, _ in store.range_prefix(prefix)}
+        for key in keys:
+            reply = store._gateway.call("/v3/kv/range", {"key": b64(key)})
+            keys[key] = int(reply["kvs"][0].get("lease", 0))
+        return keys
+    finally:
+        store.close()
+
+
+def test_a_finished_job_leaves_only_what_dismisses_late_nodes_on_a_lease(
+    tmp_path, leaks: LeakCheck, etcd: EtcdCluster
+) -> None:
+    job = script(tmp_path, "print('ran')\n")
+    run_id = uuid.uuid4().hex
+    nodes = [etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "2") for _ in range(2)]
+    for node in nodes:
+        out, err = node.communicate(timeout=60)
+        assert node.returncode == 0 and lines(out) == ["ran"], err
+    keys = job_keys(etcd, run_id)
+    closing = {f"relaunch/{run_id}/closed", f"relaunch/{run_id}/r1/final"}
+    assert set(keys) == closing and all(keys.values()), keys  # they go with the lease
+
+
+def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
+    """A write retried after an ambiguous failure (a member died before answering) writes the
+    node's own key again: the node is counted once, at the place of its first write."""
+    store = EtcdStore(etcd.endpoints)
+    try:
+        rounds = Rounds("idempotent", store, Settings(1, 4), "127.0.0.1", "node-a", keyed=True)
+        other = Rounds("idempotent", store, Settings(1, 4), "127.0.0.1", "node-b", keyed=True)
+        first = rounds.roster.join(0, 2).entry
+        other.roster.join(0, 3)
+        again = rounds.roster.join(0, 2).entry
+        assert first is not None and first == again and first.lead
+        assert rounds.roster.joined(0) == 2
+        _, world_size, runs = rounds.roster.members(0, 2, Settings(1, 4))
+        assert world_size == 5 and len(runs) == 2
+    finally:
+        store.close()
