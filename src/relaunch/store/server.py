@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import resource
+import select
 import selectors
 import socket
 import threading
@@ -135,6 +136,8 @@ class TcpStoreServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._accepting = True
+        self._queue = select.poll()  # whether clients wait to be accepted (no descriptor used)
+        self._queue.register(self._listener, select.POLLIN)
         self._accept_resume: float | None = None  # out of descriptors: when to try again
         self._out_of_descriptors = False  # in an episode of failed accepts (logged once)
         self._wake_r, self._wake_w = os.pipe()
@@ -249,18 +252,18 @@ class TcpStoreServer:
             try:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                self._end_shortage()
                 return
             except ConnectionAbortedError:
                 continue  # the client gave up before we took it
             except OSError as exc:
-                if exc.errno in _OUT_OF_DESCRIPTORS:
-                    self._pause_accepting(exc)
-                else:  # keep serving the others
+                if exc.errno not in _OUT_OF_DESCRIPTORS:  # keep serving the others
                     log.warning("store: cannot accept a connection: %s", exc)
+                elif self._queue.poll(0):  # clients wait in the kernel's queue
+                    self._pause_accepting(exc)
+                else:  # only at the limit: Linux refuses before it looks at the queue
+                    self._end_shortage()
                 return
-            if self._out_of_descriptors:
-                self._out_of_descriptors = False
-                log.info("store: accepting connections again (%d open)", len(self._clients) + 1)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT
@@ -273,8 +276,9 @@ class TcpStoreServer:
             self._send(client, wire.encode(wire.HELLO, [wire.PROTOCOL, required, client.nonce]))
 
     def _pause_accepting(self, exc: OSError) -> None:
-        """Out of descriptors: the pending connection stays queued and the listener readable,
-        so stop watching it (no busy loop) until a connection closes or a short back-off."""
+        """Out of descriptors with clients waiting: the listener stays readable, so stop
+        watching it (no busy loop) until a connection closes or a short back-off passes. The
+        first time in an episode (until no client waits any more), say so."""
         if not self._out_of_descriptors:
             self._out_of_descriptors = True
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -290,6 +294,12 @@ class TcpStoreServer:
             self._selector.unregister(self._listener)
             self._accepting = False
         self._accept_resume = time.monotonic() + _ACCEPT_BACKOFF
+
+    def _end_shortage(self) -> None:
+        """No client waits to be accepted any more: an episode of shortage is over."""
+        if self._out_of_descriptors:
+            self._out_of_descriptors = False
+            log.info("store: accepting connections again (%d open)", len(self._clients))
 
     def _resume_accepting(self) -> None:
         self._accept_resume = None
