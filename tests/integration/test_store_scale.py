@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import LeakCheck, wait_until
 
-from relaunch.store import TcpStore, wire
-from relaunch.store.server import OUT_HIGH_WATER
+from relaunch.store import StoreTimeout, TcpStore, wire
+from relaunch.store.server import OUT_HIGH_WATER, TcpStoreServer
 
 HOST = "127.0.0.1"
 IO_TIMEOUT = 10.0
@@ -418,3 +418,37 @@ def test_4096_clients_at_once_each_set_and_get_and_parked_watchers_wake(
         f"\n{CLIENTS} clients: connected in {connected - started:.2f} s, "
         f"set + get in {answered - connected:.2f} s"
     )
+
+
+# -- the deadline heap --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_deadlines_of_woken_watchers_do_not_pile_up_and_expiry_still_works() -> None:
+    """A watcher woken again and again leaves a dead heap entry each time (lazy deletion):
+    they are swept, so the heap stays O(clients); a parked wait still times out on time."""
+    server = TcpStoreServer(HOST, 0, expected_clients=16).start()
+    watcher, parked = Raw(server.port), Raw(server.port)
+    try:
+        with TcpStore(HOST, server.port, timeout=IO_TIMEOUT) as setter:
+            watcher.handshake()
+            parked.handshake()
+            # A live entry due before the watches' keeps them from leaving by the heap's top.
+            parked.sock.sendall(wire.encode(wire.WAIT, [b"3000000", b"never/parked"]))
+            version = setter.set("w", b"0")
+            for i in range(1, 400):
+                watcher.sock.sendall(wire.encode(wire.WATCH, [b"w", b"%d" % version, b"3600000"]))
+                version = setter.set("w", b"%d" % i)
+                assert watcher.receive() == (wire.OK, [b"1", b"%d" % i, b"%d" % version])
+            scheduled = next(server._sequence)  # deadlines ever pushed: most watches parked
+            assert scheduled > 200
+            assert len(server._deadlines) <= 2 * len(server._clients) + 64
+            started = time.monotonic()
+            with pytest.raises(StoreTimeout, match="never"):
+                setter.wait(["never"], timeout=0.2)
+            assert 0.15 < time.monotonic() - started < 5
+            assert not parked.has_data()
+    finally:
+        watcher.close()
+        parked.close()
+        server.stop()
