@@ -11,5 +11,6 @@ BENCHMARKS = {
     "console": "progress bars on the console, report_progress cost, the node bar",
     "idle": "wake-ups per second of an idle 8-worker job's launcher, vs torchrun",
     "imports": "worker import cost: import relaunch + report_progress vs python -c pass",
+    "store": "the built-in store: memory per idle connection, 4,096 clients, parked, flood",
     "chaos": "faults at random moments in real jobs: survival, leaks, lost lines, reports",
 }

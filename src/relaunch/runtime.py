@@ -8,10 +8,15 @@ heartbeats) starts through ``start_thread``, so each starts with the termination
 blocked: the kernel gives a process-directed signal to any thread that does not block it, and
 taken by a helper it would only set Python's flag while the main thread, asleep in a wait, ran
 its handler a timeout late.
+
+``raise_open_file_limit`` lifts the soft open-file limit of a process that will hold many
+connections (the built-in store's server).
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
 import threading
 import time
@@ -71,3 +76,26 @@ class ManualClock:
         """Move both clocks ``seconds`` forward."""
         self._monotonic += seconds
         self._time += seconds
+
+
+def open_descriptors() -> int:
+    """How many file descriptors this process has open now (0 where /proc cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def raise_open_file_limit(needed: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit when it is below ``needed``; the (soft,
+    hard) limits after. Children inherit the soft limit, so it is left alone when it suffices;
+    a limit the kernel refuses (over ``fs.nr_open``) stays as it was."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = hard if hard != resource.RLIM_INFINITY else max(needed, soft)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard

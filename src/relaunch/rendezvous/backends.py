@@ -84,7 +84,9 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     server: TcpStoreServer | None = None
     if is_host is not False:
         try:
-            server = TcpStoreServer(host, port, token).start()
+            # Each node connects three times (store, heartbeat, watch): room for all of them.
+            server = TcpStoreServer(host, port, token, expected_clients=3 * params.max_nodes)
+            server.start()
             port = server.port
         except OSError as exc:
             if is_host is not None:

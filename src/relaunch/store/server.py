@@ -3,19 +3,32 @@
 Blocking operations (``wait``, ``watch``) park the connection as a waiter with a deadline; any
 change to a key wakes exactly the waiters on that key. A client that sends a malformed,
 truncated or oversized frame, or fails authentication, loses its connection; the server goes on.
+
+Built to hold thousands of connections (a job of N nodes opens 3 per node): each loop turn costs
+the events it got, not the number of clients (deadlines sit in a heap); the open-file limit is
+raised for the expected number of clients, with one clear warning when the hard limit is too
+low; out of descriptors, the listener rests until a connection closes instead of spinning. A
+client whose unsent replies pile up past ``OUT_HIGH_WATER`` (it sends but does not read) gets
+no more of its requests read until they drain to ``OUT_LOW_WATER``: TCP's flow control then
+pushes back on it alone, and the server's memory for it stays bounded.
 """
 
 from __future__ import annotations
 
+import errno
+import heapq
+import itertools
 import logging
 import os
+import resource
+import select
 import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from relaunch.runtime import start_thread
+from relaunch.runtime import open_descriptors, raise_open_file_limit, start_thread
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.state import KeyValueState
@@ -24,14 +37,30 @@ log = logging.getLogger(__name__)
 
 #: A client must authenticate within this many seconds of connecting.
 HANDSHAKE_TIMEOUT = 10.0
+#: How many connections a server expects at once when not told (the open-file limit is
+#: raised for that many).
+DEFAULT_CLIENTS = 4096
+#: Unsent reply bytes of one client above which its requests are no longer read ...
+OUT_HIGH_WATER = 1 << 20
+#: ... until they drain to this. A slow reader costs at most OUT_HIGH_WATER plus one reply.
+OUT_LOW_WATER = 1 << 16
 _RECV_SIZE = 1 << 16
 #: Longer WAIT/WATCH timeouts (in ms) are clamped to this: any decimal integer then fits a float.
 _MAX_PARK_MS = 365 * 86400 * 1000
 #: The longest one select() sleeps: epoll refuses timeouts over ~24.8 days.
 _MAX_SELECT = 3600.0
+#: Descriptors a hosting process needs besides the store's connections (its logs, its workers'
+#: pipes, the clients of its own store): part of what the open-file limit must allow.
+_FD_MARGIN = 256
+#: Connections accepted per loop turn: a burst of connects does not hold up the clients served.
+_ACCEPTS_PER_TURN = 128
+#: Out of descriptors, the listener rests this long (or until a connection closes).
+_ACCEPT_BACKOFF = 0.5
+_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_WAKE = "wake"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Client:
     sock: socket.socket
     peer: str
@@ -42,10 +71,11 @@ class _Client:
     handshake_deadline: float = 0.0
     waiter: _Waiter | None = None
     closing: bool = False
-    writing: bool = False  # registered for EVENT_WRITE while replies wait to be sent
+    events: int = selectors.EVENT_READ  # what the selector watches for it
+    paused: bool = False  # its requests wait: its replies are over OUT_HIGH_WATER
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiter:
     client: _Client
     keys: tuple[str, ...]
@@ -80,27 +110,50 @@ class TcpStoreServer:
 
     With ``token``, every client must prove it knows the token (and the server proves it to the
     client) by HMAC over fresh nonces; the token itself never crosses the wire.
+    ``expected_clients`` (default ``DEFAULT_CLIENTS``) is how many connections may come at
+    once: the soft open-file limit is raised to the hard limit if it cannot hold them, and one
+    warning says what to do if even the hard limit cannot.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        expected_clients: int | None = None,
+    ) -> None:
         self._token = token or None
         self._state = KeyValueState()
+        expected = DEFAULT_CLIENTS if expected_clients is None else max(expected_clients, 1)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
-        self._listener.listen(1024)
+        # A backlog for a burst of connects (the kernel caps it at net.core.somaxconn).
+        self._listener.listen(min(max(expected, 1024), 65535))
         self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._accepting = True
+        self._queue = select.poll()  # whether clients wait to be accepted (no descriptor used)
+        self._queue.register(self._listener, select.POLLIN)
+        self._accept_resume: float | None = None  # out of descriptors: when to try again
+        self._out_of_descriptors = False  # in an episode of failed accepts (logged once)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._clients: set[_Client] = set()
-        self._waiters: dict[str, list[_Waiter]] = {}
+        self._waiters: dict[str, dict[_Waiter, None]] = {}
+        # (deadline, tie-break, parked waiter or unauthenticated client); entries whose waiter
+        # was woken or whose client authenticated or left stay until popped (lazy deletion).
+        self._deadlines: list[tuple[float, int, _Waiter | _Client]] = []
+        self._sequence = itertools.count()
+        self._recv_buffer = bytearray(_RECV_SIZE)
+        self._recv_view = memoryview(self._recv_buffer)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._check_open_file_limit(expected)
 
     @property
     def endpoint(self) -> str:
@@ -124,76 +177,188 @@ class TcpStoreServer:
         os.close(self._wake_w)
         self._wake_r = self._wake_w = -1
 
+    def _check_open_file_limit(self, expected: int) -> None:
+        """Raise the soft open-file limit for ``expected`` connections if it is too low; one
+        warning (how many fit, how many may come, what to do) if the hard limit is too low."""
+        in_use = open_descriptors()
+        needed = in_use + expected + _FD_MARGIN
+        soft, hard = raise_open_file_limit(needed)
+        if soft == resource.RLIM_INFINITY or soft >= needed:
+            return
+        hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        log.warning(
+            "store: the open-file limit (%d, hard limit %s) leaves room for about %d "
+            "connections, but up to %d may come: raise it to at least %d (`ulimit -n %d` in "
+            "the shell that starts relaunch, LimitNOFILE=%d in a systemd unit, "
+            "--ulimit nofile=%d in a container)",
+            soft,
+            hard_text,
+            max(soft - in_use, 0),
+            expected,
+            needed,
+            needed,
+            needed,
+            needed,
+        )
+
     # -- the loop -------------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
         try:
             while not self._stopping:
-                for key, mask in self._selector.select(self._next_deadline()):
-                    if key.data is None:
+                for key, mask in self._selector.select(self._next_timeout()):
+                    data = key.data
+                    if isinstance(data, _Client):
+                        self._service(data, mask)
+                    elif data is None:
                         self._accept()
-                    elif key.data == "wake":
-                        os.read(self._wake_r, 512)
                     else:
-                        self._service(key.data, mask)
+                        os.read(self._wake_r, 512)
                 self._expire(time.monotonic())
         finally:
+            self._stopping = True
             for client in list(self._clients):
                 self._close(client)
             self._selector.close()
             self._listener.close()
 
-    def _next_deadline(self) -> float | None:
-        deadlines = [w.deadline for ws in self._waiters.values() for w in ws]
-        deadlines += [c.handshake_deadline for c in self._clients if not c.authenticated]
-        if not deadlines:
+    def _live(self, item: _Waiter | _Client) -> bool:
+        """Whether a deadline entry still counts: its waiter parked, its client unproven."""
+        if isinstance(item, _Waiter):
+            return item.client.waiter is item
+        return not item.authenticated and item in self._clients
+
+    def _schedule(self, deadline: float, item: _Waiter | _Client) -> None:
+        heapq.heappush(self._deadlines, (deadline, next(self._sequence), item))
+        # At most one live entry per client: rebuilding when the dead ones outnumber them
+        # keeps the heap O(clients) at amortised O(1) per entry.
+        if len(self._deadlines) > 2 * len(self._clients) + 64:
+            self._deadlines = [entry for entry in self._deadlines if self._live(entry[2])]
+            heapq.heapify(self._deadlines)
+
+    def _next_timeout(self) -> float | None:
+        deadlines = self._deadlines
+        while deadlines and not self._live(deadlines[0][2]):
+            heapq.heappop(deadlines)
+        deadline = deadlines[0][0] if deadlines else None
+        if self._accept_resume is not None:
+            deadline = min(deadline, self._accept_resume) if deadline else self._accept_resume
+        if deadline is None:
             return None
-        return min(max(0.0, min(deadlines) - time.monotonic()), _MAX_SELECT)
+        return min(max(0.0, deadline - time.monotonic()), _MAX_SELECT)
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(_ACCEPTS_PER_TURN):
             try:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                self._end_shortage()
                 return
-            except OSError as exc:  # e.g. out of file descriptors: keep serving the others
-                log.warning("store: cannot accept a connection: %s", exc)
+            except ConnectionAbortedError:
+                continue  # the client gave up before we took it
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_DESCRIPTORS:  # keep serving the others
+                    log.warning("store: cannot accept a connection: %s", exc)
+                elif self._queue.poll(0):  # clients wait in the kernel's queue
+                    self._pause_accepting(exc)
+                else:  # only at the limit: Linux refuses before it looks at the queue
+                    self._end_shortage()
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client = _Client(
-                sock,
-                f"{address[0]}:{address[1]}",
-                auth.nonce(),
-                handshake_deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
-            )
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+            client = _Client(sock, f"{address[0]}:{address[1]}", auth.nonce())
+            client.handshake_deadline = deadline
             self._clients.add(client)
             self._selector.register(sock, selectors.EVENT_READ, client)
+            self._schedule(deadline, client)
             required = b"1" if self._token else b"0"
             self._send(client, wire.encode(wire.HELLO, [wire.PROTOCOL, required, client.nonce]))
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        """Out of descriptors with clients waiting: the listener stays readable, so stop
+        watching it (no busy loop) until a connection closes or a short back-off passes. The
+        first time in an episode (until no client waits any more), say so."""
+        if not self._out_of_descriptors:
+            self._out_of_descriptors = True
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            log.warning(
+                "store: cannot accept more connections (%s) with %d open and an open-file "
+                "limit of %d: new clients wait until some close; raise the limit (`ulimit -n`, "
+                "systemd LimitNOFILE)",
+                exc.strerror or exc,
+                len(self._clients),
+                soft,
+            )
+        if self._accepting:
+            self._selector.unregister(self._listener)
+            self._accepting = False
+        self._accept_resume = time.monotonic() + _ACCEPT_BACKOFF
+
+    def _end_shortage(self) -> None:
+        """No client waits to be accepted any more: an episode of shortage is over."""
+        if self._out_of_descriptors:
+            self._out_of_descriptors = False
+            log.info("store: accepting connections again (%d open)", len(self._clients))
+
+    def _resume_accepting(self) -> None:
+        self._accept_resume = None
+        if not self._accepting and not self._stopping:
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
+            self._accepting = True
 
     def _service(self, client: _Client, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
             self._flush(client)
-        if not mask & selectors.EVENT_READ or client not in self._clients:
+            if client.paused and len(client.out) <= OUT_LOW_WATER:
+                client.paused = False
+                self._serve_buffered(client)  # the requests held back; may pause it again
+            else:
+                self._update_events(client)
+        if not mask & selectors.EVENT_READ or client.paused or client not in self._clients:
             return
         try:
-            data = client.sock.recv(_RECV_SIZE)
+            received = client.sock.recv_into(self._recv_buffer)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            received = 0
+        if not received:
             self._close(client)
             return
+        client.reader.push(self._recv_view[:received])
+        self._serve_buffered(client)
+
+    def _serve_buffered(self, client: _Client) -> None:
+        """Handle the client's complete requests in order, until its unsent replies pass
+        OUT_HIGH_WATER (then pause it: the rest stay buffered, in the kernel too)."""
         try:
-            for payload in client.reader.feed(data):
-                if client.closing:
+            while not client.closing and client in self._clients:
+                if len(client.out) >= OUT_HIGH_WATER:
+                    client.paused = True
+                    break
+                payload = client.reader.next()
+                if payload is None:
                     break
                 self._handle(client, *wire.decode_payload(payload))
         except StoreProtocolError as exc:
             log.warning("store: closing %s: %s", client.peer, exc)
             self._close(client)
+            return
+        self._update_events(client)
+
+    def _update_events(self, client: _Client) -> None:
+        """Watch the client for requests unless paused, and for writing while replies wait."""
+        if client not in self._clients:
+            return
+        events = 0 if client.paused else selectors.EVENT_READ
+        if client.out:
+            events |= selectors.EVENT_WRITE
+        if not events:  # cannot happen (paused means replies wait); never leave it unwatched
+            client.paused, events = False, selectors.EVENT_READ
+        if events != client.events:
+            client.events = events
+            self._selector.modify(client.sock, events, client)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -290,77 +455,90 @@ class TcpStoreServer:
     def _park(self, waiter: _Waiter) -> None:
         waiter.client.waiter = waiter
         for key in waiter.keys:
-            self._waiters.setdefault(key, []).append(waiter)
+            self._waiters.setdefault(key, {})[waiter] = None
+        self._schedule(waiter.deadline, waiter)
 
     def _unpark(self, waiter: _Waiter) -> None:
-        waiter.client.waiter = None
+        waiter.client.waiter = None  # its deadline entry is dead from now on
         for key in waiter.keys:
-            parked = self._waiters.get(key, [])
-            if waiter in parked:
-                parked.remove(waiter)
-            if not parked:
-                self._waiters.pop(key, None)
+            parked = self._waiters.get(key)
+            if parked is not None:
+                parked.pop(waiter, None)
+                if not parked:
+                    del self._waiters[key]
 
     def _changed(self, key: str) -> None:
-        for waiter in list(self._waiters.get(key, ())):
+        """Wake the waiters on ``key`` (only those) that the change satisfies."""
+        parked = self._waiters.get(key)
+        if not parked:
+            return
+        current = self._state.get(key)
+        watched: bytes | None = None  # one frame for every watcher of the key
+        for waiter in list(parked):
             if waiter.version is None:
                 if self._state.all_exist(waiter.keys):
                     self._unpark(waiter)
                     self._reply(waiter.client, wire.OK)
-            elif self._state.get(key).version != waiter.version:
+            elif current.version != waiter.version:
                 self._unpark(waiter)
-                self._reply(waiter.client, wire.OK, _versioned_fields(*self._state.get(key)))
+                if watched is None:
+                    watched = _frame(wire.OK, _versioned_fields(*current))
+                self._send(waiter.client, watched)
 
     def _expire(self, now: float) -> None:
-        expired = {w for ws in self._waiters.values() for w in ws if w.deadline <= now}
-        for waiter in expired:
-            self._unpark(waiter)
-            if waiter.version is None:
-                missing = [k.encode() for k in waiter.keys if not self._state.all_exist([k])]
-                self._reply(waiter.client, wire.TIMEOUT, missing)
+        """Time out the waiters and unauthenticated clients whose deadline passed."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            item = heapq.heappop(deadlines)[2]
+            if not self._live(item):
+                continue
+            if isinstance(item, _Waiter):
+                self._unpark(item)
+                if item.version is None:
+                    missing = [k.encode() for k in item.keys if not self._state.all_exist([k])]
+                    self._reply(item.client, wire.TIMEOUT, missing)
+                else:
+                    current = self._state.get(item.keys[0])
+                    self._reply(item.client, wire.OK, _versioned_fields(*current))
             else:
-                self._reply(
-                    waiter.client, wire.OK, _versioned_fields(*self._state.get(waiter.keys[0]))
-                )
-        for client in [c for c in self._clients if not c.authenticated]:
-            if client.handshake_deadline <= now:
                 log.warning(
                     "store: closing %s: no authentication within %ss",
-                    client.peer,
+                    item.peer,
                     HANDSHAKE_TIMEOUT,
                 )
-                self._close(client)
+                self._close(item)
+        if self._accept_resume is not None and self._accept_resume <= now:
+            self._resume_accepting()
 
     # -- sending and closing --------------------------------------------------------------------
 
     def _reply(self, client: _Client, status: int, fields: list[bytes] | None = None) -> None:
-        try:
-            frame = wire.encode(status, fields or [])
-        except StoreProtocolError as exc:  # e.g. a value too big to fit in a reply frame
-            frame = wire.encode(wire.ERROR, [str(exc).encode()])
-        self._send(client, frame)
+        self._send(client, _frame(status, fields or []))
 
     def _send(self, client: _Client, frame: bytes) -> None:
         client.out += frame
         self._flush(client)
+        self._update_events(client)
 
     def _flush(self, client: _Client) -> None:
+        """Send what the socket takes now; close the client on an error, or once its last
+        reply is out if it is ``closing``."""
         if client not in self._clients:
             return
+        out = client.out
         try:
-            while client.out:
-                sent = client.sock.send(client.out)
-                del client.out[:sent]
+            while out:
+                sent = client.sock.send(out)
+                if sent == len(out):
+                    out.clear()  # frees the memory: an idle connection keeps no buffer
+                else:
+                    del out[:sent]
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
             self._close(client)
             return
-        if bool(client.out) != client.writing:
-            client.writing = bool(client.out)
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.writing else 0)
-            self._selector.modify(client.sock, events, client)
-        if client.closing and not client.out:
+        if client.closing and not out:
             self._close(client)
 
     def _close(self, client: _Client) -> None:
@@ -371,3 +549,13 @@ class TcpStoreServer:
             self._unpark(client.waiter)
         self._selector.unregister(client.sock)
         client.sock.close()
+        if not self._accepting:
+            self._resume_accepting()  # a descriptor is free: take the next waiting client
+
+
+def _frame(status: int, fields: list[bytes]) -> bytes:
+    """A reply frame; an error frame if it cannot be one (e.g. a value too big to fit)."""
+    try:
+        return wire.encode(status, fields)
+    except StoreProtocolError as exc:
+        return wire.encode(wire.ERROR, [str(exc).encode()])

@@ -62,22 +62,51 @@ def decode_payload(payload: bytes) -> tuple[int, list[bytes]]:
 
 
 class FrameReader:
-    """Accumulates received bytes and yields complete frames' payloads."""
+    """Accumulates received bytes and yields complete frames' payloads.
+
+    ``push`` then ``next`` hands out one frame at a time, so that a server can stop taking a
+    client's requests (backpressure) with the rest still buffered; ``feed`` takes them all.
+    Consumed bytes are dropped in one go, not frame by frame: a buffer of thousands of
+    pipelined frames costs linear time, not quadratic.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._start = 0  # where the next frame begins in _buffer
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def push(self, data: bytes | bytearray | memoryview) -> None:
+        """Append received bytes."""
+        if self._start:
+            del self._buffer[: self._start]
+            self._start = 0
         self._buffer += data
+
+    def next(self) -> bytes | None:
+        """The next complete frame's payload, or None until more bytes arrive."""
+        buffer, start = self._buffer, self._start
+        if len(buffer) - start < 4:
+            return None
+        (size,) = _LENGTH.unpack_from(buffer, start)
+        if size > MAX_FRAME:
+            raise StoreProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+        end = start + 4 + size
+        if len(buffer) < end:
+            return None
+        with memoryview(buffer) as view:
+            payload = bytes(view[start + 4 : end])
+        if end == len(buffer):
+            buffer.clear()  # frees the memory: an idle connection keeps no buffer
+            self._start = 0
+        else:
+            self._start = end
+        return payload
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """Append ``data``; every complete frame's payload now buffered."""
+        self.push(data)
         frames = []
-        while len(self._buffer) >= 4:
-            (size,) = _LENGTH.unpack_from(self._buffer, 0)
-            if size > MAX_FRAME:
-                raise StoreProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
-            if len(self._buffer) < 4 + size:
-                break
-            frames.append(bytes(self._buffer[4 : 4 + size]))
-            del self._buffer[: 4 + size]
+        while (payload := self.next()) is not None:
+            frames.append(payload)
         return frames
 
 
