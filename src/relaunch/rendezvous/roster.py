@@ -99,12 +99,7 @@ class CounterRoster:
         return Joined(Entry(ticket, through, 0, ticket == 1))
 
     def await_final(self, round_: int, entry: Entry, timeout: float) -> bytes | None:
-        final = self._key("final", round_)
-        try:
-            self._store.wait([final], timeout)
-        except StoreTimeout:
-            return None
-        return self._store.get(final).value
+        return self._store.watch(self._key("final", round_), 0, timeout).value
 
     def joined(self, round_: int) -> int:
         value = self._store.get(self._key("joins", round_)).value
