@@ -94,6 +94,7 @@ def test_worker_env_respects_the_users_settings() -> None:
         # Another node's failure with no restart left ends this node too, running or failed.
         (GroupState.RUNNING, 2, MembershipChange.failed("n1: rank 3 failed"), Action.FAIL, False),
         (GroupState.FAILED, 2, MembershipChange.failed("n1: rank 3 failed"), Action.FAIL, False),
+        (GroupState.RUNNING, 2, MembershipChange.finished(), Action.FAIL, False),
     ],
 )
 def test_restart_policy(

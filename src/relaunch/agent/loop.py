@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds the other nodes have to answer a roll call before one of them may be dead.
 ROLL_CALL_TIMEOUT = 1.0
+_CUT_SHORT = "this node's workers were stopped before they finished"
 
 
 class LocalElasticAgent:
@@ -230,8 +231,8 @@ class LocalElasticAgent:
                     return_values=group.by_global_rank(outcome.return_values),
                 )
             if decision.action is Action.FAIL:
-                if outcome is None or not outcome.is_failed():
-                    raise JobFailedError(decision.reason)  # another node's failure ended it
+                if outcome is None or not outcome.is_failed():  # another node ended the job
+                    raise JobFailedError(f"{decision.reason}; {_CUT_SHORT}")
                 return self._fail_job(outcome)
             restarts_left = self._restarts_left
             if decision.uses_restart:
@@ -268,8 +269,7 @@ class LocalElasticAgent:
                     # Its workers were stopped mid-run to re-form, and the job ended without
                     # them (another node failed, or its exit barrier timed out).
                     raise JobFailedError(
-                        f"the job ended while this node re-formed ({decision.reason}); "
-                        "its workers did not finish"
+                        f"the job ended while this node re-formed ({decision.reason}); {_CUT_SHORT}"
                     ) from None
                 # The other nodes finished the job meanwhile: this node's failure stands.
                 return self._failed(outcome)

@@ -40,7 +40,8 @@ def decide(
     """A failure restarts the group while restarts remain (``restarts_left``: the job's, shared
     by every node). A membership change (nodes waiting to join, a node lost) restarts it without
     using one up, also when the workers failed because of it (a lost peer breaks their
-    collectives); a change saying the job failed elsewhere ends this node too.
+    collectives); a change saying the job failed or finished elsewhere ends this node too (its
+    workers are cut short: a failure).
 
     Collectives break at once when a peer node dies; heartbeats tell it a moment later. So a
     failure with no restarts left is final at once only when every other node answered a roll
@@ -51,7 +52,7 @@ def decide(
     if state is GroupState.SUCCEEDED:
         return RestartDecision(Action.SUCCEED)
     if membership_change is not None:
-        if membership_change.kind is ChangeKind.FAILED:
+        if membership_change.kind in (ChangeKind.FAILED, ChangeKind.FINISHED):
             return RestartDecision(Action.FAIL, reason=membership_change.reason)
         return RestartDecision(Action.RESTART, reason=membership_change.reason)
     if state is GroupState.FAILED:
