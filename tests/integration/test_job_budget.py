@@ -311,6 +311,8 @@ ONE_NODE_NEVER_FINISHES = """
     print("node", os.environ["NODE"], flush=True)
     if os.environ["NODE"] == "slow":
         time.sleep(100)
+    with open(os.environ["STAMP"], "w") as stamp:
+        stamp.write(repr(time.monotonic()))
 """
 
 
@@ -320,17 +322,18 @@ def test_the_exit_barrier_ends_after_its_timeout(
     """The quick node passes the barrier after ``--exit-barrier-timeout`` (not 300 s) and ends
     the job; the slow node's workers are cut short, which it reports as a failure."""
     job = script(tmp_path, ONE_NODE_NEVER_FINISHES)
+    stamp = tmp_path / "stamp"
     flags = ("--nnodes", "2", "--exit-barrier-timeout", "2", "--rdzv-conf", FAST)
-    slow, quick = start_pair(rdzv, leaks, job, *flags, envs=({"NODE": "slow"}, {"NODE": "quick"}))
+    envs = ({"NODE": "slow", "STAMP": str(stamp)}, {"NODE": "quick", "STAMP": str(stamp)})
+    slow, quick = start_pair(rdzv, leaks, job, *flags, envs=envs)
     try:
-        wait_until(lambda: quick.printed() == ["node quick"], 60, "the quick node's worker")
-        printed_at = time.monotonic()
         codes = [slow.wait(60), quick.wait(10)]
     finally:
         stop_all([slow, quick])
     assert codes[1] == 0, quick.said()
     assert quick.exited_at is not None and slow.exited_at is not None
-    assert 2.0 <= quick.exited_at - printed_at < 15.0, quick.said()
+    finished_at = float(stamp.read_text())  # the quick worker's end: the barrier came after
+    assert 2.0 <= quick.exited_at - finished_at < 15.0, quick.said()
     assert codes[0] == 1 and "Traceback" not in slow.said(), slow.said()
     assert "workers were stopped before they finished" in slow.said(), slow.said()
     assert slow.exited_at - quick.exited_at < 15.0
