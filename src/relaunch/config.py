@@ -14,6 +14,7 @@ The text of each flag is checked by ``relaunch.cli.values``, with the same ``Con
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 # Nothing from relaunch.rendezvous at import time: the rendezvous code imports this module.
-from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint
 
@@ -77,6 +78,8 @@ class LaunchConfig:
     hang_timeout: float | None = None
     #: torchrun's ``--signals-to-handle``, given to workers as ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
     signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
+    #: Seconds a node whose workers finished waits for the other nodes' before closing the job.
+    exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)
@@ -110,6 +113,11 @@ def _check_counts(config: LaunchConfig) -> None:
         raise ConfigError(f"nproc_per_node must be >= 1, got {config.nproc_per_node}")
     if config.max_restarts < 0:
         raise ConfigError(f"max_restarts must be >= 0, got {config.max_restarts}")
+    if not (math.isfinite(config.exit_barrier_timeout) and config.exit_barrier_timeout > 0):
+        raise ConfigError(
+            "exit_barrier_timeout must be a number of seconds > 0, got "
+            f"{config.exit_barrier_timeout!r}"
+        )
 
 
 def validate(config: LaunchConfig) -> None:
@@ -337,6 +345,7 @@ def config_from_args(
         timers=True if args.timers else None,
         hang_timeout=args.hang_timeout,
         signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
+        exit_barrier_timeout=args.exit_barrier_timeout,
     )
     validate(config)
     if backend != "static" and not endpoint:

@@ -18,6 +18,7 @@ from relaunch.core.summary import RunSummary
 from relaunch.events import Metrics, event_handler_from_spec, metric_handler_from_spec
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
+    JobFailedError,
     RendezvousClosedError,
     RendezvousHandler,
     RendezvousParameters,
@@ -103,6 +104,7 @@ def launch_agent(
     agent = LocalElasticAgent(
         spec,
         config.start_method,
+        exit_barrier_timeout=config.exit_barrier_timeout,
         log_dir=config.log_dir,
         event_handler=event_handler,
         metrics=metrics,
@@ -116,6 +118,9 @@ def launch_agent(
         outcome = "failed" if result.is_failed() else "succeeded"
     except SignalException as exc:
         outcome = f"stopped by {exc.sigval.name}"
+        raise
+    except JobFailedError:
+        outcome = "failed: the job ended on another node"
         raise
     except RendezvousClosedError:
         outcome = "not started: the job had already finished"

@@ -23,7 +23,7 @@ from relaunch.events import Event, EventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure, SignalException
 from relaunch.procs.signals import raise_signal_exception
-from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous.api import JobFailedError, RendezvousHandler, RendezvousInfo
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -314,6 +314,83 @@ def test_a_failure_without_restarts_fails_once_the_grace_has_passed(tmp_path) ->
     assert set(result.failures) == {1} and result.stopped == [0]
     assert starter.contexts[0].looks <= 4  # it slept through the grace, it did not poll
     assert result.failures[1].message == "ValueError: boom"  # explained once, not per look
+
+
+class SharedCountHandler(ListeningHandler):
+    """A node of a job whose restarts are counted elsewhere (``used``), whose peers answer a roll
+    call with ``alive``; what it is told to end the job with goes to ``failed_with``."""
+
+    def __init__(self, used: int = 0, alive: bool | None = None, nodes: int = 2) -> None:
+        super().__init__(grace=60, nodes=nodes)
+        self.used, self.alive = used, alive
+        self.calls = 0
+        self.failed_with: list[str] = []
+
+    def restarts_used(self, spent_here: int) -> int:
+        return self.used
+
+    def peers_alive(self, timeout: float) -> bool | None:
+        self.calls += 1
+        return self.alive
+
+    def fail_job(self, reason: str) -> None:
+        self.failed_with.append(reason)
+        self.closed = True
+
+
+def test_the_budget_is_the_jobs_as_the_handler_counts_it(tmp_path) -> None:
+    handler = SharedCountHandler(used=1, alive=True)
+    starter = Starter(ends_with(failed), ends_with(succeeded))
+    agent = agent_for(tmp_path, handler, starter, max_restarts=2)
+    assert agent.run().state is WorkerState.SUCCEEDED
+    assert handler.rounds == 2 and agent.restart_count == 1  # the job's count, not this node's
+    spent = SharedCountHandler(used=2, alive=True)  # other nodes spent them all
+    agent = agent_for(tmp_path / "spent", spent, Starter(ends_with(failed)), max_restarts=2)
+    assert agent.run().state is WorkerState.FAILED
+    assert spent.rounds == 1 and spent.notes == []
+
+
+def test_with_no_restart_left_a_failure_is_final_at_once_when_every_peer_answers(
+    tmp_path,
+) -> None:
+    handler = SharedCountHandler(alive=True)
+    agent = agent_for(tmp_path, handler, Starter(ends_with(failed)))
+    started = time.monotonic()
+    result = agent.run()
+    assert time.monotonic() - started < 30  # not the grace of 60 s
+    assert result.state is WorkerState.FAILED and handler.calls == 1
+    (reason,) = handler.failed_with
+    assert "rank 1 exited with code 3" in reason and reason.endswith("(no restart left)")
+
+
+def test_with_a_peer_silent_at_the_roll_call_the_grace_is_waited(tmp_path) -> None:
+    handler = SharedCountHandler(alive=False)
+    starter = Starter(ends_with(failed), ends_with(succeeded))
+    agent = agent_for(tmp_path, handler, starter)
+
+    def lose_a_node() -> None:
+        wait_until(lambda: handler.calls >= 1, what="the roll call")
+        handler.announce(MembershipChange.member_lost(1, "no heartbeat", 0))
+
+    in_thread(lose_a_node)
+    assert agent.run().state is WorkerState.SUCCEEDED
+    assert handler.calls == 1 and handler.failed_with == [] and agent.restart_count == 0
+
+
+def test_a_failure_that_ended_the_job_elsewhere_stops_this_node_with_it(tmp_path) -> None:
+    handler = SharedCountHandler()
+    starter = Starter(keeps_running)
+    agent = agent_for(tmp_path, handler, starter)
+
+    def fail_elsewhere() -> None:
+        wait_until(lambda: starter.contexts and starter.contexts[0].looks >= 1)
+        handler.announce(MembershipChange.failed("n2: rank 3 exited with code 1"))
+
+    in_thread(fail_elsewhere)
+    with pytest.raises(JobFailedError, match="the job failed: n2: rank 3 exited with code 1"):
+        agent.run()
+    assert starter.contexts[0].closed_with is signal.SIGTERM
+    assert handler.rounds == 1 and handler.failed_with == []
 
 
 def test_in_a_group_of_one_node_a_failure_fails_at_once(tmp_path) -> None:

@@ -92,6 +92,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "node_rank": "1",
                 "master_port": "9",
                 "hang_timeout": "30",
+                "exit_barrier_timeout": "12.5",
             }.get(dest, "x")
         )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]
@@ -153,6 +154,18 @@ def test_torchruns_shutdown_timeout_variable_sets_the_default() -> None:
     assert timeout(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="7", PET_SHUTDOWN_TIMEOUT="9") == 9.0
     parser = cli.build_parser({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"})
     assert parser.parse_args(["--shutdown-timeout", "3", "job.py"]).shutdown_timeout == 3.0
+
+
+def test_the_exit_barrier_timeout_is_a_flag_a_variable_and_a_config_field() -> None:
+    assert parse().exit_barrier_timeout == 300.0
+    assert parse("--exit-barrier-timeout", "2.5").exit_barrier_timeout == 2.5
+    assert parse(PET_EXIT_BARRIER_TIMEOUT="4").exit_barrier_timeout == 4.0
+    config, _, _ = cli.config_from_args(parse("--exit-barrier-timeout", "7"))
+    assert config.exit_barrier_timeout == 7.0
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(ConfigError, match="--exit-barrier-timeout") as caught:
+            cli.config_from_args(parse("--exit-barrier-timeout", bad))
+        assert "\n" not in str(caught.value)
 
 
 def test_torchruns_python_exec_runs_the_script(tmp_path) -> None:

@@ -136,6 +136,12 @@ def test_validate_says_what_is_wrong(overrides: dict[str, object], message: str)
         validate(config)
 
 
+@pytest.mark.parametrize("seconds", [0, -1.0, float("inf"), float("nan")])
+def test_the_exit_barrier_timeout_is_bounded(seconds: float) -> None:
+    with pytest.raises(ConfigError, match="exit_barrier_timeout must be a number of seconds > 0"):
+        LaunchConfig(1, 1, 1, exit_barrier_timeout=seconds)
+
+
 def test_a_static_backend_ignores_the_dynamic_keys() -> None:
     validate(LaunchConfig(1, 1, 1, rdzv_endpoint="h:1", rdzv_configs={"join_timeout": "x"}))
 

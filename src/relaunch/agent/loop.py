@@ -6,6 +6,12 @@ process layer, and lets the restart policy (``core.restart``) decide what comes 
 decisions it sleeps on one event queue, woken by the end of the workers, a membership change,
 a signal, or the next deadline (hang detection, the grace given a lost node). Only a rendezvous
 handler that cannot report membership changes is asked for them, every ``monitor_interval``.
+
+The restart budget is the job's, not this agent's: the handler counts the group restarts every
+node spent (``restarts_used``). With none left, a failure in a group of several nodes is final
+at once when every other node answers a roll call (``peers_alive``), and then ends the job for
+every node (``fail_job``); while one does not answer, it may be dead, and the agent waits the
+grace for its loss to be noticed, which re-forms the group for free.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from relaunch.core.console_plan import (
     log_line_prefixes,
     relayed,
 )
+from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
 from relaunch.core.failures import format_report, one_line, root_cause_rank
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, worker_env
@@ -38,9 +45,13 @@ from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.wakeup import EventQueue
-from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler
+from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
 
 log = logging.getLogger(__name__)
+
+#: Seconds the other nodes have to answer a roll call before one of them may be dead.
+ROLL_CALL_TIMEOUT = 1.0
+_CUT_SHORT = "this node's workers were stopped before they finished"
 
 
 class LocalElasticAgent:
@@ -57,14 +68,15 @@ class LocalElasticAgent:
     ``timers`` runs a file timer server for ``relaunch.timer.expires`` in the workers (by
     default when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); ``hang_timeout`` restarts the group when
     a worker shows no sign of life for that many seconds, with its stack in the report.
-    ``start_processes`` starts each group (a seam for tests).
+    ``start_processes`` starts each group (a seam for tests). ``exit_barrier_timeout`` bounds
+    how long a node whose workers finished waits for the others' before it closes the job.
     """
 
     def __init__(
         self,
         spec: WorkerSpec,
         start_method: str = "spawn",
-        exit_barrier_timeout: float = 300,
+        exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
         log_dir: str | None = None,
         events: object = None,
         *,
@@ -80,7 +92,9 @@ class LocalElasticAgent:
         self._events = events
         self._metrics = metrics or Metrics(NullMetricHandler(), group="torchelastic")
         self._start_processes = start_processes
-        self._restarts_left = spec.max_restarts
+        self._spent = 0  # group restarts this node's failures asked for
+        self._used = 0  # group restarts the job has used, as the handler last told
+        self._peers_alive: bool | None = None  # the roll call's outcome, this round
         self._pcontext: PContext | None = None
         self._log_dir = make_log_dir(log_dir, spec.rdzv_handler.get_run_id())
         self._report = RunReport(
@@ -107,7 +121,12 @@ class LocalElasticAgent:
 
     @property
     def restart_count(self) -> int:
-        return self._worker_group.spec.max_restarts - self._restarts_left
+        """Group restarts the job has used (every node's, with a shared rendezvous store)."""
+        return self._used
+
+    @property
+    def _restarts_left(self) -> int:
+        return max(0, self._worker_group.spec.max_restarts - self._used)
 
     def summary(self, outcome: str) -> RunSummary:
         """The end-of-run summary of the last attempt, for a run that ended with ``outcome``."""
@@ -212,10 +231,13 @@ class LocalElasticAgent:
                     return_values=group.by_global_rank(outcome.return_values),
                 )
             if decision.action is Action.FAIL:
-                assert outcome is not None
-                return self._failed(outcome)
+                if outcome is None or not outcome.is_failed():  # another node ended the job
+                    raise JobFailedError(f"{decision.reason}; {_CUT_SHORT}")
+                return self._fail_job(outcome)
+            restarts_left = self._restarts_left
             if decision.uses_restart:
-                self._restarts_left -= 1
+                self._spent += 1
+                restarts_left -= 1
             reason = decision.reason
             if outcome is not None and outcome.is_failed():
                 failures = group.by_global_rank(outcome.failures)
@@ -235,7 +257,7 @@ class LocalElasticAgent:
                 "[%s] restarting the worker group (%s); %d restart(s) left",
                 role,
                 decision.reason,
-                self._restarts_left,
+                restarts_left,
             )
             self._stop_workers(signal.SIGTERM)
             if decision.uses_restart:  # the other nodes restart because of this: say why
@@ -244,7 +266,11 @@ class LocalElasticAgent:
                 self._rendezvous()
             except RendezvousClosedError:
                 if outcome is None or not outcome.is_failed():
-                    raise
+                    # Its workers were stopped mid-run to re-form, and the job ended without
+                    # them (another node failed, or its exit barrier timed out).
+                    raise JobFailedError(
+                        f"the job ended while this node re-formed ({decision.reason}); {_CUT_SHORT}"
+                    ) from None
                 # The other nodes finished the job meanwhile: this node's failure stands.
                 return self._failed(outcome)
             self._start_workers()
@@ -260,17 +286,33 @@ class LocalElasticAgent:
         watching = handler.watches_membership
         # A group of one node has no other node to lose: its failure is final at once.
         alone = (self._worker_group.group_world_size or 1) <= 1
+        failed = outcome is not None and outcome.is_failed()
+        if failed:
+            self._used = handler.restarts_used(self._spent)
+        change = handler.membership_change() if watching else None
+        if (
+            failed
+            and change is None
+            and self._restarts_left == 0
+            and watching
+            and not alone
+            and self._grace_ends is None
+        ):
+            self._peers_alive = handler.peers_alive(ROLL_CALL_TIMEOUT)
+            change = handler.membership_change()  # one may have come during the roll call
         decision = decide(
             GroupState.RUNNING if outcome is None else _state_of(outcome),
             self._restarts_left,
-            handler.membership_change() if watching else None,
+            change,
             lost_node_grace=handler.lost_node_grace if watching and not alone else 0.0,
             now=time.monotonic(),
             grace_ends=self._grace_ends,
+            peers_alive=self._peers_alive,
         )
         if decision.action is Action.AWAIT_CHANGE and self._grace_ends is None:
-            log.info(
-                "workers failed: waiting up to %gs for a lost node to be noticed",
+            log.warning(
+                "workers failed with no restart left, and not every other node answered: "
+                "waiting up to %gs for a lost node to be noticed",
                 handler.lost_node_grace,
             )
         self._grace_ends = decision.deadline
@@ -297,6 +339,14 @@ class LocalElasticAgent:
         reports = type(handler).set_change_listener is not RendezvousHandler.set_change_listener
         return handler.watches_membership and not reports
 
+    def _fail_job(self, outcome: RunProcsResult) -> RunResult:
+        """This node's failure is final: end the job for every node, and return it."""
+        failures = self._worker_group.by_global_rank(outcome.failures)
+        rank = root_cause_rank(failures)
+        reason = f"{os.uname().nodename}: {one_line(rank, failures[rank])} (no restart left)"
+        self._worker_group.spec.rdzv_handler.fail_job(reason)
+        return self._failed(outcome)
+
     def _failed(self, outcome: RunProcsResult) -> RunResult:
         group = self._worker_group
         group.state = WorkerState.FAILED
@@ -309,7 +359,10 @@ class LocalElasticAgent:
     # -- the steps ----------------------------------------------------------------------------
 
     def _rendezvous(self) -> None:
-        self._worker_group.join(self._worker_group.spec.rdzv_handler.next_rendezvous())
+        handler = self._worker_group.spec.rdzv_handler
+        self._worker_group.join(handler.next_rendezvous())
+        self._peers_alive = None
+        self._used = handler.restarts_used(self._spent)
 
     def _start_workers(self) -> None:
         group = self._worker_group

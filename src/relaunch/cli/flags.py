@@ -12,7 +12,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
+from relaunch.core.defaults import (
+    DEFAULT_EXIT_BARRIER_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    START_METHODS,
+)
 from relaunch.core.streams import Std
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -203,6 +207,14 @@ FLAGS = [
         _checked("parse_seconds", False),
         metavar="SECONDS",
         env="TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    ),
+    _Flag(
+        "restarts",
+        ("--exit-barrier-timeout",),
+        "seconds a node whose workers finished waits for the other nodes' before it ends the job",
+        DEFAULT_EXIT_BARRIER_TIMEOUT,
+        _checked("parse_bound"),
+        metavar="SECONDS",
     ),
     _Flag(
         "restarts",

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 
 from relaunch.config import ConfigError
@@ -46,6 +47,14 @@ def parse_seconds(text: str, positive: bool) -> float:
     if value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
         raise ConfigError(f"expected a number of seconds {bound}, got {text!r}")
+    return value
+
+
+def parse_bound(text: str) -> float:
+    """A bound in seconds: finite and > 0 (a wait that must end)."""
+    value = parse_seconds(text, True)
+    if not math.isfinite(value):
+        raise ConfigError(f"expected a finite number of seconds > 0, got {text!r}")
     return value
 
 

@@ -7,3 +7,5 @@ from __future__ import annotations
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 #: How function workers may be started (multiprocessing's start methods).
 START_METHODS = ("spawn", "fork", "forkserver")
+#: Default seconds a node whose workers finished waits for the other nodes' (torchrun's).
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0

@@ -21,6 +21,7 @@ class ChangeKind(str, enum.Enum):
     MEMBER_LEFT = "member_left"  # a member shut down before the job finished
     RESTARTING = "restarting"  # a member restarts its workers (after a failure, say)
     FINISHED = "finished"  # the job finished: nobody re-forms, late nodes exit
+    FAILED = "failed"  # a failure with no restart left ended the job: every node stops
     STORE_LOST = "store_lost"  # this node could not reach the store: no member is gone
 
     @property
@@ -65,6 +66,10 @@ class MembershipChange:
     @classmethod
     def finished(cls) -> MembershipChange:
         return cls(ChangeKind.FINISHED, "the job finished")
+
+    @classmethod
+    def failed(cls, reason: str) -> MembershipChange:
+        return cls(ChangeKind.FAILED, f"the job failed: {reason}")
 
     @classmethod
     def store_lost(cls, error: object) -> MembershipChange:

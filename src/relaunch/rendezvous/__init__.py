@@ -9,6 +9,7 @@ from relaunch.core.membership import ChangeKind, MembershipChange
 from relaunch.endpoints import parse_endpoint
 from relaunch.rendezvous.api import (
     BACKENDS,
+    JobFailedError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -20,6 +21,7 @@ from relaunch.rendezvous.static import StaticRendezvousHandler
 __all__ = [
     "BACKENDS",
     "ChangeKind",
+    "JobFailedError",
     "MembershipChange",
     "RendezvousError",
     "RendezvousHandler",

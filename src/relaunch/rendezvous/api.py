@@ -31,6 +31,11 @@ class RendezvousClosedError(RendezvousError):
     """The job this node tried to join has already finished."""
 
 
+class JobFailedError(RendezvousError):
+    """The job ended while this node's workers ran: another node failed with no restart left
+    (the message says why), or the job was closed while this node re-formed."""
+
+
 @dataclass(frozen=True)
 class RendezvousInfo:
     """The outcome of one rendezvous round, for this node."""
@@ -131,7 +136,23 @@ class RendezvousHandler(abc.ABC):
         return 0.0
 
     def note_restart(self, reason: str) -> None:  # noqa: B027 - nobody else to tell
-        """This node restarts its workers because of ``reason``: the others hear it as theirs."""
+        """This node restarts its workers because of ``reason`` (a failure: it spends one of the
+        job's restarts): the others hear it as theirs."""
+
+    def restarts_used(self, spent_here: int) -> int:
+        """Group restarts the job has used. Here, with no other node to count, those this node
+        spent (``spent_here``); a handler over a shared store counts every node's, so that a
+        node that rejoins does not start with a fresh budget."""
+        return spent_here
+
+    def peers_alive(self, timeout: float) -> bool | None:
+        """Whether every other member of the running group answers within ``timeout`` (then a
+        failure is genuine: no lost node to wait for); None: this handler cannot tell."""
+        return None
+
+    def fail_job(self, reason: str) -> None:  # noqa: B027 - nobody else to stop
+        """This node's failure ends the job (no restart left): stop the others with it, and
+        close the job."""
 
     def exit_barrier(self, timeout: float) -> None:  # noqa: B027 - nothing to wait for
         """Wait (up to ``timeout``) until every live node's workers have finished."""

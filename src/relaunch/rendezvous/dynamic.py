@@ -14,11 +14,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import rendezvous as plan
-from relaunch.core.membership import MembershipChange, expected_size
-from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
+from relaunch.core.membership import ChangeKind, MembershipChange, expected_size
+from relaunch.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+)
 from relaunch.rendezvous.heartbeat import RoundWatch
-from relaunch.rendezvous.roster import new_node_id
-from relaunch.rendezvous.rounds import CLOSED, Rounds
+from relaunch.rendezvous.rollcall import BelledRounds, roll_call
+from relaunch.rendezvous.roster import new_node_id, roster_for
+from relaunch.rendezvous.rounds import CLOSED
 from relaunch.store.api import Store, StoreConnectionError, StoreError
 
 if TYPE_CHECKING:
@@ -51,9 +57,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self.settings = settings
         self._local_world_size = local_world_size
         self._backend = backend
-        self._rounds = Rounds(run_id, store, settings, local_addr, new_node_id(), keyed=leases)
+        node_id = new_node_id()
+        self._rounds = BelledRounds(run_id, store, settings, local_addr, node_id, keyed=leases)
         self._roster = self._rounds.roster
         self._key = self._rounds.key
+        # Roll calls are answered by the thread that watches the round, on its own connection.
+        self._answers = roster_for(watch_store or heartbeat_store, self._key, node_id, leases)
         self._on_shutdown = on_shutdown
         self._round: int | None = None
         self._ticket = 0
@@ -70,6 +79,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # writes nothing (it would only wait for the store again).
         self._store_lost = False
         self._restart_reason = ""
+        # Whether this node's next re-form is its own restart after a failure, which spends
+        # one of the job's restarts (``restarts``) if its change is the one that stands.
+        self._spending = False
+        self._restarts_seen = 0
 
     # -- RendezvousHandler ----------------------------------------------------------------------
 
@@ -129,6 +142,43 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def note_restart(self, reason: str) -> None:
         self._restart_reason = reason
+        self._spending = True
+
+    def restarts_used(self, spent_here: int) -> int:
+        """The job's count in the store (``relaunch/{run_id}/restarts``), which the node whose
+        failure re-formed a round adds to; the last count read if the store cannot be read."""
+        try:
+            value = self._store.get(self._key("restarts")).value
+        except StoreError as exc:
+            log.warning("could not read the job's restart count: %s", exc)
+        else:
+            self._restarts_seen = int(value) if value else 0
+        return self._restarts_seen
+
+    def peers_alive(self, timeout: float) -> bool | None:
+        """A roll call of the running round (``rollcall``): True when every member answered
+        within ``timeout``."""
+        round_, final = self._round, self._final
+        if round_ is None or final is None:
+            return None
+        try:
+            return roll_call(self._store, self._roster, self._key, round_, final.count, timeout)
+        except StoreError as exc:
+            log.warning("roll call of round %d: %s", round_, exc)
+            return None
+
+    def fail_job(self, reason: str) -> None:
+        """Mark the round failed (its members stop and report it, rather than re-form), then
+        close the job."""
+        if self._round is not None and self._final is not None and not self._finished:
+            failed = MembershipChange.failed(reason)
+            try:
+                self._rounds.supersede(
+                    self._round, failed, expected_size(self._final.count, failed)
+                )
+            except StoreError as exc:
+                log.warning("could not tell the other nodes that the job failed: %s", exc)
+        self.set_closed()
 
     def wait_membership_change(self, timeout: float) -> MembershipChange | None:
         self._changed.wait(timeout)
@@ -215,11 +265,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._stop_watching()
+        with self._change_lock:
+            ended = self._change is not None and self._change.kind in (
+                ChangeKind.FAILED,
+                ChangeKind.FINISHED,
+            )
         if (
             self._round is not None
             and self._final is not None
             and not self._finished
             and not self._store_lost
+            and not ended  # the job is over: nobody re-forms, and its keys may be gone
         ):
             try:
                 # Leaving before the job finished: the others re-form without this node. This
@@ -240,13 +296,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._stop_watching()
         if self._round is None or self._final is None:
             return
-        waiting = self.num_nodes_waiting()
         with self._change_lock:
+            own = self._change is None
             change = self._change or MembershipChange.restarting(self._restart_reason)
+            spending, self._spending = self._spending and own, False
             self._restart_reason = ""
-        self._rounds.supersede(
+        if self._rounds.is_closed():
+            raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
+        waiting = self.num_nodes_waiting()
+        won = self._rounds.supersede(
             self._round, change, expected_size(self._final.count, change, waiting)
         )
+        if won and spending:  # one group restart, one unit, whoever else failed with it
+            self._store.add(self._key("restarts"), 1)
 
     # -- watching the running round ---------------------------------------------------------------
 
@@ -262,6 +324,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch_store,
             self._leases,
             lambda change: self._flag(round_, change),
+            lambda: self._answers.mark("here", round_),
         )
         self._watch.start()
 

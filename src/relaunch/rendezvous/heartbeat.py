@@ -1,5 +1,6 @@
 """Watching a running round: this member's heartbeat, its ring neighbour's, and the round's
-``changed`` record. Whatever they notice goes to one callback, as a ``MembershipChange``.
+``changed`` record (heard through its bell, ``rollcall``). Whatever they notice goes to one
+callback, as a ``MembershipChange``; a roll call is answered on the spot.
 
 Each member watches one neighbour, so a round of N nodes costs O(1) store operations per node
 and beat. Two ways to beat: a counter the member bumps (the built-in store), or an etcd lease
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change
+from relaunch.rendezvous.rollcall import CALL
 from relaunch.runtime import start_thread
 from relaunch.store.api import Store, StoreError
 
@@ -26,8 +28,9 @@ class RoundWatch:
     """The threads that watch one round for the member holding ``ticket`` of ``count``.
 
     ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). With a ``watch_store``
-    a second thread blocks on the ``changed`` record, so a re-form reaches this member at once;
-    without one the heartbeat looks at it each beat.
+    a second thread blocks on the round's bell, so a re-form or a roll call reaches this member
+    at once; without one the heartbeat looks at ``changed`` and ``call`` each beat. ``answer``
+    answers a roll call (once a round).
     """
 
     def __init__(
@@ -40,12 +43,15 @@ class RoundWatch:
         watch_store: Store | None,
         leases: bool,
         flag: Callable[[MembershipChange], None],
+        answer: Callable[[], None] | None = None,
     ) -> None:
         self._key = round_key
         self._ticket, self._count = ticket, count
         self._settings = settings
         self._store, self._watch_store, self._leases = store, watch_store, leases
         self._flag = flag
+        self._answer = answer
+        self._answered = False
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
 
@@ -62,19 +68,36 @@ class RoundWatch:
             self._beating.join()
 
     def _watch_changes(self) -> None:
-        """Block on this round's ``changed`` record: a re-form anywhere reaches us at once."""
-        assert self._watch_store is not None
-        key, stop = self._key("changed"), self._stop
+        """Block on this round's bell: a re-form anywhere, or a roll call, reaches us at once.
+        Each keep-alive interval, look at ``changed`` and ``call`` anyway, in case whoever wrote
+        one died before ringing."""
+        store = self._watch_store
+        assert store is not None
+        bell, stop, version = self._key("bell"), self._stop, 0
         try:
             while not stop.is_set():
-                changed = self._watch_store.watch(key, 0, self._settings.keep_alive_interval)
-                if changed.value is not None:
-                    if not stop.is_set():
-                        self._flag(decode_change(changed.value)[0])
+                rung = store.watch(bell, version, self._settings.keep_alive_interval)
+                version = rung.version
+                if stop.is_set():
+                    return
+                self._answer_call(store, called=rung.value == CALL)
+                record = rung.value
+                if record is None or record == CALL:
+                    record = store.get(self._key("changed")).value
+                if record is not None:
+                    self._flag(decode_change(record)[0])
                     return
         except StoreError as exc:
             if not stop.is_set():
                 self._flag(MembershipChange.store_lost(exc))
+
+    def _answer_call(self, store: Store, called: bool) -> None:
+        """Answer the round's roll call once, if it was called (``called``: the bell said so)."""
+        if self._answer is None or self._answered:
+            return
+        if called or store.get(self._key("call")).value is not None:
+            self._answered = True
+            self._answer()
 
     def _beat(self) -> None:
         """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
@@ -88,7 +111,8 @@ class RoundWatch:
         try:
             while True:
                 pulse.beat(self._key(f"hb/{self._ticket}"))
-                if self._watch_store is None:  # nobody blocks on ``changed``: look each beat
+                if self._watch_store is None:  # nobody blocks on the bell: look each beat
+                    self._answer_call(store, called=False)
                     changed = store.get(self._key("changed")).value
                     if changed is not None:
                         self._flag(decode_change(changed)[0])

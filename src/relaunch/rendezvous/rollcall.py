@@ -1,0 +1,54 @@
+"""A round's bell, and the roll call that asks whether every member of the round is alive.
+
+Each member has one thread blocked on its round's ``bell`` (``heartbeat.RoundWatch``): whoever
+marks the round for re-forming (``changed``) or calls the roll (``call``) rings it with what it
+wrote, so one blocked watch a node hears both at once. A writer that dies between its two
+writes is caught by the watcher's look at ``changed`` and ``call`` every keep-alive interval.
+
+The roll call: a node whose workers failed with no restart left asks whether every member is
+alive before it calls the failure final (a dead peer breaks collectives before heartbeats tell
+of it). Only the first asker awaits the answers; no store event goes to every node per answer.
+Keys, under ``relaunch/{run_id}/r{n}/``::
+
+    bell        rewritten with each change record that supersedes the round, and with ``call``
+    call        the roll call, created once by the first asker, which then rings the bell
+    here        the members that answered, a tally (``roster``): one answer per member
+    present     the outcome, written by the first asker: ``1`` when every member answered in
+                time, else ``0``; the other askers wait for it
+"""
+
+from __future__ import annotations
+
+from relaunch.core.membership import MembershipChange, encode_change
+from relaunch.rendezvous.roster import KeyOf, Roster
+from relaunch.rendezvous.rounds import Rounds
+from relaunch.store.api import Store
+
+#: What the bell holds when the roll is called (else the change record that rang it).
+CALL = b"call"
+#: Seconds the other askers wait for the outcome beyond the first asker's own wait.
+OUTCOME_MARGIN = 1.0
+
+
+class BelledRounds(Rounds):
+    """``Rounds`` whose ``supersede`` rings the round's bell with the change that won."""
+
+    def supersede(self, round_: int, change: MembershipChange, expected: int) -> bool:
+        won = super().supersede(round_, change, expected)
+        if won:
+            self._store.set(self.key("bell", round_), encode_change(change, expected))
+        return won
+
+
+def roll_call(
+    store: Store, roster: Roster, key: KeyOf, round_: int, members: int, timeout: float
+) -> bool | None:
+    """Whether all ``members`` of round ``round_`` answer within ``timeout`` seconds (None: no
+    outcome came, the first asker having died, say). Many askers share one call."""
+    present = key("present", round_)
+    if store.compare_set(key("call", round_), 0, CALL).succeeded:
+        store.set(key("bell", round_), CALL)
+        here = roster.await_tally("here", round_, members, timeout)
+        store.compare_set(present, 0, b"1" if here >= members else b"0")
+    outcome = store.watch(present, 0, timeout + OUTCOME_MARGIN).value
+    return None if outcome is None else outcome == b"1"

@@ -1,0 +1,93 @@
+"""The job's restart count and the roll call, with real handlers on one in-memory store (each
+handler's round watcher is a real thread blocked on the round's bell)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from relaunch.core.membership import ChangeKind
+from relaunch.core.rendezvous import Settings
+from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+from relaunch.rendezvous.rollcall import roll_call
+from relaunch.rendezvous.roster import CounterRoster
+from relaunch.rendezvous.rounds import Rounds
+from relaunch.store import MemoryStore
+
+pytestmark = pytest.mark.timeout(30)
+
+RULES = Settings(2, 3, join_timeout=5.0, last_call_timeout=0.05, keep_alive_interval=0.05)
+
+
+def all_at_once(handlers: list[DynamicRendezvousHandler], step: Callable[[int], object]) -> list:
+    """``step(i)`` for every handler at once, each in its own thread; their results."""
+    results: list = [None] * len(handlers)
+
+    def run(index: int) -> None:
+        results[index] = step(index)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    return results
+
+
+@pytest.fixture
+def job() -> Iterator[list[DynamicRendezvousHandler]]:
+    """Three nodes of one job, in their first round."""
+    store = MemoryStore()
+    handlers = [
+        DynamicRendezvousHandler("job", store, RULES, 1, "127.0.0.1", store, watch_store=store)
+        for _ in range(3)
+    ]
+    all_at_once(handlers, lambda i: handlers[i].next_rendezvous())
+    yield handlers
+    for handler in handlers:
+        handler.shutdown()
+
+
+def test_every_member_answers_a_roll_call_that_many_askers_share(job) -> None:
+    assert all_at_once(job[:2], lambda i: job[i].peers_alive(1.0)) == [True, True]
+    assert job[2].peers_alive(1.0) is True  # the outcome stands for the round
+    assert all(handler.membership_change() is None for handler in job)  # nobody re-forms
+
+
+def test_a_member_that_does_not_answer_makes_the_roll_call_false() -> None:
+    store = MemoryStore()
+    key = Rounds("job", store, RULES, "127.0.0.1", "n").key
+    roster = CounterRoster(store, key)
+    roster.mark("here", 0)
+    roster.mark("here", 0)
+    assert roll_call(store, roster, key, 0, 3, 0.2) is False
+    for _ in range(3):
+        roster.mark("here", 1)
+    assert roll_call(store, roster, key, 1, 3, 0.2) is True
+
+
+def test_two_nodes_failing_at_once_spend_one_restart_and_a_re_form_spends_none(job) -> None:
+    assert [handler.restarts_used(0) for handler in job] == [0, 0, 0]
+    job[0].note_restart("node 0: rank 0 failed")
+    job[1].note_restart("node 1: rank 1 failed")
+    all_at_once(job, lambda i: job[i].next_rendezvous())  # node 2 follows the change
+    assert [handler.restarts_used(0) for handler in job] == [1, 1, 1]
+    job[2].shutdown()  # a member leaves: the others re-form without it, for free
+    for handler in job[:2]:
+        change = handler.wait_membership_change(5.0)
+        assert change is not None and change.kind is ChangeKind.MEMBER_LEFT
+    all_at_once(job[:2], lambda i: job[i].next_rendezvous())
+    assert [handler.restarts_used(5) for handler in job[:2]] == [1, 1]
+
+
+def test_a_failed_job_stops_the_other_members_through_the_bell(job) -> None:
+    job[0].fail_job("node 0: rank 0 exited with code 1 (no restart left)")
+    for handler in job[1:]:
+        change = handler.wait_membership_change(5.0)
+        assert change is not None and change.kind is ChangeKind.FAILED
+        assert (
+            change.reason == "the job failed: node 0: rank 0 exited with code 1 (no restart left)"
+        )
+    assert job[1].is_closed()
