@@ -22,9 +22,9 @@ from relaunch.rendezvous.api import (
     RendezvousInfo,
 )
 from relaunch.rendezvous.heartbeat import RoundWatch
-from relaunch.rendezvous.rollcall import BelledRounds, roll_call
+from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import new_node_id, roster_for
-from relaunch.rendezvous.rounds import CLOSED
+from relaunch.rendezvous.rounds import CLOSED, Rounds
 from relaunch.store.api import Store, StoreConnectionError, StoreError
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._local_world_size = local_world_size
         self._backend = backend
         node_id = new_node_id()
-        self._rounds = BelledRounds(run_id, store, settings, local_addr, node_id, keyed=leases)
+        self._rounds = Rounds(run_id, store, settings, local_addr, node_id, keyed=leases)
         self._roster = self._rounds.roster
         self._key = self._rounds.key
         # Roll calls are answered by the thread that watches the round, on its own connection.

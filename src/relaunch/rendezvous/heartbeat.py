@@ -69,8 +69,8 @@ class RoundWatch:
 
     def _watch_changes(self) -> None:
         """Block on this round's bell: a re-form anywhere, or a roll call, reaches us at once.
-        Each keep-alive interval, look at ``changed`` and ``call`` anyway, in case whoever wrote
-        one died before ringing."""
+        Each keep-alive interval, look at ``changed`` anyway, in case whoever wrote it died
+        before ringing."""
         store = self._watch_store
         assert store is not None
         bell, stop, version = self._key("bell"), self._stop, 0
@@ -80,7 +80,8 @@ class RoundWatch:
                 version = rung.version
                 if stop.is_set():
                     return
-                self._answer_call(store, called=rung.value == CALL)
+                if rung.value == CALL:
+                    self._answer_call(store, called=True)
                 record = rung.value
                 if record is None or record == CALL:
                     record = store.get(self._key("changed")).value

@@ -1,9 +1,10 @@
 """A round's bell, and the roll call that asks whether every member of the round is alive.
 
 Each member has one thread blocked on its round's ``bell`` (``heartbeat.RoundWatch``): whoever
-marks the round for re-forming (``changed``) or calls the roll (``call``) rings it with what it
-wrote, so one blocked watch a node hears both at once. A writer that dies between its two
-writes is caught by the watcher's look at ``changed`` and ``call`` every keep-alive interval.
+marks the round for re-forming (``changed``, ``rounds.Rounds.supersede``) or calls the roll
+(``call``) rings it with what it wrote, so one blocked watch a node hears both at once. A
+re-form whose writer died between its two writes is caught by the watcher's look at
+``changed`` every keep-alive interval; a roll call whose asker died needs no answer.
 
 The roll call: a node whose workers failed with no restart left asks whether every member is
 alive before it calls the failure final (a dead peer breaks collectives before heartbeats tell
@@ -19,25 +20,14 @@ Keys, under ``relaunch/{run_id}/r{n}/``::
 
 from __future__ import annotations
 
-from relaunch.core.membership import MembershipChange, encode_change
-from relaunch.rendezvous.roster import KeyOf, Roster
-from relaunch.rendezvous.rounds import Rounds
+from relaunch.core.rendezvous import KeyOf
+from relaunch.rendezvous.roster import Roster
 from relaunch.store.api import Store
 
 #: What the bell holds when the roll is called (else the change record that rang it).
 CALL = b"call"
 #: Seconds the other askers wait for the outcome beyond the first asker's own wait.
 OUTCOME_MARGIN = 1.0
-
-
-class BelledRounds(Rounds):
-    """``Rounds`` whose ``supersede`` rings the round's bell with the change that won."""
-
-    def supersede(self, round_: int, change: MembershipChange, expected: int) -> bool:
-        won = super().supersede(round_, change, expected)
-        if won:
-            self._store.set(self.key("bell", round_), encode_change(change, expected))
-        return won
 
 
 def roll_call(

@@ -12,6 +12,8 @@ Keys, under ``relaunch/{run_id}/``::
                             etcd the runs of create revisions that place the members
     r{n}/changed            set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
+    r{n}/bell               rung with each change that stands, and by a roll call: what the
+                            members block on (``rollcall``)
     r{n}/hb/{ticket}        heartbeat of a member: a counter it bumps, or on etcd a key bound
                             to its lease, which etcd deletes when the member stops renewing it
     r{n}/done               members whose workers finished (the exit barrier), a tally
@@ -225,7 +227,10 @@ class Rounds:
         """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes; its
         members see it at once. The first change wins: whether it was this one."""
         record = encode_change(change, expected)
-        return self._store.compare_set(self.key("changed", round_), 0, record).succeeded
+        won = self._store.compare_set(self.key("changed", round_), 0, record).succeeded
+        if won:  # members block on the bell (``rollcall``), which a roll call rings too
+            self._store.set(self.key("bell", round_), record)
+        return won
 
     def _announce_late(self, round_: int) -> None:
         """Having come too late for ``round_``: ask its members to make room, if there is any
