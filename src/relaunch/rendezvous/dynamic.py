@@ -21,7 +21,7 @@ from relaunch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
 )
-from relaunch.rendezvous.heartbeat import RoundWatch
+from relaunch.rendezvous.heartbeat import NodeLease, RoundWatch
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import new_node_id, roster_for
 from relaunch.rendezvous.rounds import CLOSED, Rounds
@@ -54,6 +54,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._hb_store = heartbeat_store
         self._watch_store = watch_store
         self._leases = leases
+        # On etcd, this node's heartbeat lease, from its first round to its shutdown.
+        self._lease = (
+            NodeLease(cast("EtcdStore", heartbeat_store), settings.dead_after) if leases else None
+        )
         self.settings = settings
         self._local_world_size = local_world_size
         self._backend = backend
@@ -284,6 +288,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._rounds.supersede(self._round, left, expected_size(self._final.count, left))
             except StoreError:
                 pass
+        if self._lease is not None and not self._store_lost:
+            self._lease.revoke()  # this node's heartbeat keys go at once
         for close in (self._hb_store.close, self._store.close, *self._on_shutdown):
             try:
                 close()
@@ -322,7 +328,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self.settings,
             self._hb_store,
             self._watch_store,
-            self._leases,
+            self._lease,
             lambda change: self._flag(round_, change),
             lambda: self._answers.mark("here", round_),
         )

@@ -41,16 +41,17 @@ class RoundWatch:
         settings: plan.Settings,
         store: Store,
         watch_store: Store | None,
-        leases: bool,
+        lease: NodeLease | None,
         flag: Callable[[MembershipChange], None],
         answer: Callable[[], None] | None = None,
     ) -> None:
         self._key = round_key
         self._ticket, self._count = ticket, count
         self._settings = settings
-        self._store, self._watch_store, self._leases = store, watch_store, leases
+        self._store, self._watch_store = store, watch_store
         self._flag = flag
         self._answer = answer
+        self._lease = lease
         self._answered = False
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
@@ -61,8 +62,8 @@ class RoundWatch:
             start_thread(self._watch_changes, "relaunch-rdzv-watch")
 
     def stop(self) -> None:
-        """Stop beating (an etcd lease is revoked) and wait for the heartbeat thread; the
-        watching thread ends within a beat and reports nothing more."""
+        """Stop beating and wait for the heartbeat thread; the watching thread ends within a
+        beat and reports nothing more."""
         self._stop.set()
         if self._beating is not None:
             self._beating.join()
@@ -104,8 +105,8 @@ class RoundWatch:
         """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
         store, settings, stop = self._store, self._settings, self._stop
         pulse: CounterPulse | LeasePulse
-        if self._leases:
-            pulse = LeasePulse(cast("EtcdStore", store), settings)
+        if self._lease is not None:
+            pulse = LeasePulse(cast("EtcdStore", store), settings, self._lease)
         else:
             pulse = CounterPulse(store, settings)
         neighbour = plan.ring_neighbour(self._ticket, self._count)
@@ -156,21 +157,53 @@ class CounterPulse:
         pass
 
 
-class LeasePulse:
-    """Heartbeats as an etcd lease the member renews, holding its key: when the member dies,
-    etcd lets the lease expire and deletes the key, which is how its neighbour learns it."""
+class NodeLease:
+    """This node's etcd lease, kept from its first round to its shutdown: the heartbeat key of
+    each round hangs on it. Keeping it across rounds saves a grant and a revoke per node and
+    re-form, and a member re-forming never looks lost to a neighbour that has not yet heard."""
 
-    def __init__(self, store: EtcdStore, settings: plan.Settings) -> None:
-        self._store, self._settings = store, settings
-        self._lease: int | None = None
+    def __init__(self, store: EtcdStore, ttl: float) -> None:
+        self._store, self._ttl = store, ttl
+        self.id: int | None = None
+
+    def renew(self) -> bool:
+        """Keep the lease alive; False when there is none, or it expired (its keys are gone)."""
+        if self.id is not None and self._store.keep_alive(self.id):
+            return True
+        self.id = None
+        return False
+
+    def grant(self) -> int:
+        if self.id is None:
+            self.id = self._store.grant_lease(self._ttl)
+        return self.id
+
+    def revoke(self) -> None:
+        """End it now: this node's keys go at once (shutting down)."""
+        if self.id is not None:
+            lease, self.id = self.id, None
+            try:
+                self._store.revoke_lease(lease)
+            except StoreError:
+                pass
+
+
+class LeasePulse:
+    """Heartbeats as the node's etcd lease, which it renews, holding the round's key: when the
+    member dies, etcd lets the lease expire and deletes the key, which is how its neighbour
+    learns it."""
+
+    def __init__(self, store: EtcdStore, settings: plan.Settings, lease: NodeLease) -> None:
+        self._store, self._settings, self._lease = store, settings, lease
+        self._held: str | None = None  # the key put on the lease
         self._started = time.monotonic()
         self._seen: set[str] = set()
 
     def beat(self, key: str) -> None:
-        if self._lease is not None and self._store.keep_alive(self._lease):
+        if self._held == key and self._lease.renew():
             return
-        self._lease = self._store.grant_lease(self._settings.dead_after)
-        self._store.set(key, b"", lease=self._lease)
+        self._store.set(key, b"", lease=self._lease.grant())
+        self._held = key
 
     def lost(self, key: str, now: float) -> str | None:
         if self._store.get(key).value is not None:
@@ -183,9 +216,4 @@ class LeasePulse:
         return None
 
     def end(self) -> None:
-        """Revoke the lease, so the key goes at once rather than when the lease runs out."""
-        if self._lease is not None:
-            try:
-                self._store.revoke_lease(self._lease)
-            except StoreError:
-                pass
+        """Nothing: the lease lives on into the next round (the handler revokes it)."""
