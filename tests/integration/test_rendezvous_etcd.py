@@ -7,6 +7,7 @@ The tests every backend passes (worlds, growing, a lost node) are in test_rendez
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from test_rendezvous import FAST, agent, lines, script
 
 from relaunch.core.rendezvous import Settings
 from relaunch.endpoints import find_free_port
+from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.store.etcd import EtcdStore
 
@@ -273,3 +275,50 @@ def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
         assert world_size == 5 and len(runs) == 2
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCluster) -> None:
+    """Between rounds nobody renews a node's lease: when re-forming outlasts it, the node's
+    first beat in the new round takes a new lease, rather than the store counting as lost."""
+    fast = Settings(3, 3, join_timeout=30, last_call_timeout=1, keep_alive_interval=0.3)
+    run_id = uuid.uuid4().hex
+    handlers = [
+        DynamicRendezvousHandler(
+            run_id,
+            EtcdStore(etcd.endpoints),
+            fast,
+            1,
+            "127.0.0.1",
+            EtcdStore(etcd.endpoints),
+            backend="etcd",
+            watch_store=EtcdStore(etcd.endpoints),
+            leases=True,
+        )
+        for _ in range(3)
+    ]
+    try:
+
+        def form(late_by: float = 0.0) -> list[int]:
+            """A round of the three, the last joining ``late_by`` seconds after the others."""
+            ranks: list[int] = []
+
+            def join(handler: DynamicRendezvousHandler) -> None:
+                ranks.append(handler.next_rendezvous().group_rank)
+
+            threads = [threading.Thread(target=join, args=(h,)) for h in handlers[:2]]
+            threads.append(threading.Timer(late_by, join, args=(handlers[2],)))
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            return sorted(ranks)
+
+        assert form() == [0, 1, 2]
+        assert form(late_by=3 * fast.dead_after) == [0, 1, 2]  # the round outlives every lease
+        # Three lease lifetimes in the new round: nobody is lost, no store is.
+        assert handlers[0].wait_membership_change(3 * fast.dead_after) is None
+        assert [h.membership_change() for h in handlers] == [None, None, None]
+    finally:
+        for handler in handlers:
+            handler.shutdown()

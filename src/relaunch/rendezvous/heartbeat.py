@@ -200,7 +200,8 @@ class LeasePulse:
         self._seen: set[str] = set()
 
     def beat(self, key: str) -> None:
-        if self._held == key and self._lease.renew():
+        # Renew first: between rounds nobody renews it, and a long re-form outlives it.
+        if self._lease.renew() and self._held == key:
             return
         self._store.set(key, b"", lease=self._lease.grant())
         self._held = key

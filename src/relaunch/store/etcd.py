@@ -424,8 +424,13 @@ class EtcdStore:
 
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease``; False when it already expired (its keys are gone)."""
-        with self._lock:
-            reply = self._gateway.call("/v3/lease/keepalive", {"ID": str(lease)})
+        try:
+            with self._lock:
+                reply = self._gateway.call("/v3/lease/keepalive", {"ID": str(lease)})
+        except StoreError as exc:
+            if "lease not found" in str(exc):  # expired, and etcd already forgot it
+                return False
+            raise
         return int(reply.get("result", {}).get("TTL", 0)) > 0
 
     def revoke_lease(self, lease: int) -> None:
