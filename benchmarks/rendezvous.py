@@ -93,6 +93,11 @@ SIM_SWITCH_NOTE = (
     " threads in one process the GIL's 5 ms\n   hand-off thrashes; real nodes are separate"
     " processes."
 )
+#: Processes the simulated nodes are spread over (at once; one by one: 1), N / SIM_PROCS threads
+#: each: fewer threads per interpreter fight less for its GIL, and the store server sees its
+#: clients at a pace nearer real nodes' (etcd, 4,096 nodes: 7.6 s and 7.6 etcd CPU-seconds
+#: from 8 processes, 47 s and 33 CPU-seconds from one).
+SIM_PROCS = 8
 SIM_STACK = 1 << 20  # thread stacks of the simulated nodes (and their heartbeat threads)
 SIM_LOCAL_WORLD_SIZE = 2
 SIM_OPS_RATIO = 1.25  # ops per node at 1024 <= this * ops at 256 + SIM_OPS_SLACK
@@ -894,123 +899,295 @@ def sim_store(
         yield make_tcp_store, functools.partial(proc_cpu, pid)
 
 
-def sim_run(bench: Bench, on_etcd: bool, nodes: int, rep: int, stagger: float = 0.0) -> SimRun:
+@dataclass
+class NodeRecord:
+    """What one simulated node did (picklable: it may come from a worker process)."""
+
+    result: tuple[int, int, int, int, str, int] | str  # RendezvousInfo's fields, or the error
+    ended: float  # perf_counter() when next_rendezvous() returned (CLOCK_MONOTONIC: shared)
+    counts: dict[str, int]  # rendezvous store operations, by kind
+    joined_at: float | None
+    requests: int | None  # etcd: HTTP requests
+    by_path: dict[str, int]  # etcd: HTTP requests by path
+    cas: list[int]  # etcd: transactions per add
+    hb_ops: int = 0  # heartbeat store operations (its first beat)
+
+
+@dataclass
+class Batch:
+    """Some of a round's simulated nodes, run by one process: when they were released and
+    how much CPU that process used until they were all back."""
+
+    connect_s: float
+    released: float
+    cpu_s: float
+    records: list[NodeRecord]
+
+
+def run_batch(
+    make_store: Callable[[], Any],
+    on_etcd: bool,
+    run: str,
+    settings: Any,
+    count: int,
+    offset: int,
+    stagger: float,
+    release: Callable[[], float],
+    back: Callable[[], None],
+) -> tuple[Batch, Callable[[], None]]:
+    """Connect ``count`` nodes; ``release()`` blocks until they go and returns that
+    ``perf_counter()``; run them (node ``offset + i`` starts ``(offset + i) * stagger`` late);
+    ``back()`` once all are back. The batch, and what shuts its handlers down."""
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+
+    handlers: list[Any] = []
+    proxies: list[tuple[CountingStore, CountingStore]] = []
+
+    def shutdown() -> None:
+        for handler in handlers:
+            handler.shutdown()
+
+    try:
+        started = time.perf_counter()
+        for _ in range(count):
+            store, heartbeat = CountingStore(make_store()), CountingStore(make_store())
+            proxies.append((store, heartbeat))
+            handlers.append(
+                DynamicRendezvousHandler(
+                    run,
+                    store,
+                    settings,
+                    SIM_LOCAL_WORLD_SIZE,
+                    "127.0.0.1",
+                    heartbeat,
+                    backend="etcd" if on_etcd else "c10d",
+                    leases=on_etcd,
+                )
+            )
+        connect_s = time.perf_counter() - started
+        results: list[Any] = [None] * count
+        ended = [0.0] * count
+        go = threading.Event()
+        released: list[float] = []
+
+        def node(index: int) -> None:
+            go.wait()
+            if stagger:
+                wait = released[0] + (offset + index) * stagger - time.perf_counter()
+                time.sleep(max(0.0, wait))
+            try:
+                info = handlers[index].next_rendezvous()
+                results[index] = (
+                    info.group_rank,
+                    info.group_world_size,
+                    info.world_size,
+                    info.rank_offset,
+                    info.master_addr,
+                    info.master_port,
+                )
+            except Exception as exc:  # reported as a validation failure
+                results[index] = f"{exc!r}"[:160]
+            ended[index] = time.perf_counter()
+
+        threads = [
+            threading.Thread(target=node, args=(i,), name=f"node{offset + i}") for i in range(count)
+        ]
+        for thread in threads:
+            thread.start()
+        released.append(release())
+        cpu_at = time.process_time()
+        go.set()
+        for thread in threads:
+            thread.join()
+        cpu_s = time.process_time() - cpu_at
+        back()
+        # Every member's heartbeat thread makes its first beat at once (the next one is
+        # keep_alive_interval = 30 s away): wait until the counts stay still for 0.5 s.
+        settle, still_since, last = time.monotonic() + 60, time.monotonic(), -1
+        while time.monotonic() < settle:
+            now_total = sum(hb.total() for _, hb in proxies)
+            if now_total != last:
+                still_since, last = time.monotonic(), now_total
+            elif time.monotonic() - still_since > 0.5 and all(hb.total() for _, hb in proxies):
+                break
+            time.sleep(0.01)
+        records = [
+            NodeRecord(
+                results[i],
+                ended[i],
+                {op: n for op, n in store.counts.items() if n},
+                store.joined_at,
+                store.requests(),
+                dict(getattr(store._inner, "requests", {})),
+                store.cas_tries,
+                heartbeat.total(),
+            )
+            for i, (store, heartbeat) in enumerate(proxies)
+        ]
+        return Batch(connect_s, released[0], cpu_s, records), shutdown
+    except BaseException:
+        shutdown()
+        raise
+
+
+#: run_batch's arguments up to ``stagger``
+BatchArgs = tuple[Callable[[], Any], bool, str, Any, int, int, float]
+
+
+def sim_worker(conn: Any, args: BatchArgs) -> None:
+    """A worker process of a spread simulation (forked): runs one batch, talking to the parent
+    over ``conn``: "ready" -> release time; "back" (its CPU); the batch; "end" -> shut down."""
+    cpu: list[float] = []
+
+    def release() -> float:
+        conn.send("ready")
+        at = float(conn.recv())
+        time.sleep(max(0.0, at - time.perf_counter()))
+        return at
+
+    try:
+        with simulation():
+            batch, shutdown = run_batch(*args, release, lambda: conn.send("back"))
+            cpu.append(batch.cpu_s)
+            conn.send(batch)
+            conn.recv()  # "end": every batch is in
+            shutdown()
+    except BaseException as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+
+
+def sim_run(
+    bench: Bench, on_etcd: bool, nodes: int, rep: int, stagger: float = 0.0, procs: int = 1
+) -> SimRun:
     """One round of ``nodes`` nodes, each a thread: all call next_rendezvous() at once, or, with
     ``stagger``, one after another that many seconds apart. On etcd, on the bench's cluster
-    (EtcdStores, heartbeats by lease); else on a TcpStoreServer in a process of its own."""
+    (EtcdStores, heartbeats by lease); else on a TcpStoreServer in a process of its own. With
+    ``procs`` > 1 the nodes are spread over that many forked processes."""
     from relaunch.core.rendezvous import Settings
-    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 
     backend = "etcd" if on_etcd else "c10d"
     run = f"sim{nodes}-{rep}-{uuid.uuid4().hex[:12]}"
-    handlers: list[Any] = []
-    proxies: list[tuple[CountingStore, CountingStore]] = []
+    settings = Settings(
+        min_nodes=nodes,
+        max_nodes=nodes,
+        join_timeout=SIM_JOIN_TIMEOUT[backend],
+        last_call_timeout=1,
+        keep_alive_interval=30,
+    )
+    procs = max(1, min(procs, nodes))
     with sim_store(bench, on_etcd, run) as (make_store, server_cpu):
-        try:
-            settings = Settings(
-                min_nodes=nodes,
-                max_nodes=nodes,
-                join_timeout=SIM_JOIN_TIMEOUT[backend],
-                last_call_timeout=1,
-                keep_alive_interval=30,
+        server_at: list[float] = []
+        if procs == 1:
+
+            def release() -> float:
+                server_at.append(server_cpu())
+                return time.perf_counter()
+
+            def all_back() -> None:
+                server_at.append(server_cpu())
+
+            batch, shutdown = run_batch(
+                make_store, on_etcd, run, settings, nodes, 0, stagger, release, all_back
             )
-            started = time.perf_counter()
-            for _ in range(nodes):
-                store, heartbeat = CountingStore(make_store()), CountingStore(make_store())
-                proxies.append((store, heartbeat))
-                handlers.append(
-                    DynamicRendezvousHandler(
-                        run,
-                        store,
-                        settings,
-                        SIM_LOCAL_WORLD_SIZE,
-                        "127.0.0.1",
-                        heartbeat,
-                        backend=backend,
-                        leases=on_etcd,
-                    )
-                )
-            connect_s = time.perf_counter() - started
-            results: list[Any] = [None] * nodes
-            ended = [0.0] * nodes
-            released: list[float] = []
-            cpu_at: list[float] = []
-
-            def release() -> None:
-                released.append(time.perf_counter())
-                cpu_at.extend((time.process_time(), server_cpu()))
-
-            barrier = threading.Barrier(nodes, action=release)
-
-            def node(index: int) -> None:
-                barrier.wait()
-                if stagger:
-                    time.sleep(max(0.0, released[0] + index * stagger - time.perf_counter()))
-                try:
-                    results[index] = handlers[index].next_rendezvous()
-                except Exception as exc:  # reported below, as a validation failure
-                    results[index] = exc
-                ended[index] = time.perf_counter()
-
-            threads = [
-                threading.Thread(target=node, args=(i,), name=f"node{i}") for i in range(nodes)
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            cpu_s = time.process_time() - cpu_at[0]
-            server_cpu_s = server_cpu() - cpu_at[1]
-            t0 = released[0]
-            ops = [store.total() for store, _ in proxies]
-            by_op = {
-                op: statistics.fmean(s.counts[op] for s, _ in proxies)
-                for op in SIM_OPS + PREFIX_OPS
-            }
-            worst = max(range(nodes), key=ops.__getitem__)
-            rank = getattr(results[worst], "group_rank", -1)
-            busiest = (rank, {op: n for op, n in proxies[worst][0].counts.items() if n})
-            joined = [s.joined_at for s, _ in proxies if s.joined_at is not None]
-            requests = [s.requests() or 0 for s, _ in proxies] if on_etcd else []
-            cas = [n for s, _ in proxies for n in s.cas_tries]
-            by_path: dict[str, float] = {}
-            if on_etcd:
-                paths = sorted({p for s, _ in proxies for p in s._inner.requests})
-                by_path = {
-                    p: statistics.fmean(s.requests(p) or 0 for s, _ in proxies) for p in paths
-                }
-            # Every member's heartbeat thread makes its first beat at once (the next one is
-            # keep_alive_interval = 30 s away): wait until the counts stay still for 0.2 s.
-            settle, still_since, last = time.monotonic() + 60, time.monotonic(), -1
-            while time.monotonic() < settle:
-                now_total = sum(hb.total() for _, hb in proxies)
-                if now_total != last:
-                    still_since, last = time.monotonic(), now_total
-                elif time.monotonic() - still_since > 0.2 and all(hb.total() for _, hb in proxies):
-                    break
-                time.sleep(0.01)
-            hb_ops = [hb.total() for _, hb in proxies]
-            problems = validate(results, nodes)
-            return SimRun(
-                nodes,
-                max(ended) - t0,
-                (max(joined) - t0) if joined else float("nan"),
-                min(ended) - t0,
-                connect_s,
-                ops,
-                by_op,
-                busiest,
-                hb_ops,
-                problems,
-                cpu_s,
-                server_cpu_s,
-                requests,
-                cas,
-                by_path,
+            shutdown()
+            batches = [batch]
+        else:
+            batches = spread_run(
+                make_store, on_etcd, run, settings, nodes, stagger, procs, server_cpu, server_at
             )
-        finally:
-            for handler in handlers:
-                handler.shutdown()
+    return sim_result(nodes, batches, server_at[1] - server_at[0])
+
+
+def spread_run(
+    make_store: Callable[[], Any],
+    on_etcd: bool,
+    run: str,
+    settings: Any,
+    nodes: int,
+    stagger: float,
+    procs: int,
+    server_cpu: Callable[[], float],
+    server_at: list[float],
+) -> list[Batch]:
+    """Run the round's nodes in ``procs`` forked processes, released together."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    sizes = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
+    offsets = [sum(sizes[:i]) for i in range(procs)]
+    workers = []
+    try:
+        for size, offset in zip(sizes, offsets, strict=True):
+            parent, child = context.Pipe()
+            args: BatchArgs = (make_store, on_etcd, run, settings, size, offset, stagger)
+            proc = context.Process(target=sim_worker, args=(child, args), daemon=True)
+            proc.start()
+            child.close()
+            workers.append((proc, parent))
+
+        def expect(what: str) -> list[Any]:
+            got = [conn.recv() for _, conn in workers]
+            wrong = (
+                [g for g in got if g != what] if what else [g for g in got if isinstance(g, str)]
+            )
+            if wrong:
+                raise BenchError(f"a worker process failed: {wrong[0]}")
+            return got
+
+        expect("ready")
+        release_at = time.perf_counter() + 0.05 + 0.002 * procs
+        server_at.append(server_cpu())
+        for _, conn in workers:
+            conn.send(release_at)
+        expect("back")
+        server_at.append(server_cpu())
+        batches: list[Batch] = expect("")
+        for _, conn in workers:
+            conn.send("end")
+        return batches
+    finally:
+        for proc, conn in workers:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+
+
+def sim_result(nodes: int, batches: list[Batch], server_cpu_s: float) -> SimRun:
+    """The round's figures from its batches."""
+    records = [r for b in batches for r in b.records]
+    t0 = min(b.released for b in batches)
+    ops = [sum(r.counts.values()) for r in records]
+    by_op = {
+        op: statistics.fmean(r.counts.get(op, 0) for r in records) for op in SIM_OPS + PREFIX_OPS
+    }
+    worst = max(range(nodes), key=ops.__getitem__)
+    result = records[worst].result
+    busiest = (result[0] if isinstance(result, tuple) else -1, records[worst].counts)
+    joined = [r.joined_at for r in records if r.joined_at is not None]
+    on_etcd = any(r.requests is not None for r in records)
+    paths = sorted({p for r in records for p in r.by_path})
+    ended = [r.ended for r in records]
+    return SimRun(
+        nodes,
+        max(ended) - t0,
+        (max(joined) - t0) if joined else float("nan"),
+        min(ended) - t0,
+        max(b.connect_s for b in batches),
+        ops,
+        by_op,
+        busiest,
+        [r.hb_ops for r in records],
+        validate([r.result for r in records], nodes),
+        sum(b.cpu_s for b in batches),
+        server_cpu_s,
+        [r.requests or 0 for r in records] if on_etcd else [],
+        [n for r in records for n in r.cas],
+        {p: statistics.fmean(r.by_path.get(p, 0) for r in records) for p in paths},
+    )
 
 
 def fmean0(values: Sequence[float]) -> float:
@@ -1018,20 +1195,20 @@ def fmean0(values: Sequence[float]) -> float:
 
 
 def validate(results: list[Any], nodes: int) -> list[str]:
-    problems = [f"node {i}: {r!r}"[:160] for i, r in enumerate(results) if isinstance(r, Exception)]
-    infos = [r for r in results if r is not None and not isinstance(r, Exception)]
+    problems = [f"node {i}: {r}"[:160] for i, r in enumerate(results) if isinstance(r, str)]
+    infos = [r for r in results if isinstance(r, tuple)]
     if problems or len(infos) != nodes:
         return problems or [f"{nodes - len(infos)} node(s) without a result"]
     lws = SIM_LOCAL_WORLD_SIZE
-    if sorted(info.group_rank for info in infos) != list(range(nodes)):
+    if sorted(info[0] for info in infos) != list(range(nodes)):
         problems.append("group ranks are not a permutation of 0..N-1")
-    if {info.group_world_size for info in infos} != {nodes}:
-        problems.append(f"group world sizes {sorted({i.group_world_size for i in infos})}")
-    if {info.world_size for info in infos} != {nodes * lws}:
-        problems.append(f"world sizes {sorted({i.world_size for i in infos})} != {nodes * lws}")
-    if any(info.rank_offset != info.group_rank * lws for info in infos):
+    if {info[1] for info in infos} != {nodes}:
+        problems.append(f"group world sizes {sorted({i[1] for i in infos})}")
+    if {info[2] for info in infos} != {nodes * lws}:
+        problems.append(f"world sizes {sorted({i[2] for i in infos})} != {nodes * lws}")
+    if any(info[3] != info[0] * lws for info in infos):
         problems.append("rank offsets are not group_rank * local_world_size")
-    masters = {(info.master_addr, info.master_port) for info in infos}
+    masters = {(info[4], info[5]) for info in infos}
     if len(masters) != 1:
         problems.append(f"{len(masters)} different masters")
     return problems
@@ -1052,6 +1229,7 @@ def sim_scenario(
     stagger: float,
     soft_limit: int,
     on_etcd: bool,
+    procs: int = 1,
 ) -> tuple[dict[int, list[SimRun]], str | None]:
     runs: dict[int, list[SimRun]] = {}
     store = "etcd" if on_etcd else "c10d"
@@ -1062,7 +1240,8 @@ def sim_scenario(
         for rep in range(reps):
             log(f"  {store}, {label}: N={nodes} #{rep + 1}")
             try:
-                runs.setdefault(nodes, []).append(sim_run(bench, on_etcd, nodes, rep, stagger))
+                sim = sim_run(bench, on_etcd, nodes, rep, stagger, procs)
+                runs.setdefault(nodes, []).append(sim)
             except Exception as exc:  # a failure of relaunch's store or rendezvous: report it
                 log(f"  {store}, {label}, N={nodes}: {type(exc).__name__}: {exc}")
                 return runs, f"{store}, {label}, N={nodes}: {type(exc).__name__}: {exc}"
@@ -1148,6 +1327,7 @@ def bench_sim(
     reps: int,
     etcd_reps: int,
     etcd_sizes: Sequence[int],
+    procs: int = 1,
 ) -> list[Check]:
     soft, hard = raise_nofile()
     stores = [b for b in BACKENDS if b in bench.backends]
@@ -1165,7 +1345,7 @@ def bench_sim(
                 continue
             on_etcd = store == "etcd"
             sizes, n = (etcd_sizes, etcd_reps) if on_etcd else (SIM_NODES, reps)
-            at_once, error = sim_scenario(bench, "at once", sizes, n, 0.0, soft, on_etcd)
+            at_once, error = sim_scenario(bench, "at once", sizes, n, 0.0, soft, on_etcd, procs)
             staggered, stagger_error = sim_scenario(
                 bench, "one by one", STAGGER_NODES, 1, STAGGER_S, soft, on_etcd
             )
@@ -1543,6 +1723,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="N of 3 on c10d, at once (default: %(default)s)",
     )
     parser.add_argument(
+        "--sim-procs",
+        type=int,
+        default=SIM_PROCS,
+        help="spread the nodes of 3 (at once) over this many processes (default: %(default)s)",
+    )
+    parser.add_argument(
         "--reform-nodes",
         type=node_list,
         default=",".join(map(str, REFORM_NODES)),
@@ -1584,7 +1770,9 @@ def run(ctx: harness.Context) -> list[Check]:
         if "death" in only:
             checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
         if "sim" in only:
-            checks += bench_sim(bench, opts.sim_reps, opts.etcd_sim_reps, opts.etcd_sim_nodes)
+            checks += bench_sim(
+                bench, opts.sim_reps, opts.etcd_sim_reps, opts.etcd_sim_nodes, opts.sim_procs
+            )
         if "reform" in only:
             checks += bench_reform(bench, opts.reform_nodes)
         bench.collect(RELAUNCH)
