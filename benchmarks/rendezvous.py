@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -46,11 +47,11 @@ from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, 
 from relaunch.endpoints import find_free_port
 from relaunch.store import Store
 from tests.support.simnodes import (
+    Back,
     Reform,
     SimJob,
-    form,
-    join_one,
-    lose_one,
+    check_world,
+    summarize,
     wait_beating,
     wait_threads_gone,
 )
@@ -1353,7 +1354,8 @@ def bench_sim(
             results.append(SimResults(store, at_once, staggered, errors, n))
 
     print(
-        "\n3. N nodes as threads of one process, one store server (c10d: a TcpStoreServer in a"
+        f"\n3. N nodes as threads of {procs} forked processes (one by one: of one), one store"
+        " server (c10d: a TcpStoreServer in a"
         "\n   process of its own; etcd: the etcd member), 2 connections per node, min = max = N,"
         f" local_world_size {SIM_LOCAL_WORLD_SIZE};\n   all back: seconds from the release"
         f" until every next_rendezvous() returned (median of {reps} at once, etcd"
@@ -1491,40 +1493,205 @@ def reform_settings(event: str, nodes: int, join_timeout: float) -> Any:
     )
 
 
-def reform_run(bench: Bench, on_etcd: bool, event: str, nodes: int) -> ReformResult:
-    """N nodes form a round; then one crashes (``lost``), or one more joins (``joined``), and
-    every member that hears of it calls next_rendezvous() again, as the agent does."""
+@dataclass
+class NodeView:
+    """A simulated node as a worker process reports it (picklable; see simnodes.NodeLike)."""
+
+    index: int
+    backs: list[Back]
+    notified: list[float]
+    called: list[float]
+
+
+def reform_worker(
+    conn: Any, job_args: tuple[str, Any, Callable[[], Any], bool], first: int
+) -> None:
+    """A worker process of the re-form measurement (forked): a SimJob whose nodes are numbered
+    from ``first``, driven by the parent's commands over ``conn`` (see ReformWorkers)."""
+    run, settings, make_store, leases = job_args
+    closed = False
+    with simulation():
+        job = SimJob(run, settings, make_store, leases, SIM_LOCAL_WORLD_SIZE)
+        try:
+            while True:
+                command, arg = conn.recv()
+                if command == "add":
+                    job.add(arg)
+                    reply: Any = len(job.nodes)
+                elif command == "go":  # at perf_counter() ``arg``, every node not started yet
+                    time.sleep(max(0.0, arg - time.perf_counter()))
+                    fresh = [n for n in job.nodes if n.thread is None]
+                    job.start(fresh, barrier=len(fresh) > 1)
+                    reply = None
+                elif command == "backs":
+                    reply = (job.total_backs, job.errors())
+                elif command == "views":
+                    reply = [
+                        NodeView(
+                            first + n.index,
+                            [Back(b.at, dataclasses.replace(b.info, store=None)) for b in n.backs],
+                            list(n.notified),
+                            list(n.called),
+                        )
+                        for n in job.nodes
+                    ]
+                elif command == "kill":
+                    reply = job.kill(job.nodes[arg - first])
+                elif command == "stop":
+                    job.stop(60.0)
+                    reply = None
+                elif command == "close":
+                    closed = True
+                    conn.send(job.close(60.0) + wait_threads_gone(30.0))
+                    return
+                else:
+                    reply = f"unknown command {command!r}"
+                conn.send(reply)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                conn.send(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if not closed:
+                job.close(10.0)
+            conn.close()
+
+
+class ReformWorkers:
+    """The nodes of one re-form job, spread over ``procs`` forked worker processes."""
+
+    def __init__(self, job: SimJob, procs: int, nodes: int) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        self.job = job  # this process's view: keys, observers; it runs no node
+        sizes = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
+        self.firsts = [sum(sizes[:i]) for i in range(procs)]
+        self.sizes = sizes
+        self.workers: list[tuple[Any, Any]] = []
+        args = (job.run_id, job.settings, job.make_store, job.leases)
+        for first in self.firsts:
+            parent, child = context.Pipe()
+            proc = context.Process(target=reform_worker, args=(child, args, first), daemon=True)
+            proc.start()
+            child.close()
+            self.workers.append((proc, parent))
+
+    def ask(self, command: str, arg: Any = None, only: int | None = None) -> list[Any]:
+        """Send ``command`` to every worker (or worker ``only``); their replies."""
+        chosen = self.workers if only is None else [self.workers[only]]
+        for _, conn in chosen:
+            conn.send((command, arg))
+        replies = [conn.recv() for _, conn in chosen]
+        for reply in replies:
+            if isinstance(reply, str):
+                raise BenchError(f"a worker process failed: {reply}")
+        return replies
+
+    def owner(self, index: int) -> int:
+        return max(w for w, first in enumerate(self.firsts) if first <= index)
+
+    def wait_backs(self, total: int, timeout: float) -> list[str]:
+        """Wait until the nodes returned ``total`` times in all; the errors (a timeout too)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            replies = self.ask("backs")
+            errors = [e for _, errs in replies for e in errs]
+            if errors or sum(n for n, _ in replies) >= total:
+                return errors
+            if time.monotonic() > deadline:
+                return [f"not back within {timeout:g}s"]
+            time.sleep(0.05)
+
+    def views(self) -> list[NodeView]:
+        return [view for views in self.ask("views") for view in views]
+
+    def close(self) -> list[str]:
+        left: list[str] = []
+        with contextlib.suppress(OSError, EOFError, BenchError):
+            self.ask("stop")  # every node stops before any handler shuts down
+        for proc, conn in self.workers:
+            try:
+                conn.send(("close", None))
+                left += conn.recv() if conn.poll(120) else ["(no answer)"]
+            except (OSError, EOFError):
+                pass
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                left.append(f"worker {proc.pid} killed")
+            conn.close()
+        self.job.close(10.0)
+        return left
+
+
+def reform_run(
+    bench: Bench, on_etcd: bool, event: str, nodes: int, procs: int = SIM_PROCS
+) -> ReformResult:
+    """N nodes (threads of ``procs`` processes) form a round; then one crashes (``lost``), or
+    one more joins (``joined``), and every member that hears of it calls next_rendezvous()
+    again, as the agent does."""
     store = "etcd" if on_etcd else "c10d"
     run = f"reform-{event}{nodes}-{uuid.uuid4().hex[:12]}"
     join_timeout = SIM_JOIN_TIMEOUT[store]
     settings = reform_settings(event, nodes, join_timeout)
+    detection = 0.0
+    if event == "lost":  # the handler's own bound: its lease granularity included on etcd
+        from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+        from relaunch.store import MemoryStore
+
+        memory = MemoryStore()
+        probe = DynamicRendezvousHandler(
+            run, memory, settings, 1, "127.0.0.1", memory, leases=on_etcd
+        )
+        detection = probe.lost_node_grace
     with sim_store(bench, on_etcd, run, counted=False) as (make_store, _):
         job = SimJob(run, settings, make_store, on_etcd, SIM_LOCAL_WORLD_SIZE)
+        workers = ReformWorkers(job, max(1, min(procs, nodes)), nodes)
         try:
+            for w, size in enumerate(workers.sizes):
+                workers.ask("add", size, only=w)
             started = time.perf_counter()
-            members, problems = form(job, nodes, join_timeout)
-            formed = max((n.backs[0].at for n in members if n.backs), default=started)
-            formed_s = formed - started
-            detection = members[0].handler.lost_node_grace if event == "lost" else 0.0
+            workers.ask("go", time.perf_counter() + 0.05)
+            errors = workers.wait_backs(nodes, join_timeout)
+            views = workers.views()
+            formed_s = max((v.backs[0].at for v in views if v.backs), default=started) - started
+            problems = errors or check_world(
+                [v.backs[0].info for v in views], nodes, SIM_LOCAL_WORLD_SIZE
+            )
             if problems:
                 return ReformResult(store, event, nodes, detection, None, None, problems)
             log(f"    first round of {nodes} back in {formed_s:.2f} s (connections included)")
+            wanted = {v.index: len(v.backs) + 1 for v in views}
+            seen = job.observe_changed(job.current_round(), detection + REFORM_TIMEOUT_S)
             if event == "lost":
-                victim = next(n for n in members if n.backs[0].info.group_rank == nodes // 2)
+                victim = next(v for v in views if v.backs[0].info.group_rank == nodes // 2)
                 if not wait_beating(job, victim, 60.0):
                     return ReformResult(
                         store, event, nodes, detection, formed_s, None, ["no heartbeat"]
                     )
-                reform = lose_one(job, members, victim, detection + REFORM_TIMEOUT_S)
-            else:
-                reform = join_one(job, members, REFORM_TIMEOUT_S)
-            return ReformResult(
-                store, event, nodes, detection, formed_s, reform, list(reform.problems)
-            )
+                (t0,) = workers.ask("kill", victim.index, only=workers.owner(victim.index))
+                del wanted[victim.index]
+                errors = workers.wait_backs(nodes + nodes - 1, detection + REFORM_TIMEOUT_S)
+            else:  # the last worker's next node: numbered N
+                late, last = nodes, len(workers.workers) - 1
+                workers.ask("add", 1, only=last)
+                workers.ask("go", 0.0, only=last)
+                wanted[late] = 1
+                errors = workers.wait_backs(nodes + nodes + 1, REFORM_TIMEOUT_S)
+            if errors:
+                log(f"    {len(errors)} error(s), the first: {errors[0]}")
+            views = workers.views()
+            members = [v for v in views if v.index in wanted]
+            if event == "joined":
+                t0 = next(v for v in views if v.index == late).called[0]
+            reform = summarize(event, t0, members, wanted, seen, errors, SIM_LOCAL_WORLD_SIZE)
+            return ReformResult(store, event, nodes, detection, formed_s, reform, reform.problems)
         finally:
-            left = job.close(60.0) + wait_threads_gone(30.0)
+            left = workers.close()
             if left:
-                log(f"    threads still running after the job closed: {sorted(set(left))[:5]}")
+                log(f"    left running after the job closed: {sorted(set(left))[:5]}")
 
 
 def reform_budget(res: ReformResult) -> float:
@@ -1532,7 +1699,7 @@ def reform_budget(res: ReformResult) -> float:
     return res.detection_s + REFORM_ROUND_S
 
 
-def bench_reform(bench: Bench, sizes: Sequence[int]) -> list[Check]:
+def bench_reform(bench: Bench, sizes: Sequence[int], procs: int = SIM_PROCS) -> list[Check]:
     soft, hard = raise_nofile()
     stores = [b for b in BACKENDS if b in bench.backends]
     log(
@@ -1553,7 +1720,7 @@ def bench_reform(bench: Bench, sizes: Sequence[int]) -> list[Check]:
                 for event in ("lost", "joined"):
                     log(f"  {store}, N={nodes}: one node {event}")
                     try:
-                        res = reform_run(bench, store == "etcd", event, nodes)
+                        res = reform_run(bench, store == "etcd", event, nodes, procs)
                     except Exception as exc:  # a failure of relaunch: report it
                         errors.append(f"{store}, N={nodes}, {event}: {type(exc).__name__}: {exc}")
                         log(f"    {errors[-1]}")
@@ -1566,7 +1733,8 @@ def bench_reform(bench: Bench, sizes: Sequence[int]) -> list[Check]:
                     )
 
     print(
-        f"\n4. Re-forming at scale: N nodes as threads (each a DynamicRendezvousHandler with its"
+        f"\n4. Re-forming at scale: N nodes as threads of {procs} forked processes (each a"
+        " DynamicRendezvousHandler with its"
         f"\n   rendezvous, heartbeat and watch stores, leases on etcd), keep_alive_interval"
         f" {REFORM_INTERVAL_S:g} s,\n   keep_alive_max_attempt {REFORM_MAX_ATTEMPT},"
         f" local_world_size {SIM_LOCAL_WORLD_SIZE}. lost: min N-1, max N; the node of group"
@@ -1774,7 +1942,7 @@ def run(ctx: harness.Context) -> list[Check]:
                 bench, opts.sim_reps, opts.etcd_sim_reps, opts.etcd_sim_nodes, opts.sim_procs
             )
         if "reform" in only:
-            checks += bench_reform(bench, opts.reform_nodes)
+            checks += bench_reform(bench, opts.reform_nodes, opts.sim_procs)
         bench.collect(RELAUNCH)
     finally:
         checks += stop_etcd(bench)

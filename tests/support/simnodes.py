@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from relaunch.core.rendezvous import Settings
 from relaunch.rendezvous.api import RendezvousInfo
@@ -250,9 +250,9 @@ class SimJob:
 
     # -- the end ---------------------------------------------------------------------------
 
-    def close(self, timeout: float = 30.0) -> list[str]:
-        """Stop every node thread, shut every handler down, close the observers; what is
-        still running after ``timeout`` (thread names), which should be nothing."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop every node thread (no node joins again after this): before any handler shuts
+        down, since shutting down writes ``changed``, which would call the others back."""
         self.stopping.set()
         for node in self.nodes:
             node.wake.set()
@@ -260,6 +260,12 @@ class SimJob:
         for node in self.nodes:
             if node.thread is not None:
                 node.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout: float = 30.0) -> list[str]:
+        """Stop every node thread, shut every handler down, close the observers; what is
+        still running after ``timeout`` (thread names), which should be nothing."""
+        deadline = time.monotonic() + timeout
+        self.stop(timeout)
         for node in self.nodes:
             node.handler.shutdown()
         for thread in self._observers:
@@ -335,7 +341,7 @@ def form(job: SimJob, count: int, timeout: float) -> tuple[list[SimNode], list[s
     return nodes, check_world([n.backs[0].info for n in nodes], count, job.local_world_size)
 
 
-def wait_beating(job: SimJob, node: SimNode, timeout: float) -> bool:
+def wait_beating(job: SimJob, node: NodeLike, timeout: float) -> bool:
     """Wait until ``node``'s heartbeat is in the store (on the built-in store: beaten twice, so
     its neighbour has seen it move); whether it is."""
     key = job.key(f"r{job.current_round()}/hb/{node.backs[-1].info.group_rank + 1}")
@@ -352,6 +358,49 @@ def wait_beating(job: SimJob, node: SimNode, timeout: float) -> bool:
         store.close()
 
 
+class NodeLike(Protocol):
+    """What ``summarize`` reads of a node: a SimNode, or a copy from another process."""
+
+    index: int
+    backs: list[Back]
+    notified: list[float]
+
+
+def summarize(
+    event: str,
+    t0: float,
+    members: Sequence[NodeLike],
+    wanted: dict[int, int],
+    seen: list[float],
+    problems: list[str],
+    local_world_size: int,
+) -> Reform:
+    """The re-forming of ``members`` after an event at ``t0``: done when each has returned
+    ``wanted[index]`` times from ``next_rendezvous()``. Members already back before ``t0`` are
+    to be notified; the others (a node joining) are not."""
+    done = all(len(n.backs) >= wanted[n.index] for n in members)
+    told = [n for n in members if wanted[n.index] > 1]
+    firsts = [min((t for t in n.notified if t >= t0), default=None) for n in told]
+    known = [t for t in firsts if t is not None]
+    problems = list(problems)
+    if not done:
+        back = sum(1 for n in members if len(n.backs) >= wanted[n.index])
+        problems.append(f"{back} of {len(members)} back")
+    else:
+        infos = [n.backs[wanted[n.index] - 1].info for n in members]
+        problems += check_world(infos, len(members), local_world_size)
+    return Reform(
+        event,
+        len(members),
+        t0,
+        seen[0] - t0 if seen else None,
+        min(known) - t0 if known else None,
+        max(known) - t0 if known and len(known) == len(told) else None,
+        max(n.backs[wanted[n.index] - 1].at for n in members) - t0 if done else None,
+        problems,
+    )
+
+
 def _reform(
     job: SimJob,
     event: str,
@@ -363,34 +412,10 @@ def _reform(
     timeout: float,
 ) -> Reform:
     """Wait until every one of ``members`` has returned ``wanted[index]`` times from
-    ``next_rendezvous()`` (``target``: the job's ``total_backs`` by then, at least); the times
-    since ``t0``. Members already back before ``t0`` are to be
-    notified; the others (a node joining) are not."""
-    done = job.wait_for(
-        lambda: all(len(n.backs) >= wanted[n.index] for n in members),
-        timeout,
-        target,
-    )
-    told = [n for n in members if wanted[n.index] > 1]
-    firsts = [min((t for t in n.notified if t >= t0), default=None) for n in told]
-    known = [t for t in firsts if t is not None]
-    problems = job.errors()
-    if not done:
-        back = sum(1 for n in members if len(n.backs) >= wanted[n.index])
-        problems.append(f"{back} of {len(members)} back within {timeout:g}s")
-    else:
-        infos = [n.backs[wanted[n.index] - 1].info for n in members]
-        problems += check_world(infos, len(members), job.local_world_size)
-    return Reform(
-        event,
-        len(members),
-        t0,
-        seen[0] - t0 if seen else None,
-        min(known) - t0 if known else None,
-        max(known) - t0 if known and len(known) == len(told) else None,
-        max(n.backs[wanted[n.index] - 1].at for n in members) - t0 if done else None,
-        problems,
-    )
+    ``next_rendezvous()`` (``target``: the job's ``total_backs`` by then, at least); then
+    ``summarize``."""
+    job.wait_for(lambda: all(len(n.backs) >= wanted[n.index] for n in members), timeout, target)
+    return summarize(event, t0, members, wanted, seen, job.errors(), job.local_world_size)
 
 
 def lose_one(job: SimJob, members: list[SimNode], victim: SimNode, timeout: float) -> Reform:
