@@ -1537,12 +1537,12 @@ def reform_worker(
                     ]
                 elif command == "kill":
                     reply = job.kill(job.nodes[arg - first])
-                elif command == "stop":
-                    job.stop(60.0)
+                elif command == "stop":  # nodes stuck in a round that never forms stay: 10 s
+                    job.stop(10.0)
                     reply = None
                 elif command == "close":
                     closed = True
-                    conn.send(job.close(60.0) + wait_threads_gone(30.0))
+                    conn.send(job.close(10.0) + wait_threads_gone(10.0))
                     return
                 else:
                     reply = f"unknown command {command!r}"
@@ -1613,10 +1613,10 @@ class ReformWorkers:
         for proc, conn in self.workers:
             try:
                 conn.send(("close", None))
-                left += conn.recv() if conn.poll(120) else ["(no answer)"]
+                left += conn.recv() if conn.poll(60) else ["(no answer)"]
             except (OSError, EOFError):
                 pass
-            proc.join(30)
+            proc.join(10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
