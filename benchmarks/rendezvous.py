@@ -1,21 +1,23 @@
-"""The dynamic rendezvous (c10d and etcd): joining, losing a node, and a 1024-node simulation.
+"""The dynamic rendezvous (c10d and etcd): joining, losing a node, N simulated nodes, re-forming.
 
 Run by hand (not part of the test suite): ``python -m benchmarks rendezvous [--quick]``
-(``--backends etcd``: the etcd parts alone).
+(``--backends etcd``: the etcd parts alone; ``--only sim``, ``--only reform``: one part).
 
-Three measurements, each on two rendezvous backends: the built-in store (``c10d``) and etcd
+Four measurements, each on two rendezvous backends: the built-in store (``c10d``) and etcd
 (``etcd``, a single-member etcd v3 that the benchmark starts from ``/usr/bin/etcd`` with
 tests/etcd_cluster.py and stops at the end). The first two run the ``relaunch`` command on both
 backends and, where ``torch`` can be imported, torchrun (``python -m torch.distributed.run``) on
 c10d with the same flags (only the heartbeat settings differ, see ``DEATH_CONF``), alternating:
 K agents started at once until all K workers run, and a node SIGKILLed until the survivor's
-worker runs again. The third runs relaunch's rendezvous for 256 and 1024 nodes as threads of
-this process, on real sockets to one store server (a TcpStoreServer, or the etcd member), all at
-once and then one by one, and counts the store operations of each node (and, on etcd, the HTTP
-round trips and the compare-and-set attempts of each join). Only relaunch's numbers are checked
-against budgets; torchrun's are for comparison. Standard library only (plus the etcd binary for
-the etcd side); the exit status is 0 when every relaunch budget was measured and holds. See
-benchmarks/README.md for what each measurement means.
+worker runs again. The third runs relaunch's rendezvous for 256, 1,024 and 4,096 nodes as
+threads of 8 processes, on real sockets to one store server (a TcpStoreServer in a process of
+its own, or the etcd member), all at once and then one by one, and counts the store operations
+of each node (and, on etcd, the HTTP requests) and the server's and clients' CPU. The fourth
+runs 1,024 such nodes with heartbeats, crashes one (or adds one) and times the re-forming
+(tests/support/simnodes.py). Only relaunch's numbers are checked against budgets; torchrun's
+are for comparison. Standard library only (plus the etcd binary for the etcd side); the exit
+status is 0 when every relaunch budget was measured and holds. See benchmarks/README.md for
+what each measurement means.
 """
 
 from __future__ import annotations
