@@ -1,27 +1,30 @@
-"""The dynamic rendezvous (c10d and etcd): joining, losing a node, and a 1024-node simulation.
+"""The dynamic rendezvous (c10d and etcd): joining, losing a node, N simulated nodes, re-forming.
 
 Run by hand (not part of the test suite): ``python -m benchmarks rendezvous [--quick]``
-(``--backends etcd``: the etcd parts alone).
+(``--backends etcd``: the etcd parts alone; ``--only sim``, ``--only reform``: one part).
 
-Three measurements, each on two rendezvous backends: the built-in store (``c10d``) and etcd
+Four measurements, each on two rendezvous backends: the built-in store (``c10d``) and etcd
 (``etcd``, a single-member etcd v3 that the benchmark starts from ``/usr/bin/etcd`` with
 tests/etcd_cluster.py and stops at the end). The first two run the ``relaunch`` command on both
 backends and, where ``torch`` can be imported, torchrun (``python -m torch.distributed.run``) on
 c10d with the same flags (only the heartbeat settings differ, see ``DEATH_CONF``), alternating:
 K agents started at once until all K workers run, and a node SIGKILLed until the survivor's
-worker runs again. The third runs relaunch's rendezvous for 256 and 1024 nodes as threads of
-this process, on real sockets to one store server (a TcpStoreServer, or the etcd member), all at
-once and then one by one, and counts the store operations of each node (and, on etcd, the HTTP
-round trips and the compare-and-set attempts of each join). Only relaunch's numbers are checked
-against budgets; torchrun's are for comparison. Standard library only (plus the etcd binary for
-the etcd side); the exit status is 0 when every relaunch budget was measured and holds. See
-benchmarks/README.md for what each measurement means.
+worker runs again. The third runs relaunch's rendezvous for 256, 1,024 and 4,096 nodes as
+threads of 8 processes, on real sockets to one store server (a TcpStoreServer in a process of
+its own, or the etcd member), all at once and then one by one, and counts the store operations
+of each node (and, on etcd, the HTTP requests) and the server's and clients' CPU. The fourth
+runs 1,024 such nodes with heartbeats, crashes one (or adds one) and times the re-forming
+(tests/support/simnodes.py). Only relaunch's numbers are checked against budgets; torchrun's
+are for comparison. Standard library only (plus the etcd binary for the etcd side); the exit
+status is 0 when every relaunch budget was measured and holds. See benchmarks/README.md for
+what each measurement means.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -31,12 +34,13 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +48,15 @@ from benchmarks import harness
 from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 from relaunch.endpoints import find_free_port
 from relaunch.store import Store
+from tests.support.simnodes import (
+    Back,
+    Reform,
+    SimJob,
+    check_world,
+    summarize,
+    wait_beating,
+    wait_threads_gone,
+)
 
 #: The etcd side: the launcher (``relaunch --rdzv-backend etcd``) is a side of its own.
 ETCD = "relaunch-etcd"
@@ -70,15 +83,32 @@ DEATH_CONF = {
     TORCHRUN: "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,join_timeout=60",
 }
 JOIN_CONF = "join_timeout=60"
-SIM_NODES = (256, 1024)
-SIM_BUDGET_S = 10.0  # 1024 nodes: barrier -> every next_rendezvous() returned
+SIM_NODES = (256, 1024, 4096)
+#: Barrier -> every next_rendezvous() returned, by N (a smaller N gets the budget of the next
+#: budgeted one up): issue 14.
+SIM_BUDGETS = {"c10d": {4096: 5.0}, "etcd": {1024: 5.0, 4096: 20.0}}
+#: Simulating N nodes as threads of one process: with the default switch interval (5 ms)
+#: every thread waiting for the GIL wakes each 5 ms and CPython's hand-off thrashes (etcd,
+#: 1,024 nodes: 46 s and 82 CPU-seconds, against 5.5 s at 0.1 s). Real nodes are processes.
+SIM_SWITCH_S = 0.1
+SIM_SWITCH_NOTE = (
+    f"The simulation runs with sys.setswitchinterval({SIM_SWITCH_S:g}): with thousands of"
+    " threads in one process the GIL's 5 ms\n   hand-off thrashes; real nodes are separate"
+    " processes."
+)
+#: Processes the simulated nodes are spread over (at once; one by one: 1), N / SIM_PROCS threads
+#: each: fewer threads per interpreter fight less for its GIL, and the store server sees its
+#: clients at a pace nearer real nodes' (etcd, 4,096 nodes: 7.6 s and 7.6 etcd CPU-seconds
+#: from 8 processes, 47 s and 33 CPU-seconds from one).
+SIM_PROCS = 8
+SIM_STACK = 1 << 20  # thread stacks of the simulated nodes (and their heartbeat threads)
 SIM_LOCAL_WORLD_SIZE = 2
 SIM_OPS_RATIO = 1.25  # ops per node at 1024 <= this * ops at 256 + SIM_OPS_SLACK
 SIM_OPS_SLACK = 2
 STAGGER_NODES = (64, 256)  # the same, with the nodes joining one after another
 STAGGER_S = 0.005
 #: On etcd a round of 1024 takes minutes (see the README): nodes must not give up after 60 s.
-SIM_JOIN_TIMEOUT = {"c10d": 60.0, "etcd": 600.0}
+SIM_JOIN_TIMEOUT = {"c10d": 120.0, "etcd": 600.0}
 ETCD_SIM_NODES = SIM_NODES
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
 #: EtcdStore's operations on keys under a prefix (joins and tallies on etcd)
@@ -92,6 +122,11 @@ PREFIX_OPS = (
 )
 LEASE_OPS = ("grant_lease", "keep_alive", "revoke_lease")  # EtcdStore's, for the heartbeats
 LINE_TIMEOUT_S = 60.0  # give up on launchers that print nothing for this long
+REFORM_NODES = (1024,)
+REFORM_INTERVAL_S = 1.0  # the re-form measurement's heartbeat: dead after 1 s * 3
+REFORM_MAX_ATTEMPT = 3
+REFORM_ROUND_S = 2.0  # beyond the keep-alive detection: every member back (issue 14)
+REFORM_TIMEOUT_S = 120.0  # how long a re-forming may take before it counts as failed
 
 
 STARTED_RE = re.compile(rb"started (\d+(?:\.\d+)?) rank (\d+) world (\d+)(?: pid (\d+))?")
@@ -404,7 +439,7 @@ def join_run(
 
 def bench_join(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     log(
-        f"[1/3] K agents at once -> K workers running: K in {JOIN_NODES}, {reps} repetitions"
+        f"[1/4] K agents at once -> K workers running: K in {JOIN_NODES}, {reps} repetitions"
         f" (torchrun: {torchrun_reps}), alternating; sides: "
         + ", ".join(LABELS[lch.name] for lch in bench.launchers())
     )
@@ -553,7 +588,7 @@ def death_run(bench: Bench, launcher: Launcher, rep: int) -> DeathRun:
 
 def bench_death(bench: Bench, reps: int, torchrun_reps: int) -> list[Check]:
     log(
-        f"[2/3] SIGKILL of a node -> the survivor's worker again: {reps} repetitions"
+        f"[2/4] SIGKILL of a node -> the survivor's worker again: {reps} repetitions"
         f" (torchrun: {torchrun_reps}), up to {DEATH_BOUND_S:g} s each; sides: "
         + ", ".join(LABELS[lch.name] for lch in bench.launchers())
     )
@@ -765,7 +800,7 @@ class SimRun:
     hb_ops: list[int]  # heartbeat store operations per node, once the first beat ran
     problems: list[str]  # validation failures
     cpu_s: float = 0.0  # CPU seconds of this process (all threads), release -> all back
-    etcd_cpu_s: float | None = None  # CPU seconds of the etcd member, the same span
+    server_cpu_s: float = 0.0  # CPU seconds of the store server (etcd member), the same span
     requests: list[int] = field(default_factory=list)  # etcd: HTTP requests per node
     cas: list[int] = field(default_factory=list)  # etcd: transactions per join (add)
     by_path: dict[str, float] = field(default_factory=dict)  # etcd: requests per node, by path
@@ -779,47 +814,145 @@ def raise_nofile() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def sim_run(nodes: int, rep: int, stagger: float = 0.0, bench: Bench | None = None) -> SimRun:
-    """One round of ``nodes`` nodes, each a thread: all call next_rendezvous() at once, or, with
-    ``stagger``, one after another that many seconds apart. With ``bench``, on its etcd
-    cluster (EtcdStores, heartbeats by lease); without, on a TcpStoreServer in this process."""
-    from relaunch.core.rendezvous import Settings
-    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+@contextlib.contextmanager
+def simulation() -> Iterator[None]:
+    """What simulating many nodes as threads of one process needs: a GIL switch interval of
+    SIM_SWITCH_S (see SIM_SWITCH_NOTE) and smaller thread stacks; both restored after."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SIM_SWITCH_S)
+    stack = threading.stack_size(SIM_STACK)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+        threading.stack_size(stack)
 
-    on_etcd = bench is not None
-    server: Any = None
+
+#: The built-in store's server as a process of its own, so that its CPU is measured apart from
+#: the simulated nodes': it prints its port, and serves until its stdin closes.
+SERVER_SCRIPT = """
+import resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+from relaunch.store import TcpStoreServer
+server = TcpStoreServer(port=0).start()
+print(server.port, flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+@contextlib.contextmanager
+def store_server(bench: Bench) -> Iterator[tuple[int, int]]:
+    """A TcpStoreServer in a process of its own: ``(port, pid)``; stopped after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=bench.env,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        if not line.strip().isdigit():
+            raise BenchError(f"the store server did not start (printed {line!r})")
+        yield int(line), proc.pid
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def sim_store(
+    bench: Bench, on_etcd: bool, run: str, counted: bool = True
+) -> Iterator[tuple[Callable[[], Any], Callable[[], float]]]:
+    """Connections to one store server: ``(connect, server CPU seconds so far)``. On etcd the
+    bench's member (``counted``: EtcdStores that count their HTTP requests); else a
+    TcpStoreServer in a process of its own."""
     if on_etcd:
-        assert bench is not None and bench.cluster is not None
+        assert bench.cluster is not None
         endpoints = bench.cluster.endpoints
-        etcd_store = counted_etcd_class()
-        run = f"sim{nodes}-{rep}-{uuid.uuid4().hex[:12]}"
+        etcd_store: Any
+        if counted:
+            etcd_store = counted_etcd_class()
+        else:
+            from relaunch.store import EtcdStore as etcd_store
 
-        def make_store() -> Any:
+        def make_etcd_store() -> Any:
             store = etcd_store(endpoints, timeout=60.0)
             store.get(f"relaunch/{run}/closed")  # connects (create_etcd_handler reads it too)
-            store.requests.clear()
+            if counted:
+                store.requests.clear()
             return store
-    else:
-        from relaunch.store import TcpStore, TcpStoreServer
 
-        server = TcpStoreServer(port=0).start()
-        run = f"sim{nodes}-{rep}"
+        yield make_etcd_store, bench.etcd_cpu
+        return
+    from relaunch.store import TcpStore
 
-        def make_store() -> Any:
-            return TcpStore("127.0.0.1", server.port, timeout=60, connect_timeout=60)
+    with store_server(bench) as (port, pid):
+
+        def make_tcp_store() -> Any:
+            return TcpStore("127.0.0.1", port, timeout=60, connect_timeout=60)
+
+        yield make_tcp_store, functools.partial(proc_cpu, pid)
+
+
+@dataclass
+class NodeRecord:
+    """What one simulated node did (picklable: it may come from a worker process)."""
+
+    result: tuple[int, int, int, int, str, int] | str  # RendezvousInfo's fields, or the error
+    ended: float  # perf_counter() when next_rendezvous() returned (CLOCK_MONOTONIC: shared)
+    counts: dict[str, int]  # rendezvous store operations, by kind
+    joined_at: float | None
+    requests: int | None  # etcd: HTTP requests
+    by_path: dict[str, int]  # etcd: HTTP requests by path
+    cas: list[int]  # etcd: transactions per add
+    hb_ops: int = 0  # heartbeat store operations (its first beat)
+
+
+@dataclass
+class Batch:
+    """Some of a round's simulated nodes, run by one process: when they were released and
+    how much CPU that process used until they were all back."""
+
+    connect_s: float
+    released: float
+    cpu_s: float
+    records: list[NodeRecord]
+
+
+def run_batch(
+    make_store: Callable[[], Any],
+    on_etcd: bool,
+    run: str,
+    settings: Any,
+    count: int,
+    offset: int,
+    stagger: float,
+    release: Callable[[], float],
+    back: Callable[[], None],
+) -> tuple[Batch, Callable[[], None]]:
+    """Connect ``count`` nodes; ``release()`` blocks until they go and returns that
+    ``perf_counter()``; run them (node ``offset + i`` starts ``(offset + i) * stagger`` late);
+    ``back()`` once all are back. The batch, and what shuts its handlers down."""
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 
     handlers: list[Any] = []
     proxies: list[tuple[CountingStore, CountingStore]] = []
+
+    def shutdown() -> None:
+        for handler in handlers:
+            handler.shutdown()
+
     try:
-        settings = Settings(
-            min_nodes=nodes,
-            max_nodes=nodes,
-            join_timeout=SIM_JOIN_TIMEOUT["etcd" if on_etcd else "c10d"],
-            last_call_timeout=1,
-            keep_alive_interval=30,
-        )
         started = time.perf_counter()
-        for _ in range(nodes):
+        for _ in range(count):
             store, heartbeat = CountingStore(make_store()), CountingStore(make_store())
             proxies.append((store, heartbeat))
             handlers.append(
@@ -835,83 +968,229 @@ def sim_run(nodes: int, rep: int, stagger: float = 0.0, bench: Bench | None = No
                 )
             )
         connect_s = time.perf_counter() - started
-        results: list[Any] = [None] * nodes
-        ended = [0.0] * nodes
+        results: list[Any] = [None] * count
+        ended = [0.0] * count
+        go = threading.Event()
         released: list[float] = []
-        cpu_at: list[float] = []
-
-        def release() -> None:
-            released.append(time.perf_counter())
-            cpu_at.extend((time.process_time(), bench.etcd_cpu() if bench else 0.0))
-
-        barrier = threading.Barrier(nodes, action=release)
 
         def node(index: int) -> None:
-            barrier.wait()
+            go.wait()
             if stagger:
-                time.sleep(max(0.0, released[0] + index * stagger - time.perf_counter()))
+                wait = released[0] + (offset + index) * stagger - time.perf_counter()
+                time.sleep(max(0.0, wait))
             try:
-                results[index] = handlers[index].next_rendezvous()
-            except Exception as exc:  # reported below, as a validation failure
-                results[index] = exc
+                info = handlers[index].next_rendezvous()
+                results[index] = (
+                    info.group_rank,
+                    info.group_world_size,
+                    info.world_size,
+                    info.rank_offset,
+                    info.master_addr,
+                    info.master_port,
+                )
+            except Exception as exc:  # reported as a validation failure
+                results[index] = f"{exc!r}"[:160]
             ended[index] = time.perf_counter()
 
-        threads = [threading.Thread(target=node, args=(i,), name=f"node{i}") for i in range(nodes)]
+        threads = [
+            threading.Thread(target=node, args=(i,), name=f"node{offset + i}") for i in range(count)
+        ]
         for thread in threads:
             thread.start()
+        released.append(release())
+        cpu_at = time.process_time()
+        go.set()
         for thread in threads:
             thread.join()
-        cpu_s = time.process_time() - cpu_at[0]
-        etcd_cpu_s = bench.etcd_cpu() - cpu_at[1] if bench else None
-        t0 = released[0]
-        ops = [store.total() for store, _ in proxies]
-        by_op = {
-            op: statistics.fmean(s.counts[op] for s, _ in proxies) for op in SIM_OPS + PREFIX_OPS
-        }
-        worst = max(range(nodes), key=ops.__getitem__)
-        rank = getattr(results[worst], "group_rank", -1)
-        busiest = (rank, {op: n for op, n in proxies[worst][0].counts.items() if n})
-        joined = [s.joined_at for s, _ in proxies if s.joined_at is not None]
-        requests = [s.requests() or 0 for s, _ in proxies] if on_etcd else []
-        cas = [n for s, _ in proxies for n in s.cas_tries]
-        by_path: dict[str, float] = {}
-        if on_etcd:
-            paths = sorted({p for s, _ in proxies for p in s._inner.requests})
-            by_path = {p: statistics.fmean(s.requests(p) or 0 for s, _ in proxies) for p in paths}
+        cpu_s = time.process_time() - cpu_at
+        back()
         # Every member's heartbeat thread makes its first beat at once (the next one is
-        # keep_alive_interval = 30 s away): wait until the counts stay still for 0.2 s.
-        settle, still_since, last = time.monotonic() + 30, time.monotonic(), -1
+        # keep_alive_interval = 30 s away): wait until the counts stay still for 0.5 s.
+        settle, still_since, last = time.monotonic() + 60, time.monotonic(), -1
         while time.monotonic() < settle:
             now_total = sum(hb.total() for _, hb in proxies)
             if now_total != last:
                 still_since, last = time.monotonic(), now_total
-            elif time.monotonic() - still_since > 0.2 and all(hb.total() for _, hb in proxies):
+            elif time.monotonic() - still_since > 0.5 and all(hb.total() for _, hb in proxies):
                 break
             time.sleep(0.01)
-        hb_ops = [hb.total() for _, hb in proxies]
-        problems = validate(results, nodes)
-        return SimRun(
-            nodes,
-            max(ended) - t0,
-            (max(joined) - t0) if joined else float("nan"),
-            min(ended) - t0,
-            connect_s,
-            ops,
-            by_op,
-            busiest,
-            hb_ops,
-            problems,
-            cpu_s,
-            etcd_cpu_s,
-            requests,
-            cas,
-            by_path,
-        )
+        records = [
+            NodeRecord(
+                results[i],
+                ended[i],
+                {op: n for op, n in store.counts.items() if n},
+                store.joined_at,
+                store.requests(),
+                dict(getattr(store._inner, "requests", {})),
+                store.cas_tries,
+                heartbeat.total(),
+            )
+            for i, (store, heartbeat) in enumerate(proxies)
+        ]
+        return Batch(connect_s, released[0], cpu_s, records), shutdown
+    except BaseException:
+        shutdown()
+        raise
+
+
+#: run_batch's arguments up to ``stagger``
+BatchArgs = tuple[Callable[[], Any], bool, str, Any, int, int, float]
+
+
+def sim_worker(conn: Any, args: BatchArgs) -> None:
+    """A worker process of a spread simulation (forked): runs one batch, talking to the parent
+    over ``conn``: "ready" -> release time; "back" (its CPU); the batch; "end" -> shut down."""
+    cpu: list[float] = []
+
+    def release() -> float:
+        conn.send("ready")
+        at = float(conn.recv())
+        time.sleep(max(0.0, at - time.perf_counter()))
+        return at
+
+    try:
+        with simulation():
+            batch, shutdown = run_batch(*args, release, lambda: conn.send("back"))
+            cpu.append(batch.cpu_s)
+            conn.send(batch)
+            conn.recv()  # "end": every batch is in
+            shutdown()
+    except BaseException as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
     finally:
-        for handler in handlers:
-            handler.shutdown()
-        if server is not None:
-            server.stop()
+        conn.close()
+
+
+def sim_run(
+    bench: Bench, on_etcd: bool, nodes: int, rep: int, stagger: float = 0.0, procs: int = 1
+) -> SimRun:
+    """One round of ``nodes`` nodes, each a thread: all call next_rendezvous() at once, or, with
+    ``stagger``, one after another that many seconds apart. On etcd, on the bench's cluster
+    (EtcdStores, heartbeats by lease); else on a TcpStoreServer in a process of its own. With
+    ``procs`` > 1 the nodes are spread over that many forked processes."""
+    from relaunch.core.rendezvous import Settings
+
+    backend = "etcd" if on_etcd else "c10d"
+    run = f"sim{nodes}-{rep}-{uuid.uuid4().hex[:12]}"
+    settings = Settings(
+        min_nodes=nodes,
+        max_nodes=nodes,
+        join_timeout=SIM_JOIN_TIMEOUT[backend],
+        last_call_timeout=1,
+        keep_alive_interval=30,
+    )
+    procs = max(1, min(procs, nodes))
+    with sim_store(bench, on_etcd, run) as (make_store, server_cpu):
+        server_at: list[float] = []
+        if procs == 1:
+
+            def release() -> float:
+                server_at.append(server_cpu())
+                return time.perf_counter()
+
+            def all_back() -> None:
+                server_at.append(server_cpu())
+
+            batch, shutdown = run_batch(
+                make_store, on_etcd, run, settings, nodes, 0, stagger, release, all_back
+            )
+            shutdown()
+            batches = [batch]
+        else:
+            batches = spread_run(
+                make_store, on_etcd, run, settings, nodes, stagger, procs, server_cpu, server_at
+            )
+    return sim_result(nodes, batches, server_at[1] - server_at[0])
+
+
+def spread_run(
+    make_store: Callable[[], Any],
+    on_etcd: bool,
+    run: str,
+    settings: Any,
+    nodes: int,
+    stagger: float,
+    procs: int,
+    server_cpu: Callable[[], float],
+    server_at: list[float],
+) -> list[Batch]:
+    """Run the round's nodes in ``procs`` forked processes, released together."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    sizes = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
+    offsets = [sum(sizes[:i]) for i in range(procs)]
+    workers = []
+    try:
+        for size, offset in zip(sizes, offsets, strict=True):
+            parent, child = context.Pipe()
+            args: BatchArgs = (make_store, on_etcd, run, settings, size, offset, stagger)
+            proc = context.Process(target=sim_worker, args=(child, args), daemon=True)
+            proc.start()
+            child.close()
+            workers.append((proc, parent))
+
+        def expect(what: str) -> list[Any]:
+            got = [conn.recv() for _, conn in workers]
+            wrong = (
+                [g for g in got if g != what] if what else [g for g in got if isinstance(g, str)]
+            )
+            if wrong:
+                raise BenchError(f"a worker process failed: {wrong[0]}")
+            return got
+
+        expect("ready")
+        release_at = time.perf_counter() + 0.05 + 0.002 * procs
+        server_at.append(server_cpu())
+        for _, conn in workers:
+            conn.send(release_at)
+        expect("back")
+        server_at.append(server_cpu())
+        batches: list[Batch] = expect("")
+        for _, conn in workers:
+            conn.send("end")
+        return batches
+    finally:
+        for proc, conn in workers:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+
+
+def sim_result(nodes: int, batches: list[Batch], server_cpu_s: float) -> SimRun:
+    """The round's figures from its batches."""
+    records = [r for b in batches for r in b.records]
+    t0 = min(b.released for b in batches)
+    ops = [sum(r.counts.values()) for r in records]
+    by_op = {
+        op: statistics.fmean(r.counts.get(op, 0) for r in records) for op in SIM_OPS + PREFIX_OPS
+    }
+    worst = max(range(nodes), key=ops.__getitem__)
+    result = records[worst].result
+    busiest = (result[0] if isinstance(result, tuple) else -1, records[worst].counts)
+    joined = [r.joined_at for r in records if r.joined_at is not None]
+    on_etcd = any(r.requests is not None for r in records)
+    paths = sorted({p for r in records for p in r.by_path})
+    ended = [r.ended for r in records]
+    return SimRun(
+        nodes,
+        max(ended) - t0,
+        (max(joined) - t0) if joined else float("nan"),
+        min(ended) - t0,
+        max(b.connect_s for b in batches),
+        ops,
+        by_op,
+        busiest,
+        [r.hb_ops for r in records],
+        validate([r.result for r in records], nodes),
+        sum(b.cpu_s for b in batches),
+        server_cpu_s,
+        [r.requests or 0 for r in records] if on_etcd else [],
+        [n for r in records for n in r.cas],
+        {p: statistics.fmean(r.by_path.get(p, 0) for r in records) for p in paths},
+    )
 
 
 def fmean0(values: Sequence[float]) -> float:
@@ -919,49 +1198,60 @@ def fmean0(values: Sequence[float]) -> float:
 
 
 def validate(results: list[Any], nodes: int) -> list[str]:
-    problems = [f"node {i}: {r!r}"[:160] for i, r in enumerate(results) if isinstance(r, Exception)]
-    infos = [r for r in results if r is not None and not isinstance(r, Exception)]
+    problems = [f"node {i}: {r}"[:160] for i, r in enumerate(results) if isinstance(r, str)]
+    infos = [r for r in results if isinstance(r, tuple)]
     if problems or len(infos) != nodes:
         return problems or [f"{nodes - len(infos)} node(s) without a result"]
     lws = SIM_LOCAL_WORLD_SIZE
-    if sorted(info.group_rank for info in infos) != list(range(nodes)):
+    if sorted(info[0] for info in infos) != list(range(nodes)):
         problems.append("group ranks are not a permutation of 0..N-1")
-    if {info.group_world_size for info in infos} != {nodes}:
-        problems.append(f"group world sizes {sorted({i.group_world_size for i in infos})}")
-    if {info.world_size for info in infos} != {nodes * lws}:
-        problems.append(f"world sizes {sorted({i.world_size for i in infos})} != {nodes * lws}")
-    if any(info.rank_offset != info.group_rank * lws for info in infos):
+    if {info[1] for info in infos} != {nodes}:
+        problems.append(f"group world sizes {sorted({i[1] for i in infos})}")
+    if {info[2] for info in infos} != {nodes * lws}:
+        problems.append(f"world sizes {sorted({i[2] for i in infos})} != {nodes * lws}")
+    if any(info[3] != info[0] * lws for info in infos):
         problems.append("rank offsets are not group_rank * local_world_size")
-    masters = {(info.master_addr, info.master_port) for info in infos}
+    masters = {(info[4], info[5]) for info in infos}
     if len(masters) != 1:
         problems.append(f"{len(masters)} different masters")
     return problems
 
 
+def sim_budget(store: str, nodes: int) -> float | None:
+    """The budget for ``nodes`` at once on ``store``: that of the smallest budgeted N at or
+    above it (a smaller job must meet it too); None beyond the largest."""
+    fits = [(n, s) for n, s in SIM_BUDGETS[store].items() if n >= nodes]
+    return min(fits)[1] if fits else None
+
+
 def sim_scenario(
+    bench: Bench,
     label: str,
     sizes: Sequence[int],
     reps: int,
     stagger: float,
     soft_limit: int,
-    bench: Bench | None = None,
+    on_etcd: bool,
+    procs: int = 1,
 ) -> tuple[dict[int, list[SimRun]], str | None]:
     runs: dict[int, list[SimRun]] = {}
-    store = "etcd" if bench is not None else "c10d"
+    store = "etcd" if on_etcd else "c10d"
     for nodes in sizes:
-        # c10d: 2 connections a node and the server's 2; etcd: 2 connections and a watch stream
-        if 4 * nodes + 64 > soft_limit:
+        # 2 connections a node (the server is another process); on etcd also a watch stream
+        if (3 if on_etcd else 2) * nodes + 256 > soft_limit:
             return runs, f"RLIMIT_NOFILE {soft_limit} is too low for {nodes} nodes"
         for rep in range(reps):
             log(f"  {store}, {label}: N={nodes} #{rep + 1}")
             try:
-                runs.setdefault(nodes, []).append(sim_run(nodes, rep, stagger, bench))
+                sim = sim_run(bench, on_etcd, nodes, rep, stagger, procs)
+                runs.setdefault(nodes, []).append(sim)
             except Exception as exc:  # a failure of relaunch's store or rendezvous: report it
                 log(f"  {store}, {label}, N={nodes}: {type(exc).__name__}: {exc}")
                 return runs, f"{store}, {label}, N={nodes}: {type(exc).__name__}: {exc}"
             sim = runs[nodes][-1]
             log(
                 f"    all back {sim.seconds:.2f} s, {statistics.fmean(sim.ops):.1f} ops/node"
+                f", CPU {sim.cpu_s:.1f} s (server {sim.server_cpu_s:.1f} s)"
                 + (
                     f", {statistics.fmean(sim.requests):.1f} requests/node, "
                     f"{statistics.fmean(sim.cas or [0]):.1f} CAS tries/join"
@@ -1002,94 +1292,118 @@ class SimResults:
     reps: int
 
 
-def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]) -> list[Check]:
+def print_sim_table(results: list[SimResults]) -> None:
+    """The figures, as a Markdown table (one row per store, arrival and N; medians)."""
+    print(
+        "| N | backend | arrival | all back (s) | budget | ops/node mean (max) |"
+        " requests/node mean (max) | server CPU (s) | client CPU (s) |"
+    )
+    print("|--:|---|---|--:|---|--:|--:|--:|--:|")
+    for res in results:
+        for label, runs in (("at once", res.at_once), ("one by one", res.staggered)):
+            for nodes, sims in sorted(runs.items()):
+                seconds = median([s.seconds for s in sims])
+                budget = sim_budget(res.store, nodes) if label == "at once" else None
+                verdict_text = (
+                    f"<= {budget:g} s {verdict(seconds <= budget)}" if budget is not None else "-"
+                )
+                requests = (
+                    f"{median([statistics.fmean(s.requests) for s in sims]):.1f}"
+                    f" ({median([max(s.requests) for s in sims]):.0f})"
+                    if res.store == "etcd"
+                    else "-"
+                )
+                invalid = "" if not any(s.problems for s in sims) else " INVALID"
+                print(
+                    f"| {nodes:,} | {res.store} | {label} | {seconds:.2f}{invalid}"
+                    f" | {verdict_text}"
+                    f" | {median([statistics.fmean(s.ops) for s in sims]):.1f}"
+                    f" ({median([max(s.ops) for s in sims]):.0f})"
+                    f" | {requests}"
+                    f" | {median([s.server_cpu_s for s in sims]):.2f}"
+                    f" | {median([s.cpu_s for s in sims]):.2f} |"
+                )
+
+
+def bench_sim(
+    bench: Bench,
+    reps: int,
+    etcd_reps: int,
+    etcd_sizes: Sequence[int],
+    procs: int = 1,
+) -> list[Check]:
     soft, hard = raise_nofile()
     stores = [b for b in BACKENDS if b in bench.backends]
     log(
-        f"[3/3] {' and '.join(map(str, SIM_NODES))} nodes as threads on one store server "
-        f"({', '.join(stores)}), {reps} repetition(s) (etcd: {etcd_reps}, N in "
+        f"[3/4] N nodes as threads on one store server ({', '.join(stores)}): N in "
+        f"{tuple(SIM_NODES)}, {reps} repetition(s) (etcd: {etcd_reps}, N in "
         f"{tuple(etcd_sizes)}); then {' and '.join(map(str, STAGGER_NODES))} nodes joining "
         f"{STAGGER_S * 1e3:g} ms apart (RLIMIT_NOFILE {soft}/{hard})"
     )
     results: list[SimResults] = []
-    for store in stores:
-        if store == "etcd" and bench.etcd.unavailable is not None:
-            results.append(SimResults(store, {}, {}, [f"etcd: {bench.etcd.unavailable}"], 0))
-            continue
-        on = bench if store == "etcd" else None
-        sizes, n = (etcd_sizes, etcd_reps) if store == "etcd" else (SIM_NODES, reps)
-        at_once, error = sim_scenario("at once", sizes, n, 0.0, soft, on)
-        staggered, stagger_error = sim_scenario("one by one", STAGGER_NODES, 1, STAGGER_S, soft, on)
-        errors = [e for e in (error, stagger_error) if e]
-        results.append(SimResults(store, at_once, staggered, errors, n))
+    with simulation():
+        for store in stores:
+            if store == "etcd" and bench.etcd.unavailable is not None:
+                results.append(SimResults(store, {}, {}, [f"etcd: {bench.etcd.unavailable}"], 0))
+                continue
+            on_etcd = store == "etcd"
+            sizes, n = (etcd_sizes, etcd_reps) if on_etcd else (SIM_NODES, reps)
+            at_once, error = sim_scenario(bench, "at once", sizes, n, 0.0, soft, on_etcd, procs)
+            staggered, stagger_error = sim_scenario(
+                bench, "one by one", STAGGER_NODES, 1, STAGGER_S, soft, on_etcd
+            )
+            errors = [e for e in (error, stagger_error) if e]
+            results.append(SimResults(store, at_once, staggered, errors, n))
 
     print(
-        "\n3. N nodes as threads of one process, one store server (c10d: a TcpStoreServer in this"
-        "\n   process; etcd: the etcd member), 2 connections per node, min = max = N,"
-        f" local_world_size {SIM_LOCAL_WORLD_SIZE};\n   seconds since the release (median of"
-        f" {reps} at once, etcd {etcd_reps}; 1 one by one); ops: store operations\n   per node"
-        " in next_rendezvous(); busiest: that node's group rank; hb: heartbeat store\n"
-        "   operations per node (its first beat)"
+        f"\n3. N nodes as threads of {procs} forked processes (one by one: of one), one store"
+        " server (c10d: a TcpStoreServer in a"
+        "\n   process of its own; etcd: the etcd member), 2 connections per node, min = max = N,"
+        f" local_world_size {SIM_LOCAL_WORLD_SIZE};\n   all back: seconds from the release"
+        f" until every next_rendezvous() returned (median of {reps} at once, etcd"
+        f" {etcd_reps};\n   1 one by one, {STAGGER_S * 1e3:g} ms apart); ops: store operations"
+        " per node in next_rendezvous(); requests:\n   HTTP requests per node (etcd, a watch"
+        " stream counting one); CPU: the store server's (etcd member's)\n   and this process's"
+        f" (every node), release -> all back.\n   {SIM_SWITCH_NOTE}\n"
+    )
+    print_sim_table(results)
+    print(
+        "\n   more: connect = opening the connections (untimed); all joined = the last join"
+        " returned;\n   busiest = that node's group rank; hb = heartbeat store operations per"
+        " node (its first beat);\n   CAS/join: etcd transactions per join"
     )
     print(
         f"{'store':<5} {'arrival':<11} {'N':>5} {'connect':>8} {'all joined':>11}"
-        f" {'first back':>11} {'all back':>9} {'<= 10 s':>7} {'ops mean':>9} {'ops max':>8}"
-        f" {'busiest':>8} {'hb mean':>8}  valid"
+        f" {'first back':>11} {'all back':>9} {'busiest':>8} {'hb mean':>8} {'CAS/join':>9}"
+        f" {'CAS max':>8} {'req/s':>7}  valid"
     )
-    big = max(SIM_NODES)
     for res in results:
         for label, runs in (
             ("at once", res.at_once),
             (f"{STAGGER_S * 1e3:g} ms apart", res.staggered),
         ):
-            for nodes, sims in runs.items():
-                seconds = median([s.seconds for s in sims])
-                budgeted = label == "at once" and nodes == big
+            for nodes, sims in sorted(runs.items()):
+                etcd = res.store == "etcd"
+                req = [s.requests if etcd else s.ops for s in sims]
+                rate = median([sum(r) / s.seconds for r, s in zip(req, sims, strict=True)])
+                cas_mean = median([fmean0(s.cas) for s in sims])
+                cas_max = median([max(s.cas or [0]) for s in sims])
                 print(
                     f"{res.store:<5} {label:<11} {nodes:>5}"
                     f" {median([s.connect_s for s in sims]):>8.2f}"
                     f" {median([s.joined_s for s in sims]):>11.3f}"
                     f" {median([s.first_s for s in sims]):>11.3f}"
-                    f" {seconds:>9.3f} {verdict(seconds <= SIM_BUDGET_S) if budgeted else '':>7}"
-                    f" {median([statistics.fmean(s.ops) for s in sims]):>9.1f}"
-                    f" {median([max(s.ops) for s in sims]):>8.0f}"
+                    f" {median([s.seconds for s in sims]):>9.3f}"
                     f" {sims[-1].busiest[0]:>8}"
                     f" {median([statistics.fmean(s.hb_ops) for s in sims]):>8.1f}"
-                    f"  {'yes' if not any(s.problems for s in sims) else 'NO'}"
-                )
-    print(
-        "\n   where the time goes: CPU = this process (every thread; on c10d the store server"
-        " too),\n   etcd CPU = the etcd member, both release -> all back; requests: round trips"
-        " per node\n   (c10d: one per operation; etcd: HTTP requests, a watch stream counting"
-        " one);\n   CAS/join: etcd transactions per join add (c10d: add is one atomic operation)"
-    )
-    print(
-        f"{'store':<5} {'arrival':<11} {'N':>5} {'all back':>9} {'CPU':>7} {'etcd CPU':>8}"
-        f" {'req mean':>9} {'req max':>8} {'CAS/join':>9} {'CAS max':>8} {'req/s':>7}"
-    )
-    for res in results:
-        for label, runs in (
-            ("at once", res.at_once),
-            (f"{STAGGER_S * 1e3:g} ms apart", res.staggered),
-        ):
-            for nodes, sims in runs.items():
-                etcd = res.store == "etcd"
-                req = [s.requests if etcd else s.ops for s in sims]
-                seconds = median([s.seconds for s in sims])
-                rate = median([sum(r) / s.seconds for r, s in zip(req, sims, strict=True)])
-                print(
-                    f"{res.store:<5} {label:<11} {nodes:>5} {seconds:>9.3f}"
-                    f" {median([s.cpu_s for s in sims]):>7.2f}"
-                    f" {fmt(median([s.etcd_cpu_s or 0 for s in sims]) if etcd else None, '.2f'):>8}"
-                    f" {median([statistics.fmean(r) for r in req]):>9.1f}"
-                    f" {median([max(r) for r in req]):>8.0f}"
-                    f" {fmt(median([fmean0(s.cas) for s in sims]) if etcd else None):>9}"
-                    f" {fmt(median([max(s.cas or [0]) for s in sims]) if etcd else None, '.0f'):>8}"
+                    f" {fmt(cas_mean if etcd else None):>9}"
+                    f" {fmt(cas_max if etcd else None, '.0f'):>8}"
                     f" {rate:>7.0f}"
+                    f"  {'yes' if not any(s.problems for s in sims) else 'NO'}"
                 )
     for res in results:
         for label, runs in (("at once", res.at_once), ("one by one", res.staggered)):
-            for nodes, sims in runs.items():
+            for nodes, sims in sorted(runs.items()):
                 last = sims[-1]
                 parts = ", ".join(f"{op} {n:.2f}" for op, n in last.by_op.items() if n)
                 rank, counts = last.busiest
@@ -1108,28 +1422,32 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
         for problem in res.errors:
             print(f"  not measured: {problem}")
 
-    # Budgets: c10d's go to the summary; etcd's to the etcd summary (for comparison), except
-    # that every round must be valid on either store.
+    # Budgets: in the exit status on both stores; etcd's only noted when there is no etcd to
+    # run on (like torchrun without torch).
     checks: list[Check] = []
     for res in results:
-        where = "" if res.store == "c10d" else f" ({res.store})"
-        into = checks if res.store == "c10d" else bench.etcd_checks
-        big_runs = res.at_once.get(big)
-        big_s = median([s.seconds for s in big_runs]) if big_runs else None
-        into.append(
-            Check(
-                f"{big} nodes -> all next_rendezvous() back{where}",
-                f"{fmt(big_s, '.2f')} s",
-                f"<= {SIM_BUDGET_S:g} s",
-                None if big_s is None else big_s <= SIM_BUDGET_S,
+        where = f" ({res.store})"
+        absent = res.store == "etcd" and bench.etcd.unavailable is not None
+        into = bench.etcd_checks if absent else checks
+        sizes = sorted(res.at_once) or sorted(etcd_sizes if res.store == "etcd" else SIM_NODES)
+        for nodes in sizes:
+            budget = sim_budget(res.store, nodes)
+            if budget is None:
+                continue
+            timed = res.at_once.get(nodes)
+            seconds = median([s.seconds for s in timed]) if timed else None
+            into.append(
+                Check(
+                    f"{nodes} nodes at once -> all next_rendezvous() back{where}",
+                    f"{fmt(seconds, '.2f')} s",
+                    f"<= {budget:g} s",
+                    None if seconds is None else seconds <= budget,
+                )
             )
-        )
         measured = [
             s for runs in (res.at_once, res.staggered) for sims in runs.values() for s in sims
         ]
-        # Without an etcd to run on (like torchrun without torch), the etcd side is only noted.
-        absent = res.store == "etcd" and bench.etcd.unavailable is not None
-        (into if absent else checks).append(
+        into.append(
             Check(
                 f"simulated rounds valid{where}",
                 f"{sum(not s.problems for s in measured)} of {len(measured)}",
@@ -1137,12 +1455,346 @@ def bench_sim(bench: Bench, reps: int, etcd_reps: int, etcd_sizes: Sequence[int]
                 None if not measured or res.errors else not any(s.problems for s in measured),
             )
         )
-        sizes = sorted(res.at_once) or [0]
-        if len(sizes) > 1 or res.store == "c10d":
+        if len(sizes) > 1:
             into += ops_checks(f"at once{where}", res.at_once, sizes[0], sizes[-1])
         into += ops_checks(
             f"one by one{where}", res.staggered, min(STAGGER_NODES), max(STAGGER_NODES)
         )
+    return checks
+
+
+# -- 4. re-forming at scale: one node of N lost, one node joining N ----------------------------
+
+
+@dataclass
+class ReformResult:
+    """One re-forming measured (``reform`` None: it could not be), with its bounds."""
+
+    store: str
+    event: str  # "lost" or "joined"
+    nodes: int  # nodes running before the event
+    detection_s: float  # the keep-alive detection bound (lost_node_grace); 0 for a join
+    formed_s: float | None  # the first round: release -> all back
+    reform: Reform | None
+    problems: list[str]
+
+
+def reform_settings(event: str, nodes: int, join_timeout: float) -> Any:
+    """``lost``: min N - 1, max N (the survivors may re-form); ``joined``: min N, max N + 1
+    (room for one more)."""
+    from relaunch.core.rendezvous import Settings
+
+    low, high = (nodes - 1, nodes) if event == "lost" else (nodes, nodes + 1)
+    return Settings(
+        min_nodes=low,
+        max_nodes=high,
+        join_timeout=join_timeout,
+        last_call_timeout=1,
+        keep_alive_interval=REFORM_INTERVAL_S,
+        keep_alive_max_attempt=REFORM_MAX_ATTEMPT,
+    )
+
+
+@dataclass
+class NodeView:
+    """A simulated node as a worker process reports it (picklable; see simnodes.NodeLike)."""
+
+    index: int
+    backs: list[Back]
+    notified: list[float]
+    called: list[float]
+
+
+def reform_worker(
+    conn: Any, job_args: tuple[str, Any, Callable[[], Any], bool], first: int
+) -> None:
+    """A worker process of the re-form measurement (forked): a SimJob whose nodes are numbered
+    from ``first``, driven by the parent's commands over ``conn`` (see ReformWorkers)."""
+    run, settings, make_store, leases = job_args
+    closed = False
+    with simulation():
+        job = SimJob(run, settings, make_store, leases, SIM_LOCAL_WORLD_SIZE)
+        try:
+            while True:
+                command, arg = conn.recv()
+                if command == "add":
+                    job.add(arg)
+                    reply: Any = len(job.nodes)
+                elif command == "go":  # at perf_counter() ``arg``, every node not started yet
+                    time.sleep(max(0.0, arg - time.perf_counter()))
+                    fresh = [n for n in job.nodes if n.thread is None]
+                    job.start(fresh, barrier=len(fresh) > 1)
+                    reply = None
+                elif command == "backs":
+                    reply = (job.total_backs, job.errors())
+                elif command == "views":
+                    reply = [
+                        NodeView(
+                            first + n.index,
+                            [Back(b.at, dataclasses.replace(b.info, store=None)) for b in n.backs],
+                            list(n.notified),
+                            list(n.called),
+                        )
+                        for n in job.nodes
+                    ]
+                elif command == "kill":
+                    reply = job.kill(job.nodes[arg - first])
+                elif command == "stop":  # nodes stuck in a round that never forms stay: 10 s
+                    job.stop(10.0)
+                    reply = None
+                elif command == "close":
+                    closed = True
+                    conn.send(job.close(10.0) + wait_threads_gone(10.0))
+                    return
+                else:
+                    reply = f"unknown command {command!r}"
+                conn.send(reply)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                conn.send(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if not closed:
+                job.close(10.0)
+            conn.close()
+
+
+class ReformWorkers:
+    """The nodes of one re-form job, spread over ``procs`` forked worker processes."""
+
+    def __init__(self, job: SimJob, procs: int, nodes: int) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        self.job = job  # this process's view: keys, observers; it runs no node
+        sizes = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
+        self.firsts = [sum(sizes[:i]) for i in range(procs)]
+        self.sizes = sizes
+        self.workers: list[tuple[Any, Any]] = []
+        args = (job.run_id, job.settings, job.make_store, job.leases)
+        for first in self.firsts:
+            parent, child = context.Pipe()
+            proc = context.Process(target=reform_worker, args=(child, args, first), daemon=True)
+            proc.start()
+            child.close()
+            self.workers.append((proc, parent))
+
+    def ask(self, command: str, arg: Any = None, only: int | None = None) -> list[Any]:
+        """Send ``command`` to every worker (or worker ``only``); their replies."""
+        chosen = self.workers if only is None else [self.workers[only]]
+        for _, conn in chosen:
+            conn.send((command, arg))
+        replies = [conn.recv() for _, conn in chosen]
+        for reply in replies:
+            if isinstance(reply, str):
+                raise BenchError(f"a worker process failed: {reply}")
+        return replies
+
+    def owner(self, index: int) -> int:
+        return max(w for w, first in enumerate(self.firsts) if first <= index)
+
+    def wait_backs(self, total: int, timeout: float) -> list[str]:
+        """Wait until the nodes returned ``total`` times in all; the errors (a timeout too)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            replies = self.ask("backs")
+            errors = [e for _, errs in replies for e in errs]
+            if errors or sum(n for n, _ in replies) >= total:
+                return errors
+            if time.monotonic() > deadline:
+                return [f"not back within {timeout:g}s"]
+            time.sleep(0.05)
+
+    def views(self) -> list[NodeView]:
+        return [view for views in self.ask("views") for view in views]
+
+    def close(self) -> list[str]:
+        left: list[str] = []
+        with contextlib.suppress(OSError, EOFError, BenchError):
+            self.ask("stop")  # every node stops before any handler shuts down
+        for proc, conn in self.workers:
+            try:
+                conn.send(("close", None))
+                left += conn.recv() if conn.poll(60) else ["(no answer)"]
+            except (OSError, EOFError):
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                left.append(f"worker {proc.pid} killed")
+            conn.close()
+        self.job.close(10.0)
+        return left
+
+
+def reform_run(
+    bench: Bench, on_etcd: bool, event: str, nodes: int, procs: int = SIM_PROCS
+) -> ReformResult:
+    """N nodes (threads of ``procs`` processes) form a round; then one crashes (``lost``), or
+    one more joins (``joined``), and every member that hears of it calls next_rendezvous()
+    again, as the agent does."""
+    store = "etcd" if on_etcd else "c10d"
+    run = f"reform-{event}{nodes}-{uuid.uuid4().hex[:12]}"
+    join_timeout = SIM_JOIN_TIMEOUT[store]
+    settings = reform_settings(event, nodes, join_timeout)
+    detection = 0.0
+    if event == "lost":  # the handler's own bound: its lease granularity included on etcd
+        from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+        from relaunch.store import MemoryStore
+
+        memory = MemoryStore()
+        probe = DynamicRendezvousHandler(
+            run, memory, settings, 1, "127.0.0.1", memory, leases=on_etcd
+        )
+        detection = probe.lost_node_grace
+    with sim_store(bench, on_etcd, run, counted=False) as (make_store, _):
+        job = SimJob(run, settings, make_store, on_etcd, SIM_LOCAL_WORLD_SIZE)
+        workers = ReformWorkers(job, max(1, min(procs, nodes)), nodes)
+        try:
+            for w, size in enumerate(workers.sizes):
+                workers.ask("add", size, only=w)
+            started = time.perf_counter()
+            workers.ask("go", time.perf_counter() + 0.05)
+            errors = workers.wait_backs(nodes, join_timeout)
+            views = workers.views()
+            formed_s = max((v.backs[0].at for v in views if v.backs), default=started) - started
+            problems = errors or check_world(
+                [v.backs[0].info for v in views], nodes, SIM_LOCAL_WORLD_SIZE
+            )
+            if problems:
+                return ReformResult(store, event, nodes, detection, None, None, problems)
+            log(f"    first round of {nodes} back in {formed_s:.2f} s (connections included)")
+            wanted = {v.index: len(v.backs) + 1 for v in views}
+            seen = job.observe_changed(job.current_round(), detection + REFORM_TIMEOUT_S)
+            if event == "lost":
+                victim = next(v for v in views if v.backs[0].info.group_rank == nodes // 2)
+                if not wait_beating(job, victim, 60.0):
+                    return ReformResult(
+                        store, event, nodes, detection, formed_s, None, ["no heartbeat"]
+                    )
+                (t0,) = workers.ask("kill", victim.index, only=workers.owner(victim.index))
+                del wanted[victim.index]
+                errors = workers.wait_backs(nodes + nodes - 1, detection + REFORM_TIMEOUT_S)
+            else:  # the last worker's next node: numbered N
+                late, last = nodes, len(workers.workers) - 1
+                workers.ask("add", 1, only=last)
+                workers.ask("go", 0.0, only=last)
+                wanted[late] = 1
+                errors = workers.wait_backs(nodes + nodes + 1, REFORM_TIMEOUT_S)
+            if errors:
+                log(f"    {len(errors)} error(s), the first: {errors[0]}")
+            views = workers.views()
+            members = [v for v in views if v.index in wanted]
+            if event == "joined":
+                t0 = next(v for v in views if v.index == late).called[0]
+            reform = summarize(event, t0, members, wanted, seen, errors, SIM_LOCAL_WORLD_SIZE)
+            return ReformResult(store, event, nodes, detection, formed_s, reform, reform.problems)
+        finally:
+            left = workers.close()
+            if left:
+                log(f"    left running after the job closed: {sorted(set(left))[:5]}")
+
+
+def reform_budget(res: ReformResult) -> float:
+    """Event -> every member back: the keep-alive detection plus REFORM_ROUND_S."""
+    return res.detection_s + REFORM_ROUND_S
+
+
+def bench_reform(bench: Bench, sizes: Sequence[int], procs: int = SIM_PROCS) -> list[Check]:
+    soft, hard = raise_nofile()
+    stores = [b for b in BACKENDS if b in bench.backends]
+    log(
+        f"[4/4] re-forming: N in {tuple(sizes)} nodes as threads ({', '.join(stores)}), one"
+        f" crashed, then one joining (RLIMIT_NOFILE {soft}/{hard})"
+    )
+    results: list[ReformResult] = []
+    errors: list[str] = []
+    with simulation():
+        for store in stores:
+            if store == "etcd" and bench.etcd.unavailable is not None:
+                errors.append(f"etcd: {bench.etcd.unavailable}")
+                continue
+            for nodes in sizes:
+                if 3 * nodes + 256 > soft:
+                    errors.append(f"RLIMIT_NOFILE {soft} is too low for {nodes} nodes")
+                    continue
+                for event in ("lost", "joined"):
+                    log(f"  {store}, N={nodes}: one node {event}")
+                    try:
+                        res = reform_run(bench, store == "etcd", event, nodes, procs)
+                    except Exception as exc:  # a failure of relaunch: report it
+                        errors.append(f"{store}, N={nodes}, {event}: {type(exc).__name__}: {exc}")
+                        log(f"    {errors[-1]}")
+                        continue
+                    results.append(res)
+                    r = res.reform
+                    log(
+                        f"    all back {fmt(r.all_back if r else None, '.2f')} s after the"
+                        f" {'crash' if event == 'lost' else 'call'}; {res.problems or 'valid'}"
+                    )
+
+    print(
+        f"\n4. Re-forming at scale: N nodes as threads of {procs} forked processes (each a"
+        " DynamicRendezvousHandler with its"
+        f"\n   rendezvous, heartbeat and watch stores, leases on etcd), keep_alive_interval"
+        f" {REFORM_INTERVAL_S:g} s,\n   keep_alive_max_attempt {REFORM_MAX_ATTEMPT},"
+        f" local_world_size {SIM_LOCAL_WORLD_SIZE}. lost: min N-1, max N; the node of group"
+        " rank N/2\n   crashes"
+        " (its stores fail every call from then on: no clean-up, no lease revoked), and its"
+        "\n   ring neighbour must see its heartbeat stop. joined: min N, max N+1; one more node"
+        " calls\n   next_rendezvous(). Every member hearing of the change (its change listener)"
+        " calls next_rendezvous()\n   again, as the agent does. Seconds since the crash (the"
+        " new node's call): changed = the round's\n   `changed` record seen written (by a"
+        " watcher of our own), notified = a member's listener called,\n   all back = the last"
+        " member's next_rendezvous() returned with the new world. Budget: detection\n   (the"
+        " handler's lost_node_grace: interval * max_attempt + one beat, on etcd rounded up to"
+        " the lease's\n   whole seconds + 1 s; 0 for a join) + 2 s. Worker restart is not"
+        " simulated: measurement 2 (death)\n   times it with real agents, SIGKILL -> the"
+        f" survivor's worker running again.\n   {SIM_SWITCH_NOTE}\n"
+    )
+    print(
+        "| N | backend | event | detection bound | changed | first notified | last notified"
+        " | all back | budget | round (all back - changed) |"
+    )
+    print("|--:|---|---|--:|--:|--:|--:|--:|---|--:|")
+    checks: list[Check] = []
+    for res in results:
+        r = res.reform
+        budget = reform_budget(res)
+        back = r.all_back if r else None
+        ok = None if back is None else back <= budget and not res.problems
+        round_s = back - r.changed if r and back is not None and r.changed is not None else None
+        label = f"1 of {res.nodes} lost" if res.event == "lost" else f"1 joins {res.nodes}"
+        print(
+            f"| {res.nodes:,} | {res.store} | {label} | {res.detection_s:.1f}"
+            f" | {fmt(r.changed if r else None, '.2f')}"
+            f" | {fmt(r.first_notified if r else None, '.2f')}"
+            f" | {fmt(r.last_notified if r else None, '.2f')}"
+            f" | {fmt(back, '.2f')} | <= {budget:g} s {verdict(ok)} | {fmt(round_s, '.2f')} |"
+        )
+        checks.append(
+            Check(
+                f"{label} -> all back ({res.store})",
+                f"{fmt(back, '.2f')} s",
+                f"<= {res.detection_s:g} + {REFORM_ROUND_S:g} s",
+                ok,
+            )
+        )
+        if res.event == "lost":
+            checks.append(
+                Check(
+                    f"{label}: changed written -> all back ({res.store})",
+                    f"{fmt(round_s, '.2f')} s",
+                    f"<= {REFORM_ROUND_S:g} s",
+                    None if round_s is None else round_s <= REFORM_ROUND_S,
+                )
+            )
+        for problem in res.problems[:10]:
+            print(f"  {res.store}, {label}: INVALID: {problem}")
+    for error in errors:
+        print(f"  not measured: {error}")
+        checks.append(Check(f"re-forming: {error}"[:90], "-", "-", None))
     return checks
 
 
@@ -1189,7 +1841,8 @@ QUICK = {
     "join_nodes": (2, 4),
     "sim_nodes": (64, 256),
     "stagger_nodes": (16, 64),
-    "etcd_sim_nodes": (64,),
+    "etcd_sim_nodes": (64, 256),
+    "reform_nodes": (64,),
 }
 
 
@@ -1209,7 +1862,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--etcd-sim-reps",
         type=int,
         default=1,
-        help="repetitions per N of 3 on etcd (1024 nodes take minutes there)",
+        help="repetitions per N of 3 on etcd",
     )
     parser.add_argument(
         "--etcd-sim-nodes",
@@ -1220,7 +1873,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=("join", "death", "sim"),
+        choices=("join", "death", "sim", "reform"),
         help="run only these measurements (repeatable)",
     )
     parser.add_argument(
@@ -1234,7 +1887,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--join-nodes", type=node_list, default=JOIN_NODES, help="K of 1 (default: 2,4,8)"
     )
     parser.add_argument(
-        "--sim-nodes", type=node_list, default=SIM_NODES, help="N of 3, at once (default: 256,1024)"
+        "--sim-nodes",
+        type=node_list,
+        default=",".join(map(str, SIM_NODES)),
+        help="N of 3 on c10d, at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sim-procs",
+        type=int,
+        default=SIM_PROCS,
+        help="spread the nodes of 3 (at once) over this many processes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--reform-nodes",
+        type=node_list,
+        default=",".join(map(str, REFORM_NODES)),
+        help="N of 4, re-forming (default: %(default)s)",
     )
     parser.add_argument(
         "--stagger-nodes",
@@ -1248,7 +1916,7 @@ def run(ctx: harness.Context) -> list[Check]:
     global JOIN_NODES, SIM_NODES, STAGGER_NODES
     opts = ctx.opts
     JOIN_NODES, SIM_NODES, STAGGER_NODES = opts.join_nodes, opts.sim_nodes, opts.stagger_nodes
-    only = set(opts.only or ("join", "death", "sim"))
+    only = set(opts.only or ("join", "death", "sim", "reform"))
     checks: list[Check] = []
     relaunch, torchrun = ctx.launchers(Launcher)
     if "c10d" not in opts.backends:
@@ -1272,7 +1940,11 @@ def run(ctx: harness.Context) -> list[Check]:
         if "death" in only:
             checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
         if "sim" in only:
-            checks += bench_sim(bench, opts.sim_reps, opts.etcd_sim_reps, opts.etcd_sim_nodes)
+            checks += bench_sim(
+                bench, opts.sim_reps, opts.etcd_sim_reps, opts.etcd_sim_nodes, opts.sim_procs
+            )
+        if "reform" in only:
+            checks += bench_reform(bench, opts.reform_nodes, opts.sim_procs)
         bench.collect(RELAUNCH)
     finally:
         checks += stop_etcd(bench)
