@@ -72,6 +72,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._ticket = 0
         self._final: plan.Final | None = None
         self._change: MembershipChange | None = None
+        self._change_recorded = False  # whether ``_change`` came from the round's record
         self._change_lock = threading.Lock()  # guards _change, _listener, and _round's update
         self._changed = threading.Event()
         self._listener: Callable[[], None] | None = None
@@ -122,7 +123,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         round_, ticket, through, final = self._rounds.join(self._local_world_size)
         with self._change_lock:
             self._round, self._ticket, self._final = round_, ticket, final
-            self._change = None
+            self._change, self._change_recorded = None, False
             self._changed.clear()
         group_rank, offset = plan.assign(ticket, through, self._local_world_size)
         self._start_watching()
@@ -307,6 +308,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             change = self._change or MembershipChange.restarting(self._restart_reason)
             spending, self._spending = self._spending and own, False
             self._restart_reason = ""
+            if self._change_recorded:
+                return  # the round's record says it already: O(1) requests for the followers
         if self._rounds.is_closed():
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
         waiting = self.num_nodes_waiting()
@@ -329,7 +332,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._hb_store,
             self._watch_store,
             self._lease,
-            lambda change: self._flag(round_, change),
+            lambda change, recorded: self._flag(round_, change, recorded),
             lambda: self._answers.mark("here", round_),
         )
         self._watch.start()
@@ -339,15 +342,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._watch.stop()
             self._watch = None
 
-    def _flag(self, round_: int, change: MembershipChange) -> None:
-        """Note ``change`` to round ``round_`` (the first one stands) and tell the listener; a
+    def _flag(self, round_: int, change: MembershipChange, recorded: bool) -> None:
+        """Note ``change`` to round ``round_`` (the first one stands; ``recorded``: read from
+        the round's ``changed`` record, so nobody needs to write it) and tell the listener; a
         late word about a round this node has already left is dropped."""
         with self._change_lock:
             if round_ != self._round:
                 return
             first = self._change is None
             if first:
-                self._change = change
+                self._change, self._change_recorded = change, recorded
             self._changed.set()
             listener = self._listener
         if first and listener is not None:

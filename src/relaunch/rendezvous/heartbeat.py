@@ -42,7 +42,7 @@ class RoundWatch:
         store: Store,
         watch_store: Store | None,
         lease: NodeLease | None,
-        flag: Callable[[MembershipChange], None],
+        flag: Callable[[MembershipChange, bool], None],
         answer: Callable[[], None] | None = None,
     ) -> None:
         self._key = round_key
@@ -87,11 +87,11 @@ class RoundWatch:
                 if record is None or record == CALL:
                     record = store.get(self._key("changed")).value
                 if record is not None:
-                    self._flag(decode_change(record)[0])
+                    self._flag(decode_change(record)[0], True)
                     return
         except StoreError as exc:
             if not stop.is_set():
-                self._flag(MembershipChange.store_lost(exc))
+                self._flag(MembershipChange.store_lost(exc), False)
 
     def _answer_call(self, store: Store, called: bool) -> None:
         """Answer the round's roll call once, if it was called (``called``: the bell said so)."""
@@ -117,19 +117,20 @@ class RoundWatch:
                     self._answer_call(store, called=False)
                     changed = store.get(self._key("changed")).value
                     if changed is not None:
-                        self._flag(decode_change(changed)[0])
+                        self._flag(decode_change(changed)[0], True)
                 if neighbour is not None:
                     lost = pulse.lost(self._key(f"hb/{neighbour}"), time.monotonic())
                     if lost:
                         self._flag(
-                            MembershipChange.member_lost(neighbour - 1, lost, self._ticket - 1)
+                            MembershipChange.member_lost(neighbour - 1, lost, self._ticket - 1),
+                            False,
                         )
                 if stop.wait(settings.keep_alive_interval):
                     pulse.end()
                     return
         except StoreError as exc:
             if not stop.is_set():
-                self._flag(MembershipChange.store_lost(exc))
+                self._flag(MembershipChange.store_lost(exc), False)
 
 
 class CounterPulse:
@@ -165,17 +166,24 @@ class NodeLease:
     def __init__(self, store: EtcdStore, ttl: float) -> None:
         self._store, self._ttl = store, ttl
         self.id: int | None = None
+        self._renewed_at = 0.0  # time.monotonic() of the last grant or renewal
 
     def renew(self) -> bool:
         """Keep the lease alive; False when there is none, or it expired (its keys are gone)."""
         if self.id is not None and self._store.keep_alive(self.id):
+            self._renewed_at = time.monotonic()
             return True
         self.id = None
         return False
 
+    def fresh(self) -> bool:
+        """Whether the lease surely lives: renewed within half its time to live."""
+        return self.id is not None and time.monotonic() - self._renewed_at < self._ttl / 2
+
     def grant(self) -> int:
         if self.id is None:
             self.id = self._store.grant_lease(self._ttl)
+            self._renewed_at = time.monotonic()
         return self.id
 
     def revoke(self) -> None:
@@ -200,13 +208,17 @@ class LeasePulse:
         self._seen: set[str] = set()
 
     def beat(self, key: str) -> None:
-        # Renew first: between rounds nobody renews it, and a long re-form outlives it.
-        if self._lease.renew() and self._held == key:
-            return
+        if self._held == key:
+            if self._lease.renew():
+                return
+        elif not self._lease.fresh():  # a re-form may have outlived it: nobody renews between
+            self._lease.renew()
         self._store.set(key, b"", lease=self._lease.grant())
         self._held = key
 
     def lost(self, key: str, now: float) -> str | None:
+        if not self._seen and now - self._started < self._settings.keep_alive_interval:
+            return None  # the first beat: the neighbour may not have beaten yet
         if self._store.get(key).value is not None:
             self._seen.add(key)
             return None

@@ -3,7 +3,8 @@
 The I/O that carries out ``core.rendezvous``'s decisions; the handler in ``dynamic`` drives it.
 Keys, under ``relaunch/{run_id}/``::
 
-    round                   the round nodes join now
+    round                   the round nodes join now: its lead writes it on completing it,
+                            a node too late for it moves it on
     closed                  set once the job finished: late nodes exit cleanly (on etcd the
                             job's other keys are deleted then, and this one lives on a lease)
     r{n}/...                who joined, per store (``roster``): a join counter on the built-in
@@ -221,7 +222,11 @@ class Rounds:
         }
         if runs:
             record["runs"] = runs
-        self._store.compare_set(self.key("final", round_), 0, json.dumps(record).encode())
+        if self._store.compare_set(
+            self.key("final", round_), 0, json.dumps(record).encode()
+        ).succeeded:
+            # Where nodes that come now start (members move on by themselves).
+            self._store.set(self.key("round"), str(round_).encode())
 
     def supersede(self, round_: int, change: MembershipChange, expected: int) -> bool:
         """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes; its
