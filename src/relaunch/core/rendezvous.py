@@ -77,13 +77,15 @@ Run = tuple[int, int, int]
 @dataclass(frozen=True)
 class Final:
     """A completed round: who is in it and where the workers' master is. ``runs`` places the
-    members by the create revisions of their join keys (etcd); empty, the tickets do."""
+    members by the create revisions of their join keys (etcd); empty, the tickets do.
+    ``version``: the store's version of the record (what the round's later keys come after)."""
 
     count: int
     world_size: int
     master_addr: str
     master_port: int
     runs: tuple[Run, ...] = ()
+    version: int = 0
 
 
 def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:

@@ -334,6 +334,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._lease,
             lambda change, recorded: self._flag(round_, change, recorded),
             lambda: self._answers.mark("here", round_),
+            since=self._final.version,  # the bell is rung after the final record, never before
         )
         self._watch.start()
 

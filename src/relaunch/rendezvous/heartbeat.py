@@ -18,7 +18,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change
 from relaunch.rendezvous.rollcall import CALL
 from relaunch.runtime import start_thread
-from relaunch.store.api import Store, StoreError
+from relaunch.store.api import Store, StoreError, Versioned
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
@@ -44,6 +44,7 @@ class RoundWatch:
         lease: NodeLease | None,
         flag: Callable[[MembershipChange, bool], None],
         answer: Callable[[], None] | None = None,
+        since: int = 0,
     ) -> None:
         self._key = round_key
         self._ticket, self._count = ticket, count
@@ -51,6 +52,7 @@ class RoundWatch:
         self._store, self._watch_store = store, watch_store
         self._flag = flag
         self._answer = answer
+        self._since = since  # a version of the store at which the round's bell did not exist
         self._lease = lease
         self._answered = False
         self._stop = threading.Event()
@@ -75,12 +77,15 @@ class RoundWatch:
         store = self._watch_store
         assert store is not None
         bell, stop, version = self._key("bell"), self._stop, 0
+        interval = self._settings.keep_alive_interval
         try:
+            if self._lease is not None and self._since:  # etcd: no read before the first watch
+                first = cast("EtcdStore", store).await_put(bell, self._since, interval)
+                rung = first or Versioned(None, 0)
+            else:
+                rung = store.watch(bell, version, interval)
             while not stop.is_set():
-                rung = store.watch(bell, version, self._settings.keep_alive_interval)
                 version = rung.version
-                if stop.is_set():
-                    return
                 if rung.value == CALL:
                     self._answer_call(store, called=True)
                 record = rung.value
@@ -89,6 +94,7 @@ class RoundWatch:
                 if record is not None:
                     self._flag(decode_change(record)[0], True)
                     return
+                rung = store.watch(bell, version, interval)
         except StoreError as exc:
             if not stop.is_set():
                 self._flag(MembershipChange.store_lost(exc), False)

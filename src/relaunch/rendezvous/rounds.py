@@ -32,7 +32,7 @@ from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
 from relaunch.rendezvous.roster import Roster, roster_for
-from relaunch.store.api import Store, StoreTimeout
+from relaunch.store.api import Store, StoreTimeout, Versioned
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,10 @@ class Rounds:
         return int(value) if value else 0
 
     def _final_of(self, round_: int) -> plan.Final | None:
-        return self._parse_final(self._store.get(self.key("final", round_)).value)
+        return self._parse_final(self._store.get(self.key("final", round_)))
 
-    def _parse_final(self, value: bytes | None) -> plan.Final | None:
+    def _parse_final(self, record: Versioned) -> plan.Final | None:
+        value = record.value
         if value is None:
             return None
         if value == CLOSED:
@@ -119,6 +120,7 @@ class Rounds:
             data["master_addr"],
             data["master_port"],
             tuple((int(a), int(b), int(c)) for a, b, c in data.get("runs", ())),
+            record.version,
         )
 
     def _advance_round(self, round_: int) -> int:
