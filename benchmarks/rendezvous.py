@@ -123,7 +123,9 @@ PREFIX_OPS = (
 LEASE_OPS = ("grant_lease", "keep_alive", "revoke_lease")  # EtcdStore's, for the heartbeats
 LINE_TIMEOUT_S = 60.0  # give up on launchers that print nothing for this long
 REFORM_NODES = (1024,)
-REFORM_INTERVAL_S = 5.0  # the default keep-alive: dead after 5 s * 3 (1 s * 3 on this 2-core VM made etcd itself, sharing the cores with 1,024 nodes, let live leases expire)
+# The default keep-alive, dead after 5 s * 3: with 1 s * 3, etcd, sharing this VM's two cores
+# with 1,024 simulated nodes, let live leases expire.
+REFORM_INTERVAL_S = 5.0
 REFORM_MAX_ATTEMPT = 3
 REFORM_ROUND_S = 2.0  # beyond the keep-alive detection: every member back (issue 14)
 REFORM_TIMEOUT_S = 120.0  # how long a re-forming may take before it counts as failed
