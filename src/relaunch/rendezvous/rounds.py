@@ -100,10 +100,6 @@ class Rounds:
         """Nodes that joined the round after ``round_``."""
         return self.roster.joined(round_ + 1)
 
-    def _get_int(self, key: str) -> int:
-        value = self._store.get(key).value
-        return int(value) if value else 0
-
     def _final_of(self, round_: int) -> plan.Final | None:
         return self._parse_final(self._store.get(self.key("final", round_)))
 
