@@ -47,6 +47,7 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, fmt, log, median, verdict
 from relaunch.endpoints import find_free_port
+from relaunch.runtime import raise_open_file_limit
 from relaunch.store import Store
 from tests.support.simnodes import (
     Back,
@@ -107,12 +108,12 @@ SIM_OPS_RATIO = 1.25  # ops per node at 1024 <= this * ops at 256 + SIM_OPS_SLAC
 SIM_OPS_SLACK = 2
 STAGGER_NODES = (64, 256)  # the same, with the nodes joining one after another
 STAGGER_S = 0.005
-#: On etcd a round of 1024 takes minutes (see the README): nodes must not give up after 60 s.
+#: How long a simulated node waits for its round before it gives up (a stalled round fails).
 SIM_JOIN_TIMEOUT = {"c10d": 120.0, "etcd": 600.0}
 ETCD_SIM_NODES = SIM_NODES
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
-#: EtcdStore's operations on keys under a prefix (joins and tallies on etcd)
-PREFIX_OPS = (
+#: EtcdStore's own operations: transactions, watches from a revision, keys under a prefix
+ETCD_OPS = (
     "txn",
     "await_put",
     "count_prefix",
@@ -670,7 +671,7 @@ class CountingStore:
 
     def __init__(self, inner: Store) -> None:
         self._inner: Any = inner  # a TcpStore, or an EtcdStore with leases and ``requests``
-        self.counts = dict.fromkeys(SIM_OPS + LEASE_OPS + PREFIX_OPS, 0)
+        self.counts = dict.fromkeys(SIM_OPS + LEASE_OPS + ETCD_OPS, 0)
         self.joined_at: float | None = None  # perf_counter() when the first add() returned
         self.cas_tries: list[int] = []  # etcd: transactions per add()
 
@@ -809,11 +810,8 @@ class SimRun:
 
 
 def raise_nofile() -> tuple[int, int]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)
+    """The open-file limit raised as far as the hard limit allows: ``(soft, hard)``."""
+    return raise_open_file_limit(sys.maxsize)
 
 
 @contextlib.contextmanager
@@ -833,11 +831,9 @@ def simulation() -> Iterator[None]:
 #: The built-in store's server as a process of its own, so that its CPU is measured apart from
 #: the simulated nodes': it prints its port, and serves until its stdin closes.
 SERVER_SCRIPT = """
-import resource, sys
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+import sys
 from relaunch.store import TcpStoreServer
-server = TcpStoreServer(port=0).start()
+server = TcpStoreServer(port=0, expected_clients=int(sys.argv[1])).start()
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop()
@@ -848,7 +844,7 @@ server.stop()
 def store_server(bench: Bench) -> Iterator[tuple[int, int]]:
     """A TcpStoreServer in a process of its own: ``(port, pid)``; stopped after."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER_SCRIPT],
+        [sys.executable, "-c", SERVER_SCRIPT, str(2 * max(SIM_NODES))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=bench.env,
@@ -1167,7 +1163,7 @@ def sim_result(nodes: int, batches: list[Batch], server_cpu_s: float) -> SimRun:
     t0 = min(b.released for b in batches)
     ops = [sum(r.counts.values()) for r in records]
     by_op = {
-        op: statistics.fmean(r.counts.get(op, 0) for r in records) for op in SIM_OPS + PREFIX_OPS
+        op: statistics.fmean(r.counts.get(op, 0) for r in records) for op in SIM_OPS + ETCD_OPS
     }
     worst = max(range(nodes), key=ops.__getitem__)
     result = records[worst].result

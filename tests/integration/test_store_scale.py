@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import LeakCheck, wait_until
 
+from relaunch.runtime import raise_open_file_limit
 from relaunch.store import StoreTimeout, TcpStore, wire
 from relaunch.store.server import OUT_HIGH_WATER, TcpStoreServer
 
@@ -373,12 +374,11 @@ WATCHERS = 128
 def test_4096_clients_at_once_each_set_and_get_and_parked_watchers_wake(
     leaks: LeakCheck, tmp_path: Path
 ) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = CLIENTS + WATCHERS + 512
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < needed:
         pytest.skip(f"the hard open-file limit ({hard}) is below the {needed} this test needs")
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_open_file_limit(needed)
     clients: list[TcpStore] = []
     watchers: list[Raw] = []
     with store_server(leaks, tmp_path) as server:
