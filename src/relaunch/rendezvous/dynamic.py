@@ -53,7 +53,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._store = store
         self._hb_store = heartbeat_store
         self._watch_store = watch_store
-        self._leases = leases
         # On etcd, this node's heartbeat lease, from its first round to its shutdown.
         self._lease = (
             NodeLease(cast("EtcdStore", heartbeat_store), settings.dead_after) if leases else None
@@ -201,7 +200,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # The neighbour's silence counts from its last beat seen, checked once a beat; an etcd
         # lease lasts whole seconds, and etcd looks for expired leases every half second or so.
         settings = self.settings
-        if self._leases:
+        if self._lease is not None:
             return math.ceil(settings.dead_after) + 1.0 + settings.keep_alive_interval
         return settings.dead_after + settings.keep_alive_interval
 
@@ -245,7 +244,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             if self._rounds.is_closed():
                 return  # another node closed it (and cleaned up)
-            if self._leases:
+            if self._lease is not None:
                 self._close_on_etcd(round_)
                 return
             self._store.set(self._key("closed"), b"1")

@@ -132,8 +132,7 @@ class RoundWatch:
                             False,
                         )
                 if stop.wait(settings.keep_alive_interval):
-                    pulse.end()
-                    return
+                    return  # an etcd lease lives on into the next round (the handler revokes it)
         except StoreError as exc:
             if not stop.is_set():
                 self._flag(MembershipChange.store_lost(exc), False)
@@ -159,9 +158,6 @@ class CounterPulse:
         if plan.is_dead(seen_at, now, self._settings):
             return f"no heartbeat for {self._settings.dead_after:g}s"
         return None
-
-    def end(self) -> None:
-        pass
 
 
 class NodeLease:
@@ -233,6 +229,3 @@ class LeasePulse:
         if plan.is_dead(self._started, now, self._settings):
             return f"no heartbeat for {self._settings.dead_after:g}s"
         return None
-
-    def end(self) -> None:
-        """Nothing: the lease lives on into the next round (the handler revokes it)."""
