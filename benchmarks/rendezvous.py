@@ -883,7 +883,7 @@ def sim_store(
 
         def make_etcd_store() -> Any:
             store = etcd_store(endpoints, timeout=60.0)
-            store.get(f"relaunch/{run}/closed")  # connects (create_etcd_handler reads it too)
+            store.get(f"relaunch/{run}/news/closed")  # connects (create_etcd_handler reads it too)
             if counted:
                 store.requests.clear()
             return store

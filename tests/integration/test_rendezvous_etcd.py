@@ -255,7 +255,7 @@ def test_a_finished_job_leaves_only_what_dismisses_late_nodes_on_a_lease(
         out, err = node.communicate(timeout=60)
         assert node.returncode == 0 and lines(out) == ["ran"], err
     keys = job_keys(etcd, run_id)
-    closing = {f"relaunch/{run_id}/closed", f"relaunch/{run_id}/r1/final"}
+    closing = {f"relaunch/{run_id}/news/closed", f"relaunch/{run_id}/news/r1/final"}
     assert set(keys) == closing and all(keys.values()), keys  # they go with the lease
 
 

@@ -231,7 +231,7 @@ class SimJob:
         seen: list[float] = []
         store = self.make_store()
         self._observer_stores.append(store)
-        key = self.key(f"r{round_}/changed")
+        key = self.key(f"news/r{round_}/changed")
 
         def observe() -> None:
             deadline = time.monotonic() + timeout

@@ -263,7 +263,7 @@ def _form(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo]:
 
 
 def _changed(store: MemoryStore, run_id: str, round_: int) -> dict[str, object]:
-    value = store.get(f"relaunch/{run_id}/r{round_}/changed").value
+    value = store.get(f"relaunch/{run_id}/news/r{round_}/changed").value
     assert value is not None
     record: dict[str, object] = json.loads(value)
     return record

@@ -132,7 +132,7 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
         EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
     )
     try:
-        store.get(f"relaunch/{params.run_id}/closed")  # reachable, and the credentials work
+        store.get(f"relaunch/{params.run_id}/news/closed")  # reachable, and the credentials work
     except StoreError as exc:
         raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     if params.local_addr:

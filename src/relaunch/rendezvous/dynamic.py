@@ -25,10 +25,11 @@ from relaunch.rendezvous.heartbeat import NodeLease, RoundWatch
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import new_node_id, roster_for
 from relaunch.rendezvous.rounds import CLOSED, Rounds
-from relaunch.store.api import Store, StoreConnectionError, StoreError
+from relaunch.store.api import Store, StoreConnectionError, StoreError, Watchable
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
+    from relaunch.store.etcd_feed import PrefixFeed
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._local_world_size = local_world_size
         self._backend = backend
         node_id = new_node_id()
-        self._rounds = Rounds(run_id, store, settings, local_addr, node_id, keyed=leases)
+        # On etcd, what every node waits for comes through one watch a node (``etcd_feed``).
+        self._feed: PrefixFeed | None = None
+        if leases:
+            from relaunch.store.etcd_feed import PrefixFeed
+
+            self._feed = PrefixFeed(
+                cast("EtcdStore", watch_store or heartbeat_store),
+                f"relaunch/{run_id}/news/",
+                settings.keep_alive_interval,
+            )
+        self._rounds = Rounds(
+            run_id, store, settings, local_addr, node_id, keyed=leases, news=self._feed
+        )
         self._roster = self._rounds.roster
         self._key = self._rounds.key
+        self._news: Watchable = self._feed or store
         # Roll calls are answered by the thread that watches the round, on its own connection.
         self._answers = roster_for(watch_store or heartbeat_store, self._key, node_id, leases)
         self._on_shutdown = on_shutdown
@@ -111,6 +125,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        if self._feed is not None:
+            self._feed.start()  # before joining: every later write it follows is seen
         try:
             self._leave_round()
         except StoreError as exc:
@@ -124,6 +140,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._round, self._ticket, self._final = round_, ticket, final
             self._change, self._change_recorded = None, False
             self._changed.clear()
+        if self._feed is not None and round_ > 0:
+            self._feed.forget(self._rounds.news_prefix(round_ - 1))
         group_rank, offset = plan.assign(ticket, through, self._local_world_size)
         self._start_watching()
         log.info(
@@ -229,7 +247,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     done = self._roster.await_tally("done", round_, members, min(left, interval))
                     if done >= members:
                         return
-                elif self._store.watch(closed, 0, min(left, interval)).value is not None:
+                elif self._news.watch(closed, 0, min(left, interval)).value is not None:
                     return
         except StoreConnectionError:
             self._finished = True  # the hosting node finished and left: everyone is done
@@ -269,6 +287,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._stop_watching()
+        if self._feed is not None:
+            self._feed.close()
         with self._change_lock:
             ended = self._change is not None and self._change.kind in (
                 ChangeKind.FAILED,
@@ -329,11 +349,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._final.count,
             self.settings,
             self._hb_store,
-            self._watch_store,
+            self._feed or self._watch_store,
             self._lease,
             lambda change, recorded: self._flag(round_, change, recorded),
             lambda: self._answers.mark("here", round_),
-            since=self._final.version,  # the bell is rung after the final record, never before
         )
         self._watch.start()
 

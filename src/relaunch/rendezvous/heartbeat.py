@@ -18,7 +18,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change
 from relaunch.rendezvous.rollcall import CALL
 from relaunch.runtime import start_thread
-from relaunch.store.api import Store, StoreError, Versioned
+from relaunch.store.api import Store, StoreError, Watchable
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
@@ -28,9 +28,10 @@ class RoundWatch:
     """The threads that watch one round for the member holding ``ticket`` of ``count``.
 
     ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). With a ``watch_store``
-    a second thread blocks on the round's bell, so a re-form or a roll call reaches this member
-    at once; without one the heartbeat looks at ``changed`` and ``call`` each beat. ``answer``
-    answers a roll call (once a round).
+    (a store of its own, or on etcd the node's feed of the job's news) a second thread blocks on
+    the round's bell, so a re-form or a roll call reaches this member at once; without one the
+    heartbeat looks at ``changed`` and ``call`` each beat. ``answer`` answers a roll call (once
+    a round).
     """
 
     def __init__(
@@ -40,11 +41,10 @@ class RoundWatch:
         count: int,
         settings: plan.Settings,
         store: Store,
-        watch_store: Store | None,
+        watch_store: Watchable | None,
         lease: NodeLease | None,
         flag: Callable[[MembershipChange, bool], None],
         answer: Callable[[], None] | None = None,
-        since: int = 0,
     ) -> None:
         self._key = round_key
         self._ticket, self._count = ticket, count
@@ -52,7 +52,6 @@ class RoundWatch:
         self._store, self._watch_store = store, watch_store
         self._flag = flag
         self._answer = answer
-        self._since = since  # a version of the store at which the round's bell did not exist
         self._lease = lease
         self._answered = False
         self._stop = threading.Event()
@@ -79,11 +78,7 @@ class RoundWatch:
         bell, stop, version = self._key("bell"), self._stop, 0
         interval = self._settings.keep_alive_interval
         try:
-            if self._lease is not None and self._since:  # etcd: no read before the first watch
-                first = cast("EtcdStore", store).await_put(bell, self._since, interval)
-                rung = first or Versioned(None, 0)
-            else:
-                rung = store.watch(bell, version, interval)
+            rung = store.watch(bell, version, interval)
             while not stop.is_set():
                 version = rung.version
                 if rung.value == CALL:
@@ -99,7 +94,7 @@ class RoundWatch:
             if not stop.is_set():
                 self._flag(MembershipChange.store_lost(exc), False)
 
-    def _answer_call(self, store: Store, called: bool) -> None:
+    def _answer_call(self, store: Watchable, called: bool) -> None:
         """Answer the round's roll call once, if it was called (``called``: the bell said so)."""
         if self._answer is None or self._answered:
             return

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.rendezvous.api import RendezvousError
-from relaunch.store.api import Store, StoreTimeout, Versioned
+from relaunch.store.api import Store, StoreTimeout
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 class Roster(Protocol):
     def join(self, round_: int, local_world_size: int) -> Joined:
         """Join ``round_`` unless it completed already or the job closed: one write."""
-
-    def await_final(self, round_: int, entry: Entry, timeout: float) -> Versioned:
-        """The final record of ``round_`` once written (absent after ``timeout``)."""
 
     def joined(self, round_: int) -> int:
         """How many nodes joined ``round_`` so far."""
@@ -97,9 +94,6 @@ class CounterRoster:
         ticket, through = plan.unpack_join(total)
         store.set(key(f"node/{ticket}", round_), str(through).encode())
         return Joined(Entry(ticket, through, 0, ticket == 1))
-
-    def await_final(self, round_: int, entry: Entry, timeout: float) -> Versioned:
-        return self._store.watch(self._key("final", round_), 0, timeout)
 
     def joined(self, round_: int) -> int:
         value = self._store.get(self._key("joins", round_)).value

@@ -5,7 +5,7 @@ from __future__ import annotations
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.store import etcd
-from relaunch.store.api import StoreProtocolError, Versioned
+from relaunch.store.api import StoreProtocolError
 from relaunch.store.etcd import EtcdStore
 
 
@@ -45,11 +45,6 @@ class KeyRoster:
         if holder.value == node:
             return Joined(Entry(1, local_world_size, joined.create_revision, True))
         return Joined(Entry(None, 0, joined.create_revision, False))
-
-    def await_final(self, round_: int, entry: Entry, timeout: float) -> Versioned:
-        """Follows the final record from this node's join on: no read before the watch."""
-        final = self._store.await_put(self._key("final", round_), entry.revision, timeout)
-        return Versioned(None, 0) if final is None else final
 
     def joined(self, round_: int) -> int:
         return self._store.count_prefix(self._key("join/", round_))[0]

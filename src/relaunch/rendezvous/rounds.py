@@ -5,19 +5,22 @@ Keys, under ``relaunch/{run_id}/``::
 
     round                   the round nodes join now: its lead writes it on completing it,
                             a node too late for it moves it on
-    closed                  set once the job finished: late nodes exit cleanly (on etcd the
-                            job's other keys are deleted then, and this one lives on a lease)
     r{n}/...                who joined, per store (``roster``): a join counter on the built-in
                             store, one key per node on etcd
-    r{n}/final              the completed round: members, world size, master address, and on
-                            etcd the runs of create revisions that place the members
-    r{n}/changed            set when the round must be re-formed: the change (kind, reason)
-                            and the size of the next round (see core.membership)
-    r{n}/bell               rung with each change that stands, and by a roll call: what the
-                            members block on (``rollcall``)
     r{n}/hb/{ticket}        heartbeat of a member: a counter it bumps, or on etcd a key bound
                             to its lease, which etcd deletes when the member stops renewing it
     r{n}/done               members whose workers finished (the exit barrier), a tally
+    news/closed             set once the job finished: late nodes exit cleanly (on etcd the
+                            job's other keys are deleted then, and this one lives on a lease)
+    news/r{n}/final         the completed round: members, world size, master address, and on
+                            etcd the runs of create revisions that place the members
+    news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
+                            and the size of the next round (see core.membership)
+    news/r{n}/bell          rung with each change that stands, and by a roll call: what the
+                            members block on (``rollcall``)
+
+``news/`` holds what every node waits for, and only that: on etcd each node follows it with one
+watch for its whole life (``store.etcd_feed``).
 """
 
 from __future__ import annotations
@@ -32,17 +35,20 @@ from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
 from relaunch.rendezvous.roster import Roster, roster_for
-from relaunch.store.api import Store, StoreTimeout, Versioned
+from relaunch.store.api import Store, StoreTimeout, Versioned, Watchable
 
 log = logging.getLogger(__name__)
 
 #: The final record of the round after the last one, once the job finished.
 CLOSED = b"closed"
+#: The keys every node waits for, kept under ``news/`` (``rollcall``'s ``call`` too).
+NEWS = frozenset({"closed", "final", "changed", "bell", "call"})
 
 
 class Rounds:
     """The rounds of job ``run_id`` on ``store``, seen by node ``node_id`` at ``local_addr``;
-    ``keyed``: count joins as keys (etcd) rather than with counters."""
+    ``keyed``: count joins as keys (etcd) rather than with counters. ``news`` serves the waits
+    for a round's final record (the store itself unless given)."""
 
     def __init__(
         self,
@@ -52,9 +58,11 @@ class Rounds:
         local_addr: str,
         node_id: str,
         keyed: bool = False,
+        news: Watchable | None = None,
     ) -> None:
         self._run_id = run_id
         self._store = store
+        self._news: Watchable = news or store
         self.settings = settings
         self._local_addr = local_addr
         self._prefix = f"relaunch/{run_id}"
@@ -63,9 +71,12 @@ class Rounds:
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key ``name`` of the job, or of its round ``round_``."""
-        if round_ is None:
-            return f"{self._prefix}/{name}"
-        return f"{self._prefix}/r{round_}/{name}"
+        base = self.news_prefix() if name in NEWS else f"{self._prefix}/"
+        return f"{base}{name}" if round_ is None else f"{base}r{round_}/{name}"
+
+    def news_prefix(self, round_: int | None = None) -> str:
+        """Where the keys every node waits for are: the job's, or those of round ``round_``."""
+        return f"{self._prefix}/news/" + ("" if round_ is None else f"r{round_}/")
 
     def is_closed(self) -> bool:
         """Whether the job finished (late nodes then exit rather than wait)."""
@@ -188,7 +199,7 @@ class Rounds:
             timeout = max(0.0, decision.deadline - time.monotonic())
             # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
             if not entry.lead:
-                final = self._parse_final(self.roster.await_final(round_, entry, timeout))
+                final = self._parse_final(self._news.watch(self.key("final", round_), 0, timeout))
                 continue
             # Look at the joins again now and then: on the built-in store, a node that took a
             # ticket but died before registering never writes the key awaited here.

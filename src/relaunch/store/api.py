@@ -53,6 +53,16 @@ class CasResult(NamedTuple):
     current: Versioned
 
 
+class Watchable(Protocol):
+    """What waiting on keys takes: a ``Store``, or etcd's feed of a prefix (``etcd_feed``)."""
+
+    def get(self, key: str) -> Versioned:
+        """The value and version of ``key`` (``Versioned(None, 0)`` when absent)."""
+
+    def watch(self, key: str, version: int, timeout: float) -> Versioned:
+        """Return ``key`` once its version differs from ``version``, or as it is at the timeout."""
+
+
 class Store(Protocol):
     """A small key-value store with versions, counters and waits, shared by a job's agents."""
 

@@ -35,10 +35,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch.store import http1
 from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
 from relaunch.store.etcd_gateway import Endpoint, Gateway, parse_endpoints
 
-__all__ = ["Endpoint", "EtcdStore", "KeyValue", "TxnReply", "parse_endpoints"]
+__all__ = [
+    "Endpoint",
+    "EtcdStore",
+    "KeyValue",
+    "TxnReply",
+    "WatchStream",
+    "parse_endpoints",
+    "prefix_end",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +72,7 @@ def _first_kv(range_response: dict[str, Any]) -> dict[str, Any] | None:
     return kvs[0] if kvs else None
 
 
-def _prefix_end(prefix: str) -> str:
+def prefix_end(prefix: str) -> str:
     """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
     raw = bytearray(prefix.encode())
     while raw and raw[-1] == 0xFF:
@@ -127,6 +136,55 @@ def txn_op(
     return {"request_txn": {"compare": compare, "success": success, "failure": failure or []}}
 
 
+class WatchStream:
+    """One streaming watch, open on a connection of its own (``EtcdStore.open_watch``)."""
+
+    def __init__(
+        self, store: EtcdStore, conn: http1.Connection, response: http1.Response, endpoint: Endpoint
+    ) -> None:
+        self._store, self._conn, self._response = store, conn, response
+        self._endpoint = endpoint
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The member the stream is on."""
+        return self._endpoint
+
+    def results(self) -> Iterator[dict[str, Any] | None]:
+        """The stream's results (the first says it was created), and None each time a read
+        waited the connection's timeout in vain. The iteration ends when the stream breaks,
+        is cancelled or falls behind a compaction (``compacted``); a member that died under it
+        is left for another (``EtcdStore.open_watch``)."""
+        self.compacted = False
+        response = self._response
+        try:
+            while True:
+                try:
+                    line = response.readline()
+                except TimeoutError:
+                    yield None
+                    continue
+                if not line:
+                    return  # the member closed the stream
+                result = json.loads(line).get("result")
+                if result is None or result.get("canceled"):
+                    return
+                if int(result.get("compact_revision", 0)):
+                    self.compacted = True
+                    return
+                yield result
+        except (OSError, ValueError):
+            if not self._conn.interrupted:
+                self._store._member_failed(self._endpoint)
+
+    def interrupt(self) -> None:
+        """Wake a thread reading the stream (from another thread): its ``results`` end."""
+        self._conn.interrupt()
+
+    def close(self) -> None:
+        self._conn.close()
+
+
 class EtcdStore:
     """A ``Store`` on the etcd cluster at ``endpoints`` (``"h1:2379,h2:2379"`` or a list).
 
@@ -163,6 +221,11 @@ class EtcdStore:
     def describe(self) -> str:
         """The endpoints, as a person would write them."""
         return self._gateway.describe()
+
+    @property
+    def member(self) -> Endpoint:
+        """The member requests go to now."""
+        return self._gateway.current
 
     # -- Store ----------------------------------------------------------------------------------
 
@@ -262,13 +325,33 @@ class EtcdStore:
         """The events of a streaming watch on ``key`` (or on every key up to ``range_end``)
         from ``start_revision`` on. The iteration ends when the time runs out or the stream
         breaks; the caller then reads again (on another member, if this one died)."""
+        stream = self.open_watch(key, range_end, start_revision, timeout)
+        if stream is None:
+            return
+        try:
+            for result in stream.results():
+                if result is None:
+                    return  # the time ran out
+                yield from result.get("events", ())
+        finally:
+            stream.close()
+
+    def open_watch(
+        self, key: str, range_end: str | None, start_revision: int, timeout: float
+    ) -> WatchStream | None:
+        """Start a streaming watch on ``key`` (or on every key up to ``range_end``) from
+        ``start_revision`` on (0: from now), on a connection of its own whose reads wait up to
+        ``timeout``; None when the member refused it or could not be reached (the next call
+        goes to another member)."""
         gateway = self._gateway
         with self._lock:
             endpoint = gateway.current
             if gateway.needs_token:
                 gateway.call("/v3/kv/range", {"key": _key_b64(key)})  # authenticates
         conn = gateway.connection(endpoint, timeout)
-        request: dict[str, Any] = {"key": _key_b64(key), "start_revision": str(start_revision)}
+        request: dict[str, Any] = {"key": _key_b64(key)}
+        if start_revision:
+            request["start_revision"] = str(start_revision)
         if range_end is not None:
             request["range_end"] = range_end
         try:
@@ -278,27 +361,22 @@ class EtcdStore:
                 if response.status == 401:
                     with self._lock:
                         gateway.forget_token()
-                return
-            while True:
-                line = response.readline()
-                if not line:
-                    return  # the member closed the stream
-                result = json.loads(line).get("result")
-                if (
-                    result is None
-                    or int(result.get("compact_revision", 0))
-                    or result.get("canceled")
-                ):
-                    return
-                yield from result.get("events", ())
-        except TimeoutError:
-            pass
-        except (OSError, ValueError):
-            with self._lock:
-                if gateway.current == endpoint:
-                    gateway.rotate()  # the member died under the stream: read elsewhere
-        finally:
+                conn.close()
+                return None
+        except TimeoutError:  # the caller's time ran out
             conn.close()
+            return None
+        except (OSError, ValueError):
+            conn.close()
+            self._member_failed(endpoint)
+            return None
+        return WatchStream(self, conn, response, endpoint)
+
+    def _member_failed(self, endpoint: Endpoint) -> None:
+        """A stream to ``endpoint`` broke: the next request goes to another member."""
+        with self._lock:
+            if self._gateway.current == endpoint:
+                self._gateway.rotate()
 
     # -- keys under a prefix: what many nodes count ------------------------------------------
 
@@ -345,7 +423,7 @@ class EtcdStore:
 
     def count_prefix(self, prefix: str) -> tuple[int, int]:
         """How many keys start with ``prefix``, and the cluster revision of that count."""
-        body = {"key": _key_b64(prefix), "range_end": _prefix_end(prefix), "count_only": True}
+        body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix), "count_only": True}
         with self._lock:
             reply = self._gateway.call("/v3/kv/range", body)
         return int(reply.get("count", 0)), int(reply["header"]["revision"])
@@ -355,7 +433,7 @@ class EtcdStore:
         ``(key, value, create revision)`` each."""
         body = {
             "key": _key_b64(prefix),
-            "range_end": _prefix_end(prefix),
+            "range_end": prefix_end(prefix),
             "sort_target": "CREATE",
             "sort_order": "ASCEND",
             "limit": str(limit),
@@ -371,9 +449,17 @@ class EtcdStore:
             for kv in reply.get("kvs", ())
         ]
 
+    def read_prefix(self, prefix: str) -> tuple[dict[str, Versioned], int]:
+        """Every key under ``prefix``, and the cluster revision they were read at."""
+        body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix)}
+        with self._lock:
+            reply = self._gateway.call("/v3/kv/range", body)
+        keys = {KeyValue.of(kv).key: _versioned(kv) for kv in reply.get("kvs", ())}
+        return keys, int(reply["header"]["revision"])
+
     def delete_prefix(self, prefix: str) -> int:
         """Remove every key under ``prefix``; how many there were."""
-        body = {"key": _key_b64(prefix), "range_end": _prefix_end(prefix)}
+        body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix)}
         with self._lock:
             reply = self._gateway.call("/v3/kv/deleterange", body)
         self._counters = {k: v for k, v in self._counters.items() if not k.startswith(prefix)}
@@ -395,7 +481,7 @@ class EtcdStore:
     ) -> None:
         """Follow creations and deletions under ``prefix`` from ``start_revision`` until the
         count reaches ``at_least``, the time runs out or the stream breaks."""
-        for event in self._events(prefix, _prefix_end(prefix), start_revision, timeout):
+        for event in self._events(prefix, prefix_end(prefix), start_revision, timeout):
             if event.get("type") == "DELETE":
                 count -= 1
             elif event["kv"].get("version") == "1":  # created, not overwritten

@@ -115,6 +115,7 @@ class Connection:
         self._timeout = timeout
         self._sock: socket.socket | None = None
         self.file: io.BufferedReader | None = None  # while open
+        self.interrupted = False  # by ``interrupt``
         self._host_header = f"Host: {host}:{port}\r\n".encode()
 
     @property
@@ -146,6 +147,17 @@ class Connection:
         except BaseException:
             self.close()
             raise
+
+    def interrupt(self) -> None:
+        """Wake a thread blocked reading this connection, from another thread: its read ends
+        as if the server had closed the connection (the reading thread still closes it)."""
+        self.interrupted = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
 
     def close(self) -> None:
         if self._sock is not None:

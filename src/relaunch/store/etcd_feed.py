@@ -1,0 +1,172 @@
+"""What a node follows on etcd: one streaming watch over a prefix, held for the node's life, and
+what it saw there, served from memory (``get``, ``watch``).
+
+Why: every member of a round waits for the same few keys (the round's final record, its bell,
+the job's ``closed``). A watch per key and round costs a connection and a gRPC stream, and one
+started from an earlier revision waits for etcd's catching-up loop (512 watchers each 100 ms);
+at a thousand nodes re-forming, those creations crowded out the events they waited for. One
+stream a node, opened before the node first joins, sees every later write under the prefix as
+it happens, and a wait costs no request at all.
+
+What it saw is complete for the keys written after ``start()`` returned: a caller waits only for
+keys written after an earlier write of its own (a round's final record after the node's join; its
+bell after its final record). An idle stream is checked each ``idle`` seconds with one read, and
+opened again, on another member if need be, from the last revision it delivered.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from relaunch.runtime import start_thread
+from relaunch.store.api import StoreConnectionError, StoreError, Versioned
+from relaunch.store.etcd import EtcdStore, WatchStream, prefix_end
+
+ABSENT = Versioned(None, 0)
+
+
+class PrefixFeed:
+    """Every write under ``prefix`` on ``store`` (a store of its own: one thread reads it) from
+    ``start()`` on; ``idle``: seconds of silence after which the stream's member is checked."""
+
+    def __init__(self, store: EtcdStore, prefix: str, idle: float) -> None:
+        self._store, self._prefix, self._idle = store, prefix, idle
+        self._seen: dict[str, Versioned] = {}
+        self._revision = 0  # every event up to this revision is in _seen
+        self._error: StoreError | None = None
+        self._changed = threading.Condition()
+        self._stream: WatchStream | None = None
+        self._results: Iterator[dict[str, Any] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Open the watch (the first call only): from the return on, every write under the
+        prefix is seen. ``StoreError`` when no member takes it within the store's timeout."""
+        if self._thread is None:
+            self._open(0)
+            self._thread = start_thread(self._follow, "relaunch-etcd-feed")
+
+    def get(self, key: str) -> Versioned:
+        """``key`` as last seen written (absent if it was not, since ``start()``)."""
+        with self._changed:
+            self._raise_if_broken()
+            return self._seen.get(key, ABSENT)
+
+    def watch(self, key: str, version: int, timeout: float) -> Versioned:
+        """``key`` once its version differs from ``version``, or as it is after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                self._raise_if_broken()
+                current = self._seen.get(key, ABSENT)
+                left = deadline - time.monotonic()
+                if current.version != version or left <= 0:
+                    return current
+                self._changed.wait(left)
+
+    def forget(self, prefix: str) -> None:
+        """Drop what was seen under ``prefix`` (keys nobody will wait for again)."""
+        with self._changed:
+            for key in [k for k in self._seen if k.startswith(prefix)]:
+                del self._seen[key]
+
+    def close(self) -> None:
+        """Stop following (the thread ends with its stream)."""
+        self._closed = True
+        stream = self._stream
+        if stream is not None:
+            stream.interrupt()
+
+    def _raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise StoreConnectionError(str(self._error))
+
+    def _open(self, start_revision: int) -> None:
+        """Open the stream from ``start_revision`` (0: from now) on some member, within the
+        store's timeout, and read its first result (created)."""
+        deadline = time.monotonic() + self._store.timeout
+        delay = 0.01
+        while not self._closed:
+            stream = self._store.open_watch(
+                self._prefix, prefix_end(self._prefix), start_revision, self._idle
+            )
+            if stream is not None:
+                results = stream.results()
+                created = next(results, None)
+                if created is not None and created.get("created"):
+                    if not start_revision:
+                        self._revision = int(created["header"]["revision"])
+                    self._stream, self._results = stream, results
+                    return
+                stream.close()
+                if stream.compacted:
+                    start_revision = self._resync() + 1
+                    continue
+            if time.monotonic() + delay > deadline:
+                raise StoreConnectionError(
+                    f"cannot watch {self._prefix!r} on etcd at {self._store.describe()} "
+                    f"within {self._store.timeout:g}s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _resync(self) -> int:
+        """Events were compacted away: read the prefix whole; the revision read at."""
+        keys, revision = self._store.read_prefix(self._prefix)
+        with self._changed:
+            self._seen = dict(keys)
+            self._revision = revision
+            self._changed.notify_all()
+        return revision
+
+    def _follow(self) -> None:
+        """Take the stream's events; when it breaks, open it again from where it stopped."""
+        while not self._closed:
+            stream, results = self._stream, self._results
+            assert stream is not None and results is not None
+            for result in results:
+                if result is None:  # silence: check that its member still answers
+                    if not self._member_answers(stream):
+                        break
+                    continue
+                self._take(result.get("events", ()))
+            stream.close()
+            if self._closed:
+                return
+            try:
+                if stream.compacted:
+                    self._resync()
+                self._open(self._revision + 1)
+            except StoreError as exc:
+                with self._changed:
+                    self._error = exc
+                    self._changed.notify_all()
+                return
+
+    def _member_answers(self, stream: WatchStream) -> bool:
+        """Whether the stream's member still serves this store (one read)."""
+        try:
+            self._store.get(self._prefix)
+        except StoreError:
+            return False
+        return self._store.member == stream.endpoint
+
+    def _take(self, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        with self._changed:
+            for event in events:
+                kv = event["kv"]
+                key = base64.b64decode(kv["key"]).decode()
+                revision = int(kv.get("mod_revision", 0))
+                if event.get("type") == "DELETE":
+                    self._seen.pop(key, None)
+                else:
+                    self._seen[key] = Versioned(base64.b64decode(kv.get("value", "")), revision)
+                self._revision = max(self._revision, revision)
+            self._changed.notify_all()
