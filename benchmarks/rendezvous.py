@@ -1475,6 +1475,8 @@ class ReformResult:
     formed_s: float | None  # the first round: release -> all back
     reform: Reform | None
     problems: list[str]
+    server_cpu_s: float | None = None  # event -> all back: the store server, or etcd
+    client_cpu_s: float | None = None  # the same span: the simulating processes
 
 
 def reform_settings(event: str, nodes: int, join_timeout: float) -> Any:
@@ -1606,6 +1608,10 @@ class ReformWorkers:
     def views(self) -> list[NodeView]:
         return [view for views in self.ask("views") for view in views]
 
+    def cpu(self) -> float:
+        """CPU seconds the worker processes used so far."""
+        return sum(proc_cpu(proc.pid) for proc, _ in self.workers)
+
     def close(self) -> list[str]:
         left: list[str] = []
         with contextlib.suppress(OSError, EOFError, BenchError):
@@ -1646,7 +1652,7 @@ def reform_run(
             run, memory, settings, 1, "127.0.0.1", memory, leases=on_etcd
         )
         detection = probe.lost_node_grace
-    with sim_store(bench, on_etcd, run, counted=False) as (make_store, _):
+    with sim_store(bench, on_etcd, run, counted=False) as (make_store, server_cpu):
         job = SimJob(run, settings, make_store, on_etcd, SIM_LOCAL_WORLD_SIZE)
         workers = ReformWorkers(job, max(1, min(procs, nodes)), nodes)
         try:
@@ -1665,6 +1671,7 @@ def reform_run(
             log(f"    first round of {nodes} back in {formed_s:.2f} s (connections included)")
             wanted = {v.index: len(v.backs) + 1 for v in views}
             seen = job.observe_changed(job.current_round(), detection + REFORM_TIMEOUT_S)
+            cpu_before = (server_cpu(), workers.cpu())
             if event == "lost":
                 victim = next(v for v in views if v.backs[0].info.group_rank == nodes // 2)
                 if not wait_beating(job, victim, 60.0):
@@ -1680,6 +1687,7 @@ def reform_run(
                 workers.ask("go", 0.0, only=last)
                 wanted[late] = 1
                 errors = workers.wait_backs(nodes + nodes + 1, REFORM_TIMEOUT_S)
+            server_cpu_s, client_cpu_s = server_cpu() - cpu_before[0], workers.cpu() - cpu_before[1]
             if errors:
                 log(f"    {len(errors)} error(s), the first: {errors[0]}")
             views = workers.views()
@@ -1687,7 +1695,17 @@ def reform_run(
             if event == "joined":
                 t0 = next(v for v in views if v.index == late).called[0]
             reform = summarize(event, t0, members, wanted, seen, errors, SIM_LOCAL_WORLD_SIZE)
-            return ReformResult(store, event, nodes, detection, formed_s, reform, reform.problems)
+            return ReformResult(
+                store,
+                event,
+                nodes,
+                detection,
+                formed_s,
+                reform,
+                reform.problems,
+                server_cpu_s,
+                client_cpu_s,
+            )
         finally:
             left = workers.close()
             if left:
@@ -1749,13 +1767,15 @@ def bench_reform(bench: Bench, sizes: Sequence[int], procs: int = SIM_PROCS) -> 
         " handler's lost_node_grace: interval * max_attempt + one beat, on etcd rounded up to"
         " the lease's\n   whole seconds + 1 s; 0 for a join) + 2 s. Worker restart is not"
         " simulated: measurement 2 (death)\n   times it with real agents, SIGKILL -> the"
-        f" survivor's worker running again.\n   {SIM_SWITCH_NOTE}\n"
+        " survivor's worker running again. CPU seconds from the event to all back: the"
+        " store\n   server (or etcd) and the simulating processes (for a crash, the"
+        f" heartbeats of the detection too).\n   {SIM_SWITCH_NOTE}\n"
     )
     print(
         "| N | backend | event | detection bound | changed | first notified | last notified"
-        " | all back | budget | round (all back - changed) |"
+        " | all back | budget | round (all back - changed) | server CPU | client CPU |"
     )
-    print("|--:|---|---|--:|--:|--:|--:|--:|---|--:|")
+    print("|--:|---|---|--:|--:|--:|--:|--:|---|--:|--:|--:|")
     checks: list[Check] = []
     for res in results:
         r = res.reform
@@ -1769,7 +1789,8 @@ def bench_reform(bench: Bench, sizes: Sequence[int], procs: int = SIM_PROCS) -> 
             f" | {fmt(r.changed if r else None, '.2f')}"
             f" | {fmt(r.first_notified if r else None, '.2f')}"
             f" | {fmt(r.last_notified if r else None, '.2f')}"
-            f" | {fmt(back, '.2f')} | <= {budget:g} s {verdict(ok)} | {fmt(round_s, '.2f')} |"
+            f" | {fmt(back, '.2f')} | <= {budget:g} s {verdict(ok)} | {fmt(round_s, '.2f')}"
+            f" | {fmt(res.server_cpu_s, '.2f')} | {fmt(res.client_cpu_s, '.2f')} |"
         )
         checks.append(
             Check(

@@ -70,7 +70,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._feed = PrefixFeed(
                 cast("EtcdStore", watch_store or heartbeat_store),
                 f"relaunch/{run_id}/news/",
-                settings.keep_alive_interval,
+                settings.dead_after,  # a stream silent that long is checked: one read
             )
         self._rounds = Rounds(
             run_id, store, settings, local_addr, node_id, keyed=leases, news=self._feed

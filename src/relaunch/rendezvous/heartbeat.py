@@ -9,6 +9,7 @@ holding the member's key, which etcd deletes when the member stops renewing it.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -105,12 +106,19 @@ class RoundWatch:
     def _beat(self) -> None:
         """Heartbeat, watch one neighbour, and notice re-forming or waiting nodes: O(1) a beat."""
         store, settings, stop = self._store, self._settings, self._stop
+        # A round's first beats spread over half an interval: a thousand members starting a
+        # round at once would otherwise write a thousand heartbeats while the round's final
+        # record is still on its way to the others. Neighbours are judged from then on.
+        spread = settings.keep_alive_interval / 2
+        since = time.monotonic() + spread
         pulse: CounterPulse | LeasePulse
         if self._lease is not None:
-            pulse = LeasePulse(cast("EtcdStore", store), settings, self._lease)
+            pulse = LeasePulse(cast("EtcdStore", store), settings, self._lease, since)
         else:
-            pulse = CounterPulse(store, settings)
+            pulse = CounterPulse(store, settings, since)
         neighbour = plan.ring_neighbour(self._ticket, self._count)
+        if stop.wait(random.uniform(0.0, spread)):
+            return
         try:
             while True:
                 pulse.beat(self._key(f"hb/{self._ticket}"))
@@ -136,8 +144,9 @@ class RoundWatch:
 class CounterPulse:
     """Heartbeats as a counter each member bumps; a neighbour whose counter stands still died."""
 
-    def __init__(self, store: Store, settings: plan.Settings) -> None:
+    def __init__(self, store: Store, settings: plan.Settings, since: float) -> None:
         self._store, self._settings = store, settings
+        self._since = since  # when every member's first beat is due
         self._seen: dict[str, tuple[int, float]] = {}
 
     def beat(self, key: str) -> None:
@@ -145,6 +154,8 @@ class CounterPulse:
 
     def lost(self, key: str, now: float) -> str | None:
         """Why the member beating at ``key`` counts as dead, or None while it lives."""
+        if now < self._since:
+            return None
         version = self._store.get(key).version
         seen_version, seen_at = self._seen.get(key, (-1, now))
         if version != seen_version:
@@ -198,10 +209,12 @@ class LeasePulse:
     member dies, etcd lets the lease expire and deletes the key, which is how its neighbour
     learns it."""
 
-    def __init__(self, store: EtcdStore, settings: plan.Settings, lease: NodeLease) -> None:
+    def __init__(
+        self, store: EtcdStore, settings: plan.Settings, lease: NodeLease, since: float
+    ) -> None:
         self._store, self._settings, self._lease = store, settings, lease
         self._held: str | None = None  # the key put on the lease
-        self._started = time.monotonic()
+        self._started = since  # when every member's first beat is due
         self._seen: set[str] = set()
 
     def beat(self, key: str) -> None:
