@@ -696,9 +696,9 @@ class CountingStore:
         self._count("set")
         return int(self._inner.set(key, value, **kwargs))  # lease= on etcd
 
-    def compare_set(self, key: str, expected_version: int, value: bytes) -> Any:
+    def compare_set(self, key: str, expected_version: int, value: bytes, **kwargs: Any) -> Any:
         self._count("compare_set")
-        return self._inner.compare_set(key, expected_version, value)
+        return self._inner.compare_set(key, expected_version, value, **kwargs)  # also= on etcd
 
     def add(self, key: str, amount: int) -> int:
         self._count("add")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change, encode_change, expected_size
@@ -36,6 +37,9 @@ from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
 from relaunch.rendezvous.roster import Roster, roster_for
 from relaunch.store.api import Store, StoreTimeout, Versioned, Watchable
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class Rounds:
         self._local_addr = local_addr
         self._prefix = f"relaunch/{run_id}"
         self.roster: Roster = roster_for(store, self.key, node_id, keyed)
+        self._keyed = keyed
         self._next_round = 0  # where this node tries to join first
 
     def key(self, name: str, round_: int | None = None) -> str:
@@ -241,9 +246,14 @@ class Rounds:
         """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes; its
         members see it at once. The first change wins: whether it was this one."""
         record = encode_change(change, expected)
-        won = self._store.compare_set(self.key("changed", round_), 0, record).succeeded
-        if won:  # members block on the bell (``rollcall``), which a roll call rings too
-            self._store.set(self.key("bell", round_), record)
+        changed, bell = self.key("changed", round_), self.key("bell", round_)
+        # Members block on the bell (``rollcall``), which a roll call rings too.
+        if self._keyed:  # etcd: both at one revision, one event to each member's feed
+            etcd = cast("EtcdStore", self._store)
+            return etcd.compare_set(changed, 0, record, also=(bell,)).succeeded
+        won = self._store.compare_set(changed, 0, record).succeeded
+        if won:
+            self._store.set(bell, record)
         return won
 
     def _announce_late(self, round_: int) -> None:

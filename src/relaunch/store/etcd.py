@@ -247,9 +247,14 @@ class EtcdStore:
             reply = self._gateway.call("/v3/kv/put", body)
         return int(reply["header"]["revision"])
 
-    def compare_set(self, key: str, expected_version: int, value: bytes) -> CasResult:
+    def compare_set(
+        self, key: str, expected_version: int, value: bytes, also: Sequence[str] = ()
+    ) -> CasResult:
+        """``Store.compare_set``; writing ``value`` to the keys ``also`` too, at the same
+        revision (their watchers get one event for all), when it writes ``key``."""
         encoded = _key_b64(key)
         read = {"request_range": {"key": encoded}}
+        writes = [{"request_put": {"key": _key_b64(k), "value": _b64(value)}} for k in (key, *also)]
         body = {
             "compare": [
                 {
@@ -259,7 +264,7 @@ class EtcdStore:
                     "mod_revision": str(expected_version),
                 }
             ],
-            "success": [{"request_put": {"key": encoded, "value": _b64(value)}}, read],
+            "success": [*writes, read],
             "failure": [read],
         }
         with self._lock:
