@@ -144,6 +144,7 @@ class WatchStream:
     ) -> None:
         self._store, self._conn, self._response = store, conn, response
         self._endpoint = endpoint
+        self.compacted = False  # whether it ended behind a compaction
 
     @property
     def endpoint(self) -> Endpoint:
@@ -155,7 +156,6 @@ class WatchStream:
         waited the connection's timeout in vain. The iteration ends when the stream breaks,
         is cancelled or falls behind a compaction (``compacted``); a member that died under it
         is left for another (``EtcdStore.open_watch``)."""
-        self.compacted = False
         response = self._response
         try:
             while True:
@@ -167,10 +167,12 @@ class WatchStream:
                 if not line:
                     return  # the member closed the stream
                 result = json.loads(line).get("result")
-                if result is None or result.get("canceled"):
+                if result is None:
                     return
                 if int(result.get("compact_revision", 0)):
                     self.compacted = True
+                    return
+                if result.get("canceled"):
                     return
                 yield result
         except (OSError, ValueError):

@@ -1,0 +1,130 @@
+"""The etcd feed (``store/etcd_feed.py``): one watch a node over the job's news, against a real
+etcd: what it sees, how it waits, a member dying under it, a compaction, and its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from etcd_cluster import EtcdCluster
+
+from relaunch.store.api import StoreConnectionError, Versioned
+from relaunch.store.etcd import EtcdStore
+from relaunch.store.etcd_feed import PrefixFeed
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def feed_of(endpoints: str, idle: float = 5.0, timeout: float = 10.0) -> tuple[PrefixFeed, str]:
+    prefix = f"feed-{uuid.uuid4().hex}/news/"
+    feed = PrefixFeed(EtcdStore(endpoints, timeout=timeout), prefix, idle)
+    feed.start()
+    return feed, prefix
+
+
+def test_the_feed_serves_every_write_after_its_start_without_a_request(
+    etcd_shared: EtcdCluster,
+) -> None:
+    writer = EtcdStore(etcd_shared.endpoints)
+    before = f"feed-{uuid.uuid4().hex}/news/early"
+    writer.set(before, b"0")
+    feed, prefix = feed_of(etcd_shared.endpoints)
+    try:
+        version = writer.set(f"{prefix}final", b"record")
+        seen = feed.watch(f"{prefix}final", 0, 5.0)
+        assert seen == Versioned(b"record", version)
+        assert feed.get(f"{prefix}final") == seen  # from memory
+        assert feed.get(before) == Versioned(None, 0)  # not under the prefix
+        writer.set(f"{prefix}bell", b"ring")
+        writer.delete(f"{prefix}final")
+        assert feed.watch(f"{prefix}final", version, 5.0) == Versioned(None, 0)
+        assert feed.watch(f"{prefix}bell", 0, 5.0).value == b"ring"
+        feed.forget(prefix)
+        assert feed.get(f"{prefix}bell") == Versioned(None, 0)
+    finally:
+        feed.close()
+        writer.close()
+
+
+def test_a_watch_of_the_feed_wakes_on_the_write_and_returns_at_its_timeout(
+    etcd_shared: EtcdCluster,
+) -> None:
+    writer = EtcdStore(etcd_shared.endpoints)
+    feed, prefix = feed_of(etcd_shared.endpoints)
+    try:
+        started = time.monotonic()
+        assert feed.watch(f"{prefix}bell", 0, 0.3) == Versioned(None, 0)
+        assert time.monotonic() - started >= 0.3
+        seen: list[Versioned] = []
+        waiter = threading.Thread(target=lambda: seen.append(feed.watch(f"{prefix}bell", 0, 20)))
+        waiter.start()
+        written_at = time.monotonic()
+        writer.set(f"{prefix}bell", b"ring")
+        waiter.join(20)
+        assert seen and seen[0].value == b"ring"
+        assert time.monotonic() - written_at < 5.0  # woken by the write, not the timeout
+    finally:
+        feed.close()
+        writer.close()
+
+
+def test_the_feed_follows_on_another_member_when_its_member_dies(etcd3: EtcdCluster) -> None:
+    feed, prefix = feed_of(etcd3.endpoints)
+    on = etcd3.endpoint_list.index(str(feed._store.member))
+    others = [e for i, e in enumerate(etcd3.endpoint_list) if i != on]
+    writer = EtcdStore(",".join(others))
+    try:
+        first = writer.set(f"{prefix}r0/final", b"0")
+        assert feed.watch(f"{prefix}r0/final", 0, 10).version == first
+        etcd3.kill(on)
+        later = writer.set(f"{prefix}r1/final", b"1")
+        assert feed.watch(f"{prefix}r1/final", 0, 20) == Versioned(b"1", later)
+    finally:
+        feed.close()
+        writer.close()
+
+
+def test_a_stream_behind_a_compaction_reads_the_prefix_whole(etcd_shared: EtcdCluster) -> None:
+    """A stream that must follow on from a revision etcd compacted away: the feed reads what is
+    under the prefix now (here its stream is broken by hand, set to follow on from before the
+    compaction, and made to forget what it saw)."""
+    writer = EtcdStore(etcd_shared.endpoints)
+    feed, prefix = feed_of(etcd_shared.endpoints)
+    try:
+        behind = writer.set(f"{prefix}r0/bell", b"old")
+        writer.delete(f"{prefix}r0/bell")
+        now = writer.set(f"{prefix}r0/final", b"now")
+        assert feed.watch(f"{prefix}r0/final", 0, 10).version == now
+        etcd_shared.call("/v3/kv/compaction", {"revision": str(now)})
+        feed.forget(prefix)
+        feed._revision = behind - 1
+        assert feed._stream is not None
+        feed._stream.interrupt()
+        assert feed.watch(f"{prefix}r0/final", 0, 10) == Versioned(b"now", now)
+        assert feed.get(f"{prefix}r0/bell") == Versioned(None, 0)
+        later = writer.set(f"{prefix}r1/final", b"later")  # and it follows on from there
+        assert feed.watch(f"{prefix}r1/final", 0, 10).version == later
+    finally:
+        feed.close()
+        writer.close()
+
+
+def test_a_feed_whose_cluster_is_gone_says_so_to_its_waiters(etcd: EtcdCluster) -> None:
+    feed, prefix = feed_of(etcd.endpoints, timeout=1.0)
+    try:
+        etcd.kill(0)
+        with pytest.raises(StoreConnectionError, match="cannot watch"):
+            feed.watch(f"{prefix}bell", 0, 20)
+    finally:
+        feed.close()
+
+
+def test_closing_the_feed_ends_its_thread(etcd_shared: EtcdCluster) -> None:
+    feed, _ = feed_of(etcd_shared.endpoints)
+    thread = feed._thread
+    assert thread is not None and thread.is_alive()
+    feed.close()
+    thread.join(5)
+    assert not thread.is_alive()
