@@ -783,9 +783,9 @@ def counted_etcd_class() -> type:
 
             setattr(self._gateway, "call", counted)  # noqa: B010 - an instance's method, wrapped
 
-        def _events(self, *args: Any) -> Any:
+        def open_watch(self, *args: Any) -> Any:
             self.requests["/v3/watch"] += 1
-            return super()._events(*args)
+            return super().open_watch(*args)
 
     return CountedEtcdStore
 
@@ -942,7 +942,7 @@ def run_batch(
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 
     handlers: list[Any] = []
-    proxies: list[tuple[CountingStore, CountingStore]] = []
+    proxies: list[tuple[CountingStore, CountingStore, CountingStore | None]] = []
 
     def shutdown() -> None:
         for handler in handlers:
@@ -952,7 +952,9 @@ def run_batch(
         started = time.perf_counter()
         for _ in range(count):
             store, heartbeat = CountingStore(make_store()), CountingStore(make_store())
-            proxies.append((store, heartbeat))
+            # etcd: the store the node's feed of the job's news follows (its one watch)
+            watch = CountingStore(make_store()) if on_etcd else None
+            proxies.append((store, heartbeat, watch))
             handlers.append(
                 DynamicRendezvousHandler(
                     run,
@@ -962,6 +964,7 @@ def run_batch(
                     "127.0.0.1",
                     heartbeat,
                     backend="etcd" if on_etcd else "c10d",
+                    watch_store=watch,
                     leases=on_etcd,
                 )
             )
@@ -1006,10 +1009,10 @@ def run_batch(
         # keep_alive_interval = 30 s away): wait until the counts stay still for 0.5 s.
         settle, still_since, last = time.monotonic() + 60, time.monotonic(), -1
         while time.monotonic() < settle:
-            now_total = sum(hb.total() for _, hb in proxies)
+            now_total = sum(hb.total() for _, hb, _ in proxies)
             if now_total != last:
                 still_since, last = time.monotonic(), now_total
-            elif time.monotonic() - still_since > 0.5 and all(hb.total() for _, hb in proxies):
+            elif time.monotonic() - still_since > 0.5 and all(hb.total() for _, hb, _ in proxies):
                 break
             time.sleep(0.01)
         records = [
@@ -1018,17 +1021,28 @@ def run_batch(
                 ended[i],
                 {op: n for op, n in store.counts.items() if n},
                 store.joined_at,
-                store.requests(),
-                dict(getattr(store._inner, "requests", {})),
+                requests_of(store, watch),
+                dict(
+                    Counter(getattr(store._inner, "requests", {}))
+                    + Counter(getattr(getattr(watch, "_inner", None), "requests", {}))
+                ),
                 store.cas_tries,
                 heartbeat.total(),
             )
-            for i, (store, heartbeat) in enumerate(proxies)
+            for i, (store, heartbeat, watch) in enumerate(proxies)
         ]
         return Batch(connect_s, released[0], cpu_s, records), shutdown
     except BaseException:
         shutdown()
         raise
+
+
+def requests_of(store: CountingStore, watch: CountingStore | None) -> int | None:
+    """The HTTP requests of a node's rendezvous store and its feed's store (None on c10d)."""
+    requests = store.requests()
+    if watch is None or requests is None:
+        return requests
+    return requests + (watch.requests() or 0)
 
 
 #: run_batch's arguments up to ``stagger``
