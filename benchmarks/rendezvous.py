@@ -112,10 +112,9 @@ STAGGER_S = 0.005
 SIM_JOIN_TIMEOUT = {"c10d": 120.0, "etcd": 600.0}
 ETCD_SIM_NODES = SIM_NODES
 SIM_OPS = ("get", "set", "compare_set", "add", "delete", "wait", "watch")
-#: EtcdStore's own operations: transactions, watches from a revision, keys under a prefix
+#: EtcdStore's own operations: transactions, keys under a prefix
 ETCD_OPS = (
     "txn",
-    "await_put",
     "count_prefix",
     "await_prefix_count",
     "range_prefix",
@@ -720,10 +719,6 @@ class CountingStore:
         if self.joined_at is None:
             self.joined_at = time.perf_counter()
         return result
-
-    def await_put(self, key: str, after_revision: int, timeout: float) -> Any:
-        self._count("await_put")
-        return self._inner.await_put(key, after_revision, timeout)
 
     def count_prefix(self, prefix: str) -> Any:
         self._count("count_prefix")

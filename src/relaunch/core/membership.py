@@ -1,6 +1,6 @@
 """Membership changes of a running rendezvous round: what happened, and how big the next round is.
 
-A member that notices a change marks the round for re-forming with a record (``r{n}/changed``)
+A member that notices a change marks the round for re-forming with a record (``news/r{n}/changed``)
 that every member reads. The record says what kind of change it was, why (for the logs), and
 how many nodes the next round expects: the round's members, less the one lost or gone, plus
 the nodes waiting to join. The kind, not the wording of the reason, decides that size: a

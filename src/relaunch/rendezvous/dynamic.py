@@ -24,7 +24,7 @@ from relaunch.rendezvous.api import (
 from relaunch.rendezvous.heartbeat import NodeLease, RoundWatch
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import new_node_id, roster_for
-from relaunch.rendezvous.rounds import CLOSED, Rounds
+from relaunch.rendezvous.rounds import CLOSED, Rounds, news_prefix
 from relaunch.store.api import Store, StoreConnectionError, StoreError, Watchable
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
             self._feed = PrefixFeed(
                 cast("EtcdStore", watch_store or heartbeat_store),
-                f"relaunch/{run_id}/news/",
+                news_prefix(run_id),
                 settings.dead_after,  # a stream silent that long is checked: one read
             )
         self._rounds = Rounds(

@@ -9,13 +9,14 @@ re-form whose writer died between its two writes is caught by the watcher's look
 The roll call: a node whose workers failed with no restart left asks whether every member is
 alive before it calls the failure final (a dead peer breaks collectives before heartbeats tell
 of it). Only the first asker awaits the answers; no store event goes to every node per answer.
-Keys, under ``relaunch/{run_id}/r{n}/``::
+Keys, under ``relaunch/{run_id}/``::
 
-    bell        rewritten with each change record that supersedes the round, and with ``call``
-    call        the roll call, created once by the first asker, which then rings the bell
-    here        the members that answered, a tally (``roster``): one answer per member
-    present     the outcome, written by the first asker: ``1`` when every member answered in
-                time, else ``0``; the other askers wait for it
+    news/r{n}/bell  rewritten with each change record that supersedes the round, and with
+                    ``call`` (on etcd a change and its ring are one transaction)
+    news/r{n}/call  the roll call, created once by the first asker, which then rings the bell
+    r{n}/here       the members that answered, a tally (``roster``): one answer per member
+    r{n}/present    the outcome, written by the first asker: ``1`` when every member answered
+                    in time, else ``0``; the other askers wait for it
 """
 
 from __future__ import annotations

@@ -49,6 +49,12 @@ CLOSED = b"closed"
 NEWS = frozenset({"closed", "final", "changed", "bell", "call"})
 
 
+def news_prefix(run_id: str, round_: int | None = None) -> str:
+    """Where the keys every node of job ``run_id`` waits for are: the job's, or those of round
+    ``round_``."""
+    return f"relaunch/{run_id}/news/" + ("" if round_ is None else f"r{round_}/")
+
+
 class Rounds:
     """The rounds of job ``run_id`` on ``store``, seen by node ``node_id`` at ``local_addr``;
     ``keyed``: count joins as keys (etcd) rather than with counters. ``news`` serves the waits
@@ -81,7 +87,7 @@ class Rounds:
 
     def news_prefix(self, round_: int | None = None) -> str:
         """Where the keys every node waits for are: the job's, or those of round ``round_``."""
-        return f"{self._prefix}/news/" + ("" if round_ is None else f"r{round_}/")
+        return news_prefix(self._run_id, round_)
 
     def is_closed(self) -> bool:
         """Whether the job finished (late nodes then exit rather than wait)."""

@@ -411,23 +411,6 @@ class EtcdStore:
         except (KeyError, TypeError, ValueError):
             raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
 
-    def await_put(self, key: str, after_revision: int, timeout: float) -> Versioned | None:
-        """``key`` once written after ``after_revision`` (a revision at which the caller saw it
-        absent), without reading it first: one streaming watch. None when the time ran out."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            for event in self._events(key, None, after_revision + 1, left):
-                if event.get("type") != "DELETE":
-                    return _versioned(event["kv"])
-            # the stream broke or a deletion came: read, then follow on from there
-            current, revision = self._range(key)
-            if current.value is not None:
-                return current
-            after_revision = revision
-
     def count_prefix(self, prefix: str) -> tuple[int, int]:
         """How many keys start with ``prefix``, and the cluster revision of that count."""
         body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix), "count_only": True}
