@@ -70,6 +70,42 @@ def test_a_watch_of_the_feed_wakes_on_the_write_and_returns_at_its_timeout(
         writer.close()
 
 
+def test_a_subscriber_hears_its_key_at_once_then_at_each_write_until_it_leaves(
+    etcd_shared: EtcdCluster,
+) -> None:
+    writer = EtcdStore(etcd_shared.endpoints)
+    feed, prefix = feed_of(etcd_shared.endpoints)
+    heard: list[Versioned] = []
+    changed = threading.Condition()
+
+    def hear(value: Versioned) -> None:
+        with changed:
+            heard.append(value)
+            changed.notify_all()
+
+    def wait_heard(count: int) -> list[Versioned]:
+        with changed:
+            assert changed.wait_for(lambda: len(heard) >= count, 10), heard
+            return list(heard)
+
+    try:
+        first = writer.set(f"{prefix}bell", b"one")
+        assert feed.watch(f"{prefix}bell", 0, 10).version == first
+        leave = feed.subscribe(f"{prefix}bell", hear, lambda exc: None)
+        assert wait_heard(1) == [Versioned(b"one", first)]  # already rung: heard at once
+        writer.set(f"{prefix}other", b"-")
+        second = writer.set(f"{prefix}bell", b"two")
+        writer.delete(f"{prefix}bell")
+        assert wait_heard(3)[1:] == [Versioned(b"two", second), Versioned(None, 0)]
+        leave()
+        last = writer.set(f"{prefix}bell", b"three")
+        assert feed.watch(f"{prefix}bell", 0, 10).version == last
+        assert len(heard) == 3  # the feed had it, the subscriber had left
+    finally:
+        feed.close()
+        writer.close()
+
+
 def test_the_feed_follows_on_another_member_when_its_member_dies(etcd3: EtcdCluster) -> None:
     feed, prefix = feed_of(etcd3.endpoints)
     on = etcd3.endpoint_list.index(str(feed._store.member))
@@ -113,10 +149,13 @@ def test_a_stream_behind_a_compaction_reads_the_prefix_whole(etcd_shared: EtcdCl
 
 def test_a_feed_whose_cluster_is_gone_says_so_to_its_waiters(etcd: EtcdCluster) -> None:
     feed, prefix = feed_of(etcd.endpoints, timeout=1.0)
+    lost: list[Exception] = []
+    feed.subscribe(f"{prefix}bell", lambda value: None, lost.append)
     try:
         etcd.kill(0)
         with pytest.raises(StoreConnectionError, match="cannot watch"):
             feed.watch(f"{prefix}bell", 0, 20)
+        assert len(lost) == 1 and "cannot watch" in str(lost[0])
     finally:
         feed.close()
 

@@ -349,10 +349,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._final.count,
             self.settings,
             self._hb_store,
-            self._feed or self._watch_store,
+            self._watch_store,
             self._lease,
             lambda change, recorded: self._flag(round_, change, recorded),
             lambda: self._answers.mark("here", round_),
+            feed=self._feed,
         )
         self._watch.start()
 

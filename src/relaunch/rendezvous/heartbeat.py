@@ -19,20 +19,21 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, decode_change
 from relaunch.rendezvous.rollcall import CALL
 from relaunch.runtime import start_thread
-from relaunch.store.api import Store, StoreError, Watchable
+from relaunch.store.api import Store, StoreError, Versioned, Watchable
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
+    from relaunch.store.etcd_feed import PrefixFeed
 
 
 class RoundWatch:
     """The threads that watch one round for the member holding ``ticket`` of ``count``.
 
-    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). With a ``watch_store``
-    (a store of its own, or on etcd the node's feed of the job's news) a second thread blocks on
-    the round's bell, so a re-form or a roll call reaches this member at once; without one the
-    heartbeat looks at ``changed`` and ``call`` each beat. ``answer`` answers a roll call (once
-    a round).
+    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). A re-form or a roll
+    call reaches this member at once through the round's bell: on etcd the node's ``feed`` of
+    the job's news calls it back; else, with a ``watch_store``, a second thread blocks on the
+    bell; without either the heartbeat looks at ``changed`` and ``call`` each beat. ``answer``
+    answers a roll call (once a round).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class RoundWatch:
         lease: NodeLease | None,
         flag: Callable[[MembershipChange, bool], None],
         answer: Callable[[], None] | None = None,
+        feed: PrefixFeed | None = None,
     ) -> None:
         self._key = round_key
         self._ticket, self._count = ticket, count
@@ -57,18 +59,46 @@ class RoundWatch:
         self._answered = False
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
+        self._feed = feed
+        self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._beating = start_thread(self._beat, "relaunch-heartbeat")
-        if self._watch_store is not None:
+        if self._feed is not None:
+            self._unsubscribe = self._feed.subscribe(self._key("bell"), self._rung, self._lost)
+        elif self._watch_store is not None:
             start_thread(self._watch_changes, "relaunch-rdzv-watch")
 
     def stop(self) -> None:
         """Stop beating and wait for the heartbeat thread; the watching thread ends within a
         beat and reports nothing more."""
         self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         if self._beating is not None:
             self._beating.join()
+
+    def _rung(self, rung: Versioned) -> None:
+        """The bell, as the feed heard it: answer a roll call; note a change (etcd writes a
+        change and its ring at once, but a roll call may have rung over it since)."""
+        feed = self._feed
+        assert feed is not None
+        if self._stop.is_set():
+            return
+        try:
+            if rung.value == CALL:
+                self._answer_call(feed, called=True)
+            record = rung.value
+            if record == CALL:
+                record = feed.get(self._key("changed")).value
+            if record is not None:
+                self._flag(decode_change(record)[0], True)
+        except StoreError as exc:
+            self._lost(exc)
+
+    def _lost(self, exc: StoreError) -> None:
+        if not self._stop.is_set():
+            self._flag(MembershipChange.store_lost(exc), False)
 
     def _watch_changes(self) -> None:
         """Block on this round's bell: a re-form anywhere, or a roll call, reaches us at once.

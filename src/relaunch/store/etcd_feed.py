@@ -17,9 +17,10 @@ opened again, on another member if need be, from the last revision it delivered.
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from relaunch.runtime import start_thread
@@ -27,6 +28,10 @@ from relaunch.store.api import StoreConnectionError, StoreError, Versioned
 from relaunch.store.etcd import EtcdStore, WatchStream, prefix_end
 
 ABSENT = Versioned(None, 0)
+#: What a subscriber gives: the call for each change of its key, and the one if the feed breaks.
+Subscription = tuple[Callable[[Versioned], None], Callable[[StoreError], None]]
+
+log = logging.getLogger(__name__)
 
 
 class PrefixFeed:
@@ -39,6 +44,7 @@ class PrefixFeed:
         self._revision = 0  # every event up to this revision is in _seen
         self._error: StoreError | None = None
         self._changed = threading.Condition()
+        self._subscribers: dict[str, list[Subscription]] = {}
         self._stream: WatchStream | None = None
         self._results: Iterator[dict[str, Any] | None] | None = None
         self._thread: threading.Thread | None = None
@@ -68,6 +74,31 @@ class PrefixFeed:
                 if current.version != version or left <= 0:
                     return current
                 self._changed.wait(left)
+
+    def subscribe(
+        self, key: str, heard: Callable[[Versioned], None], lost: Callable[[StoreError], None]
+    ) -> Callable[[], None]:
+        """Call ``heard`` with ``key`` whenever it is written or deleted, on the feed's thread
+        (a caller's thread needs no wake-up), and at once if it was written already; ``lost``
+        when the feed breaks. Returns what ends the subscription."""
+        subscription = (heard, lost)
+        with self._changed:
+            self._subscribers.setdefault(key, []).append(subscription)
+            current, error = self._seen.get(key), self._error
+        if error is not None:
+            lost(StoreConnectionError(str(error)))
+        elif current is not None:
+            heard(current)
+
+        def unsubscribe() -> None:
+            with self._changed:
+                listeners = self._subscribers.get(key, [])
+                if subscription in listeners:
+                    listeners.remove(subscription)
+                if not listeners:
+                    self._subscribers.pop(key, None)
+
+        return unsubscribe
 
     def forget(self, prefix: str) -> None:
         """Drop what was seen under ``prefix`` (keys nobody will wait for again)."""
@@ -146,6 +177,9 @@ class PrefixFeed:
                 with self._changed:
                     self._error = exc
                     self._changed.notify_all()
+                    subscribers = [s for subs in self._subscribers.values() for s in subs]
+                for _, lost in subscribers:
+                    _call(lost, exc)
                 return
 
     def _member_answers(self, stream: WatchStream) -> bool:
@@ -159,6 +193,7 @@ class PrefixFeed:
     def _take(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
+        heard: list[tuple[Callable[[Versioned], None], Versioned]] = []
         with self._changed:
             for event in events:
                 kv = event["kv"]
@@ -166,7 +201,20 @@ class PrefixFeed:
                 revision = int(kv.get("mod_revision", 0))
                 if event.get("type") == "DELETE":
                     self._seen.pop(key, None)
+                    value = ABSENT
                 else:
-                    self._seen[key] = Versioned(base64.b64decode(kv.get("value", "")), revision)
+                    value = Versioned(base64.b64decode(kv.get("value", "")), revision)
+                    self._seen[key] = value
                 self._revision = max(self._revision, revision)
+                heard += [(listener, value) for listener, _ in self._subscribers.get(key, ())]
             self._changed.notify_all()
+        for listener, value in heard:  # outside the lock: a listener may call the feed
+            _call(listener, value)
+
+
+def _call(listener: Callable[[Any], None], argument: Any) -> None:
+    """Call a subscriber; its failure must not stop the feed."""
+    try:
+        listener(argument)
+    except Exception:
+        log.exception("a subscriber of the etcd feed failed")
