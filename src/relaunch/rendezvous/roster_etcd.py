@@ -5,7 +5,6 @@ from __future__ import annotations
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.store import etcd
-from relaunch.store.api import StoreProtocolError
 from relaunch.store.etcd import EtcdStore
 
 
@@ -22,29 +21,28 @@ class KeyRoster:
 
     def join(self, round_: int, local_world_size: int) -> Joined:
         """One transaction: unless the job closed or the round completed, write this node's
-        key and claim the lead if nobody has; else read why not."""
+        key and claim the lead if nobody has; else read why not. Nothing else is read: the
+        transaction's revision is the key's, unless an earlier attempt wrote it (a write
+        retried after an ambiguous failure), whose place and lead it keeps."""
         key, node = self._key, self._node.encode()
         closed, final, lead = key("closed", None), key("final", round_), key("lead", round_)
         mine = key(f"join/{self._node}", round_)
         reply = self._store.txn(
             [etcd.absent(closed), etcd.absent(final)],
             [
-                etcd.put(mine, str(local_world_size).encode()),
+                etcd.put(mine, str(local_world_size).encode(), previous=True),
                 etcd.txn_op([etcd.absent(lead)], [etcd.put(lead, node)]),
-                etcd.read(mine),
-                etcd.read(lead),
             ],
             [etcd.read(closed), etcd.read(key("round", None))],
         )
         if not reply.succeeded:
             now_closed, round_now = reply.reads
             return Joined(None, now_closed is not None, int(round_now.value) if round_now else 0)
-        joined, holder = reply.reads[-2:]
-        if joined is None or holder is None:
-            raise StoreProtocolError(f"etcd lost {mine!r} within its own transaction")
-        if holder.value == node:
-            return Joined(Entry(1, local_world_size, joined.create_revision, True))
-        return Joined(Entry(None, 0, joined.create_revision, False))
+        earlier, claimed = reply.reads[0], reply.nested[0]
+        revision = reply.revision if earlier is None else earlier.create_revision
+        if claimed or (earlier is not None and self._store.get(lead).value == node):
+            return Joined(Entry(1, local_world_size, revision, True))
+        return Joined(Entry(None, 0, revision, False))
 
     def joined(self, round_: int) -> int:
         return self._store.count_prefix(self._key("join/", round_))[0]

@@ -72,6 +72,16 @@ def _first_kv(range_response: dict[str, Any]) -> dict[str, Any] | None:
     return kvs[0] if kvs else None
 
 
+def _read_of(response: dict[str, Any]) -> dict[str, Any] | None:
+    """What a transaction's operation read: a range's key, or a put's previous key."""
+    if "response_range" in response:
+        return _first_kv(response["response_range"])
+    if "response_put" in response:
+        previous: dict[str, Any] | None = response["response_put"].get("prev_kv")
+        return previous
+    return None
+
+
 def prefix_end(prefix: str) -> str:
     """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
     raw = bytearray(prefix.encode())
@@ -104,12 +114,14 @@ class KeyValue:
 
 @dataclass(frozen=True)
 class TxnReply:
-    """A transaction's outcome: which branch ran, at what revision, and what each of its
-    operations read (None for writes, and for reads of an absent key)."""
+    """A transaction's outcome: which branch ran, at what revision, what each of its
+    operations read (a read: the key; a ``put(previous=True)``: the key before, if any; else
+    None), and whether each of its nested transactions' comparisons held, in order."""
 
     succeeded: bool
     revision: int
     reads: list[KeyValue | None]
+    nested: list[bool]
 
 
 def absent(key: str) -> dict[str, Any]:
@@ -117,9 +129,13 @@ def absent(key: str) -> dict[str, Any]:
     return {"key": _key_b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
 
 
-def put(key: str, value: bytes) -> dict[str, Any]:
-    """A transaction operation writing ``key``."""
-    return {"request_put": {"key": _key_b64(key), "value": _b64(value)}}
+def put(key: str, value: bytes, previous: bool = False) -> dict[str, Any]:
+    """A transaction operation writing ``key``; ``previous``: its reply holds the key as it
+    was, if it was (``TxnReply.reads``)."""
+    request: dict[str, Any] = {"key": _key_b64(key), "value": _b64(value)}
+    if previous:
+        request["prev_kv"] = True
+    return {"request_put": request}
 
 
 def read(key: str) -> dict[str, Any]:
@@ -399,14 +415,17 @@ class EtcdStore:
         with self._lock:
             reply = self._gateway.call("/v3/kv/txn", body)
         try:
-            reads = [
-                _first_kv(response["response_range"]) if "response_range" in response else None
-                for response in reply.get("responses", ())
-            ]
+            responses = reply.get("responses", ())
+            reads = [_read_of(response) for response in responses]
             return TxnReply(
                 bool(reply.get("succeeded", False)),
                 int(reply["header"]["revision"]),
                 [None if kv is None else KeyValue.of(kv) for kv in reads],
+                [
+                    bool(response["response_txn"].get("succeeded", False))
+                    for response in responses
+                    if "response_txn" in response
+                ],
             )
         except (KeyError, TypeError, ValueError):
             raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
