@@ -134,12 +134,15 @@ def test_a_stream_behind_a_compaction_reads_the_prefix_whole(etcd_shared: EtcdCl
         now = writer.set(f"{prefix}r0/final", b"now")
         assert feed.watch(f"{prefix}r0/final", 0, 10).version == now
         etcd_shared.call("/v3/kv/compaction", {"revision": str(now)})
+        heard: list[Versioned] = []
+        feed.subscribe(f"{prefix}r0/final", heard.append, lambda exc: None)
         feed.forget(prefix)
         feed._revision = behind - 1
         assert feed._stream is not None
         feed._stream.interrupt()
         assert feed.watch(f"{prefix}r0/final", 0, 10) == Versioned(b"now", now)
         assert feed.get(f"{prefix}r0/bell") == Versioned(None, 0)
+        assert heard == [Versioned(b"now", now)] * 2  # at once, and again on reading it whole
         later = writer.set(f"{prefix}r1/final", b"later")  # and it follows on from there
         assert feed.watch(f"{prefix}r1/final", 0, 10).version == later
     finally:

@@ -15,7 +15,8 @@ Mapping onto the ``Store`` protocol:
   transactions, so what many nodes count (joins, members done, answers) is counted as keys
   instead: each node writes its own key under a prefix (idempotent, in a ``txn``), and
   ``count_prefix``/``await_prefix_count``/``range_prefix`` read them, O(1) requests each;
-* ``watch`` and ``wait`` block on a streaming watch from the revision they read, never polling;
+* ``watch`` and ``wait`` block on a streaming watch from the revision they read, never polling
+  (``open_watch`` hands out such a stream: ``etcd_feed`` keeps one for a node's life);
 * leases (``grant_lease``, ``keep_alive``, ``set(..., lease=)``) carry heartbeats: a member that
   dies stops renewing its lease, and etcd deletes its keys.
 
@@ -272,7 +273,7 @@ class EtcdStore:
         revision (their watchers get one event for all), when it writes ``key``."""
         encoded = _key_b64(key)
         read = {"request_range": {"key": encoded}}
-        writes = [{"request_put": {"key": _key_b64(k), "value": _b64(value)}} for k in (key, *also)]
+        writes = [put(k, value) for k in (key, *also)]
         body = {
             "compare": [
                 {

@@ -1,5 +1,6 @@
 """What a node follows on etcd: one streaming watch over a prefix, held for the node's life, and
-what it saw there, served from memory (``get``, ``watch``).
+what it saw there, served from memory (``get``, ``watch``) or handed to subscribers as it comes
+(``subscribe``).
 
 Why: every member of a round waits for the same few keys (the round's final record, its bell,
 the job's ``closed``). A watch per key and round costs a connection and a gRPC stream, and one
@@ -147,12 +148,25 @@ class PrefixFeed:
             delay = min(delay * 2, 0.5)
 
     def _resync(self) -> int:
-        """Events were compacted away: read the prefix whole; the revision read at."""
+        """Events were compacted away: read the prefix whole, and tell the subscribers of the
+        keys that changed meanwhile; the revision read at."""
         keys, revision = self._store.read_prefix(self._prefix)
         with self._changed:
+            changed = {
+                key: keys.get(key, ABSENT)
+                for key in set(keys) | set(self._seen)
+                if keys.get(key, ABSENT) != self._seen.get(key, ABSENT)
+            }
             self._seen = dict(keys)
             self._revision = revision
+            heard = [
+                (listener, value)
+                for key, value in changed.items()
+                for listener, _ in self._subscribers.get(key, ())
+            ]
             self._changed.notify_all()
+        for listener, value in heard:
+            _call(listener, value)
         return revision
 
     def _follow(self) -> None:
