@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 from etcd_cluster import EtcdCluster
@@ -24,57 +26,65 @@ def feed_of(endpoints: str, idle: float = 5.0, timeout: float = 10.0) -> tuple[P
     return feed, prefix
 
 
-def test_the_feed_serves_every_write_after_its_start_without_a_request(
-    etcd_shared: EtcdCluster,
-) -> None:
-    writer = EtcdStore(etcd_shared.endpoints)
-    before = f"feed-{uuid.uuid4().hex}/news/early"
-    writer.set(before, b"0")
+class Followed(NamedTuple):
+    """A started feed of a fresh prefix, and a store of its own that writes there."""
+
+    feed: PrefixFeed
+    prefix: str
+    writer: EtcdStore
+
+
+@pytest.fixture
+def followed(etcd_shared: EtcdCluster) -> Iterator[Followed]:
     feed, prefix = feed_of(etcd_shared.endpoints)
+    writer = EtcdStore(etcd_shared.endpoints)
     try:
-        version = writer.set(f"{prefix}final", b"record")
-        seen = feed.watch(f"{prefix}final", 0, 5.0)
-        assert seen == Versioned(b"record", version)
-        assert feed.get(f"{prefix}final") == seen  # from memory
-        assert feed.get(before) == Versioned(None, 0)  # not under the prefix
-        writer.set(f"{prefix}bell", b"ring")
-        writer.delete(f"{prefix}final")
-        assert feed.watch(f"{prefix}final", version, 5.0) == Versioned(None, 0)
-        assert feed.watch(f"{prefix}bell", 0, 5.0).value == b"ring"
-        feed.forget(prefix)
-        assert feed.get(f"{prefix}bell") == Versioned(None, 0)
+        yield Followed(feed, prefix, writer)
     finally:
         feed.close()
         writer.close()
+
+
+def test_the_feed_serves_every_write_after_its_start_without_a_request(
+    followed: Followed,
+) -> None:
+    feed, prefix, writer = followed
+    before = f"feed-{uuid.uuid4().hex}/news/early"
+    writer.set(before, b"0")
+    version = writer.set(f"{prefix}final", b"record")
+    seen = feed.watch(f"{prefix}final", 0, 5.0)
+    assert seen == Versioned(b"record", version)
+    assert feed.get(f"{prefix}final") == seen  # from memory
+    assert feed.get(before) == Versioned(None, 0)  # not under the prefix
+    writer.set(f"{prefix}bell", b"ring")
+    writer.delete(f"{prefix}final")
+    assert feed.watch(f"{prefix}final", version, 5.0) == Versioned(None, 0)
+    assert feed.watch(f"{prefix}bell", 0, 5.0).value == b"ring"
+    feed.forget(prefix)
+    assert feed.get(f"{prefix}bell") == Versioned(None, 0)
 
 
 def test_a_watch_of_the_feed_wakes_on_the_write_and_returns_at_its_timeout(
-    etcd_shared: EtcdCluster,
+    followed: Followed,
 ) -> None:
-    writer = EtcdStore(etcd_shared.endpoints)
-    feed, prefix = feed_of(etcd_shared.endpoints)
-    try:
-        started = time.monotonic()
-        assert feed.watch(f"{prefix}bell", 0, 0.3) == Versioned(None, 0)
-        assert time.monotonic() - started >= 0.3
-        seen: list[Versioned] = []
-        waiter = threading.Thread(target=lambda: seen.append(feed.watch(f"{prefix}bell", 0, 20)))
-        waiter.start()
-        written_at = time.monotonic()
-        writer.set(f"{prefix}bell", b"ring")
-        waiter.join(20)
-        assert seen and seen[0].value == b"ring"
-        assert time.monotonic() - written_at < 5.0  # woken by the write, not the timeout
-    finally:
-        feed.close()
-        writer.close()
+    feed, prefix, writer = followed
+    started = time.monotonic()
+    assert feed.watch(f"{prefix}bell", 0, 0.3) == Versioned(None, 0)
+    assert time.monotonic() - started >= 0.3
+    seen: list[Versioned] = []
+    waiter = threading.Thread(target=lambda: seen.append(feed.watch(f"{prefix}bell", 0, 20)))
+    waiter.start()
+    written_at = time.monotonic()
+    writer.set(f"{prefix}bell", b"ring")
+    waiter.join(20)
+    assert seen and seen[0].value == b"ring"
+    assert time.monotonic() - written_at < 5.0  # woken by the write, not the timeout
 
 
 def test_a_subscriber_hears_its_key_at_once_then_at_each_write_until_it_leaves(
-    etcd_shared: EtcdCluster,
+    followed: Followed,
 ) -> None:
-    writer = EtcdStore(etcd_shared.endpoints)
-    feed, prefix = feed_of(etcd_shared.endpoints)
+    feed, prefix, writer = followed
     heard: list[Versioned] = []
     changed = threading.Condition()
 
@@ -88,22 +98,18 @@ def test_a_subscriber_hears_its_key_at_once_then_at_each_write_until_it_leaves(
             assert changed.wait_for(lambda: len(heard) >= count, 10), heard
             return list(heard)
 
-    try:
-        first = writer.set(f"{prefix}bell", b"one")
-        assert feed.watch(f"{prefix}bell", 0, 10).version == first
-        leave = feed.subscribe(f"{prefix}bell", hear, lambda exc: None)
-        assert wait_heard(1) == [Versioned(b"one", first)]  # already rung: heard at once
-        writer.set(f"{prefix}other", b"-")
-        second = writer.set(f"{prefix}bell", b"two")
-        writer.delete(f"{prefix}bell")
-        assert wait_heard(3)[1:] == [Versioned(b"two", second), Versioned(None, 0)]
-        leave()
-        last = writer.set(f"{prefix}bell", b"three")
-        assert feed.watch(f"{prefix}bell", 0, 10).version == last
-        assert len(heard) == 3  # the feed had it, the subscriber had left
-    finally:
-        feed.close()
-        writer.close()
+    first = writer.set(f"{prefix}bell", b"one")
+    assert feed.watch(f"{prefix}bell", 0, 10).version == first
+    leave = feed.subscribe(f"{prefix}bell", hear, lambda exc: None)
+    assert wait_heard(1) == [Versioned(b"one", first)]  # already rung: heard at once
+    writer.set(f"{prefix}other", b"-")
+    second = writer.set(f"{prefix}bell", b"two")
+    writer.delete(f"{prefix}bell")
+    assert wait_heard(3)[1:] == [Versioned(b"two", second), Versioned(None, 0)]
+    leave()
+    last = writer.set(f"{prefix}bell", b"three")
+    assert feed.watch(f"{prefix}bell", 0, 10).version == last
+    assert len(heard) == 3  # the feed had it, the subscriber had left
 
 
 def test_the_feed_follows_on_another_member_when_its_member_dies(etcd3: EtcdCluster) -> None:
@@ -122,32 +128,29 @@ def test_the_feed_follows_on_another_member_when_its_member_dies(etcd3: EtcdClus
         writer.close()
 
 
-def test_a_stream_behind_a_compaction_reads_the_prefix_whole(etcd_shared: EtcdCluster) -> None:
+def test_a_stream_behind_a_compaction_reads_the_prefix_whole(
+    etcd_shared: EtcdCluster, followed: Followed
+) -> None:
     """A stream that must follow on from a revision etcd compacted away: the feed reads what is
     under the prefix now (here its stream is broken by hand, set to follow on from before the
     compaction, and made to forget what it saw)."""
-    writer = EtcdStore(etcd_shared.endpoints)
-    feed, prefix = feed_of(etcd_shared.endpoints)
-    try:
-        behind = writer.set(f"{prefix}r0/bell", b"old")
-        writer.delete(f"{prefix}r0/bell")
-        now = writer.set(f"{prefix}r0/final", b"now")
-        assert feed.watch(f"{prefix}r0/final", 0, 10).version == now
-        etcd_shared.call("/v3/kv/compaction", {"revision": str(now)})
-        heard: list[Versioned] = []
-        feed.subscribe(f"{prefix}r0/final", heard.append, lambda exc: None)
-        feed.forget(prefix)
-        feed._revision = behind - 1
-        assert feed._stream is not None
-        feed._stream.interrupt()
-        assert feed.watch(f"{prefix}r0/final", 0, 10) == Versioned(b"now", now)
-        assert feed.get(f"{prefix}r0/bell") == Versioned(None, 0)
-        assert heard == [Versioned(b"now", now)] * 2  # at once, and again on reading it whole
-        later = writer.set(f"{prefix}r1/final", b"later")  # and it follows on from there
-        assert feed.watch(f"{prefix}r1/final", 0, 10).version == later
-    finally:
-        feed.close()
-        writer.close()
+    feed, prefix, writer = followed
+    behind = writer.set(f"{prefix}r0/bell", b"old")
+    writer.delete(f"{prefix}r0/bell")
+    now = writer.set(f"{prefix}r0/final", b"now")
+    assert feed.watch(f"{prefix}r0/final", 0, 10).version == now
+    etcd_shared.call("/v3/kv/compaction", {"revision": str(now)})
+    heard: list[Versioned] = []
+    feed.subscribe(f"{prefix}r0/final", heard.append, lambda exc: None)
+    feed.forget(prefix)
+    feed._revision = behind - 1
+    assert feed._stream is not None
+    feed._stream.interrupt()
+    assert feed.watch(f"{prefix}r0/final", 0, 10) == Versioned(b"now", now)
+    assert feed.get(f"{prefix}r0/bell") == Versioned(None, 0)
+    assert heard == [Versioned(b"now", now)] * 2  # at once, and again on reading it whole
+    later = writer.set(f"{prefix}r1/final", b"later")  # and it follows on from there
+    assert feed.watch(f"{prefix}r1/final", 0, 10).version == later
 
 
 def test_a_feed_whose_cluster_is_gone_says_so_to_its_waiters(etcd: EtcdCluster) -> None:

@@ -152,21 +152,13 @@ class PrefixFeed:
         keys that changed meanwhile; the revision read at."""
         keys, revision = self._store.read_prefix(self._prefix)
         with self._changed:
-            changed = {
-                key: keys.get(key, ABSENT)
-                for key in set(keys) | set(self._seen)
-                if keys.get(key, ABSENT) != self._seen.get(key, ABSENT)
-            }
-            self._seen = dict(keys)
-            self._revision = revision
-            heard = [
-                (listener, value)
-                for key, value in changed.items()
-                for listener, _ in self._subscribers.get(key, ())
+            seen = self._seen
+            changes = [
+                (key, keys.get(key, ABSENT))
+                for key in set(keys) | set(seen)
+                if keys.get(key, ABSENT) != seen.get(key, ABSENT)
             ]
-            self._changed.notify_all()
-        for listener, value in heard:
-            _call(listener, value)
+        self._apply(changes, revision)
         return revision
 
     def _follow(self) -> None:
@@ -205,24 +197,34 @@ class PrefixFeed:
         return self._store.member == stream.endpoint
 
     def _take(self, events: list[dict[str, Any]]) -> None:
-        if not events:
-            return
+        """The stream's events, in their order."""
+        changes: list[tuple[str, Versioned]] = []
+        revision = 0
+        for event in events:
+            kv = event["kv"]
+            written = int(kv.get("mod_revision", 0))
+            revision = max(revision, written)
+            value = ABSENT
+            if event.get("type") != "DELETE":
+                value = Versioned(base64.b64decode(kv.get("value", "")), written)
+            changes.append((base64.b64decode(kv["key"]).decode(), value))
+        if changes:
+            self._apply(changes, revision)
+
+    def _apply(self, changes: list[tuple[str, Versioned]], revision: int) -> None:
+        """Note ``changes`` (an absent value: deleted), seen up to ``revision``; wake the
+        waiters, then call the subscribers, outside the lock (a subscriber may call the feed)."""
         heard: list[tuple[Callable[[Versioned], None], Versioned]] = []
         with self._changed:
-            for event in events:
-                kv = event["kv"]
-                key = base64.b64decode(kv["key"]).decode()
-                revision = int(kv.get("mod_revision", 0))
-                if event.get("type") == "DELETE":
+            for key, value in changes:
+                if value.value is None:
                     self._seen.pop(key, None)
-                    value = ABSENT
                 else:
-                    value = Versioned(base64.b64decode(kv.get("value", "")), revision)
                     self._seen[key] = value
-                self._revision = max(self._revision, revision)
                 heard += [(listener, value) for listener, _ in self._subscribers.get(key, ())]
+            self._revision = max(self._revision, revision)
             self._changed.notify_all()
-        for listener, value in heard:  # outside the lock: a listener may call the feed
+        for listener, value in heard:
             _call(listener, value)
 
 
