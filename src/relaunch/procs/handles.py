@@ -6,8 +6,10 @@ import logging
 import os
 import select
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relaunch.runtime import start_thread
@@ -36,16 +38,19 @@ def signal_tree(pid: int, sig: int) -> None:
         pass
 
 
-def wait_groups_gone(groups: Collection[int], timeout: float) -> bool:
+def wait_groups_gone(groups: Collection[int], timeout: float, ignore: Collection[int] = ()) -> bool:
     """Wait up to ``timeout`` seconds for every live process of the process ``groups`` (just
     sent SIGKILL) to die; True once none is left. No scan at all while the groups are empty,
     as they are when workers started nothing; otherwise their members are found once in
-    /proc and waited for on pidfds, not polled."""
+    /proc and waited for on pidfds, not polled. The pids in ``ignore`` (workers already known
+    not to die) are not waited for."""
     occupied = [group for group in groups if _group_exists(group)]
     if not occupied:
         return True
     fds = []
     for pid in _live_members(set(occupied)):
+        if pid in ignore:
+            continue
         try:
             fds.append(os.pidfd_open(pid))
         except ProcessLookupError:
@@ -95,6 +100,72 @@ def _live_members(groups: set[int]) -> list[int]:
     return members
 
 
+#: What the state letter of /proc/<pid>/stat means (proc(5)).
+_STATE_NAMES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible sleep",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "tracing stop",
+    "X": "dead",
+    "I": "idle",
+    "P": "parked",
+    "W": "waking",
+}
+
+
+@dataclass(frozen=True)
+class StuckWorker:
+    """A worker that outlived its SIGKILL, as /proc showed it when relaunch gave up on it.
+
+    ``state`` is its state letter and meaning (``"D (uninterruptible sleep)"``), ``wchan`` the
+    kernel function it sleeps in (where the kernel tells), ``tracer`` the pid of a process
+    tracing it (a debugger: only that one can reap a traced zombie first), 0 if none.
+    """
+
+    pid: int
+    state: str
+    wchan: str = ""
+    tracer: int = 0
+
+    def __str__(self) -> str:
+        text = f"pid {self.pid} in state {self.state}"
+        if self.wchan:
+            text += f", waiting in {self.wchan}"
+        if self.tracer:
+            text += f", traced by pid {self.tracer}"
+        return text
+
+
+def stuck_worker(pid: int) -> StuckWorker:
+    """How process ``pid`` stands now, read from /proc (``"? (gone)"`` if it has no entry)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return StuckWorker(pid, "? (gone)")
+    letter = stat[stat.rindex(b")") + 2 :].split()[0].decode()
+    state = f"{letter} ({_STATE_NAMES.get(letter, 'unknown')})"
+    return StuckWorker(pid, state, _read_proc(pid, "wchan"), _tracer_of(pid))
+
+
+def _read_proc(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}", encoding="ascii", errors="replace") as file:
+            text = file.read().strip()
+    except OSError:
+        return ""
+    return "" if text == "0" else text
+
+
+def _tracer_of(pid: int) -> int:
+    for line in _read_proc(pid, "status").splitlines():
+        if line.startswith("TracerPid:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _exit_fd(pid: int, wait: Callable[[], object]) -> int:
     """A file descriptor that becomes readable when process ``pid`` exits: no polling needed.
 
@@ -127,6 +198,16 @@ class PopenHandle:
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, waiting up to ``timeout`` seconds; None if it has not exited."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def abandon(self) -> None:
+        """Nothing to do: ``subprocess`` reaps a dropped ``Popen`` later, waiting for nothing."""
+
     def release(self) -> None:
         os.close(self.exit_fd)
 
@@ -146,6 +227,19 @@ class ProcessHandle:
 
     def poll(self) -> int | None:
         return self.process.exitcode
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, waiting up to ``timeout`` seconds; None if it has not exited."""
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def abandon(self) -> None:
+        """Forget a worker that would not die: ``multiprocessing`` joins every child it started
+        at interpreter exit, which would hang the launcher on this one forever."""
+        process_module = sys.modules.get("multiprocessing.process")
+        children = getattr(process_module, "_children", None)
+        if isinstance(children, set):
+            children.discard(self.process)
 
     def release(self) -> None:
         os.close(self.exit_fd)
