@@ -13,4 +13,6 @@ BENCHMARKS = {
     "imports": "worker import cost: import relaunch + report_progress vs python -c pass",
     "store": "the built-in store: memory per idle connection, 4,096 clients, parked, flood",
     "chaos": "faults at random moments in real jobs: survival, leaks, lost lines, reports",
+    "spares": "a lost node's place taken by a waiting spare vs a node started cold",
+    "resilience": "a hang's deadline -> every stack and a restart (1 and 2 nodes); stragglers",
 }

@@ -3,8 +3,9 @@
 The public names follow ``torch.distributed.elastic``, so code moves over by changing an import.
 Importing relaunch never imports torch or any other framework.
 
-The names load on first use (PEP 562): a worker that only calls ``relaunch.report_progress`` or
-``relaunch.stop_requested`` pays for the channel module, not for the agent and its processes.
+The names load on first use (PEP 562): a worker that only calls ``relaunch.report_progress``,
+``relaunch.stop_requested``, ``relaunch.heartbeat`` or ``relaunch.section`` pays for the channel
+module, not for the agent and its processes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
         record,
         start_processes,
     )
-    from relaunch.worker import report_progress, stop_requested
+    from relaunch.worker import heartbeat, report_progress, section, stop_requested
 
 __version__ = "0.1.0"
 
@@ -57,8 +58,10 @@ __all__ = [
     "WorkerSpec",
     "WorkerState",
     "elastic_launch",
+    "heartbeat",
     "record",
     "report_progress",
+    "section",
     "start_processes",
     "stop_requested",
 ]
@@ -87,8 +90,9 @@ _HOMES = {
     ),
     "LaunchConfig": "relaunch.launcher",
     "elastic_launch": "relaunch.launcher",
-    "report_progress": "relaunch.worker",
-    "stop_requested": "relaunch.worker",
+    **dict.fromkeys(
+        ["heartbeat", "report_progress", "section", "stop_requested"], "relaunch.worker"
+    ),
 }
 
 

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 # Nothing from relaunch.rendezvous at import time: the rendezvous code imports this module.
-from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.core.defaults import (
+    DEFAULT_EXIT_BARRIER_TIMEOUT,
+    DEFAULT_HEALTH_CHECK_COOLDOWN,
+    DEFAULT_HEALTH_CHECK_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+)
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint
 
@@ -76,10 +81,21 @@ class LaunchConfig:
     #: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); restart when a worker hangs this many seconds.
     timers: bool | None = None
     hang_timeout: float | None = None
+    #: Seconds before the second restart of a crash loop, doubling up to the second number.
+    restart_backoff: tuple[float, float] = (1.0, 30.0)
+    #: Stop the job after this many restarts in a row that made no progress (0: never).
+    max_stalled_restarts: int = 3
+    #: Flag a rank whose steps per second fall below the job's median divided by this.
+    straggler_factor: float = 1.5
     #: torchrun's ``--signals-to-handle``, given to workers as ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
     signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
     #: Seconds a node whose workers finished waits for the other nodes' before closing the job.
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
+    #: A shell command run before every join (exit 0: this node is healthy and joins), how long
+    #: it may run, and how long a node whose check failed waits before the next.
+    health_check: str | None = None
+    health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
+    health_check_cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)
@@ -118,6 +134,12 @@ def _check_counts(config: LaunchConfig) -> None:
             "exit_barrier_timeout must be a number of seconds > 0, got "
             f"{config.exit_barrier_timeout!r}"
         )
+    for name in ("health_check_timeout", "health_check_cooldown"):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+    if config.health_check is not None and not config.health_check.strip():
+        raise ConfigError("health_check must be a shell command, got an empty one")
 
 
 def validate(config: LaunchConfig) -> None:
@@ -192,6 +214,11 @@ class RdzvSettings(NamedTuple):
     is_host: bool | None = None
     #: The store's shared secret (else ``$RELAUNCH_RDZV_TOKEN``, read by the rendezvous).
     token: str | None = None
+    #: This node's name within its host, for the job's record of it (``core.exclusion``).
+    node_name: str | None = None
+    #: Failures a node may cause before it is excluded (0: never), and for how many seconds.
+    exclude_after: int = 3
+    exclude_cooldown: float = 600.0
 
 
 def _number(conf: Mapping[str, Any], key: str, default: float, whole: bool = False) -> Any:
@@ -217,7 +244,26 @@ def rdzv_settings(conf: Mapping[str, Any]) -> RdzvSettings:
         timeout=_number(conf, "timeout", 60),
         is_host=None if conf.get("is_host") is None else _truthy(conf["is_host"]),
         token=conf.get("token") or None,
+        node_name=conf.get("node_name") or None,
+        exclude_after=_number(conf, "exclude_after", 3, whole=True),
+        exclude_cooldown=_number(conf, "exclude_cooldown", 600),
     )
+    from relaunch.core.exclusion import valid_node_name
+
+    if settings.node_name is not None and not valid_node_name(str(settings.node_name)):
+        raise ConfigError(
+            f"--rdzv-conf node_name={settings.node_name!r}: expected 1 to 64 letters, digits, "
+            "'.', '_' or '-'"
+        )
+    if settings.exclude_after < 0:
+        raise ConfigError(
+            f"--rdzv-conf exclude_after={conf['exclude_after']!r}: expected a whole number >= 0"
+        )
+    if not (math.isfinite(settings.exclude_cooldown) and settings.exclude_cooldown > 0):
+        raise ConfigError(
+            f"--rdzv-conf exclude_cooldown={conf['exclude_cooldown']!r}: expected a number of "
+            "seconds > 0"
+        )
     for key in ("join_timeout", "last_call_timeout", "keep_alive_interval"):
         if getattr(settings, key) <= 0:
             raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds > 0")
@@ -344,8 +390,14 @@ def config_from_args(
         event_log_handler=args.event_log_handler,
         timers=True if args.timers else None,
         hang_timeout=args.hang_timeout,
+        restart_backoff=args.restart_backoff,
+        max_stalled_restarts=args.max_stalled_restarts,
+        straggler_factor=args.straggler_factor,
         signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
         exit_barrier_timeout=args.exit_barrier_timeout,
+        health_check=args.health_check,
+        health_check_timeout=args.health_check_timeout,
+        health_check_cooldown=args.health_check_cooldown,
     )
     validate(config)
     if backend != "static" and not endpoint:

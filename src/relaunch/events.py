@@ -115,6 +115,7 @@ def status_event(
     role_rank: int | None = None,
     role_world_size: int | None = None,
     progress: dict[str, Any] | None = None,
+    straggler: dict[str, Any] | None = None,
 ) -> Event:
     """A ``torchelastic.worker.status.<STATE>`` event with torchelastic's metadata keys and order.
 
@@ -132,6 +133,8 @@ def status_event(
         inner["role_world_size"] = [role_world_size]
     if progress is not None:  # relaunch's addition: the worker's last report_progress
         inner["progress"] = progress
+    if straggler is not None:  # relaunch's addition: its rate and the job's median
+        inner["straggler"] = straggler
     metadata: dict[str, EventMetadataValue] = {
         "run_id": run_id,
         "global_rank": global_rank,

@@ -12,8 +12,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
+from relaunch.agent.health import HealthCheck
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
+from relaunch.core.restart import Backoff
 from relaunch.core.summary import RunSummary
 from relaunch.events import Metrics, event_handler_from_spec, metric_handler_from_spec
 from relaunch.procs.errors import ChildFailedError, SignalException
@@ -110,6 +112,16 @@ def launch_agent(
         metrics=metrics,
         timers=config.timers,
         hang_timeout=config.hang_timeout,
+        health_check=None
+        if config.health_check is None
+        else HealthCheck(
+            config.health_check, config.health_check_timeout, config.health_check_cooldown
+        ),
+        restart_backoff=Backoff(
+            *config.restart_backoff, healthy=max(2 * config.restart_backoff[1], 1.0)
+        ),
+        max_stalled_restarts=config.max_stalled_restarts,
+        straggler_factor=config.straggler_factor,
     )
     outcome = "ended by an error"
     try:

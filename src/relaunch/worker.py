@@ -1,7 +1,8 @@
-"""What a worker calls to talk to its agent: ``report_progress`` and ``stop_requested``.
+"""What a worker calls to talk to its agent: ``report_progress``, ``stop_requested``,
+``heartbeat`` and ``section``.
 
-Both cost a microsecond or less, never block, and do nothing outside relaunch, so training
-code can call them every step unconditionally.
+Each costs a few microseconds at most, never blocks, and does nothing outside relaunch, so
+training code can call them every step unconditionally.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import mmap
 import os
 import struct
 import time
+from _thread import allocate_lock
+from types import TracebackType
 
 from relaunch.core import channel
+from relaunch.core.sections import learned_bound
 
 _UNKNOWN, _OPEN, _ABSENT = 0, 1, 2
 _state = _UNKNOWN
@@ -23,12 +27,16 @@ _listening = False
 _FIELDS = channel.FIELDS
 _SEQ = channel.SEQ
 _time = time.time
+_LIVE = channel.LIVE_FIELDS
+_live_sequence = 0
+_live_lock = allocate_lock()  # heartbeats may come from another thread than the sections
 
 
 def _forget() -> None:
     """In a forked child: look at the channel afresh on the next call."""
     global _state
     _state = _UNKNOWN
+    _Live.open = []
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -36,7 +44,7 @@ os.register_at_fork(after_in_child=_forget)
 
 def _open() -> mmap.mmap | None:
     """Map the agent's channel, once per process; None when not run by relaunch."""
-    global _map, _offset, _sequence, _listening, _state
+    global _map, _offset, _sequence, _listening, _state, _live_sequence
     _map, _sequence, _listening, _state = None, 0, False, _ABSENT
     path = os.environ.get(channel.CHANNEL_ENV)
     rank = os.environ.get("LOCAL_RANK")
@@ -54,6 +62,8 @@ def _open() -> mmap.mmap | None:
     _map, _offset, _state = mapped, channel.slot_offset(int(rank)), _OPEN
     (_sequence,) = _SEQ.unpack_from(mapped, _offset)
     _sequence += _sequence % 2
+    (_live_sequence,) = _SEQ.unpack_from(mapped, _offset + channel.LIVE_OFFSET)
+    _live_sequence += _live_sequence % 2
     return _map
 
 
@@ -75,7 +85,7 @@ def report_progress(step: int, total: int | None = None, desc: str | None = None
         )
     if desc is not None and desc != _desc_cache[0]:
         _desc_cache = (desc, channel.encode_desc(desc))
-        mapped[offset + channel.DESC_OFFSET : offset + channel.SLOT] = _desc_cache[1]
+        mapped[offset + channel.DESC_OFFSET : offset + channel.DESC_END] = _desc_cache[1]
     _sequence = sequence + 1
     _SEQ.pack_into(mapped, offset, _sequence)
 
@@ -92,3 +102,163 @@ def stop_requested() -> bool:
         mapped[_offset + channel.LISTENING_OFFSET] = 1
         _listening = True
     return mapped[channel.STOP_OFFSET] != 0
+
+
+# -- liveness: heartbeats and sections -------------------------------------------------------
+
+
+class _Learner:
+    """Durations seen of one section name (or of the gaps between heartbeats)."""
+
+    __slots__ = ("count", "longest")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.longest = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.longest = max(self.longest, seconds)
+
+    def bound(self, given: float | None) -> tuple[float, int]:
+        """``(seconds, BOUND_*)``: the timeout given, else the learned one, else none (0)."""
+        if given is not None:
+            return given, channel.BOUND_GIVEN
+        learned = learned_bound(self.count, self.longest)
+        return (0.0, channel.BOUND_NONE) if learned is None else (learned, channel.BOUND_LEARNED)
+
+
+class _Live:
+    """This worker's liveness as it writes it into its slot."""
+
+    beat_at = 0.0
+    beat_due = 0.0
+    beat_how = channel.BOUND_NONE
+    beats = 0
+    done = 0
+    beat_gaps = _Learner()
+    durations: dict[str, _Learner] = {}
+    #: Open sections, innermost last: (name, entered, due, how the bound was set).
+    open: list[tuple[str, float, float, int]] = []
+    name_written = ""
+    stacks_on_abort = False
+
+
+def _write_live() -> None:
+    """Publish ``_Live`` into the slot under its seqlock; the caller holds ``_live_lock``."""
+    global _live_sequence
+    mapped = _map
+    assert mapped is not None
+    first = not _Live.stacks_on_abort
+    if first:
+        # The agent asks a hung worker (and every other rank) for its stack with SIGABRT.
+        import faulthandler  # built in: costs nothing to import
+
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=True)
+        _Live.stacks_on_abort = True
+    offset = _offset + channel.LIVE_OFFSET
+    name, entered, due, how = _Live.open[-1] if _Live.open else ("", 0.0, 0.0, 0)
+    sequence = _live_sequence + 1
+    _SEQ.pack_into(mapped, offset, sequence)
+    _LIVE.pack_into(
+        mapped,
+        offset + 8,
+        _Live.beat_at,
+        _Live.beat_due,
+        entered,
+        due,
+        _Live.done,
+        _Live.beats,
+        how,
+        _Live.beat_how,
+    )
+    if name != _Live.name_written:
+        mapped[_offset + channel.NAME_OFFSET : _offset + channel.SLOT] = channel.encode_desc(
+            name, channel.NAME
+        )
+        _Live.name_written = name
+    _live_sequence = sequence + 1
+    _SEQ.pack_into(mapped, offset, _live_sequence)
+    if first:  # once the deadline is there to be read
+        _wake_agent()
+
+
+def _wake_agent() -> None:
+    """Tell the agent its deadlines need watching from now on (one byte on its wake FIFO)."""
+    try:
+        fd = os.open(
+            channel.wake_path(os.environ[channel.CHANNEL_ENV]), os.O_WRONLY | os.O_NONBLOCK
+        )
+    except (KeyError, OSError):
+        return
+    try:
+        os.write(fd, b"1")
+    except OSError:
+        pass  # full: the agent has been woken already
+    finally:
+        os.close(fd)
+
+
+def heartbeat(timeout: float | None = None) -> None:
+    """Tell the agent this worker is alive. The next heartbeat is due within ``timeout``
+    seconds, or, when none is given, within a bound learned from the gaps between the earlier
+    ones (``relaunch.core.sections``); a worker that misses it is hung, and the agent dumps the
+    stacks of every rank and restarts the group."""
+    if _state != _OPEN and (_state == _ABSENT or _open() is None):
+        return
+    now = _time()
+    with _live_lock:
+        if _Live.beat_at:
+            _Live.beat_gaps.observe(now - _Live.beat_at)
+        bound, _Live.beat_how = _Live.beat_gaps.bound(timeout)
+        _Live.beat_at, _Live.beat_due = now, (now + bound if bound else 0.0)
+        _Live.beats += 1
+        _write_live()
+
+
+class section:  # lower case: used like a function, ``with relaunch.section("step"):``
+    """``with relaunch.section("step"):`` marks a part of the loop that must end in time: within
+    ``timeout`` seconds, or, when none is given, within a bound learned from the earlier runs of
+    the section of that name (``relaunch.core.sections``). An overdue section is a hang: the
+    agent dumps the stacks of every rank, names this rank and section, and restarts the group.
+    Sections nest; the innermost open one is watched. Outside relaunch it does nothing."""
+
+    __slots__ = ("_entered", "_name", "_timeout")
+
+    def __init__(self, name: str, timeout: float | None = None) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"a section's timeout must be a positive number, got {timeout!r}")
+        self._name = name
+        self._timeout = timeout
+        self._entered = 0.0
+
+    def __enter__(self) -> section:
+        if _state != _OPEN and (_state == _ABSENT or _open() is None):
+            return self
+        now = self._entered = _time()
+        with _live_lock:
+            learner = _Live.durations.get(self._name)
+            if learner is None:
+                learner = _Live.durations[self._name] = _Learner()
+            bound, how = learner.bound(self._timeout)
+            _Live.open.append((self._name, now, now + bound if bound else 0.0, how))
+            _write_live()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not self._entered or _state != _OPEN:
+            return
+        now = _time()
+        with _live_lock:
+            if _Live.open and _Live.open[-1][1] == self._entered:
+                _Live.open.pop()
+            if kind is None:  # only a section that ended normally teaches its duration
+                _Live.durations[self._name].observe(now - self._entered)
+                _Live.done += 1
+            _write_live()

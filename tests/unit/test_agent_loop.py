@@ -333,7 +333,7 @@ class SharedCountHandler(ListeningHandler):
         self.calls += 1
         return self.alive
 
-    def fail_job(self, reason: str) -> None:
+    def fail_job(self, reason: str, stacks: bool = False) -> None:
         self.failed_with.append(reason)
         self.closed = True
 

@@ -32,8 +32,10 @@ def test_public_names_are_pinned() -> None:
         "WorkerSpec",
         "WorkerState",
         "elastic_launch",
+        "heartbeat",
         "record",
         "report_progress",
+        "section",
         "start_processes",
         "stop_requested",
     ]

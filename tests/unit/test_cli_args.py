@@ -93,6 +93,11 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "master_port": "9",
                 "hang_timeout": "30",
                 "exit_barrier_timeout": "12.5",
+                "health_check_timeout": "7",
+                "health_check_cooldown": "9",
+                "restart_backoff": "2:8",
+                "max_stalled_restarts": "0",
+                "straggler_factor": "3",
             }.get(dest, "x")
         )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]

@@ -52,7 +52,9 @@ def test_a_slot_round_trips_and_a_torn_write_is_not_read() -> None:
     assert read_progress(buffer, 0) is None
     offset = channel.slot_offset(1)
     channel.FIELDS.pack_into(buffer, offset + 8, 5, -1, 12.5)
-    buffer[offset + channel.DESC_OFFSET : offset + channel.SLOT] = channel.encode_desc("é" * 100)
+    buffer[offset + channel.DESC_OFFSET : offset + channel.DESC_END] = channel.encode_desc(
+        "é" * 100
+    )
     channel.SEQ.pack_into(buffer, offset, 3)  # odd: a write in progress
     assert read_progress(buffer, 1) is None
     channel.SEQ.pack_into(buffer, offset, 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -70,8 +71,12 @@ def test_a_round_after_a_running_one_waits_for_it_then_completes_at_the_expected
     assert blocked.step is Step.WAIT
     done = decide_join(S, 1, 3, None, 0.0, 0.0, 1.0, previous_running=False, expected=3)
     assert (done.step, done.count) == (Step.COMPLETE, 3)
-    failed = decide_join(S, 1, 1, None, 0.0, None, 100.0, previous_running=True)
-    assert failed.step is Step.FAIL and "make room" in failed.reason
+    # A spare waits past join_timeout for as long as the round before runs, for any ticket.
+    for ticket in (1, 2):
+        spare = decide_join(S, ticket, 1, None, 0.0, None, 100.0, previous_running=True)
+        assert (spare.step, spare.deadline) == (Step.WAIT, 200.0)
+    failed = decide_join(S, 1, 1, None, 0.0, None, 100.0, previous_running=False)
+    assert failed.step is Step.FAIL and "2 node(s) to join" in failed.reason
 
 
 def test_ring_and_liveness() -> None:
@@ -115,6 +120,20 @@ def join_all(sizes: list[int], min_nodes: int, max_nodes: int) -> list[Rendezvou
     threads = [threading.Thread(target=join, args=(i,)) for i in range(len(sizes))]
     for thread in threads:
         thread.start()
+    # Nodes beyond the first round wait as spares while it runs: once its members have their
+    # places, the job finishes, and the spares are dismissed.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        final = store.get("relaunch/job/news/r0/final").value
+        placed = sum(isinstance(r, RendezvousInfo) for r in results)
+        if final is not None and placed >= json.loads(final)["count"]:
+            break
+        time.sleep(0.01)
+    member = next(
+        (h for h, r in zip(handlers, results, strict=True) if isinstance(r, RendezvousInfo)), None
+    )
+    if member is not None:
+        member.set_closed()
     for thread in threads:
         thread.join(30)
     for handler in handlers:
@@ -146,8 +165,8 @@ def test_concurrent_joins_always_form_one_consistent_world(
     assert ranks == list(range(world.pop()))  # a permutation of 0..world-1
     assert len({(info.master_addr, info.master_port) for _, info in members}) == 1
     assert {info.group_world_size for _, info in members} == {len(members)}
-    # Latecomers wait for the running job to make room (or behind one that does).
-    assert all("make room" in r or "first node to complete" in r for r in refused)
+    # Latecomers wait as spares until the job finishes (or behind one that does).
+    assert all("already finished" in r or "first node to complete" in r for r in refused)
 
 
 @pytest.mark.timeout(30)

@@ -49,14 +49,15 @@ def _loaded(modules: list[str], names: tuple[str, ...]) -> list[str]:
     return [m for m in modules if any(m == n or m.startswith(n + ".") for n in names)]
 
 
-def test_report_progress_and_stop_requested_load_only_the_channel(tmp_path) -> None:
+def test_the_worker_calls_load_only_the_channel(tmp_path) -> None:
     # A channel file as the agent makes it, so the worker maps it and writes its slot.
     path = tmp_path / "channel"
     buffer = bytearray(channel.size(1))
     channel.HEADER_STRUCT.pack_into(buffer, 0, channel.MAGIC, 0, 1)
     path.write_bytes(buffer)
     modules = _modules_after(
-        "import relaunch\nrelaunch.report_progress(7, 10, 'x')\nrelaunch.stop_requested()",
+        "import relaunch\nrelaunch.report_progress(7, 10, 'x')\nrelaunch.stop_requested()\n"
+        "relaunch.heartbeat()\nwith relaunch.section('step', timeout=3):\n    pass",
         **{channel.CHANNEL_ENV: str(path), "LOCAL_RANK": "0"},
     )
     progress = read_progress(path.read_bytes(), 0)
@@ -67,6 +68,7 @@ def test_report_progress_and_stop_requested_load_only_the_channel(tmp_path) -> N
         "relaunch",
         "relaunch.core",
         "relaunch.core.channel",
+        "relaunch.core.sections",
         "relaunch.worker",
     ]
 

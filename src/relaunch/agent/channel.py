@@ -5,16 +5,22 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
+from collections.abc import Callable
 
 from relaunch.core import channel
+from relaunch.core.liveness import Liveness, read_liveness
 from relaunch.core.progress import Progress, read_progress
 from relaunch.procs.guardian import guardian
 
 
 class Channel:
-    """A shared-memory file for ``slots`` local ranks: their progress, and the stop flag."""
+    """A shared-memory file for ``slots`` local ranks: their progress and liveness, and the stop
+    flag."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, on_first_use: Callable[[], None] = lambda: None) -> None:
+        """``on_first_use`` is called (from a thread of the channel's) when a worker first calls
+        ``heartbeat`` or enters a ``section``: from then on their deadlines are to be watched."""
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="relaunch_channel_", dir=directory)
         try:
@@ -24,7 +30,22 @@ class Channel:
             os.close(fd)
         self.slots = slots
         guardian().register_file(self.path)  # removed even if this process is SIGKILLed
+        self._wake_path = channel.wake_path(self.path)
+        os.mkfifo(self._wake_path, 0o600)
+        guardian().register_file(self._wake_path)
+        # Read and write: opening does not wait for a writer, and reads block, not end, between
+        # writers.
+        self._wake_fd = os.open(self._wake_path, os.O_RDWR)
+        self._closing = False
+        self._waker = threading.Thread(
+            target=self._read_wakes, args=(on_first_use,), name="relaunch-channel", daemon=True
+        )
+        self._waker.start()
         self.reset()
+
+    def _read_wakes(self, on_first_use: Callable[[], None]) -> None:
+        while os.read(self._wake_fd, 512) and not self._closing:
+            on_first_use()
 
     def env(self) -> dict[str, str]:
         return {channel.CHANNEL_ENV: self.path}
@@ -45,15 +66,25 @@ class Channel:
         with memoryview(self._map) as view:
             return read_progress(view, rank)
 
+    def liveness(self, rank: int) -> Liveness | None:
+        """``rank``'s heartbeats and open section (None before it used either)."""
+        with memoryview(self._map) as view:
+            return read_liveness(view, rank)
+
     def listening(self, rank: int) -> bool:
         """Whether ``rank`` reads the stop flag (it has called ``stop_requested()``)."""
         with memoryview(self._map) as view:
             return channel.listening(view, rank)
 
     def close(self) -> None:
+        self._closing = True
+        os.write(self._wake_fd, b"\0")  # ends the reader
+        self._waker.join()
+        os.close(self._wake_fd)
         self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        guardian().unregister_file(self.path)
+        for path in (self.path, self._wake_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            guardian().unregister_file(path)

@@ -7,6 +7,10 @@
   not grow, it touches no timer) for that long is asked for its stack with SIGABRT (workers get
   ``PYTHONFAULTHANDLER=1``, so Python dumps every thread's stack to stderr), then SIGKILLed if
   it is still there after ``ABORT_GRACE`` seconds.
+* **Overdue sections** (``relaunch.section``, ``relaunch.heartbeat``): a worker past a deadline
+  it set itself is hung; every local rank is asked for its stack (SIGABRT), so the report shows
+  where each one was, not only the late one. ``hang`` then names it for the agent, which asks
+  the other nodes for their ranks' stacks too (``dump_stacks``).
 
 Either way the death is a failure like any other, and ``ExpiryWatch.explain`` says why in its
 report.
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from relaunch.core import timers as core_timers
 from relaunch.core.failures import AT_EXIT, faulthandler_dump, waits_at_exit
+from relaunch.core.liveness import Liveness, Overdue, next_due, overdue
 from relaunch.core.progress import Progress
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
@@ -43,6 +48,11 @@ LAST_LINE_CHARS = 200
 #: How often the timer server looks at its FIFO when no deadline is near (it wakes for each
 #: request and each deadline anyway).
 TIMER_MAX_INTERVAL = 1.0
+FAULT_HANDLER_ENV = "PYTHONFAULTHANDLER"
+#: How often the channel is read for a section or heartbeat deadline set since the last look,
+#: once a worker uses them (its first use wakes the agent: ``Channel``'s wake FIFO). A deadline
+#: already seen is acted on when it passes.
+LIVENESS_LOOK = 0.5
 
 
 def timers_enabled_by_env() -> bool:
@@ -70,6 +80,14 @@ class ExpiryWatch:
         self._log_files: dict[int, list[str]] = {}
         self._running: Callable[[], set[int]] = set
         self._progress: Callable[[int], Progress | None] = lambda rank: None
+        self._liveness: Callable[[int], Liveness | None] = lambda rank: None
+        self._lives_used = False
+        self._hold: Callable[[], None] = lambda: None
+        self._hung_at: dict[int, float] = {}  # pid -> the deadline it missed
+        #: Why this group's ranks were asked for their stacks (an overdue section here, or
+        #: another node's request); None while nobody asked.
+        self.hang: str | None = None
+        self._asked: str | None = None  # another node's hang, for which the stacks were taken
         self._started_at = 0.0
         self._aborted: dict[int, float] = {}  # pid -> when SIGABRT was sent
         self._timer_dir: str | None = None
@@ -91,10 +109,6 @@ class ExpiryWatch:
             )
 
     @property
-    def active(self) -> bool:
-        return self._server is not None or self._hang_timeout is not None
-
-    @property
     def hang_timeout(self) -> float | None:
         return self._hang_timeout
 
@@ -113,8 +127,8 @@ class ExpiryWatch:
         env = {}
         if self._server is not None:
             env[TIMER_FILE_ENV] = self._server.file_path
-        if self._hang_timeout is not None:
-            env["PYTHONFAULTHANDLER"] = "1"
+        if FAULT_HANDLER_ENV not in os.environ:  # a hang's SIGABRT prints every rank's stack
+            env[FAULT_HANDLER_ENV] = "1"
         return env
 
     def watch(
@@ -123,11 +137,19 @@ class ExpiryWatch:
         log_files: Mapping[int, list[str]],
         running: Callable[[], set[int]],
         progress: Callable[[int], Progress | None],
+        liveness: Callable[[int], Liveness | None] = lambda rank: None,
+        hold: Callable[[], None] = lambda: None,
     ) -> None:
         """A new group started: ``pids`` and ``log_files`` by local rank; ``running()`` says
         which ranks have not exited (a finished worker is not hung); ``progress(rank)`` is a
-        rank's last ``report_progress``."""
+        rank's last ``report_progress``, ``liveness(rank)`` its heartbeats and sections;
+        ``hold()`` keeps one worker's death from stopping the others while stacks are taken."""
         self._progress = progress
+        self._liveness = liveness
+        self._hold = hold
+        self._hung_at.clear()
+        self._lives_used = False
+        self.hang = self._asked = None
         if self._server is not None:
             self._server.forget(self._pids.values())
         self._pids = dict(pids)
@@ -151,14 +173,20 @@ class ExpiryWatch:
         progress = self._progress(rank)
         if progress is not None:
             seen = max(seen, progress.time)
+        live = self._liveness(rank)
+        if live is not None:
+            seen = max(seen, live.last_sign)
         return seen
 
     def check(self) -> float | None:
         """Act on hung workers now; the seconds until the next check is due (None: never)."""
-        if self._hang_timeout is None or not self._pids:
+        if not self._pids:
             return None
         now = self._clock.time()
         waits = []
+        look = self._check_liveness(now)
+        if look is not None:
+            waits.append(look)
         for pid, aborted_at in list(self._aborted.items()):
             if now - aborted_at >= ABORT_GRACE:
                 log.warning("pid %d did not die of SIGABRT within %gs: SIGKILL", pid, ABORT_GRACE)
@@ -166,18 +194,76 @@ class ExpiryWatch:
                 del self._aborted[pid]
             else:
                 waits.append(aborted_at + ABORT_GRACE - now)
-        running = self._running()
-        live = {
-            rank: self._last_sign(rank)
-            for rank, pid in self._pids.items()
-            if rank in running and pid not in self._causes
-        }
-        hung, next_at = core_timers.silent(live, now, self._hang_timeout)
-        for rank in hung:
-            self._abort(rank, now - live[rank])
-        if next_at is not None:
-            waits.append(next_at - now)
+        if self._hang_timeout is not None:
+            running = self._running()
+            live = {
+                rank: self._last_sign(rank)
+                for rank, pid in self._pids.items()
+                if rank in running and pid not in self._causes
+            }
+            hung, next_at = core_timers.silent(live, now, self._hang_timeout)
+            for rank in hung:
+                self._hung(rank, now - live[rank])
+            if next_at is not None:
+                waits.append(next_at - now)
         return max(0.0, min(waits)) if waits else None
+
+    def _check_liveness(self, now: float) -> float | None:
+        """Act on overdue sections and heartbeats; the seconds until the channel is read again
+        (None: no worker uses them yet)."""
+        if self.hang is not None or self._asked is not None:
+            return LIVENESS_LOOK  # the group's stacks were asked for: it is ending
+        running = self._running()
+        lives = {rank: self._liveness(rank) for rank in running}
+        self._lives_used = self._lives_used or any(
+            live is not None and live.used for live in lives.values()
+        )
+        late = overdue(lives, now)
+        if late:
+            self._overdue(late, now)
+            return LIVENESS_LOOK
+        if not self._lives_used:
+            return None
+        due = next_due(lives)
+        return LIVENESS_LOOK if due is None else min(LIVENESS_LOOK, due - now)
+
+    def _overdue(self, late: list[Overdue], now: float) -> None:
+        """Ranks are past their deadlines: ask every local rank for its stack."""
+        names = ", ".join(f"local rank {o.rank}: {o.describe(now)}" for o in late)
+        first = late[0]
+        self.hang = f"local rank {first.rank} is hung ({first.describe(now)})"
+        log.warning("%s: asking every local rank for its stack (SIGABRT)", names)
+        for o in late:
+            self._hung_at[self._pids[o.rank]] = o.due
+            self._causes[self._pids[o.rank]] = (
+                f"hung: {o.describe(now)}; relaunch sent SIGABRT to every local rank for its stack"
+            )
+        self._dump_running(f"its stack was taken because {self.hang}")
+
+    def dump_stacks(self, why: str) -> bool:
+        """Another node found a hang (``why``): ask every running local rank for its stack;
+        whether this started it (False: the stacks were already asked for)."""
+        if self.hang is not None or self._asked is not None:
+            return False
+        self._asked = why
+        self._dump_running(f"its stack was taken because {why}")
+        return True
+
+    def _dump_running(self, cause: str) -> None:
+        self._hold()
+        for rank in sorted(self._running()):
+            pid = self._pids.get(rank)
+            if pid is not None and pid not in self._causes:
+                self._causes[pid] = cause
+            if pid is not None:
+                self._abort(pid)
+
+    def dumping(self) -> float:
+        """Seconds left before the ranks asked for their stacks are given up on (0: none)."""
+        if not self._aborted:
+            return 0.0
+        now = self._clock.time()
+        return max(0.0, max(at + ABORT_GRACE for at in self._aborted.values()) - now)
 
     def _last_output_line(self, rank: int) -> str | None:
         """The last line ``rank`` wrote (in the log file written last), or None: no output."""
@@ -194,7 +280,7 @@ class ExpiryWatch:
                 return line if len(line) <= LAST_LINE_CHARS else line[:LAST_LINE_CHARS] + "..."
         return None
 
-    def _abort(self, rank: int, silent_for: float) -> None:
+    def _hung(self, rank: int, silent_for: float) -> None:
         pid = self._pids[rank]
         last = self._last_output_line(rank)
         after = (
@@ -213,6 +299,12 @@ class ExpiryWatch:
             pid,
             silent_for,
         )
+        self._abort(pid)
+
+    def _abort(self, pid: int) -> None:
+        """Ask ``pid`` for its stack: SIGABRT, with Python's fault handler enabled."""
+        if pid in self._aborted:
+            return
         try:
             # The stack is what is wanted, not a core file of the whole address space.
             resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
@@ -248,14 +340,22 @@ class ExpiryWatch:
             if cause is None:
                 continue
             detail = "" if failure.message == NO_DETAIL_HINT else failure.message
-            if cause.startswith("hung"):
+            if failure.pid in self._hung_at:  # the root cause: it hung before anyone died
+                failure.timestamp = self._hung_at[failure.pid]
+            if _asked_for_stack(cause):
                 dump = faulthandler_dump(read_tail(stderr_files.get(rank, ""), 256 * 1024))
                 if dump and waits_at_exit(dump):
                     cause += f"\n{AT_EXIT}"
+                when = "it hung" if cause.startswith("hung") else "relaunch asked for it"
                 detail = (
-                    f"stack of every thread when it hung ({stderr_files[rank]}):\n{dump}"
+                    f"stack of every thread when {when} ({stderr_files[rank]}):\n{dump}"
                     if dump
                     else detail
                 )
             failure.message = f"{cause}\n{detail}" if detail else cause
         self._aborted.clear()
+
+
+def _asked_for_stack(cause: str) -> bool:
+    """Whether a worker killed for ``cause`` was sent SIGABRT for its stack."""
+    return cause.startswith(("hung", "its stack was taken"))

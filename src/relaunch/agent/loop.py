@@ -25,8 +25,10 @@ from collections.abc import Callable
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
+from relaunch.agent.health import HealthCheck, await_admission, check_env
 from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from relaunch.agent.stragglers import StragglerWatch
 from relaunch.core.console_plan import (
     LOG_LINE_PREFIX_TEMPLATE_ENV,
     agent_tee,
@@ -38,7 +40,16 @@ from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
 from relaunch.core.failures import format_report, one_line, root_cause_rank
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, worker_env
-from relaunch.core.restart import Action, RestartDecision, decide
+from relaunch.core.restart import (
+    Action,
+    Backoff,
+    CrashLoop,
+    Mark,
+    RestartDecision,
+    decide,
+    stalled_out,
+    startup_failure,
+)
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullEventHandler, NullMetricHandler
 from relaunch.procs.console import console_for
@@ -70,6 +81,11 @@ class LocalElasticAgent:
     a worker shows no sign of life for that many seconds, with its stack in the report.
     ``start_processes`` starts each group (a seam for tests). ``exit_barrier_timeout`` bounds
     how long a node whose workers finished waits for the others' before it closes the job.
+
+    A worker past the deadline of its ``relaunch.section`` or ``relaunch.heartbeat`` is hung:
+    every local rank is asked for its stack, the other nodes are asked for theirs through the
+    rendezvous, and the group restarts. Restarts of a crash loop wait ``restart_backoff``; after
+    ``max_stalled_restarts`` restarts in a row that made no progress the job stops.
     """
 
     def __init__(
@@ -84,6 +100,10 @@ class LocalElasticAgent:
         metrics: Metrics | None = None,
         timers: bool | None = None,
         hang_timeout: float | None = None,
+        restart_backoff: Backoff | None = None,
+        max_stalled_restarts: int = 3,
+        straggler_factor: float = 1.5,
+        health_check: HealthCheck | None = None,
         start_processes: Callable[..., PContext] = start_processes,
     ) -> None:
         self._worker_group = WorkerGroup(spec)
@@ -92,6 +112,7 @@ class LocalElasticAgent:
         self._events = events
         self._metrics = metrics or Metrics(NullMetricHandler(), group="torchelastic")
         self._start_processes = start_processes
+        self._health_check = health_check  # run before every join (``agent.health``)
         self._spent = 0  # group restarts this node's failures asked for
         self._used = 0  # group restarts the job has used, as the handler last told
         self._peers_alive: bool | None = None  # the roll call's outcome, this round
@@ -111,6 +132,18 @@ class LocalElasticAgent:
         self._grace_ends: float | None = None
         self._node_bar = NodeBar(self._worker_group)
         self._console = console_for(sys.stdout, sys.stderr)
+        self._backoff = restart_backoff or Backoff()
+        self._max_stalled = max_stalled_restarts
+        self._stragglers = StragglerWatch(
+            straggler_factor,
+            lambda straggler: self._report.straggler(
+                straggler, straggler_factor, self.restart_count
+            ),
+        )
+        self._crash_loop = CrashLoop()
+        self._attempt_started = 0.0
+        self._workers_spoke = False  # some rank used the channel, in any attempt
+        self._hang_told = False
 
     @property
     def log_dir(self) -> str:
@@ -138,8 +171,11 @@ class LocalElasticAgent:
         """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
         self._report.started_at = time.monotonic()
         handler = self._worker_group.spec.rdzv_handler
-        self._channel = Channel(self._worker_group.spec.local_world_size)
         self._wakeups = wakeups = EventQueue[str]()
+        self._channel = Channel(
+            self._worker_group.spec.local_world_size,
+            on_first_use=lambda: wakeups.put("a worker set a deadline"),
+        )
         handler.set_change_listener(lambda: wakeups.put("membership changed"))
         self._expiry.start()
         try:
@@ -212,7 +248,13 @@ class LocalElasticAgent:
         self._rendezvous()
         self._start_workers()
         while True:
+            dumping = self._expiry.dumping()
+            if dumping and self._pcontext is not None and self._pcontext.wait(0) is None:
+                self._sleep(time.monotonic() + dumping)  # let every stack be written first
+                continue
             outcome, decision = self._next_decision()
+            if decision.stacks and self._expiry.dump_stacks(decision.reason):
+                continue
             if decision.action in (Action.CONTINUE, Action.AWAIT_CHANGE):
                 self._sleep(decision.deadline)
                 continue
@@ -231,27 +273,27 @@ class LocalElasticAgent:
                     return_values=group.by_global_rank(outcome.return_values),
                 )
             if decision.action is Action.FAIL:
-                if outcome is None or not outcome.is_failed():  # another node ended the job
+                # A worker of another node hung, and this node's ranks gave their stacks.
+                elsewhere = decision.stacks and self._expiry.hang is None
+                if elsewhere and outcome is not None and outcome.is_failed():
+                    self._log_report(outcome)  # where this node's ranks were
+                if outcome is None or not outcome.is_failed() or elsewhere:
                     raise JobFailedError(f"{decision.reason}; {_CUT_SHORT}")
                 return self._fail_job(outcome)
+            reason = decision.reason
+            delay = 0.0
+            if outcome is not None and outcome.is_failed():
+                self._log_report(outcome)
+                reason = self._failure_line(outcome)
+                stalled, delay = self._count_crash()
+                if stalled is not None:
+                    log.error("[%s] %s", role, stalled)
+                    self._report.stop_note = stalled
+                    return self._fail_job(outcome, stalled)
             restarts_left = self._restarts_left
             if decision.uses_restart:
                 self._spent += 1
                 restarts_left -= 1
-            reason = decision.reason
-            if outcome is not None and outcome.is_failed():
-                failures = group.by_global_rank(outcome.failures)
-                log.warning(
-                    "%s",
-                    format_report(
-                        spec.role,
-                        failures,
-                        os.uname().nodename,
-                        group.by_global_rank(outcome.stopped),
-                    ),
-                )
-                rank = root_cause_rank(failures)
-                reason = one_line(rank, failures[rank])
             self._report.restart_reasons.append(reason)
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
@@ -262,6 +304,17 @@ class LocalElasticAgent:
             self._stop_workers(signal.SIGTERM)
             if decision.uses_restart:  # the other nodes restart because of this: say why
                 spec.rdzv_handler.note_restart(f"{os.uname().nodename}: {reason}")
+            if delay:
+                log.warning(
+                    "[%s] a crash loop: waiting %gs before restart %d in a row "
+                    "(--restart-backoff %g:%g)",
+                    role,
+                    delay,
+                    self._crash_loop.in_a_row,
+                    self._backoff.base,
+                    self._backoff.cap,
+                )
+                self._pause(delay)
             try:
                 self._rendezvous()
             except RendezvousClosedError:
@@ -324,6 +377,12 @@ class LocalElasticAgent:
         assert self._wakeups is not None
         waits = []
         check_in = self._expiry.check()  # acts on hung workers; when to look again
+        self._tell_hang()
+        assert self._channel is not None
+        self._stragglers.tick(self._channel.progress, self._worker_group.spec.rdzv_handler)
+        sample_in = self._stragglers.due_in()
+        if sample_in is not None:
+            waits.append(sample_in)
         if check_in is not None:
             waits.append(check_in)
         if deadline is not None:
@@ -332,6 +391,84 @@ class LocalElasticAgent:
             waits.append(self._worker_group.spec.monitor_interval)
         self._wakeups.get(max(0.0, min(waits)) if waits else None)
 
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (a restart's backoff); a signal still ends the run at once."""
+        assert self._wakeups is not None
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self._wakeups.get(left)
+
+    def _tell_hang(self) -> None:
+        """A local rank hung: ask the other nodes for their ranks' stacks at once, restarting
+        with this node (one of the job's restarts), or ending the job with none left."""
+        hang = self._expiry.hang
+        if hang is None or self._hang_told:
+            return
+        self._hang_told = True
+        handler = self._worker_group.spec.rdzv_handler
+        if not handler.watches_membership or (self._worker_group.group_world_size or 1) <= 1:
+            return
+        reason = f"{os.uname().nodename}: {hang}"
+        if self._restarts_left > 0:
+            handler.stop_for_stacks(reason)
+        else:
+            handler.fail_job(f"{reason} (no restart left)", stacks=True)
+
+    def _attempt_mark(self) -> Mark:
+        """How far the running (or just ended) attempt got, from the channel."""
+        assert self._channel is not None
+        steps, signs = [], 0
+        for rank in range(self._channel.slots):
+            progress = self._channel.progress(rank)
+            if progress is not None:
+                steps.append(progress.step)
+            live = self._channel.liveness(rank)
+            if live is not None:
+                signs += live.sections_done + live.beats
+        return Mark(max(steps, default=None), signs)
+
+    def _count_crash(self) -> tuple[str | None, float]:
+        """Count a failed attempt in the crash loop: why the job stops for want of progress
+        (None: it goes on), and the seconds to wait before the restart."""
+        ran_for = time.monotonic() - self._attempt_started
+        self._crash_loop = self._crash_loop.after_failure(
+            ran_for, self._attempt_mark(), self._backoff
+        )
+        stalled = stalled_out(self._crash_loop, self._max_stalled)
+        return stalled, self._backoff.delay(self._crash_loop.in_a_row)
+
+    def _log_report(self, outcome: RunProcsResult) -> None:
+        """The failure report of a failed group, in this agent's log."""
+        group = self._worker_group
+        log.warning(
+            "%s",
+            format_report(
+                group.spec.role,
+                group.by_global_rank(outcome.failures),
+                os.uname().nodename,
+                group.by_global_rank(outcome.stopped),
+            ),
+        )
+
+    def _failure_line(self, outcome: RunProcsResult) -> str:
+        """The root cause of a failed attempt in one line, named a start-up failure when the
+        worker died before it said anything through the channel (or within seconds)."""
+        assert self._channel is not None
+        failures = self._worker_group.by_global_rank(outcome.failures)
+        rank = root_cause_rank(failures)
+        line = one_line(rank, failures[rank])
+        local = next((w.local_rank for w in self._worker_group.workers if w.global_rank == rank), 0)
+        spoke = [
+            self._channel.progress(r) is not None or (live is not None and live.used)
+            for r in range(self._channel.slots)
+            for live in (self._channel.liveness(r),)
+        ]
+        self._workers_spoke = self._workers_spoke or any(spoke)
+        ran_for = time.monotonic() - self._attempt_started
+        if startup_failure(ran_for, spoke[local], self._workers_spoke):
+            return f"during start-up ({ran_for:.1f}s after it started): {line}"
+        return line
+
     def _polls_membership(self) -> bool:
         """Whether the handler watches membership but cannot report changes (it kept the default
         ``set_change_listener``): then it is asked every ``monitor_interval``."""
@@ -339,11 +476,9 @@ class LocalElasticAgent:
         reports = type(handler).set_change_listener is not RendezvousHandler.set_change_listener
         return handler.watches_membership and not reports
 
-    def _fail_job(self, outcome: RunProcsResult) -> RunResult:
+    def _fail_job(self, outcome: RunProcsResult, why: str = "no restart left") -> RunResult:
         """This node's failure is final: end the job for every node, and return it."""
-        failures = self._worker_group.by_global_rank(outcome.failures)
-        rank = root_cause_rank(failures)
-        reason = f"{os.uname().nodename}: {one_line(rank, failures[rank])} (no restart left)"
+        reason = f"{os.uname().nodename}: {self._failure_line(outcome)} ({why})"
         self._worker_group.spec.rdzv_handler.fail_job(reason)
         return self._failed(outcome)
 
@@ -359,7 +494,11 @@ class LocalElasticAgent:
     # -- the steps ----------------------------------------------------------------------------
 
     def _rendezvous(self) -> None:
-        handler = self._worker_group.spec.rdzv_handler
+        spec = self._worker_group.spec
+        handler = spec.rdzv_handler
+        # Leave the running round; wait out an exclusion and a failing health check.
+        env = check_env(spec.local_world_size, handler.get_run_id(), spec.role, self._used)
+        await_admission(handler, self._health_check, env)
         self._worker_group.join(handler.next_rendezvous())
         self._peers_alive = None
         self._used = handler.restarts_used(self._spent)
@@ -423,11 +562,31 @@ class LocalElasticAgent:
         log_files = {
             rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path] for rank in pids
         }
-        self._expiry.watch(pids, log_files, self._pcontext.running, self._channel.progress)
+        self._expiry.watch(
+            pids,
+            log_files,
+            self._pcontext.running,
+            self._channel.progress,
+            self._channel.liveness,
+            # A start_processes given by the user (torch's, say) has no such method.
+            getattr(self._pcontext, "hold_group_stop", lambda: None),
+        )
+        self._attempt_started = time.monotonic()
+        self._hang_told = False
+        self._stragglers.restart(
+            {worker.local_rank: worker.global_rank for worker in group.workers},
+            group.group_rank,
+            group.group_world_size,
+            group.workers[0].world_size,
+        )
         group.state = WorkerState.HEALTHY
 
     def _stop_workers(self, death_sig: signal.Signals) -> None:
+        self._stragglers.stop()
         if self._pcontext is not None:
+            dumping = self._expiry.dumping()
+            if dumping:  # ranks asked for their stacks: let them write them before the signal
+                self._pcontext.wait(dumping)
             self._pcontext.close(death_sig, self._worker_group.spec.shutdown_timeout)
             self._report.last_outcome = self._pcontext.wait(0)
             if self._channel is not None:

@@ -14,6 +14,7 @@ from relaunch.agent.channel import Channel
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.core.failures import signal_meaning
 from relaunch.core.progress import NodeProgress, Progress
+from relaunch.core.stragglers import Straggler
 from relaunch.core.summary import RankEnd, RunSummary
 from relaunch.events import EventHandler, EventSource, status_event
 from relaunch.procs.context import RunProcsResult
@@ -37,11 +38,25 @@ class RunReport:
         self.stop_note = ""
         self.last_outcome: RunProcsResult | None = None
         self.last_progress: dict[int, Progress | None] = {}
+        #: Straggler lines for the summary, by global rank.
+        self.stragglers: dict[int, str] = {}
 
     def agent_event(
         self, state: WorkerState, restart_count: int, raw_error: str | None = None
     ) -> None:
         self._event(EventSource.AGENT, state, restart_count, raw_error=raw_error)
+
+    def straggler(self, straggler: Straggler, factor: float, restart_count: int) -> None:
+        """A ``STRAGGLER`` worker event (relaunch's) for a rank flagged slow, and its line in
+        the summary."""
+        self.stragglers[straggler.rank] = straggler.describe(factor)
+        self._event(
+            EventSource.WORKER,
+            "STRAGGLER",
+            restart_count,
+            global_rank=straggler.rank,
+            straggler={"steps_per_second": straggler.rate, "median": straggler.median},
+        )
 
     def run_events(self, result: RunResult, restart_count: int) -> None:
         """One event per worker (how it ended, its last progress), then the agent's."""
@@ -78,14 +93,14 @@ class RunReport:
         self.agent_event(result.state, restart_count)
 
     def _event(
-        self, source: EventSource, state: WorkerState, restart_count: int, **fields: Any
+        self, source: EventSource, state: WorkerState | str, restart_count: int, **fields: Any
     ) -> None:
         group = self._group
         spec = group.spec
         self._event_handler.record(
             status_event(
                 source=source,
-                state=state.value,
+                state=state,  # status_event takes the enum's value
                 run_id=spec.rdzv_handler.get_run_id(),
                 role=spec.role,
                 hostname=os.uname().nodename,
@@ -108,15 +123,11 @@ class RunReport:
             exitcode = None if result is None else result.exitcodes.get(local)
             duration = 0.0 if result is None else result.durations.get(local, 0.0)
             stopped = result is not None and local in result.stopped
-            ranks.append(
-                RankEnd(
-                    worker.global_rank,
-                    local,
-                    exitcode,
-                    duration,
-                    "stopped by relaunch" if stopped else "",
-                )
-            )
+            stuck = None if result is None else result.stuck.get(local)
+            note = "stopped by relaunch" if stopped else ""
+            if stuck is not None:
+                note = f"did not die of SIGKILL: {stuck}; relaunch went on without it"
+            ranks.append(RankEnd(worker.global_rank, local, exitcode, duration, note))
         return RunSummary(
             outcome,
             time.monotonic() - self.started_at,
@@ -124,6 +135,7 @@ class RunReport:
             list(self.restart_reasons),
             self.log_dir,
             self.stop_note,
+            [self.stragglers[rank] for rank in sorted(self.stragglers)],
         )
 
 

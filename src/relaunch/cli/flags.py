@@ -14,6 +14,8 @@ from typing import Any
 
 from relaunch.core.defaults import (
     DEFAULT_EXIT_BARRIER_TIMEOUT,
+    DEFAULT_HEALTH_CHECK_COOLDOWN,
+    DEFAULT_HEALTH_CHECK_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
     START_METHODS,
 )
@@ -152,6 +154,31 @@ FLAGS = [
     ),
     _Flag("nodes", ("--local-addr",), "address this node advertises to the others", metavar="ADDR"),
     _Flag(
+        "nodes",
+        ("--health-check",),
+        "shell command run before every join: a node whose check does not exit 0 does not "
+        "join, says why, and tries again after --health-check-cooldown",
+        None,
+        _checked("parse_command"),
+        metavar="CMD",
+    ),
+    _Flag(
+        "nodes",
+        ("--health-check-timeout",),
+        "seconds the health check may run before it is killed and counts as failed",
+        DEFAULT_HEALTH_CHECK_TIMEOUT,
+        _checked("parse_bound"),
+        metavar="SECONDS",
+    ),
+    _Flag(
+        "nodes",
+        ("--health-check-cooldown",),
+        "seconds between a failed health check and the next",
+        DEFAULT_HEALTH_CHECK_COOLDOWN,
+        _checked("parse_bound"),
+        metavar="SECONDS",
+    ),
+    _Flag(
         "rendezvous",
         ("--standalone",),
         "one node: a local rendezvous on a free port, nothing to set up",
@@ -231,6 +258,33 @@ FLAGS = [
         None,
         _checked("parse_seconds", True),
         metavar="SECONDS",
+    ),
+    _Flag(
+        "restarts",
+        ("--restart-backoff",),
+        "seconds before the second restart of a crash loop, doubling up to MAX; a group that "
+        "ran 2 x MAX seconds ends the loop",
+        "1:30",
+        _checked("parse_backoff"),
+        metavar="BASE:MAX",
+    ),
+    _Flag(
+        "restarts",
+        ("--max-stalled-restarts",),
+        "stop the job after this many restarts in a row that made no progress "
+        "(report_progress steps, sections, heartbeats); 0: never",
+        3,
+        _checked("parse_count", 0),
+        metavar="N",
+    ),
+    _Flag(
+        "restarts",
+        ("--straggler-factor",),
+        "flag a rank whose steps per second (report_progress) fall below the job's median "
+        "divided by this",
+        1.5,
+        _checked("parse_factor"),
+        metavar="F",
     ),
     _Flag(
         "restarts",

@@ -24,6 +24,13 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def parse_command(text: str) -> str:
+    """A shell command (``--health-check``): not blank."""
+    if not text.strip():
+        raise ConfigError("expected a shell command, got an empty one")
+    return text
+
+
 def parse_nproc(text: str) -> str:
     """A number of workers >= 1, or ``cpu``, ``gpu`` or ``auto`` (see ``resolve_nproc``)."""
     if text in ("cpu", "gpu", "auto") or (text.isdigit() and int(text) >= 1):
@@ -47,6 +54,30 @@ def parse_seconds(text: str, positive: bool) -> float:
     if value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
         raise ConfigError(f"expected a number of seconds {bound}, got {text!r}")
+    return value
+
+
+def parse_backoff(text: str) -> tuple[float, float]:
+    """``BASE:MAX`` seconds (``BASE`` alone: up to 30 s); ``0`` turns the backoff off."""
+    base_text, _, cap_text = text.partition(":")
+    try:
+        base = float(base_text)
+        cap = float(cap_text) if cap_text else max(base, 30.0)
+    except ValueError:
+        base = cap = -1.0
+    if not (0 <= base <= cap and math.isfinite(cap)):
+        raise ConfigError(f"expected BASE:MAX seconds with 0 <= BASE <= MAX, got {text!r}")
+    return base, cap
+
+
+def parse_factor(text: str) -> float:
+    """A finite factor > 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (value > 1 and math.isfinite(value)):
+        raise ConfigError(f"expected a number > 1, got {text!r}")
     return value
 
 

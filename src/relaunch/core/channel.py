@@ -8,10 +8,19 @@ Layout (little-endian)::
 
     header  0: magic  8s  |  8: stop flag u32  | 12: slots u32  | 16..64 reserved
     slot i  at HEADER + i * SLOT:
+      progress (``report_progress``):
             0: sequence u64 (odd while the worker writes: a seqlock)
             8: step i64  | 16: total i64 (-1: unknown) | 24: time f64 (when reported)
            32: listening u8 (the worker has asked ``stop_requested()``: it will stop on its own)
            40: description, UTF-8, NUL-padded to DESC bytes
+      liveness (``heartbeat``, ``section``), at LIVE_OFFSET, a seqlock of its own:
+          128: sequence u64
+          136: last heartbeat f64 | 144: next heartbeat due f64 | 152: section entered f64
+          160: section due f64 | 168: sections completed u64 | 176: heartbeats u64
+          184: how the section's bound was set u8 | 185: the heartbeat's u8 (BOUND_*)
+          192: the open section's name, UTF-8, NUL-padded to NAME bytes
+
+Times are ``time.time()``; 0 means none (no heartbeat yet, no section open, no bound).
 """
 
 from __future__ import annotations
@@ -19,17 +28,25 @@ from __future__ import annotations
 import struct
 
 CHANNEL_ENV = "RELAUNCH_CHANNEL"
-MAGIC = b"RLCHAN1\0"
+MAGIC = b"RLCHAN2\0"
 HEADER = 64
-SLOT = 128
+SLOT = 256
 DESC_OFFSET = 40
-DESC = SLOT - DESC_OFFSET
+DESC_END = 128
+DESC = DESC_END - DESC_OFFSET
 LISTENING_OFFSET = 32
 STOP_OFFSET = 8
+LIVE_OFFSET = 128
+NAME_OFFSET = LIVE_OFFSET + 64
+NAME = SLOT - NAME_OFFSET
+
+#: How a deadline in the liveness block was set.
+BOUND_NONE, BOUND_GIVEN, BOUND_LEARNED = 0, 1, 2
 
 HEADER_STRUCT = struct.Struct("<8sII")
 SEQ = struct.Struct("<Q")
 FIELDS = struct.Struct("<qqd")
+LIVE_FIELDS = struct.Struct("<ddddQQBB")
 
 
 def size(slots: int) -> int:
@@ -46,7 +63,13 @@ def listening(buffer: bytes | bytearray | memoryview, rank: int) -> bool:
     return buffer[slot_offset(rank) + LISTENING_OFFSET] != 0
 
 
-def encode_desc(desc: str) -> bytes:
-    """``desc`` as the slot stores it: at most ``DESC`` bytes, cut on a character boundary."""
-    data = desc.encode("utf-8")[:DESC]
-    return data.decode("utf-8", errors="ignore").encode("utf-8").ljust(DESC, b"\0")
+def wake_path(path: str) -> str:
+    """The FIFO beside the channel ``path`` that a worker writes one byte to when it first uses
+    heartbeats or sections, to wake its agent."""
+    return path + ".wake"
+
+
+def encode_desc(desc: str, width: int = DESC) -> bytes:
+    """``desc`` as the slot stores it: at most ``width`` bytes, cut on a character boundary."""
+    data = desc.encode("utf-8")[:width]
+    return data.decode("utf-8", errors="ignore").encode("utf-8").ljust(width, b"\0")

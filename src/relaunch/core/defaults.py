@@ -9,3 +9,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 START_METHODS = ("spawn", "fork", "forkserver")
 #: Default seconds a node whose workers finished waits for the other nodes' (torchrun's).
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+#: Default seconds a ``--health-check`` command may run before it counts as failed.
+DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0
+#: Default seconds between a failed ``--health-check`` and the next try.
+DEFAULT_HEALTH_CHECK_COOLDOWN = 30.0

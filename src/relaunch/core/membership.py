@@ -19,6 +19,7 @@ class ChangeKind(str, enum.Enum):
     NODES_WAITING = "nodes_waiting"  # nodes wait to join: the next round grows
     MEMBER_LOST = "member_lost"  # a member stopped heartbeating (seen by its ring neighbour)
     MEMBER_LEFT = "member_left"  # a member shut down before the job finished
+    MEMBER_EXCLUDED = "member_excluded"  # a member failed the job too often (core.exclusion)
     RESTARTING = "restarting"  # a member restarts its workers (after a failure, say)
     FINISHED = "finished"  # the job finished: nobody re-forms, late nodes exit
     FAILED = "failed"  # a failure with no restart left ended the job: every node stops
@@ -27,7 +28,7 @@ class ChangeKind(str, enum.Enum):
     @property
     def removes_member(self) -> bool:
         """Whether the round loses one of its members by this change."""
-        return self in (ChangeKind.MEMBER_LOST, ChangeKind.MEMBER_LEFT)
+        return self in (ChangeKind.MEMBER_LOST, ChangeKind.MEMBER_LEFT, ChangeKind.MEMBER_EXCLUDED)
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,15 @@ class MembershipChange:
 
     ``member`` is the group rank of the member lost or gone; ``detected_by`` the group rank of
     the member that noticed a loss. ``reason`` is the line the logs and restart reasons show.
+    ``stacks``: a worker hung, so every member asks its workers for their stacks before it
+    stops them.
     """
 
     kind: ChangeKind
     reason: str
     member: int | None = None
     detected_by: int | None = None
+    stacks: bool = False
 
     def __str__(self) -> str:
         return self.reason
@@ -60,16 +64,22 @@ class MembershipChange:
         return cls(ChangeKind.MEMBER_LEFT, f"node of group rank {member} left the job", member)
 
     @classmethod
-    def restarting(cls, reason: str = "") -> MembershipChange:
-        return cls(ChangeKind.RESTARTING, reason or "the worker group is restarting")
+    def member_excluded(cls, member: int, reason: str) -> MembershipChange:
+        """Member ``member`` restarts after a failure that excludes it: the others re-form
+        without it (``reason`` says why, and until when)."""
+        return cls(ChangeKind.MEMBER_EXCLUDED, reason, member)
+
+    @classmethod
+    def restarting(cls, reason: str = "", stacks: bool = False) -> MembershipChange:
+        return cls(ChangeKind.RESTARTING, reason or "the worker group is restarting", stacks=stacks)
 
     @classmethod
     def finished(cls) -> MembershipChange:
         return cls(ChangeKind.FINISHED, "the job finished")
 
     @classmethod
-    def failed(cls, reason: str) -> MembershipChange:
-        return cls(ChangeKind.FAILED, f"the job failed: {reason}")
+    def failed(cls, reason: str, stacks: bool = False) -> MembershipChange:
+        return cls(ChangeKind.FAILED, f"the job failed: {reason}", stacks=stacks)
 
     @classmethod
     def store_lost(cls, error: object) -> MembershipChange:
@@ -93,6 +103,8 @@ def encode_change(change: MembershipChange, expected: int) -> bytes:
         record["member"] = change.member
     if change.detected_by is not None:
         record["detected_by"] = change.detected_by
+    if change.stacks:
+        record["stacks"] = True
     return json.dumps(record).encode()
 
 
@@ -108,7 +120,11 @@ def decode_change(raw: bytes) -> tuple[MembershipChange, int | None]:
     except ValueError:
         kind = ChangeKind.RESTARTING
     change = MembershipChange(
-        kind, str(data.get("reason", "")), data.get("member"), data.get("detected_by")
+        kind,
+        str(data.get("reason", "")),
+        data.get("member"),
+        data.get("detected_by"),
+        bool(data.get("stacks", False)),
     )
     expected = data.get("expected")
     return change, None if expected is None else int(expected)

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from relaunch.core.channel import DESC_OFFSET, FIELDS, SEQ, SLOT, slot_offset
+from relaunch.core.channel import DESC_END, DESC_OFFSET, FIELDS, SEQ, slot_offset
 
 #: Seconds of history the rate is computed over.
 RATE_WINDOW = 10.0
@@ -37,7 +37,7 @@ def read_progress(
         if before % 2:
             continue  # the worker is writing
         step, total, when = FIELDS.unpack_from(buffer, offset + 8)
-        desc = bytes(buffer[offset + DESC_OFFSET : offset + SLOT]).split(b"\0", 1)[0]
+        desc = bytes(buffer[offset + DESC_OFFSET : offset + DESC_END]).split(b"\0", 1)[0]
         (after,) = SEQ.unpack_from(buffer, offset)
         if after == before:
             return Progress(

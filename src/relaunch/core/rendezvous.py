@@ -15,7 +15,9 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
   carrying the member count, the world size, and its own address and port for
   MASTER_ADDR/MASTER_PORT.
 - A node whose ticket is beyond the final count arrived late: it joins the next round and waits
-  there; running nodes see it (``nodes_waiting``) and restart into that larger round.
+  there; running nodes see it (``nodes_waiting``) and restart into that larger round. When the
+  round is full (``max_nodes``) it waits there as a spare, for as long as the round runs: when
+  a member is lost, the next round completes with the spare in its place.
 - Each member heartbeats its own counter and watches one neighbour on a ring, so a dead node is
   noticed after ``keep_alive_interval * keep_alive_max_attempt`` at O(1) cost per node.
 - A change while the round runs (``core.membership``) marks it for re-forming, with the size the
@@ -157,7 +159,8 @@ def decide_join(
     only the lead knows it is first); ``member`` then says whether the final record places it.
     ``min_reached_at`` is when this node first saw ``joined >= min_nodes`` (None before).
     ``previous_running``: the round before still runs (its members have not come over yet), so
-    this round must not complete. ``expected``: how many nodes the round that was superseded
+    this round must not complete; its nodes are spares, which wait past ``join_timeout`` for as
+    long as it runs. ``expected``: how many nodes the round that was superseded
     expects (its survivors plus the waiting ones); reaching it completes the round at once.
     """
     if final is not None:
@@ -167,10 +170,10 @@ def decide_join(
         return JoinDecision(Step.LATE)
     fail_at = started_at + settings.join_timeout
     if now >= fail_at:
+        if previous_running:  # a spare: it waits as long as the full job it stands by runs
+            return JoinDecision(Step.WAIT, deadline=now + settings.join_timeout)
         if ticket != 1:
             waited = f"the first node to complete the round ({joined} joined)"
-        elif previous_running:
-            waited = "the running job to make room for this node"
         else:
             waited = f"{settings.min_nodes} node(s) to join ({joined} joined)"
         return JoinDecision(Step.FAIL, reason=f"waited {settings.join_timeout:g}s for {waited}")

@@ -1,4 +1,5 @@
-"""The restart policy: what the agent does next, given how its worker group stands."""
+"""The restart policy: what the agent does next, given how its worker group stands, and how
+long it waits before a restart of a crash loop (``Backoff``, ``CrashLoop``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class RestartDecision:
     uses_restart: bool = False
     reason: str = ""
     deadline: float | None = None
+    #: Another node's worker hung: take this node's workers' stacks before stopping them.
+    stacks: bool = False
 
 
 def decide(
@@ -52,9 +55,10 @@ def decide(
     if state is GroupState.SUCCEEDED:
         return RestartDecision(Action.SUCCEED)
     if membership_change is not None:
+        stacks = membership_change.stacks
         if membership_change.kind in (ChangeKind.FAILED, ChangeKind.FINISHED):
-            return RestartDecision(Action.FAIL, reason=membership_change.reason)
-        return RestartDecision(Action.RESTART, reason=membership_change.reason)
+            return RestartDecision(Action.FAIL, reason=membership_change.reason, stacks=stacks)
+        return RestartDecision(Action.RESTART, reason=membership_change.reason, stacks=stacks)
     if state is GroupState.FAILED:
         if restarts_left > 0:
             return RestartDecision(Action.RESTART, uses_restart=True, reason="a worker failed")
@@ -72,3 +76,97 @@ def decide(
             )
         return RestartDecision(Action.FAIL, reason="a worker failed and no restarts are left")
     return RestartDecision(Action.CONTINUE)
+
+
+# -- crash loops ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Waits between the restarts of a crash loop: none before the first restart, ``base``
+    seconds before the second in a row, doubling up to ``cap``. A group that ran ``healthy``
+    seconds before it failed is not part of a loop: the count starts again."""
+
+    base: float = 1.0
+    cap: float = 30.0
+    healthy: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.base < 0 or self.cap < self.base or self.healthy <= 0:
+            raise ValueError(
+                f"a backoff needs 0 <= base <= cap and healthy > 0, got {self.base}, "
+                f"{self.cap}, {self.healthy}"
+            )
+
+    def delay(self, in_a_row: int) -> float:
+        """Seconds to wait before restart number ``in_a_row`` of a loop (1: the first)."""
+        if in_a_row <= 1 or self.base == 0:
+            return 0.0
+        return min(self.cap, self.base * 2.0 ** (in_a_row - 2))
+
+
+@dataclass(frozen=True)
+class Mark:
+    """How far an attempt got, as its workers said: the highest step any local rank reported
+    (None: none reported), and the sections and heartbeats they completed."""
+
+    step: int | None = None
+    signs: int = 0
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """The restarts in a row: ``in_a_row`` failures of groups that ran less than the backoff's
+    healthy period, ``stalled`` of them in a row without progress, and ``best_step``, the
+    highest step any earlier attempt reached."""
+
+    in_a_row: int = 0
+    stalled: int = 0
+    best_step: int | None = None
+
+    def after_failure(self, ran_for: float, mark: Mark, backoff: Backoff) -> CrashLoop:
+        """The loop after an attempt that ran ``ran_for`` seconds and got to ``mark`` failed."""
+        in_a_row = 1 if ran_for >= backoff.healthy else self.in_a_row + 1
+        progressed = made_progress(self.best_step, mark)
+        stalled = self.stalled + 1 if progressed is False else 0
+        best = self.best_step
+        if mark.step is not None:
+            best = mark.step if best is None else max(best, mark.step)
+        return CrashLoop(in_a_row, stalled, best)
+
+
+def made_progress(best_step: int | None, mark: Mark) -> bool | None:
+    """Whether an attempt got further than every earlier one: a step above ``best_step``, or,
+    from workers that report no steps, a completed section or a heartbeat. None when its
+    workers said nothing at all (there is nothing to judge by)."""
+    if mark.step is not None:
+        return best_step is None or mark.step > best_step
+    if best_step is not None:
+        return False  # the workers report steps, and none came this time
+    return True if mark.signs > 0 else None
+
+
+def stalled_out(loop: CrashLoop, limit: int) -> str | None:
+    """Why the job stops for want of progress (``limit`` restarts in a row made none; 0:
+    never), or None."""
+    if limit <= 0 or loop.stalled < limit:
+        return None
+    where = "" if loop.best_step is None else f" (the furthest step reached: {loop.best_step})"
+    return (
+        f"stopped after {loop.stalled} restarts in a row that made no progress{where}: "
+        "restarting again would repeat the same failure"
+    )
+
+
+#: A worker that dies within this many seconds of its start, having said nothing through the
+#: channel, failed during start-up.
+STARTUP_WINDOW = 10.0
+
+
+def startup_failure(ran_for: float, rank_spoke: bool, workers_speak: bool) -> bool:
+    """Whether a worker's failure came during start-up: before its first progress report,
+    heartbeat or section, when the workers use them (``workers_speak``: some rank did, in this
+    attempt or an earlier one); else within ``STARTUP_WINDOW`` seconds of the start."""
+    if rank_spoke:
+        return False
+    return workers_speak or ran_for < STARTUP_WINDOW

@@ -30,6 +30,8 @@ class RunSummary:
     log_dir: str = ""
     #: For a run stopped by a signal: what became of the stop request.
     stop: str = ""
+    #: The ranks flagged as stragglers during the run, one line each.
+    stragglers: list[str] = field(default_factory=list)
 
 
 def _duration(seconds: float) -> str:
@@ -77,6 +79,7 @@ def format_summary(summary: RunSummary) -> str:
         )
     for number, reason in enumerate(summary.restarts, 1):
         lines.append(f"  restart {number}: {_restart(reason)}")
+    lines.extend(f"  straggler: {line}" for line in summary.stragglers)
     if summary.log_dir:
         lines.append(f"  logs: {summary.log_dir}")
     return "\n".join(lines)

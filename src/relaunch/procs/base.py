@@ -21,8 +21,14 @@ from relaunch.core.rank_io import RankIO
 from relaunch.procs.console import ProgbarEvents, console_for
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
 from relaunch.procs.guardian import guardian
-from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree, wait_groups_gone
-from relaunch.procs.monitor import GroupMonitor, WorkerProcess
+from relaunch.procs.handles import (
+    PopenHandle,
+    ProcessHandle,
+    StuckWorker,
+    signal_tree,
+    wait_groups_gone,
+)
+from relaunch.procs.monitor import KILL_DEADLINE, GroupMonitor, WorkerProcess
 from relaunch.procs.rank_streams import RankStreams
 from relaunch.procs.signals import SignalsToExceptions
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -52,7 +58,9 @@ class RunProcsResult:
     succeeded; ``failures`` holds the workers that failed; ``stopped`` maps the ranks that were
     stopped only because another failed to their exit codes. ``stdouts``/``stderrs`` are the log
     file paths ("" where a stream was not redirected). ``exitcodes`` and ``durations``
-    (seconds from the group's start to each exit) cover every rank.
+    (seconds from the group's start to each exit) cover every rank. ``stuck`` holds the
+    stopped ranks whose process outlived its SIGKILL past ``KILL_DEADLINE`` (their exit code
+    reads -SIGKILL, though nothing saw them exit): the pid and state relaunch left them in.
     """
 
     return_values: dict[int, Any] = field(default_factory=dict)
@@ -62,6 +70,7 @@ class RunProcsResult:
     stopped: dict[int, int] = field(default_factory=dict)
     exitcodes: dict[int, int] = field(default_factory=dict)
     durations: dict[int, float] = field(default_factory=dict)
+    stuck: dict[int, StuckWorker] = field(default_factory=dict)
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
@@ -186,8 +195,17 @@ class PContext(abc.ABC):
             opened.close_all()
         for worker in workers:
             signal_tree(worker.pid, signal.SIGKILL)
+        give_up_at = self._clock.monotonic() + KILL_DEADLINE
         for worker in workers:
-            _wait_exit(worker.handle)
+            left = max(0.0, give_up_at - self._clock.monotonic())
+            if worker.handle.wait(left) is None:
+                log.warning(
+                    "local rank %d (pid %d) did not die within %gs of SIGKILL; going on without it",
+                    worker.local_rank,
+                    worker.pid,
+                    KILL_DEADLINE,
+                )
+                worker.handle.abandon()
             guardian().unregister(worker.pid)
             for stream in worker.streams:
                 stream.finish()
@@ -199,6 +217,13 @@ class PContext(abc.ABC):
         if self._monitor is None:
             return {}
         return {rank: worker.pid for rank, worker in self._monitor.workers.items()}
+
+    def stuck(self) -> dict[int, StuckWorker]:
+        """The workers given up on, by local rank: alive ``KILL_DEADLINE`` s after SIGKILL."""
+        if self._monitor is None:
+            return {}
+        with self._monitor.lock:
+            return dict(self._monitor.stuck)
 
     def running(self) -> set[int]:
         """The local ranks whose process has not exited (or not been reaped) yet."""
@@ -220,6 +245,13 @@ class PContext(abc.ABC):
             return None
         return self._result
 
+    def hold_group_stop(self) -> None:
+        """From now on, a worker's failure does not stop the others: the agent has asked every
+        worker for its stack (SIGABRT), and none may be cut short while it writes it."""
+        if self._monitor is not None:
+            with self._monitor.lock:
+                self._monitor.holding = True
+
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once every worker has ended (then ``wait(0)`` has the result): from the
         monitor thread, so it must be quick and wait for nothing; at once if they already have."""
@@ -232,7 +264,10 @@ class PContext(abc.ABC):
     ) -> None:
         """Stop every worker and its descendants: ``death_sig``, then SIGKILL after ``timeout`` s.
 
-        Log and error files stay. Idempotent; safe to call whether or not the workers still run.
+        Returns at most about ``timeout + KILL_DEADLINE`` s later (and ``TREE_KILL_WAIT`` for
+        their descendants): a worker the kernel does not let die is given up on, logged with its
+        state and listed in ``stuck()``. Log and error files stay, with everything the workers
+        wrote. Idempotent; safe to call whether or not the workers still run.
         """
         if self._closed:
             return
@@ -248,7 +283,9 @@ class PContext(abc.ABC):
         # Descendants of workers that already exited may linger in their process groups: once
         # close returns, they are gone too (unless stuck in the kernel past TREE_KILL_WAIT).
         monitor.kill_all_trees()
-        wait_groups_gone([worker.pid for worker in monitor.workers.values()], TREE_KILL_WAIT)
+        groups = [worker.pid for worker in monitor.workers.values()]
+        stuck_pids = {stuck.pid for stuck in monitor.stuck.values()}
+        wait_groups_gone(groups, TREE_KILL_WAIT, ignore=stuck_pids)
         monitor.finish()
         for worker in monitor.workers.values():
             guardian().unregister(worker.pid)
@@ -287,11 +324,5 @@ class PContext(abc.ABC):
                 rank: max(0.0, worker.exit_time - self._started_at)
                 for rank, worker in workers.items()
             },
+            stuck=dict(monitor.stuck),
         )
-
-
-def _wait_exit(handle: PopenHandle | ProcessHandle) -> None:
-    if isinstance(handle, PopenHandle):
-        handle.popen.wait()
-    else:
-        handle.process.join()

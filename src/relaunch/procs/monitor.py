@@ -2,7 +2,9 @@
 
 It waits in a single ``selectors`` call on a pidfd per worker, the read end of every tee'd stream,
 the pipes return values come through, and a wake-up pipe; deadlines (SIGKILL after a grace
-period, the end of draining) are the select timeout. Nothing is polled on a period.
+period, giving up on workers that outlive SIGKILL, the end of draining) are the select timeout.
+Nothing is polled on a period, except a worker that exited but cannot be reaped yet (a zombie
+that a debugger traces), which is looked at again with a growing delay.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from typing import TYPE_CHECKING
 
 from relaunch.core.group import GroupState, group_state
 from relaunch.procs.console import Console
-from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+from relaunch.procs.handles import (
+    PopenHandle,
+    ProcessHandle,
+    StuckWorker,
+    signal_tree,
+    stuck_worker,
+)
 from relaunch.procs.rank_streams import TeeStream
 from relaunch.procs.signals import signals_deferred
 from relaunch.procs.wakeup import Latch
@@ -38,6 +46,16 @@ COALESCE_SECONDS = 0.0005
 #: After the workers are gone, how long to keep reading pipes that descendants which escaped
 #: their process group still hold open.
 DRAIN_TIMEOUT = 1.0
+#: How long after SIGKILL the monitor waits for a worker to be reaped before it gives up on it.
+#: A killed process normally goes in milliseconds, one with much memory (a GPU's) in seconds;
+#: one stuck in the kernel (uninterruptible sleep in a driver, a frozen cgroup, a zombie that a
+#: debugger traces) may never go. Past this the group ends without it: it is logged with its
+#: state, listed in ``GroupMonitor.stuck``, and nothing waits for it any more.
+KILL_DEADLINE = 5.0
+#: The first and the longest delay between looks at a worker whose exit was signalled but
+#: which cannot be reaped yet (see ``GroupMonitor._set_aside``).
+RECHECK_FIRST = 0.005
+RECHECK_MAX = 0.5
 
 
 @dataclass
@@ -60,9 +78,10 @@ class WorkerProcess:
 class GroupMonitor:
     """Watches the workers of one group; stops the rest as soon as one fails.
 
-    ``on_done`` is called (in the monitor thread) once every worker has exited: the caller builds
-    its result there. ``stop`` and ``finish`` may be called from any thread. Deadlines and exit
-    times are read from ``clock``.
+    ``on_done`` is called (in the monitor thread) once every worker has exited, or was given up
+    on ``KILL_DEADLINE`` s after SIGKILL (see ``stuck``): the caller builds its result there.
+    ``stop`` and ``finish`` may be called from any thread. Deadlines and exit times are read
+    from ``clock``.
     """
 
     def __init__(
@@ -79,11 +98,20 @@ class GroupMonitor:
         self._clock = clock
         self.stop_timeout = stop_timeout
         self.stopped_ranks: set[int] = set()
+        #: A failure does not stop the others (every worker was asked for its stack, and each
+        #: must finish writing it); the caller stops them.
+        self.holding = False
+        #: The workers given up on, by local rank: still alive ``KILL_DEADLINE`` s after SIGKILL.
+        self.stuck: dict[int, StuckWorker] = {}
         self.lock = threading.Condition()
         self._on_done = on_done
         self._done = False
         self._ended = Latch()
         self._kill_at: float | None = None
+        self._give_up_at: float | None = None
+        self._unreaped: dict[int, WorkerProcess] = {}
+        self._recheck_at: float | None = None
+        self._recheck_delay = RECHECK_FIRST
         self._finishing = False
         self._drain_until: float | None = None
         self._dirty: list[TeeStream] = []
@@ -150,8 +178,15 @@ class GroupMonitor:
         self._kill_at = deadline if self._kill_at is None else min(self._kill_at, deadline)
         for worker in self.workers.values():
             signal_tree(worker.pid, sig)
+        if sig == signal.SIGKILL:
+            self._give_up_after_kill()
         if not self._done:
             self.stopped_ranks.update(w.local_rank for w in running)
+
+    def _give_up_after_kill(self) -> None:
+        """Set the deadline past which workers that outlive the SIGKILL just sent are given up."""
+        deadline = self._clock.monotonic() + KILL_DEADLINE
+        self._give_up_at = deadline if self._give_up_at is None else min(self._give_up_at, deadline)
 
     def _wake(self) -> None:
         try:
@@ -161,7 +196,8 @@ class GroupMonitor:
 
     def _timeout(self) -> float | None:
         now = self._clock.monotonic()
-        waits = [d - now for d in (self._kill_at, self._drain_until) if d is not None]
+        deadlines = (self._kill_at, self._give_up_at, self._recheck_at, self._drain_until)
+        waits = [d - now for d in deadlines if d is not None]
         if self._console is not None:
             tick = self._console.next_tick()
             if tick is not None:
@@ -243,11 +279,40 @@ class GroupMonitor:
             stream.console.set_bar(stream.key, stream.shown_bar(stream.bar), stream.err)
         return True
 
+    def _unwatch(self, fd: int) -> None:
+        try:
+            self._selector.unregister(fd)
+        except (KeyError, ValueError):
+            pass  # not watched (any more)
+
     def _reap(self, worker: WorkerProcess) -> None:
+        if worker.exitcode is not None:
+            return  # recorded already (given up on, then looked at again)
         exitcode = worker.handle.poll()
         if exitcode is None:
-            return  # the forkserver has not reported the status yet: the fd stays readable
-        self._selector.unregister(worker.handle.exit_fd)
+            self._set_aside(worker)
+            return
+        self._unreaped.pop(worker.local_rank, None)
+        self._unwatch(worker.handle.exit_fd)
+        self._record_exit(worker, exitcode)
+
+    def _set_aside(self, worker: WorkerProcess) -> None:
+        """Its exit was signalled, yet it cannot be reaped: a zombie that a tracer (a debugger)
+        must wait for first, or a forkserver that has not reported the status yet. Its ready fd
+        would spin the loop: stop watching it and look again after a delay that doubles."""
+        self._unwatch(worker.handle.exit_fd)
+        if not self._unreaped:
+            self._recheck_delay = RECHECK_FIRST
+        self._unreaped[worker.local_rank] = worker
+        self._recheck_at = self._clock.monotonic() + self._recheck_delay
+        self._recheck_delay = min(2 * self._recheck_delay, RECHECK_MAX)
+
+    def _recheck_unreaped(self) -> None:
+        self._recheck_at = None
+        for worker in list(self._unreaped.values()):
+            self._reap(worker)  # sets it aside again while it still cannot be reaped
+
+    def _record_exit(self, worker: WorkerProcess, exitcode: int) -> None:
         # Whatever the worker wrote before it exited is in its pipes now: read all of it.
         for stream in worker.streams:
             self._pump(stream, until_empty=True)
@@ -258,14 +323,45 @@ class GroupMonitor:
             worker.exit_time = self._clock.time()
             codes = {rank: w.exitcode for rank, w in self.workers.items()}
             state = group_state(codes)
-            if state is GroupState.FAILED and self._kill_at is None:
+            if state is GroupState.FAILED and self._kill_at is None and not self.holding:
                 # The group is one unit: one failure stops the others.
                 self._stop_locked(signal.SIGTERM, self.stop_timeout)
             if all(code is not None for code in codes.values()):
-                self._kill_at = None
+                self._kill_at = self._give_up_at = self._recheck_at = None
                 self._on_done()
                 self._done = True
                 self._ended.set()
+
+    def _give_up_on_unkillable(self) -> None:
+        """``KILL_DEADLINE`` s after SIGKILL: log each worker still not reaped with its state,
+        list it in ``stuck``, keep what it wrote, and let the group end without it."""
+        with self.lock:
+            self._give_up_at = None
+        for worker in list(self.workers.values()):
+            if worker.exitcode is not None:
+                continue
+            if worker.handle.poll() is not None:
+                self._reap(worker)  # it went just now
+                continue
+            stuck = stuck_worker(worker.pid)
+            log.warning(
+                "local rank %d did not die within %gs of SIGKILL: %s; going on without it",
+                worker.local_rank,
+                KILL_DEADLINE,
+                stuck,
+            )
+            self._unreaped.pop(worker.local_rank, None)
+            self._unwatch(worker.handle.exit_fd)
+            worker.handle.abandon()
+            for stream in worker.streams:
+                # What it wrote is in the pipe; the pipe stays open as long as it lives.
+                self._pump(stream, until_empty=True)
+                if stream.open:
+                    self._unwatch(stream.read_fd)
+                    stream.finish()
+            with self.lock:
+                self.stuck[worker.local_rank] = stuck
+            self._record_exit(worker, -signal.SIGKILL)
 
     def _receive_result(self, worker: WorkerProcess) -> None:
         conn = worker.result_conn
@@ -282,12 +378,19 @@ class GroupMonitor:
 
     def _past_deadlines(self) -> bool:
         now = self._clock.monotonic()
+        if self._recheck_at is not None and now >= self._recheck_at:
+            self._recheck_unreaped()
         with self.lock:
             if self._kill_at is not None and now >= self._kill_at:
                 self._kill_at = None
                 log.warning("workers did not exit in time after the stop signal: sending SIGKILL")
                 for worker in self.workers.values():
                     signal_tree(worker.pid, signal.SIGKILL)
+                self._give_up_after_kill()
+            give_up = self._give_up_at is not None and now >= self._give_up_at
+        if give_up:
+            self._give_up_on_unkillable()
+        with self.lock:
             if not (self._finishing and self._done):
                 return False
             streams_open = any(s.open for w in self.workers.values() for s in w.streams)

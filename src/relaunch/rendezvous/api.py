@@ -6,7 +6,8 @@ This module imports no handler, so every handler can import it.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,18 @@ class RendezvousHandler(abc.ABC):
     @abc.abstractmethod
     def get_run_id(self) -> str: ...
 
+    def prepare_join(self) -> float | None:
+        """Before joining again: leave the running round, so the others re-form at once, and
+        say until when (``time.time()``) this node is excluded from the job for failing it too
+        often; None when it may join. Here: never excluded."""
+        return None
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the job to finish (a node kept out of it waits
+        so); whether it has. Here nothing closes the job but this node: it sleeps."""
+        time.sleep(max(0.0, timeout))
+        return self.is_closed()
+
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join a running job (a reason to restart into a larger round)."""
         return 0
@@ -150,9 +163,21 @@ class RendezvousHandler(abc.ABC):
         failure is genuine: no lost node to wait for); None: this handler cannot tell."""
         return None
 
-    def fail_job(self, reason: str) -> None:  # noqa: B027 - nobody else to stop
+    def fail_job(self, reason: str, stacks: bool = False) -> None:  # noqa: B027 - nobody else
         """This node's failure ends the job (no restart left): stop the others with it, and
-        close the job."""
+        close the job. ``stacks``: a worker hung; the others take their workers' stacks first."""
+
+    def post_note(self, name: str, value: bytes) -> None:  # noqa: B027 - nobody to read it
+        """Publish ``value`` as this round's note ``name`` (the agents' board: step rates,
+        stragglers), for the other nodes to read with ``read_notes``."""
+
+    def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
+        """This round's notes of ``names`` that were posted (one store read each)."""
+        return {}
+
+    def stop_for_stacks(self, reason: str) -> None:  # noqa: B027 - no other node to ask
+        """A worker of this node hung (``reason``): ask every other node, now, to take its
+        workers' stacks and restart with this one, which spends one of the job's restarts."""
 
     def exit_barrier(self, timeout: float) -> None:  # noqa: B027 - nothing to wait for
         """Wait (up to ``timeout``) until every live node's workers have finished."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from relaunch.config import RdzvSettings, etcd_options, rdzv_settings
+from relaunch.core import exclusion
 from relaunch.core import rendezvous as plan
 from relaunch.endpoints import is_loopback, parse_endpoint
 from relaunch.rendezvous.api import (
@@ -38,6 +39,15 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
     raise ValueError(
         f"unknown rendezvous backend {params.backend!r}: valid backends are " + ", ".join(BACKENDS)
     )
+
+
+def _identity(conf: RdzvSettings) -> str:
+    """How the job knows this node (``core.exclusion``): its host, and ``node_name``."""
+    return exclusion.node_identity(os.uname().nodename, conf.node_name)
+
+
+def _policy(conf: RdzvSettings) -> exclusion.ExclusionPolicy:
+    return exclusion.ExclusionPolicy(conf.exclude_after, conf.exclude_cooldown)
 
 
 def _plan_settings(params: RendezvousParameters, conf: RdzvSettings) -> plan.Settings:
@@ -75,6 +85,8 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
             memory,
             backend=params.backend,
             watch_store=memory,
+            identity=_identity(conf),
+        exclusion_policy=_policy(conf),
         )
     import socket
 
@@ -115,6 +127,8 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         backend=params.backend,
         on_shutdown=(watch_store.close, *on_shutdown),
         watch_store=watch_store,
+        identity=_identity(conf),
+        exclusion_policy=_policy(conf),
     )
 
 
@@ -126,7 +140,8 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
     """
     from relaunch.store.etcd import EtcdStore
 
-    settings = _plan_settings(params, rdzv_settings(params.config))
+    conf = rdzv_settings(params.config)
+    settings = _plan_settings(params, conf)
     options = etcd_options(params.config)
     store, heartbeat_store, watch_store = (
         EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
@@ -154,4 +169,6 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
         on_shutdown=(watch_store.close,),
         watch_store=watch_store,
         leases=True,
+        identity=_identity(conf),
+        exclusion_policy=_policy(conf),
     )

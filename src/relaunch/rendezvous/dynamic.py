@@ -2,6 +2,8 @@
 
 It joins rounds (``rounds``), watches the running one (``heartbeat``), and re-forms it when its
 membership changes (``core.membership``); ``backends`` builds it from the ``--rdzv-*`` flags.
+A node whose failures re-form the job too often is excluded for a while (``core.exclusion``):
+its record is ``relaunch/{run_id}/nodes/{identity}``, which only that node writes.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from relaunch.core import exclusion
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import ChangeKind, MembershipChange, expected_size
 from relaunch.rendezvous.api import (
@@ -49,6 +52,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         on_shutdown: tuple[Any, ...] = (),
         watch_store: Store | None = None,
         leases: bool = False,
+        identity: str = "",
+        exclusion_policy: exclusion.ExclusionPolicy | None = None,
     ) -> None:
         self._run_id = run_id
         self._store = store
@@ -101,6 +106,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # one of the job's restarts (``restarts``) if its change is the one that stands.
         self._spending = False
         self._restarts_seen = 0
+        # How the job knows this node across restarts (``core.exclusion``), and when it excludes
+        # it (no policy: never). ``_left``: this node left its round (``prepare_join``).
+        self.identity = identity
+        self._exclusion = exclusion_policy
+        self._left = False
 
     # -- RendezvousHandler ----------------------------------------------------------------------
 
@@ -140,6 +150,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._round, self._ticket, self._final = round_, ticket, final
             self._change, self._change_recorded = None, False
             self._changed.clear()
+            self._left = False
         if self._feed is not None and round_ > 0:
             self._feed.forget(self._rounds.news_prefix(round_ - 1))
         group_rank, offset = plan.assign(ticket, through, self._local_world_size)
@@ -156,6 +167,39 @@ class DynamicRendezvousHandler(RendezvousHandler):
             world_size=final.world_size,
             store=self._store,
         )
+
+    def prepare_join(self) -> float | None:
+        """Leave the running round (the others re-form at once), then say until when this node
+        is excluded from the job (``time.time()``), or None when it may join."""
+        try:
+            self._leave_round()
+        except StoreError as exc:
+            log.warning("could not mark round %s for re-forming (%s)", self._round, exc)
+        if self._exclusion is None:
+            return None
+        try:
+            record = exclusion.decode_record(self._store.get(self._node_key()).value)
+        except StoreError as exc:
+            log.debug("could not read this node's record: %s", exc)
+            return None  # joining reports an unreachable store
+        return exclusion.excluded_until(record, time.time())
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the job to finish; whether it has."""
+        closed, deadline = self._key("closed"), time.monotonic() + timeout
+        try:
+            if self._feed is not None:
+                self._feed.start()  # from here on, the close is heard when written
+            if self.is_closed():
+                return True
+            while (left := deadline - time.monotonic()) > 0:
+                # In steps: one store call never waits longer than a keep-alive interval.
+                step = min(left, self.settings.keep_alive_interval)
+                if self._news.watch(closed, 0, step).value is not None:
+                    return True
+            return self.is_closed()
+        except StoreError as exc:
+            raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def num_nodes_waiting(self) -> int:
         if self._round is None:
@@ -189,11 +233,48 @@ class DynamicRendezvousHandler(RendezvousHandler):
             log.warning("roll call of round %d: %s", round_, exc)
             return None
 
-    def fail_job(self, reason: str) -> None:
+    def post_note(self, name: str, value: bytes) -> None:
+        if self._round is None:
+            return
+        try:
+            self._store.set(self._key(f"notes/{name}", self._round), value)
+        except StoreError as exc:
+            log.debug("could not post the note %r: %s", name, exc)
+
+    def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
+        round_, notes = self._round, dict[str, bytes]()
+        if round_ is None:
+            return notes
+        try:
+            for name in names:
+                value = self._store.get(self._key(f"notes/{name}", round_)).value
+                if value is not None:
+                    notes[name] = value
+        except StoreError as exc:
+            log.debug("could not read the notes: %s", exc)
+        return notes
+
+    def stop_for_stacks(self, reason: str) -> None:
+        """Mark the round re-formed now, asking its members for their workers' stacks, and count
+        the group restart this node's hang spends (``_leave_round`` will find the record)."""
+        if self._round is None or self._final is None or self._finished:
+            return
+        change = MembershipChange.restarting(reason, stacks=True)
+        try:
+            waiting = self.num_nodes_waiting()
+            won = self._rounds.supersede(
+                self._round, change, expected_size(self._final.count, change, waiting)
+            )
+            if won:
+                self._store.add(self._key("restarts"), 1)
+        except StoreError as exc:
+            log.warning("could not ask the other nodes for their workers' stacks: %s", exc)
+
+    def fail_job(self, reason: str, stacks: bool = False) -> None:
         """Mark the round failed (its members stop and report it, rather than re-form), then
         close the job."""
         if self._round is not None and self._final is not None and not self._finished:
-            failed = MembershipChange.failed(reason)
+            failed = MembershipChange.failed(reason, stacks)
             try:
                 self._rounds.supersede(
                     self._round, failed, expected_size(self._final.count, failed)
@@ -318,10 +399,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return True
 
     def _leave_round(self) -> None:
-        """Before joining again: mark the current round as re-formed, so others follow."""
+        """Before joining again: mark the current round as re-formed, so others follow. When
+        this node's own failure re-forms it, the failure counts against the node, and may
+        exclude it: the others then re-form without waiting for it."""
         self._stop_watching()
-        if self._round is None or self._final is None:
+        if self._round is None or self._final is None or self._left:
             return
+        self._left = True
         with self._change_lock:
             own = self._change is None
             change = self._change or MembershipChange.restarting(self._restart_reason)
@@ -332,11 +416,51 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._rounds.is_closed():
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
         waiting = self.num_nodes_waiting()
+        others = self._final.count - 1 + waiting  # the next round, should this node be out
+        read = self._read_record() if spending and self._exclusion is not None else None
+        counted = None if read is None else self._counted(read[0], others)
+        if (
+            read is not None
+            and counted is not None
+            and counted.excluded_until > read[0].excluded_until
+        ):
+            until = time.strftime("%H:%M:%S", time.localtime(counted.excluded_until))
+            change = MembershipChange.member_excluded(
+                self._ticket - 1,
+                f"node {self.identity} (group rank {self._ticket - 1}) is excluded until "
+                f"{until}, having failed the job {read[0].failures + 1} times ({change.reason})",
+            )
         won = self._rounds.supersede(
             self._round, change, expected_size(self._final.count, change, waiting)
         )
         if won and spending:  # one group restart, one unit, whoever else failed with it
             self._store.add(self._key("restarts"), 1)
+            if read is not None and counted is not None:
+                self._write_record(counted, read[1], others)
+
+    def _node_key(self) -> str:
+        return self._key(f"nodes/{self.identity}")
+
+    def _read_record(self) -> tuple[exclusion.NodeRecord, int]:
+        stored = self._store.get(self._node_key())
+        return exclusion.decode_record(stored.value), stored.version
+
+    def _counted(self, record: exclusion.NodeRecord, others: int) -> exclusion.NodeRecord:
+        """``record`` once one more failure of this node counts (``core.exclusion``)."""
+        assert self._exclusion is not None
+        return exclusion.after_failure(
+            record, self._exclusion, time.time(), others, self.settings.min_nodes
+        )
+
+    def _write_record(self, record: exclusion.NodeRecord, version: int, others: int) -> None:
+        """Store this node's ``record`` over the version read. Only this node writes it; should
+        two agents have been given one identity, the failure is counted again on the other's."""
+        key = self._node_key()
+        for _ in range(8):
+            if self._store.compare_set(key, version, exclusion.encode_record(record)).succeeded:
+                return
+            current, version = self._read_record()
+            record = self._counted(current, others)
 
     # -- watching the running round ---------------------------------------------------------------
 

@@ -31,7 +31,13 @@ import time
 from typing import TYPE_CHECKING, cast
 
 from relaunch.core import rendezvous as plan
-from relaunch.core.membership import MembershipChange, decode_change, encode_change, expected_size
+from relaunch.core.membership import (
+    ChangeKind,
+    MembershipChange,
+    decode_change,
+    encode_change,
+    expected_size,
+)
 from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
@@ -79,6 +85,7 @@ class Rounds:
         self.roster: Roster = roster_for(store, self.key, node_id, keyed)
         self._keyed = keyed
         self._next_round = 0  # where this node tries to join first
+        self._spare_of: int | None = None  # the full round this node said it stands by
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key ``name`` of the job, or of its round ``round_``."""
@@ -159,8 +166,16 @@ class Rounds:
             return False, None
         changed = self._store.get(self.key("changed", round_ - 1)).value
         if changed is None:
-            return True, None
-        return False, decode_change(changed)[1]
+            if self._store.get(self.key("final", round_ - 1)).value != CLOSED:
+                return True, None
+        else:
+            change, expected = decode_change(changed)
+            if change.kind not in (ChangeKind.FINISHED, ChangeKind.FAILED):
+                return False, expected
+        # The job ended (a spare behind spares sees the round before dismissed): dismiss the
+        # nodes waiting in this round too, before the closing node gets to it.
+        self._store.compare_set(self.key("final", round_), 0, CLOSED)
+        raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
 
     def _await_round(self, round_: int, entry: Entry, started_at: float) -> plan.Final | None:
         """Wait for round ``round_`` to complete; its final record, or None if this node is late.
@@ -171,18 +186,23 @@ class Rounds:
         settings = self.settings
         min_reached_at: float | None = None
         final: plan.Final | None = None
+        spare = False  # waiting behind a running round: join_timeout counts from its end
         while True:
             now = time.monotonic()
             joined = 0
             previous_running, expected = (False, None)
-            if entry.lead or now >= started_at + settings.join_timeout:
+            due = now >= started_at + settings.join_timeout
+            if entry.lead or due:
                 final = self._final_of(round_)
                 if final is None:  # count the joins (also to say how many, on giving up)
                     joined = self.roster.joined(round_)
             if min_reached_at is None and joined >= settings.min_nodes:
                 min_reached_at = now
-            if entry.lead and final is None:
+            if (entry.lead or due) and final is None:
                 previous_running, expected = self._previous(round_)
+                if spare and not previous_running:
+                    started_at = now  # the round it stood by re-forms: the join starts now
+                spare = previous_running
             decision = plan.decide_join(
                 settings,
                 entry.ticket,
@@ -264,9 +284,21 @@ class Rounds:
 
     def _announce_late(self, round_: int) -> None:
         """Having come too late for ``round_``: ask its members to make room, if there is any
-        and none of them has finished yet (a finishing job is closed, not grown)."""
+        and none of them has finished yet (a finishing job is closed, not grown). A full round
+        gets a spare: it says so, once a round."""
         final = self._final_of(round_)
-        if final is None or final.count >= self.settings.max_nodes:
+        if final is None:
+            return
+        if final.count >= self.settings.max_nodes:
+            if self._spare_of != round_:
+                self._spare_of = round_
+                log.warning(
+                    "job %r is full (%d of at most %d nodes): waiting as a spare, to take the "
+                    "place of a node that is lost",
+                    self._run_id,
+                    final.count,
+                    self.settings.max_nodes,
+                )
             return
         if self.roster.tally("done", round_) == 0:
             waiting = MembershipChange.nodes_waiting(1)

@@ -1,0 +1,31 @@
+"""A worker for the straggler test and benchmark: python slow_rank.py OUT SLOW_RANK.
+
+Every rank reports a step every 20 ms, but global rank SLOW_RANK every 100 ms; each writes
+OUT/start.<rank> with its start time, and all stop once OUT/stop exists.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import time
+
+import relaunch
+
+
+def main() -> int:
+    out, slow = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    (out / f"start.{rank}").write_text(repr(time.time()))
+    pause = 0.1 if rank == slow else 0.02
+    step = 0
+    while not (out / "stop").exists():
+        step += 1
+        relaunch.report_progress(step)
+        time.sleep(pause)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

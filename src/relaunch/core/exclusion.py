@@ -1,0 +1,103 @@
+"""Excluding a node that keeps failing the job, as decisions: pure functions of its record and
+``now`` (Horovod's blacklist with a cooldown).
+
+Each node has a record in the rendezvous store (``relaunch/{run_id}/nodes/{identity}``, written
+only by that node): how many group restarts its workers caused since it was last excluded, and
+until when it is excluded. A failure counts against a node when its restart is the one that
+re-formed the round (the node was the root cause, not a node that failed with it). At
+``ExclusionPolicy.after`` such failures the node is excluded for ``cooldown`` seconds, unless
+the job could not go on without it (fewer than ``min_nodes`` would be left): then it stays,
+and its next failure is weighed again. An excluded node does not join a round until its
+cooldown ends; its count starts again from 0.
+
+Times here are wall-clock seconds (``time.time()``): the end of a cooldown is read by every
+node of the job, on every host, so the hosts' clocks must agree (NTP) to a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+#: Failures a node may cause before it is excluded (``--rdzv-conf exclude_after``; 0: never).
+DEFAULT_EXCLUDE_AFTER = 3
+#: Seconds an excluded node stays out (``--rdzv-conf exclude_cooldown``).
+DEFAULT_EXCLUDE_COOLDOWN = 600.0
+
+
+@dataclass(frozen=True)
+class ExclusionPolicy:
+    """When a node is excluded: after ``after`` failures it caused (0: never), for
+    ``cooldown`` seconds."""
+
+    after: int = DEFAULT_EXCLUDE_AFTER
+    cooldown: float = DEFAULT_EXCLUDE_COOLDOWN
+
+    def __post_init__(self) -> None:
+        if self.after < 0:
+            raise ValueError(f"exclude_after must be >= 0, got {self.after}")
+        if not self.cooldown > 0:
+            raise ValueError(f"exclude_cooldown must be > 0 seconds, got {self.cooldown}")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A node's record: ``failures`` it caused since its last exclusion, the wall-clock end
+    of its last exclusion (0: never excluded), and how many times it was excluded."""
+
+    failures: int = 0
+    excluded_until: float = 0.0
+    exclusions: int = 0
+
+
+def after_failure(
+    record: NodeRecord, policy: ExclusionPolicy, now: float, others: int, min_nodes: int
+) -> NodeRecord:
+    """The record once the node caused one more failure at ``now``; ``others``: the nodes the
+    next round would have without it (the round's other members and the nodes waiting)."""
+    failures = record.failures + 1
+    if policy.after and failures >= policy.after and others >= min_nodes:
+        return NodeRecord(0, now + policy.cooldown, record.exclusions + 1)
+    return NodeRecord(failures, record.excluded_until, record.exclusions)
+
+
+def excluded_until(record: NodeRecord, now: float) -> float | None:
+    """When the node's exclusion ends, if it is excluded at ``now``; else None."""
+    return record.excluded_until if record.excluded_until > now else None
+
+
+def encode_record(record: NodeRecord) -> bytes:
+    return json.dumps(
+        {
+            "failures": record.failures,
+            "excluded_until": record.excluded_until,
+            "exclusions": record.exclusions,
+        }
+    ).encode()
+
+
+def decode_record(raw: bytes | None) -> NodeRecord:
+    """The record stored as ``raw``; an absent or unreadable one is a clean record."""
+    if not raw:
+        return NodeRecord()
+    try:
+        data = json.loads(raw)
+        return NodeRecord(
+            int(data.get("failures", 0)),
+            float(data.get("excluded_until", 0.0)),
+            int(data.get("exclusions", 0)),
+        )
+    except (ValueError, TypeError, AttributeError):
+        return NodeRecord()
+
+
+def valid_node_name(name: str) -> bool:
+    """Whether ``name`` (``--rdzv-conf node_name``) may be part of a store key: 1 to 64 of
+    letters, digits, ``.``, ``_`` and ``-``."""
+    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in name)
+
+
+def node_identity(hostname: str, node_name: str | None) -> str:
+    """How the job knows a node across its restarts: its host's name, and the ``node_name``
+    the user gave it (to tell apart several agents on one host)."""
+    return f"{hostname}/{node_name}" if node_name else hostname
