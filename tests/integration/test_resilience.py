@@ -166,10 +166,12 @@ def test_a_crash_loop_backs_off_and_names_a_start_up_failure(
     job.write_text(
         textwrap.dedent(
             """
-            import os, sys, time
+            import os, sys, time, relaunch
             attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
             with open(sys.argv[1] + "/start." + attempt, "w") as f:
                 f.write(repr(time.time()))
+            if attempt == "0":  # the first attempt runs a step; the others die before one
+                relaunch.report_progress(1)
             sys.exit(3)
             """
         )
@@ -191,7 +193,8 @@ def test_a_crash_loop_backs_off_and_names_a_start_up_failure(
     # None before the first restart, 0.5 s before the second, then capped at 0.8 s.
     assert gaps[0] < 0.5 and 0.5 <= gaps[1] < 1.2 and 0.8 <= gaps[2] < 1.5, gaps
     assert "waiting 0.5s before restart 2 in a row" in done.stderr
-    assert "during start-up" in done.stderr
+    assert "restart 1: rank 0 exited with code 3" in done.stderr  # after its first step
+    assert "restart 2: during start-up" in done.stderr
 
 
 @pytest.mark.timeout(60)

@@ -378,11 +378,6 @@ class LocalElasticAgent:
         waits = []
         check_in = self._expiry.check()  # acts on hung workers; when to look again
         self._tell_hang()
-        assert self._channel is not None
-        self._stragglers.tick(self._channel.progress, self._worker_group.spec.rdzv_handler)
-        sample_in = self._stragglers.due_in()
-        if sample_in is not None:
-            waits.append(sample_in)
         if check_in is not None:
             waits.append(check_in)
         if deadline is not None:
@@ -452,7 +447,7 @@ class LocalElasticAgent:
 
     def _failure_line(self, outcome: RunProcsResult) -> str:
         """The root cause of a failed attempt in one line, named a start-up failure when the
-        worker died before it said anything through the channel (or within seconds)."""
+        worker died before it said anything through the channel (``startup_failure``)."""
         assert self._channel is not None
         failures = self._worker_group.by_global_rank(outcome.failures)
         rank = root_cause_rank(failures)
@@ -465,7 +460,7 @@ class LocalElasticAgent:
         ]
         self._workers_spoke = self._workers_spoke or any(spoke)
         ran_for = time.monotonic() - self._attempt_started
-        if startup_failure(ran_for, spoke[local], self._workers_spoke):
+        if startup_failure(spoke[local], self._workers_spoke):
             return f"during start-up ({ran_for:.1f}s after it started): {line}"
         return line
 
@@ -573,11 +568,12 @@ class LocalElasticAgent:
         )
         self._attempt_started = time.monotonic()
         self._hang_told = False
-        self._stragglers.restart(
+        self._stragglers.start(
             {worker.local_rank: worker.global_rank for worker in group.workers},
+            self._channel.progress,
+            spec.rdzv_handler,
             group.group_rank,
             group.group_world_size,
-            group.workers[0].world_size,
         )
         group.state = WorkerState.HEALTHY
 

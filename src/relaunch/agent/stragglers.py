@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -24,8 +25,9 @@ VERDICT = "stragglers"
 
 
 class StragglerWatch:
-    """Flags slow ranks of the job: on this node's console (all of them on group rank 0's,
-    this node's own elsewhere), through ``on_flag``, and in ``flagged`` for the run summary."""
+    """Flags slow ranks of the job, from a thread of its own (the store may be slow to answer;
+    the agent must not wait on it): on this node's console (every straggler on group rank 0's
+    node, its own ranks elsewhere), and through ``on_flag`` (the status event and summary)."""
 
     def __init__(
         self,
@@ -36,42 +38,62 @@ class StragglerWatch:
         self._factor = factor
         self._on_flag = on_flag
         self._interval = interval
-        self._rates = core.RankRates()
-        self._ranks: dict[int, int] = {}  # local rank -> global rank
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # The group watched: set by ``start``, read by its thread only.
+        self._ranks: dict[int, int] = {}
+        self._progress: Callable[[int], Progress | None] = lambda rank: None
+        self._handler: RendezvousHandler | None = None
         self._group_rank = 0
         self._nodes = 1
-        self._world = 0
-        self._next_at: float | None = None
-        self._said: set[int] = set()
-        #: Every straggler flagged during the run, by global rank (the latest verdict on it).
-        self.flagged: dict[int, core.Straggler] = {}
-
-    def restart(self, ranks: Mapping[int, int], group_rank: int, nodes: int, world: int) -> None:
-        """A new group started: ``ranks`` maps its local ranks to their global ranks."""
         self._rates = core.RankRates()
-        self._ranks = dict(ranks)
-        self._group_rank, self._nodes, self._world = group_rank, nodes, world
-        self._said.clear()
-        self._next_at = time.monotonic() + self._interval if world > 1 else None
+        self._said: set[int] = set()
+
+    def start(
+        self,
+        ranks: Mapping[int, int],
+        progress: Callable[[int], Progress | None],
+        handler: RendezvousHandler,
+        group_rank: int,
+        nodes: int,
+    ) -> None:
+        """Watch a new group: ``ranks`` maps its local ranks to their global ranks,
+        ``progress(local_rank)`` is a rank's last report, ``handler`` shares the rates."""
+        self.stop()
+        if nodes * len(ranks) < 2:
+            return  # one rank: nobody to compare it with
+        self._ranks, self._progress, self._handler = dict(ranks), progress, handler
+        self._group_rank, self._nodes = group_rank, nodes
+        self._rates, self._said = core.RankRates(), set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(self._stop,), name="relaunch-stragglers", daemon=True
+        )
+        self._thread.start()
 
     def stop(self) -> None:
-        self._next_at = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
-    def due_in(self) -> float | None:
-        """Seconds until the next sample (None: none is due, a job of one rank)."""
-        return None if self._next_at is None else max(0.0, self._next_at - time.monotonic())
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self._interval):
+            try:
+                self._sample()
+            except Exception:  # a straggler check must never end the run
+                log.debug("straggler check failed", exc_info=True)
 
-    def tick(self, progress: Callable[[int], Progress | None], handler: RendezvousHandler) -> None:
-        """Sample, share and judge, if it is time."""
-        if self._next_at is None or time.monotonic() < self._next_at:
-            return
-        self._next_at = time.monotonic() + self._interval
+    def _sample(self) -> None:
+        """Sample the ranks' steps, share their rates, and judge (group rank 0) or read the
+        verdict (the others)."""
         for local, rank in self._ranks.items():
-            report = progress(local)
+            report = self._progress(local)
             if report is not None:
                 self._rates.add(rank, report.time, report.step)
         mine = self._rates.rates(time.time())
-        if self._nodes <= 1:
+        handler = self._handler
+        if self._nodes <= 1 or handler is None:
             self._said_about(core.flag(mine, self._factor)[1])
             return
         handler.post_note(f"rates/{self._group_rank}", json.dumps(mine).encode())
@@ -98,7 +120,6 @@ class StragglerWatch:
 
     def _said_about(self, slow: list[core.Straggler]) -> None:
         for straggler in slow:
-            self.flagged[straggler.rank] = straggler
             if straggler.rank in self._said:
                 continue
             self._said.add(straggler.rank)

@@ -158,15 +158,9 @@ def stalled_out(loop: CrashLoop, limit: int) -> str | None:
     )
 
 
-#: A worker that dies within this many seconds of its start, having said nothing through the
-#: channel, failed during start-up.
-STARTUP_WINDOW = 10.0
-
-
-def startup_failure(ran_for: float, rank_spoke: bool, workers_speak: bool) -> bool:
+def startup_failure(rank_spoke: bool, workers_speak: bool) -> bool:
     """Whether a worker's failure came during start-up: before its first progress report,
-    heartbeat or section, when the workers use them (``workers_speak``: some rank did, in this
-    attempt or an earlier one); else within ``STARTUP_WINDOW`` seconds of the start."""
-    if rank_spoke:
-        return False
-    return workers_speak or ran_for < STARTUP_WINDOW
+    heartbeat or section, in a job whose workers use them (``workers_speak``: some rank did, in
+    this attempt or an earlier one). Of workers that never use them nothing can be told: a
+    quick job's crash after its last step would look like one at its start."""
+    return workers_speak and not rank_spoke
