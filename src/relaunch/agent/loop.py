@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from relaunch.agent.attempts import Attempts
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.health import HealthCheck, await_admission, check_env
@@ -37,19 +38,10 @@ from relaunch.core.console_plan import (
     relayed,
 )
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
-from relaunch.core.failures import format_report, one_line, root_cause_rank
+from relaunch.core.failures import format_report
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, worker_env
-from relaunch.core.restart import (
-    Action,
-    Backoff,
-    CrashLoop,
-    Mark,
-    RestartDecision,
-    decide,
-    stalled_out,
-    startup_failure,
-)
+from relaunch.core.restart import Action, Backoff, RestartDecision, decide
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullEventHandler, NullMetricHandler
 from relaunch.procs.console import console_for
@@ -132,17 +124,13 @@ class LocalElasticAgent:
         self._grace_ends: float | None = None
         self._node_bar = NodeBar(self._worker_group)
         self._console = console_for(sys.stdout, sys.stderr)
-        self._backoff = restart_backoff or Backoff()
-        self._max_stalled = max_stalled_restarts
+        self._attempts = Attempts(restart_backoff or Backoff(), max_stalled_restarts)
         self._stragglers = StragglerWatch(
             straggler_factor,
             lambda straggler: self._report.straggler(
                 straggler, straggler_factor, self.restart_count
             ),
         )
-        self._crash_loop = CrashLoop()
-        self._attempt_started = 0.0
-        self._workers_spoke = False  # some rank used the channel, in any attempt
         self._hang_told = False
 
     @property
@@ -284,8 +272,9 @@ class LocalElasticAgent:
             delay = 0.0
             if outcome is not None and outcome.is_failed():
                 self._log_report(outcome)
-                reason = self._failure_line(outcome)
-                stalled, delay = self._count_crash()
+                assert self._channel is not None
+                reason = self._attempts.cause(group, outcome, self._channel)
+                stalled, delay = self._attempts.failed(self._channel)
                 if stalled is not None:
                     log.error("[%s] %s", role, stalled)
                     self._report.stop_note = stalled
@@ -310,9 +299,9 @@ class LocalElasticAgent:
                     "(--restart-backoff %g:%g)",
                     role,
                     delay,
-                    self._crash_loop.in_a_row,
-                    self._backoff.base,
-                    self._backoff.cap,
+                    self._attempts.loop.in_a_row,
+                    self._attempts.backoff.base,
+                    self._attempts.backoff.cap,
                 )
                 self._pause(delay)
             try:
@@ -409,29 +398,6 @@ class LocalElasticAgent:
         else:
             handler.fail_job(f"{reason} (no restart left)", stacks=True)
 
-    def _attempt_mark(self) -> Mark:
-        """How far the running (or just ended) attempt got, from the channel."""
-        assert self._channel is not None
-        steps, signs = [], 0
-        for rank in range(self._channel.slots):
-            progress = self._channel.progress(rank)
-            if progress is not None:
-                steps.append(progress.step)
-            live = self._channel.liveness(rank)
-            if live is not None:
-                signs += live.sections_done + live.beats
-        return Mark(max(steps, default=None), signs)
-
-    def _count_crash(self) -> tuple[str | None, float]:
-        """Count a failed attempt in the crash loop: why the job stops for want of progress
-        (None: it goes on), and the seconds to wait before the restart."""
-        ran_for = time.monotonic() - self._attempt_started
-        self._crash_loop = self._crash_loop.after_failure(
-            ran_for, self._attempt_mark(), self._backoff
-        )
-        stalled = stalled_out(self._crash_loop, self._max_stalled)
-        return stalled, self._backoff.delay(self._crash_loop.in_a_row)
-
     def _log_report(self, outcome: RunProcsResult) -> None:
         """The failure report of a failed group, in this agent's log."""
         group = self._worker_group
@@ -445,25 +411,6 @@ class LocalElasticAgent:
             ),
         )
 
-    def _failure_line(self, outcome: RunProcsResult) -> str:
-        """The root cause of a failed attempt in one line, named a start-up failure when the
-        worker died before it said anything through the channel (``startup_failure``)."""
-        assert self._channel is not None
-        failures = self._worker_group.by_global_rank(outcome.failures)
-        rank = root_cause_rank(failures)
-        line = one_line(rank, failures[rank])
-        local = next((w.local_rank for w in self._worker_group.workers if w.global_rank == rank), 0)
-        spoke = [
-            self._channel.progress(r) is not None or (live is not None and live.used)
-            for r in range(self._channel.slots)
-            for live in (self._channel.liveness(r),)
-        ]
-        self._workers_spoke = self._workers_spoke or any(spoke)
-        ran_for = time.monotonic() - self._attempt_started
-        if startup_failure(spoke[local], self._workers_spoke):
-            return f"during start-up ({ran_for:.1f}s after it started): {line}"
-        return line
-
     def _polls_membership(self) -> bool:
         """Whether the handler watches membership but cannot report changes (it kept the default
         ``set_change_listener``): then it is asked every ``monitor_interval``."""
@@ -473,7 +420,9 @@ class LocalElasticAgent:
 
     def _fail_job(self, outcome: RunProcsResult, why: str = "no restart left") -> RunResult:
         """This node's failure is final: end the job for every node, and return it."""
-        reason = f"{os.uname().nodename}: {self._failure_line(outcome)} ({why})"
+        assert self._channel is not None
+        cause = self._attempts.cause(self._worker_group, outcome, self._channel)
+        reason = f"{os.uname().nodename}: {cause} ({why})"
         self._worker_group.spec.rdzv_handler.fail_job(reason)
         return self._failed(outcome)
 
@@ -566,7 +515,7 @@ class LocalElasticAgent:
             # A start_processes given by the user (torch's, say) has no such method.
             getattr(self._pcontext, "hold_group_stop", lambda: None),
         )
-        self._attempt_started = time.monotonic()
+        self._attempts.started()
         self._hang_told = False
         self._stragglers.start(
             {worker.local_rank: worker.global_rank for worker in group.workers},
