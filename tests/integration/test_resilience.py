@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import json
 import os
 import pathlib
 import subprocess
@@ -251,7 +252,7 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
     out.mkdir()
     port = find_free_port()
     agents, lines, readers = [], [], []
-    for _ in range(2):
+    for node in range(2):
         agent = subprocess.Popen(
             [
                 sys.executable,
@@ -267,6 +268,8 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
                 f"127.0.0.1:{port}",
                 "--rdzv-id",
                 "slow",
+                "--event-log-handler",
+                f"file:{tmp_path}/events{node}.jsonl",
                 SLOW_JOB,
                 str(out),
                 "3",
@@ -297,7 +300,34 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
     started = min(float(p.read_text()) for p in out.glob("start.*"))
     delays = [flagged(seen) - started for seen in lines]  # type: ignore[operator]
     print(f"straggler flagged {delays[0]:.1f}s and {delays[1]:.1f}s after the workers started")
-    for seen in lines:
+    for node, seen in enumerate(lines):
         text = "".join(line for _, line in seen)
         assert "straggler: rank 3 is a straggler" in text  # in the run summary
         assert not any(f"rank {r} is a straggler" in text for r in (0, 1, 2))
+        events = [json.loads(line) for line in (tmp_path / f"events{node}.jsonl").open()]
+        (event,) = [e for e in events if e["name"] == "torchelastic.worker.status.STRAGGLER"]
+        assert event["metadata"]["global_rank"] == 3
+        straggler = json.loads(event["metadata"]["metadata"])["straggler"]
+        assert straggler["steps_per_second"] < straggler["median"] / 1.5
+
+
+@pytest.mark.timeout(30)
+def test_one_node_judges_its_own_ranks() -> None:
+    from relaunch.agent.stragglers import StragglerWatch
+    from relaunch.core.progress import Progress
+
+    began = time.time()
+    speeds = {0: 100.0, 1: 90.0, 2: 20.0}
+
+    def progress(local: int) -> Progress:
+        now = time.time()
+        return Progress(int(speeds[local] * (now - began)), None, now, "", 1)
+
+    flagged: list[int] = []
+    watch = StragglerWatch(1.5, lambda straggler: flagged.append(straggler.rank), interval=0.05)
+    watch.start({0: 4, 1: 5, 2: 6}, progress, None, group_rank=0, nodes=1)
+    try:
+        wait_until(lambda: flagged, timeout=10, what="a straggler")
+    finally:
+        watch.stop()
+    assert flagged == [6]

@@ -53,12 +53,13 @@ class StragglerWatch:
         self,
         ranks: Mapping[int, int],
         progress: Callable[[int], Progress | None],
-        handler: RendezvousHandler,
+        handler: RendezvousHandler | None,
         group_rank: int,
         nodes: int,
     ) -> None:
         """Watch a new group: ``ranks`` maps its local ranks to their global ranks,
-        ``progress(local_rank)`` is a rank's last report, ``handler`` shares the rates."""
+        ``progress(local_rank)`` is a rank's last report, ``handler`` shares the rates (not
+        needed by a job of one node)."""
         self.stop()
         if nodes * len(ranks) < 2:
             return  # one rank: nobody to compare it with
