@@ -86,7 +86,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
             backend=params.backend,
             watch_store=memory,
             identity=_identity(conf),
-        exclusion_policy=_policy(conf),
+            exclusion_policy=_policy(conf),
         )
     import socket
 
