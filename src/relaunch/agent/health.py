@@ -107,13 +107,22 @@ def check_env(local_world_size: int, run_id: str, role: str, restarts: int) -> d
 
 
 def await_admission(
-    handler: RendezvousHandler, check: HealthCheck | None, env: Mapping[str, str]
+    handler: RendezvousHandler,
+    check: HealthCheck | None,
+    env: Mapping[str, str],
+    backoff: float = 0.0,
 ) -> None:
-    """Return once this node may join: it left its running round, is not excluded from the
-    job, and passed its health check. Says on the console why it waits, and until when;
+    """Return once this node may join: it left its running round (so the others stop at
+    once), waited ``backoff`` seconds (a crash loop's), is not excluded from the job, and
+    passed its health check. Says on the console why it waits, and until when;
     ``RendezvousClosedError`` when the job finishes meanwhile."""
     while True:
         until = handler.prepare_join()
+        if backoff > 0:
+            if handler.wait_closed(backoff):
+                raise RendezvousClosedError(f"the job {handler.get_run_id()!r} has finished")
+            backoff = 0.0
+            continue
         if until is not None:
             log.warning(
                 "this node is excluded from the job until %s (it failed the job too often); "

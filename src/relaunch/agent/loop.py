@@ -73,6 +73,7 @@ class LocalElasticAgent:
     a worker shows no sign of life for that many seconds, with its stack in the report.
     ``start_processes`` starts each group (a seam for tests). ``exit_barrier_timeout`` bounds
     how long a node whose workers finished waits for the others' before it closes the job.
+    ``health_check`` runs before every join; a node whose check fails waits and tries again.
 
     A worker past the deadline of its ``relaunch.section`` or ``relaunch.heartbeat`` is hung:
     every local rank is asked for its stack, the other nodes are asked for theirs through the
@@ -303,9 +304,8 @@ class LocalElasticAgent:
                     self._attempts.backoff.base,
                     self._attempts.backoff.cap,
                 )
-                self._pause(delay)
             try:
-                self._rendezvous()
+                self._rendezvous(backoff=delay)
             except RendezvousClosedError:
                 if outcome is None or not outcome.is_failed():
                     # Its workers were stopped mid-run to re-form, and the job ended without
@@ -375,13 +375,6 @@ class LocalElasticAgent:
             waits.append(self._worker_group.spec.monitor_interval)
         self._wakeups.get(max(0.0, min(waits)) if waits else None)
 
-    def _pause(self, seconds: float) -> None:
-        """Wait ``seconds`` (a restart's backoff); a signal still ends the run at once."""
-        assert self._wakeups is not None
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            self._wakeups.get(left)
-
     def _tell_hang(self) -> None:
         """A local rank hung: ask the other nodes for their ranks' stacks at once, restarting
         with this node (one of the job's restarts), or ending the job with none left."""
@@ -437,12 +430,13 @@ class LocalElasticAgent:
 
     # -- the steps ----------------------------------------------------------------------------
 
-    def _rendezvous(self) -> None:
+    def _rendezvous(self, backoff: float = 0.0) -> None:
         spec = self._worker_group.spec
         handler = spec.rdzv_handler
-        # Leave the running round; wait out an exclusion and a failing health check.
+        # Leave the running round; wait out a crash loop's backoff, an exclusion and a failing
+        # health check.
         env = check_env(spec.local_world_size, handler.get_run_id(), spec.role, self._used)
-        await_admission(handler, self._health_check, env)
+        await_admission(handler, self._health_check, env, backoff)
         self._worker_group.join(handler.next_rendezvous())
         self._peers_alive = None
         self._used = handler.restarts_used(self._spent)
