@@ -191,8 +191,11 @@ def test_a_node_that_fails_the_job_repeatedly_is_excluded_and_the_others_go_on(
     finally:
         stop_all(nodes)
     worlds = [line.split()[1] for line in good.stdout()]
-    # (On a loaded machine the first node may have started alone, before the second came.)
-    assert worlds[-3:] == ["2", "2", "1"] and set(worlds[:-3]) <= {"1"}, worlds
+    # Worlds of two while the bad node was in (its second attempt's worker may be stopped
+    # before it prints: the bad node leaves the round as soon as its own worker fails), then
+    # of one. (On a loaded machine the first node may have started alone, before the second.)
+    assert worlds[-1] == "1" and "2" in worlds and set(worlds) <= {"1", "2"}, worlds
+    assert "restarting the worker group (node " in good.stderr()  # re-formed without it
     assert [line.split()[1] for line in bad.stdout()] == ["2", "2"]
     host = os.uname().nodename
     assert f"node {host}/b (group rank" in good.stderr() and "is excluded until" in good.stderr()
