@@ -40,6 +40,21 @@ def relaunch(leaks: LeakCheck, *argv: str, timeout: float = 50) -> subprocess.Co
     )
 
 
+def node_agent(
+    leaks: LeakCheck, backend: str, endpoint: str, run_id: str, *argv: str, stdout: Any = None
+) -> subprocess.Popen[str]:
+    """One of two agents of 2 workers each, forming a job on ``backend`` at ``endpoint``."""
+    nodes = ("--nnodes", "2", "--nproc-per-node", "2")
+    rendezvous = ("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id)
+    return subprocess.Popen(
+        [sys.executable, "-m", "relaunch", *nodes, *rendezvous, *argv],
+        stdout=subprocess.PIPE if stdout is None else stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=leaks.process_env(),
+    )
+
+
 def started(out: pathlib.Path, attempt: int) -> list[float]:
     return [float(p.read_text()) for p in out.glob(f"start.{attempt}.*")]
 
@@ -101,42 +116,17 @@ def test_a_hang_on_one_node_takes_the_stacks_of_every_node(
     else:
         endpoint = f"127.0.0.1:{find_free_port()}"
     run_id = f"hang-{backend}-{restarts}-{os.getpid()}"
-    agents = []
-    for node in range(2):
-        logs = tmp_path / f"logs{node}"
-        agents.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "relaunch",
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "2",
-                    "--rdzv-backend",
-                    backend,
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-id",
-                    run_id,
-                    "--max-restarts",
-                    str(restarts),
-                    "--log-dir",
-                    str(logs),
-                    "--tee",
-                    "2",
-                    HANG_JOB,
-                    str(out),
-                    "given",
-                    "3",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=leaks.process_env(),
-            )
+    agents = [
+        node_agent(
+            leaks,
+            backend,
+            endpoint,
+            run_id,
+            *("--max-restarts", str(restarts), "--log-dir", str(tmp_path / f"logs{node}")),
+            *("--tee", "2", HANG_JOB, str(out), "given", "3"),
         )
+        for node in range(2)
+    ]
     outputs = [agent.communicate(timeout=70) for agent in agents]
     errs = [err for _, err in outputs]
     hung = next(n for n in range(2) if "local rank 1: section 'step' overdue" in errs[n])
@@ -253,31 +243,14 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
     port = find_free_port()
     agents, lines, readers = [], [], []
     for node in range(2):
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaunch",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "slow",
-                "--event-log-handler",
-                f"file:{tmp_path}/events{node}.jsonl",
-                SLOW_JOB,
-                str(out),
-                "3",
-            ],
+        events = f"file:{tmp_path}/events{node}.jsonl"
+        agent = node_agent(
+            leaks,
+            "c10d",
+            f"127.0.0.1:{port}",
+            "slow",
+            *("--event-log-handler", events, SLOW_JOB, str(out), "3"),
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=leaks.process_env(),
         )
         agents.append(agent)
         seen: list[tuple[float, str]] = []
