@@ -286,7 +286,7 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
 
 @pytest.mark.timeout(30)
 def test_one_node_judges_its_own_ranks() -> None:
-    from relaunch.agent.stragglers import StragglerWatch
+    from relaunch.agent.status import Group, NodeReporter
     from relaunch.core.progress import Progress
 
     began = time.time()
@@ -297,10 +297,14 @@ def test_one_node_judges_its_own_ranks() -> None:
         return Progress(int(speeds[local] * (now - began)), None, now, "", 1)
 
     flagged: list[int] = []
-    watch = StragglerWatch(1.5, lambda straggler: flagged.append(straggler.rank), interval=0.05)
-    watch.start({0: 4, 1: 5, 2: 6}, progress, None, group_rank=0, nodes=1)
+    reporter = NodeReporter(1.5, lambda straggler: flagged.append(straggler.rank), interval=0.05)
+    group = Group("here", 0, 1, {0: 4, 1: 5, 2: 6}, progress, lambda local: None, dict)
+    reporter.start(group, None)
     try:
         wait_until(lambda: flagged, timeout=10, what="a straggler")
     finally:
-        watch.stop()
+        reporter.stop()
     assert flagged == [6]
+    status = reporter.status()
+    assert status is not None and [r.rank for r in status.ranks] == [4, 5, 6]
+    assert all(r.state == "running" and r.rate for r in status.ranks)

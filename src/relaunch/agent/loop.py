@@ -29,7 +29,7 @@ from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.health import HealthCheck, await_admission, check_env
 from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
-from relaunch.agent.stragglers import StragglerWatch
+from relaunch.agent.status import Group, NodeReporter
 from relaunch.core.console_plan import (
     LOG_LINE_PREFIX_TEMPLATE_ENV,
     agent_tee,
@@ -123,15 +123,17 @@ class LocalElasticAgent:
         self._wakeups: EventQueue[str] | None = None
         self._explained: RunProcsResult | None = None
         self._grace_ends: float | None = None
-        self._node_bar = NodeBar(self._worker_group)
         self._console = console_for(sys.stdout, sys.stderr)
         self._attempts = Attempts(restart_backoff or Backoff(), max_stalled_restarts)
-        self._stragglers = StragglerWatch(
+        self._reporter = NodeReporter(
             straggler_factor,
             lambda straggler: self._report.straggler(
                 straggler, straggler_factor, self.restart_count
             ),
+            node_state=lambda: self._worker_group.state.value,
+            restarts=lambda: (self.restart_count, list(self._report.restart_reasons)),
         )
+        self._node_bar = NodeBar(self._worker_group, lambda: self._reporter.job_line)
         self._hang_told = False
 
     @property
@@ -511,17 +513,23 @@ class LocalElasticAgent:
         )
         self._attempts.started()
         self._hang_told = False
-        self._stragglers.start(
-            {worker.local_rank: worker.global_rank for worker in group.workers},
-            self._channel.progress,
+        pcontext = self._pcontext
+        self._reporter.start(
+            Group(
+                getattr(spec.rdzv_handler, "identity", "") or os.uname().nodename,
+                group.group_rank,
+                group.group_world_size,
+                {worker.local_rank: worker.global_rank for worker in group.workers},
+                self._channel.progress,
+                self._channel.liveness,
+                lambda: {rank: "running" for rank in pcontext.running()},
+            ),
             spec.rdzv_handler,
-            group.group_rank,
-            group.group_world_size,
         )
         group.state = WorkerState.HEALTHY
 
     def _stop_workers(self, death_sig: signal.Signals) -> None:
-        self._stragglers.stop()
+        self._reporter.stop()
         if self._pcontext is not None:
             dumping = self._expiry.dumping()
             if dumping:  # ranks asked for their stacks: let them write them before the signal

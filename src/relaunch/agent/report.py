@@ -8,6 +8,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from relaunch.agent.channel import Channel
@@ -140,10 +141,15 @@ class RunReport:
 
 
 class NodeBar:
-    """The per-node bar (a ``Console`` bar source): the slowest local rank's progress."""
+    """The per-node bar (a ``Console`` bar source): the slowest local rank's progress, and
+    under it, on the console of group rank 0 of a job of several nodes, ``job_line()``: the
+    job-wide bar (``agent.status``)."""
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(
+        self, group: WorkerGroup, job_line: Callable[[], str | None] = lambda: None
+    ) -> None:
         self._group = group
+        self._job_line = job_line
         self._channel: Channel | None = None
         self._tracker: NodeProgress | None = None
 
@@ -161,11 +167,15 @@ class NodeBar:
             tracker.update({rank: channel.progress(rank) for rank in range(channel.slots)}, now)
         except ValueError:  # the channel was closed under us: the run is over
             return {}
+        bars = {}
         line = tracker.line(now)
-        if line is None:
-            return {}
         group = self._group
-        return {"node": f"[{group.spec.role} node {group.group_rank}]:{line}".encode()}
+        if line is not None:
+            bars["node"] = f"[{group.spec.role} node {group.group_rank}]:{line}".encode()
+        job = self._job_line()
+        if job is not None:
+            bars["job"] = f"[{group.spec.role}]:{job}".encode()
+        return bars
 
 
 def make_log_dir(log_dir: str | None, run_id: str) -> str:

@@ -1,0 +1,184 @@
+"""What the agent tells the rest of the job, from a thread of its own (the store may be slow to
+answer; the agent loop must never wait on it): every ``INTERVAL`` seconds it posts this node's
+``NodeStatus`` as the round's note ``status/<group rank>``; the agent of group rank 0 reads every
+node's, judges the job (``core.status.job_view``: stragglers, the slowest rank, the pace) and
+posts it as the note ``job``, which the others read. One write and one read per node and
+interval, and one read per node for rank 0's. ``relaunch status`` reads the same notes.
+
+Stragglers are flagged on the console (every one on group rank 0's node, its own ranks
+elsewhere) and through ``on_flag`` (the status event and the run summary); group rank 0's
+console shows the job-wide bar (``job_line``). A job of one node judges itself, without the
+store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from relaunch.core import status as core
+from relaunch.core import stragglers
+from relaunch.core.liveness import Liveness
+from relaunch.core.progress import Progress
+from relaunch.rendezvous.api import RendezvousHandler
+
+log = logging.getLogger(__name__)
+
+JOB_NOTE = "job"
+
+
+def status_note(group_rank: int) -> str:
+    return f"status/{group_rank}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The group of workers a reporter watches: ``ranks`` maps local ranks to global ranks;
+    ``states()`` says how each local rank stands ("running", "exited 0", ...)."""
+
+    node: str
+    group_rank: int
+    nodes: int
+    ranks: Mapping[int, int]
+    progress: Callable[[int], Progress | None]
+    liveness: Callable[[int], Liveness | None]
+    states: Callable[[], Mapping[int, str]]
+
+
+class NodeReporter:
+    """Posts this node's status and flags stragglers (see the module docstring)."""
+
+    def __init__(
+        self,
+        factor: float,
+        on_flag: Callable[[stragglers.Straggler], None] = lambda straggler: None,
+        interval: float = stragglers.INTERVAL,
+        node_state: Callable[[], str] = lambda: "HEALTHY",
+        restarts: Callable[[], tuple[int, list[str]]] = lambda: (0, []),
+    ) -> None:
+        self._factor = factor
+        self._on_flag = on_flag
+        self._interval = interval
+        self._node_state = node_state
+        self._restarts = restarts
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: The job-wide bar, on group rank 0's node of a job of several (None: none yet).
+        self.job_line: str | None = None
+        self._started_at = time.time()
+        # The group watched: set by ``start``, read by its thread only.
+        self._group: Group | None = None
+        self._handler: RendezvousHandler | None = None
+        self._rates = stragglers.RankRates()
+        self._said: set[int] = set()
+
+    def start(self, group: Group, handler: RendezvousHandler | None) -> None:
+        """Report on a new group (``handler`` shares the posts; not needed by one node)."""
+        self.stop()
+        self._group, self._handler = group, handler
+        self._rates, self._said = stragglers.RankRates(), set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(self._stop,), name="relaunch-status", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self._interval):
+            try:
+                self.report()
+            except Exception:  # a report must never end the run
+                log.debug("the status report failed", exc_info=True)
+
+    def status(self) -> core.NodeStatus | None:
+        """This node's status now (None before a group started)."""
+        group = self._group
+        if group is None:
+            return None
+        now = time.time()
+        states = group.states()
+        rates = self._rates.rates(now)
+        ranks = []
+        for local, rank in sorted(group.ranks.items()):
+            progress, live = group.progress(local), group.liveness(local)
+            signs = [
+                sign
+                for sign in (
+                    None if progress is None else progress.time,
+                    None if live is None else live.last_sign,
+                )
+                if sign
+            ]
+            ranks.append(
+                core.RankStatus(
+                    rank,
+                    local,
+                    states.get(local, "running"),
+                    None if progress is None else progress.step,
+                    None if progress is None else progress.total,
+                    rates.get(rank),
+                    max(signs, default=None),
+                )
+            )
+        restarts, reasons = self._restarts()
+        return core.NodeStatus(
+            group.node,
+            group.group_rank,
+            self._node_state(),
+            restarts,
+            now,
+            ranks,
+            reasons,
+        )
+
+    def report(self) -> None:
+        """Sample the ranks, post this node's status, and judge the job (group rank 0) or read
+        its verdict (the others)."""
+        group, handler = self._group, self._handler
+        if group is None:
+            return
+        for local, rank in group.ranks.items():
+            progress = group.progress(local)
+            if progress is not None:
+                self._rates.add(rank, progress.time, progress.step)
+        mine = self.status()
+        assert mine is not None
+        if group.nodes <= 1 or handler is None:
+            view = core.job_view([mine], self._factor, mine.posted_at)
+            self._flag(view)
+            return
+        handler.post_note(status_note(group.group_rank), mine.encode())
+        if group.group_rank == 0:
+            names = [status_note(node) for node in range(group.nodes)]
+            posts = [core.NodeStatus.decode(raw) for raw in handler.read_notes(names).values()]
+            view = core.job_view(posts, self._factor, mine.posted_at)
+            handler.post_note(JOB_NOTE, view.encode())
+            self.job_line = core.job_bar(view, time.time() - self._started_at)
+            self._flag(view)
+            return
+        raw = handler.read_notes([JOB_NOTE]).get(JOB_NOTE)
+        if raw is not None:
+            view = core.JobView.decode(raw)
+            mine_only = {r: v for r, v in view.stragglers.items() if r in group.ranks.values()}
+            self._flag(view, mine_only)
+
+    def _flag(self, view: core.JobView, only: Mapping[int, float] | None = None) -> None:
+        slow = view.stragglers if only is None else only
+        if view.median is None:
+            return
+        for rank, rate in sorted(slow.items(), key=lambda item: (item[1], item[0])):
+            if rank in self._said:
+                continue
+            straggler = stragglers.Straggler(rank, rate, view.median)
+            log.warning("%s", straggler.describe(self._factor))
+            self._on_flag(straggler)
+        self._said = set(slow)  # a rank that caught up is flagged again if it lags

@@ -1,0 +1,203 @@
+"""What each agent tells the rest of the job about itself, and the view of the whole job.
+
+Every few seconds each agent posts a ``NodeStatus`` (its ranks' states, steps, rates and last
+signs of life, its restarts) as a note of the running round; the agent of group rank 0 reads
+every node's, judges stragglers and the job's pace (``job_view``), and posts the ``JobView``.
+``relaunch status`` reads both, and ``format_table`` prints them. Pure: records in, records and
+text out; times are ``time.time()``, passed in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from relaunch.core import stragglers
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One worker as its agent last saw it."""
+
+    rank: int
+    local_rank: int
+    state: str  # "running", or how it ended: "exited 0", "exited 3", "killed by SIGKILL"
+    step: int | None = None
+    total: int | None = None
+    rate: float | None = None  # steps per second over ``stragglers.WINDOW``
+    last_sign: float | None = None  # its last report, heartbeat or section (None: never)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One agent's post: who it is, how its workers stand, the restarts it knows of."""
+
+    node: str
+    group_rank: int
+    state: str  # the group's WorkerState
+    restarts: int
+    posted_at: float
+    ranks: list[RankStatus] = field(default_factory=list)
+    restart_reasons: list[str] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NodeStatus:
+        data = json.loads(raw)
+        ranks = [RankStatus(**rank) for rank in data.pop("ranks", [])]
+        return cls(**data, ranks=ranks)
+
+
+@dataclass(frozen=True)
+class Slowest:
+    """The rank furthest behind: the one the job waits for."""
+
+    rank: int
+    node: str
+    step: int
+    total: int | None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Group rank 0's verdict on the job: its median rate, the stragglers (global rank -> rate),
+    the slowest rank, the job's pace (the slowest rank's rate) and the seconds left (None:
+    unknown)."""
+
+    median: float | None
+    stragglers: dict[int, float]
+    slowest: Slowest | None
+    rate: float | None
+    eta: float | None
+    posted_at: float
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> JobView:
+        data = json.loads(raw)
+        slowest = data.pop("slowest")
+        data["stragglers"] = {int(rank): rate for rank, rate in data["stragglers"].items()}
+        return cls(**data, slowest=None if slowest is None else Slowest(**slowest))
+
+
+def job_view(nodes: Sequence[NodeStatus], factor: float, now: float) -> JobView:
+    """The view of the job from every node's post: stragglers below median / ``factor``."""
+    rates = {r.rank: r.rate for node in nodes for r in node.ranks if r.rate is not None}
+    median, slow = stragglers.flag(rates, factor)
+    reported = [(r, node.node) for node in nodes for r in node.ranks if r.step is not None]
+    slowest = None
+    rate = eta = None
+    if reported:
+        rank, where = min(reported, key=lambda pair: (pair[0].step or 0, pair[0].rank))
+        assert rank.step is not None
+        slowest = Slowest(rank.rank, where, rank.step, rank.total)
+        rate = rank.rate
+        if rank.total is not None and rate:
+            eta = max(0.0, (rank.total - rank.step) / rate)
+    return JobView(median, {s.rank: s.rate for s in slow}, slowest, rate, eta, now)
+
+
+def job_bar(view: JobView, elapsed: float | None = None) -> str | None:
+    """The job-wide bar (group rank 0's console): the slowest rank's step over the total, the
+    job's rate and ETA, and where the slowest rank is; None before any rank reported.
+    ``elapsed``: the seconds the run has taken, shown when given."""
+    slowest = view.slowest
+    if slowest is None:
+        return None
+    pace = _rate(view.rate)
+    where = f"slowest: rank {slowest.rank} on {slowest.node}"
+    if slowest.total:
+        fraction = min(1.0, max(0.0, slowest.step / slowest.total))
+        eta = "?" if view.eta is None else _clock(view.eta)
+        took = "" if elapsed is None else f"{_clock(elapsed)}<"
+        return (
+            f"job {fraction * 100:3.0f}% {slowest.step}/{slowest.total} "
+            f"[{took}{eta}, {pace}] {where}"
+        )
+    took = "" if elapsed is None else f"{_clock(elapsed)}, "
+    return f"job step {slowest.step} [{took}{pace}] {where}"
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def _rate(rate: float | None) -> str:
+    if not rate:
+        return "? step/s"
+    return f"{rate:.3g} step/s" if rate >= 1 else f"{1 / rate:.3g} s/step"
+
+
+def _ago(then: float | None, now: float) -> str:
+    return "-" if then is None else f"{max(0.0, now - then):.1f}s ago"
+
+
+def format_table(
+    run_id: str,
+    nodes: Sequence[NodeStatus],
+    view: JobView | None,
+    restarts: int,
+    now: float,
+    note: str = "",
+) -> str:
+    """The job as ``relaunch status`` prints it: one line per rank, under its node."""
+    lines = [
+        f"job {run_id}: {len(nodes)} node(s), {sum(len(n.ranks) for n in nodes)} rank(s), "
+        f"{restarts} restart(s) used" + (f"; {note}" if note else "")
+    ]
+    bar = None if view is None else job_bar(view)
+    if bar is not None:
+        lines.append(f"  {bar}")
+    header = ("node", "group", "rank", "local", "state", "step", "rate", "last sign", "flag")
+    rows: list[tuple[str, ...]] = []
+    slow = {} if view is None else view.stragglers
+    for node in sorted(nodes, key=lambda n: n.group_rank):
+        beat = f"{node.node} ({node.state}, posted {_ago(node.posted_at, now)})"
+        for r in sorted(node.ranks, key=lambda r: r.rank):
+            step = "-" if r.step is None else (f"{r.step}/{r.total}" if r.total else str(r.step))
+            rate = "-" if r.rate is None else f"{r.rate:.3g}/s"
+            flag = "straggler" if r.rank in slow else ""
+            rows.append(
+                (
+                    beat,
+                    str(node.group_rank),
+                    str(r.rank),
+                    str(r.local_rank),
+                    r.state,
+                    step,
+                    rate,
+                    _ago(r.last_sign, now),
+                    flag,
+                )
+            )
+            beat = ""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for row in (header, *rows):
+        lines.append(
+            "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        )
+    reasons = [reason for node in nodes for reason in node.restart_reasons]
+    for number, reason in enumerate(dict.fromkeys(reasons), 1):
+        lines.append(f"  restart {number}: {reason}")
+    return "\n".join(lines)
+
+
+def as_json(
+    run_id: str, nodes: Sequence[NodeStatus], view: JobView | None, restarts: int
+) -> dict[str, Any]:
+    """The same, for scripts (``relaunch status --json``)."""
+    return {
+        "run_id": run_id,
+        "restarts": restarts,
+        "nodes": [asdict(node) for node in sorted(nodes, key=lambda n: n.group_rank)],
+        "job": None if view is None else asdict(view),
+    }
