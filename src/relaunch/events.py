@@ -115,7 +115,7 @@ def status_event(
     role_rank: int | None = None,
     role_world_size: int | None = None,
     progress: dict[str, Any] | None = None,
-    straggler: dict[str, Any] | None = None,
+    details: dict[str, Any] | None = None,
 ) -> Event:
     """A ``torchelastic.worker.status.<STATE>`` event with torchelastic's metadata keys and order.
 
@@ -133,8 +133,8 @@ def status_event(
         inner["role_world_size"] = [role_world_size]
     if progress is not None:  # relaunch's addition: the worker's last report_progress
         inner["progress"] = progress
-    if straggler is not None:  # relaunch's addition: its rate and the job's median
-        inner["straggler"] = straggler
+    if details:  # relaunch's additions (docs/events.md): a restart's cause, a straggler's rate
+        inner.update(details)
     metadata: dict[str, EventMetadataValue] = {
         "run_id": run_id,
         "global_rank": global_rank,
@@ -156,28 +156,56 @@ def status_event(
     )
 
 
+#: The size past which a JSON-lines file is rotated: renamed to ``PATH.1`` (replacing the one
+#: before), and a new ``PATH`` begun. A file and its predecessor hold at most twice this.
+MAX_LOG_BYTES = 64 * 1024 * 1024
+
+
 class _JsonLinesWriter:
     """Appends whole lines to a file, each with one ``write(2)`` on an O_APPEND descriptor.
 
     One write per line means lines from concurrent processes appending to the same file never
-    interleave. The file is opened on the first line (so an unused handler creates nothing) and
-    again after ``close`` if more lines come.
+    interleave, and a reader following the file (``tail -F``) sees each line as soon as it is
+    recorded. The file is opened on the first line (so an unused handler creates nothing) and
+    again after ``close`` if more lines come. Past ``max_bytes`` it is rotated to ``PATH.1``;
+    of several writers sharing it, the one that finds the file still its own renames it, and
+    the others follow to the new one.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = MAX_LOG_BYTES) -> None:
         self.path = os.fspath(path)
+        self.max_bytes = max_bytes
         self._fd: int | None = None
         self._lock = threading.Lock()
+
+    def _open(self) -> int:
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        return os.open(self.path, flags, 0o644)
+
+    def _rotate(self, fd: int) -> None:
+        """Rename the file to ``PATH.1`` if it is still the one ``fd`` writes, and let go of
+        ``fd``."""
+        mine = os.fstat(fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        if named is not None and (named.st_ino, named.st_dev) == (mine.st_ino, mine.st_dev):
+            os.replace(self.path, self.path + ".1")
+        os.close(fd)
 
     def write_line(self, line: str) -> None:
         data = (line + "\n").encode("utf-8")
         with self._lock:
             if self._fd is None:
-                parent = os.path.dirname(self.path)
-                if parent:
-                    os.makedirs(parent, exist_ok=True)
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-                self._fd = os.open(self.path, flags, 0o644)
+                self._fd = self._open()
+            size = os.fstat(self._fd).st_size
+            if size and size + len(data) > self.max_bytes:
+                self._rotate(self._fd)
+                self._fd = self._open()
             view = memoryview(data)
             while view:  # a short write only happens on a full disk or a signal
                 written = os.write(self._fd, view)
@@ -227,10 +255,11 @@ class ConsoleEventHandler:
 
 
 class JsonLinesEventHandler:
-    """Appends each event as one JSON line to ``path``; safe across threads and processes."""
+    """Appends each event as one JSON line to ``path`` as it happens (``docs/events.md``); safe
+    across threads and processes; rotated to ``PATH.1`` past ``max_bytes``."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._writer = _JsonLinesWriter(path)
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = MAX_LOG_BYTES) -> None:
+        self._writer = _JsonLinesWriter(path, max_bytes)
 
     @property
     def path(self) -> str:

@@ -103,6 +103,9 @@ def test_agent_run_records_worker_and_agent_events(tmp_path, leaks: LeakCheck, m
     assert isinstance(result, RunResult) and result.state is WorkerState.SUCCEEDED
     assert not result.is_failed() and sorted(result.return_values) == [0, 1]
     events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    # relaunch's HEALTHY when the group started (docs/events.md), then torchelastic's at the end.
+    started, *events = events
+    assert (started["source"], started["name"]) == ("AGENT", "torchelastic.worker.status.HEALTHY")
     assert [(e["source"], e["metadata"]["global_rank"]) for e in events] == [
         ("WORKER", 0),
         ("WORKER", 1),

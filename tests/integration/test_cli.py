@@ -621,8 +621,12 @@ def test_status_events_go_to_a_json_lines_file(tmp_path, leaks: LeakCheck) -> No
     done = relaunch(leaks, "--nproc-per-node", "2", "--event-log-handler", f"file:{events}", job)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in events.read_text().splitlines()]
-    assert [line["source"] for line in lines] == ["WORKER", "WORKER", "AGENT"]
-    assert all(line["metadata"]["state"] == "SUCCEEDED" for line in lines)
+    assert [(line["source"], line["metadata"]["state"]) for line in lines] == [
+        ("AGENT", "HEALTHY"),  # the group started (relaunch's; docs/events.md)
+        ("WORKER", "SUCCEEDED"),
+        ("WORKER", "SUCCEEDED"),
+        ("AGENT", "SUCCEEDED"),
+    ]
 
 
 def test_two_static_nodes_form_one_world(tmp_path, leaks: LeakCheck) -> None:

@@ -197,6 +197,28 @@ def test_jsonl_handler_appends_to_an_existing_file_and_reopens(tmp_path: Path) -
     assert path.read_text().splitlines() == ["earlier", AGENT_LINE, AGENT_LINE]
 
 
+def test_jsonl_handler_rotates_past_its_bound_and_a_second_writer_follows(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    bound = 3 * (len(AGENT_LINE) + 1)  # three lines a file
+    first, second = JsonLinesEventHandler(path, bound), JsonLinesEventHandler(path, bound)
+    for _ in range(3):
+        first.record(agent_event())
+    second.record(agent_event())  # its file is full too: it rotates, first finds it renamed
+    first.record(agent_event())
+    assert (tmp_path / "events.jsonl.1").read_text().splitlines() == [AGENT_LINE] * 3
+    assert path.read_text().splitlines() == [AGENT_LINE] * 2
+    for _ in range(2):
+        first.record(agent_event())
+    # Rotated once more: the older file is replaced; never more than two files of the bound.
+    assert (tmp_path / "events.jsonl.1").read_text().splitlines() == [AGENT_LINE] * 3
+    assert path.read_text().splitlines() == [AGENT_LINE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "events.jsonl.1"]
+    first.close()
+    second.close()
+
+
 def test_jsonl_handler_is_thread_safe(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     handler = JsonLinesEventHandler(path)

@@ -135,6 +135,8 @@ class LocalElasticAgent:
         )
         self._node_bar = NodeBar(self._worker_group, lambda: self._reporter.job_line)
         self._hang_told = False
+        #: How long the last join took (placed in a round, after any wait to be admitted).
+        self.rendezvous_seconds = 0.0
 
     @property
     def log_dir(self) -> str:
@@ -287,6 +289,8 @@ class LocalElasticAgent:
                 self._spent += 1
                 restarts_left -= 1
             self._report.restart_reasons.append(reason)
+            cause = "hang" if self._expiry.hang is not None else decision.cause
+            self._report.restarting(self.restart_count, cause, reason)
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
                 role,
@@ -384,6 +388,7 @@ class LocalElasticAgent:
         if hang is None or self._hang_told:
             return
         self._hang_told = True
+        self._report.hung(self.restart_count, hang)
         handler = self._worker_group.spec.rdzv_handler
         if not handler.watches_membership or (self._worker_group.group_world_size or 1) <= 1:
             return
@@ -439,7 +444,9 @@ class LocalElasticAgent:
         # health check.
         env = check_env(spec.local_world_size, handler.get_run_id(), spec.role, self._used)
         await_admission(handler, self._health_check, env, backoff)
+        began = time.monotonic()
         self._worker_group.join(handler.next_rendezvous())
+        self.rendezvous_seconds = time.monotonic() - began
         self._peers_alive = None
         self._used = handler.restarts_used(self._spent)
 
@@ -527,6 +534,7 @@ class LocalElasticAgent:
             spec.rdzv_handler,
         )
         group.state = WorkerState.HEALTHY
+        self._report.group_started(self.restart_count, self.rendezvous_seconds)
 
     def _stop_workers(self, death_sig: signal.Signals) -> None:
         self._reporter.stop()

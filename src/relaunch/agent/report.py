@@ -56,8 +56,33 @@ class RunReport:
             "STRAGGLER",
             restart_count,
             global_rank=straggler.rank,
-            straggler={"steps_per_second": straggler.rate, "median": straggler.median},
+            details={"straggler": {"steps_per_second": straggler.rate, "median": straggler.median}},
         )
+
+    def group_started(self, restart_count: int, rendezvous_seconds: float) -> None:
+        """A ``HEALTHY`` agent event: a group of workers started, after a rendezvous that took
+        ``rendezvous_seconds``."""
+        self._event(
+            EventSource.AGENT,
+            WorkerState.HEALTHY,
+            restart_count,
+            details={"rendezvous_seconds": round(rendezvous_seconds, 3)},
+        )
+
+    def restarting(self, restart_count: int, cause: str, reason: str) -> None:
+        """A ``RESTARTING`` agent event (relaunch's): the group stops to start again."""
+        self._event(
+            EventSource.AGENT,
+            "RESTARTING",
+            restart_count,
+            raw_error=reason,
+            details={"cause": cause},
+        )
+
+    def hung(self, restart_count: int, what: str) -> None:
+        """A ``HUNG`` agent event (relaunch's): a local rank missed its section's or heartbeat's
+        deadline; every rank's stack is being taken."""
+        self._event(EventSource.AGENT, "HUNG", restart_count, raw_error=what)
 
     def run_events(self, result: RunResult, restart_count: int) -> None:
         """One event per worker (how it ended, its last progress), then the agent's."""
@@ -98,6 +123,8 @@ class RunReport:
     ) -> None:
         group = self._group
         spec = group.spec
+        # When it happened (torchelastic's own timestamp field stays 0, as torchelastic has it).
+        fields["details"] = {"time": round(time.time(), 3), **fields.get("details", {})}
         self._event_handler.record(
             status_event(
                 source=source,

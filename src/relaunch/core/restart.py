@@ -28,6 +28,9 @@ class RestartDecision:
     deadline: float | None = None
     #: Another node's worker hung: take this node's workers' stacks before stopping them.
     stacks: bool = False
+    #: Why, as a word for counting: ``worker_failed``, ``hang`` (a worker hung on some node),
+    #: or the kind of the membership change (``member_lost``, ``nodes_waiting``, ...).
+    cause: str = ""
 
 
 def decide(
@@ -56,12 +59,18 @@ def decide(
         return RestartDecision(Action.SUCCEED)
     if membership_change is not None:
         stacks = membership_change.stacks
-        if membership_change.kind in (ChangeKind.FAILED, ChangeKind.FINISHED):
-            return RestartDecision(Action.FAIL, reason=membership_change.reason, stacks=stacks)
-        return RestartDecision(Action.RESTART, reason=membership_change.reason, stacks=stacks)
+        cause = "hang" if stacks else membership_change.kind.value
+        action = (
+            Action.FAIL
+            if membership_change.kind in (ChangeKind.FAILED, ChangeKind.FINISHED)
+            else Action.RESTART
+        )
+        return RestartDecision(action, reason=membership_change.reason, stacks=stacks, cause=cause)
     if state is GroupState.FAILED:
         if restarts_left > 0:
-            return RestartDecision(Action.RESTART, uses_restart=True, reason="a worker failed")
+            return RestartDecision(
+                Action.RESTART, uses_restart=True, reason="a worker failed", cause="worker_failed"
+            )
         if peers_alive:
             return RestartDecision(
                 Action.FAIL,
