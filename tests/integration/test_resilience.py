@@ -273,6 +273,12 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
     started = min(float(p.read_text()) for p in out.glob("start.*"))
     delays = [flagged(seen) - started for seen in lines]  # type: ignore[operator]
     print(f"straggler flagged {delays[0]:.1f}s and {delays[1]:.1f}s after the workers started")
+    # The job-wide bar, on group rank 0's console only: the slowest rank and where it is.
+    texts = ["".join(line for _, line in seen) for seen in lines]
+    first = next(n for n in range(2) if "[default node 0]:" in texts[n])
+    bars = [line for line in texts[first].splitlines() if line.startswith("[default]:job step")]
+    assert bars and "step/s] slowest: rank 3 on " in bars[-1], bars
+    assert "[default]:job" not in texts[1 - first]
     for node, seen in enumerate(lines):
         text = "".join(line for _, line in seen)
         assert "straggler: rank 3 is a straggler" in text  # in the run summary
