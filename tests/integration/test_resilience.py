@@ -111,10 +111,7 @@ def test_a_hang_on_one_node_takes_the_stacks_of_every_node(
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    if backend == "etcd":
-        endpoint = request.getfixturevalue("etcd_shared").endpoints
-    else:
-        endpoint = f"127.0.0.1:{find_free_port()}"
+    endpoint = endpoint_of(backend, request)
     run_id = f"hang-{backend}-{restarts}-{os.getpid()}"
     agents = [
         node_agent(
@@ -234,21 +231,29 @@ def _read_lines(stream: Any, into: list[tuple[float, str]]) -> None:
         into.append((time.time(), line))
 
 
+def endpoint_of(backend: str, request: pytest.FixtureRequest) -> str:
+    """A shared real etcd's members, or a free port for the built-in store."""
+    if backend == "etcd":
+        return str(request.getfixturevalue("etcd_shared").endpoints)
+    return f"127.0.0.1:{find_free_port()}"
+
+
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
-    tmp_path: pathlib.Path, leaks: LeakCheck
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, backend: str
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    port = find_free_port()
+    endpoint = endpoint_of(backend, request)
     agents, lines, readers = [], [], []
     for node in range(2):
         events = f"file:{tmp_path}/events{node}.jsonl"
         agent = node_agent(
             leaks,
-            "c10d",
-            f"127.0.0.1:{port}",
-            "slow",
+            backend,
+            endpoint,
+            f"slow-{backend}-{os.getpid()}",
             *("--event-log-handler", events, SLOW_JOB, str(out), "3"),
             stdout=subprocess.DEVNULL,
         )
