@@ -17,7 +17,7 @@ from relaunch.core.restart import (
     startup_failure,
 )
 from relaunch.core.sections import LEARN_AFTER, LEARN_FLOOR, learned_bound
-from relaunch.core.stragglers import RankRates, flag
+from relaunch.core.stragglers import RankRates, flag, interval
 
 
 def test_backoff_doubles_from_the_second_restart_up_to_its_cap() -> None:
@@ -161,3 +161,8 @@ def test_a_change_carries_the_request_for_stacks() -> None:
     assert decoded.stacks and expected == 4 and decoded.reason == change.reason
     plain, _ = decode_change(encode_change(MembershipChange.restarting(), 2))
     assert not plain.stacks
+
+
+def test_a_large_job_posts_less_often_to_bound_the_stores_load() -> None:
+    assert interval(2) == interval(300) == 3.0
+    assert interval(4096) == 40.96  # 100 posts a second for the whole job

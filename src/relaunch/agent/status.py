@@ -1,16 +1,18 @@
 """What the agent tells the rest of the job, from a thread of its own (the store may be slow to
-answer; the agent loop must never wait on it): every ``INTERVAL`` seconds it posts this node's
-``NodeStatus`` as the round's note ``status/<group rank>``; the agent of group rank 0 reads every
-node's, judges the job (``core.status.job_view``: stragglers, the slowest rank, the pace) and
-posts it as the note ``job``, which the others read. One write and one read per node and
-interval, and one read per node for rank 0's. ``relaunch status`` reads the same notes.
+answer; the agent loop must never wait on it).
+
+Every ``INTERVAL`` seconds (longer in a job of more than 300 nodes: ``core.stragglers.interval``
+bounds the posts of the whole job to 100 a second) it posts this node's ``NodeStatus`` as the
+round's note ``status/<group rank>``; the agent of group rank 0 reads every node's (one range
+read on etcd, one read per node on the built-in store), judges the job
+(``core.status.job_view``: stragglers, the slowest rank, the pace) and posts it as the note
+``job``, which the others read. ``relaunch status`` reads the same notes.
 
 Stragglers are flagged on the console (every one on group rank 0's node, its own ranks
 elsewhere) and through ``on_flag`` (the status event and the run summary); group rank 0's
 console shows the job-wide bar (``job_line``). A job of one node judges itself, without the
 store.
 """
-
 from __future__ import annotations
 
 import logging
@@ -68,6 +70,11 @@ class NodeReporter:
         self._thread: threading.Thread | None = None
         #: The job-wide bar, on group rank 0's node of a job of several (None: none yet).
         self.job_line: str | None = None
+        #: The last view of the job this node saw (its own with one node, group rank 0's
+        #: otherwise; None: none yet in this group), and the seconds its last status post to
+        #: the store took (None: none yet): read by ``agent.metrics``.
+        self.view: core.JobView | None = None
+        self.store_round_trip: float | None = None
         self._started_at = time.time()
         # The group watched: set by ``start``, read by its thread only.
         self._group: Group | None = None
@@ -80,6 +87,7 @@ class NodeReporter:
         self.stop()
         self._group, self._handler = group, handler
         self._rates, self._said = stragglers.RankRates(), set()
+        self.view = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(self._stop,), name="relaunch-status", daemon=True
@@ -93,7 +101,9 @@ class NodeReporter:
             self._thread = None
 
     def _run(self, stop: threading.Event) -> None:
-        while not stop.wait(self._interval):
+        assert self._group is not None
+        every = stragglers.interval(self._group.nodes, self._interval)
+        while not stop.wait(every):
             try:
                 self.report()
             except Exception:  # a report must never end the run
@@ -154,20 +164,25 @@ class NodeReporter:
         assert mine is not None
         if group.nodes <= 1 or handler is None:
             view = core.job_view([mine], self._factor, mine.posted_at)
+            self.view = view
             self._flag(view)
             return
+        began = time.monotonic()
         handler.post_note(status_note(group.group_rank), mine.encode())
+        self.store_round_trip = time.monotonic() - began
         if group.group_rank == 0:
             names = [status_note(node) for node in range(group.nodes)]
             posts = [core.NodeStatus.decode(raw) for raw in handler.read_notes(names).values()]
             view = core.job_view(posts, self._factor, mine.posted_at)
             handler.post_note(JOB_NOTE, view.encode())
+            self.view = view
             self.job_line = core.job_bar(view, time.time() - self._started_at)
             self._flag(view)
             return
         raw = handler.read_notes([JOB_NOTE]).get(JOB_NOTE)
         if raw is not None:
             view = core.JobView.decode(raw)
+            self.view = view
             mine_only = {r: v for r, v in view.stragglers.items() if r in group.ranks.values()}
             self._flag(view, mine_only)
 

@@ -15,6 +15,14 @@ from dataclasses import dataclass
 
 #: Seconds between two samples of the ranks' steps, and between two publications.
 INTERVAL = 3.0
+#: The posts per second every node of a job makes together, at most: in a large job each node
+#: posts less often (``interval``), so that the store's load stays bounded whatever the size.
+MAX_POSTS_PER_SECOND = 100.0
+
+
+def interval(nodes: int, base: float = INTERVAL) -> float:
+    """Seconds between two posts of each node of a job of ``nodes`` nodes."""
+    return max(base, nodes / MAX_POSTS_PER_SECOND)
 #: Seconds of samples a rate is computed over.
 WINDOW = 12.0
 
@@ -37,7 +45,8 @@ class RankRates:
         """Each rank's steps per second over the window; a rank silent since its last sample
         counts its silence (its rate falls as time passes without a report)."""
         rates = {}
-        for rank, samples in self._samples.items():
+        # A copy of the items: the agent's metrics read rates while its reporter adds samples.
+        for rank, samples in list(self._samples.items()):
             if len(samples) < 2:
                 continue
             (t0, s0), (_, s1) = samples[0], samples[-1]

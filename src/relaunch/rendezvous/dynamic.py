@@ -246,6 +246,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if round_ is None:
             return notes
         try:
+            if self._lease is not None and len(names) > 1:  # etcd: one range read for all
+                prefix = self._key("notes/", round_)
+                found, _ = cast("EtcdStore", self._store).read_prefix(prefix)
+                wanted = set(names)
+                for key, versioned in found.items():
+                    name = key[len(prefix) :]
+                    if name in wanted and versioned.value is not None:
+                        notes[name] = versioned.value
+                return notes
             for name in names:
                 value = self._store.get(self._key(f"notes/{name}", round_)).value
                 if value is not None:
