@@ -96,6 +96,10 @@ class LaunchConfig:
     health_check: str | None = None
     health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
     health_check_cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN
+    #: Serve Prometheus metrics on this port (0: a free one; None: none), on ``metrics_host``
+    #: ("": every interface).
+    metrics_port: int | None = None
+    metrics_host: str = ""
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)
@@ -138,6 +142,8 @@ def _check_counts(config: LaunchConfig) -> None:
         value = getattr(config, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
+        raise ConfigError(f"metrics_port must be a port 0..65535, got {config.metrics_port!r}")
     if config.health_check is not None and not config.health_check.strip():
         raise ConfigError("health_check must be a shell command, got an empty one")
 
@@ -398,6 +404,8 @@ def config_from_args(
         health_check=args.health_check,
         health_check_timeout=args.health_check_timeout,
         health_check_cooldown=args.health_check_cooldown,
+        metrics_host=args.metrics_port[0] if args.metrics_port else "",
+        metrics_port=args.metrics_port[1] if args.metrics_port else None,
     )
     validate(config)
     if backend != "static" and not endpoint:

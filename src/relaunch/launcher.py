@@ -17,7 +17,12 @@ from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
 from relaunch.core.restart import Backoff
 from relaunch.core.summary import RunSummary
-from relaunch.events import Metrics, event_handler_from_spec, metric_handler_from_spec
+from relaunch.events import (
+    EventHandler,
+    Metrics,
+    event_handler_from_spec,
+    metric_handler_from_spec,
+)
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import (
     JobFailedError,
@@ -103,26 +108,12 @@ def launch_agent(
     metrics = Metrics(
         metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
     )
-    agent = LocalElasticAgent(
-        spec,
-        config.start_method,
-        exit_barrier_timeout=config.exit_barrier_timeout,
-        log_dir=config.log_dir,
-        event_handler=event_handler,
-        metrics=metrics,
-        timers=config.timers,
-        hang_timeout=config.hang_timeout,
-        health_check=None
-        if config.health_check is None
-        else HealthCheck(
-            config.health_check, config.health_check_timeout, config.health_check_cooldown
-        ),
-        restart_backoff=Backoff(
-            *config.restart_backoff, healthy=max(2 * config.restart_backoff[1], 1.0)
-        ),
-        max_stalled_restarts=config.max_stalled_restarts,
-        straggler_factor=config.straggler_factor,
-    )
+    try:
+        agent = _agent(config, spec, event_handler, metrics)
+    except BaseException:  # the metrics port cannot be bound: nothing ran
+        handler.shutdown()
+        event_handler.close()
+        raise
     outcome = "ended by an error"
     try:
         with _environ("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle):
@@ -145,3 +136,31 @@ def launch_agent(
     if result.is_failed():
         raise ChildFailedError(spec.get_entrypoint_name(), result.failures, result.stopped)
     return result.return_values
+
+
+def _agent(
+    config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler, metrics: Metrics
+) -> LocalElasticAgent:
+    """The agent ``config`` describes (its metrics port bound: ConfigError if it cannot be)."""
+    return LocalElasticAgent(
+        spec,
+        config.start_method,
+        exit_barrier_timeout=config.exit_barrier_timeout,
+        log_dir=config.log_dir,
+        event_handler=event_handler,
+        metrics=metrics,
+        timers=config.timers,
+        hang_timeout=config.hang_timeout,
+        health_check=None
+        if config.health_check is None
+        else HealthCheck(
+            config.health_check, config.health_check_timeout, config.health_check_cooldown
+        ),
+        restart_backoff=Backoff(
+            *config.restart_backoff, healthy=max(2 * config.restart_backoff[1], 1.0)
+        ),
+        max_stalled_restarts=config.max_stalled_restarts,
+        straggler_factor=config.straggler_factor,
+        metrics_port=config.metrics_port,
+        metrics_host=config.metrics_host,
+    )

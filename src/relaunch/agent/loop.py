@@ -27,6 +27,7 @@ from relaunch.agent.attempts import Attempts
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.health import HealthCheck, await_admission, check_env
+from relaunch.agent.metrics import AgentMetrics
 from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent.status import Group, NodeReporter
@@ -79,6 +80,10 @@ class LocalElasticAgent:
     every local rank is asked for its stack, the other nodes are asked for theirs through the
     rendezvous, and the group restarts. Restarts of a crash loop wait ``restart_backoff``; after
     ``max_stalled_restarts`` restarts in a row that made no progress the job stops.
+
+    With ``metrics_port`` (0: a free one, then ``metrics_port_bound``) the agent serves
+    Prometheus metrics on ``metrics_host`` ("": every interface) while it runs
+    (``agent.metrics``); a port it cannot bind raises ``ConfigError`` here.
     """
 
     def __init__(
@@ -98,6 +103,8 @@ class LocalElasticAgent:
         straggler_factor: float = 1.5,
         health_check: HealthCheck | None = None,
         start_processes: Callable[..., PContext] = start_processes,
+        metrics_port: int | None = None,
+        metrics_host: str = "",
     ) -> None:
         self._worker_group = WorkerGroup(spec)
         self._start_method = start_method
@@ -135,6 +142,12 @@ class LocalElasticAgent:
         )
         self._node_bar = NodeBar(self._worker_group, lambda: self._reporter.job_line)
         self._hang_told = False
+        self._exporter = AgentMetrics(
+            self._worker_group, self._reporter, lambda: self._pcontext, lambda: self.restart_count
+        )
+        self.metrics_port_bound: int | None = None
+        if metrics_port is not None:
+            self.metrics_port_bound = self._exporter.bind(metrics_host, metrics_port)
         #: How long the last join took (placed in a round, after any wait to be admitted).
         self.rendezvous_seconds = 0.0
 
@@ -171,6 +184,7 @@ class LocalElasticAgent:
         )
         handler.set_change_listener(lambda: wakeups.put("membership changed"))
         self._expiry.start()
+        self._exporter.start()
         try:
             try:
                 result = self._invoke_run()
@@ -186,6 +200,7 @@ class LocalElasticAgent:
             self._report.agent_event(WorkerState.FAILED, self.restart_count)
             raise
         finally:
+            self._exporter.close()
             handler.set_change_listener(None)
             self._console.remove_source(self._node_bar)
             self._expiry.close()
@@ -290,6 +305,7 @@ class LocalElasticAgent:
                 restarts_left -= 1
             self._report.restart_reasons.append(reason)
             cause = "hang" if self._expiry.hang is not None else decision.cause
+            self._exporter.restarted(cause)
             self._report.restarting(self.restart_count, cause, reason)
             log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
@@ -447,6 +463,7 @@ class LocalElasticAgent:
         began = time.monotonic()
         self._worker_group.join(handler.next_rendezvous())
         self.rendezvous_seconds = time.monotonic() - began
+        self._exporter.joined(self.rendezvous_seconds)
         self._peers_alive = None
         self._used = handler.restarts_used(self._spent)
 

@@ -122,6 +122,8 @@ def _launch(args: argparse.Namespace) -> int:
     except RendezvousClosedError as exc:
         print(f"relaunch: {exc}: nothing to do", file=sys.stderr)
         return 0
+    except ConfigError as exc:  # what only starting can tell: the metrics port is taken
+        return usage_error(exc, "relaunch")
     except RendezvousError as exc:
         print(f"relaunch: error: {exc}", file=sys.stderr)
         code = EXIT_FAILED

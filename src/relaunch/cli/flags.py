@@ -349,6 +349,15 @@ FLAGS = [
         "null",
         metavar="HANDLER",
     ),
+    _Flag(
+        "logs",
+        ("--metrics-port",),
+        "serve Prometheus metrics at http://ADDR:PORT/metrics while the agent runs (ADDR: "
+        "every interface when left out)",
+        None,
+        _checked("parse_metrics_port"),
+        metavar="[ADDR:]PORT",
+    ),
 ]
 
 

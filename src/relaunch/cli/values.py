@@ -118,6 +118,18 @@ def parse_rdzv_endpoint(text: str) -> str:
     return text
 
 
+def parse_metrics_port(text: str) -> tuple[str, int]:
+    """``PORT`` (every interface), ``ADDR:PORT`` or ``[V6]:PORT``: where to serve metrics."""
+    text = text.strip()
+    try:
+        host, port = ("", int(text)) if text.isdigit() else parse_endpoint(text, default_port=-1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"expected [ADDR:]PORT with a port 0..65535, got {text!r}")
+    return host, port
+
+
 def parse_ranks_filter(text: str) -> set[int]:
     """Local ranks such as ``0,3``."""
     items = [item.strip() for item in text.split(",") if item.strip()]
