@@ -39,7 +39,7 @@ from relaunch.core.console_plan import (
     relayed,
 )
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
-from relaunch.core.failures import format_report
+from relaunch.core.failures import describe_exit, format_report
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, worker_env
 from relaunch.core.restart import Action, Backoff, RestartDecision, decide
@@ -546,7 +546,7 @@ class LocalElasticAgent:
                 {worker.local_rank: worker.global_rank for worker in group.workers},
                 self._channel.progress,
                 self._channel.liveness,
-                lambda: {rank: "running" for rank in pcontext.running()},
+                lambda: _rank_states(pcontext),
             ),
             spec.rdzv_handler,
         )
@@ -570,3 +570,16 @@ class LocalElasticAgent:
 
 def _state_of(outcome: RunProcsResult) -> GroupState:
     return GroupState.FAILED if outcome.is_failed() else GroupState.SUCCEEDED
+
+
+def _rank_states(pcontext: PContext) -> dict[int, str]:
+    """How each local rank stands: ``running``, or how it ended once the group did."""
+    running = pcontext.running()
+    ended = pcontext.wait(0)
+    states = {rank: "running" for rank in running}
+    for rank in pcontext.pids():
+        if rank in running:
+            continue
+        code = None if ended is None else ended.exitcodes.get(rank)
+        states[rank] = "ended" if code is None else describe_exit(code)
+    return states
