@@ -77,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         return store_main(arguments[1:])
+    if arguments[:1] == ["status"]:
+        from relaunch.cli.status import status_main
+
+        return status_main(arguments[1:])
     try:
         args = build_parser().parse_args(argv)
     except Exception as exc:  # the parser's ConfigError, whose module --help never loads

@@ -148,8 +148,11 @@ def format_table(
     restarts: int,
     now: float,
     note: str = "",
+    members: int | None = None,
 ) -> str:
-    """The job as ``relaunch status`` prints it: one line per rank, under its node."""
+    """The job as ``relaunch status`` prints it: one line per rank, under its node, which says
+    its group's state and when it last posted (every few seconds: its heartbeat here).
+    ``members``: how many nodes the round has; those that posted nothing get a line saying so."""
     lines = [
         f"job {run_id}: {len(nodes)} node(s), {sum(len(n.ranks) for n in nodes)} rank(s), "
         f"{restarts} restart(s) used" + (f"; {note}" if note else "")
@@ -180,24 +183,51 @@ def format_table(
                 )
             )
             beat = ""
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for missing in missing_nodes(nodes, members):
+        rows.append(("(no status posted yet)", str(missing), "", "", "", "", "", "", ""))
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
     for row in (header, *rows):
         lines.append(
             "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         )
-    reasons = [reason for node in nodes for reason in node.restart_reasons]
-    for number, reason in enumerate(dict.fromkeys(reasons), 1):
+    for number, reason in enumerate(restart_reasons(nodes), 1):
         lines.append(f"  restart {number}: {reason}")
     return "\n".join(lines)
 
 
+def restart_reasons(nodes: Sequence[NodeStatus]) -> list[str]:
+    """Why the group restarted, restart by restart, as the nodes tell it: the node whose
+    workers failed says what failed, the others the same prefixed with its name, which is kept.
+    A restart told differently by different nodes lists each telling, joined by " | "."""
+    told: list[str] = []
+    for index in range(max((len(node.restart_reasons) for node in nodes), default=0)):
+        seen = dict.fromkeys(
+            node.restart_reasons[index] for node in nodes if index < len(node.restart_reasons)
+        )
+        named = [r for r in seen if not any(o != r and o.endswith(f": {r}") for o in seen)]
+        told.append(" | ".join(named))
+    return told
+
+
+def missing_nodes(nodes: Sequence[NodeStatus], members: int | None) -> list[int]:
+    """The group ranks below ``members`` that posted no status."""
+    posted = {node.group_rank for node in nodes}
+    return [rank for rank in range(members or 0) if rank not in posted]
+
+
 def as_json(
-    run_id: str, nodes: Sequence[NodeStatus], view: JobView | None, restarts: int
+    run_id: str,
+    nodes: Sequence[NodeStatus],
+    view: JobView | None,
+    restarts: int,
+    members: int | None = None,
 ) -> dict[str, Any]:
     """The same, for scripts (``relaunch status --json``)."""
     return {
         "run_id": run_id,
         "restarts": restarts,
+        "restart_reasons": restart_reasons(nodes),
         "nodes": [asdict(node) for node in sorted(nodes, key=lambda n: n.group_rank)],
+        "missing": missing_nodes(nodes, members),
         "job": None if view is None else asdict(view),
     }

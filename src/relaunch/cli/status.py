@@ -1,0 +1,188 @@
+"""``relaunch status``: a running job as a table, read from its rendezvous store.
+
+Read-only: it connects to the store as a client (on c10d the store one of the agents serves, on
+etcd the members listed) and never writes a key (``rendezvous.reader``). Exit status: 0 once
+the job was shown (``--watch``: on Ctrl-C, or once the job finished); 1 when it cannot be read:
+the store cannot be reached, the token is missing or wrong, or no job has that id; 2 for bad
+input, in one line with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, TYPE_CHECKING
+
+from relaunch.cli.flags import EXIT_FAILED, _checked, _Parser, parse_rdzv_conf, usage_error
+
+if TYPE_CHECKING:
+    from relaunch.rendezvous.reader import JobReader, Snapshot
+
+PROG = "relaunch status"
+#: Seconds between two reads with ``--watch`` and no value (agents post every 3 s).
+WATCH_EVERY = 2.0
+#: Seconds each store request may take, unless ``--rdzv-conf timeout=`` says otherwise.
+TIMEOUT = 10.0
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The flags; the rendezvous ones default to their ``PET_*`` variables, as the launcher's."""
+    parser = _Parser(
+        prog=PROG,
+        description="Show a running job as a table, read from its rendezvous store (read-only): "
+        "its nodes and ranks, each rank's state, step and rate, the stragglers, the restarts "
+        "used and why, and when each node last posted. Exit status: 0 shown, 1 the job cannot "
+        "be read (store unreachable, token missing or wrong, no such job), 2 bad input.",
+    )
+    parser.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default=environ.get("PET_RDZV_BACKEND", "c10d"),
+        choices=("c10d", "tcp", "etcd", "etcd-v2"),
+        help="the job's rendezvous backend (default: c10d)",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=environ.get("PET_RDZV_ENDPOINT"),
+        type=_checked("parse_rdzv_endpoint"),
+        metavar="HOST:PORT",
+        help="the job's store (etcd: its members, comma-separated)",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        default=environ.get("PET_RDZV_ID"),
+        metavar="ID",
+        help="the job's id, as given to its agents",
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default=environ.get("PET_RDZV_CONF", ""),
+        type=parse_rdzv_conf,
+        metavar="KEY=VALUE,...",
+        help="token= (else $RELAUNCH_RDZV_TOKEN), timeout=, and etcd's protocol, cacert, cert, "
+        "key, user, password: as given to the agents",
+    )
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=WATCH_EVERY,
+        type=_checked("parse_bound"),
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {WATCH_EVERY:g}) until Ctrl-C or the job ends",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON document (one a line with --watch)"
+    )
+    return parser
+
+
+def open_reader(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobReader, str]:
+    """A reader of the job over a client of its store, and the store's address in words.
+    ConfigError on bad input; StoreError when the store cannot be reached."""
+    from relaunch.config import ConfigError, etcd_options, rdzv_settings
+    from relaunch.rendezvous.api import TOKEN_ENV
+    from relaunch.rendezvous.reader import JobReader
+
+    if not args.rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint is required: the job's store, as given to its agents")
+    if not args.rdzv_id:
+        raise ConfigError("--rdzv-id is required: the job's id, as given to its agents")
+    conf = rdzv_settings(args.rdzv_conf)
+    timeout = conf.timeout if "timeout" in args.rdzv_conf else TIMEOUT
+    if args.rdzv_backend in ("etcd", "etcd-v2"):
+        from relaunch.store.etcd import EtcdStore
+
+        options = {**etcd_options(args.rdzv_conf), "timeout": timeout}
+        etcd = EtcdStore(args.rdzv_endpoint, **options)
+        return JobReader(etcd, args.rdzv_id, keyed=True), etcd.describe()
+    from relaunch.endpoints import parse_endpoint
+    from relaunch.rendezvous.backends import DEFAULT_PORT
+    from relaunch.store.client import TcpStore
+
+    try:
+        host, port = parse_endpoint(args.rdzv_endpoint, DEFAULT_PORT)
+    except ValueError as exc:
+        raise ConfigError(f"--rdzv-endpoint: {exc}") from None
+    token = conf.token or environ.get(TOKEN_ENV) or None
+    store = TcpStore(host, port, token, timeout=timeout, connect_timeout=min(timeout, 5.0))
+    return JobReader(store, args.rdzv_id), store.endpoint
+
+
+def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    """Run ``relaunch status`` and return its exit status (see the module docstring)."""
+    from relaunch.config import ConfigError
+    from relaunch.rendezvous.reader import JobNotFound
+    from relaunch.store.api import StoreAuthError, StoreError
+
+    env = os.environ if environ is None else environ
+    where = "the store"
+    try:
+        args = build_parser(env).parse_args(argv)
+        where = f"the store at {args.rdzv_endpoint}"
+        reader, where = open_reader(args, env)
+        where = f"the store at {where}"
+        if args.watch is None:
+            show(reader.read(), args.json, sys.stdout)
+            return 0
+        return watch(reader, args.watch, args.json, sys.stdout)
+    except ConfigError as exc:
+        return usage_error(exc, PROG)
+    except JobNotFound as exc:
+        _error(f"{exc} at {where.removeprefix('the store at ')}: check --rdzv-id and the store")
+    except StoreAuthError as exc:
+        _error(f"{exc}: give the job's token (--rdzv-conf token=... or $RELAUNCH_RDZV_TOKEN)")
+    except StoreError as exc:
+        etcd = args.rdzv_backend in ("etcd", "etcd-v2")
+        hint = (
+            "check --rdzv-endpoint, and the cluster's credentials: --rdzv-conf user=,password= "
+            "or cacert=,cert=,key="
+            if etcd
+            else "is the job running? Its store lives as long as the agent that serves it"
+        )
+        _error(f"cannot read the job from {where}: {exc} ({hint})")
+    except KeyboardInterrupt:
+        return 0
+    return EXIT_FAILED
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def show(snapshot: Snapshot, as_json: bool, out: IO[str]) -> int:
+    """Print ``snapshot`` once; the number of terminal rows it took."""
+    text = json.dumps(snapshot.as_json()) if as_json else snapshot.table()
+    out.write(text + "\n")
+    out.flush()
+    columns = shutil.get_terminal_size().columns
+    return sum(max(1, -(-len(line) // columns)) for line in text.splitlines())
+
+
+def watch(reader: JobReader, every: float, as_json: bool, out: IO[str]) -> int:
+    """Show the job every ``every`` seconds: redrawn in place on a terminal, else one after the
+    other (tables separated by a blank line, JSON one a line); 0 on Ctrl-C or once it finished."""
+    redraw = out.isatty() and not as_json
+    rows = 0
+    first = True
+    try:
+        while True:
+            snapshot = reader.read()
+            if redraw and rows:
+                out.write(f"\x1b[{rows}A\x1b[J")  # up to the last table's first row, clear below
+            elif not first and not as_json:
+                out.write("\n")
+            rows = show(snapshot, as_json, out)
+            first = False
+            if snapshot.phase == "finished":
+                return 0
+            time.sleep(every)  # the refresh period: nothing to wait on but the clock
+    except KeyboardInterrupt:
+        return 0
