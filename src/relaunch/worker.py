@@ -88,6 +88,8 @@ def report_progress(step: int, total: int | None = None, desc: str | None = None
         mapped[offset + channel.DESC_OFFSET : offset + channel.DESC_END] = _desc_cache[1]
     _sequence = sequence + 1
     _SEQ.pack_into(mapped, offset, _sequence)
+    if sequence == 1:  # this slot's first report: the agent starts sampling the steps
+        _wake_agent()
 
 
 def stop_requested() -> bool:
@@ -185,7 +187,8 @@ def _write_live() -> None:
 
 
 def _wake_agent() -> None:
-    """Tell the agent its deadlines need watching from now on (one byte on its wake FIFO)."""
+    """Tell the agent the workers use the channel (one byte on its wake FIFO): their steps are
+    to be sampled, their deadlines watched, from now on."""
     try:
         fd = os.open(
             channel.wake_path(os.environ[channel.CHANNEL_ENV]), os.O_WRONLY | os.O_NONBLOCK

@@ -19,8 +19,9 @@ class Channel:
     flag."""
 
     def __init__(self, slots: int, on_first_use: Callable[[], None] = lambda: None) -> None:
-        """``on_first_use`` is called (from a thread of the channel's) when a worker first calls
-        ``heartbeat`` or enters a ``section``: from then on their deadlines are to be watched."""
+        """``on_first_use`` is called (from a thread of the channel's) when a rank first reports
+        progress, and when a worker first calls ``heartbeat`` or enters a ``section``: from then
+        on its steps are worth sampling, its deadlines watching."""
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="relaunch_channel_", dir=directory)
         try:

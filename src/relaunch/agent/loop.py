@@ -180,7 +180,7 @@ class LocalElasticAgent:
         self._wakeups = wakeups = EventQueue[str]()
         self._channel = Channel(
             self._worker_group.spec.local_world_size,
-            on_first_use=lambda: wakeups.put("a worker set a deadline"),
+            on_first_use=self._workers_speak,
         )
         handler.set_change_listener(lambda: wakeups.put("membership changed"))
         self._expiry.start()
@@ -396,6 +396,13 @@ class LocalElasticAgent:
         if self._polls_membership():
             waits.append(self._worker_group.spec.monitor_interval)
         self._wakeups.get(max(0.0, min(waits)) if waits else None)
+
+    def _workers_speak(self) -> None:
+        """A worker used the channel for the first time (from the channel's thread): deadlines
+        may need watching, steps sampling."""
+        assert self._wakeups is not None
+        self._wakeups.put("a worker used the channel")
+        self._reporter.notice_reports()
 
     def _tell_hang(self) -> None:
         """A local rank hung: ask the other nodes for their ranks' stacks at once, restarting

@@ -13,6 +13,7 @@ elsewhere) and through ``on_flag`` (the status event and the run summary); group
 console shows the job-wide bar (``job_line``). A job of one node judges itself, without the
 store.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,6 +68,7 @@ class NodeReporter:
         self._node_state = node_state
         self._restarts = restarts
         self._stop = threading.Event()
+        self._reported = threading.Event()
         self._thread: threading.Thread | None = None
         #: The job-wide bar, on group rank 0's node of a job of several (None: none yet).
         self.job_line: str | None = None
@@ -88,21 +90,32 @@ class NodeReporter:
         self._group, self._handler = group, handler
         self._rates, self._said = stragglers.RankRates(), set()
         self.view = None
-        self._stop = threading.Event()
+        self._stop, self._reported = threading.Event(), threading.Event()
+        if any(group.progress(local) is not None for local in group.ranks):
+            self._reported.set()  # a rank reported before this was called
         self._thread = threading.Thread(
-            target=self._run, args=(self._stop,), name="relaunch-status", daemon=True
+            target=self._run, args=(self._stop, self._reported), name="relaunch-status", daemon=True
         )
         self._thread.start()
 
+    def notice_reports(self) -> None:
+        """A rank made its first progress report (the channel's wake): sampling is worth it."""
+        self._reported.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._reported.set()  # ends the wait for a first report
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
-    def _run(self, stop: threading.Event) -> None:
+    def _run(self, stop: threading.Event, reported: threading.Event) -> None:
         assert self._group is not None
         every = stragglers.interval(self._group.nodes, self._interval)
+        if self._group.nodes <= 1:
+            # Nobody else reads this node's posts: nothing to do until a rank reports its steps
+            # (an idle launcher stays asleep).
+            reported.wait()
         while not stop.wait(every):
             try:
                 self.report()

@@ -64,8 +64,9 @@ def listening(buffer: bytes | bytearray | memoryview, rank: int) -> bool:
 
 
 def wake_path(path: str) -> str:
-    """The FIFO beside the channel ``path`` that a worker writes one byte to when it first uses
-    heartbeats or sections, to wake its agent."""
+    """The FIFO beside the channel ``path`` that a worker writes one byte to, to wake its agent,
+    when its slot gets its first progress report, and when it first uses heartbeats or
+    sections."""
     return path + ".wake"
 
 
