@@ -23,6 +23,8 @@ MAX_POSTS_PER_SECOND = 100.0
 def interval(nodes: int, base: float = INTERVAL) -> float:
     """Seconds between two posts of each node of a job of ``nodes`` nodes."""
     return max(base, nodes / MAX_POSTS_PER_SECOND)
+
+
 #: Seconds of samples a rate is computed over.
 WINDOW = 12.0
 
