@@ -9,7 +9,7 @@ demo:
 	relaunch --nproc-per-node 4 --tee 3 examples/hello.py
 
 # Tests run real etcd members on free loopback ports; Debian's etcd-server provides the binary.
-# tests/integration/test_metrics.py scrapes the agents with a real Prometheus: Debian's prometheus.
+# tests/integration/test_prometheus.py scrapes the agents with a real Prometheus: Debian's prometheus.
 # The torch tests need torch 2.13.0 (its CPU wheel is on this machine's disk): never a newer one.
 install-test:
 	$(PIP) -e '.[test]' torch==2.13.0
