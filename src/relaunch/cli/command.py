@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relaunch.cli.flags import EXIT_FAILED, build_parser, usage_error
+from relaunch.cli.flags import EXIT_FAILED, build_parser, explicit_flags, usage_error
 
 if TYPE_CHECKING:
     from relaunch.config import LaunchConfig
@@ -85,7 +85,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except Exception as exc:  # the parser's ConfigError, whose module --help never loads
         return usage_error(exc, "relaunch")
+    _apply_scheduler(args, arguments, os.environ)
     return _launch(args)
+
+
+def _apply_scheduler(
+    args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str]
+) -> None:
+    """Fill in what the scheduler's environment tells (``core.schedulers``) for every flag not
+    given on the command line or as ``PET_*``, and say so in one line."""
+    from relaunch.core.schedulers import infer
+
+    inference = infer(environ)
+    if inference is None:
+        return
+    given = explicit_flags(argv, environ)
+    applied = [dest for dest in inference.values if dest not in given]
+    for dest in applied:
+        setattr(args, dest, inference.values[dest])
+    print(f"relaunch: {inference.describe(applied)}", file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace) -> int:

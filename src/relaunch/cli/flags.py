@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relaunch.core.defaults import (
@@ -404,3 +404,34 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "training_script_args", nargs=argparse.REMAINDER, help="arguments passed to every worker"
     )
     return parser
+
+
+def explicit_flags(argv: Sequence[str], environ: Mapping[str, str]) -> set[str]:
+    """The flags (argparse's dests) given on the command line ``argv``, before the training
+    script, or through their ``PET_*`` (or torchrun's) variable: what a scheduler's inference
+    must not override."""
+    spelled: dict[str, str] = {}
+    takes_value: set[str] = set()
+    for flag in FLAGS:
+        dest = flag.names[-1].lstrip("-").replace("-", "_")
+        for name in (*flag.names[:-1], *_spellings(flag.names[-1])):
+            spelled[name] = dest
+        if not flag.switch:
+            takes_value.add(dest)
+    given = {
+        dest
+        for flag in FLAGS
+        for dest in (flag.names[-1].lstrip("-").replace("-", "_"),)
+        if f"PET_{dest.upper()}" in environ or (flag.env is not None and flag.env in environ)
+    }
+    args = iter(argv)
+    for arg in args:
+        if not arg.startswith("-"):
+            break  # the training script: what follows is its own
+        found = spelled.get(arg.split("=", 1)[0])
+        if found is None:
+            continue
+        given.add(found)
+        if found in takes_value and "=" not in arg:
+            next(args, None)
+    return given

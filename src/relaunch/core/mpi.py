@@ -1,0 +1,12 @@
+"""The mpi environment, for ``core.schedulers``: detect(environ) -> Inference | None."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from relaunch.core.schedulers import Inference
+
+
+def detect(environ: Mapping[str, str]) -> Inference | None:
+    """What mpi tells of this node's place in the job (None: not running under it)."""
+    return None
