@@ -13,48 +13,20 @@ Pure: an environment in, data out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
 
-
-@dataclass(frozen=True)
-class Inference:
-    """What ``scheduler`` tells: ``values`` by flag (argparse's dest, in parsed form: ``nnodes``
-    is ``(min, max)``), and for each the variables it came from (``sources``)."""
-
-    scheduler: str
-    values: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)
-
-    def describe(self, applied: Iterable[str]) -> str:
-        """The one line saying what was inferred, and from which variables."""
-        parts = []
-        for dest in applied:
-            value = self.values[dest]
-            if dest == "nnodes":
-                low, high = value
-                value = low if low == high else f"{low}:{high}"
-            flag = "--" + dest.replace("_", "-")
-            parts.append(f"{flag} {value} ({self.sources.get(dest, '?')})")
-        if not parts:
-            return f"running under {self.scheduler}: every setting it gives was given as a flag"
-        return f"running under {self.scheduler}: " + ", ".join(parts)
-
+from relaunch.core import kubernetes, mpi, slurm
+from relaunch.core.inference import Inference
 
 Detector = Callable[[Mapping[str, str]], "Inference | None"]
 
-
-def detectors() -> list[Detector]:
-    """The schedulers' detectors, in the order they are asked: the most specific first."""
-    from relaunch.core import kubernetes, mpi, slurm
-
-    return [slurm.detect, kubernetes.detect, mpi.detect]
+#: The schedulers' detectors, in the order they are asked: the most specific first.
+DETECTORS: list[Detector] = [slurm.detect, kubernetes.detect, mpi.detect]
 
 
 def infer(environ: Mapping[str, str]) -> Inference | None:
     """What the first scheduler that recognises ``environ`` tells, or None (none does)."""
-    for detect in detectors():
+    for detect in DETECTORS:
         found = detect(environ)
         if found is not None:
             return found

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from relaunch.core.schedulers import Inference
+from relaunch.core.inference import Inference
 
 
 def detect(environ: Mapping[str, str]) -> Inference | None:
