@@ -1,0 +1,60 @@
+"""The scheduler-inference frame: which flags count as given, and how an inference is applied
+and told (each scheduler's detection is tested on its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from relaunch.cli import command
+from relaunch.cli.flags import build_parser, explicit_flags
+from relaunch.core import schedulers
+from relaunch.core.inference import Inference
+
+
+def test_flags_given_on_the_command_line_or_as_pet_variables() -> None:
+    argv = ["--nnodes", "2", "--nproc_per_node=4", "-r", "3", "--standalone", "train.py"]
+    given = explicit_flags([*argv, "--rdzv-id", "x"], {"PET_RDZV_BACKEND": "etcd"})
+    # The training script's own arguments are not relaunch's.
+    assert given == {"nnodes", "nproc_per_node", "redirects", "standalone", "rdzv_backend"}
+    assert explicit_flags(["train.py"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}) == {
+        "shutdown_timeout"
+    }
+
+
+def test_the_line_names_each_value_and_its_variables() -> None:
+    found = Inference(
+        "Slurm",
+        {"nnodes": (2, 2), "rdzv_id": "77.0"},
+        {"nnodes": "SLURM_STEP_NUM_NODES", "rdzv_id": "SLURM_JOB_ID, SLURM_STEP_ID"},
+    )
+    assert found.describe(["nnodes", "rdzv_id"]) == (
+        "running under Slurm: --nnodes 2 (SLURM_STEP_NUM_NODES), "
+        "--rdzv-id 77.0 (SLURM_JOB_ID, SLURM_STEP_ID)"
+    )
+    assert found.describe([]).endswith("every setting it gives was given as a flag")
+
+
+def test_explicit_flags_win_over_the_inference(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def detect(environ: Mapping[str, str]) -> Inference | None:
+        if "TEST_SCHEDULER" not in environ:
+            return None
+        values = {"nnodes": (3, 3), "rdzv_backend": "c10d", "rdzv_id": "job9"}
+        return Inference("a test scheduler", values, dict.fromkeys(values, "TEST_SCHEDULER"))
+
+    monkeypatch.setattr(schedulers, "DETECTORS", [detect])
+    argv = ["--rdzv-id", "mine", "train.py"]
+    args = build_parser({}).parse_args(argv)
+    command._apply_scheduler(args, argv, {"TEST_SCHEDULER": "1"})
+    assert (args.nnodes, args.rdzv_backend, args.rdzv_id) == ((3, 3), "c10d", "mine")
+    err = capsys.readouterr().err
+    assert err == (
+        "relaunch: running under a test scheduler: --nnodes 3 (TEST_SCHEDULER), "
+        "--rdzv-backend c10d (TEST_SCHEDULER)\n"
+    )
+    args = build_parser({}).parse_args(argv)
+    command._apply_scheduler(args, argv, {})  # no scheduler: nothing changes, nothing said
+    assert args.nnodes == (1, 1) and capsys.readouterr().err == ""
