@@ -28,6 +28,7 @@ from relaunch.core.defaults import (
     DEFAULT_HEALTH_CHECK_COOLDOWN,
     DEFAULT_HEALTH_CHECK_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
+    NUMA_MODES,
 )
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint
@@ -100,6 +101,12 @@ class LaunchConfig:
     #: ("": every interface).
     metrics_port: int | None = None
     metrics_host: str = ""
+    #: Device placement (``relaunch.core.placement``): the GPUs of ``--nproc-per-node gpu:LIST``
+    #: (one worker each; None: not given), a device per rank (``--device-per-rank``), and
+    #: torch's ``--numa-binding`` mode.
+    devices: tuple[int, ...] | None = None
+    device_per_rank: bool = False
+    numa_binding: str | None = None
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)
@@ -146,6 +153,24 @@ def _check_counts(config: LaunchConfig) -> None:
         raise ConfigError(f"metrics_port must be a port 0..65535, got {config.metrics_port!r}")
     if config.health_check is not None and not config.health_check.strip():
         raise ConfigError("health_check must be a shell command, got an empty one")
+    _check_placement(config)
+
+
+def _check_placement(config: LaunchConfig) -> None:
+    devices = config.devices
+    if devices is not None:
+        if len(devices) != config.nproc_per_node:
+            raise ConfigError(
+                f"devices lists {len(devices)} GPUs for nproc_per_node={config.nproc_per_node}: "
+                "one worker per GPU"
+            )
+        if len(set(devices)) != len(devices) or any(d < 0 for d in devices):
+            raise ConfigError(f"devices must be distinct GPU indexes >= 0, got {devices!r}")
+    if config.numa_binding is not None and config.numa_binding not in NUMA_MODES:
+        raise ConfigError(
+            f"numa_binding {config.numa_binding!r} is unknown: expected one of "
+            + ", ".join(NUMA_MODES)
+        )
 
 
 def validate(config: LaunchConfig) -> None:
@@ -320,10 +345,31 @@ def new_run_id() -> str:
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
+def gpu_subset(value: str) -> tuple[int, ...] | None:
+    """The GPUs of ``--nproc-per-node gpu:LIST`` (``gpu:1,3``, ``gpu:0-3``); None for the rest."""
+    if not value.startswith("gpu:"):
+        return None
+    from relaunch.core.placement import parse_index_list
+
+    try:
+        return parse_index_list(value[4:])
+    except ValueError as exc:
+        raise ConfigError(f"--nproc-per-node {value}: {exc}") from None
+
+
 def resolve_nproc(value: str, cpus: int, gpus: int) -> int:
-    """``--nproc-per-node`` as a number: ``cpu`` is ``cpus``, ``gpu`` ``gpus``, ``auto`` either."""
+    """``--nproc-per-node`` as a number: ``cpu`` is ``cpus``, ``gpu`` ``gpus``, ``auto`` either,
+    ``gpu:LIST`` the number of GPUs listed (each below ``gpus``, when GPUs could be counted)."""
     if value.isdigit():
         return int(value)
+    subset = gpu_subset(value)
+    if subset is not None:
+        if gpus and max(subset) >= gpus:
+            raise ConfigError(
+                f"--nproc-per-node {value}: GPU {max(subset)} does not exist: the launcher sees "
+                f"{gpus} (0-{gpus - 1}; CUDA_VISIBLE_DEVICES or nvidia-smi -L)"
+            )
+        return len(subset)
     if value == "cpu":
         return cpus
     if value == "gpu" and gpus == 0:
@@ -406,6 +452,9 @@ def config_from_args(
         health_check_cooldown=args.health_check_cooldown,
         metrics_host=args.metrics_port[0] if args.metrics_port else "",
         metrics_port=args.metrics_port[1] if args.metrics_port else None,
+        devices=gpu_subset(args.nproc_per_node),
+        device_per_rank=args.device_per_rank,
+        numa_binding=args.numa_binding,
     )
     validate(config)
     if backend != "static" and not endpoint:

@@ -141,7 +141,13 @@ def launch_agent(
 def _agent(
     config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler, metrics: Metrics
 ) -> LocalElasticAgent:
-    """The agent ``config`` describes (its metrics port bound: ConfigError if it cannot be)."""
+    """The agent ``config`` describes (its metrics port bound: ConfigError if it cannot be, or
+    if its device placement cannot be)."""
+    placement = None
+    if config.devices is not None or config.device_per_rank or config.numa_binding:
+        from relaunch.placement import placement_for
+
+        placement = placement_for(config, os.environ)
     return LocalElasticAgent(
         spec,
         config.start_method,
@@ -163,4 +169,5 @@ def _agent(
         straggler_factor=config.straggler_factor,
         metrics_port=config.metrics_port,
         metrics_host=config.metrics_host,
+        placement=placement,
     )

@@ -99,6 +99,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "max_stalled_restarts": "0",
                 "straggler_factor": "3",
                 "metrics_port": "9100",
+                "numa_binding": "socket",
             }.get(dest, "x")
         )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]

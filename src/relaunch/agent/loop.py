@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from relaunch.agent.attempts import Attempts
 from relaunch.agent.channel import Channel
@@ -50,6 +51,9 @@ from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
+
+if TYPE_CHECKING:
+    from relaunch.core.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,9 @@ class LocalElasticAgent:
     With ``metrics_port`` (0: a free one, then ``metrics_port_bound``) the agent serves
     Prometheus metrics on ``metrics_host`` ("": every interface) while it runs
     (``agent.metrics``); a port it cannot bind raises ``ConfigError`` here.
+
+    ``placement`` (``relaunch.placement``) gives local ranks variables (``CUDA_VISIBLE_DEVICES``)
+    and CPUs to run on.
     """
 
     def __init__(
@@ -105,8 +112,10 @@ class LocalElasticAgent:
         start_processes: Callable[..., PContext] = start_processes,
         metrics_port: int | None = None,
         metrics_host: str = "",
+        placement: Placement | None = None,
     ) -> None:
         self._worker_group = WorkerGroup(spec)
+        self._placement = placement
         self._start_method = start_method
         self._exit_barrier_timeout = exit_barrier_timeout
         self._events = events
@@ -494,8 +503,13 @@ class LocalElasticAgent:
         assert self._channel is not None and self._wakeups is not None
         self._channel.reset()
         extra_env = {**self._expiry.worker_env(), **self._channel.env()}
+        placement = self._placement
         envs = {
-            ranks.local_rank: {**worker_env(ranks, context, os.environ), **extra_env}
+            ranks.local_rank: {
+                **worker_env(ranks, context, os.environ),
+                **(placement.env(ranks.local_rank) if placement else {}),
+                **extra_env,
+            }
             for ranks in group.ranks
         }
         nprocs = spec.local_world_size
@@ -503,7 +517,9 @@ class LocalElasticAgent:
         relay = relayed(spec.redirects, tee, nprocs, self._console.terminals())
         # Only a relay that does something is passed: a start_processes given by the user
         # (torch's, say) knows no such argument.
-        extra = {"relay": relay} if any(relay.values()) else {}
+        extra: dict[str, object] = {"relay": relay} if any(relay.values()) else {}
+        if placement is not None and placement.cpus():
+            extra["cpu_affinity"] = placement.cpus()
         self._pcontext = self._start_processes(
             name=spec.role,
             entrypoint=spec.entrypoint,

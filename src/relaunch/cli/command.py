@@ -41,8 +41,10 @@ def count_gpus(environ: Mapping[str, str]) -> int:
 
 
 def _gpus_for(nproc_per_node: str) -> int:
-    """This machine's GPUs, counted only when ``--nproc-per-node`` asks for them."""
-    return count_gpus(os.environ) if nproc_per_node in ("gpu", "auto") else 0
+    """This machine's GPUs, counted only when ``--nproc-per-node`` asks for them (``gpu:LIST``:
+    to check the list)."""
+    asks = nproc_per_node in ("gpu", "auto") or nproc_per_node.startswith("gpu:")
+    return count_gpus(os.environ) if asks else 0
 
 
 def resolve_nproc(value: str) -> int:

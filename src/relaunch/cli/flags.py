@@ -17,6 +17,7 @@ from relaunch.core.defaults import (
     DEFAULT_HEALTH_CHECK_COOLDOWN,
     DEFAULT_HEALTH_CHECK_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
+    NUMA_MODES,
     START_METHODS,
 )
 from relaunch.core.streams import Std
@@ -123,7 +124,8 @@ FLAGS = [
     _Flag(
         "nodes",
         ("--nproc-per-node",),
-        "workers per node: a number, cpu, gpu or auto",
+        "workers per node: a number, cpu, gpu (one per GPU), gpu:LIST (one per listed GPU, "
+        "each seeing just those: gpu:1,3 or gpu:0-3) or auto",
         "1",
         _checked("parse_nproc"),
         metavar="N",
@@ -310,6 +312,22 @@ FLAGS = [
     ),
     _Flag(
         "workers", ("--start-method",), "how function workers start", "spawn", choices=START_METHODS
+    ),
+    _Flag(
+        "workers",
+        ("--device-per-rank",),
+        "give each local rank its own CUDA_VISIBLE_DEVICES: the GPU of its index in gpu:LIST, "
+        "else in the inherited CUDA_VISIBLE_DEVICES, else GPU LOCAL_RANK",
+        switch=True,
+    ),
+    _Flag(
+        "workers",
+        ("--numa-binding",),
+        "bind each worker to CPUs near its GPU (torch's modes): node, socket, exclusive or "
+        "core-complex",
+        None,
+        choices=NUMA_MODES,
+        metavar="MODE",
     ),
     _Flag(
         "logs",

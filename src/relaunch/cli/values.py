@@ -32,10 +32,20 @@ def parse_command(text: str) -> str:
 
 
 def parse_nproc(text: str) -> str:
-    """A number of workers >= 1, or ``cpu``, ``gpu`` or ``auto`` (see ``resolve_nproc``)."""
+    """A number of workers >= 1, ``cpu``, ``gpu``, ``auto``, or ``gpu:LIST``: one worker per
+    listed GPU, ``gpu:1,3`` or ``gpu:0-3`` (see ``resolve_nproc``)."""
     if text in ("cpu", "gpu", "auto") or (text.isdigit() and int(text) >= 1):
         return text
-    raise ConfigError(f"expected a whole number >= 1, or cpu, gpu or auto, got {text!r}")
+    if text.startswith("gpu:"):
+        from relaunch.core.placement import parse_index_list
+
+        try:
+            return "gpu:" + ",".join(map(str, parse_index_list(text[4:])))
+        except ValueError as exc:
+            raise ConfigError(f"gpu:LIST: {exc}") from None
+    raise ConfigError(
+        f"expected a whole number >= 1, or cpu, gpu, gpu:LIST (gpu:1,3) or auto, got {text!r}"
+    )
 
 
 def parse_count(text: str, minimum: int) -> int:

@@ -7,6 +7,9 @@ from __future__ import annotations
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 #: How function workers may be started (multiprocessing's start methods).
 START_METHODS = ("spawn", "fork", "forkserver")
+#: torch 2.13's ``--numa-binding`` modes (``torch.numa.binding.AffinityMode``; see
+#: ``core.placement``).
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 #: Default seconds a node whose workers finished waits for the other nodes' (torchrun's).
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 #: Default seconds a ``--health-check`` command may run before it counts as failed.

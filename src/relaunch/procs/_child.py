@@ -40,6 +40,8 @@ class ChildSetup:
     env: dict[str, str]
     stdout: InheritedFd | None
     stderr: InheritedFd | None
+    #: The CPUs it runs on (``--numa-binding``; None: any).
+    cpus: frozenset[int] | None = None
 
 
 def run_function(
@@ -48,7 +50,8 @@ def run_function(
     args: tuple[Any, ...],
     result: Connection,
 ) -> None:
-    """Entry of a function worker: own process group, clean signals, redirected streams, record."""
+    """Entry of a function worker: own process group, CPUs, clean signals, redirected streams,
+    record."""
     try:
         os.setsid()
     except PermissionError:
@@ -60,6 +63,11 @@ def run_function(
         if target is not None:
             os.dup2(target.fd, stream_fd)
             os.close(target.fd)
+    if setup.cpus:
+        try:
+            os.sched_setaffinity(0, setup.cpus)
+        except OSError as exc:
+            os.write(2, f"relaunch: cannot bind to CPUs {sorted(setup.cpus)}: {exc}\n".encode())
     os.environ.update(setup.env)
     faulthandler.enable()
 

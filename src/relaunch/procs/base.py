@@ -82,7 +82,8 @@ class PContext(abc.ABC):
     ``rank_io`` says, for each local rank, where its streams go (see ``plan_rank_io``);
     ``stdouts``/``stderrs``, ``tee_stdouts``/``tee_stderrs`` and ``error_files`` show it as the
     seed's per-rank maps. When one worker fails, the others are sent SIGTERM, then SIGKILL after
-    ``shutdown_timeout`` seconds. ``clock`` timestamps the workers' exits.
+    ``shutdown_timeout`` seconds. ``clock`` timestamps the workers' exits. ``cpu_affinity``
+    binds some local ranks to CPUs (``procs.affinity``).
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class PContext(abc.ABC):
         *,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         clock: Clock = SYSTEM_CLOCK,
+        cpu_affinity: Mapping[int, frozenset[int]] | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -103,6 +105,8 @@ class PContext(abc.ABC):
         self.envs = {rank: dict(env) for rank, env in envs.items()}
         self.rank_io = dict(rank_io)
         self.nprocs = len(self.args)
+        #: The CPUs some local ranks are bound to (``--numa-binding``).
+        self.cpu_affinity = dict(cpu_affinity or {})
         self._progbar_events = progbar_events
         self._shutdown_timeout = shutdown_timeout
         self._clock = clock

@@ -17,6 +17,7 @@ from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
+from relaunch.procs.affinity import starting_on
 from relaunch.procs.base import PContext, RunProcsResult
 from relaunch.procs.checks import (
     check_entrypoint,
@@ -50,14 +51,15 @@ class SubprocessContext(PContext):
         self, local_rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
     ) -> tuple[PopenHandle, None]:
         argv = [self.entrypoint, *map(str, self.args[local_rank])]
-        popen = subprocess.Popen(
-            argv,
-            env={**os.environ, **env},
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-            close_fds=True,
-        )
+        with starting_on(self.cpu_affinity.get(local_rank)):
+            popen = subprocess.Popen(
+                argv,
+                env={**os.environ, **env},
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                close_fds=True,
+            )
         return PopenHandle(popen), None
 
 
@@ -80,6 +82,7 @@ class MultiprocessContext(PContext):
         *,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         clock: Clock = SYSTEM_CLOCK,
+        cpu_affinity: Mapping[int, frozenset[int]] | None = None,
     ) -> None:
         check_start_method(start_method)
         if start_method != "fork":
@@ -93,6 +96,7 @@ class MultiprocessContext(PContext):
             progbar_events,
             shutdown_timeout=shutdown_timeout,
             clock=clock,
+            cpu_affinity=cpu_affinity,
         )
         self.entrypoint: Callable[..., Any] = entrypoint
         self.start_method = start_method
@@ -109,6 +113,7 @@ class MultiprocessContext(PContext):
             env=env,
             stdout=None if stdout is None else InheritedFd(stdout),
             stderr=None if stderr is None else InheritedFd(stderr),
+            cpus=self.cpu_affinity.get(local_rank),
         )
         result_r, result_w = self._mp.Pipe(duplex=False)
         process = self._mp.Process(
@@ -144,6 +149,7 @@ def start_processes(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     log_line_prefixes: Mapping[int, str] | None = None,
     relay: Std | Mapping[int, Std] = Std.NONE,
+    cpu_affinity: Mapping[int, frozenset[int]] | None = None,
 ) -> PContext:
     """Start one copy of ``entrypoint`` per local rank and return the running context.
 
@@ -155,7 +161,8 @@ def start_processes(
     ``log_line_prefixes`` replaces the console prefix ``[{name}{local_rank}]:`` of some ranks.
     ``relay`` (relaunch's own) names streams, neither redirected nor tee'd, that relaunch copies
     to its console as whole lines with bar refreshes collapsed, rather than letting the workers
-    inherit the console.
+    inherit the console. ``cpu_affinity`` (relaunch's own) binds some ranks to CPUs
+    (``procs.affinity``).
     """
     nprocs = check_ranks(args, envs)
     check_entrypoint(entrypoint, start_method)
@@ -172,6 +179,7 @@ def start_processes(
             rank_io,
             progbar_events,
             shutdown_timeout=shutdown_timeout,
+            cpu_affinity=cpu_affinity,
         )
     else:
         context = MultiprocessContext(
@@ -183,6 +191,7 @@ def start_processes(
             start_method,
             progbar_events,
             shutdown_timeout=shutdown_timeout,
+            cpu_affinity=cpu_affinity,
         )
     for io in rank_io.values():
         os.mkdir(io.log_dir)
