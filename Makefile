@@ -11,12 +11,14 @@ demo:
 # Tests run real etcd members on free loopback ports; Debian's etcd-server provides the binary.
 # tests/integration/test_prometheus.py scrapes the agents with a real Prometheus: Debian's prometheus.
 # tests/integration/test_mpi.py starts relaunch with a real mpirun: Debian's openmpi-bin.
+# tests/integration/test_slurm.py runs a real Slurm cluster on this machine, as root: Debian's slurm-wlm, munge.
 # The torch tests need torch 2.13.0 (its CPU wheel is on this machine's disk): never a newer one.
 install-test:
 	$(PIP) -e '.[test]' torch==2.13.0
 	command -v etcd >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || command -v sudo); $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
 	command -v prometheus >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || command -v sudo); $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 	command -v mpirun >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || command -v sudo); $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin; }
+	command -v slurmctld >/dev/null || { SUDO=$$(test "$$(id -u)" = 0 || command -v sudo); $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; }
 
 lint:
 	$(PYTHON) -m ruff check .

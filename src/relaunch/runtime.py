@@ -25,6 +25,9 @@ from typing import Any, Protocol
 
 #: The signals the CLI turns into exceptions in the main thread; helper threads block them.
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: Those, and Slurm's warning (SIGUSR1, when ``--signals-to-handle`` has it): what helper threads
+#: block and lock code defers, so that a handler's exception never lands inside a lock.
+DEFERRED_SIGNALS = (*TERMINATION_SIGNALS, signal.SIGUSR1)
 
 
 def start_thread(
@@ -33,7 +36,7 @@ def start_thread(
     """A thread (daemon by default) running ``target(*args)``, started with the termination
     signals blocked in it (a thread inherits the mask)."""
     thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
     try:
         thread.start()
     finally:

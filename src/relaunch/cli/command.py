@@ -102,6 +102,8 @@ def _apply_scheduler(
     if inference is None:
         return
     given = explicit_flags(argv, environ)
+    if getattr(args, "nproc_per_node", None) == "auto":
+        given.discard("nproc_per_node")  # auto: what the scheduler gave the node, where it says
     applied = [dest for dest in inference.values if dest not in given]
     for dest in applied:
         setattr(args, dest, inference.values[dest])

@@ -25,6 +25,8 @@ class Inference:
             if dest == "nnodes":
                 low, high = value
                 value = low if low == high else f"{low}:{high}"
+            elif isinstance(value, list):  # signals, as --signals-to-handle spells them
+                value = ",".join(getattr(item, "name", str(item)) for item in value)
             flag = "--" + dest.replace("_", "-")
             parts.append(f"{flag} {value} ({self.sources.get(dest, '?')})")
         if not parts:

@@ -30,7 +30,7 @@ from relaunch.procs.handles import (
 )
 from relaunch.procs.monitor import KILL_DEADLINE, GroupMonitor, WorkerProcess
 from relaunch.procs.rank_streams import RankStreams
-from relaunch.procs.signals import SignalsToExceptions
+from relaunch.procs.signals import SignalsToExceptions, notices_ignored
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
@@ -175,9 +175,10 @@ class PContext(abc.ABC):
                 try:
                     streams.open(console)
                     env = {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}
-                    handle, result_conn = self._start_worker(
-                        rank, env, streams.stdout.child_fd, streams.stderr.child_fd
-                    )
+                    with notices_ignored():  # Slurm's warning is for the agent alone
+                        handle, result_conn = self._start_worker(
+                            rank, env, streams.stdout.child_fd, streams.stderr.child_fd
+                        )
                     orphans.register(handle.pid)
                 finally:
                     streams.close_child_ends()

@@ -20,7 +20,7 @@ import threading
 log = logging.getLogger(__name__)
 
 _SCRIPT = r"""
-trap '' INT TERM HUP QUIT PIPE
+trap '' INT TERM HUP QUIT PIPE USR1
 live=' '
 files=' '
 while read -r op arg; do

@@ -11,17 +11,21 @@ from types import FrameType
 from typing import Any
 
 from relaunch.procs.errors import SignalException, StopRequested
-from relaunch.runtime import TERMINATION_SIGNALS
+from relaunch.runtime import DEFERRED_SIGNALS, TERMINATION_SIGNALS
 
-#: The signals that first ask for a graceful stop (a preemption notice, a Ctrl-C).
-GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: The signals that first ask for a graceful stop (a preemption notice, a Ctrl-C); SIGUSR1 only
+#: where it is handled (``--signals-to-handle``, which Slurm's inference extends with it).
+GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+#: Notices, not orders: Slurm sends its warning (``sbatch --signal=USR1@90``) to every process
+#: of the step, so workers start with it ignored where the agent handles it (``notices_ignored``).
+NOTICE_SIGNALS = (signal.SIGUSR1,)
 
 _stop_requested = False
 
 
 def raise_signal_exception(signum: int, frame: FrameType | None) -> None:
-    """The handler: the first SIGTERM/SIGINT raises ``StopRequested``, any other (or any later)
-    termination signal ``SignalException``; both carry ``sigval``."""
+    """The handler: the first SIGTERM/SIGINT/SIGUSR1 raises ``StopRequested``, any other (or any
+    later) termination signal ``SignalException``; both carry ``sigval``."""
     global _stop_requested
     sigval = signal.Signals(signum)
     if sigval in GRACEFUL_SIGNALS and not _stop_requested:
@@ -41,11 +45,30 @@ def signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATION_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a deferred signal is raised here
+
+
+@contextlib.contextmanager
+def notices_ignored() -> Iterator[None]:
+    """Ignore the handled ``NOTICE_SIGNALS`` while a worker is started, so that it starts with
+    them ignored (an ignored signal stays ignored across fork and exec; a handled one does not)
+    and Slurm's warning, sent to every process of the step, reaches only the agent. A notice that
+    comes in these few microseconds is lost; SIGTERM at the time limit still stops the run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = [sig for sig in NOTICE_SIGNALS if signal.getsignal(sig) is raise_signal_exception]
+    for sig in handled:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig in handled:
+            signal.signal(sig, raise_signal_exception)
 
 
 def reset_stop_request() -> None:
