@@ -69,8 +69,11 @@ class EventQueue(Generic[T]):
         in_main = threading.current_thread() is threading.main_thread()
         previous = -1
         if in_main:
-            previous = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-            self._previous_fd = previous
+            # Both or neither: a handler raising between them would leave the wake-up fd ours
+            # with nothing to give it back (close() restores ``_previous_fd``).
+            with signals_deferred():
+                previous = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+                self._previous_fd = previous
         try:
             self._poll.poll(None if timeout is None else timeout * 1000)
         finally:
