@@ -14,7 +14,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,24 +27,7 @@ from relaunch.endpoints import find_free_port
 
 #: Every rank reports a step every 20 ms, the slow one every 100 ms; the failing rank exits 3
 #: once (at its first start), which spends the job's one restart; all stop once OUT/stop exists.
-WORKER = textwrap.dedent(
-    """
-    import os, pathlib, sys, time
-    import relaunch
-
-    out, slow, fail = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    rank = int(os.environ["RANK"])
-    if rank == fail and not (out / "failed").exists():
-        (out / "failed").touch()
-        sys.exit(3)
-    pause = 0.1 if rank == slow else 0.02
-    step = 0
-    while not (out / "stop").exists():
-        step += 1
-        relaunch.report_progress(step)
-        time.sleep(pause)
-    """
-)
+WORKER = str(pathlib.Path(__file__).parents[2] / "benchmarks" / "workers" / "slow_rank.py")
 
 
 @contextlib.contextmanager
@@ -62,8 +44,7 @@ def job(
     Stopped (the workers told to finish) on leaving; an agent still alive 30 s later is killed."""
     out = tmp_path / "out"
     out.mkdir()
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
+
     slow = 2 * nodes - 1
     agents = [
         subprocess.Popen(
@@ -74,7 +55,7 @@ def job(
                 *("--nnodes", str(nodes), "--nproc-per-node", "2", "--max-restarts", "1"),
                 *rendezvous,
                 *(("--rdzv-conf", conf) if conf else ()),
-                *(str(worker), str(out), str(slow), str(fail)),
+                *(WORKER, str(out), str(slow), str(fail)),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -13,16 +13,15 @@ Jobs whose pods are named ``<jobset>-<replicatedjob>-<jobindex>-<index>``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from relaunch import config
-from relaunch.cli import command
-from relaunch.cli.flags import build_parser
 from relaunch.core import kubernetes, mpi, schedulers
+from tests.support.launching import in_job_dir, launch
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 UID = "6a1f4a1e-2b7c-4d4e-9f2a-0c5d1e3b7a90"
@@ -55,18 +54,10 @@ def pod_env(job: dict[str, Any], index: int) -> dict[str, str]:
     return env
 
 
-def launch(argv: list[str], env: dict[str, str]) -> config.LaunchConfig:
-    """The config relaunch runs with ``argv`` (after ``relaunch``) in ``env``."""
-    args = build_parser(env).parse_args(argv)
-    command._apply_scheduler(args, argv, env)
-    launch_config, _, _ = config.config_from_args(args, env, 0, cpus=4, fresh_run_id="fresh")
-    return launch_config
-
-
 @pytest.fixture(autouse=True)
-def _script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("")
+def _script(tmp_path: Path) -> Iterator[None]:
+    with in_job_dir(tmp_path):
+        yield
 
 
 def check_indexed_job(objects: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str]:

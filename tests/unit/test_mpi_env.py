@@ -7,14 +7,14 @@ tests/integration/test_mpi.py runs the real mpirun.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from relaunch import config
-from relaunch.cli import command
-from relaunch.cli.flags import build_parser
 from relaunch.core import mpi, schedulers
+from tests.support.launching import in_job_dir, launch
 
 HNP = "1077215232.0;tcp://192.0.2.2,10.1.0.7:35645;tcp6://[fd00::2]:37323"
 
@@ -33,17 +33,10 @@ def open_mpi(rank: int, size: int = 2) -> dict[str, str]:
     }
 
 
-def launch(argv: list[str], env: dict[str, str]) -> config.LaunchConfig:
-    args = build_parser(env).parse_args(argv)
-    command._apply_scheduler(args, argv, env)
-    launch_config, _, _ = config.config_from_args(args, env, 0, cpus=4, fresh_run_id="fresh")
-    return launch_config
-
-
 @pytest.fixture(autouse=True)
-def _script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("")
+def _script(tmp_path: Path) -> Iterator[None]:
+    with in_job_dir(tmp_path):
+        yield
 
 
 def test_every_open_mpi_rank_meets_on_the_launching_host(
