@@ -79,7 +79,12 @@ class Rendezvous:
 
 @pytest.fixture(params=["c10d", "etcd"])
 def rdzv(request: pytest.FixtureRequest) -> Rendezvous:
-    """The built-in store (hosted by the first agent), or a real etcd member shared by tests."""
+    return rendezvous_for(request)
+
+
+def rendezvous_for(request: pytest.FixtureRequest) -> Rendezvous:
+    """For a fixture with params c10d and etcd: the built-in store (hosted by the first agent),
+    or a real etcd member shared by tests."""
     run_id = uuid.uuid4().hex
     if request.param == "etcd":
         etcd = request.getfixturevalue("etcd_shared")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import LeakCheck, wait_until
+from test_cli import relaunch
 
 from relaunch.endpoints import find_free_port
 
@@ -28,16 +29,6 @@ SLOW_JOB = str(WORKERS / "slow_rank.py")
 #: tests take the second attempt's start, which comes after both.
 ONE_NODE_BUDGET = 2.0
 NODES_BUDGET = 5.0
-
-
-def relaunch(leaks: LeakCheck, *argv: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relaunch", *argv],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        timeout=timeout,
-    )
 
 
 def node_agent(

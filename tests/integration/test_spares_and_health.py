@@ -11,17 +11,20 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import LeakCheck, wait_until
-from test_rendezvous import FAST, FORM_TWO, Rendezvous, lines, script, serving
-
-from relaunch.endpoints import find_free_port
+from test_rendezvous import FAST, FORM_TWO, Rendezvous, lines, rendezvous_for, script
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["c10d", "etcd"])
+def rdzv(request: pytest.FixtureRequest) -> Rendezvous:
+    return rendezvous_for(request)
+
 
 #: Workers print their world, then wait for the test's GO file (a job that runs until told). A
 #: worker in a world of two leaves a mark; one told to FAIL fails once the healthy node's worker
@@ -41,17 +44,6 @@ WORLD_UNTIL_GO = """
     while not os.path.exists(os.environ["GO_FILE"]):
         time.sleep(0.01)
 """
-
-
-@pytest.fixture(params=["c10d", "etcd"])
-def rdzv(request: pytest.FixtureRequest) -> Rendezvous:
-    """The built-in store (hosted by the first agent), or a real etcd member shared by tests."""
-    run_id = uuid.uuid4().hex
-    if request.param == "etcd":
-        etcd = request.getfixturevalue("etcd_shared")
-        return Rendezvous("etcd", etcd.endpoints, lambda: True, run_id)
-    port = find_free_port("127.0.0.1")
-    return Rendezvous("c10d", f"127.0.0.1:{port}", lambda: serving(port), run_id)
 
 
 @dataclass
