@@ -4,10 +4,12 @@ Code that keeps deadlines takes a ``Clock`` (default ``SYSTEM_CLOCK``), so a tes
 with a clock of its own instead of patching ``time.monotonic`` for the whole process.
 
 Every long-lived helper thread (the group monitor, the console, the store server, timer servers,
-heartbeats) starts through ``start_thread``, so each starts with the termination signals
-blocked: the kernel gives a process-directed signal to any thread that does not block it, and
-taken by a helper it would only set Python's flag while the main thread, asleep in a wait, ran
-its handler a timeout late.
+heartbeats) starts through ``start_thread``, so none dies silently: an exception that ends one
+is handed to ``THREAD_FAILURES`` (or the thread's own ``on_failure``), where the agent's event
+loop hears it and ends the run with one line naming the thread and the cause (without an agent,
+the line is logged). Each also starts with the termination signals blocked: the kernel gives a
+process-directed signal to any thread that does not block it, and taken by a helper it would
+only set Python's flag while the main thread, asleep in a wait, ran its handler a timeout late.
 
 ``raise_open_file_limit`` lifts the soft open-file limit of a process that will hold many
 connections (the built-in store's server).
@@ -15,6 +17,7 @@ connections (the built-in store's server).
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -23,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+log = logging.getLogger(__name__)
+
 #: The signals the CLI turns into exceptions in the main thread; helper threads block them.
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: Those, and Slurm's warning (SIGUSR1, when ``--signals-to-handle`` has it): what helper threads
@@ -30,12 +35,117 @@ TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQ
 DEFERRED_SIGNALS = (*TERMINATION_SIGNALS, signal.SIGUSR1)
 
 
+class ThreadFailed(Exception):
+    """A helper thread ended with an exception: ``thread`` names it, ``error`` is what it raised.
+    ``str()`` is the one line to tell the user."""
+
+    def __init__(self, thread: str, error: BaseException) -> None:
+        self.thread, self.error = thread, error
+        super().__init__(describe_failure(thread, error))
+
+
+def describe_failure(thread: str, error: BaseException) -> str:
+    """One line for the death of ``thread`` by ``error``: an error that explains itself (one of
+    relaunch's own, ``ExplainedError``) is its own message; any other names the thread too."""
+    if isinstance(error, ExplainedError):
+        return str(error)
+    text = " ".join(str(error).split()) or "(no message)"
+    return f"relaunch's {thread} thread failed: {type(error).__name__}: {text}"
+
+
+class ExplainedError(Exception):
+    """An error whose message, alone, tells the user what went wrong (a bad value read from the
+    store names its key): a thread it ends is not named."""
+
+
+class ThreadFailures:
+    """Where helper threads' failures go: the first one since a watcher began is kept for it,
+    and its callback is called (from the failing thread) to wake whoever must act on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watchers: list[FailureWatch] = []
+
+    def watch(self, wake: Callable[[], None] = lambda: None) -> FailureWatch:
+        """Keep the failures reported from now on (until ``close``), calling ``wake`` for each."""
+        watch = FailureWatch(self, wake)
+        with self._lock:
+            self._watchers.append(watch)
+        return watch
+
+    def _unwatch(self, watch: FailureWatch) -> None:
+        with self._lock:
+            if watch in self._watchers:
+                self._watchers.remove(watch)
+
+    def report(self, thread: str, error: BaseException) -> None:
+        """``thread`` failed with ``error``: tell the watchers; with none, log it in one line."""
+        failure = error if isinstance(error, ThreadFailed) else ThreadFailed(thread, error)
+        log.debug("the %s thread failed", thread, exc_info=error)
+        with self._lock:
+            watchers = list(self._watchers)
+        if not watchers:
+            log.error("%s", failure)
+        for watch in watchers:
+            watch._take(failure)
+
+
+class FailureWatch:
+    """The failures of helper threads one watcher (an agent's run) hears of."""
+
+    def __init__(self, failures: ThreadFailures, wake: Callable[[], None]) -> None:
+        self._failures, self._wake = failures, wake
+        self.failure: ThreadFailed | None = None  # the first one reported
+
+    def _take(self, failure: ThreadFailed) -> None:
+        if self.failure is None:
+            self.failure = failure
+        try:
+            self._wake()
+        except Exception:  # waking must not fail the report
+            log.debug("could not wake the watcher of thread failures", exc_info=True)
+
+    def check(self) -> None:
+        """Raise the first failure heard of (``ThreadFailed``), if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        self._failures._unwatch(self)
+
+
+#: The process's thread failures: ``start_thread`` reports here unless given ``on_failure``.
+THREAD_FAILURES = ThreadFailures()
+
+
+def report_failure(thread: str, error: BaseException) -> None:
+    """Report that ``thread`` failed with ``error`` (for a callback's failure that a thread
+    survives, as much as for a thread's death)."""
+    THREAD_FAILURES.report(thread, error)
+
+
 def start_thread(
-    target: Callable[..., Any], name: str, *args: Any, daemon: bool = True
+    target: Callable[..., Any],
+    name: str,
+    *args: Any,
+    daemon: bool = True,
+    on_failure: Callable[[str, BaseException], None] | None = None,
 ) -> threading.Thread:
     """A thread (daemon by default) running ``target(*args)``, started with the termination
-    signals blocked in it (a thread inherits the mask)."""
-    thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+    signals blocked in it (a thread inherits the mask). An exception that ends it goes to
+    ``on_failure(name, error)`` (by default ``report_failure``), never to a traceback."""
+    report = on_failure or report_failure
+
+    def run() -> None:
+        try:
+            target(*args)
+        except BaseException as error:  # reported, never silent
+            try:
+                report(name, error)
+            except BaseException:  # the last word: one line, still no traceback
+                log.error("%s", describe_failure(name, error))
+
+    thread = threading.Thread(target=run, name=name, daemon=daemon)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
     try:
         thread.start()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-import threading
 from collections.abc import Callable
 
 from relaunch.core import channel
 from relaunch.core.liveness import Liveness, read_liveness
 from relaunch.core.progress import Progress, read_progress
 from relaunch.procs.guardian import guardian
+from relaunch.runtime import start_thread
 
 
 class Channel:
@@ -38,10 +38,7 @@ class Channel:
         # writers.
         self._wake_fd = os.open(self._wake_path, os.O_RDWR)
         self._closing = False
-        self._waker = threading.Thread(
-            target=self._read_wakes, args=(on_first_use,), name="relaunch-channel", daemon=True
-        )
-        self._waker.start()
+        self._waker = start_thread(self._read_wakes, "relaunch-channel", on_first_use)
         self.reset()
 
     def _read_wakes(self, on_first_use: Callable[[], None]) -> None:

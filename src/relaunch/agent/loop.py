@@ -50,7 +50,13 @@ from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.wakeup import EventQueue
-from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
+from relaunch.rendezvous.api import (
+    AgentFault,
+    JobFailedError,
+    RendezvousClosedError,
+    RendezvousHandler,
+)
+from relaunch.runtime import THREAD_FAILURES, FailureWatch, ThreadFailed
 
 if TYPE_CHECKING:
     from relaunch.core.placement import Placement
@@ -137,6 +143,7 @@ class LocalElasticAgent:
         )
         self._channel: Channel | None = None
         self._wakeups: EventQueue[str] | None = None
+        self._thread_failures: FailureWatch | None = None
         self._explained: RunProcsResult | None = None
         self._grace_ends: float | None = None
         self._console = console_for(sys.stdout, sys.stderr)
@@ -187,6 +194,8 @@ class LocalElasticAgent:
         self._report.started_at = time.monotonic()
         handler = self._worker_group.spec.rdzv_handler
         self._wakeups = wakeups = EventQueue[str]()
+        # A helper thread's failure (``runtime.start_thread``) wakes the loop, which ends the run.
+        self._thread_failures = THREAD_FAILURES.watch(lambda: wakeups.put("a thread failed"))
         self._channel = Channel(
             self._worker_group.spec.local_world_size,
             on_first_use=self._workers_speak,
@@ -199,7 +208,16 @@ class LocalElasticAgent:
                 result = self._invoke_run()
             except StopRequested as exc:
                 raise self._stop_gracefully(exc) from None
+            except ThreadFailed as exc:
+                raise AgentFault(str(exc)) from None
             self._stop_workers(signal.SIGTERM)
+        except AgentFault as exc:
+            # This agent cannot go on (a helper thread failed, the store holds a bad value):
+            # the job ends on every node, each saying why, rather than re-forming around it.
+            self._stop_workers(signal.SIGTERM)
+            handler.fail_job(str(exc))
+            self._report.agent_event(WorkerState.FAILED, self.restart_count, raw_error=str(exc))
+            raise
         except SignalException as exc:
             self._stop_workers(exc.sigval)
             self._report.agent_event(WorkerState.FAILED, self.restart_count, raw_error=str(exc))
@@ -209,6 +227,7 @@ class LocalElasticAgent:
             self._report.agent_event(WorkerState.FAILED, self.restart_count)
             raise
         finally:
+            self._thread_failures.close()
             self._exporter.close()
             handler.set_change_listener(None)
             self._console.remove_source(self._node_bar)
@@ -265,6 +284,7 @@ class LocalElasticAgent:
         self._rendezvous()
         self._start_workers()
         while True:
+            self._check_threads()
             dumping = self._expiry.dumping()
             if dumping and self._pcontext is not None and self._pcontext.wait(0) is None:
                 self._sleep(time.monotonic() + dumping)  # let every stack be written first
@@ -405,6 +425,11 @@ class LocalElasticAgent:
         if self._polls_membership():
             waits.append(self._worker_group.spec.monitor_interval)
         self._wakeups.get(max(0.0, min(waits)) if waits else None)
+
+    def _check_threads(self) -> None:
+        """Raise the failure of a helper thread (``ThreadFailed``), if one failed."""
+        if self._thread_failures is not None:
+            self._thread_failures.check()
 
     def _workers_speak(self) -> None:
         """A worker used the channel for the first time (from the channel's thread): deadlines

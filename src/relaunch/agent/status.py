@@ -21,14 +21,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from relaunch.core import status as core
 from relaunch.core import stragglers
 from relaunch.core.liveness import Liveness
 from relaunch.core.progress import Progress
 from relaunch.rendezvous.api import RendezvousHandler
+from relaunch.runtime import start_thread
 
 log = logging.getLogger(__name__)
+_Note = TypeVar("_Note")
 
 JOB_NOTE = "job"
 
@@ -93,10 +96,7 @@ class NodeReporter:
         self._stop, self._reported = threading.Event(), threading.Event()
         if any(group.progress(local) is not None for local in group.ranks):
             self._reported.set()  # a rank reported before this was called
-        self._thread = threading.Thread(
-            target=self._run, args=(self._stop, self._reported), name="relaunch-status", daemon=True
-        )
-        self._thread.start()
+        self._thread = start_thread(self._run, "relaunch-status", self._stop, self._reported)
 
     def notice_reports(self) -> None:
         """A rank made its first progress report (the channel's wake): sampling is worth it."""
@@ -117,10 +117,7 @@ class NodeReporter:
             # (an idle launcher stays asleep).
             reported.wait()
         while not stop.wait(every):
-            try:
-                self.report()
-            except Exception:  # a report must never end the run
-                log.debug("the status report failed", exc_info=True)
+            self.report()  # what it cannot post or read it skips; a bug ends the agent
 
     def status(self) -> core.NodeStatus | None:
         """This node's status now (None before a group started)."""
@@ -185,7 +182,11 @@ class NodeReporter:
         self.store_round_trip = time.monotonic() - began
         if group.group_rank == 0:
             names = [status_note(node) for node in range(group.nodes)]
-            posts = [core.NodeStatus.decode(raw) for raw in handler.read_notes(names).values()]
+            posts = [
+                post
+                for name, raw in handler.read_notes(names).items()
+                if (post := _decoded(core.NodeStatus.decode, name, raw)) is not None
+            ]
             view = core.job_view(posts, self._factor, mine.posted_at)
             handler.post_note(JOB_NOTE, view.encode())
             self.view = view
@@ -193,11 +194,11 @@ class NodeReporter:
             self._flag(view)
             return
         raw = handler.read_notes([JOB_NOTE]).get(JOB_NOTE)
-        if raw is not None:
-            view = core.JobView.decode(raw)
-            self.view = view
-            mine_only = {r: v for r, v in view.stragglers.items() if r in group.ranks.values()}
-            self._flag(view, mine_only)
+        judged = None if raw is None else _decoded(core.JobView.decode, JOB_NOTE, raw)
+        if judged is not None:
+            self.view = judged
+            mine_only = {r: v for r, v in judged.stragglers.items() if r in group.ranks.values()}
+            self._flag(judged, mine_only)
 
     def _flag(self, view: core.JobView, only: Mapping[int, float] | None = None) -> None:
         slow = view.stragglers if only is None else only
@@ -210,3 +211,13 @@ class NodeReporter:
             log.warning("%s", straggler.describe(self._factor))
             self._on_flag(straggler)
         self._said = set(slow)  # a rank that caught up is flagged again if it lags
+
+
+def _decoded(decode: Callable[[bytes], _Note], name: str, raw: bytes) -> _Note | None:
+    """A note another node posted, or None (and a debug line) when it is not one: a status line
+    is best effort, so a bad note is skipped rather than ending the run."""
+    try:
+        return decode(raw)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.debug("skipping the note %r, which is not a status post: %s", name, exc)
+        return None

@@ -112,19 +112,37 @@ def decode_change(raw: bytes) -> tuple[MembershipChange, int | None]:
     """The change a ``changed`` record holds and the size it expects (None if it says none).
 
     A record without a known kind (written by an older relaunch) counts as a restart, which
-    never shrinks the next round below its size.
+    never shrinks the next round below its size. ``ValueError`` (saying what is wrong) for a
+    record no relaunch wrote: not a JSON object, or fields of the wrong type.
     """
-    data = json.loads(raw)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
     try:
         kind = ChangeKind(data.get("kind"))
     except ValueError:
         kind = ChangeKind.RESTARTING
+    member, detected_by = _optional_int(data, "member"), _optional_int(data, "detected_by")
     change = MembershipChange(
         kind,
         str(data.get("reason", "")),
-        data.get("member"),
-        data.get("detected_by"),
+        member,
+        detected_by,
         bool(data.get("stacks", False)),
     )
-    expected = data.get("expected")
-    return change, None if expected is None else int(expected)
+    expected = _optional_int(data, "expected")
+    if expected is not None and expected < 0:
+        raise ValueError(f"'expected' is negative ({expected})")
+    return change, expected
+
+
+def _optional_int(data: dict[str, Any], name: str) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name!r} is not an integer ({value!r:.40})")
+    return value

@@ -227,11 +227,35 @@ class GroupMonitor:
                 if copied:
                     time.sleep(COALESCE_SECONDS)
         except Exception:
-            log.exception("the worker monitor failed; stopping the workers")
+            # ``start_thread`` reports the failure (the agent ends with one line); the workers
+            # must not outlive their monitor.
+            log.debug("the worker monitor failed; stopping the workers", exc_info=True)
             self.kill_all_trees()
+            self._end_without_monitor()
             raise
         finally:
             self._release()
+
+    def _end_without_monitor(self) -> None:
+        """The monitor thread fails: reap the killed workers here (each within
+        ``KILL_DEADLINE``, else given up), and end the group, so that nobody waits for an end
+        that the dead thread would have recorded."""
+        for worker in self.workers.values():
+            if worker.exitcode is not None:
+                continue
+            code = worker.handle.wait(KILL_DEADLINE)
+            with self.lock:
+                worker.exitcode = -signal.SIGKILL if code is None else code
+                worker.exit_time = self._clock.time()
+                self.stopped_ranks.add(worker.local_rank)
+        with self.lock:
+            self._kill_at = self._give_up_at = self._recheck_at = None
+            done, self._done = self._done, True
+        if not done:
+            try:
+                self._on_done()
+            finally:
+                self._ended.set()
 
     def _drain_wake(self) -> None:
         try:

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaunch.core.membership import MembershipChange
+from relaunch.core.membership import MembershipChange, decode_change
+from relaunch.runtime import ExplainedError
 
 #: Backends this release can run, by ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name
 #: for the dynamic rendezvous on etcd; relaunch speaks etcd's v3 API under both names.
@@ -35,6 +36,49 @@ class RendezvousClosedError(RendezvousError):
 class JobFailedError(RendezvousError):
     """The job ended while this node's workers ran: another node failed with no restart left
     (the message says why), or the job was closed while this node re-formed."""
+
+
+class AgentFault(RendezvousError):
+    """The agent cannot go on, and its job cannot either: a helper thread failed, or the store
+    holds a value no relaunch wrote. The agent ends the job (``fail_job``) and says why in one
+    line."""
+
+
+class BadStoreValue(AgentFault, ExplainedError):
+    """A value read from the rendezvous store is not what relaunch writes there; the message
+    names the key."""
+
+    def __init__(self, key: str, raw: bytes | None, why: object) -> None:
+        self.key = key
+        shown = (raw or b"")[:40].decode("utf-8", errors="replace")
+        more = "..." if raw is not None and len(raw) > 40 else ""
+        why_text = " ".join(str(why).split())
+        super().__init__(
+            f"the rendezvous store holds a bad value under {key} ({shown!r}{more}): {why_text}; "
+            "something other than relaunch wrote there (another job with this --rdzv-id?)"
+        )
+
+
+def store_int(key: str, raw: bytes | None, default: int = 0) -> int:
+    """The integer stored under ``key`` (``default`` when absent); ``BadStoreValue`` if it is
+    not one."""
+    if raw is None or raw == b"":
+        return default
+    try:
+        if len(raw) > 32:
+            raise ValueError("too long for a count")
+        return int(raw)
+    except ValueError:
+        raise BadStoreValue(key, raw, "not an integer") from None
+
+
+def store_change(key: str, raw: bytes) -> tuple[MembershipChange, int | None]:
+    """The ``changed`` record stored under ``key`` (``core.membership.decode_change``);
+    ``BadStoreValue`` if no relaunch wrote it."""
+    try:
+        return decode_change(raw)
+    except ValueError as exc:
+        raise BadStoreValue(key, raw, exc) from None
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,13 @@ from relaunch.rendezvous.api import (
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
+    store_int,
 )
 from relaunch.rendezvous.heartbeat import NodeLease, RoundWatch
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import new_node_id, roster_for
 from relaunch.rendezvous.rounds import CLOSED, Rounds, news_prefix
+from relaunch.runtime import report_failure
 from relaunch.store.api import Store, StoreConnectionError, StoreError, Watchable
 
 if TYPE_CHECKING:
@@ -213,12 +215,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def restarts_used(self, spent_here: int) -> int:
         """The job's count in the store (``relaunch/{run_id}/restarts``), which the node whose
         failure re-formed a round adds to; the last count read if the store cannot be read."""
+        key = self._key("restarts")
         try:
-            value = self._store.get(self._key("restarts")).value
+            value = self._store.get(key).value
         except StoreError as exc:
             log.warning("could not read the job's restart count: %s", exc)
         else:
-            self._restarts_seen = int(value) if value else 0
+            self._restarts_seen = store_int(key, value)
         return self._restarts_seen
 
     def peers_alive(self, timeout: float) -> bool | None:
@@ -512,8 +515,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
 
 def _notify(listener: Callable[[], None]) -> None:
-    """Call a change listener; its failure must not stop the heartbeat that called it."""
+    """Call a change listener; its failure must not stop the heartbeat that called it, nor go
+    unheard (``runtime.report_failure``: the agent ends with one line)."""
     try:
         listener()
-    except Exception:
-        log.exception("the membership change listener failed")
+    except Exception as exc:
+        report_failure("relaunch-heartbeat", exc)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from relaunch.core import rendezvous as plan
-from relaunch.core.membership import MembershipChange, decode_change
+from relaunch.core.membership import MembershipChange
+from relaunch.rendezvous.api import store_change
 from relaunch.rendezvous.rollcall import CALL
 from relaunch.runtime import start_thread
 from relaunch.store.api import Store, StoreError, Versioned, Watchable
@@ -88,11 +89,12 @@ class RoundWatch:
         try:
             if rung.value == CALL:
                 self._answer_call(feed, called=True)
-            record = rung.value
+            key, record = self._key("bell"), rung.value
             if record == CALL:
-                record = feed.get(self._key("changed")).value
+                key = self._key("changed")
+                record = feed.get(key).value
             if record is not None:
-                self._flag(decode_change(record)[0], True)
+                self._flag(store_change(key, record)[0], True)
         except StoreError as exc:
             self._lost(exc)
 
@@ -114,11 +116,12 @@ class RoundWatch:
                 version = rung.version
                 if rung.value == CALL:
                     self._answer_call(store, called=True)
-                record = rung.value
+                key, record = bell, rung.value
                 if record is None or record == CALL:
-                    record = store.get(self._key("changed")).value
+                    key = self._key("changed")
+                    record = store.get(key).value
                 if record is not None:
-                    self._flag(decode_change(record)[0], True)
+                    self._flag(store_change(key, record)[0], True)
                     return
                 rung = store.watch(bell, version, interval)
         except StoreError as exc:
@@ -154,9 +157,10 @@ class RoundWatch:
                 pulse.beat(self._key(f"hb/{self._ticket}"))
                 if self._watch_store is None:  # nobody blocks on the bell: look each beat
                     self._answer_call(store, called=False)
-                    changed = store.get(self._key("changed")).value
+                    key = self._key("changed")
+                    changed = store.get(key).value
                     if changed is not None:
-                        self._flag(decode_change(changed)[0], True)
+                        self._flag(store_change(key, changed)[0], True)
                 if neighbour is not None:
                     lost = pulse.lost(self._key(f"hb/{neighbour}"), time.monotonic())
                     if lost:

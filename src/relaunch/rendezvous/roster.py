@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
-from relaunch.rendezvous.api import RendezvousError
+from relaunch.rendezvous.api import RendezvousError, store_int
 from relaunch.store.api import Store, StoreTimeout
 
 if TYPE_CHECKING:
@@ -89,15 +89,16 @@ class CounterRoster:
         if store.get(key("closed", None)).value is not None:
             return Joined(None, closed=True)
         if store.get(key("final", round_)).value is not None:
-            return Joined(None, round_now=int(store.get(key("round", None)).value or b"0"))
+            round_key = key("round", None)
+            return Joined(None, round_now=store_int(round_key, store.get(round_key).value))
         total = store.add(key("joins", round_), plan.join_increment(local_world_size))
         ticket, through = plan.unpack_join(total)
         store.set(key(f"node/{ticket}", round_), str(through).encode())
         return Joined(Entry(ticket, through, 0, ticket == 1))
 
     def joined(self, round_: int) -> int:
-        value = self._store.get(self._key("joins", round_)).value
-        return plan.unpack_join(int(value) if value else 0)[0]
+        key = self._key("joins", round_)
+        return plan.unpack_join(store_int(key, self._store.get(key).value))[0]
 
     def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
         try:
@@ -121,7 +122,7 @@ class CounterRoster:
                     members,
                 )
                 continue
-            return members, int(self._store.get(last).value or b"0"), ()
+            return members, store_int(last, self._store.get(last).value), ()
         raise RendezvousError(f"fewer than {settings.min_nodes} joined nodes registered")
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
@@ -132,16 +133,16 @@ class CounterRoster:
         self._store.add(self._key(name, round_), 1)
 
     def tally(self, name: str, round_: int) -> int:
-        value = self._store.get(self._key(name, round_)).value
-        return int(value) if value else 0
+        key = self._key(name, round_)
+        return store_int(key, self._store.get(key).value)
 
     def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
         key = self._key(name, round_)
         deadline = time.monotonic() + timeout
         current = self._store.get(key)
-        while int(current.value or b"0") < at_least:
+        while store_int(key, current.value) < at_least:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             current = self._store.watch(key, current.version, left)
-        return int(current.value or b"0")
+        return store_int(key, current.value)

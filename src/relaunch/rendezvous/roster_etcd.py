@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
+from relaunch.rendezvous.api import store_int
 from relaunch.store import etcd
 from relaunch.store.etcd import EtcdStore
 
@@ -37,7 +38,9 @@ class KeyRoster:
         )
         if not reply.succeeded:
             now_closed, round_now = reply.reads
-            return Joined(None, now_closed is not None, int(round_now.value) if round_now else 0)
+            round_key = key("round", None)
+            now = store_int(round_key, round_now.value) if round_now else 0
+            return Joined(None, now_closed is not None, now)
         earlier, claimed = reply.reads[0], reply.nested[0]
         revision = reply.revision if earlier is None else earlier.create_revision
         if claimed or (earlier is not None and self._store.get(lead).value == node):
@@ -54,7 +57,9 @@ class KeyRoster:
         self, round_: int, count: int, settings: plan.Settings
     ) -> tuple[int, int, tuple[plan.Run, ...]]:
         joins = self._store.range_prefix(self._key("join/", round_), count)
-        runs = plan.revision_runs([(revision, int(value)) for _, value, revision in joins])
+        runs = plan.revision_runs(
+            [(revision, store_int(name, value)) for name, value, revision in joins]
+        )
         return len(joins), sum(nodes * workers for _, nodes, workers in runs), runs
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:

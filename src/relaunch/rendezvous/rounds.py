@@ -34,13 +34,18 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import (
     ChangeKind,
     MembershipChange,
-    decode_change,
     encode_change,
     expected_size,
 )
 from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
-from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
+from relaunch.rendezvous.api import (
+    BadStoreValue,
+    RendezvousClosedError,
+    RendezvousError,
+    store_change,
+    store_int,
+)
 from relaunch.rendezvous.roster import Roster, roster_for
 from relaunch.store.api import Store, StoreTimeout, Versioned, Watchable
 
@@ -130,30 +135,37 @@ class Rounds:
         return self.roster.joined(round_ + 1)
 
     def _final_of(self, round_: int) -> plan.Final | None:
-        return self._parse_final(self._store.get(self.key("final", round_)))
+        return self._parse_final(self._store.get(self.key("final", round_)), round_)
 
-    def _parse_final(self, record: Versioned) -> plan.Final | None:
+    def _parse_final(self, record: Versioned, round_: int) -> plan.Final | None:
         value = record.value
         if value is None:
             return None
         if value == CLOSED:
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
-        data = json.loads(value)
-        return plan.Final(
-            data["count"],
-            data["world_size"],
-            data["master_addr"],
-            data["master_port"],
-            tuple((int(a), int(b), int(c)) for a, b, c in data.get("runs", ())),
-            record.version,
-        )
+        try:
+            data = json.loads(value)
+            final = plan.Final(
+                _count(data["count"]),
+                _count(data["world_size"]),
+                str(data["master_addr"]),
+                _count(data["master_port"]),
+                tuple((_count(a), _count(b), _count(c)) for a, b, c in data.get("runs", ())),
+                record.version,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise BadStoreValue(self.key("final", round_), value, why) from None
+        if not 0 < final.count <= final.world_size or not 0 < final.master_port < 65536:
+            raise BadStoreValue(self.key("final", round_), value, "counts out of range")
+        return final
 
     def _advance_round(self, round_: int) -> int:
         """Record that round ``round_ + 1`` is the one to join now; return it."""
         key = self.key("round")
         while True:
             current = self._store.get(key)
-            if int(current.value or b"0") > round_:
+            if store_int(key, current.value) > round_:
                 return round_ + 1
             if self._store.compare_set(key, current.version, str(round_ + 1).encode()).succeeded:
                 return round_ + 1
@@ -164,12 +176,13 @@ class Rounds:
         that came too late for it would otherwise start a second world beside it."""
         if round_ == 0:
             return False, None
-        changed = self._store.get(self.key("changed", round_ - 1)).value
+        changed_key = self.key("changed", round_ - 1)
+        changed = self._store.get(changed_key).value
         if changed is None:
             if self._store.get(self.key("final", round_ - 1)).value != CLOSED:
                 return True, None
         else:
-            change, expected = decode_change(changed)
+            change, expected = store_change(changed_key, changed)
             if change.kind not in (ChangeKind.FINISHED, ChangeKind.FAILED):
                 return False, expected
         # The job ended (a spare behind spares sees the round before dismissed): dismiss the
@@ -230,7 +243,9 @@ class Rounds:
             timeout = max(0.0, decision.deadline - time.monotonic())
             # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
             if not entry.lead:
-                final = self._parse_final(self._news.watch(self.key("final", round_), 0, timeout))
+                final = self._parse_final(
+                    self._news.watch(self.key("final", round_), 0, timeout), round_
+                )
                 continue
             # Look at the joins again now and then: on the built-in store, a node that took a
             # ticket but died before registering never writes the key awaited here.
@@ -303,3 +318,10 @@ class Rounds:
         if self.roster.tally("done", round_) == 0:
             waiting = MembershipChange.nodes_waiting(1)
             self.supersede(round_, waiting, expected_size(final.count, waiting, waiting=1))
+
+
+def _count(value: object) -> int:
+    """A whole number of a record relaunch wrote: ``ValueError`` for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r:.40} is not a count")
+    return value

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from relaunch.runtime import start_thread
+from relaunch.runtime import report_failure, start_thread
 from relaunch.store.api import StoreConnectionError, StoreError, Versioned
 from relaunch.store.etcd import EtcdStore, WatchStream, prefix_end
 
@@ -162,6 +162,28 @@ class PrefixFeed:
         return revision
 
     def _follow(self) -> None:
+        """Follow the stream (``_follow_stream``). Should following fail other than by losing
+        etcd (a reply of the wrong shape, a bug), the waiters hear it as a broken feed, and the
+        failure goes on to the agent (``runtime.start_thread``): never a silent death."""
+        try:
+            self._follow_stream()
+        except BaseException as exc:
+            if not self._closed:
+                self._break(StoreConnectionError(f"the etcd feed failed: {exc}"))
+            raise
+
+    def _break(self, exc: StoreError) -> None:
+        """The feed ends with ``exc``: wake the waiters and tell the subscribers."""
+        with self._changed:
+            if self._error is not None:
+                return
+            self._error = exc
+            self._changed.notify_all()
+            subscribers = [s for subs in self._subscribers.values() for s in subs]
+        for _, lost in subscribers:
+            _call(lost, exc)
+
+    def _follow_stream(self) -> None:
         """Take the stream's events; when it breaks, open it again from where it stopped."""
         while not self._closed:
             stream, results = self._stream, self._results
@@ -180,12 +202,7 @@ class PrefixFeed:
                     self._resync()
                 self._open(self._revision + 1)
             except StoreError as exc:
-                with self._changed:
-                    self._error = exc
-                    self._changed.notify_all()
-                    subscribers = [s for subs in self._subscribers.values() for s in subs]
-                for _, lost in subscribers:
-                    _call(lost, exc)
+                self._break(exc)
                 return
 
     def _member_answers(self, stream: WatchStream) -> bool:
@@ -229,8 +246,9 @@ class PrefixFeed:
 
 
 def _call(listener: Callable[[Any], None], argument: Any) -> None:
-    """Call a subscriber; its failure must not stop the feed."""
+    """Call a subscriber; its failure must not stop the feed, nor go unheard: it is reported as
+    the feed thread's (``runtime.report_failure``), which ends the agent with one line."""
     try:
         listener(argument)
-    except Exception:
-        log.exception("a subscriber of the etcd feed failed")
+    except Exception as exc:
+        report_failure("relaunch-etcd-feed", exc)
