@@ -19,6 +19,7 @@ from typing import Any
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rank_io import RankIO
 from relaunch.procs.console import ProgbarEvents, console_for
+from relaunch.procs.descendants import kill_marked, new_token, with_token
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
 from relaunch.procs.guardian import guardian
 from relaunch.procs.handles import (
@@ -115,6 +116,8 @@ class PContext(abc.ABC):
         self._result: RunProcsResult | None = None
         self._closed = False
         self._started_at = 0.0
+        #: In the environment of every worker, hence of every descendant (procs.descendants).
+        self._tree = new_token()
 
     # -- the seed's per-rank maps, read from ``rank_io`` ---------------------------------------
 
@@ -166,6 +169,7 @@ class PContext(abc.ABC):
         sys.stdout.flush()
         sys.stderr.flush()
         orphans = guardian()
+        orphans.register_tree(self._tree)
         console = console_for(sys.stdout, sys.stderr, self._progbar_events)
         workers: list[WorkerProcess] = []
         opened: RankStreams | None = None
@@ -174,7 +178,9 @@ class PContext(abc.ABC):
                 opened = streams = RankStreams(self.rank_io[rank])
                 try:
                     streams.open(console)
-                    env = {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}
+                    env = with_token(
+                        {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}, self._tree
+                    )
                     with notices_ignored():  # Slurm's warning is for the agent alone
                         handle, result_conn = self._start_worker(
                             rank, env, streams.stdout.child_fd, streams.stderr.child_fd
@@ -215,6 +221,8 @@ class PContext(abc.ABC):
             for stream in worker.streams:
                 stream.finish()
             worker.handle.release()
+        kill_marked(self._tree, TREE_KILL_WAIT)
+        guardian().unregister_tree(self._tree)
         self._signals.restore()
 
     def pids(self) -> dict[int, int]:
@@ -291,6 +299,9 @@ class PContext(abc.ABC):
         groups = [worker.pid for worker in monitor.workers.values()]
         stuck_pids = {stuck.pid for stuck in monitor.stuck.values()}
         wait_groups_gone(groups, TREE_KILL_WAIT, ignore=stuck_pids)
+        # And those that left their groups (a setsid daemon): they carry the group's token.
+        kill_marked(self._tree, TREE_KILL_WAIT, skip=stuck_pids)
+        guardian().unregister_tree(self._tree)
         monitor.finish()
         for worker in monitor.workers.values():
             guardian().unregister(worker.pid)

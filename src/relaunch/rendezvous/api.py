@@ -38,6 +38,11 @@ class JobFailedError(RendezvousError):
     (the message says why), or the job was closed while this node re-formed."""
 
 
+class StoreHostGone(RendezvousError):
+    """The built-in store's host (another node's agent) is gone, and the store with it: the job
+    cannot go on, and the message says what to do."""
+
+
 class AgentFault(RendezvousError):
     """The agent cannot go on, and its job cannot either: a helper thread failed, or the store
     holds a value no relaunch wrote. The agent ends the job (``fail_job``) and says why in one

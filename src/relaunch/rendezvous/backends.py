@@ -105,6 +105,11 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
                 raise RendezvousError(f"cannot host the store on {host}:{port}: {exc}") from None
     local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
     on_shutdown = (server.stop,) if server is not None else ()
+
+    def probe(within: float) -> None:
+        """Reach the store hosted elsewhere within ``within`` seconds, or ``StoreError``."""
+        TcpStore(host, port, token, timeout=within, connect_timeout=within).close()
+
     try:
         store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
         heartbeat_store = TcpStore(
@@ -129,6 +134,7 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         watch_store=watch_store,
         identity=_identity(conf),
         exclusion_policy=_policy(conf),
+        store_host_probe=probe if server is None else None,
     )
 
 

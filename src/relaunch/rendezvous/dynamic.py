@@ -23,6 +23,7 @@ from relaunch.rendezvous.api import (
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
+    StoreHostGone,
     store_int,
 )
 from relaunch.rendezvous.heartbeat import NodeLease, RoundWatch
@@ -56,8 +57,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         leases: bool = False,
         identity: str = "",
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
+        store_host_probe: Callable[[float], None] | None = None,
     ) -> None:
         self._run_id = run_id
+        # c10d, the store hosted by another node: reaches it within the seconds given, or
+        # raises StoreError. Once the store is lost (``_store_lost_at``), a store that cannot
+        # be reached within the keep-alive detection time is judged dead with its host, as a
+        # member silent that long is.
+        self._store_host_probe = store_host_probe
+        self._store_lost_at: float | None = None
         self._store = store
         self._hb_store = heartbeat_store
         self._watch_store = watch_store
@@ -137,6 +145,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        self._check_store_host()
         if self._feed is not None:
             self._feed.start()  # before joining: every later write it follows is seen
         try:
@@ -173,6 +182,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def prepare_join(self) -> float | None:
         """Leave the running round (the others re-form at once), then say until when this node
         is excluded from the job (``time.time()``), or None when it may join."""
+        self._check_store_host()
         try:
             self._leave_round()
         except StoreError as exc:
@@ -450,6 +460,28 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if read is not None and counted is not None:
                 self._write_record(counted, read[1], others)
 
+    def _check_store_host(self) -> None:
+        """After the store was lost: whether it still lives, judged as a member is, by the
+        keep-alive detection time (``dead_after``) since the loss. ``StoreHostGone`` when not:
+        on c10d the store lives in the agent that hosted it, and dies with it."""
+        lost_at, probe = self._store_lost_at, self._store_host_probe
+        if lost_at is None or probe is None:
+            return
+        settings = self.settings
+        left = lost_at + settings.dead_after - time.monotonic()
+        try:
+            probe(max(left, settings.keep_alive_interval))
+        except StoreError as exc:
+            self._store_lost = self._finished = True  # nothing more to write, nor wait for
+            raise StoreHostGone(
+                f"the rendezvous store's host is gone ({exc}): the node that hosted the store "
+                "for job "
+                f"{self._run_id!r} stopped or died, and a c10d store does not outlive its host; "
+                "restart the job, or run it with --rdzv-backend etcd to survive the loss of "
+                "any node"
+            ) from None
+        self._store_lost_at = None  # it answers: a blip
+
     def _node_key(self) -> str:
         return self._key(f"nodes/{self.identity}")
 
@@ -505,6 +537,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._change_lock:
             if round_ != self._round:
                 return
+            if change.kind is ChangeKind.STORE_LOST and self._store_lost_at is None:
+                self._store_lost_at = time.monotonic()
             first = self._change is None
             if first:
                 self._change, self._change_recorded = change, recorded
