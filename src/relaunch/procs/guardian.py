@@ -8,6 +8,12 @@ groups from a pipe. When the pipe reaches end of file, which the kernel guarante
 launcher dies, it SIGKILLs every group still registered, and removes the temporary files
 registered with it (the agent's shared-memory channel). Unlike a parent-death signal it also
 covers the workers' descendants, and it does not fire when the thread that started a worker exits.
+
+Descendants that left their worker's process group (a daemon in a session of its own) carry
+their group's token in their environment (``procs.descendants``): for each token still
+registered, the guardian SIGKILLs every process whose /proc/PID/environ holds it, found with
+one ``grep`` over /proc, again until none is left (what they forked meanwhile carries it too).
+It needs no ancestry: the agent's orphans have gone to init by then.
 """
 
 from __future__ import annotations
@@ -23,15 +29,31 @@ _SCRIPT = r"""
 trap '' INT TERM HUP QUIT PIPE USR1
 live=' '
 files=' '
+trees=' '
 while read -r op arg; do
   case "$op" in
     +) live="$live$arg " ;;
     -) case "$live" in *" $arg "*) live="${live%%" $arg "*} ${live#*" $arg "}" ;; esac ;;
     f) files="$files$arg " ;;
     r) case "$files" in *" $arg "*) files="${files%%" $arg "*} ${files#*" $arg "}" ;; esac ;;
+    t) trees="$trees$arg " ;;
+    u) case "$trees" in *" $arg "*) trees="${trees%%" $arg "*} ${trees#*" $arg "}" ;; esac ;;
   esac
 done
 for pid in $live; do kill -KILL -"$pid" 2>/dev/null; kill -KILL "$pid" 2>/dev/null; done
+round=0
+while [ -n "${trees# }" ] && [ "$round" -lt 20 ]; do
+  round=$((round + 1))
+  found=
+  for tree in $trees; do
+    for environ in $(grep -l -F -e "$tree" /proc/[0-9]*/environ 2>/dev/null); do
+      pid=${environ#/proc/}
+      pid=${pid%/environ}
+      [ "$pid" = "$$" ] || { kill -KILL "$pid" 2>/dev/null && found=1; }
+    done
+  done
+  [ -n "$found" ] || break
+done
 for file in $files; do rm -f -- "$file"; done
 """
 
@@ -72,6 +94,16 @@ class Guardian:
 
     def unregister_file(self, path: str) -> None:
         self._send(f"r {path}\n")
+
+    def register_tree(self, token: str) -> None:
+        """SIGKILL every process whose environment carries ``token`` (``procs.descendants``) if
+        the launcher dies before ``unregister_tree``."""
+        if not token or any(not (c.isalnum() or c == "-") for c in token):
+            raise ValueError(f"the guardian cannot track the token {token!r}")
+        self._send(f"t {token}\n")
+
+    def unregister_tree(self, token: str) -> None:
+        self._send(f"u {token}\n")
 
     def _send(self, line: str) -> None:
         with self._lock:
