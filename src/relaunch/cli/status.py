@@ -3,8 +3,13 @@
 Read-only: it connects to the store as a client (on c10d the store one of the agents serves, on
 etcd the members listed) and never writes a key (``rendezvous.reader``). Exit status: 0 once
 the job was shown (``--watch``: on Ctrl-C, or once the job finished); 1 when it cannot be read:
-the store cannot be reached, the token is missing or wrong, or no job has that id; 2 for bad
-input, in one line with no traceback.
+the store cannot be reached, the token is missing or wrong, no job has that id, or the store
+holds what no agent writes; 2 for bad input, in one line with no traceback.
+
+``--rdzv-conf timeout=`` bounds each read of the job as a whole (``deadline.limit``), however
+many requests it takes and however slowly the store answers; connecting is bounded apart. What
+came from the store (names, states, reasons, its error texts) reaches the terminal only through
+``core.status.printable``: no escape sequence from outside is ever written.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
 PROG = "relaunch status"
 #: Seconds between two reads with ``--watch`` and no value (agents post every 3 s).
 WATCH_EVERY = 2.0
-#: Seconds each store request may take, unless ``--rdzv-conf timeout=`` says otherwise.
+#: Seconds one read of the job may take, unless ``--rdzv-conf timeout=`` says otherwise.
 TIMEOUT = 10.0
 
 
@@ -84,9 +89,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def open_reader(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[JobReader, str]:
-    """A reader of the job over a client of its store, and the store's address in words.
-    ConfigError on bad input; StoreError when the store cannot be reached."""
+def open_reader(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[JobReader, str, float]:
+    """A reader of the job over a client of its store, the store's address in words, and the
+    seconds one read may take. ConfigError on bad input; StoreError when the store cannot be
+    reached."""
     from relaunch.config import ConfigError, etcd_options, rdzv_settings
     from relaunch.rendezvous.api import TOKEN_ENV
     from relaunch.rendezvous.reader import JobReader
@@ -102,7 +110,7 @@ def open_reader(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[J
 
         options = {**etcd_options(args.rdzv_conf), "timeout": timeout}
         etcd = EtcdStore(args.rdzv_endpoint, **options)
-        return JobReader(etcd, args.rdzv_id, keyed=True), etcd.describe()
+        return JobReader(etcd, args.rdzv_id, keyed=True), etcd.describe(), timeout
     from relaunch.endpoints import parse_endpoint
     from relaunch.rendezvous.backends import DEFAULT_PORT
     from relaunch.store.client import TcpStore
@@ -113,32 +121,42 @@ def open_reader(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[J
         raise ConfigError(f"--rdzv-endpoint: {exc}") from None
     token = conf.token or environ.get(TOKEN_ENV) or None
     store = TcpStore(host, port, token, timeout=timeout, connect_timeout=min(timeout, 5.0))
-    return JobReader(store, args.rdzv_id), store.endpoint
+    return JobReader(store, args.rdzv_id), store.endpoint, timeout
+
+
+def read(reader: JobReader, timeout: float) -> Snapshot:
+    """One read of the job, every request of it within ``timeout`` seconds in all."""
+    from relaunch.store.deadline import limit
+
+    with limit(timeout):
+        return reader.read()
 
 
 def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     """Run ``relaunch status`` and return its exit status (see the module docstring)."""
     from relaunch.config import ConfigError
     from relaunch.rendezvous.reader import JobNotFound
-    from relaunch.store.api import StoreAuthError, StoreError
+    from relaunch.store.api import StoreAuthError, StoreError, StoreProtocolError
 
     env = os.environ if environ is None else environ
     where = "the store"
     try:
         args = build_parser(env).parse_args(argv)
         where = f"the store at {args.rdzv_endpoint}"
-        reader, where = open_reader(args, env)
+        reader, where, timeout = open_reader(args, env)
         where = f"the store at {where}"
         if args.watch is None:
-            show(reader.read(), args.json, sys.stdout)
+            show(read(reader, timeout), args.json, sys.stdout)
             return 0
-        return watch(reader, args.watch, args.json, sys.stdout)
+        return watch(reader, args.watch, args.json, sys.stdout, timeout)
     except ConfigError as exc:
         return usage_error(exc, PROG)
     except JobNotFound as exc:
         _error(f"{exc} at {where.removeprefix('the store at ')}: check --rdzv-id and the store")
     except StoreAuthError as exc:
         _error(f"{exc}: give the job's token (--rdzv-conf token=... or $RELAUNCH_RDZV_TOKEN)")
+    except StoreProtocolError as exc:
+        _error(f"cannot read the job from {where}: {exc} (is it the job's store?)")
     except StoreError as exc:
         etcd = args.rdzv_backend in ("etcd", "etcd-v2")
         hint = (
@@ -154,27 +172,36 @@ def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
 
 
 def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    """One line on stderr; what came from outside in ``message`` cannot act on the terminal."""
+    from relaunch.core.status import printable
+
+    print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
 
 
 def show(snapshot: Snapshot, as_json: bool, out: IO[str]) -> int:
-    """Print ``snapshot`` once; the number of terminal rows it took."""
-    text = json.dumps(snapshot.as_json()) if as_json else snapshot.table()
+    """Print ``snapshot`` once; the number of terminal rows it took. What the store held is
+    printed through ``printable`` (JSON escapes it already: ``ensure_ascii``)."""
+    from relaunch.core.status import printable
+
+    text = json.dumps(snapshot.as_json()) if as_json else printable(snapshot.table(), True)
     out.write(text + "\n")
     out.flush()
     columns = shutil.get_terminal_size().columns
     return sum(max(1, -(-len(line) // columns)) for line in text.splitlines())
 
 
-def watch(reader: JobReader, every: float, as_json: bool, out: IO[str]) -> int:
+def watch(
+    reader: JobReader, every: float, as_json: bool, out: IO[str], timeout: float = TIMEOUT
+) -> int:
     """Show the job every ``every`` seconds: redrawn in place on a terminal, else one after the
-    other (tables separated by a blank line, JSON one a line); 0 on Ctrl-C or once it finished."""
+    other (tables separated by a blank line, JSON one a line); 0 on Ctrl-C or once it finished.
+    Each read takes at most ``timeout`` seconds."""
     redraw = out.isatty() and not as_json
     rows = 0
     first = True
     try:
         while True:
-            snapshot = reader.read()
+            snapshot = read(reader, timeout)
             if redraw and rows:
                 out.write(f"\x1b[{rows}A\x1b[J")  # up to the last table's first row, clear below
             elif not first and not as_json:

@@ -5,6 +5,10 @@ signs of life, its restarts) as a note of the running round; the agent of group 
 every node's, judges stragglers and the job's pace (``job_view``), and posts the ``JobView``.
 ``relaunch status`` reads both, and ``format_table`` prints them. Pure: records in, records and
 text out; times are ``time.time()``, passed in.
+
+The notes come from the store, that is from outside: ``decode`` checks every field's type and
+raises ``ValueError`` saying which is wrong, so that nothing of the wrong shape gets further; and
+whatever text is shown passes through ``printable`` on its way to a terminal.
 """
 
 from __future__ import annotations
@@ -15,6 +19,65 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from relaunch.core import stragglers
+
+#: What a checked field may be: an integer (never a bool), a number, a string.
+_KINDS: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "string": (str,)}
+
+
+def _field(data: dict[str, Any], name: str, kind: str, optional: bool = False) -> Any:
+    """``data[name]``, checked to be of ``kind`` (or None when ``optional``)."""
+    if name not in data:
+        if optional:
+            return None
+        raise ValueError(f"no field {name!r}")
+    value: Any = data[name]
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, _KINDS[kind]):
+        raise ValueError(f"field {name!r}: expected {kind}, got {_shown(value)}")
+    if kind != "number" or not isinstance(value, (int, float)):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"field {name!r}: {_shown(value)} is out of range") from None
+
+
+def _object(raw: object, what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {_shown(raw)}")
+    return raw
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"field {what!r}: expected a list, got {_shown(value)}")
+    return value
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _load(raw: bytes) -> Any:
+    """JSON from outside: ``ValueError`` for anything that is not (nesting too deep included)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+
+
+def printable(text: str, newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, carriage
+    returns, bells, bidirectional overrides: what ``str.isprintable`` refuses) written as a
+    Python escape; newlines kept when ``newlines``. What came from outside goes through it
+    before it is printed."""
+    if text.isprintable():
+        return text
+    if newlines:
+        return "\n".join(printable(line) for line in text.split("\n"))
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass(frozen=True)
@@ -47,9 +110,34 @@ class NodeStatus:
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeStatus:
-        data = json.loads(raw)
-        ranks = [RankStatus(**rank) for rank in data.pop("ranks", [])]
-        return cls(**data, ranks=ranks)
+        """The note ``encode`` wrote; ``ValueError`` saying what is wrong if it is not one."""
+        data = _object(_load(raw), "a node's status")
+        ranks = []
+        for item in _list(data.get("ranks", []), "ranks"):
+            rank = _object(item, "a rank's status")
+            ranks.append(
+                RankStatus(
+                    _field(rank, "rank", "integer"),
+                    _field(rank, "local_rank", "integer"),
+                    _field(rank, "state", "string"),
+                    _field(rank, "step", "integer", optional=True),
+                    _field(rank, "total", "integer", optional=True),
+                    _field(rank, "rate", "number", optional=True),
+                    _field(rank, "last_sign", "number", optional=True),
+                )
+            )
+        reasons = _list(data.get("restart_reasons", []), "restart_reasons")
+        if not all(isinstance(reason, str) for reason in reasons):
+            raise ValueError("field 'restart_reasons': expected strings")
+        return cls(
+            _field(data, "node", "string"),
+            _field(data, "group_rank", "integer"),
+            _field(data, "state", "string"),
+            _field(data, "restarts", "integer"),
+            _field(data, "posted_at", "number"),
+            ranks,
+            reasons,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,10 +168,30 @@ class JobView:
 
     @classmethod
     def decode(cls, raw: bytes) -> JobView:
-        data = json.loads(raw)
-        slowest = data.pop("slowest")
-        data["stragglers"] = {int(rank): rate for rank, rate in data["stragglers"].items()}
-        return cls(**data, slowest=None if slowest is None else Slowest(**slowest))
+        """The view ``encode`` wrote; ``ValueError`` saying what is wrong if it is not one."""
+        data = _object(_load(raw), "the job's view")
+        slow: dict[int, float] = {}
+        for rank, rate in _object(data.get("stragglers", {}), "stragglers").items():
+            if not (rank.isascii() and rank.isdigit() and len(rank) < 20):
+                raise ValueError(f"stragglers: expected a rank, got {_shown(rank)}")
+            slow[int(rank)] = _field({"rate": rate}, "rate", "number")
+        slowest = None
+        if data.get("slowest") is not None:
+            item = _object(data["slowest"], "the slowest rank")
+            slowest = Slowest(
+                _field(item, "rank", "integer"),
+                _field(item, "node", "string"),
+                _field(item, "step", "integer"),
+                _field(item, "total", "integer", optional=True),
+            )
+        return cls(
+            _field(data, "median", "number", optional=True),
+            slow,
+            slowest,
+            _field(data, "rate", "number", optional=True),
+            _field(data, "eta", "number", optional=True),
+            _field(data, "posted_at", "number"),
+        )
 
 
 def job_view(nodes: Sequence[NodeStatus], factor: float, now: float) -> JobView:

@@ -14,6 +14,11 @@ It connects as a client (it never hosts the store) and only reads, under
 
 While round n forms (or has just started and posted nothing yet) the notes of round n - 1 are
 shown, and the snapshot says so. Times in the notes are the agents' clocks (``time.time()``).
+
+Everything read is checked where it enters (``MalformedJob`` names the key and what is wrong
+with it), and the work a read does is bounded by what a real job can be, not by what the store
+claims: at most ``MAX_MEMBERS`` members, ``MAX_NOTE`` bytes a value and ``MAX_READ`` bytes in
+all, whatever a corrupt or hostile store holds.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from relaunch.core import status as core
 from relaunch.core.membership import decode_change
 from relaunch.core.rendezvous import unpack_join
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.rendezvous.rounds import CLOSED, NEWS, news_prefix
-from relaunch.store.api import Versioned
+from relaunch.store.api import StoreProtocolError, Versioned
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
@@ -37,6 +42,25 @@ if TYPE_CHECKING:
 #: Rounds the ``round`` key may lag behind the newest completed one (its lead writes the final
 #: record first), looked past at most.
 LOOK_AHEAD = 3
+#: The most members a round read may claim: four times the 4,096 nodes relaunch's rendezvous is
+#: benchmarked with (``benchmarks/rendezvous.py``). A final record claiming more is refused
+#: rather than read (on the built-in store, one request per member).
+MAX_MEMBERS = 16384
+#: The largest value read: a node's status (its ranks and restart reasons) is a few KiB.
+MAX_NOTE = 1 << 20
+#: The most bytes one read of the job takes in, all values together.
+MAX_READ = 64 << 20
+#: The largest counter read (restarts, round numbers): 64 bits.
+_MAX_INT = (1 << 63) - 1
+#: What parsing a value from outside may raise, besides ValueError.
+_SHAPE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
+
+
+class MalformedJob(StoreProtocolError):
+    """The store holds, under the job's keys, what no relaunch agent writes."""
+
+
+_Note = TypeVar("_Note", core.NodeStatus, core.JobView)
 
 
 class Readable(Protocol):
@@ -120,6 +144,33 @@ class JobReader:
         self._keyed = keyed
         self._clock = clock
         self._prefix = f"relaunch/{run_id}/"
+        self._read = 0  # bytes taken in by the read under way
+
+    def _malformed(self, key: str, what: str) -> MalformedJob:
+        return MalformedJob(f"{key} holds what no relaunch agent writes: {what}")
+
+    def _checked(self, key: str, value: bytes | None) -> bytes | None:
+        """``value`` of ``key`` if within the bounds of a read (``MAX_NOTE``, ``MAX_READ``)."""
+        if value is None:
+            return None
+        if not isinstance(value, bytes):
+            raise self._malformed(key, f"a value of type {type(value).__name__}")
+        if len(value) > MAX_NOTE:
+            raise self._malformed(key, f"a value of {len(value)} bytes (at most {MAX_NOTE})")
+        self._read += len(value)
+        if self._read > MAX_READ:
+            raise MalformedJob(f"the job's keys hold more than {MAX_READ} bytes in all")
+        return value
+
+    def _integer(self, key: str, value: bytes | None, high: int = _MAX_INT) -> int:
+        """The decimal integer ``value`` of ``key`` (0 when absent), within 0..``high``."""
+        if value is None:
+            return 0
+        text = value.strip()
+        if not (text.isdigit() and len(text) <= 19 and int(text) <= high):
+            shown = repr(value[:20]) + ("..." if len(value) > 20 else "")
+            raise self._malformed(key, f"{shown}, where an integer up to {high} belongs")
+        return int(text)
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key ``name`` of the job, or of its round ``round_`` (as ``rounds.Rounds``)."""
@@ -127,20 +178,31 @@ class JobReader:
         return f"{base}{name}" if round_ is None else f"{base}r{round_}/{name}"
 
     def _get(self, name: str, round_: int | None = None) -> bytes | None:
-        return self._store.get(self.key(name, round_)).value
+        key = self.key(name, round_)
+        return self._checked(key, self._store.get(key).value)
 
     def _members(self, round_: int) -> int | bytes | None:
         """The member count of round ``round_``: None while it forms, CLOSED past the end."""
         final = self._get("final", round_)
         if final is None or final == CLOSED:
             return final
-        return int(json.loads(final)["count"])
+        key = self.key("final", round_)
+        try:
+            count = json.loads(final)["count"]
+        except _SHAPE_ERRORS:
+            raise self._malformed(key, "not a final record with a member count") from None
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_MEMBERS:
+            shown = repr(count)[:30]
+            raise self._malformed(key, f"a member count of {shown} (1 to {MAX_MEMBERS})")
+        return count
 
     def read(self) -> Snapshot:
-        """The job now; ``JobNotFound`` when the store holds nothing of it."""
-        restarts = int(self._get("restarts") or 0)
+        """The job now; ``JobNotFound`` when the store holds nothing of it; ``MalformedJob``
+        when a key holds what no agent writes."""
+        self._read = 0
+        restarts = self._integer(self.key("restarts"), self._get("restarts"))
         closed = self._get("closed") is not None
-        round_ = int(self._get("round") or 0)
+        round_ = self._integer(self.key("round"), self._get("round"), _MAX_INT - LOOK_AHEAD)
         members = self._members(round_)
         for _ in range(LOOK_AHEAD):  # the lead writes the final record, then ``round``
             ahead = self._members(round_ + 1)
@@ -168,7 +230,10 @@ class JobReader:
             changed = self._get("changed", round_)
             phase = "running"
             if changed is not None:
-                change, _ = decode_change(changed)
+                try:
+                    change, _ = decode_change(changed)
+                except _SHAPE_ERRORS as exc:
+                    raise self._malformed(self.key("changed", round_), str(exc)) from None
                 phase, why = "re-forming", change.reason or change.kind.value
         assert not isinstance(members, bytes)
         notes_round: int | None = round_
@@ -180,8 +245,16 @@ class JobReader:
                 phase = "starting"
         if not notes:
             notes_round = None
-        nodes = [core.NodeStatus.decode(raw) for name, raw in notes.items() if name != "job"]
-        view = core.JobView.decode(notes["job"]) if "job" in notes else None
+        nodes = [
+            self._decode(core.NodeStatus.decode, notes_round, name, raw)
+            for name, raw in notes.items()
+            if name != "job"
+        ]
+        view = (
+            self._decode(core.JobView.decode, notes_round, "job", notes["job"])
+            if "job" in notes
+            else None
+        )
         return Snapshot(
             self._run_id,
             round_,
@@ -195,18 +268,31 @@ class JobReader:
             why,
         )
 
+    def _decode(
+        self, decode: Callable[[bytes], _Note], round_: int | None, name: str, raw: bytes
+    ) -> _Note:
+        """A note decoded (``core.status``), or ``MalformedJob`` naming its key."""
+        try:
+            return decode(raw)
+        except _SHAPE_ERRORS as exc:
+            raise self._malformed(self.key(f"notes/{name}", round_), str(exc)) from None
+
     def _joined(self, round_: int) -> int:
         if self._keyed:
             return self._etcd().count_prefix(self.key("join/", round_))[0]
-        value = self._get("joins", round_)
-        return unpack_join(int(value))[0] if value else 0
+        key = self.key("joins", round_)
+        return unpack_join(self._integer(key, self._get("joins", round_)))[0]
 
     def _notes(self, round_: int) -> Mapping[str, bytes]:
         """The notes ``status/*`` and ``job`` of round ``round_``, by name."""
         prefix = self.key("notes/", round_)
-        if self._keyed:  # one range read
-            found, _ = self._etcd().read_prefix(prefix)
-            pairs = [(key[len(prefix) :], kv.value) for key, kv in found.items()]
+        if self._keyed:  # one range read, of at most as many notes as a round can have
+            found, _ = self._etcd().read_prefix(prefix, limit=MAX_MEMBERS + 1)
+            if len(found) > MAX_MEMBERS:
+                raise self._malformed(prefix, f"more than {MAX_MEMBERS} notes")
+            pairs = [
+                (key[len(prefix) :], self._checked(key, kv.value)) for key, kv in found.items()
+            ]
         else:
             members = self._members(round_)
             count = members if isinstance(members, int) else 0

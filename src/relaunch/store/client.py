@@ -1,4 +1,10 @@
-"""The built-in store's client: one connection, one request at a time, deadlines on everything."""
+"""The built-in store's client: one connection, one request at a time, deadlines on everything.
+
+Each request (sending it, and its whole reply) and each connection (with its handshake) is
+bounded as a whole by a ``deadline.Deadline``, however the server trickles its bytes; an
+enclosing ``deadline.limit`` narrows them (``relaunch status`` bounds its whole read so). A reply
+of the wrong shape is a ``StoreProtocolError``, never an exception of another kind.
+"""
 
 from __future__ import annotations
 
@@ -17,13 +23,23 @@ from relaunch.store.api import (
     StoreTimeout,
     Versioned,
 )
+from relaunch.store.deadline import Deadline
 
 #: Extra seconds a client waits beyond a server-side deadline for the reply to arrive.
 REPLY_MARGIN = 5.0
 
 
+def _fields(reply: list[bytes], count: int) -> list[bytes]:
+    """``reply`` when it has ``count`` fields; else ``StoreProtocolError``."""
+    if len(reply) != count:
+        raise StoreProtocolError(f"expected a reply of {count} field(s), got {len(reply)}")
+    return reply
+
+
 def _versioned(fields: list[bytes]) -> Versioned:
-    present, value, version = fields
+    present, value, version = _fields(fields, 3)
+    if present not in (b"0", b"1"):
+        raise StoreProtocolError(f"expected a presence flag, got {present[:20]!r}")
     return Versioned(value if present == b"1" else None, wire.to_int(version))
 
 
@@ -61,16 +77,16 @@ class TcpStore:
     # -- connection -----------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        deadline = time.monotonic() + self._connect_timeout
+        deadline = Deadline(self._connect_timeout)
         delay = 0.01
         while True:
             try:
                 sock = socket.create_connection(
-                    (self.host, self.port), timeout=max(0.01, deadline - time.monotonic())
+                    (self.host, self.port), timeout=max(0.01, deadline.left())
                 )
                 break
             except OSError as exc:
-                if time.monotonic() + delay > deadline:
+                if deadline.left() < delay:
                     raise StoreConnectionError(
                         f"cannot reach the store at {self.endpoint} within "
                         f"{self._connect_timeout:g}s: {exc}"
@@ -85,7 +101,7 @@ class TcpStore:
             self._drop()
             raise
 
-    def _handshake(self, deadline: float) -> None:
+    def _handshake(self, deadline: Deadline) -> None:
         code, hello = self._receive(deadline)
         if code != wire.HELLO or len(hello) != 3 or hello[0] != wire.PROTOCOL:
             raise StoreProtocolError(f"{self.endpoint} is not a relaunch store")
@@ -101,7 +117,7 @@ class TcpStore:
             )
         my_nonce = auth.nonce()
         answer = auth.proof(self._token, b"client", server_nonce) if self._token else b""
-        self._send(wire.encode(wire.AUTH, [answer, my_nonce]))
+        self._send(wire.encode(wire.AUTH, [answer, my_nonce]), deadline)
         code, fields = self._receive(deadline)
         if code != wire.OK:
             raise StoreAuthError(f"the store at {self.endpoint} refused the token")
@@ -115,26 +131,31 @@ class TcpStore:
             self._sock.close()
             self._sock = None
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, frame: bytes, deadline: Deadline) -> None:
         assert self._sock is not None
         try:
+            self._sock.settimeout(deadline.timeout())  # sendall as a whole, not each send
             self._sock.sendall(frame)
+        except TimeoutError:
+            raise StoreTimeout(
+                f"the store at {self.endpoint} took no request in {deadline.seconds:.3g}s"
+            ) from None
         except OSError as exc:
             raise StoreConnectionError(f"lost the store at {self.endpoint}: {exc}") from None
 
-    def _receive(self, deadline: float) -> tuple[int, list[bytes]]:
+    def _receive(self, deadline: Deadline) -> tuple[int, list[bytes]]:
         assert self._sock is not None
         while True:
             if self._pending:
                 return wire.decode_payload(self._pending.pop(0))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreTimeout(f"no reply from the store at {self.endpoint} in time")
-            self._sock.settimeout(left)
             try:
+                self._sock.settimeout(deadline.timeout())
                 data = self._sock.recv(1 << 16)
             except TimeoutError:
-                raise StoreTimeout(f"no reply from the store at {self.endpoint} in time") from None
+                raise StoreTimeout(
+                    f"no complete reply from the store at {self.endpoint} "
+                    f"within {deadline.seconds:.3g}s"
+                ) from None
             except OSError as exc:
                 raise StoreConnectionError(f"lost the store at {self.endpoint}: {exc}") from None
             if not data:
@@ -146,9 +167,10 @@ class TcpStore:
         with self._lock:
             if self._sock is None:
                 self._connect()
+            deadline = Deadline(self.timeout + wait)
             try:
-                self._send(wire.encode(op, fields))
-                code, reply = self._receive(time.monotonic() + self.timeout + wait)
+                self._send(wire.encode(op, fields), deadline)
+                code, reply = self._receive(deadline)
             except StoreError:
                 self._drop()  # the reply may still come: this connection is out of step
                 raise
@@ -157,7 +179,9 @@ class TcpStore:
         if code == wire.TIMEOUT:
             missing = ", ".join(k.decode(errors="replace") for k in reply)
             raise StoreTimeout(f"timed out waiting for keys: {missing}")
-        raise StoreError(reply[0].decode(errors="replace") if reply else "store error")
+        if code == wire.ERROR:
+            raise StoreError(reply[0].decode(errors="replace")[:1000] if reply else "store error")
+        raise StoreProtocolError(f"the store at {self.endpoint} answered with status {code}")
 
     # -- the Store protocol ---------------------------------------------------------------------
 
@@ -165,17 +189,18 @@ class TcpStore:
         return _versioned(self._call(wire.GET, [key.encode()]))
 
     def set(self, key: str, value: bytes) -> int:
-        return wire.to_int(self._call(wire.SET, [key.encode(), value])[0])
+        return wire.to_int(_fields(self._call(wire.SET, [key.encode(), value]), 1)[0])
 
     def compare_set(self, key: str, expected_version: int, value: bytes) -> CasResult:
         reply = self._call(wire.CAS, [key.encode(), wire.from_int(expected_version), value])
-        return CasResult(reply[0] == b"1", _versioned(reply[1:]))
+        return CasResult(_fields(reply, 4)[0] == b"1", _versioned(reply[1:]))
 
     def add(self, key: str, amount: int) -> int:
-        return wire.to_int(self._call(wire.ADD, [key.encode(), wire.from_int(amount)])[0])
+        reply = self._call(wire.ADD, [key.encode(), wire.from_int(amount)])
+        return wire.to_int(_fields(reply, 1)[0])
 
     def delete(self, key: str) -> bool:
-        return self._call(wire.DELETE, [key.encode()])[0] == b"1"
+        return _fields(self._call(wire.DELETE, [key.encode()]), 1)[0] == b"1"
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         millis = wire.from_int(max(0, int(timeout * 1000)))

@@ -28,17 +28,19 @@ until the store's ``timeout`` passes (``etcd_gateway``). Passwords never appear 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from relaunch.store import http1
 from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
-from relaunch.store.etcd_gateway import Endpoint, Gateway, parse_endpoints
+from relaunch.store.etcd_gateway import Endpoint, Gateway, malformed, parse_endpoints
 
 __all__ = [
     "Endpoint",
@@ -51,6 +53,22 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+#: What reading a reply of the wrong shape raises: made a ``StoreProtocolError`` (``_shape``).
+_SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error)
+
+
+@contextmanager
+def _shape(what: str, reply: object) -> Iterator[None]:
+    """Read ``reply`` (what etcd answered ``what``) in the block: a reply of the wrong shape
+    ends it with one ``StoreProtocolError``, never another exception."""
+    try:
+        yield
+    except _SHAPE_ERRORS:
+        shown = repr(reply)
+        shown = shown if len(shown) <= 200 else shown[:197] + "..."
+        raise StoreProtocolError(f"etcd answered {what} with {shown}") from None
 
 
 def _b64(data: bytes) -> str:
@@ -183,9 +201,12 @@ class WatchStream:
                     continue
                 if not line:
                     return  # the member closed the stream
-                result = json.loads(line).get("result")
+                message = json.loads(line)
+                result = message.get("result") if isinstance(message, dict) else None
                 if result is None:
                     return
+                if malformed(result) is not None:
+                    raise ValueError(f"a watch result of the wrong shape: {line[:200]!r}")
                 if int(result.get("compact_revision", 0)):
                     self.compacted = True
                     return
@@ -252,7 +273,8 @@ class EtcdStore:
         """``key``'s value and version, and the cluster revision the read saw."""
         with self._lock:
             reply = self._gateway.call("/v3/kv/range", {"key": _key_b64(key)})
-        return _versioned(_first_kv(reply)), int(reply["header"]["revision"])
+        with _shape("a read", reply):
+            return _versioned(_first_kv(reply)), int(reply["header"]["revision"])
 
     def get(self, key: str) -> Versioned:
         return self._range(key)[0]
@@ -264,7 +286,8 @@ class EtcdStore:
             body["lease"] = str(lease)
         with self._lock:
             reply = self._gateway.call("/v3/kv/put", body)
-        return int(reply["header"]["revision"])
+        with _shape("a write", reply):
+            return int(reply["header"]["revision"])
 
     def compare_set(
         self, key: str, expected_version: int, value: bytes, also: Sequence[str] = ()
@@ -288,12 +311,10 @@ class EtcdStore:
         }
         with self._lock:
             reply = self._gateway.call("/v3/kv/txn", body)
-        responses = reply.get("responses", [])
-        try:
+        with _shape("a transaction", reply):
+            responses = reply.get("responses", [])
             current = _versioned(_first_kv(responses[-1]["response_range"]))
-        except (IndexError, KeyError):
-            raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
-        return CasResult(bool(reply.get("succeeded", False)), current)
+            return CasResult(bool(reply.get("succeeded", False)), current)
 
     def add(self, key: str, amount: int) -> int:
         current = self._counters.get(key, Versioned(None, 0))
@@ -312,7 +333,8 @@ class EtcdStore:
         self._counters.pop(key, None)
         with self._lock:
             reply = self._gateway.call("/v3/kv/deleterange", {"key": _key_b64(key)})
-        return int(reply.get("deleted", 0)) > 0
+        with _shape("a delete", reply):
+            return int(reply.get("deleted", 0)) > 0
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -415,7 +437,7 @@ class EtcdStore:
         body = {"compare": compare, "success": success, "failure": failure}
         with self._lock:
             reply = self._gateway.call("/v3/kv/txn", body)
-        try:
+        with _shape("a transaction", reply):
             responses = reply.get("responses", ())
             reads = [_read_of(response) for response in responses]
             return TxnReply(
@@ -428,15 +450,14 @@ class EtcdStore:
                     if "response_txn" in response
                 ],
             )
-        except (KeyError, TypeError, ValueError):
-            raise StoreProtocolError(f"etcd answered a transaction with {reply!r}") from None
 
     def count_prefix(self, prefix: str) -> tuple[int, int]:
         """How many keys start with ``prefix``, and the cluster revision of that count."""
         body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix), "count_only": True}
         with self._lock:
             reply = self._gateway.call("/v3/kv/range", body)
-        return int(reply.get("count", 0)), int(reply["header"]["revision"])
+        with _shape("a count", reply):
+            return int(reply.get("count", 0)), int(reply["header"]["revision"])
 
     def range_prefix(self, prefix: str, limit: int = 0) -> list[tuple[str, bytes, int]]:
         """The first ``limit`` keys (0: all) under ``prefix`` in the order they were created:
@@ -450,22 +471,30 @@ class EtcdStore:
         }
         with self._lock:
             reply = self._gateway.call("/v3/kv/range", body)
-        return [
-            (
-                base64.b64decode(kv["key"]).decode(),
-                base64.b64decode(kv.get("value", "")),
-                int(kv["create_revision"]),
-            )
-            for kv in reply.get("kvs", ())
-        ]
+        with _shape("a range read", reply):
+            return [
+                (
+                    base64.b64decode(kv["key"]).decode(),
+                    base64.b64decode(kv.get("value", "")),
+                    int(kv["create_revision"]),
+                )
+                for kv in reply.get("kvs", ())
+            ]
 
-    def read_prefix(self, prefix: str) -> tuple[dict[str, Versioned], int]:
-        """Every key under ``prefix``, and the cluster revision they were read at."""
+    def read_prefix(self, prefix: str, limit: int = 0) -> tuple[dict[str, Versioned], int]:
+        """Every key under ``prefix`` (the first ``limit``, if not 0), and the cluster
+        revision they were read at."""
         body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix)}
+        if limit:
+            body["limit"] = str(limit)
         with self._lock:
             reply = self._gateway.call("/v3/kv/range", body)
-        keys = {KeyValue.of(kv).key: _versioned(kv) for kv in reply.get("kvs", ())}
-        return keys, int(reply["header"]["revision"])
+        with _shape("a range read", reply):
+            kvs = reply.get("kvs", ())
+            if limit and len(kvs) > limit:
+                raise ValueError("more keys than asked for")
+            keys = {KeyValue.of(kv).key: _versioned(kv) for kv in kvs}
+            return keys, int(reply["header"]["revision"])
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every key under ``prefix``; how many there were."""
@@ -473,7 +502,8 @@ class EtcdStore:
         with self._lock:
             reply = self._gateway.call("/v3/kv/deleterange", body)
         self._counters = {k: v for k, v in self._counters.items() if not k.startswith(prefix)}
-        return int(reply.get("deleted", 0))
+        with _shape("a delete", reply):
+            return int(reply.get("deleted", 0))
 
     def await_prefix_count(self, prefix: str, at_least: int, timeout: float) -> int:
         """Block until ``at_least`` keys exist under ``prefix`` (or ``timeout`` passed); the
@@ -506,7 +536,8 @@ class EtcdStore:
         asked = max(1, int(-(-ttl // 1)))
         with self._lock:
             reply = self._gateway.call("/v3/lease/grant", {"TTL": str(asked)})
-        granted = int(reply.get("TTL", asked))
+        with _shape("a lease grant", reply):
+            granted, lease = int(reply.get("TTL", asked)), int(reply["ID"])
         if granted > asked and not self._warned_ttl:
             self._warned_ttl = True
             log.warning(
@@ -516,7 +547,7 @@ class EtcdStore:
                 asked,
                 granted - asked,
             )
-        return int(reply["ID"])
+        return lease
 
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease``; False when it already expired (its keys are gone)."""
@@ -527,7 +558,8 @@ class EtcdStore:
             if "lease not found" in str(exc):  # expired, and etcd already forgot it
                 return False
             raise
-        return int(reply.get("result", {}).get("TTL", 0)) > 0
+        with _shape("a lease renewal", reply):
+            return int(reply.get("result", {}).get("TTL", 0)) > 0
 
     def revoke_lease(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys."""
