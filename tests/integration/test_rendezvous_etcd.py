@@ -6,13 +6,14 @@ The tests every backend passes (worlds, growing, a lost node) are in test_rendez
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
 import time
 import uuid
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, wait_until
 from etcd_cluster import EtcdCluster, b64
 from test_rendezvous import FAST, agent, lines, script
 
@@ -322,3 +323,55 @@ def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCl
     finally:
         for handler in handlers:
             handler.shutdown()
+
+
+def test_a_stalled_etcd_leader_is_not_a_lost_node(
+    tmp_path, leaks: LeakCheck, etcd3: EtcdCluster
+) -> None:
+    """The deterministic form of the test above (issue 24, item 6): the leader stops answering
+    (SIGSTOP) for several times the keep-alive detection time, on purpose, while every agent
+    talks to it first; a new leader is elected meanwhile, then the old one dies. A store outage
+    is not a peer's death: the job runs on, once, with no re-forming and nothing lost."""
+    job = script(tmp_path, WORLD_THEN_WAIT)
+    go = tmp_path / "go"
+    leader = etcd3.leader()
+    assert leader is not None
+    order = [leader] + [i for i in range(3) if i != leader]
+    endpoints = ",".join(etcd3.endpoint_list[i] for i in order)
+    run_id = uuid.uuid4().hex
+    dead_after = 0.2 * 5
+    nodes = [
+        etcd_agent(
+            leaks,
+            endpoints,
+            job,
+            run_id,
+            "--nnodes",
+            "2",
+            "--rdzv-conf",
+            "keep_alive_interval=0.2,keep_alive_max_attempt=5",
+            "--max-restarts",
+            "0",
+            env={"GO_FILE": str(go)},
+        )
+        for _ in range(2)
+    ]
+    assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
+    stalled = etcd3.procs[leader]
+    stalled.send_signal(signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        wait_until(
+            lambda: etcd3.leader() not in (None, leader), 30, "the other members to elect a leader"
+        )
+        # The stall is the fault itself: it outlasts the keep-alive detection time three times.
+        time.sleep(max(0.0, 3 * dead_after - (time.monotonic() - began)))
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+    etcd3.kill(leader)
+    go.touch()
+    results = [node.communicate(timeout=60) for node in nodes]
+    for node, (out, err) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, err
+        assert lines(out) == [], f"the workers ran once: no restart, no re-forming: {err}"
+        assert "lost" not in err and "restart" not in err.lower(), err

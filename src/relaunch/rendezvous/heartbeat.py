@@ -9,6 +9,7 @@ holding the member's key, which etcd deletes when the member stops renewing it.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -175,27 +176,66 @@ class RoundWatch:
                 self._flag(MembershipChange.store_lost(exc), False)
 
 
+#: A judge's check counts at most this many keep-alive intervals of a neighbour's silence: a
+#: longer gap between two of its checks is time the judge itself could not reach the store (or
+#: did not run), which says nothing about the neighbour (issue 24: a store outage, such as an
+#: etcd leader election, is not a peer's death).
+MAX_INTERVALS_A_CHECK = 1.5
+
+
+class Silence:
+    """How long each neighbour has been silent, counted only over time during which the judge
+    could reach the store: each check adds the time since the judge's last one, capped at
+    ``MAX_INTERVALS_A_CHECK`` keep-alive intervals."""
+
+    def __init__(self, settings: plan.Settings) -> None:
+        self._cap = settings.keep_alive_interval * MAX_INTERVALS_A_CHECK
+        self._checked_at: float | None = None
+        self.stalled_at = -math.inf  # when the judge last went a long while without a check
+        self._silent: dict[str, float] = {}
+
+    def tick(self, now: float) -> float:
+        """A check at ``now``: the reachable time it covers."""
+        gap = 0.0 if self._checked_at is None else max(0.0, now - self._checked_at)
+        self._checked_at = now
+        if gap > self._cap:
+            self.stalled_at = now
+        return min(gap, self._cap)
+
+    def heard(self, key: str) -> None:
+        self._silent.pop(key, None)
+
+    def silent(self, key: str, covered: float) -> float:
+        """``key`` said nothing over ``covered`` more seconds: its silence so far."""
+        silence = self._silent.get(key, 0.0) + covered
+        self._silent[key] = silence
+        return silence
+
+
 class CounterPulse:
-    """Heartbeats as a counter each member bumps; a neighbour whose counter stands still died."""
+    """Heartbeats as a counter each member bumps; a neighbour whose counter stands still, over
+    ``dead_after`` seconds during which the judge could reach the store, died."""
 
     def __init__(self, store: Store, settings: plan.Settings, since: float) -> None:
         self._store, self._settings = store, settings
         self._since = since  # when every member's first beat is due
-        self._seen: dict[str, tuple[int, float]] = {}
+        self._seen: dict[str, int] = {}
+        self._silence = Silence(settings)
 
     def beat(self, key: str) -> None:
         self._store.add(key, 1)
 
     def lost(self, key: str, now: float) -> str | None:
         """Why the member beating at ``key`` counts as dead, or None while it lives."""
+        covered = self._silence.tick(now)
         if now < self._since:
             return None
         version = self._store.get(key).version
-        seen_version, seen_at = self._seen.get(key, (-1, now))
-        if version != seen_version:
-            self._seen[key] = (version, now)
+        if self._seen.get(key) != version:
+            self._seen[key] = version
+            self._silence.heard(key)
             return None
-        if plan.is_dead(seen_at, now, self._settings):
+        if self._silence.silent(key, covered) > self._settings.dead_after:
             return f"no heartbeat for {self._settings.dead_after:g}s"
         return None
 
@@ -250,6 +290,7 @@ class LeasePulse:
         self._held: str | None = None  # the key put on the lease
         self._started = since  # when every member's first beat is due
         self._seen: set[str] = set()
+        self._silence = Silence(settings)
 
     def beat(self, key: str) -> None:
         if self._held == key:
@@ -261,13 +302,22 @@ class LeasePulse:
         self._held = key
 
     def lost(self, key: str, now: float) -> str | None:
-        if not self._seen and now - self._started < self._settings.keep_alive_interval:
+        """etcd's verdict (the neighbour's lease expired, its key is gone) stands when this
+        judge reached etcd throughout the last ``dead_after``; after an outage the judge saw
+        too (a leader election: the neighbour's renewals may have been stuck like its own), the
+        neighbour gets ``dead_after`` seconds of reachable time to put its key back."""
+        covered = self._silence.tick(now)
+        settings = self._settings
+        if not self._seen and now - self._started < settings.keep_alive_interval:
             return None  # the first beat: the neighbour may not have beaten yet
         if self._store.get(key).value is not None:
             self._seen.add(key)
+            self._silence.heard(key)
             return None
-        if key in self._seen:
+        silence = self._silence.silent(key, covered)
+        steady = now - self._silence.stalled_at > settings.dead_after + settings.keep_alive_interval
+        if key in self._seen and steady:
             return "its etcd lease expired"
-        if plan.is_dead(self._started, now, self._settings):
-            return f"no heartbeat for {self._settings.dead_after:g}s"
+        if silence > settings.dead_after and now - self._started > settings.dead_after:
+            return f"no heartbeat for {settings.dead_after:g}s"
         return None
