@@ -292,9 +292,9 @@ def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
     assert 2 <= len(bars) <= 6, bars
     assert "slowest: local rank 1" in bars[0] and "step/s" in bars[-2]
     assert "100%|" in bars[-1] and "125/125" in bars[-1], "the final state, always"
-    # No --tee off a terminal: the workers' output goes through relaunch, which draws its bar.
+    # No --tee off a terminal: the workers write to it themselves, relaunch draws nothing there.
     done = run(leaks, "--nproc-per-node", "2", job)
-    assert done.returncode == 0 and "[default node 0]:train: 100%|" in done.stderr
+    assert done.returncode == 0 and "[default node 0]:" not in done.stderr
     # Workers writing straight to a terminal (no --tee): relaunch draws nothing among them.
     screen = run_in_terminal(
         [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", job],
@@ -303,16 +303,14 @@ def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
     assert b"[default node 0]:" not in screen
 
 
-def test_off_a_terminal_with_no_flags_lines_are_whole_and_refreshes_collapsed(
+def test_off_a_terminal_with_no_flags_workers_bytes_pass_untouched(
     tmp_path, leaks: LeakCheck
 ) -> None:
     job = write_job(tmp_path, BARS)
     done = run(leaks, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), job)
     assert done.returncode == 0, done.stderr
-    assert "\r" not in done.stderr, "no refresh reaches a CI log"
-    for rank in (0, 1):
-        bars = [line for line in done.stderr.splitlines() if line.startswith(f"rank {rank} ")]
-        assert 1 <= len(bars) <= 5 and bars[-1] == f"rank {rank} 100%|##########|", bars
+    for rank in (0, 1):  # every refresh, as written (bars are collapsed for --tee only)
+        assert len(re.findall(rf"rank {rank} +\d+%\|", done.stderr)) == 100
         for step in (25, 50, 75, 100):  # no prefix, as torchrun prints them
             assert f"rank {rank} reached {step}\n" in done.stdout
     assert not list((tmp_path / "logs").glob("*/attempt_0/*/std*.log")), "nothing asked a log"

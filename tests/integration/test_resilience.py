@@ -245,7 +245,8 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
             backend,
             endpoint,
             f"slow-{backend}-{os.getpid()}",
-            *("--event-log-handler", events, SLOW_JOB, str(out), "3"),
+            # Redirected: relaunch draws its bars only where workers do not write themselves.
+            *("--redirects", "3", "--event-log-handler", events, SLOW_JOB, str(out), "3"),
             stdout=subprocess.DEVNULL,
         )
         agents.append(agent)

@@ -171,3 +171,19 @@ def test_bars_of_a_stream_that_is_no_terminal_are_printed_not_drawn(
     console.end_bar("o", print_last=True)
     assert out.text().splitlines() == [b"0%", b"90%"], "throttled, then the final state"
     assert err.text() == b"[w0]: on the terminal", "only stderr's bar is drawn"
+
+
+def test_relaunch_copies_no_stream_unless_hang_detection_needs_to_see_it() -> None:
+    from relaunch.core.console_plan import agent_tee, console_is_relaunchs, relayed
+
+    # No flags: every stream is the worker's to inherit, a file or pipe gets its bytes as is.
+    assert relayed(Std.NONE, Std.NONE, 2, terminals=Std.NONE) == {0: Std.NONE, 1: Std.NONE}
+    assert not console_is_relaunchs(Std.NONE, Std.NONE, 2)
+    # Hang detection: a terminal stream is tee'd (prefixed, bars collapsed: not data), a file
+    # or pipe stream relayed byte for byte; a redirected one stays redirected.
+    tee = agent_tee(Std.NONE, {0: Std.ERR, 1: Std.NONE}, 2, True, terminals=Std.ERR)
+    assert tee == {0: Std.NONE, 1: Std.ERR}
+    assert relayed({0: Std.ERR, 1: Std.NONE}, tee, 2, Std.ERR, True) == {0: Std.OUT, 1: Std.OUT}
+    # relaunch's bars go to stderr: it may draw them above a relayed stdout, never a stderr.
+    assert console_is_relaunchs(Std.NONE, Std.ERR, 1, relay=Std.OUT)
+    assert not console_is_relaunchs(Std.NONE, Std.OUT, 1, relay=Std.ERR)

@@ -163,3 +163,19 @@ def test_one_line_never_ends_with_a_heading() -> None:
 )
 def test_group_state(codes: dict[int, int | None], state: GroupState) -> None:
     assert group_state(codes) is state
+
+
+def test_a_stderr_tail_kept_in_memory_says_why_the_log_lacks_it() -> None:
+    message = stderr_tail_message(
+        "/logs/0/stderr.log", "RuntimeError: boom", "[Errno 28] No space left on device"
+    )
+    assert message.startswith(
+        "last lines of stderr (kept in memory: /logs/0/stderr.log is incomplete, "
+        "[Errno 28] No space left on device):\n"
+    )
+    assert headline(message) == "RuntimeError: boom"
+    failure = ProcessFailure.from_exit(
+        0, 1, 1, "", "/logs/0/stderr.log", 1.0, b"Traceback\nRuntimeError: boom\n", "[Errno 5]"
+    )
+    assert failure.message.endswith("Traceback\nRuntimeError: boom")
+    assert "is incomplete, [Errno 5]" in failure.message

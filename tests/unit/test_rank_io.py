@@ -45,3 +45,9 @@ def test_a_teed_stream_always_has_a_log_file(
         logged = (redirects.get(rank, Std.NONE) if isinstance(redirects, dict) else redirects) | tee
         assert bool(io.stdout) == bool(logged & Std.OUT)
         assert bool(io.stderr) == bool(logged & Std.ERR)
+
+
+def test_a_relayed_stream_is_logged_and_a_logged_one_not_relayed() -> None:
+    plan = plan_rank_io("w", "/logs", 2, redirects={0: Std.ERR, 1: Std.NONE}, relay=Std.ALL)
+    assert plan[0].relay == Std.OUT and plan[0].stdout == "/logs/0/stdout.log"
+    assert plan[1].relay == Std.ALL and plan[1].stderr == "/logs/1/stderr.log"

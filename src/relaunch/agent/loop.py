@@ -538,8 +538,9 @@ class LocalElasticAgent:
             for ranks in group.ranks
         }
         nprocs = spec.local_world_size
-        tee = agent_tee(spec.tee, spec.redirects, nprocs, self._expiry.hang_timeout is not None)
-        relay = relayed(spec.redirects, tee, nprocs, self._console.terminals())
+        hang, terminals = self._expiry.hang_timeout is not None, self._console.terminals()
+        tee = agent_tee(spec.tee, spec.redirects, nprocs, hang, terminals)
+        relay = relayed(spec.redirects, tee, nprocs, terminals, hang)
         # Only a relay that does something is passed: a start_processes given by the user
         # (torch's, say) knows no such argument.
         extra: dict[str, object] = {"relay": relay} if any(relay.values()) else {}

@@ -16,15 +16,20 @@ def agent_tee(
     redirects: Std | Mapping[int, Std],
     nprocs: int,
     hang_detection: bool,
+    terminals: Std = Std.ALL,
 ) -> Std | Mapping[int, Std]:
     """The tee to start workers with: ``tee`` as given, or with hang detection on, every stream
-    left on the console tee'd too, so that its output counts as a sign of life and a hung
-    worker's stack is on file."""
+    left on a terminal (``terminals``: the launcher's streams that are one) tee'd too, so that
+    its output counts as a sign of life and a hung worker's stack is on file.
+
+    A stream left on a file or a pipe is not tee'd (a tee prefixes lines and collapses bars,
+    which would alter the bytes): hang detection copies it byte for byte instead (``relayed``).
+    """
     if not hang_detection:
         return tee
     redirected = per_rank(redirects, nprocs)
     return {
-        rank: Std(std | (Std.ALL & ~redirected[rank]))
+        rank: Std(std | (terminals & ~redirected[rank]))
         for rank, std in per_rank(tee, nprocs).items()
     }
 
@@ -34,16 +39,21 @@ def relayed(
     tee: Std | Mapping[int, Std],
     nprocs: int,
     terminals: Std,
+    hang_detection: bool = False,
 ) -> dict[int, Std]:
-    """The streams relaunch copies to its console itself, by local rank: those neither logged
-    nor bound for a terminal (``terminals``: the launcher's streams that are one).
+    """The streams relaunch reads and copies to its console byte for byte, by local rank.
 
-    Off a terminal (a CI log, a pipe) a worker writing straight to the console would put every
-    progress-bar refresh in it; through relaunch, lines stay whole and refreshes are collapsed.
-    On a terminal the worker keeps it, as under torchrun (its bars draw, its prompts read).
+    Without hang detection, none: a stream neither redirected nor tee'd is the worker's to
+    write straight to the launcher's (a file, a pipe, a terminal), as under torchrun, so every
+    byte arrives as written whatever relaunch does. With hang detection, the streams neither
+    redirected, tee'd nor bound for a terminal: relaunch must see their output (a sign of
+    life, and the log a hung worker's stack goes to), so it logs them and copies every byte on
+    unchanged, in order: no prefix, no collapsed bars (those are for tee'd streams only).
     """
     redirected = per_rank(redirects, nprocs)
     teed = per_rank(tee, nprocs)
+    if not hang_detection:
+        return {rank: Std.NONE for rank in teed}
     return {rank: Std(Std.ALL & ~(redirected[rank] | teed[rank] | terminals)) for rank in teed}
 
 
@@ -55,12 +65,15 @@ def console_is_relaunchs(
 ) -> bool:
     """Whether no worker writes to the console itself: only then can relaunch draw on it (a bar
     drawn where workers write straight to the terminal would collide with them). ``tee`` is the
-    one workers start with (``agent_tee``), ``relay`` what ``relayed`` gives."""
+    one workers start with (``agent_tee``), ``relay`` what ``relayed`` gives. A relayed stdout
+    is relaunch's to write; a relayed stderr is not: relaunch's bars go to stderr, and a bar
+    line among bytes passed on unchanged would alter them."""
     redirected = per_rank(redirects, nprocs)
     teed = per_rank(tee, nprocs)
     relay_by_rank = per_rank(relay, nprocs)
     return all(
-        redirected[rank] | teed[rank] | relay_by_rank[rank] == Std.ALL for rank in redirected
+        redirected[rank] | teed[rank] | (relay_by_rank[rank] & Std.OUT) == Std.ALL
+        for rank in redirected
     )
 
 

@@ -74,9 +74,14 @@ def signal_meaning(exitcode: int) -> str:
     return f"{name}: {meaning}" if meaning else ""
 
 
-def stderr_tail_message(path: str, tail: str) -> str:
-    """A failure message made of the last lines of the worker's stderr log at ``path``."""
-    return f"{STDERR_TAIL_HEADING} ({path}):\n{tail}"
+def stderr_tail_message(path: str, tail: str, log_error: str = "") -> str:
+    """A failure message made of the last lines of the worker's stderr, logged at ``path``
+    ("": not logged); ``log_error`` says why that log lacks them (they were kept in memory)."""
+    if log_error:
+        where = f"kept in memory: {path} is incomplete, {log_error}" if path else "kept in memory"
+    else:
+        where = path or "kept in memory"
+    return f"{STDERR_TAIL_HEADING} ({where}):\n{tail}"
 
 
 def headline(message: str) -> str:

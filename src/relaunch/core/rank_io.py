@@ -23,9 +23,11 @@ class RankIO:
 
     ``stdout``/``stderr`` are log file paths, "" where the stream is not logged;
     ``tee`` names the logged streams that are also echoed to the console, each line prefixed
-    ``prefix``; ``relay`` the streams not logged that relaunch copies to the console (whole
-    lines, bar refreshes collapsed) rather than letting the worker inherit it. ``error_file`` is
-    where the worker reports its failure; all its files live in ``log_dir``.
+    ``prefix`` (bar refreshes collapsed there); ``relay`` the logged streams, not tee'd, that
+    relaunch copies to the console byte for byte (hang detection reads them) rather than letting
+    the worker inherit it. Every logged stream goes through relaunch, which writes the log file
+    (a full disk then never fails the worker, and its stderr tail is kept in memory).
+    ``error_file`` is where the worker reports its failure; all its files live in ``log_dir``.
     """
 
     local_rank: int
@@ -70,9 +72,9 @@ def plan_rank_io(
 ) -> dict[int, RankIO]:
     """One ``RankIO`` per local rank ``0..nprocs-1``, its files in ``{log_dir}/{rank}/``.
 
-    A stream is logged when redirected or tee'd (a tee is a redirect echoed to the console);
-    ``relay`` applies to the streams that are not. ``prefixes`` replaces the console prefix of
-    some ranks.
+    A stream is logged when redirected, tee'd (a tee is a redirect echoed to the console,
+    prefixed) or relayed (one copied to the console unchanged). ``prefixes`` replaces the
+    console prefix of some ranks.
     """
     redirect_by_rank = per_rank(redirects, nprocs)
     tee_by_rank = per_rank(tee, nprocs)
@@ -81,7 +83,8 @@ def plan_rank_io(
     plan: dict[int, RankIO] = {}
     for rank in range(nprocs):
         rank_dir = posixpath.join(log_dir, str(rank))
-        logged = redirect_by_rank[rank] | tee_by_rank[rank]
+        relay = relay_by_rank[rank] & ~(redirect_by_rank[rank] | tee_by_rank[rank])
+        logged = redirect_by_rank[rank] | tee_by_rank[rank] | relay
         plan[rank] = RankIO(
             local_rank=rank,
             log_dir=rank_dir,
@@ -90,6 +93,6 @@ def plan_rank_io(
             tee=tee_by_rank[rank],
             error_file=posixpath.join(rank_dir, ERROR_FILE),
             prefix=chosen.get(rank, default_prefix(name, rank)),
-            relay=relay_by_rank[rank] & ~logged,
+            relay=Std(relay),
         )
     return plan

@@ -313,14 +313,7 @@ class PContext(abc.ABC):
         monitor = self._monitor
         workers = monitor.workers
         failures = {
-            rank: ProcessFailure.from_exit(
-                rank,
-                worker.pid,
-                worker.exitcode or 0,
-                self.rank_io[rank].error_file,
-                stderr_file=self.rank_io[rank].stderr,
-                timestamp=worker.exit_time,
-            )
+            rank: _failure(rank, worker, self.rank_io[rank])
             for rank, worker in workers.items()
             if worker.exitcode and rank not in monitor.stopped_ranks
         }
@@ -342,3 +335,19 @@ class PContext(abc.ABC):
             },
             stuck=dict(monitor.stuck),
         )
+
+
+def _failure(rank: int, worker: WorkerProcess, io: RankIO) -> ProcessFailure:
+    """The failure of ``worker``: its stderr tail comes from memory when relaunch read that
+    stream (its log file may lack it: a full disk), else from the log file."""
+    stderr = next((stream for stream in worker.streams if stream.err), None)
+    return ProcessFailure.from_exit(
+        rank,
+        worker.pid,
+        worker.exitcode or 0,
+        io.error_file,
+        stderr_file=io.stderr,
+        timestamp=worker.exit_time,
+        stderr_tail=None if stderr is None else stderr.stderr_tail(),
+        stderr_log_error="" if stderr is None else stderr.log_error,
+    )

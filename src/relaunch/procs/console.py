@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import threading
 from collections.abc import Callable
@@ -77,14 +78,45 @@ class ConsoleWriter:
             try:
                 if self._binary is not None:
                     self._dst.flush()
-                    self._binary.write(data)
                     self._binary.flush()
+                    fd = _fileno(self._binary)
+                    if fd is None:
+                        self._binary.write(data)
+                        self._binary.flush()
+                    else:
+                        # Straight to the descriptor: a buffered writer on a non-blocking one
+                        # (a pipe shared with a program that set O_NONBLOCK) drops what it
+                        # cannot write at once; ``write_all`` waits for room instead.
+                        write_all(fd, data)
                 else:
                     self._dst.write(data.decode("utf-8", errors="replace"))
                     self._dst.flush()
             except (OSError, ValueError):
                 # A closed or broken console must not stop the log files from being written.
                 pass
+
+
+def _fileno(stream: object) -> int | None:
+    try:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return None
+    return fd if isinstance(fd, int) else None
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of ``data`` to ``fd``: a partial write goes on from where it stopped, and
+    a non-blocking descriptor that is full is waited on rather than dropped."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except InterruptedError:
+            continue
+        except BlockingIOError:
+            waiter = select.poll()  # not select(): descriptors past 1023 are common here
+            waiter.register(fd, select.POLLOUT)
+            waiter.poll()
 
 
 #: Non-terminal consoles print a bar's refresh at most this often (its final state always).

@@ -8,6 +8,7 @@ Exceptions::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -95,13 +96,26 @@ class ProcessFailure:
         error_file: str,
         stderr_file: str = "",
         timestamp: float = 0.0,
+        stderr_tail: bytes | None = None,
+        stderr_log_error: str = "",
     ) -> ProcessFailure:
-        """A failure whose message falls back to the exit description and the stderr tail."""
+        """A failure whose message falls back to the exit description and the stderr tail.
+
+        ``stderr_tail`` is the end of the worker's stderr as relaunch read it (kept in memory),
+        preferred to the log file, which may lack it (``stderr_log_error`` says why).
+        """
         failure = cls(local_rank, pid, exitcode, error_file, timestamp=timestamp)
         if not failure.message:
-            tail = core_failures.tail_lines(read_tail(stderr_file))
+            text = (
+                read_tail(stderr_file)
+                if stderr_tail is None
+                else stderr_tail.decode("utf-8", errors="replace")
+            )
+            tail = core_failures.tail_lines(text)
             if tail:
-                failure.message = core_failures.stderr_tail_message(stderr_file, tail)
+                failure.message = core_failures.stderr_tail_message(
+                    stderr_file, tail, stderr_log_error
+                )
             elif not stderr_file and exitcode >= 0:
                 # A worker killed by a signal cannot write an error file: the report says what
                 # the signal means instead (core.failures.signal_meaning).
@@ -143,9 +157,16 @@ def write_error_file(path: str, data: Mapping[str, Any]) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as file:
-        json.dump(data, file)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(data, file)
+        os.replace(temporary, path)
+    except BaseException:
+        # A full disk: no half-written temporary left behind (the failure report then takes
+        # the cause from the worker's stderr, which relaunch keeps in memory).
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def exception_error_data(exc: BaseException) -> dict[str, Any]:

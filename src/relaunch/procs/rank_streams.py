@@ -1,39 +1,110 @@
 """The files, pipes and terminals behind one rank's ``RankIO``, while its worker starts and runs.
 
-``core.rank_io`` plans where each stream goes; this opens it: a log file the child writes to, or,
-for a stream relaunch shows on its console (tee'd, or relayed), a pipe whose other end the
-monitor copies (``TeeStream``) to the log file, if any, and the console. Where that console is a
-terminal the pipe is a pseudo-terminal of the console's width less the prefix, so that the
-worker draws its bars as it would in a terminal of its own.
+``core.rank_io`` plans where each stream goes; this opens it. A stream that is neither logged
+nor relayed is the worker's to inherit (the launcher's own file, pipe or terminal: its bytes
+reach it untouched). Every other stream is a pipe whose other end the monitor copies
+(``TeeStream``) to the log file, if any, and to the console: as prefixed lines (tee'd) or byte
+for byte (relayed). Where a tee'd stream is shown on a terminal the pipe is a pseudo-terminal
+of the console's width less the prefix, so that the worker draws its bars as it would in a
+terminal of its own.
+
+A log file relaunch cannot write (a full disk, a quota, an I/O error) never fails the worker
+nor the thread that copies: relaunch says once which file and why, stops writing that file,
+keeps the console going, and keeps the last ``STDERR_TAIL_BYTES`` of each worker's stderr in
+memory, so that the failure report still shows the root cause.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 
 from relaunch.core.rank_io import RankIO
 from relaunch.core.screen import ScreenFramer
-from relaunch.procs.console import Console
+from relaunch.procs.console import Console, write_all
 from relaunch.procs.terminals import open_terminal
 
 _READ_SIZE = 1 << 16
+#: How much of a worker's stderr relaunch keeps in memory for the failure report (about 20 lines
+#: of traceback are shown; a long last line or a stack dump fits too).
+STDERR_TAIL_BYTES = 64 * 1024
 
 
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+_told: set[int] = set()
+_told_guard = threading.Lock()
+
+
+def _first_time(code: int) -> bool:
+    """Whether a log write error of this kind (errno) is the first this process meets."""
+    with _told_guard:
+        if code in _told:
+            return False
+        _told.add(code)
+        return True
+
+
+class LogFile:
+    """A log file relaunch writes for a worker; a write error is kept, never raised.
+
+    On the first error (``ENOSPC``, ``EDQUOT``, ``EIO``...) the file is written no more (a file
+    with a hole in the middle would mislead; one that stops is honest) and ``error`` says why;
+    ``told`` is whether this is the first error of its kind in the process (the one to say).
+    """
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd: int | None = fd
+        self.error = ""
+        self.errno = 0
+
+    def write(self, data: bytes) -> bool:
+        """Append ``data``; False when this write failed (the first failure only)."""
+        if self.fd is None:
+            return True
+        try:
+            write_all(self.fd, data)
+        except OSError as error:
+            self._failed(error)
+            return False
+        return True
+
+    def _failed(self, error: OSError) -> None:
+        self.errno = error.errno or 0
+        self.error = f"[Errno {error.errno}] {error.strerror or error}"
+        self.close()
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            os.close(fd)
+        except OSError as error:  # NFS reports a failed write back at close
+            if not self.error:
+                self.errno = error.errno or 0
+                self.error = f"[Errno {error.errno}] {error.strerror or error}"
+
+
+def log_error_line(path: str, error: str) -> bytes:
+    """The one line that says a log file could not be written."""
+    return (
+        f"relaunch: cannot write {path}: {error}; that log stops here and the job goes on "
+        "(the failure report keeps each rank's stderr tail in memory; other log files that "
+        "fail so are not named)\n"
+    ).encode(errors="replace")
 
 
 class TeeStream:
-    """One stream shown on a console: bytes from a worker's pipe (or pseudo-terminal) to its log
-    file, if any, and, as lines, to the console.
+    """One stream relaunch reads: bytes from a worker's pipe (or pseudo-terminal) to its log
+    file, if any, and, unless ``shown`` is False, to the console: byte for byte when
+    ``verbatim``, else as lines, prefixed.
 
     Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
     all streams together: under a flood of small writes that is one console write per round, not
-    one per read. Rows being redrawn (progress bars, live displays) become the stream's ``bar``
-    rather than lines; the log file gets every byte either way.
+    one per read. In a tee'd stream, rows being redrawn (progress bars, live displays) become
+    the stream's ``bar`` rather than lines; the log file gets every byte either way. A stderr
+    stream keeps its last ``STDERR_TAIL_BYTES`` in ``tail``.
     """
 
     def __init__(
@@ -45,13 +116,19 @@ class TeeStream:
         err: bool = False,
         key: str = "",
         terminal: bool = False,
+        *,
+        log_path: str = "",
+        shown: bool = True,
+        verbatim: bool = False,
     ) -> None:
         os.set_blocking(read_fd, False)
         self.read_fd = read_fd
-        self.log_fd = log_fd
+        self.log = None if log_fd is None else LogFile(log_path, log_fd)
         self.console = console
         self.prefix = prefix
         self.err = err
+        self.shown = shown
+        self.verbatim = verbatim
         self.key = f"{prefix.decode(errors='replace')}{key}{'e' if err else 'o'}"
         self.framer = ScreenFramer()
         #: Whether ``read_fd`` is a pseudo-terminal the console resizes.
@@ -61,6 +138,17 @@ class TeeStream:
         self.bar: bytes | None = None
         self.bar_changed = False
         self.open = True
+        #: The last bytes of a stderr stream, for the failure report (None: not kept).
+        self.tail: bytearray | None = bytearray() if err else None
+
+    @property
+    def log_fd(self) -> int | None:
+        return None if self.log is None else self.log.fd
+
+    @property
+    def log_error(self) -> str:
+        """Why the log file is incomplete ("" when it has every byte, or there is none)."""
+        return "" if self.log is None else self.log.error
 
     def pump(self, until_empty: bool = False) -> bool:
         """Copy what the pipe holds to the log file; True once the pipe is at end of file.
@@ -81,16 +169,36 @@ class TeeStream:
                 return True
             if not chunk:
                 return True
-            if self.log_fd is not None:
-                write_all(self.log_fd, chunk)
-            lines, bar = self.framer.feed(chunk)
-            if lines:
-                self.pending.append(self.console.render(lines, self.prefix))
-            if bar is not None or self.bar is not None:
-                self.bar_changed = self.bar_changed or bar != self.bar
-                self.bar = bar
+            self._keep(chunk)
             if not until_empty and len(chunk) < _READ_SIZE:
                 return False
+
+    def _keep(self, chunk: bytes) -> None:
+        if self.log is not None and not self.log.write(chunk):
+            self._tell_log_error(self.log)
+        if self.tail is not None:
+            self.tail += chunk
+            if len(self.tail) > 2 * STDERR_TAIL_BYTES:
+                del self.tail[:-STDERR_TAIL_BYTES]
+        if not self.shown:
+            return
+        if self.verbatim:
+            self.pending.append(chunk)
+            return
+        lines, bar = self.framer.feed(chunk)
+        if lines:
+            self.pending.append(self.console.render(lines, self.prefix))
+        if bar is not None or self.bar is not None:
+            self.bar_changed = self.bar_changed or bar != self.bar
+            self.bar = bar
+
+    def _tell_log_error(self, log: LogFile) -> None:
+        if _first_time(log.errno):
+            self.console.write(b"", log_error_line(log.path, log.error))
+
+    def stderr_tail(self) -> bytes | None:
+        """The last ``STDERR_TAIL_BYTES`` the stream carried (None: not a stderr stream)."""
+        return None if self.tail is None else bytes(self.tail[-STDERR_TAIL_BYTES:])
 
     def shown_bar(self, bar: bytes) -> bytes:
         """``bar`` as the console shows it: each of its rows prefixed."""
@@ -106,7 +214,8 @@ class TeeStream:
         if not self.open:
             return
         self.open = False
-        self.pending.append(self.console.render(self.framer.flush(), self.prefix))
+        if self.shown and not self.verbatim:
+            self.pending.append(self.console.render(self.framer.flush(), self.prefix))
         if self.bar is not None:
             self.console.end_bar(self.key, print_last=False)  # the last line shows it
             self.bar = None
@@ -115,32 +224,34 @@ class TeeStream:
         if self.terminal:
             self.console.worker_terminals.remove(self.read_fd)
         os.close(self.read_fd)
-        if self.log_fd is not None:
-            os.close(self.log_fd)
+        if self.log is not None:
+            failed_before = bool(self.log.error)
+            self.log.close()
+            if self.log.error and not failed_before:
+                self._tell_log_error(self.log)
 
 
 class StreamEnds:
-    """Where one standard stream of one worker goes: inherited, a file, or a pipe to relaunch
-    (tee'd to a file and the console, or relayed to the console only)."""
+    """Where one standard stream of one worker goes: inherited, or a pipe to relaunch, which
+    copies it to its log file (``path``, if any) and, tee'd or relayed, to the console."""
 
     def __init__(self, path: str, tee: bool, relay: bool = False) -> None:
         self.path = path
         self.tee = tee
         self.relay = relay
         self.child_fd: int | None = None  # what the child writes to
-        self.read_fd: int | None = None  # tee or relay: what the monitor reads
-        self.log_fd: int | None = None  # tee: where the monitor writes
+        self.read_fd: int | None = None  # what the monitor reads
+        self.log_fd: int | None = None  # where the monitor writes
         self.terminal = False  # read_fd is a pseudo-terminal
 
     def open(self, terminal: tuple[int, int] | None = None) -> None:
-        """Open the stream's ends; ``terminal`` (columns, rows) makes its pipe a terminal."""
+        """Open the stream's ends; ``terminal`` (columns, rows) makes a tee'd stream's pipe a
+        terminal."""
         if not self.path and not self.relay:
-            return
-        if self.path and not self.tee:
-            self.child_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             return
         if self.path:
             self.log_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        terminal = terminal if self.tee else None
         self.read_fd, self.child_fd = open_terminal(*terminal) if terminal else os.pipe()
         self.terminal = terminal is not None
 
@@ -161,7 +272,8 @@ class RankStreams:
     """The stdout and stderr of one rank, opened as its ``RankIO`` says.
 
     The child's ends are closed here once the worker started (it holds its own copies); the
-    tee'd ends pass to the monitor as ``TeeStream``s, which close them when the stream ends.
+    ends relaunch reads pass to the monitor as ``TeeStream``s, which close them when the stream
+    ends.
     """
 
     def __init__(self, io: RankIO) -> None:
@@ -185,9 +297,9 @@ class RankStreams:
         self.stderr.close_all()
 
     def tees(self, console: Console, pid: int) -> list[TeeStream]:
-        """A ``TeeStream`` per stream shown on the console, its lines prefixed with the rank's
-        prefix (relayed streams have none); the pseudo-terminals of worker ``pid`` follow the
-        console's size."""
+        """A ``TeeStream`` per stream relaunch reads: tee'd ones shown as lines prefixed with the
+        rank's prefix, relayed ones shown byte for byte, redirected ones not shown; the
+        pseudo-terminals of worker ``pid`` follow the console's size."""
         prefix = self.io.prefix.encode()
         streams = []
         for ends, err in ((self.stdout, False), (self.stderr, True)):
@@ -201,6 +313,9 @@ class RankStreams:
                 err,
                 key=f"{self.io.local_rank}:",
                 terminal=ends.terminal,
+                log_path=ends.path,
+                shown=ends.tee or ends.relay,
+                verbatim=ends.relay and not ends.tee,
             )
             if ends.terminal:
                 console.worker_terminals.add(ends.read_fd, len(self.io.prefix), pid)
