@@ -20,23 +20,26 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: The innermost ``limit`` of this thread: a ``time.monotonic()`` instant, or None.
-_LIMIT: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
+#: The innermost ``limit`` of this thread: its end (a ``time.monotonic()`` instant) and its
+#: length in seconds, or None.
+_LIMIT: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar(
+    "deadline", default=None
+)
 
 
 class Deadline:
-    """``seconds`` from now, or the enclosing ``limit``'s end if that comes first."""
+    """``seconds`` from now, or the enclosing ``limit``'s end if that comes first.
+    ``seconds`` (for messages): what the binding one allowed, the ``limit``'s whole length
+    when that binds."""
 
     __slots__ = ("at", "seconds")
 
     def __init__(self, seconds: float) -> None:
-        now = time.monotonic()
-        at = now + max(0.0, seconds)
+        self.seconds = max(0.0, seconds)
+        self.at = time.monotonic() + self.seconds
         outer = _LIMIT.get()
-        if outer is not None and outer < at:
-            at = outer
-        self.at = at
-        self.seconds = max(0.0, at - now)  # what it allowed when made, for messages
+        if outer is not None and outer[0] < self.at:
+            self.at, self.seconds = outer
 
     def left(self) -> float:
         """Seconds left (0 once passed)."""
@@ -68,7 +71,7 @@ def limit(seconds: float) -> Iterator[Deadline]:
     """Every ``Deadline`` made in this thread within the block ends ``seconds`` from now at
     the latest (an enclosing ``limit`` that ends sooner still wins)."""
     bound = Deadline(seconds)
-    token = _LIMIT.set(bound.at)
+    token = _LIMIT.set((bound.at, bound.seconds))
     try:
         yield bound
     finally:

@@ -1,0 +1,240 @@
+"""Issue 24 item 10: ``relaunch status`` against a corrupt or hostile store.
+
+Every malformed reply (of the built-in store's protocol, of etcd's gateway, or a value no agent
+writes) ends in one line on stderr and exit 1, with no traceback, within a few seconds, and no
+escape sequence from outside reaches the terminal. Before, 7 of 21 such replies gave
+tracebacks, a final record claiming 3,000,000 members made it build 3M keys, and a store's error
+text cleared the screen. And (item 4) ``timeout=`` bounds one whole read of the job, however
+slowly a store answers its many requests."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from relaunch.cli.status import status_main
+from relaunch.core import status as core
+from relaunch.rendezvous.reader import MAX_MEMBERS, JobReader
+from relaunch.store import wire
+from relaunch.store.api import StoreTimeout
+from relaunch.store.client import TcpStore
+from tests.support.hostile_stores import (
+    elapsed,
+    etcd_member,
+    etcd_range_reply,
+    fake_store,
+    http_reply,
+    values_store,
+)
+
+ESC = "\x1b"
+KEYS = JobReader(None, "j")  # type: ignore[arg-type]  # only its key names
+
+
+def key(name: str, round_: int | None = None) -> str:
+    return KEYS.key(name, round_)
+
+
+def note(**changes: object) -> bytes:
+    rank = core.RankStatus(0, 0, "running", 5, 10, 1.5, 1000.0)
+    data = json.loads(core.NodeStatus("host0", 0, "HEALTHY", 0, 1000.0, [rank]).encode())
+    data.update(changes)
+    return json.dumps(data).encode()
+
+
+def job(**overrides: bytes) -> dict[str, bytes]:
+    """A running job of one node (round 0), with the values ``overrides`` names replaced
+    (names as ``key``'s, with ``/`` as ``__``; round 0)."""
+    values = {
+        key("round"): b"0",
+        key("final", 0): b'{"count": 1}',
+        key("notes/status/0", 0): note(),
+    }
+    for name, value in overrides.items():
+        parts = name.split("__")
+        values[
+            key(parts[0])
+            if parts[0] in ("round", "restarts", "closed")
+            else key("/".join(parts), 0)
+        ] = value
+    return values
+
+
+def frame(code: int, fields: list[bytes]) -> bytes:
+    return b"FRAME:" + wire.encode(code, fields)
+
+
+EIGHT_MIB_DIGITS = b"9" * (8 << 20)
+MALFORMED = {
+    # the built-in store's protocol: replies no store sends
+    "an empty OK": {key("round"): frame(wire.OK, [])},
+    "an OK of two fields": {key("round"): frame(wire.OK, [b"1", b"0"])},
+    "a presence flag of 7": {key("round"): frame(wire.OK, [b"7", b"0", b"1"])},
+    "a version not an integer": {key("round"): frame(wire.OK, [b"1", b"0", b"v1"])},
+    "a version of a million digits": {key("round"): frame(wire.OK, [b"1", b"0", b"9" * 10**6])},
+    "an unknown status": {key("round"): frame(9, [b"what"])},
+    "an error with escape codes": {key("round"): frame(wire.ERROR, [b"\x1b[2J\x1b[Hcleared"])},
+    # values no agent writes
+    "a round not an integer": job(round=b"abc"),
+    "a negative round": job(round=b"-1"),
+    "restarts of 8 MiB of digits": job(restarts=EIGHT_MIB_DIGITS),
+    "a final record not JSON": job(final=b"{count"),
+    "a final record of 3,000,000 members": job(final=b'{"count": 3000000}'),
+    "a final record's count a string": job(final=b'{"count": "1"}'),
+    "a final record a list": job(final=b"[1]"),
+    "a final record of 0 members": job(final=b'{"count": 0}'),
+    "a joins counter not an integer": {key("round"): b"0", key("joins", 0): b"x\x1b[2J"},
+    "a changed record not JSON": job(changed=b"\x1b]0;pwned\x07"),
+    "a changed record a list": job(changed=b"[]"),
+    "a note not JSON": job(notes__status__0=b"not json"),
+    "a note a list": job(notes__status__0=b"[]"),
+    "a note missing fields": job(notes__status__0=b'{"node": "h"}'),
+    "a note with a rate as text": job(
+        notes__status__0=note(ranks=[{"rank": 0, "local_rank": 0, "state": "r", "rate": "x"}])
+    ),
+    "a note nested 100,000 deep": job(notes__status__0=b"[" * 100_000 + b"]" * 100_000),
+    "a note of 2 MiB": job(notes__status__0=note(node="h" * (2 << 20))),
+    "a job view of the wrong shape": job(notes__job=b'{"stragglers": [], "posted_at": 1}'),
+    "a job view with a rank not a number": job(
+        notes__job=b'{"stragglers": {"x": 1}, "slowest": null, "posted_at": 1}'
+    ),
+}
+
+
+def run(capsys: pytest.CaptureFixture[str], endpoint: str, *conf: str) -> tuple[int, str, str]:
+    argv = ["--rdzv-endpoint", endpoint, "--rdzv-id", "j", "--rdzv-conf", "timeout=2", *conf]
+    code = status_main(argv, {})
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_reply_is_one_line_and_exit_1(
+    case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with values_store(MALFORMED[case]) as store:
+        started = time.monotonic()
+        code, out, err = run(capsys, store.endpoint)
+    assert code == 1, (case, out, err)
+    assert err.count("\n") == 1 and err.startswith("relaunch status: error: "), err[:500]
+    assert ESC not in out + err and "\x07" not in out + err and "Traceback" not in err
+    assert len(err) < 2000, len(err)
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "values",
+    [
+        job(notes__status__0=note(node="\x1b[2J\x1b[Hevil\rhost\n", state="\x9b31m")),
+        job(changed=json.dumps({"kind": "restarting", "reason": "\x1b[2Jgone"}).encode()),
+    ],
+    ids=["a node's name and state", "a change's reason"],
+)
+def test_escape_codes_in_a_job_are_shown_not_obeyed(
+    values: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with values_store(values) as store:
+        code, out, err = run(capsys, store.endpoint)
+    assert code == 0, err
+    assert ESC not in out and "\x9b" not in out and "\r" not in out, out
+    assert "\\x1b[2J" in out
+    with values_store(values) as store:
+        code, out, err = run(capsys, store.endpoint, "--json")
+    assert code == 0 and ESC not in out and "\x9b" not in out
+
+
+@pytest.mark.timeout(30)
+def test_three_million_members_and_escape_codes_through_the_real_cli() -> None:
+    """The real command: the claim is refused at once (before: 3M requests, a hang), and a
+    store's error text cannot clear the screen (before: it did)."""
+    code = "import sys; from relaunch.cli.status import status_main; "
+    code += "sys.exit(status_main(sys.argv[1:]))"
+    cases = [
+        (job(final=b'{"count": 3000000}'), f"1 to {MAX_MEMBERS}"),
+        (MALFORMED["an error with escape codes"], "cleared"),
+    ]
+    for values, said in cases:
+        with values_store(values) as store:
+            argv = ["--rdzv-endpoint", store.endpoint, "--rdzv-id", "j"]
+            took, done = elapsed(
+                lambda argv=argv: subprocess.run(  # type: ignore[misc]
+                    [sys.executable, "-c", code, *argv], capture_output=True, timeout=20
+                )
+            )
+        assert isinstance(done, subprocess.CompletedProcess)
+        assert done.returncode == 1 and done.stderr.count(b"\n") == 1, done.stderr
+        assert b"\x1b" not in done.stdout + done.stderr and b"Traceback" not in done.stderr
+        assert said.encode() in done.stderr, done.stderr
+        assert took < 5
+
+
+def b64(text: bytes) -> str:
+    return base64.b64encode(text).decode()
+
+
+ETCD_MALFORMED = {
+    "a revision not an integer": etcd_range_reply([], revision="x"),
+    "kvs not a list": etcd_range_reply("kvs"),
+    "a key-value without its key": etcd_range_reply([{"value": b64(b"0")}]),
+    "a value not base64": etcd_range_reply([{"key": b64(b"k"), "value": "%%%"}]),
+    "a round not an integer": etcd_range_reply(
+        [{"key": b64(b"k"), "value": b64(b"abc"), "mod_revision": "3"}]
+    ),
+    "an error with escape codes": http_reply(
+        json.dumps({"code": 3, "message": "\x1b[2J\x1b[Hcleared"}).encode(), "400 Bad Request"
+    ),
+    "a body not JSON": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n{{{{{",
+    "a JSON list": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]",
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(ETCD_MALFORMED))
+def test_a_malformed_etcd_reply_is_one_line_and_exit_1(
+    case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with etcd_member("reply", ETCD_MALFORMED[case]) as member:
+        argv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", member.endpoint]
+        argv += ["--rdzv-id", "j", "--rdzv-conf", "timeout=0.3"]
+        started = time.monotonic()
+        code = status_main(argv, {})
+        out, err = capsys.readouterr()
+    assert code == 1, (case, out, err)
+    assert err.count("\n") == 1 and ESC not in out + err and "Traceback" not in err, err
+    assert member.endpoint in err
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.timeout(30)
+def test_a_read_of_many_slow_requests_ends_by_the_timeout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each reply comes after 0.45 s, within each request's time: before, a read of the job
+    took as many times that as it made requests; now ``timeout=1`` bounds the whole read."""
+    with values_store(job(), delay=0.45) as store:
+        argv = ["--rdzv-endpoint", store.endpoint, "--rdzv-id", "j", "--rdzv-conf", "timeout=1"]
+        took, code = elapsed(lambda: status_main(argv, {}))
+        err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and store.endpoint in err, err
+    assert "within 1s" in err or "within 0.9" in err, err
+    assert took < 1.6, took
+
+
+@pytest.mark.timeout(30)
+def test_the_store_client_ends_a_trickled_reply_by_its_deadline() -> None:
+    """A reply sent a byte every 0.2 s: the request fails at its deadline, not at its end."""
+    with fake_store(
+        lambda op, fields: wire.encode(wire.OK, [b"1", b"v" * 50, b"7"]), trickle=0.2
+    ) as server:
+        client = TcpStore("127.0.0.1", server.port, timeout=1)
+        took, result = elapsed(lambda: client.get("k"))
+        client.close()
+    assert isinstance(result, StoreTimeout) and server.endpoint in str(result), result
+    assert took < 1.4, took
