@@ -40,6 +40,15 @@ if TYPE_CHECKING:
 STATIC_PORT = 29500
 #: ``--signals-to-handle`` when not given (torchrun's).
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+#: The most workers one node may run (``--nproc-per-node``): twice the hardware threads of the
+#: largest common two-socket machines (2 x 128 cores x 2 threads), so that ``cpu`` and any
+#: sensible oversubscription fit, while a typo (65536) is refused before anything forks. Each
+#: worker is a process with its own pipes and log files: past this, a node runs out of memory
+#: or descriptors long before the job does useful work.
+MAX_NPROC_PER_NODE = 1024
+#: The longest any duration may be, in seconds (about 11.6 days): every wait the agent makes
+#: must fit the kernel's (``poll`` takes at most 2**31 - 1 ms, about 24.8 days).
+MAX_SECONDS = 1_000_000.0
 
 
 class ConfigError(ValueError):
@@ -136,8 +145,11 @@ def _check_counts(config: LaunchConfig) -> None:
             f"nodes must satisfy 0 < min_nodes <= max_nodes, got {config.min_nodes}:"
             f"{config.max_nodes}"
         )
-    if config.nproc_per_node < 1:
-        raise ConfigError(f"nproc_per_node must be >= 1, got {config.nproc_per_node}")
+    if not 1 <= config.nproc_per_node <= MAX_NPROC_PER_NODE:
+        raise ConfigError(
+            f"nproc_per_node must be 1..{MAX_NPROC_PER_NODE} (workers on one node), got "
+            f"{config.nproc_per_node}: run more nodes for more workers"
+        )
     if config.max_restarts < 0:
         raise ConfigError(f"max_restarts must be >= 0, got {config.max_restarts}")
     if not (math.isfinite(config.exit_barrier_timeout) and config.exit_barrier_timeout > 0):
@@ -149,11 +161,34 @@ def _check_counts(config: LaunchConfig) -> None:
         value = getattr(config, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+    for name, zero_ok in (
+        ("monitor_interval", False),
+        ("shutdown_timeout", True),
+        ("exit_barrier_timeout", False),
+        ("health_check_timeout", False),
+        ("health_check_cooldown", False),
+    ):
+        _check_seconds(name, getattr(config, name), zero_ok)
+    if config.hang_timeout is not None:
+        _check_seconds("hang_timeout", config.hang_timeout, False)
+    for bound in config.restart_backoff:
+        _check_seconds("restart_backoff", bound, True)
     if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
         raise ConfigError(f"metrics_port must be a port 0..65535, got {config.metrics_port!r}")
     if config.health_check is not None and not config.health_check.strip():
         raise ConfigError("health_check must be a shell command, got an empty one")
     _check_placement(config)
+
+
+def _check_seconds(name: str, value: float, zero_ok: bool) -> None:
+    """A duration: a number > 0 (>= 0 when ``zero_ok``) and at most ``MAX_SECONDS``."""
+    low_ok = value >= 0 if zero_ok else value > 0
+    if isinstance(value, bool) or not (low_ok and value <= MAX_SECONDS):
+        least = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(
+            f"{name} must be a number of seconds {least} and at most {MAX_SECONDS:.0f}, got "
+            f"{value!r}"
+        )
 
 
 def _check_placement(config: LaunchConfig) -> None:
@@ -171,6 +206,25 @@ def _check_placement(config: LaunchConfig) -> None:
             f"numa_binding {config.numa_binding!r} is unknown: expected one of "
             + ", ".join(NUMA_MODES)
         )
+
+
+#: Descriptors an agent holds whatever its workers: its store or its connection to one, the
+#: event log, the timer FIFO, the channel, wake-up pipes, the metrics socket, with room to spare.
+AGENT_DESCRIPTORS = 64
+
+
+def open_files_needed(config: LaunchConfig) -> int:
+    """About how many descriptors the agent of ``config`` holds at once, at most: its own
+    (``AGENT_DESCRIPTORS``), and for each worker a pidfd and one spare (a pipe end while it
+    starts), and for each of its streams that goes through relaunch (redirected, tee'd, or
+    every one under ``--hang-timeout``, which reads them) the pipe it reads and the log file."""
+    redirects = per_rank(config.redirects, config.nproc_per_node)
+    tee = per_rank(config.tee, config.nproc_per_node)
+    needed = AGENT_DESCRIPTORS
+    for rank in range(config.nproc_per_node):
+        streams = Std.ALL if config.hang_timeout is not None else redirects[rank] | tee[rank]
+        needed += 2 + 2 * bin(int(streams)).count("1")
+    return needed
 
 
 def validate(config: LaunchConfig) -> None:
@@ -211,12 +265,48 @@ def validate(config: LaunchConfig) -> None:
             )
         _endpoint(endpoint or "127.0.0.1")
         rdzv_settings(conf)
-    from relaunch.events import event_handler_from_spec
+    from relaunch.events import check_log_file, event_handler_from_spec, spec_path
 
     try:
         event_handler_from_spec(config.event_log_handler).close()
+        path = spec_path(config.event_log_handler)
+        if path:
+            check_log_file(path, "--event-log-handler file:")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if config.log_dir is not None:
+        check_log_dir(config.log_dir)
+
+
+def check_log_dir(log_dir: str) -> None:
+    """``--log-dir``: an existing directory this process may write to, or one it may create;
+    ConfigError in one line otherwise. Creates nothing."""
+    from relaunch.events import creatable
+
+    if not log_dir:
+        raise ConfigError("--log-dir is empty: name a directory (it is created if need be)")
+    try:
+        os.stat(log_dir)
+    except FileNotFoundError:
+        problem = creatable(log_dir)
+        if problem:
+            raise ConfigError(f"--log-dir {log_dir} cannot be created: {problem}") from None
+        return
+    except OSError as exc:
+        parent = os.path.dirname(os.path.abspath(log_dir))
+        why = creatable(parent) or exc.strerror
+        raise ConfigError(f"--log-dir {log_dir} cannot be used: {why}") from None
+    if not os.path.isdir(log_dir):
+        raise ConfigError(
+            f"--log-dir {log_dir} is a file, not a directory: name a directory (it is created "
+            "if need be)"
+        )
+    effective = os.access in os.supports_effective_ids
+    if not os.access(log_dir, os.W_OK | os.X_OK, effective_ids=effective):
+        raise ConfigError(
+            f"--log-dir {log_dir} is not writable by this user (or is on a read-only "
+            "filesystem): name a directory you can write"
+        )
 
 
 def _endpoint(endpoint: str) -> None:
@@ -290,14 +380,17 @@ def rdzv_settings(conf: Mapping[str, Any]) -> RdzvSettings:
         raise ConfigError(
             f"--rdzv-conf exclude_after={conf['exclude_after']!r}: expected a whole number >= 0"
         )
-    if not (math.isfinite(settings.exclude_cooldown) and settings.exclude_cooldown > 0):
+    if not 0 < settings.exclude_cooldown <= MAX_SECONDS:
         raise ConfigError(
             f"--rdzv-conf exclude_cooldown={conf['exclude_cooldown']!r}: expected a number of "
             "seconds > 0"
         )
-    for key in ("join_timeout", "last_call_timeout", "keep_alive_interval"):
-        if getattr(settings, key) <= 0:
-            raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds > 0")
+    for key in ("join_timeout", "last_call_timeout", "keep_alive_interval", "timeout"):
+        if not 0 < getattr(settings, key) <= MAX_SECONDS:  # nan and inf are not durations
+            raise ConfigError(
+                f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds > 0 and at most "
+                f"{MAX_SECONDS:.0f}"
+            )
     if settings.keep_alive_max_attempt < 1:
         raise ConfigError(
             f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']!r}: "
@@ -459,8 +552,25 @@ def config_from_args(
     validate(config)
     if backend != "static" and not endpoint:
         raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+    _check_timer_file(args.timers, environ)
     entrypoint, entry_args = _command(args, environ)
     return config, entrypoint, entry_args
+
+
+def _check_timer_file(timers: bool, environ: Mapping[str, str]) -> None:
+    """With timers on, a FIFO named by ``TORCHELASTIC_TIMER_FILE`` must be safe to serve: a FIFO
+    of this user's that no one else can write (whoever writes names the pids that are killed)."""
+    from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV
+
+    path = environ.get(TIMER_FILE_ENV)
+    if not path or not (timers or environ.get(ENABLE_FILE_TIMER_ENV, "") == "1"):
+        return
+    from relaunch.timer.file_based_local_timer import check_server_fifo
+
+    try:
+        check_server_fifo(path)
+    except ValueError as exc:
+        raise ConfigError(f"{TIMER_FILE_ENV}: {exc}") from None
 
 
 def _command(

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
 from relaunch.agent.health import HealthCheck
+from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
 from relaunch.core.restart import Backoff
@@ -31,6 +33,7 @@ from relaunch.rendezvous.api import (
     RendezvousParameters,
 )
 from relaunch.rendezvous.backends import get_rendezvous_handler
+from relaunch.runtime import raise_open_file_limit
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,23 @@ def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
     return get_rendezvous_handler(params)
 
 
+def ensure_open_files(config: LaunchConfig) -> None:
+    """Raise the soft open-file limit (to the hard one) when the workers ``config`` asks for
+    need more descriptors than it allows (``relaunch.config.open_files_needed``): the workers
+    inherit it. ConfigError, in one line with the number needed, when even the hard limit is
+    too low."""
+    needed = open_files_needed(config)
+    soft, hard = raise_open_file_limit(needed)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        raise ConfigError(
+            f"{config.nproc_per_node} workers per node need about {needed} open files, but "
+            f"this process may open at most {soft} (hard limit {limit}, ulimit -Hn): raise the "
+            f"limit (ulimit -n {needed}, LimitNOFILE= in systemd, nofile in "
+            "/etc/security/limits.conf) or run fewer workers per node"
+        )
+
+
 @contextmanager
 def _environ(name: str, value: str) -> Iterator[None]:
     """``os.environ[name] = value`` for the block, as torchrun's launch_agent sets it (the
@@ -91,6 +111,11 @@ def launch_agent(
     """
     if handler is None:
         handler = rendezvous_handler(config)
+    try:
+        ensure_open_files(config)
+    except BaseException:
+        handler.shutdown()
+        raise
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,

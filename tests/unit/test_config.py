@@ -107,7 +107,7 @@ def test_launch_config_is_frozen_and_replace_makes_a_changed_copy() -> None:
         config.max_restarts = 5  # type: ignore[misc]
     changed = dataclasses.replace(config, max_restarts=5)
     assert (changed.max_restarts, config.max_restarts, changed.nproc_per_node) == (5, 3, 4)
-    with pytest.raises(ConfigError, match="nproc_per_node must be >= 1"):
+    with pytest.raises(ConfigError, match=r"nproc_per_node must be 1\.\.1024"):
         dataclasses.replace(config, nproc_per_node=0)
     assert issubclass(ConfigError, ValueError)
 

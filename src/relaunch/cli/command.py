@@ -83,12 +83,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         from relaunch.cli.status import status_main
 
         return status_main(arguments[1:])
+    prepared = prepare(arguments)
+    if isinstance(prepared, int):
+        return prepared
+    return _launch(*prepared)
+
+
+def prepare(
+    argv: Sequence[str],
+) -> tuple[argparse.Namespace, LaunchConfig, Callable[..., Any] | str, tuple[str, ...]] | int:
+    """What ``relaunch ARGV`` runs, checked (flags, ``PET_*``, the scheduler's inference, the
+    config, the paths, the open-file limit) without starting anything or touching signal
+    handlers; or the exit status of a usage error, said in one line (2)."""
     try:
         args = build_parser().parse_args(argv)
-    except Exception as exc:  # the parser's ConfigError, whose module --help never loads
+        _apply_scheduler(args, argv, os.environ)
+        config, entrypoint, entry_args = config_from_args(args)
+        from relaunch.launcher import ensure_open_files
+
+        ensure_open_files(config)  # before anything is said or started
+    except KeyboardInterrupt:  # Ctrl-C while GPUs are counted: nothing started
+        return 128 + signal.SIGINT
+    except Exception as exc:  # a ConfigError (its module is not loaded for --help); else a bug
         return usage_error(exc, "relaunch")
-    _apply_scheduler(args, arguments, os.environ)
-    return _launch(args)
+    return args, config, entrypoint, entry_args
 
 
 def _apply_scheduler(
@@ -110,7 +128,12 @@ def _apply_scheduler(
     print(f"relaunch: {inference.describe(applied)}", file=sys.stderr)
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(
+    args: argparse.Namespace,
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    entry_args: tuple[str, ...],
+) -> int:
     from relaunch.config import ConfigError
     from relaunch.core.ranks import omp_num_threads_default
     from relaunch.core.summary import RunSummary, format_summary
@@ -122,7 +145,6 @@ def _launch(args: argparse.Namespace) -> int:
         for sig in args.signals_to_handle:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 signal.signal(sig, raise_signal_exception)
-        config, entrypoint, entry_args = config_from_args(args)
         from relaunch.launcher import launch_agent, rendezvous_handler
 
         handler = rendezvous_handler(config)

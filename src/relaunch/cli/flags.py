@@ -33,8 +33,16 @@ def usage_error(exc: BaseException, prog: str) -> int:
 
     if not isinstance(exc, ConfigError):
         raise exc
-    print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+    print(f"{prog}: error: {one_line(str(exc))} (see {prog} --help)", file=sys.stderr)
     return EXIT_USAGE
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of printable text: a value quoted in a message (a path, a flag's
+    text) cannot break it in two, or reach the terminal as a control sequence."""
+    return "".join(
+        char if char.isprintable() else repr(char)[1:-1] for char in " ".join(text.splitlines())
+    )
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import signal
 
-from relaunch.config import ConfigError
+from relaunch.config import MAX_NPROC_PER_NODE, MAX_SECONDS, ConfigError
 from relaunch.core.streams import Std
 from relaunch.endpoints import is_loopback, parse_endpoint
 
@@ -34,8 +34,15 @@ def parse_command(text: str) -> str:
 def parse_nproc(text: str) -> str:
     """A number of workers >= 1, ``cpu``, ``gpu``, ``auto``, or ``gpu:LIST``: one worker per
     listed GPU, ``gpu:1,3`` or ``gpu:0-3`` (see ``resolve_nproc``)."""
-    if text in ("cpu", "gpu", "auto") or (text.isdigit() and int(text) >= 1):
+    if text in ("cpu", "gpu", "auto"):
         return text
+    if text.isdecimal() and text.isascii():
+        if not 1 <= int(text) <= MAX_NPROC_PER_NODE:
+            raise ConfigError(
+                f"expected 1 to {MAX_NPROC_PER_NODE} workers per node, got {text}: run more "
+                "nodes for more workers"
+            )
+        return str(int(text))
     if text.startswith("gpu:"):
         from relaunch.core.placement import parse_index_list
 
@@ -50,20 +57,25 @@ def parse_nproc(text: str) -> str:
 
 def parse_count(text: str, minimum: int) -> int:
     """A whole number >= ``minimum``."""
-    if text.strip().lstrip("-").isdigit() and int(text) >= minimum:
+    digits = text.strip().removeprefix("-")
+    if digits.isdecimal() and digits.isascii() and int(text) >= minimum:
         return int(text)
     raise ConfigError(f"expected a whole number >= {minimum}, got {text!r}")
 
 
 def parse_seconds(text: str, positive: bool) -> float:
-    """A number of seconds, > 0 when ``positive``, else >= 0."""
+    """A number of seconds, > 0 when ``positive``, else >= 0, and at most ``MAX_SECONDS``
+    (``inf`` and ``nan`` are not durations: every wait must fit the kernel's)."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if value < 0 or (positive and value == 0):
+        value = math.nan
+    if not (0 <= value <= MAX_SECONDS) or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
-        raise ConfigError(f"expected a number of seconds {bound}, got {text!r}")
+        raise ConfigError(
+            f"expected a number of seconds {bound} and at most {MAX_SECONDS:.0f} (about 11 "
+            f"days), got {text!r}"
+        )
     return value
 
 
@@ -75,8 +87,10 @@ def parse_backoff(text: str) -> tuple[float, float]:
         cap = float(cap_text) if cap_text else max(base, 30.0)
     except ValueError:
         base = cap = -1.0
-    if not (0 <= base <= cap and math.isfinite(cap)):
-        raise ConfigError(f"expected BASE:MAX seconds with 0 <= BASE <= MAX, got {text!r}")
+    if not (0 <= base <= cap <= MAX_SECONDS):
+        raise ConfigError(
+            f"expected BASE:MAX seconds with 0 <= BASE <= MAX <= {MAX_SECONDS:.0f}, got {text!r}"
+        )
     return base, cap
 
 
@@ -93,10 +107,7 @@ def parse_factor(text: str) -> float:
 
 def parse_bound(text: str) -> float:
     """A bound in seconds: finite and > 0 (a wait that must end)."""
-    value = parse_seconds(text, True)
-    if not math.isfinite(value):
-        raise ConfigError(f"expected a finite number of seconds > 0, got {text!r}")
-    return value
+    return parse_seconds(text, True)
 
 
 def parse_std(text: str) -> Std | dict[int, Std]:
@@ -148,17 +159,29 @@ def parse_ranks_filter(text: str) -> set[int]:
     return {int(item) for item in items}
 
 
+#: Signals no process can catch: relaunch cannot stop its workers on them.
+UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+
 def parse_signals(text: str) -> list[signal.Signals]:
-    """Signals by name (``SIGTERM``, ``term``) or number, comma-separated."""
+    """Signals by name (``SIGTERM``, ``term``) or number, comma-separated; not SIGKILL or SIGSTOP,
+    which no process can catch."""
     found = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name = item.upper() if item.upper().startswith("SIG") else f"SIG{item.upper()}"
         try:
-            found.append(signal.Signals(int(item)) if item.isdigit() else signal.Signals[name])
+            number = item.isdecimal() and item.isascii()
+            sig = signal.Signals(int(item)) if number else signal.Signals[name]
         except (KeyError, ValueError):
             raise ConfigError(
                 f"unknown signal {item!r}: expected names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT"
             ) from None
+        if sig in UNCATCHABLE:
+            raise ConfigError(
+                f"{sig.name} cannot be handled: no process can catch it (relaunch could not stop "
+                "its workers first); use SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2"
+            )
+        found.append(sig)
     return found
 
 

@@ -6,11 +6,12 @@ requests from many processes never interleave::
     {"version": 1, "pid": 1234, "scope_id": "step", "expiration_time": 1.7e9, "signal": 9}
 
 A negative ``expiration_time`` releases the scope. The server reads the pipe with a blocking
-``select`` (no polling), ignores (and logs) anything malformed, and never crashes on input.
+``poll`` (no busy loop), ignores (and logs) anything malformed, and never crashes on input.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -40,6 +41,8 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST = 4096
 #: A line longer than this on the pipe is garbage: it is reported malformed, not buffered.
 _MAX_LINE = 64 * 1024
+#: The longest one wait in ``poll`` (its timeout is a C int of milliseconds).
+_MAX_POLL_MS = 2**31 - 1
 
 
 class FileTimerRequest(TimerRequest):
@@ -117,6 +120,70 @@ def _check_fifo(path: str) -> None:
         raise ValueError(f"timer file {path} is not a FIFO (named pipe)")
 
 
+def check_server_fifo(path: str) -> None:
+    """Refuse an existing FIFO a server would read from (ValueError, one line saying why): it
+    must be a FIFO itself (not a symbolic link to one), owned by this user, and writable by
+    nobody else, since whoever can write to it names the pids the server signals."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return  # the server creates it
+    except OSError as exc:
+        raise ValueError(f"timer file {path}: {exc.strerror}") from None
+    _check_fifo_owner(path, info)
+
+
+def _check_fifo_owner(path: str, info: os.stat_result) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise ValueError(
+            f"timer file {path} is a symbolic link: name the FIFO itself, or leave "
+            "TORCHELASTIC_TIMER_FILE unset for one of relaunch's own"
+        )
+    if not stat.S_ISFIFO(info.st_mode):
+        raise ValueError(f"timer file {path} is not a FIFO (named pipe)")
+    if info.st_uid != os.geteuid():
+        raise ValueError(
+            f"timer file {path} belongs to uid {info.st_uid}, not to this user "
+            f"({os.geteuid()}): whoever writes to it names the pids the timer server kills; "
+            "remove it, or leave TORCHELASTIC_TIMER_FILE unset for one of relaunch's own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(
+            f"timer file {path} is writable by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):o}): whoever writes to it names the pids the timer "
+            f"server kills; chmod 600 {path}, or leave TORCHELASTIC_TIMER_FILE unset"
+        )
+
+
+def _parent_pid(pid: int) -> int:
+    """The parent of ``pid`` (/proc), 0 when it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            data = stat_file.read()
+    except OSError:
+        return 0
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
+    fields = data[data.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def is_descendant(pid: int) -> bool:
+    """Whether ``pid`` is a descendant of this process (a child, a child's child, ...): the pids
+    a ``FileTimerServer`` may reap unless its ``may_reap`` says otherwise. False where /proc
+    cannot tell."""
+    me = os.getpid()
+    seen = 0
+    while pid > 1 and seen < 4096:  # a bounded walk: a pid's ancestry is finite
+        pid = _parent_pid(pid)
+        if pid == me:
+            return True
+        seen += 1
+    return False
+
+
 class FileTimerClient(TimerClient):
     """Sends this process's timer requests to the ``FileTimerServer`` reading ``file_path``.
 
@@ -165,7 +232,7 @@ class FileTimerClient(TimerClient):
 
 
 class _FifoRequestQueue(RequestQueue):
-    """Requests from the FIFO; ``get`` blocks in ``select`` on it and a wake-up pipe."""
+    """Requests from the FIFO; ``get`` blocks in ``poll`` on it and a wake-up pipe."""
 
     def __init__(self, on_malformed: Callable[[bytes, str], None]) -> None:
         self._read_fd: int | None = None
@@ -177,10 +244,26 @@ class _FifoRequestQueue(RequestQueue):
         self._on_malformed = on_malformed
 
     def open(self, path: str) -> None:
+        nofollow = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            self._read_fd = os.open(path, os.O_RDONLY | nofollow)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symbolic link planted after the check
+                _check_fifo_owner(path, os.lstat(path))
+            raise ValueError(f"timer file {path}: {exc.strerror}") from None
+        try:
+            # What was opened is what was checked (a FIFO swapped in between is refused).
+            _check_fifo_owner(path, os.fstat(self._read_fd))
+        except ValueError:
+            os.close(self._read_fd)
+            self._read_fd = None
+            raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         # Our own writer keeps the pipe from reaching end-of-file when clients close theirs.
-        self._keep_open_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # Opened through the descriptor, so that it is the same FIFO whatever the path is now.
+        self._keep_open_fd = os.open(
+            f"/proc/self/fd/{self._read_fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC
+        )
 
     def close(self) -> None:
         """Close every descriptor, once (a descriptor closed twice may be someone else's)."""
@@ -223,7 +306,12 @@ class _FifoRequestQueue(RequestQueue):
     def get(self, size: int, timeout: float) -> list[TimerRequest]:
         assert self._read_fd is not None and self._wake_r is not None
         if not self._buffered:
-            ready, _, _ = select.select([self._read_fd, self._wake_r], [], [], timeout)
+            # poll, not select: under a raised open-file limit a descriptor may be past 1023.
+            poller = select.poll()
+            poller.register(self._read_fd, select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+            wait = max(0, min(math.ceil(timeout * 1000), _MAX_POLL_MS))
+            ready = {fd for fd, _ in poller.poll(wait)}
             if self._wake_r in ready:
                 try:
                     os.read(self._wake_r, 4096)
@@ -238,10 +326,13 @@ class _FifoRequestQueue(RequestQueue):
 class FileTimerServer(TableTimerServer):
     """Reaps the workers whose ``FileTimerClient`` timers on the FIFO ``file_path`` expire.
 
-    ``start()`` creates the FIFO (mode 0600) unless one is there; ``stop()`` removes what it
-    created. ``log_event(name, request)`` hears of each request and expiry as it happens.
-    ``may_reap(pid)``, when given, limits reaping to the pids it accepts (the agent's workers
-    and their descendants); a server never signals its own process.
+    ``start()`` creates the FIFO (mode 0600) unless one is there, and refuses one that is a
+    symbolic link, belongs to another user or is writable by others (ValueError); ``stop()``
+    removes what it created. ``log_event(name, request)`` hears of each request and expiry as
+    it happens. Whoever can write to the FIFO names pids, so a server reaps only the pids
+    ``may_reap(pid)`` accepts: by default (``may_reap=None``) the descendants of this process
+    (``is_descendant``); the agent passes its workers' process groups. A server never signals
+    its own process.
     """
 
     def __init__(
@@ -281,7 +372,9 @@ class FileTimerServer(TableTimerServer):
         super().register_timers(timer_requests)
 
     def _may_reap(self, pid: int) -> bool:
-        return self._may_reap_pid is None or self._may_reap_pid(pid)
+        if self._may_reap_pid is None:
+            return is_descendant(pid)
+        return self._may_reap_pid(pid)
 
     def _reap_worker(self, worker_id: Any) -> bool:
         with self._lock:
@@ -298,7 +391,7 @@ class FileTimerServer(TableTimerServer):
             os.mkfifo(self._file_path, 0o600)
             self._created = True
         except FileExistsError:
-            _check_fifo(self._file_path)
+            check_server_fifo(self._file_path)
         self._fifo_queue.open(self._file_path)
         super().start()
 
