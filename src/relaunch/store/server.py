@@ -11,6 +11,23 @@ low; out of descriptors, the listener rests until a connection closes instead of
 client whose unsent replies pile up past ``OUT_HIGH_WATER`` (it sends but does not read) gets
 no more of its requests read until they drain to ``OUT_LOW_WATER``: TCP's flow control then
 pushes back on it alone, and the server's memory for it stays bounded.
+
+What a client may make the server hold is bounded, before it proves the token and after:
+
+- Before: its first frame may announce at most ``PRE_AUTH_LIMIT`` bytes (the authentication
+  frame is about 80; a larger announcement closes the connection at once), it is read that
+  much at a time, and it has ``HANDSHAKE_TIMEOUT`` seconds. At most ``MAX_UNAUTHENTICATED``
+  connections wait to authenticate: when that many do, a newcomer takes the place of the oldest
+  if that one has had ``HANDSHAKE_GRACE`` seconds, or waits in the kernel's queue until it has.
+- After: a connection holds at most one read (``_RECV_SIZE``) of small frames; a larger frame
+  is received only once its announced size is reserved in ``FRAME_BUDGET``, shared by every
+  client (first come, first served; until its frame fits, the client is not read), so that
+  large values cannot add up past it whatever the number of connections.
+
+A connection closed for misbehaving (a wrong token, no authentication in time, garbage, an
+oversized frame) is logged with its reason when it is the first in ``REFUSAL_SUMMARY_INTERVAL``
+seconds; the others of that time are summed up in one line at its end: a flood of connections
+does not flood the log.
 """
 
 from __future__ import annotations
@@ -19,13 +36,16 @@ import errno
 import heapq
 import itertools
 import logging
+import mmap
 import os
 import resource
 import select
 import selectors
 import socket
+import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from relaunch.runtime import open_descriptors, raise_open_file_limit, start_thread
@@ -35,8 +55,19 @@ from relaunch.store.state import KeyValueState
 
 log = logging.getLogger(__name__)
 
-#: A client must authenticate within this many seconds of connecting.
-HANDSHAKE_TIMEOUT = 10.0
+#: A client must authenticate within this many seconds of connecting ...
+HANDSHAKE_TIMEOUT = 5.0
+#: ... having sent no frame larger than this first (the authentication frame is ~80 bytes).
+PRE_AUTH_LIMIT = 4096
+#: Connections that have not authenticated yet, at most (a few KiB of memory each) ...
+MAX_UNAUTHENTICATED = 1024
+#: ... each given this many seconds before a newcomer may take its place.
+HANDSHAKE_GRACE = 1.0
+#: Bytes of frames larger than one read that all clients together may have in the server's
+#: buffers at once: room for four of the largest frames.
+FRAME_BUDGET = 4 * wire.MAX_FRAME
+#: Connections closed after the first are summed up in one log line per this many seconds.
+REFUSAL_SUMMARY_INTERVAL = 10.0
 #: How many connections a server expects at once when not told (the open-file limit is
 #: raised for that many).
 DEFAULT_CLIENTS = 4096
@@ -58,6 +89,7 @@ _ACCEPTS_PER_TURN = 128
 _ACCEPT_BACKOFF = 0.5
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _WAKE = "wake"
+_LENGTH = struct.Struct(">I")
 
 
 @dataclass(eq=False, slots=True)
@@ -65,13 +97,24 @@ class _Client:
     sock: socket.socket
     peer: str
     nonce: bytes
-    reader: wire.FrameReader = field(default_factory=wire.FrameReader)
+    accepted: float = 0.0
+    # What it sent and was not handled yet: complete frames' payloads, and the frame being
+    # received (its length prefix, then its payload so far; ``size``: the announced length,
+    # -1 until the prefix is complete).
+    frames: deque[bytes | mmap.mmap] = field(default_factory=deque)
+    partial: bytearray = field(default_factory=bytearray)
+    size: int = -1
+    # A frame larger than one read, once its size is reserved: received straight into ``body``
+    # (mapped memory: the system has it back, all of it, when the frame is handled).
+    body: mmap.mmap | None = None
+    filled: int = 0
+    reserved: int = 0  # bytes of FRAME_BUDGET its large frames hold
+    starving: bool = False  # its large frame waits for FRAME_BUDGET: not read meanwhile
     out: bytearray = field(default_factory=bytearray)
     authenticated: bool = False
-    handshake_deadline: float = 0.0
     waiter: _Waiter | None = None
     closing: bool = False
-    events: int = selectors.EVENT_READ  # what the selector watches for it
+    events: int = selectors.EVENT_READ  # what the selector watches for it (0: unregistered)
     paused: bool = False  # its requests wait: its replies are over OUT_HIGH_WATER
 
 
@@ -81,6 +124,79 @@ class _Waiter:
     keys: tuple[str, ...]
     deadline: float
     version: int | None = None  # None: wait for the keys to exist; else watch for a change
+
+
+class _Refusals:
+    """Connections closed for misbehaving, logged without flooding: the first of a quiet spell
+    in full (who, and why), the others summed up by reason in one line per interval."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self.until: float | None = None  # the end of the current interval; None: quiet
+        self._counts: dict[str, int] = {}
+        self.total = 0  # every refusal since the start
+
+    def note(self, peer: str, reason: str, detail: str, now: float) -> None:
+        self.total += 1
+        if self.until is None:
+            log.warning(
+                "store: closing %s: %s (more such are summed up every %gs)",
+                peer,
+                detail,
+                self._interval,
+            )
+            self.until = now + self._interval
+        else:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+
+    def tick(self, now: float) -> None:
+        """At an interval's end: its summary line, if any were closed during it."""
+        if self.until is not None and now >= self.until:
+            self.until = now + self._interval if self._counts else None
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._counts:
+            return
+        counts, self._counts = self._counts, {}
+        ranked = sorted(counts.items(), key=lambda item: -item[1])
+        log.warning(
+            "store: closed %s more connections in the last %gs: %s",
+            f"{sum(counts.values()):,}",
+            self._interval,
+            ", ".join(f"{n:,} {reason}" for reason, n in ranked),
+        )
+
+
+class _Refused(Exception):
+    """A client to close, with a reason for the log: ``reason`` sums it up, ``detail`` says it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _decode(payload: bytes | mmap.mmap) -> tuple[int, list[bytes]]:
+    """The code and fields of a frame's payload (``wire.decode_payload``'s format), copying
+    only the fields: a large frame costs its buffer and its value, not copies of both."""
+    with memoryview(payload) as view:
+        if len(view) < 2:
+            raise StoreProtocolError("frame too short")
+        code, count = view[0], view[1]
+        fields, offset = [], 2
+        for _ in range(count):
+            if offset + 4 > len(view):
+                raise StoreProtocolError("truncated field length")
+            (size,) = _LENGTH.unpack_from(view, offset)
+            offset += 4
+            if offset + size > len(view):
+                raise StoreProtocolError("truncated field")
+            fields.append(bytes(view[offset : offset + size]))
+            offset += size
+        if offset != len(view):
+            raise StoreProtocolError("trailing bytes after the last field")
+    return code, fields
 
 
 def _key(field: bytes) -> str:
@@ -138,12 +254,13 @@ class TcpStoreServer:
         self._accepting = True
         self._queue = select.poll()  # whether clients wait to be accepted (no descriptor used)
         self._queue.register(self._listener, select.POLLIN)
-        self._accept_resume: float | None = None  # out of descriptors: when to try again
+        self._accept_resume: float | None = None  # the listener rests: when to try again
         self._out_of_descriptors = False  # in an episode of failed accepts (logged once)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._clients: set[_Client] = set()
+        self._unproven: dict[_Client, None] = {}  # not authenticated yet, oldest first
         self._waiters: dict[str, dict[_Waiter, None]] = {}
         # (deadline, tie-break, parked waiter or unauthenticated client); entries whose waiter
         # was woken or whose client authenticated or left stay until popped (lazy deletion).
@@ -151,6 +268,10 @@ class TcpStoreServer:
         self._sequence = itertools.count()
         self._recv_buffer = bytearray(_RECV_SIZE)
         self._recv_view = memoryview(self._recv_buffer)
+        self._reserved = 0  # bytes of FRAME_BUDGET held
+        self._starving: deque[_Client] = deque()  # large frames waiting for FRAME_BUDGET
+        self._ready: list[_Client] = []  # unpaused clients whose buffered requests wait
+        self._refusals = _Refusals(REFUSAL_SUMMARY_INTERVAL)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._check_open_file_limit(expected)
@@ -158,6 +279,11 @@ class TcpStoreServer:
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def refused(self) -> int:
+        """How many connections the server closed for misbehaving since it started."""
+        return self._refusals.total
 
     def start(self) -> TcpStoreServer:
         """Serve in a background thread."""
@@ -181,7 +307,7 @@ class TcpStoreServer:
         """Raise the soft open-file limit for ``expected`` connections if it is too low; one
         warning (how many fit, how many may come, what to do) if the hard limit is too low."""
         in_use = open_descriptors()
-        needed = in_use + expected + _FD_MARGIN
+        needed = in_use + expected + MAX_UNAUTHENTICATED + _FD_MARGIN
         soft, hard = raise_open_file_limit(needed)
         if soft == resource.RLIM_INFINITY or soft >= needed:
             return
@@ -214,9 +340,14 @@ class TcpStoreServer:
                         self._accept()
                     else:
                         os.read(self._wake_r, 512)
+                while self._ready:
+                    client = self._ready.pop()
+                    if client in self._clients and not client.paused:
+                        self._serve_buffered(client)
                 self._expire(time.monotonic())
         finally:
             self._stopping = True
+            self._refusals.flush()
             for client in list(self._clients):
                 self._close(client)
             self._selector.close()
@@ -226,7 +357,7 @@ class TcpStoreServer:
         """Whether a deadline entry still counts: its waiter parked, its client unproven."""
         if isinstance(item, _Waiter):
             return item.client.waiter is item
-        return not item.authenticated and item in self._clients
+        return item in self._unproven
 
     def _schedule(self, deadline: float, item: _Waiter | _Client) -> None:
         heapq.heappush(self._deadlines, (deadline, next(self._sequence), item))
@@ -240,15 +371,19 @@ class TcpStoreServer:
         deadlines = self._deadlines
         while deadlines and not self._live(deadlines[0][2]):
             heapq.heappop(deadlines)
-        deadline = deadlines[0][0] if deadlines else None
-        if self._accept_resume is not None:
-            deadline = min(deadline, self._accept_resume) if deadline else self._accept_resume
+        candidates = [self._accept_resume, self._refusals.until]
+        if deadlines:
+            candidates.append(deadlines[0][0])
+        deadline = min((when for when in candidates if when is not None), default=None)
         if deadline is None:
             return None
         return min(max(0.0, deadline - time.monotonic()), _MAX_SELECT)
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
+            now = time.monotonic()
+            if len(self._unproven) >= MAX_UNAUTHENTICATED and not self._make_room(now):
+                return
             try:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -266,19 +401,43 @@ class TcpStoreServer:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-            client = _Client(sock, f"{address[0]}:{address[1]}", auth.nonce())
-            client.handshake_deadline = deadline
+            client = _Client(sock, f"{address[0]}:{address[1]}", auth.nonce(), accepted=now)
             self._clients.add(client)
+            self._unproven[client] = None
             self._selector.register(sock, selectors.EVENT_READ, client)
-            self._schedule(deadline, client)
+            self._schedule(now + HANDSHAKE_TIMEOUT, client)
             required = b"1" if self._token else b"0"
             self._send(client, wire.encode(wire.HELLO, [wire.PROTOCOL, required, client.nonce]))
 
+    def _make_room(self, now: float) -> bool:
+        """``MAX_UNAUTHENTICATED`` connections wait to authenticate: close the oldest if it
+        has had ``HANDSHAKE_GRACE`` seconds (true), else rest the listener until it has."""
+        oldest = next(iter(self._unproven))
+        if now - oldest.accepted >= HANDSHAKE_GRACE:
+            self._refuse(
+                oldest,
+                _Refused(
+                    "made room for newer ones",
+                    f"not authenticated after {now - oldest.accepted:.1f}s, with "
+                    f"{MAX_UNAUTHENTICATED} connections waiting to: made room for a newer one",
+                ),
+            )
+            return True
+        self._rest_listener(oldest.accepted + HANDSHAKE_GRACE)
+        return False
+
+    def _rest_listener(self, until: float) -> None:
+        """Stop watching the listener (it would stay readable: no busy loop) until ``until``
+        or until a connection closes or authenticates."""
+        if self._accepting:
+            self._selector.unregister(self._listener)
+            self._accepting = False
+        self._accept_resume = until
+
     def _pause_accepting(self, exc: OSError) -> None:
-        """Out of descriptors with clients waiting: the listener stays readable, so stop
-        watching it (no busy loop) until a connection closes or a short back-off passes. The
-        first time in an episode (until no client waits any more), say so."""
+        """Out of descriptors with clients waiting: rest the listener until a connection
+        closes or a short back-off passes. The first time in an episode (until no client waits
+        any more), say so."""
         if not self._out_of_descriptors:
             self._out_of_descriptors = True
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -290,10 +449,7 @@ class TcpStoreServer:
                 len(self._clients),
                 soft,
             )
-        if self._accepting:
-            self._selector.unregister(self._listener)
-            self._accepting = False
-        self._accept_resume = time.monotonic() + _ACCEPT_BACKOFF
+        self._rest_listener(time.monotonic() + _ACCEPT_BACKOFF)
 
     def _end_shortage(self) -> None:
         """No client waits to be accepted any more: an episode of shortage is over."""
@@ -310,15 +466,19 @@ class TcpStoreServer:
     def _service(self, client: _Client, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
             self._flush(client)
-            if client.paused and len(client.out) <= OUT_LOW_WATER:
-                client.paused = False
-                self._serve_buffered(client)  # the requests held back; may pause it again
-            else:
-                self._update_events(client)
-        if not mask & selectors.EVENT_READ or client.paused or client not in self._clients:
+            self._update_events(client)
+        if not mask & selectors.EVENT_READ or client not in self._clients:
             return
+        if client.paused or client.starving:
+            return
+        body = client.body
         try:
-            received = client.sock.recv_into(self._recv_buffer)
+            if body is not None:  # a large frame: straight into its buffer, up to its end
+                with memoryview(body) as view:
+                    received = client.sock.recv_into(view[client.filled :])
+            else:  # unauthenticated, a client is read no more than it may send
+                size = _RECV_SIZE if client.authenticated else PRE_AUTH_LIMIT
+                received = client.sock.recv_into(self._recv_buffer, size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -326,39 +486,153 @@ class TcpStoreServer:
         if not received:
             self._close(client)
             return
-        client.reader.push(self._recv_view[:received])
+        if body is not None:
+            client.filled += received
+            if client.filled == len(body):
+                self._complete(client, body)
+        else:
+            try:
+                self._take(client, self._recv_view[:received])
+            except _Refused as refused:
+                self._refuse(client, refused)
+                return
         self._serve_buffered(client)
+
+    def _take(self, client: _Client, data: memoryview) -> None:
+        """Assemble ``data`` into ``client``'s frames. A frame larger than one read must fit in
+        FRAME_BUDGET first: until it does, the client starves (is not read)."""
+        partial, at, end = client.partial, 0, len(data)
+        while True:
+            if client.size < 0:
+                take = min(4 - len(partial), end - at)
+                partial += data[at : at + take]
+                at += take
+                if len(partial) < 4:
+                    return
+                client.size = self._announced(client, _LENGTH.unpack(partial)[0])
+                if client.size + 4 > _RECV_SIZE:
+                    self._reserve(client, client.size + 4)
+            body = client.body
+            if body is not None:
+                take = min(client.size - client.filled, end - at)
+                body[client.filled : client.filled + take] = data[at : at + take]
+                client.filled += take
+                at += take
+                if client.filled < client.size:
+                    return
+                self._complete(client, body)
+            else:
+                take = min(client.size + 4 - len(partial), end - at)
+                partial += data[at : at + take]
+                at += take
+                if len(partial) < client.size + 4:
+                    return
+                client.frames.append(bytes(partial[4:]))
+                partial.clear()  # frees its memory: an idle connection keeps no buffer
+                client.size = -1
+
+    @staticmethod
+    def _announced(client: _Client, size: int) -> int:
+        """A frame's announced size, or ``_Refused`` if it is too large for the client now."""
+        if client.authenticated:
+            if size > wire.MAX_FRAME:
+                raise _Refused(
+                    "oversized frames", f"frame of {size} bytes exceeds {wire.MAX_FRAME}"
+                )
+        elif size > PRE_AUTH_LIMIT:
+            raise _Refused(
+                "oversized frames before authenticating",
+                f"a frame of {size} bytes before authenticating (at most {PRE_AUTH_LIMIT})",
+            )
+        return size
+
+    def _complete(self, client: _Client, body: mmap.mmap) -> None:
+        client.frames.append(body)
+        client.body = None
+        client.size = -1
+        client.filled = 0
+
+    def _begin_body(self, client: _Client) -> None:
+        """``client``'s large frame got its reservation: its buffer, with what came already."""
+        received = len(client.partial) - 4
+        client.body = mmap.mmap(-1, client.size)
+        client.body[:received] = client.partial[4:]
+        client.filled = received
+        client.partial.clear()
+
+    def _reserve(self, client: _Client, size: int) -> None:
+        """Reserve ``size`` bytes of FRAME_BUDGET for ``client``'s frame, or make it wait its
+        turn (clients that wait are served in order; one frame alone always fits)."""
+        if not self._starving and (self._reserved == 0 or self._reserved + size <= FRAME_BUDGET):
+            self._reserved += size
+            client.reserved += size
+            self._begin_body(client)
+        else:
+            client.starving = True
+            self._starving.append(client)
+
+    def _release(self, client: _Client, size: int) -> None:
+        """``client`` gave back ``size`` bytes of FRAME_BUDGET: let the frames waiting in."""
+        client.reserved -= size
+        self._reserved -= size
+        while self._starving:
+            waiting = self._starving[0]
+            if waiting not in self._clients:
+                self._starving.popleft()
+                continue
+            need = waiting.size + 4
+            if self._reserved and self._reserved + need > FRAME_BUDGET:
+                break
+            self._starving.popleft()
+            self._reserved += need
+            waiting.reserved += need
+            waiting.starving = False
+            self._begin_body(waiting)
+            self._update_events(waiting)
 
     def _serve_buffered(self, client: _Client) -> None:
         """Handle the client's complete requests in order, until its unsent replies pass
         OUT_HIGH_WATER (then pause it: the rest stay buffered, in the kernel too)."""
         try:
-            while not client.closing and client in self._clients:
+            while not client.closing and client in self._clients and client.frames:
                 if len(client.out) >= OUT_HIGH_WATER:
                     client.paused = True
                     break
-                payload = client.reader.next()
-                if payload is None:
-                    break
-                self._handle(client, *wire.decode_payload(payload))
+                payload = client.frames.popleft()
+                size = len(payload) + 4
+                self._handle(client, *_decode(payload))
+                del payload  # a large frame's buffer is freed before its budget is let go
+                if size > _RECV_SIZE and client in self._clients:
+                    self._release(client, size)
         except StoreProtocolError as exc:
-            log.warning("store: closing %s: %s", client.peer, exc)
-            self._close(client)
+            reason = "malformed requests" if client.authenticated else "not the store's protocol"
+            self._refuse(client, _Refused(reason, str(exc)))
+            return
+        except _Refused as refused:
+            self._refuse(client, refused)
             return
         self._update_events(client)
 
     def _update_events(self, client: _Client) -> None:
-        """Watch the client for requests unless paused, and for writing while replies wait."""
+        """Watch the client for requests unless paused or starving, and for writing while
+        replies wait. A paused client whose replies drained to OUT_LOW_WATER is resumed."""
         if client not in self._clients:
             return
-        events = 0 if client.paused else selectors.EVENT_READ
+        if client.paused and len(client.out) <= OUT_LOW_WATER:
+            client.paused = False
+            if client.frames:
+                self._ready.append(client)  # served in this loop turn, not recursively here
+        events = 0 if client.paused or client.starving else selectors.EVENT_READ
         if client.out:
             events |= selectors.EVENT_WRITE
-        if not events:  # cannot happen (paused means replies wait); never leave it unwatched
-            client.paused, events = False, selectors.EVENT_READ
         if events != client.events:
+            if not events:
+                self._selector.unregister(client.sock)
+            elif not client.events:
+                self._selector.register(client.sock, events, client)
+            else:
+                self._selector.modify(client.sock, events, client)
             client.events = events
-            self._selector.modify(client.sock, events, client)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -380,14 +654,17 @@ class TcpStoreServer:
 
     def _authenticate(self, client: _Client, op: int, fields: list[bytes]) -> None:
         if op != wire.AUTH or len(fields) != 2:
-            raise StoreProtocolError("expected the authentication frame first")
+            raise _Refused("not the store's protocol", "expected the authentication frame first")
         answer, client_nonce = fields
         if self._token and not auth.verify(self._token, b"client", client.nonce, answer):
-            log.warning("store: refused %s: wrong or missing token", client.peer)
+            self._note(client, _Refused("wrong tokens", "refused: wrong or missing token"))
             client.closing = True  # first: the reply's flush closes the connection once sent
             self._reply(client, wire.ERROR, [b"authentication failed: wrong or missing token"])
             return
         client.authenticated = True
+        self._unproven.pop(client, None)
+        if not self._accepting and self._accept_resume is not None:
+            self._resume_accepting()  # a place among the unauthenticated is free
         own_proof = auth.proof(self._token, b"server", client_nonce) if self._token else b""
         self._reply(client, wire.OK, [own_proof])
 
@@ -501,14 +778,11 @@ class TcpStoreServer:
                     current = self._state.get(item.keys[0])
                     self._reply(item.client, wire.OK, _versioned_fields(*current))
             else:
-                log.warning(
-                    "store: closing %s: no authentication within %ss",
-                    item.peer,
-                    HANDSHAKE_TIMEOUT,
-                )
-                self._close(item)
+                timeout = f"no authentication within {HANDSHAKE_TIMEOUT:g}s"
+                self._refuse(item, _Refused(timeout, timeout))
         if self._accept_resume is not None and self._accept_resume <= now:
             self._resume_accepting()
+        self._refusals.tick(now)
 
     # -- sending and closing --------------------------------------------------------------------
 
@@ -541,14 +815,31 @@ class TcpStoreServer:
         if client.closing and not out:
             self._close(client)
 
+    def _note(self, client: _Client, refused: _Refused) -> None:
+        self._refusals.note(client.peer, refused.reason, refused.detail, time.monotonic())
+
+    def _refuse(self, client: _Client, refused: _Refused) -> None:
+        """Close a misbehaving client, noting why (one log line per interval at most)."""
+        if client in self._clients:
+            self._note(client, refused)
+            self._close(client)
+
     def _close(self, client: _Client) -> None:
         if client not in self._clients:
             return
         self._clients.discard(client)
+        self._unproven.pop(client, None)
         if client.waiter is not None:
             self._unpark(client.waiter)
-        self._selector.unregister(client.sock)
+        if client.events:
+            self._selector.unregister(client.sock)
         client.sock.close()
+        client.frames.clear()
+        client.partial = bytearray()
+        client.body = None
+        client.out = bytearray()
+        if client.reserved:
+            self._release(client, client.reserved)
         if not self._accepting:
             self._resume_accepting()  # a descriptor is free: take the next waiting client
 
