@@ -151,6 +151,7 @@ FLAGS = [
         ("--master-addr",),
         "address of the node of rank 0 (static rendezvous)",
         "127.0.0.1",
+        _checked("parse_host"),
         metavar="ADDR",
     ),
     _Flag(
@@ -162,7 +163,14 @@ FLAGS = [
         _checked("parse_count", 0),
         metavar="PORT",
     ),
-    _Flag("nodes", ("--local-addr",), "address this node advertises to the others", metavar="ADDR"),
+    _Flag(
+        "nodes",
+        ("--local-addr",),
+        "address this node advertises to the others",
+        None,
+        _checked("parse_host"),
+        metavar="ADDR",
+    ),
     _Flag(
         "nodes",
         ("--health-check",),

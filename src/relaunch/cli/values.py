@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 import signal
 
 from relaunch.config import MAX_NPROC_PER_NODE, MAX_SECONDS, ConfigError
@@ -129,13 +131,33 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+def parse_host(text: str) -> str:
+    """A host name or an IP address (``--master-addr``, ``--local-addr``): one a socket can be
+    given (a name IDNA can encode, of letters, digits, '.', '-' and '_'); "" is left as it is."""
+    if not text:
+        return text
+    try:
+        ipaddress.ip_address(text[1:-1] if text.startswith("[") else text)
+        return text
+    except ValueError:
+        pass
+    try:
+        encoded = text.encode("idna")
+    except UnicodeError:
+        encoded = b""
+    if not (re.fullmatch(rb"[A-Za-z0-9._-]{1,253}", encoded) and not encoded.startswith(b".")):
+        raise ConfigError(f"expected a host name or an IP address, got {text!r}")
+    return text
+
+
 def parse_rdzv_endpoint(text: str) -> str:
     """``HOST:PORT``, or for etcd a list of members ``HOST:PORT,HOST:PORT`` (``http(s)://``)."""
     for item in text.split(",") if text else ():
         try:
-            parse_endpoint(item.partition("://")[2] or item, default_port=0)
+            host, _ = parse_endpoint(item.partition("://")[2] or item, default_port=0)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        parse_host(host)
     return text
 
 
