@@ -2,8 +2,46 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 from relaunch.endpoints import find_free_port, parse_endpoint
-from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from relaunch.rendezvous.api import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+
+#: How long a temporary name-resolution failure (EAI_AGAIN: the DNS server did not answer) is
+#: retried before the master's host is said to be unresolvable. A name that does not exist
+#: (EAI_NONAME) is said at once.
+RESOLVE_RETRY_SECONDS = 5.0
+
+
+def check_master_addr(host: str, port: int, retry_for: float = RESOLVE_RETRY_SECONDS) -> None:
+    """``RendezvousError`` in one line when ``host`` cannot be resolved on this node.
+
+    The workers connect to ``MASTER_ADDR``; torch retries an unresolvable one for its whole
+    store timeout (30 minutes) with a warning every few seconds, so it is checked here, before
+    any worker starts.
+    """
+    ends = time.monotonic() + retry_for
+    delay = 0.1
+    while True:
+        try:
+            socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+            return
+        except socket.gaierror as exc:
+            if exc.errno == socket.EAI_AGAIN and time.monotonic() + delay < ends:
+                time.sleep(delay)  # backoff between resolution attempts, bounded by ``ends``
+                delay = min(delay * 2, 1.0)
+                continue
+            raise RendezvousError(
+                f"--master-addr {host!r} cannot be resolved on this node ({exc.strerror}): "
+                "give a host name or address of the node with --node-rank 0 that every node "
+                "can resolve"
+            ) from None
 
 
 class StaticRendezvousHandler(RendezvousHandler):
@@ -48,8 +86,16 @@ class StaticRendezvousHandler(RendezvousHandler):
         )
 
     def next_rendezvous(self) -> RendezvousInfo:
+        check_master_addr(self.master_addr, self.master_port)
         if self.master_port == 0:
-            self.master_port = find_free_port(self.master_addr)
+            try:
+                self.master_port = find_free_port(self.master_addr)
+            except OSError as exc:
+                raise RendezvousError(
+                    f"cannot pick a free port on --master-addr {self.master_addr!r}: "
+                    f"{exc.strerror or exc}; with one node, leave --master-addr out or name "
+                    "an address of this machine, or give --master-port"
+                ) from None
         return RendezvousInfo(
             group_rank=self.node_rank,
             group_world_size=self.nnodes,

@@ -1,0 +1,72 @@
+"""Loose ends of issue 24 that the other fixes found: each one line, never a traceback or a hang.
+
+- The static rendezvous with a ``--master-addr`` this node cannot resolve (or, with port 0, bind).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import LeakCheck
+
+pytestmark = pytest.mark.timeout(60)
+
+#: A name that can never resolve (RFC 6761 reserves .invalid).
+NOWHERE = "nonexistent.invalid"
+
+
+def _relaunch(
+    leaks: LeakCheck, *argv: str, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relaunch", *argv],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
+        timeout=timeout,
+    )
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("relaunch: error:")]
+
+
+@pytest.mark.parametrize(
+    "flags, names",
+    [
+        # Two nodes, this the first: the workers would wait 30 minutes for the master.
+        (["--nnodes", "2", "--node-rank", "0", "--master-port", "29500"], [NOWHERE]),
+        # One node, no port: a free port is picked on the master's address.
+        (["--nnodes", "1"], [NOWHERE]),
+    ],
+)
+def test_an_unresolvable_master_addr_is_one_line_at_once(
+    tmp_path, leaks: LeakCheck, flags: list[str], names: list[str]
+) -> None:
+    job = tmp_path / "job.py"
+    job.write_text("print('ran')\n")
+    began = time.monotonic()
+    done = _relaunch(leaks, *flags, "--master-addr", NOWHERE, str(job))
+    took = time.monotonic() - began
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "ran" not in done.stdout
+    (line,) = _error_lines(done.stderr)
+    assert all(name in line for name in names) and "cannot be resolved" in line, line
+    assert took < 15, took
+
+
+def test_a_master_addr_not_of_this_machine_with_port_0_is_one_line(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    job = tmp_path / "job.py"
+    job.write_text("print('ran')\n")
+    # TEST-NET-1 (RFC 5737): resolvable, and never an address of this machine.
+    done = _relaunch(leaks, "--nnodes", "1", "--master-addr", "192.0.2.1", str(job))
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = _error_lines(done.stderr)
+    assert "192.0.2.1" in line and "free port" in line, line
