@@ -12,6 +12,8 @@ import time
 import pytest
 from conftest import LeakCheck
 
+from relaunch.endpoints import find_free_port
+
 pytestmark = pytest.mark.timeout(60)
 
 #: A name that can never resolve (RFC 6761 reserves .invalid).
@@ -70,3 +72,49 @@ def test_a_master_addr_not_of_this_machine_with_port_0_is_one_line(
     assert "Traceback" not in done.stderr
     (line,) = _error_lines(done.stderr)
     assert "192.0.2.1" in line and "free port" in line, line
+
+
+def test_a_c10d_endpoint_that_cannot_be_resolved_is_one_line_at_once(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    job = tmp_path / "job.py"
+    job.write_text("print('ran')\n")
+    began = time.monotonic()
+    done = _relaunch(
+        leaks,
+        *("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "j"),
+        *("--rdzv-endpoint", f"{NOWHERE}:29400", str(job)),
+    )
+    took = time.monotonic() - began
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == _error_lines(done.stderr), done.stderr
+    (line,) = _error_lines(done.stderr)
+    assert NOWHERE in line and "cannot be resolved" in line, line
+    assert took < 15, took
+
+
+def test_a_c10d_store_that_does_not_answer_is_waited_for_once_then_one_line(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    job = tmp_path / "job.py"
+    job.write_text("print('ran')\n")
+    port = find_free_port("127.0.0.1")  # nothing listens there, and this node does not host
+    began = time.monotonic()
+    done = _relaunch(
+        leaks,
+        *("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "j"),
+        *("--rdzv-endpoint", f"127.0.0.1:{port}"),
+        *("--rdzv-conf", "is_host=false,join_timeout=3", str(job)),
+    )
+    took = time.monotonic() - began
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    waiting = [line for line in lines if "waiting" in line]
+    assert len(waiting) == 1 and f"127.0.0.1:{port}" in waiting[0], done.stderr
+    assert "up to 3s" in waiting[0], waiting
+    (error,) = _error_lines(done.stderr)
+    assert f"127.0.0.1:{port}" in error and "within 3s" in error, error
+    assert lines == [*waiting, error], done.stderr
+    assert 2.5 < took < 15, took

@@ -8,6 +8,7 @@ only for the backend that needs them.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from relaunch.config import RdzvSettings, etcd_options, rdzv_settings
@@ -26,6 +27,8 @@ from relaunch.rendezvous.static import StaticRendezvousHandler
 from relaunch.store.api import StoreError
 
 DEFAULT_PORT = 29400
+
+log = logging.getLogger(__name__)
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -110,8 +113,24 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         """Reach the store hosted elsewhere within ``within`` seconds, or ``StoreError``."""
         TcpStore(host, port, token, timeout=within, connect_timeout=within).close()
 
+    def waiting(endpoint: str, within: float) -> None:
+        """Said once, when the store does not answer at first: what this agent waits for."""
+        log.warning(
+            "waiting up to %gs (join_timeout) for the store at %s: it is hosted by the agent of "
+            "the node that can bind that address; start relaunch there, or check --rdzv-endpoint",
+            within,
+            endpoint,
+        )
+
     try:
-        store = TcpStore(host, port, token, timeout=timeout, connect_timeout=settings.join_timeout)
+        store = TcpStore(
+            host,
+            port,
+            token,
+            timeout=timeout,
+            connect_timeout=settings.join_timeout,
+            on_wait=waiting,
+        )
         heartbeat_store = TcpStore(
             host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from relaunch.store import auth, wire
 from relaunch.store.api import (
@@ -47,8 +47,11 @@ class TcpStore:
     """A ``Store`` served by a ``TcpStoreServer`` at ``host:port``.
 
     Connecting retries (with backoff) for up to ``connect_timeout`` seconds, so agents may start
-    before the node that hosts the store. Every call has a deadline (``timeout`` by default); a
-    call that times out drops the connection, and the next call reconnects.
+    before the node that hosts the store; ``on_wait`` (given the endpoint and that time) is
+    called once, when the first connection attempt fails and the retrying begins. A host name
+    that does not resolve (not a temporary DNS failure) fails at once: retrying cannot help.
+    Every call has a deadline (``timeout`` by default); a call that times out drops the
+    connection, and the next call reconnects.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class TcpStore:
         token: str | None = None,
         timeout: float = 30.0,
         connect_timeout: float | None = None,
+        on_wait: Callable[[str, float], None] | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.timeout = timeout
@@ -68,7 +72,7 @@ class TcpStore:
         self._reader = wire.FrameReader()
         self._pending: list[bytes] = []
         with self._lock:
-            self._connect()
+            self._connect(on_wait)
 
     @property
     def endpoint(self) -> str:
@@ -76,7 +80,7 @@ class TcpStore:
 
     # -- connection -----------------------------------------------------------------------------
 
-    def _connect(self) -> None:
+    def _connect(self, on_wait: Callable[[str, float], None] | None = None) -> None:
         deadline = Deadline(self._connect_timeout)
         delay = 0.01
         while True:
@@ -85,7 +89,23 @@ class TcpStore:
                     (self.host, self.port), timeout=max(0.01, deadline.left())
                 )
                 break
+            except socket.gaierror as exc:
+                if exc.errno != socket.EAI_AGAIN:  # the name does not exist: no retry helps
+                    raise StoreConnectionError(
+                        f"the store's host {self.host!r} cannot be resolved on this node "
+                        f"({exc.strerror}): check the endpoint's host name"
+                    ) from None
+                if deadline.left() < delay:
+                    raise StoreConnectionError(
+                        f"cannot resolve the store's host {self.host!r} within "
+                        f"{self._connect_timeout:g}s: {exc.strerror}"
+                    ) from None
+                time.sleep(delay)  # backoff between resolution attempts, bounded by the deadline
+                delay = min(delay * 2, 0.5)
             except OSError as exc:
+                if on_wait is not None:
+                    on_wait(self.endpoint, self._connect_timeout)
+                    on_wait = None
                 if deadline.left() < delay:
                     raise StoreConnectionError(
                         f"cannot reach the store at {self.endpoint} within "
