@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 from relaunch.endpoints import find_free_port, parse_endpoint
@@ -26,6 +25,8 @@ def check_master_addr(host: str, port: int, retry_for: float = RESOLVE_RETRY_SEC
     store timeout (30 minutes) with a warning every few seconds, so it is checked here, before
     any worker starts.
     """
+    import socket  # here: a single-node launch loads no network code (test_api)
+
     ends = time.monotonic() + retry_for
     delay = 0.1
     while True:
