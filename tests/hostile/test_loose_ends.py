@@ -12,7 +12,10 @@ import time
 import pytest
 from conftest import LeakCheck
 
+from relaunch.core.durations import seconds
 from relaunch.endpoints import find_free_port
+from relaunch.store.api import StoreError
+from relaunch.store.client import TcpStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,3 +121,18 @@ def test_a_c10d_store_that_does_not_answer_is_waited_for_once_then_one_line(
     assert f"127.0.0.1:{port}" in error and "within 3s" in error, error
     assert lines == [*waiting, error], done.stderr
     assert 2.5 < took < 15, took
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [(1.49274, "1.5s"), (0.2, "0.2s"), (0.0123, "0.012s"), (600.0, "600s"), (1e6, "1000000s")],
+)
+def test_durations_are_shown_rounded(value: float, shown: str) -> None:
+    assert seconds(value) == shown
+
+
+def test_the_store_clients_timeouts_are_shown_rounded() -> None:
+    port = find_free_port("127.0.0.1")  # nothing listens there
+    with pytest.raises(StoreError) as caught:
+        TcpStore("127.0.0.1", port, connect_timeout=0.3 + 1 / 7)
+    assert "within 0.44s" in str(caught.value), caught.value

@@ -67,6 +67,8 @@ def test_the_survivor_of_the_store_hosts_death_says_so_within_the_keep_alive(
         "1:2",
         "--rdzv-conf",
         CONF,
+        "--max-restarts",
+        "3",  # restarts left: the store host's death must still not be called a restart
         str(job),
     ]
 
@@ -100,5 +102,9 @@ def test_the_survivor_of_the_store_hosts_death_says_so_within_the_keep_alive(
     gone = [line for line in err.splitlines() if "store's host is gone" in line]
     assert len(gone) == 1 and gone[0].startswith("relaunch: error: "), err
     assert "--rdzv-backend etcd" in gone[0] and "restart the job" in gone[0], err
+    # The store's host being gone is no restart: none is said, nor counted in the summary.
+    assert "restarting the worker group" not in err, err
+    (summary,) = [line for line in err.splitlines() if "run summary" in line]
+    assert "restart" not in summary, err
     for pid in os.listdir(pids):  # the workers of both nodes
         wait_until(lambda pid=pid: not pid_alive(int(pid)), 5, f"worker {pid} to be gone")

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.core import timers as core_timers
+from relaunch.core.durations import seconds
 from relaunch.core.failures import AT_EXIT, faulthandler_dump, waits_at_exit
 from relaunch.core.liveness import Liveness, Overdue, next_due, overdue
 from relaunch.core.progress import Progress
@@ -321,7 +322,7 @@ class ExpiryWatch:
     def _on_reap(self, worker: object, timers: list[Timer]) -> None:
         pid = int(str(worker))
         scopes = "; ".join(
-            f"expiry timer {t.scope!r} expired: the block was given {t.allowed:.3g}s"
+            f"expiry timer {t.scope!r} expired: the block was given {seconds(t.allowed)}"
             for t in timers
         )
         self._causes[pid] = f"{scopes} (relaunch.timer.expires); relaunch reaped it"

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relaunch.core.defaults import DEFAULT_HEALTH_CHECK_COOLDOWN, DEFAULT_HEALTH_CHECK_TIMEOUT
+from relaunch.core.durations import seconds
 from relaunch.procs.guardian import guardian
 from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler
 
@@ -69,7 +70,7 @@ def run_check(check: HealthCheck, env: Mapping[str, str]) -> HealthResult:
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
             output, _ = proc.communicate()
-            status = f"timed out after {check.timeout:g}s"
+            status = f"timed out after {seconds(check.timeout)}"
     finally:  # a signal that stops relaunch stops the check too
         _kill_group(proc.pid)
         if proc.poll() is None:

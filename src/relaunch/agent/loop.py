@@ -40,6 +40,7 @@ from relaunch.core.console_plan import (
     relayed,
 )
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
+from relaunch.core.durations import seconds
 from relaunch.core.failures import describe_exit, format_report
 from relaunch.core.group import GroupState
 from relaunch.core.ranks import GroupContext, worker_env
@@ -271,7 +272,7 @@ class LocalElasticAgent:
             running = len(pcontext.running())
             note = (
                 f"{running} worker(s) did not stop within "
-                f"{spec.shutdown_timeout:g}s of the request and were sent "
+                f"{seconds(spec.shutdown_timeout)} of the request and were sent "
                 f"{request.sigval.name}"
             )
         self._report.stop_note = note
@@ -328,6 +329,10 @@ class LocalElasticAgent:
                     log.error("[%s] %s", role, stalled)
                     self._report.stop_note = stalled
                     return self._fail_job(outcome, stalled)
+            # The workers stop before anything is said: if the store's host is gone with the
+            # store, the job ends here, and no restart was said or counted.
+            self._stop_workers(signal.SIGTERM)
+            spec.rdzv_handler.check_store()
             restarts_left = self._restarts_left
             if decision.uses_restart:
                 self._spent += 1
@@ -342,15 +347,14 @@ class LocalElasticAgent:
                 decision.reason,
                 restarts_left,
             )
-            self._stop_workers(signal.SIGTERM)
             if decision.uses_restart:  # the other nodes restart because of this: say why
                 spec.rdzv_handler.note_restart(f"{os.uname().nodename}: {reason}")
             if delay:
                 log.warning(
-                    "[%s] a crash loop: waiting %gs before restart %d in a row "
+                    "[%s] a crash loop: waiting %s before restart %d in a row "
                     "(--restart-backoff %g:%g)",
                     role,
-                    delay,
+                    seconds(delay),
                     self._attempts.loop.in_a_row,
                     self._attempts.backoff.base,
                     self._attempts.backoff.cap,
@@ -405,8 +409,8 @@ class LocalElasticAgent:
         if decision.action is Action.AWAIT_CHANGE and self._grace_ends is None:
             log.warning(
                 "workers failed with no restart left, and not every other node answered: "
-                "waiting up to %gs for a lost node to be noticed",
-                handler.lost_node_grace,
+                "waiting up to %s for a lost node to be noticed",
+                seconds(handler.lost_node_grace),
             )
         self._grace_ends = decision.deadline
         return outcome, decision

@@ -16,6 +16,7 @@ from relaunch.core.channel import (
     SLOT,
     slot_offset,
 )
+from relaunch.core.durations import seconds
 
 _HOW = {BOUND_GIVEN: "given", BOUND_LEARNED: "learned"}
 
@@ -92,11 +93,11 @@ class Overdue:
         if self.what == "heartbeat":
             return (
                 f"no heartbeat for {now - self.since:.1f}s; the next was due within "
-                f"{allowed:.3g}s ({self.bound})"
+                f"{seconds(allowed)} ({self.bound})"
             )
         return (
             f"{self.what} overdue: entered {now - self.since:.1f}s ago, its bound is "
-            f"{allowed:.3g}s ({self.bound})"
+            f"{seconds(allowed)} ({self.bound})"
         )
 
 

@@ -30,6 +30,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from relaunch.core.durations import seconds
+
 #: The join counter adds ``1 + workers * TICKET_SPAN``: tickets live in the low digits.
 TICKET_SPAN = 1 << 24
 
@@ -176,7 +178,9 @@ def decide_join(
             waited = f"the first node to complete the round ({joined} joined)"
         else:
             waited = f"{settings.min_nodes} node(s) to join ({joined} joined)"
-        return JoinDecision(Step.FAIL, reason=f"waited {settings.join_timeout:g}s for {waited}")
+        return JoinDecision(
+            Step.FAIL, reason=f"waited {seconds(settings.join_timeout)} for {waited}"
+        )
     if ticket != 1 or previous_running:
         return JoinDecision(Step.WAIT, deadline=fail_at)
     if joined >= completion_target(settings, expected):

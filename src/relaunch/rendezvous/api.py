@@ -197,6 +197,11 @@ class RendezvousHandler(abc.ABC):
         """Seconds a lost node may take to be noticed (0: membership is fixed)."""
         return 0.0
 
+    def check_store(self) -> None:  # noqa: B027 - no store that can outlive this node
+        """Before this node restarts its workers: ``StoreHostGone`` when the store was lost and
+        its host is gone with it (then the job cannot go on, and no restart is said or
+        counted); nothing otherwise."""
+
     def note_restart(self, reason: str) -> None:  # noqa: B027 - nobody else to tell
         """This node restarts its workers because of ``reason`` (a failure: it spends one of the
         job's restarts): the others hear it as theirs."""

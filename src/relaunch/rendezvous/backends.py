@@ -14,6 +14,7 @@ import os
 from relaunch.config import RdzvSettings, etcd_options, rdzv_settings
 from relaunch.core import exclusion
 from relaunch.core import rendezvous as plan
+from relaunch.core.durations import seconds
 from relaunch.endpoints import is_loopback, parse_endpoint
 from relaunch.rendezvous.api import (
     BACKENDS,
@@ -116,9 +117,9 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     def waiting(endpoint: str, within: float) -> None:
         """Said once, when the store does not answer at first: what this agent waits for."""
         log.warning(
-            "waiting up to %gs (join_timeout) for the store at %s: it is hosted by the agent of "
+            "waiting up to %s (join_timeout) for the store at %s: it is hosted by the agent of "
             "the node that can bind that address; start relaunch there, or check --rdzv-endpoint",
-            within,
+            seconds(within),
             endpoint,
         )
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from relaunch.core import exclusion
 from relaunch.core import rendezvous as plan
+from relaunch.core.durations import seconds
 from relaunch.core.membership import ChangeKind, MembershipChange, expected_size
 from relaunch.rendezvous.api import (
     RendezvousClosedError,
@@ -344,7 +345,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             while not self._changed.is_set():  # a member was lost: the live ones are done
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("exit barrier: not every node finished within %gs", timeout)
+                    log.warning("exit barrier: not every node finished within %s", seconds(timeout))
                     return
                 if self._ticket == 1:
                     done = self._roster.await_tally("done", round_, members, min(left, interval))
@@ -459,6 +460,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._store.add(self._key("restarts"), 1)
             if read is not None and counted is not None:
                 self._write_record(counted, read[1], others)
+
+    def check_store(self) -> None:
+        self._check_store_host()
 
     def _check_store_host(self) -> None:
         """After the store was lost: whether it still lives, judged as a member is, by the

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from relaunch.core import rendezvous as plan
+from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange
 from relaunch.rendezvous.api import store_change
 from relaunch.rendezvous.rollcall import CALL
@@ -236,7 +237,7 @@ class CounterPulse:
             self._silence.heard(key)
             return None
         if self._silence.silent(key, covered) > self._settings.dead_after:
-            return f"no heartbeat for {self._settings.dead_after:g}s"
+            return f"no heartbeat for {seconds(self._settings.dead_after)}"
         return None
 
 
@@ -319,5 +320,5 @@ class LeasePulse:
         if key in self._seen and steady:
             return "its etcd lease expired"
         if silence > settings.dead_after and now - self._started > settings.dead_after:
-            return f"no heartbeat for {settings.dead_after:g}s"
+            return f"no heartbeat for {seconds(settings.dead_after)}"
         return None

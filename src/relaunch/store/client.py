@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from relaunch.core.durations import seconds
 from relaunch.store import auth, wire
 from relaunch.store.api import (
     CasResult,
@@ -98,7 +99,7 @@ class TcpStore:
                 if deadline.left() < delay:
                     raise StoreConnectionError(
                         f"cannot resolve the store's host {self.host!r} within "
-                        f"{self._connect_timeout:g}s: {exc.strerror}"
+                        f"{seconds(self._connect_timeout)}: {exc.strerror}"
                     ) from None
                 time.sleep(delay)  # backoff between resolution attempts, bounded by the deadline
                 delay = min(delay * 2, 0.5)
@@ -109,7 +110,7 @@ class TcpStore:
                 if deadline.left() < delay:
                     raise StoreConnectionError(
                         f"cannot reach the store at {self.endpoint} within "
-                        f"{self._connect_timeout:g}s: {exc}"
+                        f"{seconds(self._connect_timeout)}: {exc}"
                     ) from None
                 time.sleep(delay)  # backoff between connection attempts, bounded by the deadline
                 delay = min(delay * 2, 0.5)
@@ -158,7 +159,7 @@ class TcpStore:
             self._sock.sendall(frame)
         except TimeoutError:
             raise StoreTimeout(
-                f"the store at {self.endpoint} took no request in {deadline.seconds:.3g}s"
+                f"the store at {self.endpoint} took no request in {seconds(deadline.seconds)}"
             ) from None
         except OSError as exc:
             raise StoreConnectionError(f"lost the store at {self.endpoint}: {exc}") from None
@@ -174,7 +175,7 @@ class TcpStore:
             except TimeoutError:
                 raise StoreTimeout(
                     f"no complete reply from the store at {self.endpoint} "
-                    f"within {deadline.seconds:.3g}s"
+                    f"within {seconds(deadline.seconds)}"
                 ) from None
             except OSError as exc:
                 raise StoreConnectionError(f"lost the store at {self.endpoint}: {exc}") from None

@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from relaunch.core.durations import seconds
+
 #: The innermost ``limit`` of this thread: its end (a ``time.monotonic()`` instant) and its
 #: length in seconds, or None.
 _LIMIT: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar(
@@ -53,7 +55,7 @@ class Deadline:
         would make the socket non-blocking, not fail)."""
         left = self.at - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"no complete reply within {self.seconds:.3g}s")
+            raise TimeoutError(f"no complete reply within {seconds(self.seconds)}")
         return left
 
     def within(self, seconds: float) -> Deadline:

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch.core.durations import seconds
 from relaunch.store import http1
 from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
 from relaunch.store.etcd_gateway import Endpoint, Gateway, malformed, parse_endpoints
@@ -342,7 +343,7 @@ class EtcdStore:
             if self.watch(key, 0, max(0.0, deadline - time.monotonic())).value is None:
                 missing = [k for k in keys[index:] if self.get(k).value is None]
                 raise StoreTimeout(
-                    f"keys still missing after {timeout:g}s: " + ", ".join(missing or [key])
+                    f"keys still missing after {seconds(timeout)}: " + ", ".join(missing or [key])
                 )
 
     def watch(self, key: str, version: int, timeout: float) -> Versioned:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from relaunch.core.durations import seconds
 from relaunch.runtime import report_failure, start_thread
 from relaunch.store.api import StoreConnectionError, StoreError, Versioned
 from relaunch.store.etcd import EtcdStore, WatchStream, prefix_end
@@ -142,7 +143,7 @@ class PrefixFeed:
             if time.monotonic() + delay > deadline:
                 raise StoreConnectionError(
                     f"cannot watch {self._prefix!r} on etcd at {self._store.describe()} "
-                    f"within {self._store.timeout:g}s"
+                    f"within {seconds(self._store.timeout)}"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch.core.durations import seconds
 from relaunch.endpoints import parse_endpoint
 from relaunch.store import http1
 from relaunch.store.api import StoreAuthError, StoreConnectionError, StoreError
@@ -314,7 +315,7 @@ class Gateway:
             failures += 1
             if deadline.expired() or (failures % members == 0 and deadline.left() < delay):
                 raise StoreConnectionError(
-                    f"cannot reach etcd at {self.describe()} within {deadline.seconds:.3g}s "
+                    f"cannot reach etcd at {self.describe()} within {seconds(deadline.seconds)} "
                     f"(last: {last})"
                 )
             if failures % members == 0:
