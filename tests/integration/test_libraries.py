@@ -51,8 +51,10 @@ LIBRARIES = {
 # torchrun takes some 3 s more to start and the job as long again, for each library.
 WITH_TORCHRUN = ["lightning"]
 KILL_AT = "1:2"  # rank 1 SIGKILLs itself at the start of epoch 2, after 2 checkpoints
-# A piped console (a CI log) should get the examples' own lines, the libraries' start-up notices
-# and relaunch's summary: no bar refreshes, at most a bar line a second.
+# A piped console tee'd by relaunch (a CI log, `--tee 3`) should get the examples' own lines, the
+# libraries' start-up notices and relaunch's summary: no bar refreshes, at most a bar line a
+# second. Without --tee the workers' bytes reach the pipe exactly as written, refreshes included
+# (tests/hostile/test_output_bytes.py), as under torchrun.
 MAX_PIPED_LINES = 50
 
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) local (\d+)")
@@ -210,9 +212,11 @@ def test_a_killed_worker_restarts_the_group_which_resumes_to_the_same_weights(
 
 @pytest.mark.timeout(ONE_JOB)
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_the_piped_console_gets_no_bar_refresh(library: str, clean: Callable[[str], Run]) -> None:
+def test_the_piped_teed_console_gets_no_bar_refresh(
+    library: str, leaks: LeakCheck, tmp_path: pathlib.Path
+) -> None:
     require(library)
-    run = clean(library)
+    run = run_job([*relaunch(0), "--tee", "3"], library, tmp_path / "teed", leaks)
     lines, returns = console_counts(run)
     print(f"{library} under relaunch, piped: {lines} lines, {returns} \\r")
     assert run.returncode == 0, run.describe()
