@@ -392,15 +392,34 @@ class NullEventHandler:
 
 
 class ConsoleEventHandler:
-    """Writes each event's JSON line to a stream (stderr, looked up at write time, by default)."""
+    """Writes each event's JSON line to a stream (stderr, looked up at write time, by default).
+
+    A write error (a closed pipe, a full disk, ``/dev/full``) never reaches the agent: the first
+    is said once on the same stream if it takes it, and events that cannot be written are
+    dropped; the job goes on.
+    """
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         self.stream = stream
+        self._failed = False
 
     def record(self, event: Event) -> None:
         stream = self.stream if self.stream is not None else sys.stderr
-        stream.write(event.serialize() + "\n")
-        stream.flush()
+        try:
+            stream.write(event.serialize() + "\n")
+            stream.flush()
+        except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+            if self._failed:
+                return
+            self._failed = True
+            try:
+                stream.write(
+                    f"relaunch: cannot write events to the console ({exc}): dropping them; "
+                    "the job goes on\n"
+                )
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # nowhere to say it
 
     def close(self) -> None:
         pass

@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, pid_alive, wait_until
 
 from relaunch.core.durations import seconds
 from relaunch.endpoints import find_free_port
@@ -136,3 +137,42 @@ def test_the_store_clients_timeouts_are_shown_rounded() -> None:
     with pytest.raises(StoreError) as caught:
         TcpStore("127.0.0.1", port, connect_timeout=0.3 + 1 / 7)
     assert "within 0.44s" in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("stderr", ["/dev/full", "closed pipe"])
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_stderr_that_takes_nothing_changes_nothing(
+    tmp_path, leaks: LeakCheck, stderr: str, code: int
+) -> None:
+    """The console event handler and the run summary write to stderr: a full device or a
+    closed pipe there must not crash the agent nor change its exit status."""
+    job = tmp_path / "job.py"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    job.write_text(
+        "import os, sys\n"
+        f"open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
+        "print('to stderr', file=sys.stderr)\n"
+        f"sys.exit({code})\n"
+    )
+    argv = [sys.executable, "-m", "relaunch", "--event-log-handler", "console"]
+    argv += ["--nproc-per-node", "2", "--tee", "3", str(job)]
+    if stderr == "/dev/full":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                argv, stdout=subprocess.DEVNULL, stderr=full, env=leaks.process_env(), timeout=30
+            )
+        returncode = done.returncode
+    else:
+        agent = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=leaks.process_env()
+        )
+        assert agent.stderr is not None
+        agent.stderr.close()
+        returncode = agent.wait(30)
+    assert returncode == (0 if code == 0 else 1)
+    # Both ran; when one fails first, the other may be stopped before it wrote its pid.
+    ran = os.listdir(pids)
+    assert len(ran) == 2 if code == 0 else ran
+    for pid in os.listdir(pids):
+        wait_until(lambda pid=pid: not pid_alive(int(pid)), 5, f"worker {pid} to be gone")

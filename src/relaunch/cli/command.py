@@ -151,15 +151,14 @@ def _launch(
     except ConfigError as exc:
         return usage_error(exc, "relaunch")
     except RendezvousError as exc:
-        print(f"relaunch: error: {exc}", file=sys.stderr)
+        _say(f"relaunch: error: {exc}")
         return EXIT_FAILED
     except SignalException as exc:
         return 128 + int(exc.sigval)
     if omp_num_threads_default(config.nproc_per_node, os.environ) is not None:
-        print(
+        _say(
             f"relaunch: setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} "
-            "workers to avoid overloading the machine; set it yourself to tune",
-            file=sys.stderr,
+            "workers to avoid overloading the machine; set it yourself to tune"
         )
     summaries: list[RunSummary] = []
     try:
@@ -168,22 +167,31 @@ def _launch(
         )
         code = 0
     except RendezvousClosedError as exc:
-        print(f"relaunch: {exc}: nothing to do", file=sys.stderr)
+        _say(f"relaunch: {exc}: nothing to do")
         return 0
     except ConfigError as exc:  # what only starting can tell: the metrics port is taken
         return usage_error(exc, "relaunch")
     except RendezvousError as exc:
-        print(f"relaunch: error: {exc}", file=sys.stderr)
+        _say(f"relaunch: error: {exc}")
         code = EXIT_FAILED
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)  # the root cause first, then the summary
+        _say(exc.format_msg())  # the root cause first, then the summary
         code = EXIT_FAILED
     except SignalException as exc:
-        print(f"relaunch: stopped by {exc.sigval.name}; the workers are gone", file=sys.stderr)
+        _say(f"relaunch: stopped by {exc.sigval.name}; the workers are gone")
         code = 128 + int(exc.sigval)
     for summary in summaries:
-        print("relaunch: " + format_summary(summary), file=sys.stderr)
+        _say("relaunch: " + format_summary(summary))
     return code
+
+
+def _say(line: str) -> None:
+    """Print ``line`` on stderr; a stderr that takes nothing (a closed pipe, ``/dev/full``) must
+    not change the job's exit status, so the line is dropped then."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 class _LogHandler(logging.StreamHandler):  # type: ignore[type-arg]
