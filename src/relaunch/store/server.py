@@ -177,28 +177,6 @@ class _Refused(Exception):
         self.detail = detail
 
 
-def _decode(payload: bytes | mmap.mmap) -> tuple[int, list[bytes]]:
-    """The code and fields of a frame's payload (``wire.decode_payload``'s format), copying
-    only the fields: a large frame costs its buffer and its value, not copies of both."""
-    with memoryview(payload) as view:
-        if len(view) < 2:
-            raise StoreProtocolError("frame too short")
-        code, count = view[0], view[1]
-        fields, offset = [], 2
-        for _ in range(count):
-            if offset + 4 > len(view):
-                raise StoreProtocolError("truncated field length")
-            (size,) = _LENGTH.unpack_from(view, offset)
-            offset += 4
-            if offset + size > len(view):
-                raise StoreProtocolError("truncated field")
-            fields.append(bytes(view[offset : offset + size]))
-            offset += size
-        if offset != len(view):
-            raise StoreProtocolError("trailing bytes after the last field")
-    return code, fields
-
-
 def _key(field: bytes) -> str:
     try:
         return field.decode()
@@ -600,7 +578,7 @@ class TcpStoreServer:
                     break
                 payload = client.frames.popleft()
                 size = len(payload) + 4
-                self._handle(client, *_decode(payload))
+                self._handle(client, *wire.decode_payload(payload))
                 del payload  # a large frame's buffer is freed before its budget is let go
                 if size > _RECV_SIZE and client in self._clients:
                     self._release(client, size)

@@ -8,6 +8,7 @@ protocol error: the receiver closes the connection.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Sequence
 
@@ -41,23 +42,25 @@ def encode(code: int, fields: Sequence[bytes] = ()) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-def decode_payload(payload: bytes) -> tuple[int, list[bytes]]:
-    """The code and fields of one frame's payload; StoreProtocolError if malformed."""
-    if len(payload) < 2:
-        raise StoreProtocolError("frame too short")
-    code, count = payload[0], payload[1]
-    fields, offset = [], 2
-    for _ in range(count):
-        if offset + 4 > len(payload):
-            raise StoreProtocolError("truncated field length")
-        (size,) = _LENGTH.unpack_from(payload, offset)
-        offset += 4
-        if offset + size > len(payload):
-            raise StoreProtocolError("truncated field")
-        fields.append(payload[offset : offset + size])
-        offset += size
-    if offset != len(payload):
-        raise StoreProtocolError("trailing bytes after the last field")
+def decode_payload(payload: bytes | bytearray | mmap.mmap) -> tuple[int, list[bytes]]:
+    """The code and fields of one frame's payload; StoreProtocolError if malformed. Only the
+    fields are copied, so a large frame costs its buffer and its value, not copies of both."""
+    with memoryview(payload) as view:
+        if len(view) < 2:
+            raise StoreProtocolError("frame too short")
+        code, count = view[0], view[1]
+        fields, offset = [], 2
+        for _ in range(count):
+            if offset + 4 > len(view):
+                raise StoreProtocolError("truncated field length")
+            (size,) = _LENGTH.unpack_from(view, offset)
+            offset += 4
+            if offset + size > len(view):
+                raise StoreProtocolError("truncated field")
+            fields.append(bytes(view[offset : offset + size]))
+            offset += size
+        if offset != len(view):
+            raise StoreProtocolError("trailing bytes after the last field")
     return code, fields
 
 
