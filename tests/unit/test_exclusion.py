@@ -44,9 +44,58 @@ def test_after_zero_never_excludes() -> None:
     assert record.failures == 10 and excluded_until(record, 9.0) is None
 
 
-@pytest.mark.parametrize("raw", [None, b"", b"not json", b"[1]", b'{"failures": "x"}'])
-def test_an_absent_or_unreadable_record_is_clean(raw: bytes | None) -> None:
+@pytest.mark.parametrize("raw", [None, b""])
+def test_an_absent_record_is_clean(raw: bytes | None) -> None:
     assert exclusion.decode_record(raw) == NodeRecord()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[1]",
+        b'{"failures": "x"}',
+        b'{"failures": -1}',
+        b'{"failures": 1.5}',
+        b'{"exclusions": true}',
+        b'{"excluded_until": "soon"}',
+        b'{"excluded_until": NaN}',
+        b'{"excluded_until": Infinity}',
+    ],
+)
+def test_a_record_no_relaunch_wrote_is_refused(raw: bytes) -> None:
+    """Read as clean, it would silently forget the node's failures or lift its exclusion."""
+    with pytest.raises(ValueError):
+        exclusion.decode_record(raw)
+
+
+def test_a_bad_record_in_the_store_is_one_line_naming_its_key() -> None:
+    from relaunch.core.rendezvous import Settings
+    from relaunch.rendezvous.api import BadStoreValue
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+    from relaunch.store import MemoryStore
+
+    store = MemoryStore()
+    rules = Settings(1, 2, join_timeout=10, last_call_timeout=0.05, keep_alive_interval=0.05)
+    handler = DynamicRendezvousHandler(
+        "job",
+        store,
+        rules,
+        1,
+        "127.0.0.1",
+        store,
+        identity="h/a",
+        exclusion_policy=ExclusionPolicy(),
+    )
+    try:
+        store.set("relaunch/job/nodes/h/a", b'{"failures": "x"}')
+        with pytest.raises(BadStoreValue) as caught:
+            handler.prepare_join()
+        message = str(caught.value)
+        assert "relaunch/job/nodes/h/a" in message and "failures is not a count" in message
+        assert "\n" not in message
+    finally:
+        handler.shutdown()
 
 
 def test_a_record_round_trips() -> None:

@@ -77,18 +77,32 @@ def encode_record(record: NodeRecord) -> bytes:
 
 
 def decode_record(raw: bytes | None) -> NodeRecord:
-    """The record stored as ``raw``; an absent or unreadable one is a clean record."""
+    """The record stored as ``raw`` (``encode_record``); an absent one is a clean record.
+    ValueError saying what is wrong when no relaunch wrote it: a record read as clean would
+    silently forget the node's failures, or lift its exclusion."""
     if not raw:
         return NodeRecord()
     try:
         data = json.loads(raw)
-        return NodeRecord(
-            int(data.get("failures", 0)),
-            float(data.get("excluded_until", 0.0)),
-            int(data.get("exclusions", 0)),
-        )
-    except (ValueError, TypeError, AttributeError):
-        return NodeRecord()
+    except ValueError:
+        raise ValueError("not JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    failures = _count(data, "failures")
+    exclusions = _count(data, "exclusions")
+    until = data.get("excluded_until", 0.0)
+    if isinstance(until, bool) or not isinstance(until, (int, float)):
+        raise ValueError("excluded_until is not a number")
+    if not 0 <= until < float("inf"):
+        raise ValueError("excluded_until is not a time")
+    return NodeRecord(failures, float(until), exclusions)
+
+
+def _count(data: dict[str, object], name: str) -> int:
+    value = data.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} is not a count")
+    return value
 
 
 def valid_node_name(name: str) -> bool:

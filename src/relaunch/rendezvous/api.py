@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.core.exclusion import NodeRecord, decode_record
 from relaunch.core.membership import MembershipChange, decode_change
 from relaunch.runtime import ExplainedError
 
@@ -82,6 +83,15 @@ def store_change(key: str, raw: bytes) -> tuple[MembershipChange, int | None]:
     ``BadStoreValue`` if no relaunch wrote it."""
     try:
         return decode_change(raw)
+    except ValueError as exc:
+        raise BadStoreValue(key, raw, exc) from None
+
+
+def store_record(key: str, raw: bytes | None) -> NodeRecord:
+    """The node record stored under ``key`` (``core.exclusion.decode_record``; absent: clean);
+    ``BadStoreValue`` if no relaunch wrote it."""
+    try:
+        return decode_record(raw)
     except ValueError as exc:
         raise BadStoreValue(key, raw, exc) from None
 

@@ -26,6 +26,7 @@ from relaunch.rendezvous.api import (
     RendezvousInfo,
     StoreHostGone,
     store_int,
+    store_record,
 )
 from relaunch.rendezvous.heartbeat import NodeLease, RoundWatch
 from relaunch.rendezvous.rollcall import roll_call
@@ -191,7 +192,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._exclusion is None:
             return None
         try:
-            record = exclusion.decode_record(self._store.get(self._node_key()).value)
+            key = self._node_key()
+            record = store_record(key, self._store.get(key).value)
         except StoreError as exc:
             log.debug("could not read this node's record: %s", exc)
             return None  # joining reports an unreachable store
@@ -490,8 +492,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._key(f"nodes/{self.identity}")
 
     def _read_record(self) -> tuple[exclusion.NodeRecord, int]:
-        stored = self._store.get(self._node_key())
-        return exclusion.decode_record(stored.value), stored.version
+        key = self._node_key()
+        stored = self._store.get(key)
+        return store_record(key, stored.value), stored.version
 
     def _counted(self, record: exclusion.NodeRecord, others: int) -> exclusion.NodeRecord:
         """``record`` once one more failure of this node counts (``core.exclusion``)."""
