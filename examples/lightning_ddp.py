@@ -128,6 +128,10 @@ def main():
         torch.save(state, os.path.join(args.outdir, "weights.pt"))
         print(f"final weights sha256 {weights_digest(state)}", flush=True)
         print("finished", flush=True)
+    if dist.is_initialized():
+        # Lightning's DDP strategy leaves its gloo group up: torn down at interpreter exit, its
+        # threads may abort the rank ("terminate called without an active exception").
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import LeakCheck, pid_alive, wait_until
@@ -176,3 +178,27 @@ def test_a_stderr_that_takes_nothing_changes_nothing(
     assert len(ran) == 2 if code == 0 else ran
     for pid in os.listdir(pids):
         wait_until(lambda pid=pid: not pid_alive(int(pid)), 5, f"worker {pid} to be gone")
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        path.name
+        for path in EXAMPLES.glob("*.py")
+        if any(word in path.read_text() for word in ("gloo", "DDP", "ddp"))
+    ),
+)
+def test_every_gloo_example_leaves_its_process_group_before_it_exits(name: str) -> None:
+    """A gloo group left up is torn down at interpreter exit, where its threads may abort the
+    rank with "terminate called without an active exception" (issue 24): each example's
+    worker ends by destroying it (accelerate's end_training does)."""
+    tree = ast.parse((EXAMPLES / name).read_text())
+    called = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    }
+    assert called & {"destroy_process_group", "end_training"}, name
