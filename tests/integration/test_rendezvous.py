@@ -185,7 +185,12 @@ def test_an_endpoint_nobody_serves_is_a_clear_error(tmp_path, leaks: LeakCheck) 
     _, err = node.communicate(timeout=60)
     assert node.returncode == 1
     assert f"cannot reach the store at {endpoint}" in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # One line saying what it waits for, when the first connection fails; one for the end.
+    waiting, error = err.strip().splitlines()
+    assert waiting.startswith(
+        f"relaunch: waiting up to 0.5s (join_timeout) for the store at {endpoint}"
+    )
+    assert error.startswith("relaunch: error: ") and "Traceback" not in err
 
 
 def test_a_wrong_token_is_refused(tmp_path, leaks: LeakCheck) -> None:
