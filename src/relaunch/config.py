@@ -249,6 +249,9 @@ def validate(config: LaunchConfig) -> None:
         if rank >= config.max_nodes:
             raise ConfigError(f"--node-rank {rank} must be below --nnodes {config.max_nodes}")
         _endpoint(endpoint)
+        # The one dynamic key the static backend reads: how long the master's name may take
+        # to resolve (rendezvous.static); the others it ignores.
+        rdzv_settings({"join_timeout": conf.get("join_timeout", 600)})
     elif backend in ("etcd", "etcd-v2"):
         options = etcd_options(conf)
         from relaunch.store.etcd import parse_endpoints

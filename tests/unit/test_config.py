@@ -142,8 +142,11 @@ def test_the_exit_barrier_timeout_is_bounded(seconds: float) -> None:
         LaunchConfig(1, 1, 1, exit_barrier_timeout=seconds)
 
 
-def test_a_static_backend_ignores_the_dynamic_keys() -> None:
-    validate(LaunchConfig(1, 1, 1, rdzv_endpoint="h:1", rdzv_configs={"join_timeout": "x"}))
+def test_a_static_backend_ignores_the_dynamic_keys_but_join_timeout() -> None:
+    validate(LaunchConfig(1, 1, 1, rdzv_endpoint="h:1", rdzv_configs={"last_call_timeout": "x"}))
+    # join_timeout bounds the wait for the master's name to resolve (rendezvous.static)
+    with pytest.raises(ConfigError, match="join_timeout='x'"):
+        validate(LaunchConfig(1, 1, 1, rdzv_endpoint="h:1", rdzv_configs={"join_timeout": "x"}))
 
 
 def test_rdzv_settings_are_typed_with_defaults() -> None:

@@ -114,13 +114,14 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         """Reach the store hosted elsewhere within ``within`` seconds, or ``StoreError``."""
         TcpStore(host, port, token, timeout=within, connect_timeout=within).close()
 
-    def waiting(endpoint: str, within: float) -> None:
+    def waiting(endpoint: str, within: float, reason: str) -> None:
         """Said once, when the store does not answer at first: what this agent waits for."""
         log.warning(
-            "waiting up to %s (join_timeout) for the store at %s: it is hosted by the agent of "
+            "waiting up to %s (join_timeout) for the store at %s%s: it is hosted by the agent of "
             "the node that can bind that address; start relaunch there, or check --rdzv-endpoint",
             seconds(within),
             endpoint,
+            f" ({reason})" if reason else "",
         )
 
     try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
+from relaunch.core.durations import seconds
 from relaunch.endpoints import find_free_port, parse_endpoint
 from relaunch.rendezvous.api import (
     RendezvousError,
@@ -12,14 +14,17 @@ from relaunch.rendezvous.api import (
     RendezvousParameters,
 )
 
-#: How long a temporary name-resolution failure (EAI_AGAIN: the DNS server did not answer) is
-#: retried before the master's host is said to be unresolvable. A name that does not exist
-#: (EAI_NONAME) is said at once.
-RESOLVE_RETRY_SECONDS = 5.0
+log = logging.getLogger(__name__)
+
+#: Seconds a master address that does not resolve is waited for, on a node of several
+#: (``--rdzv-conf join_timeout``, as for the elastic backends): a cluster's DNS may publish
+#: the master's name after this node starts (a Kubernetes Service, a PyTorchJob's master).
+RESOLVE_TIMEOUT = 600.0
 
 
-def check_master_addr(host: str, port: int, retry_for: float = RESOLVE_RETRY_SECONDS) -> None:
-    """``RendezvousError`` in one line when ``host`` cannot be resolved on this node.
+def check_master_addr(host: str, port: int, wait_for: float) -> None:
+    """Return once ``host`` resolves on this node; ``RendezvousError`` in one line if it does not
+    within ``wait_for`` seconds (0: at once). The first failure is said at once, in one line.
 
     The workers connect to ``MASTER_ADDR``; torch retries an unresolvable one for its whole
     store timeout (30 minutes) with a warning every few seconds, so it is checked here, before
@@ -27,22 +32,30 @@ def check_master_addr(host: str, port: int, retry_for: float = RESOLVE_RETRY_SEC
     """
     import socket  # here: a single-node launch loads no network code (test_api)
 
-    ends = time.monotonic() + retry_for
+    ends = time.monotonic() + wait_for
     delay = 0.1
     while True:
         try:
             socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
             return
         except socket.gaierror as exc:
-            if exc.errno == socket.EAI_AGAIN and time.monotonic() + delay < ends:
-                time.sleep(delay)  # backoff between resolution attempts, bounded by ``ends``
-                delay = min(delay * 2, 1.0)
-                continue
-            raise RendezvousError(
-                f"--master-addr {host!r} cannot be resolved on this node ({exc.strerror}): "
-                "give a host name or address of the node with --node-rank 0 that every node "
-                "can resolve"
-            ) from None
+            if time.monotonic() + delay >= ends:
+                waited = f" within {seconds(wait_for)}" if wait_for else ""
+                raise RendezvousError(
+                    f"--master-addr {host!r} cannot be resolved on this node{waited} "
+                    f"({exc.strerror}): give a host name or address of the node with "
+                    "--node-rank 0 that every node can resolve"
+                ) from None
+            if delay == 0.1:
+                log.warning(
+                    "--master-addr %r cannot be resolved on this node yet (%s): waiting up to %s "
+                    "for it to resolve; check the name if it is not a cluster's name to come",
+                    host,
+                    exc.strerror,
+                    seconds(wait_for),
+                )
+            time.sleep(delay)  # backoff between resolution attempts, bounded by ``ends``
+            delay = min(delay * 2, 1.0)
 
 
 class StaticRendezvousHandler(RendezvousHandler):
@@ -57,6 +70,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         master_addr: str,
         master_port: int,
         local_world_size: int = 1,
+        resolve_timeout: float = RESOLVE_TIMEOUT,
     ) -> None:
         if not 0 <= node_rank < nnodes:
             raise ValueError(
@@ -68,6 +82,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.master_addr = master_addr
         self.master_port = master_port
         self.local_world_size = local_world_size
+        self.resolve_timeout = resolve_timeout
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> StaticRendezvousHandler:
@@ -84,10 +99,15 @@ class StaticRendezvousHandler(RendezvousHandler):
             master_addr=host,
             master_port=port,
             local_world_size=int(params.get("local_world_size", 1)),
+            resolve_timeout=float(params.get("join_timeout", RESOLVE_TIMEOUT)),
         )
 
     def next_rendezvous(self) -> RendezvousInfo:
-        check_master_addr(self.master_addr, self.master_port)
+        # One node has no master elsewhere whose name may come later: a name that does not
+        # resolve is a mistake, said at once.
+        check_master_addr(
+            self.master_addr, self.master_port, self.resolve_timeout if self.nnodes > 1 else 0.0
+        )
         if self.master_port == 0:
             try:
                 self.master_port = find_free_port(self.master_addr)

@@ -48,9 +48,9 @@ class TcpStore:
     """A ``Store`` served by a ``TcpStoreServer`` at ``host:port``.
 
     Connecting retries (with backoff) for up to ``connect_timeout`` seconds, so agents may start
-    before the node that hosts the store; ``on_wait`` (given the endpoint and that time) is
-    called once, when the first connection attempt fails and the retrying begins. A host name
-    that does not resolve (not a temporary DNS failure) fails at once: retrying cannot help.
+    before the node that hosts the store, and its host's name may resolve only later (a
+    cluster's DNS); ``on_wait`` (given the endpoint, that time and what is awaited, if not the
+    store's answer) is called once, when the first attempt fails and the retrying begins.
     Every call has a deadline (``timeout`` by default); a call that times out drops the
     connection, and the next call reconnects.
     """
@@ -62,7 +62,7 @@ class TcpStore:
         token: str | None = None,
         timeout: float = 30.0,
         connect_timeout: float | None = None,
-        on_wait: Callable[[str, float], None] | None = None,
+        on_wait: Callable[[str, float, str], None] | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.timeout = timeout
@@ -81,7 +81,7 @@ class TcpStore:
 
     # -- connection -----------------------------------------------------------------------------
 
-    def _connect(self, on_wait: Callable[[str, float], None] | None = None) -> None:
+    def _connect(self, on_wait: Callable[[str, float, str], None] | None = None) -> None:
         deadline = Deadline(self._connect_timeout)
         delay = 0.01
         while True:
@@ -90,27 +90,21 @@ class TcpStore:
                     (self.host, self.port), timeout=max(0.01, deadline.left())
                 )
                 break
-            except socket.gaierror as exc:
-                if exc.errno != socket.EAI_AGAIN:  # the name does not exist: no retry helps
-                    raise StoreConnectionError(
-                        f"the store's host {self.host!r} cannot be resolved on this node "
-                        f"({exc.strerror}): check the endpoint's host name"
-                    ) from None
-                if deadline.left() < delay:
-                    raise StoreConnectionError(
-                        f"cannot resolve the store's host {self.host!r} within "
-                        f"{seconds(self._connect_timeout)}: {exc.strerror}"
-                    ) from None
-                time.sleep(delay)  # backoff between resolution attempts, bounded by the deadline
-                delay = min(delay * 2, 0.5)
             except OSError as exc:
+                # A name that does not resolve is waited for like a store that does not answer:
+                # a cluster's DNS may publish the store's host after this node starts.
+                unresolved = isinstance(exc, socket.gaierror)
                 if on_wait is not None:
-                    on_wait(self.endpoint, self._connect_timeout)
+                    reason = (
+                        f"its host cannot be resolved yet: {exc.strerror}" if unresolved else ""
+                    )
+                    on_wait(self.endpoint, self._connect_timeout, reason)
                     on_wait = None
                 if deadline.left() < delay:
+                    problem = "resolve the host of" if unresolved else "reach"
                     raise StoreConnectionError(
-                        f"cannot reach the store at {self.endpoint} within "
-                        f"{seconds(self._connect_timeout)}: {exc}"
+                        f"cannot {problem} the store at {self.endpoint} within "
+                        f"{seconds(self._connect_timeout)}: {exc.strerror or exc}"
                     ) from None
                 time.sleep(delay)  # backoff between connection attempts, bounded by the deadline
                 delay = min(delay * 2, 0.5)
