@@ -357,6 +357,9 @@ def test_a_host_cut_off_leaves_the_others_to_re_form_and_rejoins_once_back(
     assert count == 2 and reformed_round > first_round, (reformed_round, first_round)
     # h3, on its side, finds its store operations stalled and stops its workers to rejoin.
     for_each([h3], lambda a: a.said("restarting the worker group"), "h3 to notice it is cut off")
+    # It cannot tell a cut cable from the store host's death, and says so: it does not give up
+    # (a store whose host refuses the connection is gone: tests/hostile/test_store_host_death.py).
+    assert h3.said("this node may be cut off from its host"), h3.report()
 
     # 3. The cable is back: h3 joins a later round, and the three run as one world again.
     net.restore("h3")

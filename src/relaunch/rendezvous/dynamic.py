@@ -33,7 +33,13 @@ from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import new_node_id, roster_for
 from relaunch.rendezvous.rounds import CLOSED, Rounds, news_prefix
 from relaunch.runtime import report_failure
-from relaunch.store.api import Store, StoreConnectionError, StoreError, Watchable
+from relaunch.store.api import (
+    Store,
+    StoreConnectionError,
+    StoreError,
+    StoreRefused,
+    Watchable,
+)
 
 if TYPE_CHECKING:
     from relaunch.store.etcd import EtcdStore
@@ -68,6 +74,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # member silent that long is.
         self._store_host_probe = store_host_probe
         self._store_lost_at: float | None = None
+        self._store_unanswered_said = False
         self._store = store
         self._hb_store = heartbeat_store
         self._watch_store = watch_store
@@ -468,8 +475,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _check_store_host(self) -> None:
         """After the store was lost: whether it still lives, judged as a member is, by the
-        keep-alive detection time (``dead_after``) since the loss. ``StoreHostGone`` when not:
-        on c10d the store lives in the agent that hosted it, and dies with it."""
+        keep-alive detection time (``dead_after``) since the loss. ``StoreHostGone`` when its
+        host refuses the connection all that time: on c10d the store lives in the agent that
+        hosted it, and dies with it. A store that answers nothing at all (this node cut off, or
+        the host down) is waited for as a rejoin waits, up to ``join_timeout``: said once."""
         lost_at, probe = self._store_lost_at, self._store_host_probe
         if lost_at is None or probe is None:
             return
@@ -477,7 +486,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         left = lost_at + settings.dead_after - time.monotonic()
         try:
             probe(max(left, settings.keep_alive_interval))
-        except StoreError as exc:
+        except StoreRefused as exc:
             self._store_lost = self._finished = True  # nothing more to write, nor wait for
             raise StoreHostGone(
                 f"the rendezvous store's host is gone ({exc}): the node that hosted the store "
@@ -486,7 +495,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 "restart the job, or run it with --rdzv-backend etcd to survive the loss of "
                 "any node"
             ) from None
-        self._store_lost_at = None  # it answers: a blip
+        except StoreError as exc:
+            if not self._store_unanswered_said:
+                self._store_unanswered_said = True
+                log.warning(
+                    "the rendezvous store does not answer (%s): this node may be cut off from "
+                    "its host, or the host may be down; trying to rejoin for up to %s "
+                    "(join_timeout)",
+                    exc,
+                    seconds(settings.join_timeout),
+                )
+            return
+        self._store_lost_at, self._store_unanswered_said = None, False  # it answers: a blip
 
     def _node_key(self) -> str:
         return self._key(f"nodes/{self.identity}")

@@ -31,6 +31,11 @@ class StoreConnectionError(StoreError):
     """The store cannot be reached, or the connection broke."""
 
 
+class StoreRefused(StoreConnectionError):
+    """The store's host answered, but nothing listens at the store's address any more: the
+    store is gone, not merely out of reach (a cut cable or a host that is down answer nothing)."""
+
+
 class StoreAuthError(StoreConnectionError):
     """Authentication failed: wrong or missing token."""
 

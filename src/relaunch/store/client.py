@@ -21,6 +21,7 @@ from relaunch.store.api import (
     StoreConnectionError,
     StoreError,
     StoreProtocolError,
+    StoreRefused,
     StoreTimeout,
     Versioned,
 )
@@ -102,7 +103,8 @@ class TcpStore:
                     on_wait = None
                 if deadline.left() < delay:
                     problem = "resolve the host of" if unresolved else "reach"
-                    raise StoreConnectionError(
+                    refused = isinstance(exc, ConnectionRefusedError)
+                    raise (StoreRefused if refused else StoreConnectionError)(
                         f"cannot {problem} the store at {self.endpoint} within "
                         f"{seconds(self._connect_timeout)}: {exc.strerror or exc}"
                     ) from None
