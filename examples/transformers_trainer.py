@@ -24,6 +24,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import argparse
+import gc
 import hashlib
 import signal
 
@@ -93,8 +94,7 @@ def weights_digest(state_dict):
     return digest.hexdigest()
 
 
-def main():
-    args = parse_args()
+def train(args):
     training = TrainingArguments(
         output_dir=args.outdir,
         use_cpu=True,
@@ -144,11 +144,27 @@ def main():
         torch.save(state, os.path.join(args.outdir, "weights.pt"))
         print(f"final weights sha256 {weights_digest(state)}", flush=True)
         print("finished", flush=True)
-    if dist.is_initialized():
-        # The Trainer leaves its gloo group up: torn down at interpreter exit, its threads
-        # may abort the rank ("terminate called without an active exception").
-        dist.destroy_process_group()
+
+
+def leave_process_group():
+    """Destroy the gloo group once nothing but torch's own handles hold it.
+
+    The DDP wrapper's ``Reducer`` holds the group too, and a ``Reducer`` is freed holding the
+    GIL: were it the group's last holder (the wrapper freed after ``destroy_process_group``), the
+    group's destructor would join gloo's threads holding the GIL while one of them waits for the
+    GIL to free the tensors of the last collective, and the rank would never exit (seen under
+    load, under torchrun as under relaunch). So the Trainer and its wrapper go first (``train``
+    has returned; ``gc`` collects their cycles), and ``destroy_process_group`` drops the last
+    handles, which release the GIL while the threads are joined. Left up until interpreter exit,
+    the group's threads may abort the rank instead ("terminate called without an active
+    exception").
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    train(parse_args())
+    leave_process_group()

@@ -1,0 +1,91 @@
+"""A gloo example's rank must end once its training has (issue 24, "Also investigate").
+
+Under load, ``examples/transformers_trainer.py`` sometimes never exited after training, under
+torchrun as under relaunch (py-spy: the main thread in ``~ProcessGroupGloo`` joining gloo's
+threads, called from the DDP ``Reducer``'s deallocation at the end of ``main()``, holding the
+GIL; a gloo thread in ``~AsyncAllgatherWork`` waiting for the GIL to free a tensor). The
+``Reducer`` holds the process group, and pybind frees it holding the GIL: when it outlives
+``destroy_process_group`` it is the group's last holder, and the group's destructor deadlocks
+with any gloo thread that still has a Python tensor to free. torch's own handles release the GIL
+while they destroy the group, so an example must let its DDP wrapper go before it destroys the
+group. The race needs a starved gloo thread, so it is not reproduced here; what makes it
+possible is checked instead, deterministically: each example is run as relaunch runs it, with
+``destroy_process_group`` wrapped to fail the rank if a DDP wrapper is still alive.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from conftest import LeakCheck
+
+pytestmark = pytest.mark.xdist_group("torch")
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+RUN_TIMEOUT = 180
+
+# Runs the example as __main__, with destroy_process_group checked first.
+DRIVER = """\
+import gc, runpy, sys
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+destroy = dist.destroy_process_group
+
+def checked_destroy(*args, **kwargs):
+    gc.collect()
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    if alive:
+        raise SystemExit(f"DDP wrapper alive at destroy_process_group: {alive}")
+    print("no DDP wrapper at destroy_process_group", flush=True)
+    return destroy(*args, **kwargs)
+
+dist.destroy_process_group = checked_destroy
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+@pytest.mark.parametrize(
+    ("library", "script"),
+    [("transformers", "transformers_trainer.py"), ("lightning", "lightning_ddp.py")],
+)
+def test_a_gloo_example_lets_its_ddp_wrapper_go_before_it_destroys_its_group(
+    library: str, script: str, leaks: LeakCheck, tmp_path: pathlib.Path
+) -> None:
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relaunch",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "--tee",
+            "3",
+            str(driver),
+            str(EXAMPLES / script),
+            str(outdir),
+        ],
+        capture_output=True,
+        cwd=outdir,
+        env=leaks.process_env(OMP_NUM_THREADS="1"),
+        timeout=RUN_TIMEOUT,
+    )
+    console = (done.stdout + done.stderr).decode(errors="replace")
+    assert "DDP wrapper alive" not in console, console
+    assert done.returncode == 0, console
+    assert console.count("no DDP wrapper at destroy_process_group") == 2, console
