@@ -6,7 +6,10 @@ The tests every backend passes (worlds, growing, a lost node) are in test_rendez
 
 from __future__ import annotations
 
+import contextlib
+import select
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -85,10 +88,11 @@ def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
     etcd3.kill(leader)
     go.touch()
     results = [node.communicate(timeout=60) for node in nodes]
+    both = "\n".join(f"agent {i} stderr:\n{err}" for i, (_, err) in enumerate(results))
     for node, (out, err) in zip(nodes, results, strict=True):
-        assert node.returncode == 0, err
-        assert lines(out) == [], "the workers ran once: no restart, no re-forming"
-        assert "lost" not in err and "restart" not in err.lower(), err
+        assert node.returncode == 0, both
+        assert lines(out) == [], f"the workers ran once: no restart, no re-forming\n{both}"
+        assert "lost" not in err and "restart" not in err.lower(), both
 
 
 def test_the_node_that_started_the_job_can_die(
@@ -375,3 +379,113 @@ def test_a_stalled_etcd_leader_is_not_a_lost_node(
         assert node.returncode == 0, err
         assert lines(out) == [], f"the workers ran once: no restart, no re-forming: {err}"
         assert "lost" not in err and "restart" not in err.lower(), err
+
+
+class HoldingProxy:
+    """A TCP proxy on loopback to one etcd member that the test can make hold every request
+    (``hold``): connections stay open and nothing goes either way, as with a member that waits
+    out a leader election (it answers once the cluster has a leader) or is cut off from the
+    others; ``release`` lets the bytes through again."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.05)
+        self.endpoint = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._open.set()
+        for thread in self._threads:
+            thread.join(5)
+        self._server.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            member = socket.create_connection(self._target, timeout=5)
+            for source, sink in ((client, member), (member, client)):
+                thread = threading.Thread(target=self._pump, args=(source, sink), daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while not self._closed.is_set():
+                self._open.wait()
+                if not select.select([source], [], [], 0.05)[0] or not self._open.is_set():
+                    continue
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+            source.close()
+
+
+def test_a_member_that_holds_one_nodes_requests_is_not_its_death(
+    tmp_path, leaks: LeakCheck, etcd3: EtcdCluster
+) -> None:
+    """Issue 24, item 6, at its root: after the leader's SIGKILL, one node's lease renewal sat
+    on a member for its whole attempt (5 s) while the other node reached etcd throughout; the
+    lease (1 s) expired, and the other node judged it lost. Here one node reaches etcd through
+    a member that holds every request for three times the keep-alive detection time, the other
+    node directly: the first must renew its lease on another member within a beat, and the job
+    runs on, once."""
+    job = script(tmp_path, WORLD_THEN_WAIT)
+    go = tmp_path / "go"
+    proxy = HoldingProxy(etcd3.endpoint_list[0])
+    try:
+        others = ",".join(etcd3.endpoint_list[1:])
+        run_id = uuid.uuid4().hex
+        dead_after = 0.2 * 5
+        nodes = [
+            etcd_agent(
+                leaks,
+                endpoints,
+                job,
+                run_id,
+                "--nnodes",
+                "2",
+                "--rdzv-conf",
+                "keep_alive_interval=0.2,keep_alive_max_attempt=5",
+                "--max-restarts",
+                "0",
+                env={"GO_FILE": str(go)},
+            )
+            for endpoints in (f"{proxy.endpoint},{others}", others)
+        ]
+        assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
+        proxy.hold()
+        # The hold is the fault itself: it outlasts the keep-alive detection time three times.
+        time.sleep(3 * dead_after)
+        proxy.release()
+        go.touch()
+        results = [node.communicate(timeout=60) for node in nodes]
+    finally:
+        proxy.close()
+    both = "\n".join(f"agent {i} stderr:\n{err}" for i, (_, err) in enumerate(results))
+    for node, (out, err) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, both
+        assert lines(out) == [], f"the workers ran once: no restart, no re-forming\n{both}"
+        assert "lost" not in err and "restart" not in err.lower(), both

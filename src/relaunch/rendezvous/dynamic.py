@@ -82,6 +82,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lease = (
             NodeLease(cast("EtcdStore", heartbeat_store), settings.dead_after) if leases else None
         )
+        if leases:
+            # A beat is due each keep-alive interval, and the lease lasts only dead_after: a
+            # renewal that sits on one member longer than an interval (a member waiting out a
+            # leader election, or cut off from the others) would let the lease expire while
+            # another member could take it, and this node would look lost to its neighbour,
+            # which reached etcd all along. Each attempt is left after an interval for the next
+            # member; the beat as a whole still has the store's timeout.
+            cast("EtcdStore", heartbeat_store).attempt_timeout = settings.keep_alive_interval
         self.settings = settings
         self._local_world_size = local_world_size
         self._backend = backend

@@ -264,6 +264,18 @@ class EtcdStore:
         return self._gateway.describe()
 
     @property
+    def attempt_timeout(self) -> float:
+        """The longest one attempt of a call waits on one member before the call tries the
+        next (``etcd_gateway.ATTEMPT_TIMEOUT`` unless set): the call as a whole still has
+        ``timeout``. A member that holds requests (one in the middle of a leader election, one
+        cut off from the others) is left after this long for one that answers."""
+        return self._gateway.attempt_timeout
+
+    @attempt_timeout.setter
+    def attempt_timeout(self, seconds: float) -> None:
+        self._gateway.attempt_timeout = seconds
+
+    @property
     def member(self) -> Endpoint:
         """The member requests go to now."""
         return self._gateway.current

@@ -23,7 +23,8 @@ from relaunch.store.api import StoreAuthError, StoreConnectionError, StoreError
 from relaunch.store.deadline import Deadline
 
 DEFAULT_PORT = 2379
-#: The longest a single attempt waits on one member before trying the next.
+#: The longest a single attempt waits on one member before trying the next (by default: a
+#: store whose calls must be timely, such as a heartbeat's, sets its own ``attempt_timeout``).
 ATTEMPT_TIMEOUT = 5.0
 #: The least an attempt is given, however many members are still to try.
 MIN_SHARE = 0.05
@@ -164,6 +165,7 @@ class Gateway:
             if cert is not None:
                 self._ssl.load_cert_chain(cert, key)
         self._token: str | None = None
+        self.attempt_timeout = ATTEMPT_TIMEOUT
         self._current = 0
         self._conn: http1.Connection | None = None
 
@@ -296,7 +298,7 @@ class Gateway:
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """``POST path body`` on some live member, within ``timeout`` as a whole (fail-overs
         included); the decoded reply. Each attempt gets the time left shared among the members
-        this lap has still to try (at most ``ATTEMPT_TIMEOUT``), so one member that holds a
+        this lap has still to try (at most ``attempt_timeout``), so one member that holds a
         request cannot use up the time of the others."""
         deadline = Deadline(self.timeout)
         members = len(self.endpoints)
@@ -304,7 +306,7 @@ class Gateway:
         last = ""
         while True:
             untried = members - failures % members
-            share = max(MIN_SHARE, min(ATTEMPT_TIMEOUT, deadline.left() / untried))
+            share = max(MIN_SHARE, min(self.attempt_timeout, deadline.left() / untried))
             attempt = deadline.within(share)
             try:
                 if self.user is not None and self._token is None:
