@@ -52,10 +52,9 @@ runpy.run_path(script, run_name="__main__")
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
-@pytest.mark.parametrize(
-    ("library", "script"),
-    [("transformers", "transformers_trainer.py"), ("lightning", "lightning_ddp.py")],
-)
+# Only the transformers example was seen hanging: Lightning's own teardown drops its DDP wrapper
+# (its example has the same shape, for consistency); one run of it would cost CI 20 s.
+@pytest.mark.parametrize(("library", "script"), [("transformers", "transformers_trainer.py")])
 def test_a_gloo_example_lets_its_ddp_wrapper_go_before_it_destroys_its_group(
     library: str, script: str, leaks: LeakCheck, tmp_path: pathlib.Path
 ) -> None:
