@@ -24,7 +24,6 @@ writable where jobs run.
 from __future__ import annotations
 
 import os
-import secrets
 import select
 import signal
 import time
@@ -37,7 +36,8 @@ TREE_ENV = "RELAUNCH_TREE"
 
 def new_token() -> str:
     """A token no other group on this machine has: only letters, digits and dashes."""
-    return f"relaunch-tree-{os.getpid()}-{secrets.token_hex(8)}"
+    # os.urandom, not secrets: secrets loads OpenSSL (hashlib), 4 MiB of the launcher's memory
+    return f"relaunch-tree-{os.getpid()}-{os.urandom(8).hex()}"
 
 
 def with_token(env: Mapping[str, str], token: str) -> dict[str, str]:
