@@ -61,8 +61,7 @@ def marked(token: str, skip: Collection[int] = ()) -> list[int]:
         if pid == me or pid in skip:
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as file:
-                environ = file.read()
+            environ = _read(f"/proc/{entry}/environ")
         except OSError:
             continue
         if needle not in environ:  # most processes: one search of the whole block
@@ -72,6 +71,19 @@ def marked(token: str, skip: Collection[int] = ()) -> list[int]:
                 found.append(pid)
                 break
     return found
+
+
+def _read(path: str) -> bytes:
+    """The whole of a /proc file, through the descriptor alone: a scan reads one per process at
+    every group's end, and a Python file object costs twice the time."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def kill_marked(token: str, timeout: float, skip: Collection[int] = ()) -> list[int]:
