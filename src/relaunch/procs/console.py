@@ -8,7 +8,7 @@ import select
 import shutil
 import threading
 from collections.abc import Callable
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from relaunch.core.lines import prefix_lines
 from relaunch.core.streams import Std
@@ -123,11 +123,25 @@ def write_all(fd: int, data: bytes) -> None:
 THROTTLE_SECONDS = 1.0
 #: Terminals redraw the live area at most this often.
 REDRAW_SECONDS = 0.1
+#: How long bytes relayed as they are (``TeeStream(verbatim=True)``) that do not end a line wait
+#: for its end before they are written anyway: a prompt shows within this time, and a line
+#: written in two parts (its text, then its newline, as ``print`` does) is whole.
+HOLD_SECONDS = 0.25
 #: Prefix colours, by local rank: cyan, yellow, magenta, green, blue, red, then bright ones.
 _COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)
 
 #: What produces bars besides the workers' streams (the agent's per-node bar): key -> line.
 BarSource = Callable[[], dict[str, bytes]]
+
+
+class HeldLine(Protocol):
+    """A stream that holds the start of a line until its end comes (see ``Console.hold``)."""
+
+    err: bool
+
+    def take_held(self) -> bytes:
+        """The bytes held, no longer held."""
+        ...
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -194,6 +208,8 @@ class Console:
         #: The workers' pseudo-terminals, resized with the launcher's.
         self.worker_terminals = WorkerTerminals()
         self._resized = False
+        #: Streams holding part of a line: since when, and the thread that writes their lines.
+        self._held: dict[HeldLine, tuple[float, int]] = {}
         if self.live:
             on_resize(self.resized)
 
@@ -265,6 +281,32 @@ class Console:
                 self.out.write(out)
                 self.err.write_raw(erase + err + draw)
 
+    def hold(self, stream: HeldLine) -> None:
+        """``stream`` holds the start of a line (its bytes before are written, or pending with
+        the caller): the caller's ``tick`` writes it as it is ``HOLD_SECONDS`` after it was first
+        held, unless ``unhold`` came first. Only the thread that holds it writes it, after the
+        lines it wrote before: a stream's bytes stay in order whatever other threads tick."""
+        with self._lock:
+            if stream not in self._held:
+                self._held[stream] = (self._clock.monotonic(), threading.get_ident())
+
+    def unhold(self, stream: HeldLine) -> None:
+        """``stream`` holds nothing now (its line ended, or it wrote what it held)."""
+        with self._lock:
+            self._held.pop(stream, None)
+
+    def _write_held(self, now: float) -> None:
+        me = threading.get_ident()
+        due = [
+            stream
+            for stream, (since, owner) in self._held.items()
+            if owner == me and now - since >= HOLD_SECONDS
+        ]
+        for stream in due:
+            del self._held[stream]
+            data = stream.take_held()
+            self.write(b"" if stream.err else data, data if stream.err else b"")
+
     # -- bars -----------------------------------------------------------------------------------
 
     def set_bar(self, key: str, line: bytes, err: bool = True) -> None:
@@ -335,14 +377,22 @@ class Console:
                 for bar in self._bars.values()
                 if not bar.live and bar.text != bar.printed
             ]
+            me = threading.get_ident()
+            waits += [
+                since + HOLD_SECONDS - now for since, owner in self._held.values() if owner == me
+            ]
             return max(0.0, min(waits)) if waits else None
 
     def tick(self) -> None:
-        """Redraw (terminal) or print due refreshes (elsewhere); asks the bar sources."""
+        """Redraw (terminal) or print due refreshes (elsewhere); asks the bar sources; writes
+        the partial lines this thread held for ``HOLD_SECONDS``. The caller has written the
+        lines of its streams before (those bytes come first)."""
         with self._lock:
             if self._resized:
                 self._follow_resize()
             now = self._clock.monotonic()
+            if self._held:
+                self._write_held(now)
             if self._sources and now - self._polled_at >= self._period:
                 # Sources are asked at the display's rate, not at every wake-up of the monitor
                 # (which, under a flood of output, wakes thousands of times a second).

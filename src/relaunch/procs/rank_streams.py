@@ -4,9 +4,9 @@
 nor relayed is the worker's to inherit (the launcher's own file, pipe or terminal: its bytes
 reach it untouched). Every other stream is a pipe whose other end the monitor copies
 (``TeeStream``) to the log file, if any, and to the console: as prefixed lines (tee'd) or byte
-for byte (relayed). Where a tee'd stream is shown on a terminal the pipe is a pseudo-terminal
-of the console's width less the prefix, so that the worker draws its bars as it would in a
-terminal of its own.
+for byte (relayed), in whole lines either way (ranks never interleave within a line). Where a
+tee'd stream is shown on a terminal the pipe is a pseudo-terminal of the console's width less
+the prefix, so that the worker draws its bars as it would in a terminal of its own.
 
 A log file relaunch cannot write (a full disk, a quota, an I/O error) never fails the worker
 nor the thread that copies: relaunch says once which file and why, stops writing that file,
@@ -29,6 +29,9 @@ _READ_SIZE = 1 << 16
 #: How much of a worker's stderr relaunch keeps in memory for the failure report (about 20 lines
 #: of traceback are shown; a long last line or a stack dump fits too).
 STDERR_TAIL_BYTES = 64 * 1024
+#: The most a relayed stream holds of a line not ended yet: past it, the bytes are written as
+#: they are (binary data, a bar redrawn with ``\r`` for ever), in order.
+HOLD_BYTES = 64 * 1024
 
 
 _told: set[int] = set()
@@ -100,6 +103,12 @@ class TeeStream:
     file, if any, and, unless ``shown`` is False, to the console: byte for byte when
     ``verbatim``, else as lines, prefixed.
 
+    Either way the console gets whole lines, so that the ranks sharing it never interleave
+    within a line. A verbatim stream holds the start of a line (``held``) until its newline
+    comes, the stream ends, ``HOLD_BYTES`` are held (binary data, endless ``\r`` records), or it
+    was held for ``console.HOLD_SECONDS`` (a prompt): then the bytes go as they are. Every byte
+    goes on, unchanged and in order.
+
     Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
     all streams together: under a flood of small writes that is one console write per round, not
     one per read. In a tee'd stream, rows being redrawn (progress bars, live displays) become
@@ -140,6 +149,8 @@ class TeeStream:
         self.open = True
         #: The last bytes of a stderr stream, for the failure report (None: not kept).
         self.tail: bytearray | None = bytearray() if err else None
+        #: A verbatim stream's bytes after its last newline, not written yet.
+        self.held = bytearray()
 
     @property
     def log_fd(self) -> int | None:
@@ -183,7 +194,7 @@ class TeeStream:
         if not self.shown:
             return
         if self.verbatim:
-            self.pending.append(chunk)
+            self._relay(chunk)
             return
         lines, bar = self.framer.feed(chunk)
         if lines:
@@ -191,6 +202,30 @@ class TeeStream:
         if bar is not None or self.bar is not None:
             self.bar_changed = self.bar_changed or bar != self.bar
             self.bar = bar
+
+    def _relay(self, chunk: bytes) -> None:
+        """Pass ``chunk`` on in whole lines, holding the start of a line not ended yet."""
+        was_held = bool(self.held)
+        end = chunk.rfind(b"\n") + 1
+        line = b""
+        if end:
+            line = self.take_held() + chunk[:end] if was_held else chunk[:end]
+        self.held += chunk[end:]
+        if len(self.held) > HOLD_BYTES:
+            line += self.take_held()
+        if line:
+            self.pending.append(line)
+        # The console writes what is held HOLD_SECONDS after the first of it came.
+        if was_held and (line or not self.held):
+            self.console.unhold(self)
+        if self.held and (line or not was_held):
+            self.console.hold(self)
+
+    def take_held(self) -> bytes:
+        """The start of a line held, to be written as it is now (held a while, or the end)."""
+        held = bytes(self.held)
+        self.held.clear()
+        return held
 
     def _tell_log_error(self, log: LogFile) -> None:
         if _first_time(log.errno):
@@ -216,6 +251,9 @@ class TeeStream:
         self.open = False
         if self.shown and not self.verbatim:
             self.pending.append(self.console.render(self.framer.flush(), self.prefix))
+        if self.held:
+            self.console.unhold(self)
+            self.pending.append(self.take_held())
         if self.bar is not None:
             self.console.end_bar(self.key, print_last=False)  # the last line shows it
             self.bar = None
