@@ -180,16 +180,25 @@ class Job:
         """Both agents exit 1 within ``within`` seconds, each with one line naming ``names``
         and no traceback."""
         began = time.monotonic()
+        codes: list[int | None] = []
         try:
-            codes = [
-                agent.end(max(1.0, within - (time.monotonic() - began))) for agent in self.agents
-            ]
+            for agent in self.agents:
+                try:
+                    codes.append(agent.end(max(1.0, within - (time.monotonic() - began))))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)  # still running: reported with what both said
         finally:
             for agent in self.agents:
                 if agent.proc.poll() is None:
                     agent.proc.kill()
                     agent.proc.wait(10)
+                for reader in agent.readers:
+                    reader.join(5)
         said = [agent.said() for agent in self.agents]
+        for number, (code, text) in enumerate(zip(codes, said, strict=True)):
+            # Shown in full with a failure (an assertion's message is cut short).
+            ended = "not ended" if code is None else f"exit {code}"
+            print(f"--- agent {number} ({ended} within {within}s), its stderr:\n{text}")
         assert codes == [1, 1], said
         for text in said:
             assert "Traceback" not in text, text
@@ -243,6 +252,30 @@ def test_a_thread_that_fails_ends_the_job_on_both_nodes(
     job.start_both({"inject": THREADS[thread]}, {})
     open(tmp_path / "inject", "w").close()
     job.ends_in_one_line(f"relaunch's {thread} thread failed: RuntimeError: injected fault")
+
+
+@pytest.mark.parametrize("moment", ["as the workers start", "as a worker exits"])
+def test_a_worker_monitor_that_fails_at_any_moment_ends_the_job(
+    moment: str, tmp_path, leaks: LeakCheck
+) -> None:
+    """The worker monitor fails as its first output is copied, or as it records a worker's
+    exit (running, it is ``test_a_thread_that_fails_ends_the_job_on_both_nodes``). Before: it
+    killed the workers and ended their group as all "stopped", none failed; the agent, woken by
+    that end before the monitor's failure was reported, took it for a success and waited in the
+    exit barrier, its peer for it (reproduced 3 runs in 8 under two busy loops)."""
+    job = Job(tmp_path, leaks, "c10d")
+    open(tmp_path / "inject", "w").close()  # from the start
+    if moment == "as the workers start":
+        job.start(inject="relaunch.procs.monitor:GroupMonitor._flush_consoles")
+        wait_until(job._serving, what="the first agent to host the store")
+        job.start()
+    else:
+        fail = str(tmp_path / "fail")
+        job.start_both(
+            {"inject": "relaunch.procs.monitor:GroupMonitor._record_exit", "FAIL_WHEN": fail}, {}
+        )
+        open(fail, "w").close()  # the first node's worker exits: its monitor records it
+    job.ends_in_one_line("relaunch's relaunch-monitor thread failed: RuntimeError: injected fault")
 
 
 def test_start_thread_reports_a_failure_rather_than_printing_a_traceback(capfd) -> None:

@@ -377,6 +377,9 @@ class LocalElasticAgent:
         assert self._pcontext is not None
         handler = self._worker_group.spec.rdzv_handler
         outcome = self._pcontext.wait(0)
+        # A helper thread reports its failure before its effect shows: a worker monitor that
+        # failed killed the workers and ended the group, and that end is not theirs to judge.
+        self._check_threads()
         if outcome is not None and outcome.is_failed() and outcome is not self._explained:
             self._explained = outcome
             self._expiry.explain(outcome.failures, self._pcontext.stderrs)

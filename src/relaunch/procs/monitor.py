@@ -31,7 +31,7 @@ from relaunch.procs.handles import (
 from relaunch.procs.rank_streams import TeeStream
 from relaunch.procs.signals import signals_deferred
 from relaunch.procs.wakeup import Latch
-from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure, start_thread
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -127,6 +127,8 @@ class GroupMonitor:
                 conn = worker.result_conn
                 self._selector.register(conn.fileno(), selectors.EVENT_READ, ("result", worker))
         self._thread: threading.Thread | None = None
+        #: What ended the monitor thread, if it failed (see ``_fail``).
+        self.failure: Exception | None = None
 
     def start(self) -> None:
         if self._console is not None:
@@ -226,20 +228,34 @@ class GroupMonitor:
                     break
                 if copied:
                     time.sleep(COALESCE_SECONDS)
-        except Exception:
-            # ``start_thread`` reports the failure (the agent ends with one line); the workers
-            # must not outlive their monitor.
-            log.debug("the worker monitor failed; stopping the workers", exc_info=True)
-            self.kill_all_trees()
-            self._end_without_monitor()
-            raise
+        except Exception as error:
+            self._fail(error)
         finally:
             self._release()
+
+    def _fail(self, error: Exception) -> None:
+        """The monitor thread fails with ``error``: report it (the agent ends with one line),
+        then kill the workers, which must not outlive their monitor, and end the group.
+
+        The report comes first: whoever sees the group end (``wait_done``, a done callback)
+        finds the failure reported already, so the end of a group its monitor could not watch
+        is never taken for the workers' own (the agent read "every worker stopped, none failed"
+        as a success and sat in the exit barrier while its peer waited for it)."""
+        log.debug("the worker monitor failed; stopping the workers", exc_info=True)
+        with self.lock:
+            self.failure = error
+        try:
+            report_failure(threading.current_thread().name, error)
+        finally:
+            self.kill_all_trees()
+            self._end_without_monitor()
 
     def _end_without_monitor(self) -> None:
         """The monitor thread fails: reap the killed workers here (each within
         ``KILL_DEADLINE``, else given up), and end the group, so that nobody waits for an end
-        that the dead thread would have recorded."""
+        that the dead thread would have recorded. A worker killed here failed (it is not in
+        ``stopped_ranks``): without an agent to hear of the monitor's failure, the result must
+        not read as a success either."""
         for worker in self.workers.values():
             if worker.exitcode is not None:
                 continue
@@ -247,7 +263,6 @@ class GroupMonitor:
             with self.lock:
                 worker.exitcode = -signal.SIGKILL if code is None else code
                 worker.exit_time = self._clock.time()
-                self.stopped_ranks.add(worker.local_rank)
         with self.lock:
             self._kill_at = self._give_up_at = self._recheck_at = None
             done, self._done = self._done, True
@@ -423,7 +438,17 @@ class GroupMonitor:
     def _release(self) -> None:
         if self._console is not None:
             self._console.remove_waker(self._wake)
-        self._flush_consoles()
+        try:
+            self._flush_consoles()
+        except Exception:
+            if self.failure is None:
+                raise  # reported by ``start_thread``, once the rest is released
+            # The same failure again (reported already): release the rest regardless.
+            log.debug("could not write the workers' last output", exc_info=True)
+        finally:
+            self._close_all()
+
+    def _close_all(self) -> None:
         self._selector.close()
         for worker in self.workers.values():
             for stream in worker.streams:
