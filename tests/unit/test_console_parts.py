@@ -173,12 +173,17 @@ def test_bars_of_a_stream_that_is_no_terminal_are_printed_not_drawn(
     assert err.text() == b"[w0]: on the terminal", "only stderr's bar is drawn"
 
 
-def test_relaunch_copies_no_stream_unless_hang_detection_needs_to_see_it() -> None:
+def test_relaunch_copies_a_file_or_pipe_stream_of_several_workers_or_under_hang_detection() -> None:
     from relaunch.core.console_plan import agent_tee, console_is_relaunchs, relayed
 
-    # No flags: every stream is the worker's to inherit, a file or pipe gets its bytes as is.
-    assert relayed(Std.NONE, Std.NONE, 2, terminals=Std.NONE) == {0: Std.NONE, 1: Std.NONE}
-    assert not console_is_relaunchs(Std.NONE, Std.NONE, 2)
+    # No flags, one worker: every stream is the worker's to inherit, bytes as they are.
+    assert relayed(Std.NONE, Std.NONE, 1, terminals=Std.NONE) == {0: Std.NONE}
+    assert not console_is_relaunchs(Std.NONE, Std.NONE, 1)
+    # Several: a file or pipe stream is copied byte for byte, whole lines at a time, so ranks
+    # never mix within a line; a terminal stream stays the worker's (prompts, breakpoint()).
+    assert relayed(Std.NONE, Std.NONE, 2, terminals=Std.NONE) == {0: Std.ALL, 1: Std.ALL}
+    assert relayed(Std.NONE, Std.NONE, 2, terminals=Std.ERR) == {0: Std.OUT, 1: Std.OUT}
+    assert not console_is_relaunchs(Std.NONE, Std.NONE, 2, relay=Std.ALL)
     # Hang detection: a terminal stream is tee'd (prefixed, bars collapsed: not data), a file
     # or pipe stream relayed byte for byte; a redirected one stays redirected.
     tee = agent_tee(Std.NONE, {0: Std.ERR, 1: Std.NONE}, 2, True, terminals=Std.ERR)

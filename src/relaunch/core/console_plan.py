@@ -41,18 +41,20 @@ def relayed(
     terminals: Std,
     hang_detection: bool = False,
 ) -> dict[int, Std]:
-    """The streams relaunch reads and copies to its console byte for byte, by local rank.
+    """The streams relaunch reads and copies to its console byte for byte, by local rank: those
+    neither redirected, tee'd nor bound for a terminal.
 
-    Without hang detection, none: a stream neither redirected nor tee'd is the worker's to
-    write straight to the launcher's (a file, a pipe, a terminal), as under torchrun, so every
-    byte arrives as written whatever relaunch does. With hang detection, the streams neither
-    redirected, tee'd nor bound for a terminal: relaunch must see their output (a sign of
-    life, and the log a hung worker's stack goes to), so it logs them and copies every byte on
-    unchanged, in order: no prefix, no collapsed bars (those are for tee'd streams only).
+    With one worker and no hang detection, none: its streams are its own to write straight to
+    the launcher's file or pipe, as under torchrun, and every byte arrives as written whatever
+    relaunch does. With several workers, relaunch copies them (each rank's bytes exactly, in
+    order, whole lines at a time: ``procs.rank_streams``), so that two ranks' lines never mix
+    within a line, as they can when unbuffered workers share one pipe. With hang detection,
+    relaunch must see their output anyway (a sign of life, and the log a hung worker's stack
+    goes to). No prefix, no collapsed bars: those are for tee'd streams only.
     """
     redirected = per_rank(redirects, nprocs)
     teed = per_rank(tee, nprocs)
-    if not hang_detection:
+    if nprocs == 1 and not hang_detection:
         return {rank: Std.NONE for rank in teed}
     return {rank: Std(Std.ALL & ~(redirected[rank] | teed[rank] | terminals)) for rank in teed}
 
