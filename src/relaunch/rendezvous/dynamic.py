@@ -319,6 +319,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._rounds.supersede(
                     self._round, failed, expected_size(self._final.count, failed)
                 )
+            except StoreConnectionError as exc:
+                # The store is gone or out of reach (its host failed the job too, say): closing
+                # the job there would wait for it up to join_timeout, for nobody. The other
+                # nodes learn of this one from its silence.
+                log.warning("could not tell the other nodes that the job failed: %s", exc)
+                self._store_lost = self._finished = True
             except StoreError as exc:
                 log.warning("could not tell the other nodes that the job failed: %s", exc)
         self.set_closed()
