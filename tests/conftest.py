@@ -5,8 +5,11 @@ benchmarks); its names are re-exported here for the tests that import them from 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,7 +18,15 @@ from etcd_cluster import EtcdCluster
 
 from tests.support.procs import MARK_VAR, LeakCheck, marked_pids, pid_alive
 
-__all__ = ["MARK_VAR", "LeakCheck", "marked_pids", "pid_alive", "wait_until"]
+__all__ = [
+    "MARK_VAR",
+    "LeakCheck",
+    "marked_pids",
+    "pid_alive",
+    "relaunch_cli",
+    "tmpfs",
+    "wait_until",
+]
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
@@ -86,3 +97,35 @@ def etcd_shared() -> Iterator[EtcdCluster]:
     """One single-member etcd for the whole session: use keys no other test uses."""
     with _etcd_cluster(1) as cluster:
         yield cluster
+
+
+def relaunch_cli(
+    leaks: LeakCheck, *argv: str, cwd: str | None = None, timeout: float = 50
+) -> subprocess.CompletedProcess[str]:
+    """``relaunch ARGV`` run to its end, its output captured as text, with ``leaks``' mark."""
+    return subprocess.run(
+        [sys.executable, "-m", "relaunch", *argv],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, options: str) -> Iterator[str]:
+    """A tmpfs mounted at ``path`` (made if missing) with ``options`` (``size=64k``, ...),
+    unmounted after; skips the test where none can be mounted (not root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    os.makedirs(path, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True, timeout=10)

@@ -8,24 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, relaunch_cli, tmpfs
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def relaunch(leaks: LeakCheck, *argv: str, cwd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relaunch", *argv],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        cwd=cwd,
-        timeout=30,
-    )
 
 
 def assert_usage_error(done: subprocess.CompletedProcess[str], *says: str) -> None:
@@ -75,13 +63,18 @@ def job(tmp_path) -> str:
 def test_bad_input_is_one_line_and_exit_2(
     leaks: LeakCheck, job: str, argv: list[str], says: list[str]
 ) -> None:
-    assert_usage_error(relaunch(leaks, *argv, job, cwd=os.path.dirname(job)), *says)
+    assert_usage_error(relaunch_cli(leaks, *argv, job, cwd=os.path.dirname(job), timeout=30), *says)
 
 
 def test_a_value_cannot_break_the_line_or_reach_the_terminal(leaks: LeakCheck, job: str) -> None:
     hostile = "logs\nsecond line\x1b[2J"
-    done = relaunch(
-        leaks, "--event-log-handler", f"file:a_file/{hostile}", job, cwd=os.path.dirname(job)
+    done = relaunch_cli(
+        leaks,
+        "--event-log-handler",
+        f"file:a_file/{hostile}",
+        job,
+        cwd=os.path.dirname(job),
+        timeout=30,
     )
     assert_usage_error(done, "cannot be created")
     assert "\x1b" not in done.stderr
@@ -91,21 +84,11 @@ def test_a_value_cannot_break_the_line_or_reach_the_terminal(leaks: LeakCheck, j
 def read_only_tmpfs(path: str) -> Iterator[str]:
     """A read-only tmpfs at ``path`` (root, which ``chmod`` alone does not stop, cannot write
     there either), holding ``present``, a file made before it turned read-only."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    os.makedirs(path)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs", path], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(path, "size=64k,mode=0755"):
         with open(os.path.join(path, "present"), "w"):
             pass
         subprocess.run(["mount", "-o", "remount,ro", path], check=True, timeout=10)
         yield path
-    finally:
-        subprocess.run(["umount", path], check=True, timeout=10)
 
 
 def test_an_unwritable_log_dir_or_event_log_is_one_line(
@@ -113,11 +96,15 @@ def test_an_unwritable_log_dir_or_event_log_is_one_line(
 ) -> None:
     with read_only_tmpfs(str(tmp_path / "ro")) as ro:
         cwd = os.path.dirname(job)
-        done = relaunch(leaks, "--log-dir", ro, job, cwd=cwd)
+        done = relaunch_cli(leaks, "--log-dir", ro, job, cwd=cwd, timeout=30)
         assert_usage_error(done, f"--log-dir {ro} is not writable")
-        done = relaunch(leaks, "--log-dir", f"{ro}/new/logs", job, cwd=cwd)
+        done = relaunch_cli(leaks, "--log-dir", f"{ro}/new/logs", job, cwd=cwd, timeout=30)
         assert_usage_error(done, "cannot be created", f"{ro} is not writable")
-        done = relaunch(leaks, "--event-log-handler", f"file:{ro}/present", job, cwd=cwd)
+        done = relaunch_cli(
+            leaks, "--event-log-handler", f"file:{ro}/present", job, cwd=cwd, timeout=30
+        )
         assert_usage_error(done, f"{ro}/present cannot be written", "Read-only file system")
-        done = relaunch(leaks, "--event-log-handler", f"file:{ro}/new.jsonl", job, cwd=cwd)
+        done = relaunch_cli(
+            leaks, "--event-log-handler", f"file:{ro}/new.jsonl", job, cwd=cwd, timeout=30
+        )
         assert_usage_error(done, "cannot be created", f"{ro} is not writable")

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, tmpfs
 
 from relaunch.events import Event, EventSource, JsonLinesEventHandler
 
@@ -22,15 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 @contextlib.contextmanager
 def full_tmpfs(path: str) -> Iterator[str]:
     """A 16 KiB tmpfs at ``path``, filled up by ``path/filler``; unmounted after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    os.makedirs(path)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", path], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(path, "size=16k"):
         filler = os.open(os.path.join(path, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             with contextlib.suppress(OSError):
@@ -39,8 +31,6 @@ def full_tmpfs(path: str) -> Iterator[str]:
         finally:
             os.close(filler)
         yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=True, timeout=10)
 
 
 def test_a_full_disk_under_the_event_log_is_said_once_and_the_log_resumes(

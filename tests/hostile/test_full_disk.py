@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Iterator
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, tmpfs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,19 +40,11 @@ WORKER = textwrap.dedent(
 @pytest.fixture
 def full_disk() -> Iterator[str]:
     """A 64 KiB tmpfs, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (mount -t tmpfs)")
     path = tempfile.mkdtemp(prefix="relaunch-full-disk-")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", path], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        os.rmdir(path)
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        yield path
+        with tmpfs(path, "size=64k"):
+            yield path
     finally:
-        subprocess.run(["umount", "-l", path], check=False)
         os.rmdir(path)
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LeakCheck, pid_alive, wait_until
+from conftest import LeakCheck, pid_alive, relaunch_cli, wait_until
 
 from relaunch.core.durations import seconds
 from relaunch.endpoints import find_free_port
@@ -26,18 +26,6 @@ pytestmark = pytest.mark.timeout(60)
 NOWHERE = "nonexistent.invalid"
 
 
-def _relaunch(
-    leaks: LeakCheck, *argv: str, timeout: float = 30
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relaunch", *argv],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        timeout=timeout,
-    )
-
-
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("relaunch: error:")]
 
@@ -48,7 +36,7 @@ def test_an_unresolvable_master_addr_of_one_node_is_one_line_at_once(
     job = tmp_path / "job.py"
     job.write_text("print('ran')\n")
     began = time.monotonic()
-    done = _relaunch(leaks, "--nnodes", "1", "--master-addr", NOWHERE, str(job))
+    done = relaunch_cli(leaks, "--nnodes", "1", "--master-addr", NOWHERE, str(job), timeout=30)
     took = time.monotonic() - began
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
@@ -66,10 +54,11 @@ def test_an_unresolvable_master_addr_of_several_nodes_is_said_at_once_then_waite
     job = tmp_path / "job.py"
     job.write_text("print('ran')\n")
     began = time.monotonic()
-    done = _relaunch(
+    done = relaunch_cli(
         leaks,
         *("--nnodes", "2", "--node-rank", "0", "--master-port", "29500"),
         *("--master-addr", NOWHERE, "--rdzv-conf", "join_timeout=2", str(job)),
+        timeout=30,
     )
     took = time.monotonic() - began
     assert done.returncode == 1, done.stderr
@@ -88,7 +77,7 @@ def test_a_master_addr_not_of_this_machine_with_port_0_is_one_line(
     job = tmp_path / "job.py"
     job.write_text("print('ran')\n")
     # TEST-NET-1 (RFC 5737): resolvable, and never an address of this machine.
-    done = _relaunch(leaks, "--nnodes", "1", "--master-addr", "192.0.2.1", str(job))
+    done = relaunch_cli(leaks, "--nnodes", "1", "--master-addr", "192.0.2.1", str(job), timeout=30)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     (line,) = _error_lines(done.stderr)
@@ -101,10 +90,11 @@ def test_a_c10d_endpoint_that_cannot_be_resolved_is_said_at_once_then_waited_for
     job = tmp_path / "job.py"
     job.write_text("print('ran')\n")
     began = time.monotonic()
-    done = _relaunch(
+    done = relaunch_cli(
         leaks,
         *("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "j"),
         *("--rdzv-endpoint", f"{NOWHERE}:29400", "--rdzv-conf", "join_timeout=2", str(job)),
+        timeout=30,
     )
     took = time.monotonic() - began
     assert done.returncode == 1, done.stderr
@@ -125,11 +115,12 @@ def test_a_c10d_store_that_does_not_answer_is_waited_for_once_then_one_line(
     job.write_text("print('ran')\n")
     port = find_free_port("127.0.0.1")  # nothing listens there, and this node does not host
     began = time.monotonic()
-    done = _relaunch(
+    done = relaunch_cli(
         leaks,
         *("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "j"),
         *("--rdzv-endpoint", f"127.0.0.1:{port}"),
         *("--rdzv-conf", "is_host=false,join_timeout=3", str(job)),
+        timeout=30,
     )
     took = time.monotonic() - began
     assert done.returncode == 1, done.stderr

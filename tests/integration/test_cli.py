@@ -18,21 +18,9 @@ import textwrap
 import agentfns
 import pytest
 from conftest import LeakCheck, pid_alive, wait_until
+from conftest import relaunch_cli as relaunch
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def relaunch(
-    leaks: LeakCheck, *argv: str, cwd: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relaunch", *argv],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        cwd=cwd,
-        timeout=50,
-    )
 
 
 def script(tmp_path, body: str, name: str = "job.py") -> str:
