@@ -7,6 +7,7 @@ The tests every backend passes (worlds, growing, a lost node) are in test_rendez
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import select
 import signal
 import socket
@@ -58,20 +59,16 @@ def read_world(node: subprocess.Popen[str]) -> str:
     return first[0]
 
 
-def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
-    tmp_path, leaks: LeakCheck, etcd3: EtcdCluster
-) -> None:
-    job = script(tmp_path, WORLD_THEN_WAIT)
-    go = tmp_path / "go"
-    leader = etcd3.leader()
-    # Every agent talks to the leader first, so its death is felt by every connection.
-    order = [leader] + [i for i in range(3) if i != leader]
-    endpoints = ",".join(etcd3.endpoint_list[i] for i in order)
+def two_agents_of_one_world(
+    leaks: LeakCheck, endpoints: list[str], job: pathlib.Path, go: pathlib.Path
+) -> list[subprocess.Popen[str]]:
+    """Two agents of one job (keep-alive 0.2 s x 5, no restart), each on its ``endpoints``,
+    once both workers run in a world of two; the workers wait for ``go``."""
     run_id = uuid.uuid4().hex
     nodes = [
         etcd_agent(
             leaks,
-            endpoints,
+            members,
             job,
             run_id,
             "--nnodes",
@@ -82,17 +79,34 @@ def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
             "0",
             env={"GO_FILE": str(go)},
         )
-        for _ in range(2)
+        for members in endpoints
     ]
     assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
-    etcd3.kill(leader)
-    go.touch()
-    results = [node.communicate(timeout=60) for node in nodes]
+    return nodes
+
+
+def assert_ran_once(nodes: list[subprocess.Popen[str]], results: list[tuple[str, str]]) -> None:
+    """Each agent ended 0 with its workers run once: no restart, no re-forming, nobody lost."""
     both = "\n".join(f"agent {i} stderr:\n{err}" for i, (_, err) in enumerate(results))
     for node, (out, err) in zip(nodes, results, strict=True):
         assert node.returncode == 0, both
         assert lines(out) == [], f"the workers ran once: no restart, no re-forming\n{both}"
         assert "lost" not in err and "restart" not in err.lower(), both
+
+
+def test_a_job_outlives_the_sigkill_of_the_etcd_leader(
+    tmp_path, leaks: LeakCheck, etcd3: EtcdCluster
+) -> None:
+    job = script(tmp_path, WORLD_THEN_WAIT)
+    go = tmp_path / "go"
+    leader = etcd3.leader()
+    # Every agent talks to the leader first, so its death is felt by every connection.
+    order = [leader] + [i for i in range(3) if i != leader]
+    endpoints = ",".join(etcd3.endpoint_list[i] for i in order)
+    nodes = two_agents_of_one_world(leaks, [endpoints, endpoints], job, go)
+    etcd3.kill(leader)
+    go.touch()
+    assert_ran_once(nodes, [node.communicate(timeout=60) for node in nodes])
 
 
 def test_the_node_that_started_the_job_can_die(
@@ -342,25 +356,8 @@ def test_a_stalled_etcd_leader_is_not_a_lost_node(
     assert leader is not None
     order = [leader] + [i for i in range(3) if i != leader]
     endpoints = ",".join(etcd3.endpoint_list[i] for i in order)
-    run_id = uuid.uuid4().hex
     dead_after = 0.2 * 5
-    nodes = [
-        etcd_agent(
-            leaks,
-            endpoints,
-            job,
-            run_id,
-            "--nnodes",
-            "2",
-            "--rdzv-conf",
-            "keep_alive_interval=0.2,keep_alive_max_attempt=5",
-            "--max-restarts",
-            "0",
-            env={"GO_FILE": str(go)},
-        )
-        for _ in range(2)
-    ]
-    assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
+    nodes = two_agents_of_one_world(leaks, [endpoints, endpoints], job, go)
     stalled = etcd3.procs[leader]
     stalled.send_signal(signal.SIGSTOP)
     try:
@@ -374,11 +371,7 @@ def test_a_stalled_etcd_leader_is_not_a_lost_node(
         stalled.send_signal(signal.SIGCONT)
     etcd3.kill(leader)
     go.touch()
-    results = [node.communicate(timeout=60) for node in nodes]
-    for node, (out, err) in zip(nodes, results, strict=True):
-        assert node.returncode == 0, err
-        assert lines(out) == [], f"the workers ran once: no restart, no re-forming: {err}"
-        assert "lost" not in err and "restart" not in err.lower(), err
+    assert_ran_once(nodes, [node.communicate(timeout=60) for node in nodes])
 
 
 class HoldingProxy:
@@ -457,25 +450,8 @@ def test_a_member_that_holds_one_nodes_requests_is_not_its_death(
     proxy = HoldingProxy(etcd3.endpoint_list[0])
     try:
         others = ",".join(etcd3.endpoint_list[1:])
-        run_id = uuid.uuid4().hex
         dead_after = 0.2 * 5
-        nodes = [
-            etcd_agent(
-                leaks,
-                endpoints,
-                job,
-                run_id,
-                "--nnodes",
-                "2",
-                "--rdzv-conf",
-                "keep_alive_interval=0.2,keep_alive_max_attempt=5",
-                "--max-restarts",
-                "0",
-                env={"GO_FILE": str(go)},
-            )
-            for endpoints in (f"{proxy.endpoint},{others}", others)
-        ]
-        assert sorted(read_world(node) for node in nodes) == ["world 2 rank 0", "world 2 rank 1"]
+        nodes = two_agents_of_one_world(leaks, [f"{proxy.endpoint},{others}", others], job, go)
         proxy.hold()
         # The hold is the fault itself: it outlasts the keep-alive detection time three times.
         time.sleep(3 * dead_after)
@@ -484,8 +460,4 @@ def test_a_member_that_holds_one_nodes_requests_is_not_its_death(
         results = [node.communicate(timeout=60) for node in nodes]
     finally:
         proxy.close()
-    both = "\n".join(f"agent {i} stderr:\n{err}" for i, (_, err) in enumerate(results))
-    for node, (out, err) in zip(nodes, results, strict=True):
-        assert node.returncode == 0, both
-        assert lines(out) == [], f"the workers ran once: no restart, no re-forming\n{both}"
-        assert "lost" not in err and "restart" not in err.lower(), both
+    assert_ran_once(nodes, results)
