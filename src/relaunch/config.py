@@ -14,13 +14,14 @@ The text of each flag is checked by ``relaunch.cli.values``, with the same ``Con
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from relaunch.core.console_plan import agent_tee, relayed
 
 # Nothing from relaunch.rendezvous at import time: the rendezvous code imports this module.
 from relaunch.core.defaults import (
@@ -152,15 +153,6 @@ def _check_counts(config: LaunchConfig) -> None:
         )
     if config.max_restarts < 0:
         raise ConfigError(f"max_restarts must be >= 0, got {config.max_restarts}")
-    if not (math.isfinite(config.exit_barrier_timeout) and config.exit_barrier_timeout > 0):
-        raise ConfigError(
-            "exit_barrier_timeout must be a number of seconds > 0, got "
-            f"{config.exit_barrier_timeout!r}"
-        )
-    for name in ("health_check_timeout", "health_check_cooldown"):
-        value = getattr(config, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
     for name, zero_ok in (
         ("monitor_interval", False),
         ("shutdown_timeout", True),
@@ -213,16 +205,19 @@ def _check_placement(config: LaunchConfig) -> None:
 AGENT_DESCRIPTORS = 64
 
 
-def open_files_needed(config: LaunchConfig) -> int:
+def open_files_needed(config: LaunchConfig, terminals: Std = Std.NONE) -> int:
     """About how many descriptors the agent of ``config`` holds at once, at most: its own
     (``AGENT_DESCRIPTORS``), and for each worker a pidfd and one spare (a pipe end while it
     starts), and for each of its streams that goes through relaunch (redirected, tee'd, or
-    every one under ``--hang-timeout``, which reads them) the pipe it reads and the log file."""
-    redirects = per_rank(config.redirects, config.nproc_per_node)
-    tee = per_rank(config.tee, config.nproc_per_node)
+    copied: ``core.console_plan``, given which of the launcher's streams are ``terminals``)
+    the pipe it reads and the log file."""
+    nprocs, hang = config.nproc_per_node, config.hang_timeout is not None
+    tee = agent_tee(config.tee, config.redirects, nprocs, hang, terminals)
+    relay = relayed(config.redirects, tee, nprocs, terminals, hang)
+    redirects, teed = per_rank(config.redirects, nprocs), per_rank(tee, nprocs)
     needed = AGENT_DESCRIPTORS
-    for rank in range(config.nproc_per_node):
-        streams = Std.ALL if config.hang_timeout is not None else redirects[rank] | tee[rank]
+    for rank in range(nprocs):
+        streams = redirects[rank] | teed[rank] | relay[rank]
         needed += 2 + 2 * bin(int(streams)).count("1")
     return needed
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -71,7 +72,9 @@ def ensure_open_files(config: LaunchConfig) -> None:
     need more descriptors than it allows (``relaunch.config.open_files_needed``): the workers
     inherit it. ConfigError, in one line with the number needed, when even the hard limit is
     too low."""
-    needed = open_files_needed(config)
+    from relaunch.procs.console import terminals_of
+
+    needed = open_files_needed(config, terminals_of(sys.stdout, sys.stderr))
     soft, hard = raise_open_file_limit(needed)
     if soft != resource.RLIM_INFINITY and soft < needed:
         limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)

@@ -60,10 +60,17 @@ def test_a_hard_limit_too_low_is_one_line_with_the_number_needed(leaks: LeakChec
 
 
 def test_the_number_needed_counts_the_streams_relaunch_reads() -> None:
-    plain = open_files_needed(LaunchConfig(1, 1, 100))
-    teed = open_files_needed(LaunchConfig(1, 1, 100, tee=Std.ALL))
-    one_stream = open_files_needed(LaunchConfig(1, 1, 100, redirects={0: Std.OUT}))
-    watched = open_files_needed(LaunchConfig(1, 1, 100, hang_timeout=60))
+    def needed(config: LaunchConfig, terminals: Std = Std.ALL) -> int:
+        return open_files_needed(config, terminals)
+
+    # On a terminal, relaunch reads only what is redirected or tee'd.
+    plain = needed(LaunchConfig(1, 1, 100))
+    teed = needed(LaunchConfig(1, 1, 100, tee=Std.ALL))
+    one_stream = needed(LaunchConfig(1, 1, 100, redirects={0: Std.OUT}))
+    watched = needed(LaunchConfig(1, 1, 100, hang_timeout=60))
     assert teed - plain == 100 * 4  # a pipe and a log file for each of 2 streams
     assert one_stream - plain == 2
     assert watched == teed  # hang detection reads every stream
+    # Off a terminal, several workers' streams are copied by relaunch; one worker's are its own.
+    assert needed(LaunchConfig(1, 1, 100), Std.NONE) == teed
+    assert needed(LaunchConfig(1, 1, 1), Std.NONE) == needed(LaunchConfig(1, 1, 1))

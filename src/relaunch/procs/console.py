@@ -151,6 +151,12 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def terminals_of(stdout: TextIO, stderr: TextIO) -> Std:
+    """Which of the launcher's streams ``stdout`` and ``stderr`` are a terminal."""
+    out = Std.OUT if _is_terminal(stdout) else Std.NONE
+    return Std(out | (Std.ERR if _is_terminal(stderr) else Std.NONE))
+
+
 def colours_wanted(stream: TextIO) -> bool:
     """Colour on a terminal, unless ``NO_COLOR`` is set (https://no-color.org)."""
     return _is_terminal(stream) and not os.environ.get("NO_COLOR")
@@ -215,8 +221,7 @@ class Console:
 
     def terminals(self) -> Std:
         """The launcher's streams that are a terminal."""
-        out = Std.OUT if _is_terminal(self.out.stream) else Std.NONE
-        return Std(out | (Std.ERR if _is_terminal(self.err.stream) else Std.NONE))
+        return terminals_of(self.out.stream, self.err.stream)
 
     def terminal_size(self, err: bool, prefix_width: int) -> tuple[int, int] | None:
         """(columns, rows) of a pseudo-terminal for a worker stream shown on this console with a
