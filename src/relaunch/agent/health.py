@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from relaunch.core.defaults import DEFAULT_HEALTH_CHECK_COOLDOWN, DEFAULT_HEALTH_CHECK_TIMEOUT
 from relaunch.core.durations import seconds
 from relaunch.procs.guardian import guardian
-from relaunch.rendezvous.api import RendezvousClosedError, RendezvousHandler
+from relaunch.rendezvous.api import RendezvousClosedError
+from relaunch.rendezvous.job import JobServices
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ def check_env(local_world_size: int, run_id: str, role: str, restarts: int) -> d
 
 
 def await_admission(
-    handler: RendezvousHandler,
+    job: JobServices,
+    run_id: str,
     check: HealthCheck | None,
     env: Mapping[str, str],
     backoff: float = 0.0,
@@ -118,10 +120,10 @@ def await_admission(
     passed its health check. Says on the console why it waits, and until when;
     ``RendezvousClosedError`` when the job finishes meanwhile."""
     while True:
-        until = handler.prepare_join()
+        until = job.prepare_join()
         if backoff > 0:
-            if handler.wait_closed(backoff):
-                raise RendezvousClosedError(f"the job {handler.get_run_id()!r} has finished")
+            if job.wait_closed(backoff):
+                raise RendezvousClosedError(f"the job {run_id!r} has finished")
             backoff = 0.0
             continue
         if until is not None:
@@ -130,8 +132,8 @@ def await_admission(
                 "it will try to join again then",
                 time.strftime("%H:%M:%S", time.localtime(until)),
             )
-            if handler.wait_closed(until - time.time()):
-                raise RendezvousClosedError(f"the job {handler.get_run_id()!r} has finished")
+            if job.wait_closed(until - time.time()):
+                raise RendezvousClosedError(f"the job {run_id!r} has finished")
             continue
         if check is None:
             return
@@ -146,5 +148,5 @@ def await_admission(
             check.command,
             check.cooldown,
         )
-        if handler.wait_closed(check.cooldown):
-            raise RendezvousClosedError(f"the job {handler.get_run_id()!r} has finished")
+        if job.wait_closed(check.cooldown):
+            raise RendezvousClosedError(f"the job {run_id!r} has finished")

@@ -55,8 +55,8 @@ from relaunch.rendezvous.api import (
     AgentFault,
     JobFailedError,
     RendezvousClosedError,
-    RendezvousHandler,
 )
+from relaunch.rendezvous.job import job_of
 from relaunch.runtime import THREAD_FAILURES, FailureWatch, ThreadFailed
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class LocalElasticAgent:
         placement: Placement | None = None,
     ) -> None:
         self._worker_group = WorkerGroup(spec)
+        self._job = job_of(spec.rdzv_handler)
         self._placement = placement
         self._start_method = start_method
         self._exit_barrier_timeout = exit_barrier_timeout
@@ -193,7 +194,6 @@ class LocalElasticAgent:
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
         self._report.started_at = time.monotonic()
-        handler = self._worker_group.spec.rdzv_handler
         self._wakeups = wakeups = EventQueue[str]()
         # A helper thread's failure (``runtime.start_thread``) wakes the loop, which ends the run.
         self._thread_failures = THREAD_FAILURES.watch(lambda: wakeups.put("a thread failed"))
@@ -201,7 +201,7 @@ class LocalElasticAgent:
             self._worker_group.spec.local_world_size,
             on_first_use=self._workers_speak,
         )
-        handler.set_change_listener(lambda: wakeups.put("membership changed"))
+        self._job.set_change_listener(lambda *_: wakeups.put("membership changed"))
         self._expiry.start()
         self._exporter.start()
         try:
@@ -216,7 +216,7 @@ class LocalElasticAgent:
             # This agent cannot go on (a helper thread failed, the store holds a bad value):
             # the job ends on every node, each saying why, rather than re-forming around it.
             self._stop_workers(signal.SIGTERM)
-            handler.fail_job(str(exc))
+            self._job.fail_job(str(exc))
             self._report.agent_event(WorkerState.FAILED, self.restart_count, raw_error=str(exc))
             raise
         except SignalException as exc:
@@ -230,7 +230,7 @@ class LocalElasticAgent:
         finally:
             self._thread_failures.close()
             self._exporter.close()
-            handler.set_change_listener(None)
+            self._job.set_change_listener(None)
             self._console.remove_source(self._node_bar)
             self._expiry.close()
             self._channel.close()
@@ -304,7 +304,7 @@ class LocalElasticAgent:
                 group.state = WorkerState.SUCCEEDED
                 # Keep heartbeating until every live node is done, so an early finisher is not
                 # mistaken for a lost node; then close the job to latecomers.
-                spec.rdzv_handler.exit_barrier(self._exit_barrier_timeout)
+                self._job.exit_barrier(self._exit_barrier_timeout)
                 spec.rdzv_handler.set_closed()
                 return RunResult(
                     WorkerState.SUCCEEDED,
@@ -332,7 +332,7 @@ class LocalElasticAgent:
             # The workers stop before anything is said: if the store's host is gone with the
             # store, the job ends here, and no restart was said or counted.
             self._stop_workers(signal.SIGTERM)
-            spec.rdzv_handler.check_store()
+            self._job.check_store()
             restarts_left = self._restarts_left
             if decision.uses_restart:
                 self._spent += 1
@@ -348,7 +348,7 @@ class LocalElasticAgent:
                 restarts_left,
             )
             if decision.uses_restart:  # the other nodes restart because of this: say why
-                spec.rdzv_handler.note_restart(f"{os.uname().nodename}: {reason}")
+                self._job.note_restart(f"{os.uname().nodename}: {reason}")
             if delay:
                 log.warning(
                     "[%s] a crash loop: waiting %s before restart %d in a row "
@@ -375,7 +375,6 @@ class LocalElasticAgent:
     def _next_decision(self) -> tuple[RunProcsResult | None, RestartDecision]:
         """How the workers stand (None: running) and what the restart policy makes of it."""
         assert self._pcontext is not None
-        handler = self._worker_group.spec.rdzv_handler
         outcome = self._pcontext.wait(0)
         # A helper thread reports its failure before its effect shows: a worker monitor that
         # failed killed the workers and ended the group, and that end is not theirs to judge.
@@ -383,13 +382,13 @@ class LocalElasticAgent:
         if outcome is not None and outcome.is_failed() and outcome is not self._explained:
             self._explained = outcome
             self._expiry.explain(outcome.failures, self._pcontext.stderrs)
-        watching = handler.watches_membership
+        watching = self._job.watches_membership
         # A group of one node has no other node to lose: its failure is final at once.
         alone = (self._worker_group.group_world_size or 1) <= 1
         failed = outcome is not None and outcome.is_failed()
         if failed:
-            self._used = handler.restarts_used(self._spent)
-        change = handler.membership_change() if watching else None
+            self._used = self._job.restarts_used(self._spent)
+        change = self._job.membership_change() if watching else None
         if (
             failed
             and change is None
@@ -398,13 +397,13 @@ class LocalElasticAgent:
             and not alone
             and self._grace_ends is None
         ):
-            self._peers_alive = handler.peers_alive(ROLL_CALL_TIMEOUT)
-            change = handler.membership_change()  # one may have come during the roll call
+            self._peers_alive = self._job.peers_alive(ROLL_CALL_TIMEOUT)
+            change = self._job.membership_change()  # one may have come during the roll call
         decision = decide(
             GroupState.RUNNING if outcome is None else _state_of(outcome),
             self._restarts_left,
             change,
-            lost_node_grace=handler.lost_node_grace if watching and not alone else 0.0,
+            lost_node_grace=self._job.lost_node_grace if watching and not alone else 0.0,
             now=time.monotonic(),
             grace_ends=self._grace_ends,
             peers_alive=self._peers_alive,
@@ -413,7 +412,7 @@ class LocalElasticAgent:
             log.warning(
                 "workers failed with no restart left, and not every other node answered: "
                 "waiting up to %s for a lost node to be noticed",
-                seconds(handler.lost_node_grace),
+                seconds(self._job.lost_node_grace),
             )
         self._grace_ends = decision.deadline
         return outcome, decision
@@ -453,14 +452,13 @@ class LocalElasticAgent:
             return
         self._hang_told = True
         self._report.hung(self.restart_count, hang)
-        handler = self._worker_group.spec.rdzv_handler
-        if not handler.watches_membership or (self._worker_group.group_world_size or 1) <= 1:
+        if not self._job.watches_membership or (self._worker_group.group_world_size or 1) <= 1:
             return
         reason = f"{os.uname().nodename}: {hang}"
         if self._restarts_left > 0:
-            handler.stop_for_stacks(reason)
+            self._job.stop_for_stacks(reason)
         else:
-            handler.fail_job(f"{reason} (no restart left)", stacks=True)
+            self._job.fail_job(f"{reason} (no restart left)", stacks=True)
 
     def _log_report(self, outcome: RunProcsResult) -> None:
         """The failure report of a failed group, in this agent's log."""
@@ -478,16 +476,14 @@ class LocalElasticAgent:
     def _polls_membership(self) -> bool:
         """Whether the handler watches membership but cannot report changes (it kept the default
         ``set_change_listener``): then it is asked every ``monitor_interval``."""
-        handler = self._worker_group.spec.rdzv_handler
-        reports = type(handler).set_change_listener is not RendezvousHandler.set_change_listener
-        return handler.watches_membership and not reports
+        return self._job.watches_membership and not self._job.pushes_changes
 
     def _fail_job(self, outcome: RunProcsResult, why: str = "no restart left") -> RunResult:
         """This node's failure is final: end the job for every node, and return it."""
         assert self._channel is not None
         cause = self._attempts.cause(self._worker_group, outcome, self._channel)
         reason = f"{os.uname().nodename}: {cause} ({why})"
-        self._worker_group.spec.rdzv_handler.fail_job(reason)
+        self._job.fail_job(reason)
         return self._failed(outcome)
 
     def _failed(self, outcome: RunProcsResult) -> RunResult:
@@ -507,13 +503,13 @@ class LocalElasticAgent:
         # Leave the running round; wait out a crash loop's backoff, an exclusion and a failing
         # health check.
         env = check_env(spec.local_world_size, handler.get_run_id(), spec.role, self._used)
-        await_admission(handler, self._health_check, env, backoff)
+        await_admission(self._job, handler.get_run_id(), self._health_check, env, backoff)
         began = time.monotonic()
         self._worker_group.join(handler.next_rendezvous())
         self.rendezvous_seconds = time.monotonic() - began
         self._exporter.joined(self.rendezvous_seconds)
         self._peers_alive = None
-        self._used = handler.restarts_used(self._spent)
+        self._used = self._job.restarts_used(self._spent)
 
     def _start_workers(self) -> None:
         group = self._worker_group
@@ -604,7 +600,7 @@ class LocalElasticAgent:
                 self._channel.liveness,
                 lambda: _rank_states(pcontext),
             ),
-            spec.rdzv_handler,
+            self._job,
         )
         group.state = WorkerState.HEALTHY
         self._report.group_started(self.restart_count, self.rendezvous_seconds)

@@ -27,7 +27,7 @@ from relaunch.core import status as core
 from relaunch.core import stragglers
 from relaunch.core.liveness import Liveness
 from relaunch.core.progress import Progress
-from relaunch.rendezvous.api import RendezvousHandler
+from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import start_thread
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,14 @@ class NodeReporter:
         self._started_at = time.time()
         # The group watched: set by ``start``, read by its thread only.
         self._group: Group | None = None
-        self._handler: RendezvousHandler | None = None
+        self._job: JobServices | None = None
         self._rates = stragglers.RankRates()
         self._said: set[int] = set()
 
-    def start(self, group: Group, handler: RendezvousHandler | None) -> None:
-        """Report on a new group (``handler`` shares the posts; not needed by one node)."""
+    def start(self, group: Group, job: JobServices | None) -> None:
+        """Report on a new group (``job`` shares the posts; not needed by one node)."""
         self.stop()
-        self._group, self._handler = group, handler
+        self._group, self._job = group, job
         self._rates, self._said = stragglers.RankRates(), set()
         self.view = None
         self._stop, self._reported = threading.Event(), threading.Event()
@@ -163,7 +163,7 @@ class NodeReporter:
     def report(self) -> None:
         """Sample the ranks, post this node's status, and judge the job (group rank 0) or read
         its verdict (the others)."""
-        group, handler = self._group, self._handler
+        group, job = self._group, self._job
         if group is None:
             return
         for local, rank in group.ranks.items():
@@ -172,28 +172,28 @@ class NodeReporter:
                 self._rates.add(rank, progress.time, progress.step)
         mine = self.status()
         assert mine is not None
-        if group.nodes <= 1 or handler is None:
+        if group.nodes <= 1 or job is None:
             view = core.job_view([mine], self._factor, mine.posted_at)
             self.view = view
             self._flag(view)
             return
         began = time.monotonic()
-        handler.post_note(status_note(group.group_rank), mine.encode())
+        job.post_note(status_note(group.group_rank), mine.encode())
         self.store_round_trip = time.monotonic() - began
         if group.group_rank == 0:
             names = [status_note(node) for node in range(group.nodes)]
             posts = [
                 post
-                for name, raw in handler.read_notes(names).items()
+                for name, raw in job.read_notes(names).items()
                 if (post := _decoded(core.NodeStatus.decode, name, raw)) is not None
             ]
             view = core.job_view(posts, self._factor, mine.posted_at)
-            handler.post_note(JOB_NOTE, view.encode())
+            job.post_note(JOB_NOTE, view.encode())
             self.view = view
             self.job_line = core.job_bar(view, time.time() - self._started_at)
             self._flag(view)
             return
-        raw = handler.read_notes([JOB_NOTE]).get(JOB_NOTE)
+        raw = job.read_notes([JOB_NOTE]).get(JOB_NOTE)
         judged = None if raw is None else _decoded(core.JobView.decode, JOB_NOTE, raw)
         if judged is not None:
             self.view = judged

@@ -203,6 +203,11 @@ class RendezvousHandler(abc.ABC):
         changes, so by default there is nothing to call."""
 
     @property
+    def pushes_changes(self) -> bool:
+        """Whether changes reach the listener (TODO(seam): moves to ``JobServices``)."""
+        return type(self).set_change_listener is not RendezvousHandler.set_change_listener
+
+    @property
     def lost_node_grace(self) -> float:
         """Seconds a lost node may take to be noticed (0: membership is fixed)."""
         return 0.0

@@ -1,0 +1,138 @@
+"""The job-level services an agent uses beside torch's rendezvous handler methods.
+
+``RendezvousHandler`` (``rendezvous.api``) keeps torch's methods: join a round, say the backend
+and run id, close and shut down. What a job of several nodes shares beyond that (the restart
+budget, the roll call, the job's failure, stack requests, notes, the exit barrier, exclusion
+and the membership change, pushed to a listener as a typed value) is ``JobServices``. A handler
+that offers them has a ``job`` attribute; any other handler (static, or one written for torch)
+gets ``SoloJob``: a job of one node, with nobody else to tell.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from relaunch.core.membership import MembershipChange
+    from relaunch.rendezvous.api import RendezvousHandler
+
+#: Called, from any thread, with each membership change (nodes waiting, a node lost, the job
+#: failed or finished elsewhere).
+ChangeListener = Callable[["MembershipChange"], None]
+
+
+class JobServices(Protocol):
+    """What every node of a job shares through the rendezvous store."""
+
+    @property
+    def watches_membership(self) -> bool:
+        """Whether membership can change while workers run (if not, nothing needs watching)."""
+
+    @property
+    def pushes_changes(self) -> bool:
+        """Whether changes reach the listener; if not, ``membership_change`` is polled."""
+
+    @property
+    def lost_node_grace(self) -> float:
+        """Seconds a lost node may take to be noticed (0: membership is fixed)."""
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        """Call ``listener`` with each membership change; None removes it."""
+
+    def membership_change(self) -> MembershipChange | None:
+        """Why the running round should be re-formed, or None."""
+
+    def prepare_join(self) -> float | None:
+        """Leave the running round before joining again; until when (``time.time()``) this
+        node is excluded from the job, or None."""
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the job to finish; whether it has."""
+
+    def check_store(self) -> None:
+        """``StoreHostGone`` when the store was lost with its host; nothing otherwise."""
+
+    def restarts_used(self, spent_here: int) -> int:
+        """Group restarts the job has used (every node's), given those this node spent."""
+
+    def note_restart(self, reason: str) -> None:
+        """This node spends one of the job's restarts because of ``reason``: tell the others."""
+
+    def peers_alive(self, timeout: float) -> bool | None:
+        """Whether every other member answers within ``timeout``; None: cannot tell."""
+
+    def fail_job(self, reason: str, stacks: bool = False) -> None:
+        """End the job for every node (``stacks``: a worker hung; take stacks first)."""
+
+    def stop_for_stacks(self, reason: str) -> None:
+        """A worker of this node hung: ask every other node for its workers' stacks."""
+
+    def post_note(self, name: str, value: bytes) -> None:
+        """Publish ``value`` as this round's note ``name`` for the other nodes."""
+
+    def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
+        """This round's notes of ``names`` that were posted."""
+
+    def exit_barrier(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until every live node's workers have finished."""
+
+
+def job_of(handler: RendezvousHandler) -> JobServices:
+    """The job services of ``handler``: its own, or those of a job of one node."""
+    job: JobServices | None = getattr(handler, "job", None)
+    if job is not None:
+        return job
+    return handler  # type: ignore[return-value]  # TODO(seam): SoloJob(handler)
+
+
+class SoloJob:
+    """The job of a handler with no job services: one node, fixed membership, nobody to tell."""
+
+    def __init__(self, handler: RendezvousHandler) -> None:
+        self._handler = handler
+
+    watches_membership = False
+    pushes_changes = False
+    lost_node_grace = 0.0
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        pass
+
+    def membership_change(self) -> MembershipChange | None:
+        return None
+
+    def prepare_join(self) -> float | None:
+        return None
+
+    def wait_closed(self, timeout: float) -> bool:
+        time.sleep(max(0.0, timeout))  # nothing closes the job but this node
+        return self._handler.is_closed()
+
+    def check_store(self) -> None:
+        pass
+
+    def restarts_used(self, spent_here: int) -> int:
+        return spent_here
+
+    def note_restart(self, reason: str) -> None:
+        pass
+
+    def peers_alive(self, timeout: float) -> bool | None:
+        return None
+
+    def fail_job(self, reason: str, stacks: bool = False) -> None:
+        pass
+
+    def stop_for_stacks(self, reason: str) -> None:
+        pass
+
+    def post_note(self, name: str, value: bytes) -> None:
+        pass
+
+    def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
+        return {}
+
+    def exit_barrier(self, timeout: float) -> None:
+        pass
