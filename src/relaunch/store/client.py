@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 from relaunch.core.durations import seconds
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store import auth, wire
 from relaunch.store.api import (
     CasResult,
@@ -26,6 +26,7 @@ from relaunch.store.api import (
     Versioned,
 )
 from relaunch.store.deadline import Deadline
+from relaunch.store.retry import Backoff
 
 #: Extra seconds a client waits beyond a server-side deadline for the reply to arrive.
 REPLY_MARGIN = 5.0
@@ -52,8 +53,8 @@ class TcpStore:
     before the node that hosts the store, and its host's name may resolve only later (a
     cluster's DNS); ``on_wait`` (given the endpoint, that time and what is awaited, if not the
     store's answer) is called once, when the first attempt fails and the retrying begins.
-    Every call has a deadline (``timeout`` by default); a call that times out drops the
-    connection, and the next call reconnects.
+    Every call has a deadline (``timeout`` by default), kept on ``clock``; a call that times
+    out drops the connection, and the next call reconnects.
     """
 
     def __init__(
@@ -64,9 +65,11 @@ class TcpStore:
         timeout: float = 30.0,
         connect_timeout: float | None = None,
         on_wait: Callable[[str, float, str], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.host, self.port = host, port
         self.timeout = timeout
+        self._clock = clock
         self._token = token or None
         self._connect_timeout = timeout if connect_timeout is None else connect_timeout
         self._lock = threading.Lock()
@@ -83,8 +86,8 @@ class TcpStore:
     # -- connection -----------------------------------------------------------------------------
 
     def _connect(self, on_wait: Callable[[str, float, str], None] | None = None) -> None:
-        deadline = Deadline(self._connect_timeout)
-        delay = 0.01
+        deadline = Deadline(self._connect_timeout, self._clock)
+        backoff = Backoff(deadline.at, self._clock)
         while True:
             try:
                 sock = socket.create_connection(
@@ -101,15 +104,13 @@ class TcpStore:
                     )
                     on_wait(self.endpoint, self._connect_timeout, reason)
                     on_wait = None
-                if deadline.left() < delay:
+                if not backoff.pause():
                     problem = "resolve the host of" if unresolved else "reach"
                     refused = isinstance(exc, ConnectionRefusedError)
                     raise (StoreRefused if refused else StoreConnectionError)(
                         f"cannot {problem} the store at {self.endpoint} within "
                         f"{seconds(self._connect_timeout)}: {exc.strerror or exc}"
                     ) from None
-                time.sleep(delay)  # backoff between connection attempts, bounded by the deadline
-                delay = min(delay * 2, 0.5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._reader, self._pending = sock, wire.FrameReader(), []
         try:
@@ -184,7 +185,7 @@ class TcpStore:
         with self._lock:
             if self._sock is None:
                 self._connect()
-            deadline = Deadline(self.timeout + wait)
+            deadline = Deadline(self.timeout + wait, self._clock)
             try:
                 self._send(wire.encode(op, fields), deadline)
                 code, reply = self._receive(deadline)

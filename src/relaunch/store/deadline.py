@@ -16,44 +16,46 @@ from __future__ import annotations
 
 import contextvars
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from relaunch.core.durations import seconds
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
-#: The innermost ``limit`` of this thread: its end (a ``time.monotonic()`` instant) and its
-#: length in seconds, or None.
+#: The innermost ``limit`` of this thread: its end (a ``SYSTEM_CLOCK.monotonic()`` instant) and
+#: its length in seconds, or None.
 _LIMIT: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar(
     "deadline", default=None
 )
 
 
 class Deadline:
-    """``seconds`` from now, or the enclosing ``limit``'s end if that comes first.
+    """``seconds`` from now on ``clock``, or the enclosing ``limit``'s end if that comes first
+    (a ``limit`` keeps the system clock's time: a deadline on another clock ignores it).
     ``seconds`` (for messages): what the binding one allowed, the ``limit``'s whole length
     when that binds."""
 
-    __slots__ = ("at", "seconds")
+    __slots__ = ("at", "clock", "seconds")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.seconds = max(0.0, seconds)
-        self.at = time.monotonic() + self.seconds
-        outer = _LIMIT.get()
+        self.at = clock.monotonic() + self.seconds
+        outer = _LIMIT.get() if clock is SYSTEM_CLOCK else None
         if outer is not None and outer[0] < self.at:
             self.at, self.seconds = outer
 
     def left(self) -> float:
         """Seconds left (0 once passed)."""
-        return max(0.0, self.at - time.monotonic())
+        return max(0.0, self.at - self.clock.monotonic())
 
     def expired(self) -> bool:
-        return time.monotonic() >= self.at
+        return self.clock.monotonic() >= self.at
 
     def timeout(self) -> float:
         """The time left, for ``settimeout``; ``TimeoutError`` once it passed (a timeout of 0
         would make the socket non-blocking, not fail)."""
-        left = self.at - time.monotonic()
+        left = self.at - self.clock.monotonic()
         if left <= 0:
             raise TimeoutError(f"no complete reply within {seconds(self.seconds)}")
         return left
@@ -61,7 +63,7 @@ class Deadline:
     def within(self, seconds: float) -> Deadline:
         """A deadline ``seconds`` from now, or this one's end if that comes first: one part
         (one member's attempt, say) of this operation."""
-        part = Deadline(seconds)
+        part = Deadline(seconds, self.clock)
         if self.at < part.at:
             part.at = self.at
             part.seconds = self.left()

@@ -22,215 +22,56 @@ Mapping onto the ``Store`` protocol:
 
 Every call retries on another member when one cannot be reached, has no leader, or times out,
 until the store's ``timeout`` passes (``etcd_gateway``). Passwords never appear in messages or
-``repr``.
+``repr``. What is sent and read is built and parsed without I/O in ``etcd_shapes``.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
 import threading
-import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from relaunch.core.durations import seconds
-from relaunch.store import http1
-from relaunch.store.api import CasResult, StoreError, StoreProtocolError, StoreTimeout, Versioned
-from relaunch.store.etcd_gateway import Endpoint, Gateway, malformed, parse_endpoints
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.store import etcd_shapes as shapes
+from relaunch.store.api import CasResult, StoreError, StoreTimeout, Versioned
+from relaunch.store.etcd_gateway import Endpoint, Gateway, WatchStream, parse_endpoints
+from relaunch.store.etcd_shapes import (
+    KeyValue,
+    TxnReply,
+    absent,
+    prefix_end,
+    put,
+    read,
+    shape,
+    txn_op,
+)
 
+#: ``absent``, ``put``, ``read`` and ``txn_op`` build the parts of ``EtcdStore.txn``.
 __all__ = [
     "Endpoint",
     "EtcdStore",
     "KeyValue",
     "TxnReply",
     "WatchStream",
+    "absent",
     "parse_endpoints",
     "prefix_end",
+    "put",
+    "read",
+    "txn_op",
 ]
 
 log = logging.getLogger(__name__)
-
-
-#: What reading a reply of the wrong shape raises: made a ``StoreProtocolError`` (``_shape``).
-_SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error)
-
-
-@contextmanager
-def _shape(what: str, reply: object) -> Iterator[None]:
-    """Read ``reply`` (what etcd answered ``what``) in the block: a reply of the wrong shape
-    ends it with one ``StoreProtocolError``, never another exception."""
-    try:
-        yield
-    except _SHAPE_ERRORS:
-        shown = repr(reply)
-        shown = shown if len(shown) <= 200 else shown[:197] + "..."
-        raise StoreProtocolError(f"etcd answered {what} with {shown}") from None
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _key_b64(key: str) -> str:
-    return _b64(key.encode())
-
-
-def _versioned(kv: dict[str, Any] | None) -> Versioned:
-    """A gateway ``KeyValue`` (empty fields omitted) as a ``Versioned``."""
-    if kv is None:
-        return Versioned(None, 0)
-    return Versioned(base64.b64decode(kv.get("value", "")), int(kv.get("mod_revision", 0)))
-
-
-def _first_kv(range_response: dict[str, Any]) -> dict[str, Any] | None:
-    kvs = range_response.get("kvs")
-    return kvs[0] if kvs else None
-
-
-def _read_of(response: dict[str, Any]) -> dict[str, Any] | None:
-    """What a transaction's operation read: a range's key, or a put's previous key."""
-    if "response_range" in response:
-        return _first_kv(response["response_range"])
-    if "response_put" in response:
-        previous: dict[str, Any] | None = response["response_put"].get("prev_kv")
-        return previous
-    return None
-
-
-def prefix_end(prefix: str) -> str:
-    """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
-    raw = bytearray(prefix.encode())
-    while raw and raw[-1] == 0xFF:
-        raw.pop()
-    if not raw:
-        return _b64(b"\0")  # every key
-    raw[-1] += 1
-    return _b64(bytes(raw))
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """A key as a transaction read it."""
-
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-
-    @classmethod
-    def of(cls, kv: dict[str, Any]) -> KeyValue:
-        return cls(
-            base64.b64decode(kv["key"]).decode(),
-            base64.b64decode(kv.get("value", "")),
-            int(kv.get("create_revision", 0)),
-            int(kv.get("mod_revision", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class TxnReply:
-    """A transaction's outcome: which branch ran, at what revision, what each of its
-    operations read (a read: the key; a ``put(previous=True)``: the key before, if any; else
-    None), and whether each of its nested transactions' comparisons held, in order."""
-
-    succeeded: bool
-    revision: int
-    reads: list[KeyValue | None]
-    nested: list[bool]
-
-
-def absent(key: str) -> dict[str, Any]:
-    """A transaction comparison: ``key`` does not exist."""
-    return {"key": _key_b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-
-
-def put(key: str, value: bytes, previous: bool = False) -> dict[str, Any]:
-    """A transaction operation writing ``key``; ``previous``: its reply holds the key as it
-    was, if it was (``TxnReply.reads``)."""
-    request: dict[str, Any] = {"key": _key_b64(key), "value": _b64(value)}
-    if previous:
-        request["prev_kv"] = True
-    return {"request_put": request}
-
-
-def read(key: str) -> dict[str, Any]:
-    """A transaction operation reading ``key``."""
-    return {"request_range": {"key": _key_b64(key)}}
-
-
-def txn_op(
-    compare: list[dict[str, Any]],
-    success: list[dict[str, Any]],
-    failure: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """A transaction nested in another (what it reads is not returned)."""
-    return {"request_txn": {"compare": compare, "success": success, "failure": failure or []}}
-
-
-class WatchStream:
-    """One streaming watch, open on a connection of its own (``EtcdStore.open_watch``)."""
-
-    def __init__(
-        self, store: EtcdStore, conn: http1.Connection, response: http1.Response, endpoint: Endpoint
-    ) -> None:
-        self._store, self._conn, self._response = store, conn, response
-        self._endpoint = endpoint
-        self.compacted = False  # whether it ended behind a compaction
-
-    @property
-    def endpoint(self) -> Endpoint:
-        """The member the stream is on."""
-        return self._endpoint
-
-    def results(self) -> Iterator[dict[str, Any] | None]:
-        """The stream's results (the first says it was created), and None each time a read
-        waited the connection's timeout in vain. The iteration ends when the stream breaks,
-        is cancelled or falls behind a compaction (``compacted``); a member that died under it
-        is left for another (``EtcdStore.open_watch``)."""
-        response = self._response
-        try:
-            while True:
-                try:
-                    line = response.readline()
-                except TimeoutError:
-                    yield None
-                    continue
-                if not line:
-                    return  # the member closed the stream
-                message = json.loads(line)
-                result = message.get("result") if isinstance(message, dict) else None
-                if result is None:
-                    return
-                if malformed(result) is not None:
-                    raise ValueError(f"a watch result of the wrong shape: {line[:200]!r}")
-                if int(result.get("compact_revision", 0)):
-                    self.compacted = True
-                    return
-                if result.get("canceled"):
-                    return
-                yield result
-        except (OSError, ValueError):
-            if not self._conn.interrupted:
-                self._store._member_failed(self._endpoint)
-
-    def interrupt(self) -> None:
-        """Wake a thread reading the stream (from another thread): its ``results`` end."""
-        self._conn.interrupt()
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 class EtcdStore:
     """A ``Store`` on the etcd cluster at ``endpoints`` (``"h1:2379,h2:2379"`` or a list).
 
     ``cacert``/``cert``/``key`` configure TLS (``protocol="https"``); ``user``/``password``
-    etcd's authentication. ``timeout`` bounds every call, retries and fail-overs included.
+    etcd's authentication. ``timeout`` bounds every call, retries and fail-overs included
+    (kept on ``clock``, as the waits are).
     One connection, one request at a time; use one store per thread that blocks in ``watch``.
     """
 
@@ -245,11 +86,15 @@ class EtcdStore:
         user: str | None = None,
         password: str | None = None,
         timeout: float = 60.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         text = endpoints if isinstance(endpoints, str) else ",".join(endpoints)
         self.endpoints = parse_endpoints(text, protocol)
         self.timeout = timeout
-        self._gateway = Gateway(self.endpoints, timeout, cacert, cert, key, user, password)
+        self._clock = clock
+        self._gateway = Gateway(
+            self.endpoints, timeout, cacert, cert, key, user, password, clock=clock
+        )
         self._lock = threading.Lock()  # one request at a time on the gateway's connection
         # The last sight of each counter ``add`` wrote: usually still current, saving a read.
         self._counters: dict[str, Versioned] = {}
@@ -282,52 +127,34 @@ class EtcdStore:
 
     # -- Store ----------------------------------------------------------------------------------
 
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call to the gateway (``Gateway.call``), one at a time."""
+        with self._lock:
+            return self._gateway.call(path, body)
+
     def _range(self, key: str) -> tuple[Versioned, int]:
         """``key``'s value and version, and the cluster revision the read saw."""
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/range", {"key": _key_b64(key)})
-        with _shape("a read", reply):
-            return _versioned(_first_kv(reply)), int(reply["header"]["revision"])
+        reply = self._post("/v3/kv/range", shapes.key_range(key))
+        with shape("a read", reply):
+            return shapes.first_key(reply)
 
     def get(self, key: str) -> Versioned:
         return self._range(key)[0]
 
     def set(self, key: str, value: bytes, lease: int = 0) -> int:
         """Write ``value`` (bound to ``lease`` if non-zero: gone when the lease expires)."""
-        body: dict[str, Any] = {"key": _key_b64(key), "value": _b64(value)}
-        if lease:
-            body["lease"] = str(lease)
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/put", body)
-        with _shape("a write", reply):
-            return int(reply["header"]["revision"])
+        reply = self._post("/v3/kv/put", shapes.put_request(key, value, lease))
+        with shape("a write", reply):
+            return shapes.revision_of(reply)
 
     def compare_set(
         self, key: str, expected_version: int, value: bytes, also: Sequence[str] = ()
     ) -> CasResult:
         """``Store.compare_set``; writing ``value`` to the keys ``also`` too, at the same
         revision (their watchers get one event for all), when it writes ``key``."""
-        encoded = _key_b64(key)
-        read = {"request_range": {"key": encoded}}
-        writes = [put(k, value) for k in (key, *also)]
-        body = {
-            "compare": [
-                {
-                    "key": encoded,
-                    "target": "MOD",
-                    "result": "EQUAL",
-                    "mod_revision": str(expected_version),
-                }
-            ],
-            "success": [*writes, read],
-            "failure": [read],
-        }
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/txn", body)
-        with _shape("a transaction", reply):
-            responses = reply.get("responses", [])
-            current = _versioned(_first_kv(responses[-1]["response_range"]))
-            return CasResult(bool(reply.get("succeeded", False)), current)
+        reply = self._post("/v3/kv/txn", shapes.compare_set(key, expected_version, value, also))
+        with shape("a transaction", reply):
+            return shapes.cas_result(reply)
 
     def add(self, key: str, amount: int) -> int:
         current = self._counters.get(key, Versioned(None, 0))
@@ -344,25 +171,25 @@ class EtcdStore:
 
     def delete(self, key: str) -> bool:
         self._counters.pop(key, None)
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/deleterange", {"key": _key_b64(key)})
-        with _shape("a delete", reply):
+        reply = self._post("/v3/kv/deleterange", shapes.key_range(key))
+        with shape("a delete", reply):
             return int(reply.get("deleted", 0)) > 0
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         for index, key in enumerate(keys):
-            if self.watch(key, 0, max(0.0, deadline - time.monotonic())).value is None:
+            left = max(0.0, deadline - self._clock.monotonic())
+            if self.watch(key, 0, left).value is None:
                 missing = [k for k in keys[index:] if self.get(k).value is None]
                 raise StoreTimeout(
                     f"keys still missing after {seconds(timeout)}: " + ", ".join(missing or [key])
                 )
 
     def watch(self, key: str, version: int, timeout: float) -> Versioned:
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         while True:
             current, revision = self._range(key)
-            left = deadline - time.monotonic()
+            left = deadline - self._clock.monotonic()
             if current.version != version or left <= 0:
                 return current
             changed = self._watch_once(key, revision + 1, left)
@@ -373,9 +200,7 @@ class EtcdStore:
         """The first change of ``key`` from ``start_revision`` on, or None: the time ran out,
         or the stream broke (the caller reads again, on another member if need be)."""
         for event in self._events(key, None, start_revision, timeout):
-            if event.get("type") == "DELETE":
-                return Versioned(None, 0)
-            return _versioned(event["kv"])
+            return shapes.event_value(event)
         return None
 
     def _events(
@@ -406,15 +231,11 @@ class EtcdStore:
         with self._lock:
             endpoint = gateway.current
             if gateway.needs_token:
-                gateway.call("/v3/kv/range", {"key": _key_b64(key)})  # authenticates
+                gateway.call("/v3/kv/range", shapes.key_range(key))  # authenticates
         conn = gateway.connection(endpoint, timeout)
-        request: dict[str, Any] = {"key": _key_b64(key)}
-        if start_revision:
-            request["start_revision"] = str(start_revision)
-        if range_end is not None:
-            request["range_end"] = range_end
+        request = shapes.watch_request(key, range_end, start_revision)
         try:
-            response = gateway.post(conn, "/v3/watch", {"create_request": request})
+            response = gateway.post(conn, "/v3/watch", request)
             if response.status != 200:
                 response.read()
                 if response.status == 401:
@@ -429,7 +250,7 @@ class EtcdStore:
             conn.close()
             self._member_failed(endpoint)
             return None
-        return WatchStream(self, conn, response, endpoint)
+        return WatchStream(conn, response, endpoint, self._member_failed)
 
     def _member_failed(self, endpoint: Endpoint) -> None:
         """A stream to ``endpoint`` broke: the next request goes to another member."""
@@ -447,84 +268,50 @@ class EtcdStore:
     ) -> TxnReply:
         """One transaction (build its parts with ``absent``, ``put``, ``read``, ``txn_op``):
         several reads and writes in one request, at one revision."""
-        body = {"compare": compare, "success": success, "failure": failure}
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/txn", body)
-        with _shape("a transaction", reply):
-            responses = reply.get("responses", ())
-            reads = [_read_of(response) for response in responses]
-            return TxnReply(
-                bool(reply.get("succeeded", False)),
-                int(reply["header"]["revision"]),
-                [None if kv is None else KeyValue.of(kv) for kv in reads],
-                [
-                    bool(response["response_txn"].get("succeeded", False))
-                    for response in responses
-                    if "response_txn" in response
-                ],
-            )
+        reply = self._post("/v3/kv/txn", shapes.txn(compare, success, failure))
+        with shape("a transaction", reply):
+            return shapes.txn_reply(reply)
 
     def count_prefix(self, prefix: str) -> tuple[int, int]:
         """How many keys start with ``prefix``, and the cluster revision of that count."""
-        body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix), "count_only": True}
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/range", body)
-        with _shape("a count", reply):
-            return int(reply.get("count", 0)), int(reply["header"]["revision"])
+        reply = self._post("/v3/kv/range", {**shapes.prefix_range(prefix), "count_only": True})
+        with shape("a count", reply):
+            return int(reply.get("count", 0)), shapes.revision_of(reply)
 
     def range_prefix(self, prefix: str, limit: int = 0) -> list[tuple[str, bytes, int]]:
         """The first ``limit`` keys (0: all) under ``prefix`` in the order they were created:
         ``(key, value, create revision)`` each."""
         body = {
-            "key": _key_b64(prefix),
-            "range_end": prefix_end(prefix),
+            **shapes.prefix_range(prefix),
             "sort_target": "CREATE",
             "sort_order": "ASCEND",
             "limit": str(limit),
         }
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/range", body)
-        with _shape("a range read", reply):
-            return [
-                (
-                    base64.b64decode(kv["key"]).decode(),
-                    base64.b64decode(kv.get("value", "")),
-                    int(kv["create_revision"]),
-                )
-                for kv in reply.get("kvs", ())
-            ]
+        reply = self._post("/v3/kv/range", body)
+        with shape("a range read", reply):
+            return shapes.created_keys(reply)
 
     def read_prefix(self, prefix: str, limit: int = 0) -> tuple[dict[str, Versioned], int]:
         """Every key under ``prefix`` (the first ``limit``, if not 0), and the cluster
         revision they were read at."""
-        body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix)}
-        if limit:
-            body["limit"] = str(limit)
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/range", body)
-        with _shape("a range read", reply):
-            kvs = reply.get("kvs", ())
-            if limit and len(kvs) > limit:
-                raise ValueError("more keys than asked for")
-            keys = {KeyValue.of(kv).key: _versioned(kv) for kv in kvs}
-            return keys, int(reply["header"]["revision"])
+        reply = self._post("/v3/kv/range", shapes.prefix_range(prefix, limit))
+        with shape("a range read", reply):
+            return shapes.keys_read(reply, limit)
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every key under ``prefix``; how many there were."""
-        body = {"key": _key_b64(prefix), "range_end": prefix_end(prefix)}
-        with self._lock:
-            reply = self._gateway.call("/v3/kv/deleterange", body)
+        reply = self._post("/v3/kv/deleterange", shapes.prefix_range(prefix))
         self._counters = {k: v for k, v in self._counters.items() if not k.startswith(prefix)}
-        with _shape("a delete", reply):
+        with shape("a delete", reply):
             return int(reply.get("deleted", 0))
 
     def await_prefix_count(self, prefix: str, at_least: int, timeout: float) -> int:
         """Block until ``at_least`` keys exist under ``prefix`` (or ``timeout`` passed); the
         count then. One streaming watch from the revision counted: O(1) requests, never a poll."""
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         while True:
             count, revision = self.count_prefix(prefix)
-            left = deadline - time.monotonic()
+            left = deadline - self._clock.monotonic()
             if count >= at_least or left <= 0:
                 return count
             self._watch_prefix_growth(prefix, revision + 1, count, at_least, left)
@@ -546,11 +333,10 @@ class EtcdStore:
 
     def grant_lease(self, ttl: float) -> int:
         """A new lease of ``ttl`` seconds (rounded up to whole seconds); its id."""
-        asked = max(1, int(-(-ttl // 1)))
-        with self._lock:
-            reply = self._gateway.call("/v3/lease/grant", {"TTL": str(asked)})
-        with _shape("a lease grant", reply):
-            granted, lease = int(reply.get("TTL", asked)), int(reply["ID"])
+        asked = shapes.lease_seconds(ttl)
+        reply = self._post("/v3/lease/grant", {"TTL": str(asked)})
+        with shape("a lease grant", reply):
+            granted, lease = shapes.lease_granted(reply, asked)
         if granted > asked and not self._warned_ttl:
             self._warned_ttl = True
             log.warning(
@@ -565,19 +351,17 @@ class EtcdStore:
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease``; False when it already expired (its keys are gone)."""
         try:
-            with self._lock:
-                reply = self._gateway.call("/v3/lease/keepalive", {"ID": str(lease)})
+            reply = self._post("/v3/lease/keepalive", {"ID": str(lease)})
         except StoreError as exc:
             if "lease not found" in str(exc):  # expired, and etcd already forgot it
                 return False
             raise
-        with _shape("a lease renewal", reply):
-            return int(reply.get("result", {}).get("TTL", 0)) > 0
+        with shape("a lease renewal", reply):
+            return shapes.lease_renewed(reply)
 
     def revoke_lease(self, lease: int) -> None:
         """End ``lease`` now, deleting its keys."""
-        with self._lock:
-            self._gateway.call("/v3/lease/revoke", {"ID": str(lease)})
+        self._post("/v3/lease/revoke", {"ID": str(lease)})
 
     def close(self) -> None:
         with self._lock:

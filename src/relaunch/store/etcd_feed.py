@@ -17,17 +17,18 @@ opened again, on another member if need be, from the last revision it delivered.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from relaunch.core.durations import seconds
-from relaunch.runtime import report_failure, start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure, start_thread
 from relaunch.store.api import StoreConnectionError, StoreError, Versioned
-from relaunch.store.etcd import EtcdStore, WatchStream, prefix_end
+from relaunch.store.etcd import EtcdStore
+from relaunch.store.etcd_gateway import WatchStream
+from relaunch.store.etcd_shapes import event_value, key_of, prefix_end
+from relaunch.store.retry import Backoff
 
 ABSENT = Versioned(None, 0)
 #: What a subscriber gives: the call for each change of its key, and the one if the feed breaks.
@@ -38,10 +39,14 @@ log = logging.getLogger(__name__)
 
 class PrefixFeed:
     """Every write under ``prefix`` on ``store`` (a store of its own: one thread reads it) from
-    ``start()`` on; ``idle``: seconds of silence after which the stream's member is checked."""
+    ``start()`` on; ``idle``: seconds of silence after which the stream's member is checked.
+    Waits keep their deadlines on ``clock``."""
 
-    def __init__(self, store: EtcdStore, prefix: str, idle: float) -> None:
+    def __init__(
+        self, store: EtcdStore, prefix: str, idle: float, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self._store, self._prefix, self._idle = store, prefix, idle
+        self._clock = clock
         self._seen: dict[str, Versioned] = {}
         self._revision = 0  # every event up to this revision is in _seen
         self._error: StoreError | None = None
@@ -67,12 +72,12 @@ class PrefixFeed:
 
     def watch(self, key: str, version: int, timeout: float) -> Versioned:
         """``key`` once its version differs from ``version``, or as it is after ``timeout``."""
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         with self._changed:
             while True:
                 self._raise_if_broken()
                 current = self._seen.get(key, ABSENT)
-                left = deadline - time.monotonic()
+                left = deadline - self._clock.monotonic()
                 if current.version != version or left <= 0:
                     return current
                 self._changed.wait(left)
@@ -122,8 +127,7 @@ class PrefixFeed:
     def _open(self, start_revision: int) -> None:
         """Open the stream from ``start_revision`` (0: from now) on some member, within the
         store's timeout, and read its first result (created)."""
-        deadline = time.monotonic() + self._store.timeout
-        delay = 0.01
+        backoff = Backoff(self._clock.monotonic() + self._store.timeout, self._clock)
         while not self._closed:
             stream = self._store.open_watch(
                 self._prefix, prefix_end(self._prefix), start_revision, self._idle
@@ -140,13 +144,11 @@ class PrefixFeed:
                 if stream.compacted:
                     start_revision = self._resync() + 1
                     continue
-            if time.monotonic() + delay > deadline:
+            if not backoff.pause():
                 raise StoreConnectionError(
                     f"cannot watch {self._prefix!r} on etcd at {self._store.describe()} "
                     f"within {seconds(self._store.timeout)}"
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
 
     def _resync(self) -> int:
         """Events were compacted away: read the prefix whole, and tell the subscribers of the
@@ -220,12 +222,8 @@ class PrefixFeed:
         revision = 0
         for event in events:
             kv = event["kv"]
-            written = int(kv.get("mod_revision", 0))
-            revision = max(revision, written)
-            value = ABSENT
-            if event.get("type") != "DELETE":
-                value = Versioned(base64.b64decode(kv.get("value", "")), written)
-            changes.append((base64.b64decode(kv["key"]).decode(), value))
+            revision = max(revision, int(kv.get("mod_revision", 0)))
+            changes.append((key_of(kv), event_value(event)))
         if changes:
             self._apply(changes, revision)
 

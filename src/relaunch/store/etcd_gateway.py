@@ -4,23 +4,27 @@ Every call retries on another member when one cannot be reached, has no leader, 
 until the deadline passes; it authenticates (again) when etcd wants a token. The deadline is the
 call's as a whole (``deadline.Deadline``): each attempt gets a share of what is left, so that a
 member that answers a byte at a time is left for the next one in time, and the call ends by its
-deadline whatever the members do. Passwords never
-appear in messages or ``repr``. ``etcd.EtcdStore`` builds the ``Store`` on it.
+deadline whatever the members do. A streaming watch (``WatchStream``) holds a connection of its
+own. Passwords never appear in messages or ``repr``. ``etcd.EtcdStore`` builds the ``Store`` on
+it; what is sent and read is in ``etcd_shapes``.
 """
 
 from __future__ import annotations
 
 import json
 import ssl
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from relaunch.core.durations import seconds
 from relaunch.endpoints import parse_endpoint
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store import http1
 from relaunch.store.api import StoreAuthError, StoreConnectionError, StoreError
 from relaunch.store.deadline import Deadline
+from relaunch.store.etcd_shapes import malformed, watch_result
+from relaunch.store.retry import Backoff
 
 DEFAULT_PORT = 2379
 #: The longest a single attempt waits on one member before trying the next (by default: a
@@ -68,74 +72,13 @@ def parse_endpoints(text: str, protocol: str = "http") -> list[Endpoint]:
     return endpoints
 
 
-#: Fields etcd's gateway sends as 64-bit integers (in JSON strings), wherever they appear.
-_INTEGERS = frozenset(
-    [
-        "revision",
-        "create_revision",
-        "mod_revision",
-        "version",
-        "lease",
-        "count",
-        "deleted",
-        "ID",
-        "TTL",
-        "grantedTTL",
-        "raft_term",
-        "cluster_id",
-        "member_id",
-        "compact_revision",
-        "watch_id",
-    ]
-)
-_KEYVALUES = frozenset(("kvs", "prev_kvs"))
-_KEYVALUE = frozenset(("kv", "prev_kv"))
-_OBJECTS = frozenset(
-    ["header", "result", "response_range", "response_put", "response_txn", "response_delete_range"]
-)
-_FLAGS = frozenset(("succeeded", "more", "created", "canceled"))
-
-
-def malformed(reply: object, depth: int = 0) -> str | None:
-    """What makes ``reply`` no reply etcd's gateway sends (None if nothing): each field that
-    relaunch reads checked for its type wherever it appears, so that a member answering with
-    the wrong shape is a failed member (the next one is tried), never a crash further on."""
-    if not isinstance(reply, dict):
-        return f"{type(reply).__name__} where an object belongs"
-    if depth > 8:
-        return "objects nested too deep"
-    for name, value in reply.items():
-        if name in _INTEGERS:
-            text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-            if not (isinstance(text, str) and text.lstrip("-").isdigit() and len(text) <= 20):
-                return f"{name}={value!r:.40}"
-        elif name in ("key", "value", "token", "range_end"):
-            if not isinstance(value, str):
-                return f"{name} of type {type(value).__name__}"
-        elif name in _FLAGS:
-            if not isinstance(value, bool):
-                return f"{name}={value!r:.40}"
-        elif name in _KEYVALUES or name == "responses" or name == "events":
-            if not isinstance(value, list):
-                return f"{name} of type {type(value).__name__}"
-            for item in value:
-                if (wrong := malformed(item, depth + 1)) is not None:
-                    return f"{name}: {wrong}"
-                if name != "responses" and name != "events" and "key" not in item:
-                    return f"{name}: a key-value without its key"
-        elif (name in _KEYVALUE or name in _OBJECTS) and (
-            wrong := malformed(value, depth + 1)
-        ) is not None:
-            return f"{name}: {wrong}"
-    return None
-
-
 class _Retry(Exception):
     """This attempt failed in a way another attempt (on another member) may not."""
 
 
 class Gateway:
-    """Requests to the etcd cluster at ``endpoints``, each within ``timeout`` seconds.
+    """Requests to the etcd cluster at ``endpoints``, each within ``timeout`` seconds (kept on
+    ``clock``).
 
     ``cacert``/``cert``/``key`` configure TLS; ``user``/``password`` etcd's authentication.
     One connection, one request at a time: the caller serialises its calls.
@@ -150,9 +93,11 @@ class Gateway:
         key: str | None = None,
         user: str | None = None,
         password: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.endpoints = endpoints
         self.timeout = timeout
+        self._clock = clock
         self.user = user
         self._password = password
         if (user is None) != (password is None):
@@ -300,9 +245,10 @@ class Gateway:
         included); the decoded reply. Each attempt gets the time left shared among the members
         this lap has still to try (at most ``attempt_timeout``), so one member that holds a
         request cannot use up the time of the others."""
-        deadline = Deadline(self.timeout)
+        deadline = Deadline(self.timeout, self._clock)
+        backoff = Backoff(deadline.at, self._clock)  # between laps: every member failed once
         members = len(self.endpoints)
-        delay, failures = 0.01, 0
+        failures = 0
         last = ""
         while True:
             untried = members - failures % members
@@ -315,12 +261,64 @@ class Gateway:
             except _Retry as exc:
                 last = str(exc)
             failures += 1
-            if deadline.expired() or (failures % members == 0 and deadline.left() < delay):
+            lap_ended = failures % members == 0
+            if deadline.expired() or (lap_ended and not backoff.pause()):
                 raise StoreConnectionError(
                     f"cannot reach etcd at {self.describe()} within {seconds(deadline.seconds)} "
                     f"(last: {last})"
                 )
-            if failures % members == 0:
-                # Every member failed once: back off before the next lap.
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+
+
+class WatchStream:
+    """One streaming watch, open on a connection of its own (``EtcdStore.open_watch``)."""
+
+    def __init__(
+        self,
+        conn: http1.Connection,
+        response: http1.Response,
+        endpoint: Endpoint,
+        member_failed: Callable[[Endpoint], None],
+    ) -> None:
+        self._conn, self._response = conn, response
+        self._endpoint, self._member_failed = endpoint, member_failed
+        self.compacted = False  # whether it ended behind a compaction
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The member the stream is on."""
+        return self._endpoint
+
+    def results(self) -> Iterator[dict[str, Any] | None]:
+        """The stream's results (the first says it was created), and None each time a read
+        waited the connection's timeout in vain. The iteration ends when the stream breaks,
+        is cancelled or falls behind a compaction (``compacted``); a member that died under it
+        is reported to ``member_failed`` (the store's next request goes to another)."""
+        response = self._response
+        try:
+            while True:
+                try:
+                    line = response.readline()
+                except TimeoutError:
+                    yield None
+                    continue
+                if not line:
+                    return  # the member closed the stream
+                result = watch_result(line)
+                if result is None:
+                    return
+                if int(result.get("compact_revision", 0)):
+                    self.compacted = True
+                    return
+                if result.get("canceled"):
+                    return
+                yield result
+        except (OSError, ValueError):
+            if not self._conn.interrupted:
+                self._member_failed(self._endpoint)
+
+    def interrupt(self) -> None:
+        """Wake a thread reading the stream (from another thread): its ``results`` end."""
+        self._conn.interrupt()
+
+    def close(self) -> None:
+        self._conn.close()

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import CasResult, StoreTimeout, Versioned
 from relaunch.store.state import KeyValueState
 
 
 class MemoryStore:
-    """A thread-safe ``Store`` held in memory; waits block on a condition, not a poll."""
+    """A thread-safe ``Store`` held in memory; waits block on a condition, not a poll, and keep
+    their deadlines on ``clock``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
         self._state = KeyValueState()
         self._changed = threading.Condition()
 
@@ -46,20 +48,20 @@ class MemoryStore:
             return existed
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         with self._changed:
             while not self._state.all_exist(keys):
-                left = deadline - time.monotonic()
+                left = deadline - self._clock.monotonic()
                 if left <= 0:
                     missing = [k for k in keys if not self._state.all_exist([k])]
                     raise StoreTimeout(f"timed out after {timeout}s waiting for keys {missing}")
                 self._changed.wait(left)
 
     def watch(self, key: str, version: int, timeout: float) -> Versioned:
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         with self._changed:
             while self._state.get(key).version == version:
-                left = deadline - time.monotonic()
+                left = deadline - self._clock.monotonic()
                 if left <= 0:
                     break
                 self._changed.wait(left)
