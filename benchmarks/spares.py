@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from benchmarks import harness
 from benchmarks.harness import RELAUNCH, BenchError, Check, fmt, log, median
-from benchmarks.rendezvous import (
+from benchmarks.rendezvous.shared import (
     ETCD,
     STARTED_RE,
     Agents,
