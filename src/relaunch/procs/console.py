@@ -1,123 +1,24 @@
-"""Writing workers' lines to the launcher's console: whole lines, bytes as they came."""
+"""The launcher's console, shared by every rank: workers' lines, whole and as they came,
+scrolling above a live area of progress bars on a terminal, or the bars printed now and then
+elsewhere. When to draw is decided here; the bytes of the live area come from
+``core.live_area``, and ``console_writer`` writes them (its names are re-exported here, where
+other modules import them)."""
 
 from __future__ import annotations
 
 import os
-import re
-import select
 import shutil
 import threading
 from collections.abc import Callable
 from typing import Protocol, TextIO
 
-from relaunch.core.lines import prefix_lines
+from relaunch.core.live_area import SOURCE_KEY, area_rows, coloured, erase
 from relaunch.core.streams import Std
+from relaunch.procs.console_writer import ConsoleWriter as ConsoleWriter
+from relaunch.procs.console_writer import ProgbarEvents as ProgbarEvents
+from relaunch.procs.console_writer import write_all as write_all
 from relaunch.procs.terminals import WorkerTerminals, on_resize, pty_size
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-
-#: How long a writer waits for a progress bar to clear itself before writing anyway.
-PROGBAR_CLEAR_TIMEOUT = 0.5
-
-ProgbarEvents = dict[str, threading.Event]
-
-_locks: dict[int, threading.Lock] = {}
-_locks_guard = threading.Lock()
-
-
-def _lock_for(dst: TextIO) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault(id(dst), threading.Lock())
-
-
-class ConsoleWriter:
-    """Writes prefixed complete lines to ``dst`` in one piece, so ranks never interleave mid-line.
-
-    Bytes go to ``dst.buffer`` when there is one (undecodable bytes pass through untouched), else
-    they are decoded with replacement characters. With ``progbar_events`` (ice-learn's handshake),
-    each batch of lines first asks the progress bar to clear itself (``trigger_clear``), waits a
-    bounded time for ``cleared``, writes every line as ``\\r{line}\\033[K\\n``, then lets the bar
-    redraw by clearing ``trigger_clear``.
-    """
-
-    def __init__(self, dst: TextIO, progbar_events: ProgbarEvents | None = None) -> None:
-        self.stream = dst
-        self._dst = dst
-        self._binary = getattr(dst, "buffer", None)
-        self._progbar = progbar_events
-        self._lock = _lock_for(dst)
-
-    def render(self, lines: bytes, prefix: bytes) -> bytes:
-        """Complete lines (each ending in ``\\n``) as they will appear: each one prefixed."""
-        return prefix_lines(lines, prefix, progress_safe=self._progbar is not None)
-
-    def write(self, rendered: bytes) -> None:
-        """Write what ``render`` made, in one piece, after the progress bar (if any) cleared."""
-        if not rendered:
-            return
-        if self._progbar is None:
-            self._write(rendered)
-            return
-        trigger, cleared = self._progbar["trigger_clear"], self._progbar["cleared"]
-        trigger.set()
-        try:
-            cleared.wait(PROGBAR_CLEAR_TIMEOUT)
-            self._write(rendered)
-        finally:
-            trigger.clear()
-
-    def write_raw(self, data: bytes) -> None:
-        """Write ``data`` as it is (terminal control sequences), without the handshake."""
-        if data:
-            self._write(data)
-
-    def write_lines(self, lines: bytes, prefix: bytes) -> None:
-        self.write(self.render(lines, prefix))
-
-    def _write(self, data: bytes) -> None:
-        with self._lock:
-            try:
-                if self._binary is not None:
-                    self._dst.flush()
-                    self._binary.flush()
-                    fd = _fileno(self._binary)
-                    if fd is None:
-                        self._binary.write(data)
-                        self._binary.flush()
-                    else:
-                        # Straight to the descriptor: a buffered writer on a non-blocking one
-                        # (a pipe shared with a program that set O_NONBLOCK) drops what it
-                        # cannot write at once; ``write_all`` waits for room instead.
-                        write_all(fd, data)
-                else:
-                    self._dst.write(data.decode("utf-8", errors="replace"))
-                    self._dst.flush()
-            except (OSError, ValueError):
-                # A closed or broken console must not stop the log files from being written.
-                pass
-
-
-def _fileno(stream: object) -> int | None:
-    try:
-        fd = stream.fileno()  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):
-        return None
-    return fd if isinstance(fd, int) else None
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write every byte of ``data`` to ``fd``: a partial write goes on from where it stopped, and
-    a non-blocking descriptor that is full is waited on rather than dropped."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-        except InterruptedError:
-            continue
-        except BlockingIOError:
-            waiter = select.poll()  # not select(): descriptors past 1023 are common here
-            waiter.register(fd, select.POLLOUT)
-            waiter.poll()
-
 
 #: Non-terminal consoles print a bar's refresh at most this often (its final state always).
 THROTTLE_SECONDS = 1.0
@@ -127,8 +28,6 @@ REDRAW_SECONDS = 0.1
 #: for its end before they are written anyway: a prompt shows within this time, and a line
 #: written in two parts (its text, then its newline, as ``print`` does) is whole.
 HOLD_SECONDS = 0.25
-#: Prefix colours, by local rank: cyan, yellow, magenta, green, blue, red, then bright ones.
-_COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)
 
 #: What produces bars besides the workers' streams (the agent's per-node bar): key -> line.
 BarSource = Callable[[], dict[str, bytes]]
@@ -253,9 +152,7 @@ class Console:
 
     def prefix(self, prefix: bytes, rank: int, err: bool) -> bytes:
         """``prefix``, coloured by ``rank`` when the stream it goes to wants colour."""
-        if not self._colour[err]:
-            return prefix
-        return b"\033[%dm" % _COLOURS[rank % len(_COLOURS)] + prefix + b"\033[0m"
+        return coloured(prefix, rank) if self._colour[err] else prefix
 
     def render(self, lines: bytes, prefix: bytes) -> bytes:
         return self.out.render(lines, prefix)
@@ -361,9 +258,9 @@ class Console:
             if source not in self._sources:
                 return
             for key, line in source().items():
-                self.set_bar("source:" + key, line)
+                self.set_bar(SOURCE_KEY + key, line)
             self._sources.remove(source)
-            for key in [k for k in self._bars if k.startswith("source:")]:
+            for key in [k for k in self._bars if k.startswith(SOURCE_KEY)]:
                 self._remove(key, print_last=True)
 
     def next_tick(self) -> float | None:
@@ -404,7 +301,7 @@ class Console:
                 self._polled_at = now
                 for source in self._sources:
                     for key, line in source().items():
-                        self.set_bar("source:" + key, line)
+                        self.set_bar(SOURCE_KEY + key, line)
             if self.live and self._dirty and now - self._drawn_at >= REDRAW_SECONDS:
                 self.err.write_raw(self._erase() + self._draw())
             out: list[bytes] = []
@@ -434,42 +331,16 @@ class Console:
         return any(bar.live for bar in self._bars.values())
 
     def _erase(self) -> bytes:
-        if not self._drawn_rows:
-            return b""
-        up = b"\033[1A\033[2K" * (self._drawn_rows - 1)
-        self._drawn_rows = 0
-        return b"\r\033[2K" + up
+        rows, self._drawn_rows = self._drawn_rows, 0
+        return erase(rows)
 
     def _draw(self) -> bytes:
         self._dirty = False
         self._drawn_at = self._clock.monotonic()
-        order = sorted((key for key, bar in self._bars.items() if bar.live), key=_display_order)
-        lines = [self._fit(row) for key in order for row in self._bars[key].text.split(b"\n")]
-        if self._size is not None and len(lines) >= self._size.lines:
-            # Rows above the screen's top could not be erased again: the lowest ones are shown.
-            lines = lines[len(lines) - self._size.lines + 1 :]
-        self._drawn_rows = len(lines)
-        return b"\n".join(lines)
-
-    def _fit(self, line: bytes) -> bytes:
-        """``line`` cut to the terminal's width, so that it never wraps (rows are counted)."""
-        text = line.decode("utf-8", errors="replace")
-        visible = len(_ANSI.sub("", text))
-        if visible < self._width:
-            return line
-        plain = _ANSI.sub("", text)
-        return plain[: max(1, self._width - 1)].encode()
-
-
-_ANSI = re.compile(r"\033\[[0-9;]*[A-Za-z]")
-_DIGITS = re.compile(r"(\d+)")
-
-
-def _display_order(key: str) -> tuple[bool, list[str | int]]:
-    """Ranks in numeric order, the agent's bars (sources) below them."""
-    plain = _ANSI.sub("", key)
-    parts = [int(p) if p.isdigit() else p for p in _DIGITS.split(plain)]
-    return key.startswith("source:"), parts
+        bars = {key: bar.text for key, bar in self._bars.items() if bar.live}
+        rows = area_rows(bars, self._width, self._size.lines if self._size else None)
+        self._drawn_rows = len(rows)
+        return b"\n".join(rows)
 
 
 _consoles: dict[tuple[int, int, int], Console] = {}
