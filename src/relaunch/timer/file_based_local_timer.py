@@ -7,42 +7,32 @@ requests from many processes never interleave::
 
 A negative ``expiration_time`` releases the scope. The server reads the pipe with a blocking
 ``poll`` (no busy loop), ignores (and logs) anything malformed, and never crashes on input.
+This module is the protocol, the client and the server; the pipe itself (which FIFO may be
+trusted, reading its lines) is ``relaunch.timer.fifo``.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import select
 import signal as signals
-import stat
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from relaunch.core.lines import LineFramer
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.timer.base import (
-    ReapHandler,
-    RequestQueue,
-    TableTimerServer,
-    TimerClient,
-    TimerRequest,
-)
+from relaunch.timer.base import ReapHandler, TableTimerServer, TimerClient, TimerRequest
 from relaunch.timer.debug_info_logging import log_debug_info_for_expired_timers
+from relaunch.timer.fifo import FifoRequestQueue, check_fifo
+from relaunch.timer.fifo import check_server_fifo as check_server_fifo
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 #: The largest request one ``write`` delivers whole (POSIX guarantees at least 512; Linux 4096).
 MAX_REQUEST = 4096
-#: A line longer than this on the pipe is garbage: it is reported malformed, not buffered.
-_MAX_LINE = 64 * 1024
-#: The longest one wait in ``poll`` (its timeout is a C int of milliseconds).
-_MAX_POLL_MS = 2**31 - 1
 
 
 class FileTimerRequest(TimerRequest):
@@ -109,52 +99,6 @@ def parse_request(line: bytes) -> FileTimerRequest:
     return FileTimerRequest(pid, scope, expiration, sig, _number(data, "acquired_at", 0.0))
 
 
-def _check_fifo(path: str) -> None:
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"timer file {path} does not exist: is the timer server running?"
-        ) from None
-    if not stat.S_ISFIFO(mode):
-        raise ValueError(f"timer file {path} is not a FIFO (named pipe)")
-
-
-def check_server_fifo(path: str) -> None:
-    """Refuse an existing FIFO a server would read from (ValueError, one line saying why): it
-    must be a FIFO itself (not a symbolic link to one), owned by this user, and writable by
-    nobody else, since whoever can write to it names the pids the server signals."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return  # the server creates it
-    except OSError as exc:
-        raise ValueError(f"timer file {path}: {exc.strerror}") from None
-    _check_fifo_owner(path, info)
-
-
-def _check_fifo_owner(path: str, info: os.stat_result) -> None:
-    if stat.S_ISLNK(info.st_mode):
-        raise ValueError(
-            f"timer file {path} is a symbolic link: name the FIFO itself, or leave "
-            "TORCHELASTIC_TIMER_FILE unset for one of relaunch's own"
-        )
-    if not stat.S_ISFIFO(info.st_mode):
-        raise ValueError(f"timer file {path} is not a FIFO (named pipe)")
-    if info.st_uid != os.geteuid():
-        raise ValueError(
-            f"timer file {path} belongs to uid {info.st_uid}, not to this user "
-            f"({os.geteuid()}): whoever writes to it names the pids the timer server kills; "
-            "remove it, or leave TORCHELASTIC_TIMER_FILE unset for one of relaunch's own"
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(
-            f"timer file {path} is writable by other users (mode "
-            f"{stat.S_IMODE(info.st_mode):o}): whoever writes to it names the pids the timer "
-            f"server kills; chmod 600 {path}, or leave TORCHELASTIC_TIMER_FILE unset"
-        )
-
-
 def _parent_pid(pid: int) -> int:
     """The parent of ``pid`` (/proc), 0 when it cannot be told."""
     try:
@@ -199,7 +143,7 @@ class FileTimerClient(TimerClient):
     def _pipe(self) -> int:
         if self._fd is not None and self._fd_pid == os.getpid():
             return self._fd
-        _check_fifo(self._file_path)
+        check_fifo(self._file_path)
         try:
             # Non-blocking open fails at once when nobody reads, rather than hanging.
             fd = os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -231,98 +175,6 @@ class FileTimerClient(TimerClient):
         self._send(FileTimerRequest(os.getpid(), scope_id, -1, self.signal))
 
 
-class _FifoRequestQueue(RequestQueue):
-    """Requests from the FIFO; ``get`` blocks in ``poll`` on it and a wake-up pipe."""
-
-    def __init__(self, on_malformed: Callable[[bytes, str], None]) -> None:
-        self._read_fd: int | None = None
-        self._keep_open_fd: int | None = None
-        self._wake_r: int | None = None
-        self._wake_w: int | None = None
-        self._framer = LineFramer(max_partial=_MAX_LINE)  # a longer "line" is garbage
-        self._buffered: list[FileTimerRequest] = []
-        self._on_malformed = on_malformed
-
-    def open(self, path: str) -> None:
-        nofollow = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
-        try:
-            self._read_fd = os.open(path, os.O_RDONLY | nofollow)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symbolic link planted after the check
-                _check_fifo_owner(path, os.lstat(path))
-            raise ValueError(f"timer file {path}: {exc.strerror}") from None
-        try:
-            # What was opened is what was checked (a FIFO swapped in between is refused).
-            _check_fifo_owner(path, os.fstat(self._read_fd))
-        except ValueError:
-            os.close(self._read_fd)
-            self._read_fd = None
-            raise
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        # Our own writer keeps the pipe from reaching end-of-file when clients close theirs.
-        # Opened through the descriptor, so that it is the same FIFO whatever the path is now.
-        self._keep_open_fd = os.open(
-            f"/proc/self/fd/{self._read_fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC
-        )
-
-    def close(self) -> None:
-        """Close every descriptor, once (a descriptor closed twice may be someone else's)."""
-        for fd in (self._read_fd, self._keep_open_fd, self._wake_r, self._wake_w):
-            if fd is not None:
-                os.close(fd)
-        self._read_fd = self._keep_open_fd = self._wake_r = self._wake_w = None
-
-    def size(self) -> int:
-        return max(1, len(self._buffered))
-
-    def interrupt(self) -> None:
-        if self._wake_w is None:
-            return
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # already woken
-
-    def _read(self) -> None:
-        assert self._read_fd is not None
-        while True:
-            try:
-                chunk = os.read(self._read_fd, 65536)
-            except BlockingIOError:
-                return
-            if not chunk:
-                return
-            for line in self._framer.feed(chunk).splitlines():
-                self._parse(line)
-
-    def _parse(self, line: bytes) -> None:
-        if not line.strip():
-            return
-        try:
-            self._buffered.append(parse_request(line))
-        except ValueError as exc:
-            self._on_malformed(line, str(exc))
-
-    def get(self, size: int, timeout: float) -> list[TimerRequest]:
-        assert self._read_fd is not None and self._wake_r is not None
-        if not self._buffered:
-            # poll, not select: under a raised open-file limit a descriptor may be past 1023.
-            poller = select.poll()
-            poller.register(self._read_fd, select.POLLIN)
-            poller.register(self._wake_r, select.POLLIN)
-            wait = max(0, min(math.ceil(timeout * 1000), _MAX_POLL_MS))
-            ready = {fd for fd, _ in poller.poll(wait)}
-            if self._wake_r in ready:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            if self._read_fd in ready:
-                self._read()
-        taken, self._buffered = self._buffered[:size], self._buffered[size:]
-        return list(taken)
-
-
 class FileTimerServer(TableTimerServer):
     """Reaps the workers whose ``FileTimerClient`` timers on the FIFO ``file_path`` expire.
 
@@ -347,7 +199,7 @@ class FileTimerServer(TableTimerServer):
         may_reap: Callable[[int], bool] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self._fifo_queue = _FifoRequestQueue(self._malformed)
+        self._fifo_queue = FifoRequestQueue(parse_request, self._malformed)
         super().__init__(self._fifo_queue, max_interval, daemon, on_reap=on_reap, clock=clock)
         self._file_path = file_path
         self._run_id = run_id
