@@ -117,7 +117,7 @@ def test_the_console_writer_waits_on_a_full_non_blocking_pipe() -> None:
     import io
     import threading
 
-    from relaunch.procs.console import ConsoleWriter
+    from relaunch.procs.console_writer import ConsoleWriter
 
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)

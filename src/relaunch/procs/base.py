@@ -18,7 +18,8 @@ from typing import Any
 
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rank_io import RankIO
-from relaunch.procs.console import ProgbarEvents, console_for
+from relaunch.procs.console import console_for
+from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.descendants import kill_marked, new_token, with_token
 from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
 from relaunch.procs.guardian import guardian

@@ -14,9 +14,7 @@ from typing import Protocol, TextIO
 
 from relaunch.core.live_area import SOURCE_KEY, area_rows, coloured, erase
 from relaunch.core.streams import Std
-from relaunch.procs.console_writer import ConsoleWriter as ConsoleWriter
-from relaunch.procs.console_writer import ProgbarEvents as ProgbarEvents
-from relaunch.procs.console_writer import write_all as write_all
+from relaunch.procs.console_writer import ConsoleWriter, ProgbarEvents
 from relaunch.procs.terminals import WorkerTerminals, on_resize, pty_size
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 

@@ -26,7 +26,7 @@ from relaunch.procs.checks import (
     check_ranks,
     check_start_method,
 )
-from relaunch.procs.console import ProgbarEvents
+from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.monitor import WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock

@@ -22,7 +22,8 @@ import threading
 
 from relaunch.core.rank_io import RankIO
 from relaunch.core.screen import ScreenFramer
-from relaunch.procs.console import Console, write_all
+from relaunch.procs.console import Console
+from relaunch.procs.console_writer import write_all
 from relaunch.procs.terminals import open_terminal
 
 _READ_SIZE = 1 << 16

@@ -8,7 +8,7 @@ import threading
 from typing import TextIO
 
 from relaunch.core.lines import LineFramer
-from relaunch.procs.console import ConsoleWriter, ProgbarEvents
+from relaunch.procs.console_writer import ConsoleWriter, ProgbarEvents
 from relaunch.runtime import start_thread
 
 log = logging.getLogger(__name__)
