@@ -1,0 +1,164 @@
+"""Starting an attempt, as a plan: every rank's environment, arguments, I/O, console prefix and
+CPUs, and the attempt's log directory, decided before anything starts.
+
+``plan_attempt`` is pure: given what the run runs (``Command``), the group's place (ranks, master,
+restart count), the launcher's environment and console, and the placement, it returns the
+``AttemptPlan`` that the agent passes to ``start_processes`` as it is (``start_arguments``), and
+that ``relaunch --dry-run`` prints instead (``agent.dry_run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaunch.core.console_plan import (
+    LOG_LINE_PREFIX_TEMPLATE_ENV,
+    agent_tee,
+    console_is_relaunchs,
+    log_line_prefixes,
+    relayed,
+)
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.core.macros import substitute_local_rank
+from relaunch.core.placement import Placement
+from relaunch.core.rank_io import RankIO, plan_rank_io
+from relaunch.core.ranks import GroupContext, WorkerRanks, worker_env
+from relaunch.core.streams import Std
+
+
+@dataclass(frozen=True)
+class Command:
+    """What every attempt of a run starts: ``nprocs`` copies of ``entrypoint`` (a function or a
+    binary) with ``args``, their streams as ``redirects`` and ``tee`` say."""
+
+    role: str
+    entrypoint: Callable[..., Any] | str
+    args: tuple[Any, ...]
+    nprocs: int
+    redirects: Std | Mapping[int, Std] = Std.NONE
+    tee: Std | Mapping[int, Std] = Std.NONE
+    start_method: str = "spawn"
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    """One attempt's workers, by local rank: what ``start_processes`` is given.
+
+    ``envs`` holds what each worker gets on top of the launcher's environment; ``tee`` is the
+    tee the workers start with (``agent_tee``), ``relay`` the streams relaunch copies
+    byte for byte; ``draws_console``: no worker writes to the console itself, so relaunch may
+    draw its bars there.
+    """
+
+    name: str
+    entrypoint: Callable[..., Any] | str
+    args: dict[int, tuple[Any, ...]]
+    envs: dict[int, dict[str, str]]
+    log_dir: str
+    start_method: str
+    redirects: Std | Mapping[int, Std]
+    tee: Std | Mapping[int, Std]
+    shutdown_timeout: float
+    log_line_prefixes: dict[int, str]
+    relay: dict[int, Std] = field(default_factory=dict)
+    cpu_affinity: dict[int, frozenset[int]] = field(default_factory=dict)
+    draws_console: bool = False
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.envs)
+
+    def start_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of ``start_processes``. Only a relay that does something and
+        CPUs that bind are given: a ``start_processes`` given by the user (torch's, say) knows
+        neither."""
+        arguments: dict[str, Any] = {
+            "name": self.name,
+            "entrypoint": self.entrypoint,
+            "args": self.args,
+            "envs": self.envs,
+            "log_dir": self.log_dir,
+            "start_method": self.start_method,
+            "redirects": self.redirects,
+            "tee": self.tee,
+            "shutdown_timeout": self.shutdown_timeout,
+            "log_line_prefixes": self.log_line_prefixes,
+        }
+        if any(self.relay.values()):
+            arguments["relay"] = self.relay
+        if self.cpu_affinity:
+            arguments["cpu_affinity"] = self.cpu_affinity
+        return arguments
+
+    def rank_args(self, local_rank: int) -> tuple[Any, ...]:
+        """The arguments ``local_rank`` runs with (``${local_rank}`` replaced)."""
+        return substitute_local_rank(self.args[local_rank], local_rank)
+
+    def rank_io(self) -> dict[int, RankIO]:
+        """Where each rank's streams go, as ``start_processes`` will plan them."""
+        return plan_rank_io(
+            self.name,
+            self.log_dir,
+            self.nprocs,
+            self.redirects,
+            self.tee,
+            self.log_line_prefixes,
+            self.relay,
+        )
+
+
+def plan_attempt(
+    command: Command,
+    group: GroupContext,
+    ranks: Sequence[WorkerRanks],
+    environ: Mapping[str, str],
+    log_dir: str,
+    *,
+    extra_env: Mapping[str, str] | None = None,
+    placement: Placement | None = None,
+    terminals: Std = Std.ALL,
+    hang_detection: bool = False,
+) -> AttemptPlan:
+    """The plan of an attempt whose group is ``group`` and whose workers hold ``ranks``, started
+    from a launcher with environment ``environ``; its logs go to ``log_dir``.
+
+    Each worker's environment is torchrun's (``core.ranks.worker_env``), then its placement's
+    (``CUDA_VISIBLE_DEVICES``), then ``extra_env`` (the agent's channel and timers).
+    ``terminals`` names the launcher's streams that are terminals; with ``hang_detection`` the
+    workers' output is read by relaunch (tee'd or relayed), never left to the workers.
+    """
+    extra = dict(extra_env or {})
+    envs = {
+        worker.local_rank: {
+            **worker_env(worker, group, environ),
+            **(placement.env(worker.local_rank) if placement is not None else {}),
+            **extra,
+        }
+        for worker in ranks
+    }
+    nprocs = command.nprocs
+    hang = hang_detection
+    tee = agent_tee(command.tee, command.redirects, nprocs, hang, terminals)
+    relay = relayed(command.redirects, tee, nprocs, terminals, hang)
+    return AttemptPlan(
+        name=command.role,
+        entrypoint=command.entrypoint,
+        args=dict.fromkeys(envs, command.args),
+        envs=envs,
+        log_dir=log_dir,
+        start_method=command.start_method,
+        redirects=command.redirects,
+        tee=tee,
+        shutdown_timeout=command.shutdown_timeout,
+        log_line_prefixes=log_line_prefixes(
+            environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV),
+            command.role,
+            ((worker.local_rank, worker.global_rank) for worker in ranks),
+        ),
+        relay=relay,
+        cpu_affinity=placement.cpus() if placement is not None else {},
+        draws_console=console_is_relaunchs(command.redirects, tee, nprocs, relay),
+    )

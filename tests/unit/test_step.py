@@ -1,0 +1,427 @@
+"""The agent's decisions as histories: observations in (each at a given time), actions out.
+
+No agent, process, store or clock: ``core.step`` is fed what the agent would have observed, and
+every action it asks for is compared with what the agent did before it was a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from relaunch.core.group import GroupState
+from relaunch.core.liveness import Liveness
+from relaunch.core.membership import MembershipChange
+from relaunch.core.progress import Progress
+from relaunch.core.restart import Backoff
+from relaunch.core.step import (
+    AskRollCall,
+    Began,
+    CheckHangs,
+    CheckStore,
+    CutShort,
+    Ended,
+    Fail,
+    FailJob,
+    HangsChecked,
+    JobClosed,
+    Joined,
+    Looked,
+    NoteRestart,
+    Observation,
+    PeersAnswered,
+    PutMetrics,
+    Rendezvous,
+    ReportFailure,
+    ReportHung,
+    Restarting,
+    Rules,
+    RunState,
+    Say,
+    StacksPending,
+    StartWorkers,
+    StopForStacks,
+    StopNote,
+    StopWorkers,
+    Succeed,
+    TakeStacks,
+    Wait,
+    WorkersStarted,
+    step,
+)
+
+CUT = "this node's workers were stopped before they finished"
+BOOM = "rank 1 exited with code 3: ValueError: boom"
+
+
+@dataclass
+class Failed:
+    """A failed worker as a report reads it (``core.failures.Failure``)."""
+
+    local_rank: int = 1
+    pid: int = 1_000_001
+    exitcode: int = 3
+    error_file: str = ""
+    message: str = "ValueError: boom"
+    timestamp: float = 1.0
+
+
+def silent(nprocs: int = 2) -> tuple[None, ...]:
+    return (None,) * nprocs
+
+
+def progress(step: int) -> Progress:
+    return Progress(step, None, 0.0, "", 1)
+
+
+def failed(
+    steps: tuple[Progress | None, ...] = silent(),
+    lives: tuple[Liveness | None, ...] = silent(),
+) -> Ended:
+    """Local rank 1 (global rank 1) failed; ``steps`` and ``lives``: what the ranks said."""
+    return Ended({1: Failed()}, {0: 0, 1: 1}, steps, lives)
+
+
+SUCCEEDED = Ended({}, {0: 0, 1: 1}, silent(), silent())
+
+
+def rules(**values: object) -> Rules:
+    base = Rules(role="trainer", node="n1", max_restarts=3, backoff=Backoff(0.0, 0.0))
+    return replace(base, **values)  # type: ignore[arg-type]
+
+
+def run(
+    state: RunState, history: list[tuple[float, Observation]]
+) -> tuple[RunState, list[list[object]]]:
+    """Feed ``history`` (time, observation); the state after, and the actions of each step."""
+    said = []
+    for now, observation in history:
+        state, actions = step(state, observation, now)
+        said.append(actions)
+    return state, said
+
+
+def started(rule: Rules, nodes: int = 1, used: int = 0, at: float = 0.0) -> RunState:
+    """A run whose first attempt started at ``at``."""
+    state, said = run(
+        RunState(rule), [(at, Began()), (at, Joined(nodes, used)), (at, WorkersStarted())]
+    )
+    assert said == [[Rendezvous(0.0)], [StartWorkers()], []]
+    return state
+
+
+def test_a_group_that_runs_is_watched_then_succeeds() -> None:
+    _, said = run(
+        started(rules()),
+        [
+            (1.0, Looked()),
+            (1.0, HangsChecked(None, None, None)),
+            (9.0, Looked(SUCCEEDED)),
+        ],
+    )
+    assert said == [
+        [CheckHangs(None)],
+        [Wait(None)],  # nothing to wake it but an event
+        [PutMetrics(3, GroupState.SUCCEEDED), Succeed()],
+    ]
+
+
+def test_a_failure_uses_a_restart_and_tells_the_other_nodes_why() -> None:
+    state, said = run(started(rules(max_restarts=2)), [(5.0, Looked(failed(), used=0))])
+    assert said == [
+        [
+            PutMetrics(2, GroupState.FAILED),
+            ReportFailure(),
+            StopWorkers(),
+            CheckStore(),
+            Restarting(0, "worker_failed", BOOM),
+            Say("[trainer] restarting the worker group (a worker failed); 1 restart(s) left"),
+            NoteRestart(f"n1: {BOOM}"),
+            Rendezvous(0.0),
+        ]
+    ]
+    assert state.spent == 1 and state.used == 0  # the job's count comes with the next join
+    state, said = run(state, [(6.0, Joined(1, used=1)), (6.0, WorkersStarted())])
+    assert said == [[StartWorkers()], []]
+    assert state.restarts_left == 1
+
+
+def test_the_budget_is_the_jobs_as_it_counts_it() -> None:
+    state = started(rules(max_restarts=2), nodes=2)
+    _, said = run(state, [(5.0, Looked(failed(), used=1))])  # another node spent one
+    assert (
+        Say("[trainer] restarting the worker group (a worker failed); 0 restart(s) left")
+        in (said[0])
+    )
+
+
+def test_a_membership_change_restarts_the_group_for_free() -> None:
+    change = MembershipChange.nodes_waiting(1)
+    state, said = run(started(rules(watches_membership=True)), [(2.0, Looked(None, change))])
+    assert said == [
+        [
+            PutMetrics(3, GroupState.RUNNING),
+            StopWorkers(),
+            CheckStore(),
+            Restarting(0, "nodes_waiting", "1 node(s) waiting to join"),
+            Say(
+                "[trainer] restarting the worker group (1 node(s) waiting to join); "
+                "3 restart(s) left"
+            ),
+            Rendezvous(0.0),
+        ]
+    ]
+    assert state.spent == 0
+
+
+def test_a_failure_caused_by_a_lost_node_is_free_too() -> None:
+    lost = MembershipChange.member_lost(1, "no heartbeat", detected_by=0)
+    state = started(rules(watches_membership=True, max_restarts=0), nodes=2)
+    state, said = run(state, [(2.0, Looked(failed(), lost, used=0))])
+    assert said[0][:3] == [PutMetrics(0, GroupState.FAILED), ReportFailure(), StopWorkers()]
+    assert Restarting(0, "member_lost", BOOM) in said[0] and state.spent == 0
+    assert not any(isinstance(action, NoteRestart) for action in said[0])
+
+
+def test_with_no_restart_left_a_failure_is_final_at_once_when_every_peer_answers() -> None:
+    state = started(rules(watches_membership=True, max_restarts=0, lost_node_grace=60.0), nodes=2)
+    _, said = run(state, [(3.0, Looked(failed(), used=0)), (3.5, PeersAnswered(True))])
+    assert said == [
+        [AskRollCall(1.0)],
+        [
+            PutMetrics(0, GroupState.FAILED),
+            FailJob(f"n1: {BOOM} (no restart left)"),
+            Fail(),
+        ],
+    ]
+
+
+def test_with_a_peer_silent_the_grace_is_waited_and_then_the_failure_is_final() -> None:
+    state = started(rules(watches_membership=True, max_restarts=0, lost_node_grace=5.0), nodes=2)
+    state, said = run(
+        state,
+        [
+            (10.0, Looked(failed(), used=0)),
+            (10.0, PeersAnswered(False)),
+            (10.0, HangsChecked(None, None, 15.0)),
+            (12.0, Looked(failed(), used=0)),  # no second roll call, no second warning
+            (12.0, HangsChecked(None, None, 15.0)),
+            (15.0, Looked(failed(), used=0)),
+        ],
+    )
+    assert said == [
+        [AskRollCall(1.0)],
+        [
+            Say(
+                "workers failed with no restart left, and not every other node answered: "
+                "waiting up to 5s for a lost node to be noticed"
+            ),
+            CheckHangs(15.0),
+        ],
+        [Wait(5.0)],
+        [CheckHangs(15.0)],
+        [Wait(3.0)],
+        [PutMetrics(0, GroupState.FAILED), FailJob(f"n1: {BOOM} (no restart left)"), Fail()],
+    ]
+    assert state.grace_ends is None
+
+
+def test_a_node_lost_during_the_grace_re_forms_the_group_for_free() -> None:
+    state = started(rules(watches_membership=True, max_restarts=0, lost_node_grace=5.0), nodes=2)
+    lost = MembershipChange.member_lost(1, "no heartbeat for 3s", detected_by=0)
+    state, said = run(
+        state,
+        [
+            (10.0, Looked(failed(), used=0)),
+            (10.0, PeersAnswered(None)),
+            (12.0, Looked(failed(), lost, used=0)),
+        ],
+    )
+    assert Restarting(0, "member_lost", BOOM) in said[2] and said[2][-1] == Rendezvous(0.0)
+    assert state.grace_ends is None and state.spent == 0
+    state, said = run(state, [(13.0, Joined(1, 0)), (13.0, WorkersStarted())])
+    assert state.peers_alive is None  # the roll call is this round's
+
+
+def test_a_change_that_came_during_the_roll_call_is_taken() -> None:
+    state = started(rules(watches_membership=True, max_restarts=0, lost_node_grace=5.0), nodes=2)
+    lost = MembershipChange.member_lost(1, "no heartbeat", detected_by=0)
+    _, said = run(state, [(1.0, Looked(failed(), used=0)), (1.5, PeersAnswered(False, lost))])
+    assert Restarting(0, "member_lost", BOOM) in said[1]
+
+
+@pytest.mark.parametrize(
+    ("rule", "nodes"),
+    [
+        (rules(watches_membership=True, max_restarts=0, lost_node_grace=60.0), 1),  # alone
+        (rules(max_restarts=0, lost_node_grace=60.0), 2),  # membership is not watched
+    ],
+)
+def test_without_another_node_to_lose_a_failure_fails_at_once(rule: Rules, nodes: int) -> None:
+    _, said = run(started(rule, nodes=nodes), [(1.0, Looked(failed(), used=0))])
+    assert said == [
+        [PutMetrics(0, GroupState.FAILED), FailJob(f"n1: {BOOM} (no restart left)"), Fail()]
+    ]
+
+
+def test_a_failure_that_ended_the_job_elsewhere_cuts_this_node_short() -> None:
+    change = MembershipChange.failed("n2: rank 3 exited with code 1")
+    _, said = run(started(rules(watches_membership=True), nodes=2), [(1.0, Looked(None, change))])
+    assert said == [
+        [
+            PutMetrics(3, GroupState.RUNNING),
+            CutShort(f"the job failed: n2: rank 3 exited with code 1; {CUT}"),
+        ]
+    ]
+
+
+def test_a_crash_loop_waits_its_backoff_and_stops_when_it_makes_no_progress() -> None:
+    rule = rules(max_restarts=10, backoff=Backoff(1.0, 4.0, healthy=60.0), max_stalled=2)
+    state = started(rule)
+    said_all = []
+    for attempt, reached in enumerate([5, 5, 3]):
+        now = 10.0 * attempt + 2.0
+        state, said = run(state, [(now, Looked(failed((progress(reached),) * 2), used=attempt))])
+        said_all.append(said[0])
+        if said[0][-1] != Fail():
+            state, _ = run(state, [(now, Joined(1, attempt + 1)), (now, WorkersStarted())])
+    first, second, third = said_all
+    assert first[-1] == Rendezvous(0.0)  # no wait before the first restart of a loop
+    assert second[-2:] == [
+        Say("[trainer] a crash loop: waiting 1s before restart 2 in a row (--restart-backoff 1:4)"),
+        Rendezvous(1.0),
+    ]
+    stalled = (
+        "stopped after 2 restarts in a row that made no progress (the furthest step reached: 5):"
+        " restarting again would repeat the same failure"
+    )
+    assert third == [
+        PutMetrics(8, GroupState.FAILED),
+        ReportFailure(),
+        Say(f"[trainer] {stalled}", error=True),
+        StopNote(stalled),
+        FailJob(f"n1: {BOOM} ({stalled})"),
+        Fail(),
+    ]
+
+
+def test_a_group_that_ran_its_healthy_period_starts_a_new_loop() -> None:
+    rule = rules(max_restarts=10, backoff=Backoff(1.0, 4.0, healthy=60.0))
+    state = started(rule)
+    state, _ = run(state, [(2.0, Looked(failed(), used=0)), (2.0, Joined(1, 1))])
+    state, said = run(state, [(3.0, WorkersStarted()), (100.0, Looked(failed(), used=1))])
+    assert said[1][-1] == Rendezvous(0.0) and state.crash_loop.in_a_row == 1
+
+
+def test_a_worker_that_fails_before_it_speaks_fails_during_start_up() -> None:
+    state = started(rules(max_restarts=5))
+    spoke = failed((progress(1), progress(1)))  # the workers report progress
+    state, said = run(state, [(4.0, Looked(spoke, used=0))])
+    assert Restarting(0, "worker_failed", BOOM) in said[0]
+    state, _ = run(state, [(5.0, Joined(1, 1)), (5.0, WorkersStarted())])
+    state, said = run(state, [(7.5, Looked(failed(), used=1))])  # rank 1 said nothing yet
+    cause = f"during start-up (2.5s after it started): {BOOM}"
+    assert Restarting(1, "worker_failed", cause) in said[0]
+    assert NoteRestart(f"n1: {cause}") in said[0]
+
+
+def test_of_workers_that_never_speak_no_start_up_failure_is_told() -> None:
+    _, said = run(started(rules()), [(0.5, Looked(failed(), used=0))])
+    assert Restarting(0, "worker_failed", BOOM) in said[0]
+
+
+def test_a_hang_here_asks_the_other_nodes_for_their_stacks_once() -> None:
+    hang = "local rank 0 is hung (section 'step' past its deadline)"
+    state = started(rules(watches_membership=True), nodes=2)
+    state, said = run(
+        state,
+        [
+            (1.0, HangsChecked(hang, 0.5, None)),
+            (1.5, HangsChecked(hang, 0.5, None)),
+        ],
+    )
+    assert said == [
+        [ReportHung(hang, 0), StopForStacks(f"n1: {hang}"), Wait(0.5)],
+        [Wait(0.5)],
+    ]
+    stacks = MembershipChange.restarting(f"n1: {hang}", stacks=True)
+    state, said = run(state, [(3.0, Looked(failed(), stacks, used=0))])
+    assert TakeStacks(f"n1: {hang}") not in said[0]  # its stacks were taken as it hung
+    assert Restarting(0, "hang", BOOM) in said[0]
+
+
+def test_a_hang_with_no_restart_left_ends_the_job_with_stacks() -> None:
+    hang = "local rank 0 is hung (heartbeat overdue)"
+    state = started(rules(watches_membership=True, max_restarts=0), nodes=2)
+    _, said = run(state, [(1.0, HangsChecked(hang, None, None))])
+    assert said == [
+        [
+            ReportHung(hang, 0),
+            FailJob(f"n1: {hang} (no restart left)", stacks=True),
+            Wait(None),
+        ]
+    ]
+
+
+def test_a_hang_alone_is_only_reported() -> None:
+    hang = "local rank 0 is hung (heartbeat overdue)"
+    _, said = run(started(rules(watches_membership=True)), [(1.0, HangsChecked(hang, 2.0, 9.0))])
+    assert said == [[ReportHung(hang, 0), Wait(2.0)]]
+
+
+def test_a_hang_on_another_node_takes_this_nodes_stacks_then_restarts() -> None:
+    why = "n2: local rank 1 is hung (heartbeat overdue)"
+    change = MembershipChange.restarting(why, stacks=True)
+    state = started(rules(watches_membership=True), nodes=2)
+    state, said = run(
+        state,
+        [
+            (1.0, Looked(None, change)),
+            (1.0, StacksPending(5.0)),
+            (1.0, HangsChecked(None, 5.0, 6.0)),
+            (2.0, Looked(failed(), change, used=1)),
+        ],
+    )
+    assert said[:3] == [[TakeStacks(why)], [CheckHangs(6.0)], [Wait(5.0)]]
+    assert said[3][:4] == [
+        PutMetrics(2, GroupState.FAILED),
+        ReportFailure(),
+        StopWorkers(),
+        CheckStore(),
+    ]
+    assert Restarting(1, "hang", BOOM) in said[3]
+    assert not any(isinstance(action, NoteRestart) for action in said[3])  # the hung node's
+
+
+def test_a_hang_elsewhere_that_ended_the_job_reports_where_this_nodes_ranks_were() -> None:
+    change = MembershipChange.failed("n2: local rank 1 is hung (no restart left)", stacks=True)
+    state = started(rules(watches_membership=True, max_restarts=0), nodes=2)
+    _, said = run(state, [(1.0, Looked(None, change)), (3.0, Looked(failed(), change, used=0))])
+    assert said == [
+        [TakeStacks(change.reason)],
+        [
+            PutMetrics(0, GroupState.FAILED),
+            ReportFailure(),
+            CutShort(f"{change.reason}; {CUT}"),
+        ],
+    ]
+
+
+def test_a_poll_of_membership_bounds_every_sleep() -> None:
+    state = started(rules(watches_membership=True, polls_membership=True, monitor_interval=0.1))
+    _, said = run(state, [(1.0, Looked()), (1.0, HangsChecked(None, None, None))])
+    assert said == [[CheckHangs(None)], [Wait(0.1)]]
+
+
+def test_the_job_closing_while_this_node_re_forms() -> None:
+    change = MembershipChange.nodes_waiting(1)
+    state = started(rules(watches_membership=True), nodes=2)
+    reforming, _ = run(state, [(1.0, Looked(None, change))])
+    _, said = run(reforming, [(2.0, JobClosed())])
+    assert said == [
+        [CutShort(f"the job ended while this node re-formed (1 node(s) waiting to join); {CUT}")]
+    ]
+    after_failure, _ = run(state, [(1.0, Looked(failed(), used=0))])
+    _, said = run(after_failure, [(2.0, JobClosed())])
+    assert said == [[Fail()]]  # the other nodes finished the job meanwhile: the failure stands
