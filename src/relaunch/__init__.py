@@ -10,66 +10,23 @@ module, not for the agent and its processes.
 
 from __future__ import annotations
 
-# Not ``typing.TYPE_CHECKING``: importing typing would cost a worker milliseconds. Type checkers
-# read any name TYPE_CHECKING as true, so they still see every public name below.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from relaunch.agent import (
-        LocalElasticAgent,
-        RunResult,
-        Worker,
-        WorkerGroup,
-        WorkerSpec,
-        WorkerState,
-    )
-    from relaunch.launcher import LaunchConfig, elastic_launch
-    from relaunch.procs import (
-        ChildFailedError,
-        MultiprocessContext,
-        PContext,
-        ProcessFailure,
-        RunProcsResult,
-        SignalException,
-        Std,
-        SubprocessContext,
-        TailLog,
-        record,
-        start_processes,
-    )
-    from relaunch.worker import heartbeat, report_progress, section, stop_requested
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "ChildFailedError",
-    "LaunchConfig",
-    "LocalElasticAgent",
-    "MultiprocessContext",
-    "PContext",
-    "ProcessFailure",
-    "RunProcsResult",
-    "RunResult",
-    "SignalException",
-    "Std",
-    "SubprocessContext",
-    "TailLog",
-    "Worker",
-    "WorkerGroup",
-    "WorkerSpec",
-    "WorkerState",
-    "elastic_launch",
-    "heartbeat",
-    "record",
-    "report_progress",
-    "section",
-    "start_processes",
-    "stop_requested",
-]
-
-#: Where each public name is defined: the module imported when the name is first asked for.
+#: Every public name, by the module that defines it: imported when the name is first asked for.
+#: The one list of the public API: ``__all__`` is its names.
 _HOMES = {
-    **dict.fromkeys(
-        [
+    name: module
+    for module, names in {
+        "relaunch.agent": (
+            "LocalElasticAgent",
+            "RunResult",
+            "Worker",
+            "WorkerGroup",
+            "WorkerSpec",
+            "WorkerState",
+        ),
+        "relaunch.launcher": ("LaunchConfig", "elastic_launch"),
+        "relaunch.procs": (
             "ChildFailedError",
             "MultiprocessContext",
             "PContext",
@@ -81,19 +38,50 @@ _HOMES = {
             "TailLog",
             "record",
             "start_processes",
-        ],
-        "relaunch.procs",
-    ),
-    **dict.fromkeys(
-        ["LocalElasticAgent", "RunResult", "Worker", "WorkerGroup", "WorkerSpec", "WorkerState"],
-        "relaunch.agent",
-    ),
-    "LaunchConfig": "relaunch.launcher",
-    "elastic_launch": "relaunch.launcher",
-    **dict.fromkeys(
-        ["heartbeat", "report_progress", "section", "stop_requested"], "relaunch.worker"
-    ),
+        ),
+        "relaunch.worker": ("heartbeat", "report_progress", "section", "stop_requested"),
+    }.items()
+    for name in names
 }
+
+__all__ = sorted(_HOMES)
+
+# What type checkers see: the same names (tests/unit/test_api.py checks), each re-exported
+# explicitly (``X as X``), as a computed ``__all__`` is lost on them. They read any name
+# TYPE_CHECKING as true; not ``typing.TYPE_CHECKING``: importing typing costs a worker
+# milliseconds.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    # isort: off
+    from relaunch.agent import (
+        LocalElasticAgent as LocalElasticAgent,
+        RunResult as RunResult,
+        Worker as Worker,
+        WorkerGroup as WorkerGroup,
+        WorkerSpec as WorkerSpec,
+        WorkerState as WorkerState,
+    )
+    from relaunch.launcher import LaunchConfig as LaunchConfig, elastic_launch as elastic_launch
+    from relaunch.procs import (
+        ChildFailedError as ChildFailedError,
+        MultiprocessContext as MultiprocessContext,
+        PContext as PContext,
+        ProcessFailure as ProcessFailure,
+        RunProcsResult as RunProcsResult,
+        SignalException as SignalException,
+        Std as Std,
+        SubprocessContext as SubprocessContext,
+        TailLog as TailLog,
+        record as record,
+        start_processes as start_processes,
+    )
+    from relaunch.worker import (
+        heartbeat as heartbeat,
+        report_progress as report_progress,
+        section as section,
+        stop_requested as stop_requested,
+    )
+    # isort: on
 
 
 def __getattr__(name: str) -> object:

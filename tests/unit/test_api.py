@@ -43,6 +43,24 @@ def test_public_names_are_pinned() -> None:
         assert getattr(relaunch, name) is not None
 
 
+def test_type_checkers_see_the_public_names() -> None:
+    """What ``__init__`` imports for type checkers re-exports each public name from its home."""
+    tree = ast.parse(pathlib.Path(relaunch.__file__).read_text())
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+    )
+    seen = {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name
+    }
+    assert seen == relaunch._HOMES
+
+
 def test_timer_names_are_the_seeds() -> None:
     import relaunch.timer
 

@@ -4,6 +4,7 @@ The TCP client and server and the etcd client load on first use, so a single-nod
 imports sockets, hmac, hashlib, http or ssl.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from relaunch.store.api import (
@@ -39,17 +40,16 @@ __all__ = [
 ]
 
 
+#: The names that load on first use, by the module that defines each.
+_LAZY = {
+    "EtcdStore": "relaunch.store.etcd",
+    "TcpStore": "relaunch.store.client",
+    "TcpStoreServer": "relaunch.store.server",
+}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "EtcdStore":
-        from relaunch.store.etcd import EtcdStore
-
-        return EtcdStore
-    if name == "TcpStore":
-        from relaunch.store.client import TcpStore
-
-        return TcpStore
-    if name == "TcpStoreServer":
-        from relaunch.store.server import TcpStoreServer
-
-        return TcpStoreServer
-    raise AttributeError(f"module 'relaunch.store' has no attribute {name!r}")
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module 'relaunch.store' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
