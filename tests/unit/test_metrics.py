@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from conftest import wait_until
@@ -18,6 +19,7 @@ from conftest import wait_until
 from relaunch import cli
 from relaunch.agent import LocalElasticAgent, WorkerSpec
 from relaunch.agent.metrics import AgentMetrics
+from relaunch.agent.sampler import Sampler
 from relaunch.agent.spec import WorkerGroup
 from relaunch.agent.status import Group, NodeReporter
 from relaunch.config import ConfigError
@@ -159,15 +161,17 @@ def test_a_scrape_reads_steps_rates_states_and_stragglers() -> None:
     group.join(spec.rdzv_handler.next_rendezvous())
     began = time.time()
     progress = {0: Progress(40, 100, began, "", 1), 1: Progress(7, 100, began - 2, "", 1)}
+    context = Context()
+    sampler = Sampler(tick=0.0)  # every scrape reads the ranks anew
+    channel = SimpleNamespace(slots=NPROCS, progress=progress.get, liveness=lambda rank: None)
+    sampler.watch(channel, context)  # type: ignore[arg-type]
     reporter = NodeReporter(1.5)
-    reporter.start(
-        Group("host-a", 0, 1, {0: 0, 1: 1}, progress.get, lambda local: None, dict), None
-    )
+    reporter.start(Group("host-a", 0, 1, {0: 0, 1: 1}, sampler.take), None)
     reporter.stop()  # its thread is not needed: the test posts the view itself
     reporter.view = JobView(10.0, {1: 2.0}, None, None, None, began)
-    context = Context()
     context.end(RunProcsResult(failures={1: ProcessFailure(1, 5, 3, "")}, stopped={0: -15}))
-    exporter = AgentMetrics(group, reporter, lambda: context, lambda: 1)  # type: ignore[arg-type]
+    sampler.observed(context.wait(0))  # as the agent's loop does when the end wakes it
+    exporter = AgentMetrics(group, reporter, sampler.latest, lambda: 1)
     exporter.restarted("worker_failed")
     exporter.joined(0.3)
     exporter.joined(2.0)

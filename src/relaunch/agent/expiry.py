@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from relaunch.core import timers as core_timers
 from relaunch.core.durations import seconds
 from relaunch.core.failures import AT_EXIT, faulthandler_dump, waits_at_exit
-from relaunch.core.liveness import Liveness, Overdue, next_due, overdue
-from relaunch.core.progress import Progress
+from relaunch.core.happenings import NodeSnapshot
+from relaunch.core.liveness import Overdue, next_due, overdue
 from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
 from relaunch.procs.handles import signal_tree
@@ -79,9 +79,7 @@ class ExpiryWatch:
         self._causes: dict[int, str] = {}
         self._pids: dict[int, int] = {}  # local rank -> pid of the running group
         self._log_files: dict[int, list[str]] = {}
-        self._running: Callable[[], set[int]] = set
-        self._progress: Callable[[int], Progress | None] = lambda rank: None
-        self._liveness: Callable[[int], Liveness | None] = lambda rank: None
+        self._snapshot: Callable[[], NodeSnapshot] = lambda: NodeSnapshot(0.0)
         self._lives_used = False
         self._hold: Callable[[], None] = lambda: None
         self._hung_at: dict[int, float] = {}  # pid -> the deadline it missed
@@ -136,17 +134,14 @@ class ExpiryWatch:
         self,
         pids: Mapping[int, int],
         log_files: Mapping[int, list[str]],
-        running: Callable[[], set[int]],
-        progress: Callable[[int], Progress | None],
-        liveness: Callable[[int], Liveness | None] = lambda rank: None,
+        snapshot: Callable[[], NodeSnapshot],
         hold: Callable[[], None] = lambda: None,
     ) -> None:
-        """A new group started: ``pids`` and ``log_files`` by local rank; ``running()`` says
-        which ranks have not exited (a finished worker is not hung); ``progress(rank)`` is a
-        rank's last ``report_progress``, ``liveness(rank)`` its heartbeats and sections;
-        ``hold()`` keeps one worker's death from stopping the others while stacks are taken."""
-        self._progress = progress
-        self._liveness = liveness
+        """A new group started: ``pids`` and ``log_files`` by local rank; ``snapshot()`` reads
+        the ranks now (``agent.sampler.Sampler.take``): which have not exited (a finished worker
+        is not hung), their last ``report_progress``, heartbeats and sections; ``hold()`` keeps
+        one worker's death from stopping the others while stacks are taken."""
+        self._snapshot = snapshot
         self._hold = hold
         self._hung_at.clear()
         self._lives_used = False
@@ -155,14 +150,13 @@ class ExpiryWatch:
             self._server.forget(self._pids.values())
         self._pids = dict(pids)
         self._log_files = {rank: list(paths) for rank, paths in log_files.items()}
-        self._running = running
         self._causes.clear()
         self._aborted.clear()
         self._started_at = self._clock.time()
 
     # -- hangs ----------------------------------------------------------------------------------
 
-    def _last_sign(self, rank: int) -> float:
+    def _last_sign(self, rank: int, snapshot: NodeSnapshot) -> float:
         seen = self._started_at
         for path in self._log_files.get(rank, ()):
             try:
@@ -171,10 +165,9 @@ class ExpiryWatch:
                 pass
         if self._server is not None:
             seen = max(seen, self._server.last_activity(self._pids[rank]) or 0.0)
-        progress = self._progress(rank)
+        progress, live = snapshot.progress(rank), snapshot.liveness(rank)
         if progress is not None:
             seen = max(seen, progress.time)
-        live = self._liveness(rank)
         if live is not None:
             seen = max(seen, live.last_sign)
         return seen
@@ -184,8 +177,9 @@ class ExpiryWatch:
         if not self._pids:
             return None
         now = self._clock.time()
+        snapshot = self._snapshot()
         waits = []
-        look = self._check_liveness(now)
+        look = self._check_liveness(snapshot, now)
         if look is not None:
             waits.append(look)
         for pid, aborted_at in list(self._aborted.items()):
@@ -196,9 +190,9 @@ class ExpiryWatch:
             else:
                 waits.append(aborted_at + ABORT_GRACE - now)
         if self._hang_timeout is not None:
-            running = self._running()
+            running = snapshot.running()
             live = {
-                rank: self._last_sign(rank)
+                rank: self._last_sign(rank, snapshot)
                 for rank, pid in self._pids.items()
                 if rank in running and pid not in self._causes
             }
@@ -209,13 +203,12 @@ class ExpiryWatch:
                 waits.append(next_at - now)
         return max(0.0, min(waits)) if waits else None
 
-    def _check_liveness(self, now: float) -> float | None:
+    def _check_liveness(self, snapshot: NodeSnapshot, now: float) -> float | None:
         """Act on overdue sections and heartbeats; the seconds until the channel is read again
         (None: no worker uses them yet)."""
         if self.hang is not None or self._asked is not None:
             return LIVENESS_LOOK  # the group's stacks were asked for: it is ending
-        running = self._running()
-        lives = {rank: self._liveness(rank) for rank in running}
+        lives = {rank: snapshot.liveness(rank) for rank in snapshot.running()}
         self._lives_used = self._lives_used or any(
             live is not None and live.used for live in lives.values()
         )
@@ -252,7 +245,7 @@ class ExpiryWatch:
 
     def _dump_running(self, cause: str) -> None:
         self._hold()
-        for rank in sorted(self._running()):
+        for rank in sorted(self._snapshot().running()):
             pid = self._pids.get(rank)
             if pid is not None and pid not in self._causes:
                 self._causes[pid] = cause

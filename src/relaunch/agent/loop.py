@@ -29,7 +29,9 @@ from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.health import HealthCheck, await_admission, check_env
 from relaunch.agent.metrics import AgentMetrics
-from relaunch.agent.report import NodeBar, RunReport, make_log_dir, new_attempt_dir
+from relaunch.agent.report import NodeBar, RunReport, finished, make_log_dir, new_attempt_dir
+from relaunch.agent.sampler import Sampler
+from relaunch.agent.sinks import LogSink, MetricPuts, Sinks
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent.status import Group, NodeReporter
 from relaunch.core.console_plan import (
@@ -41,8 +43,17 @@ from relaunch.core.console_plan import (
 )
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
 from relaunch.core.durations import seconds
-from relaunch.core.failures import describe_exit, format_report
+from relaunch.core.failures import format_report
 from relaunch.core.group import GroupState
+from relaunch.core.happenings import (
+    AttemptEnded,
+    Failed,
+    Hung,
+    Joined,
+    Restarted,
+    Started,
+    StragglerFlagged,
+)
 from relaunch.core.ranks import GroupContext, worker_env
 from relaunch.core.restart import Action, Backoff, RestartDecision, decide
 from relaunch.core.summary import RunSummary
@@ -150,18 +161,26 @@ class LocalElasticAgent:
         self._grace_ends: float | None = None
         self._console = console_for(sys.stdout, sys.stderr)
         self._attempts = Attempts(restart_backoff or Backoff(), max_stalled_restarts)
+        # The workers' channel and processes, read once per tick for every reader.
+        self._sampler = Sampler()
         self._reporter = NodeReporter(
             straggler_factor,
-            lambda straggler: self._report.straggler(
-                straggler, straggler_factor, self.restart_count
+            lambda straggler: self._sinks.happened(
+                StragglerFlagged(straggler, straggler_factor, self.restart_count)
             ),
             node_state=lambda: self._worker_group.state.value,
-            restarts=lambda: (self.restart_count, list(self._report.restart_reasons)),
+            restarts_used=lambda: self.restart_count,
         )
-        self._node_bar = NodeBar(self._worker_group, lambda: self._reporter.job_line)
+        self._node_bar = NodeBar(
+            self._worker_group, self._sampler.latest, lambda: self._reporter.job_line
+        )
         self._hang_told = False
         self._exporter = AgentMetrics(
-            self._worker_group, self._reporter, lambda: self._pcontext, lambda: self.restart_count
+            self._worker_group, self._reporter, self._sampler.latest, lambda: self.restart_count
+        )
+        # Where what happens is told, each happening once (``agent.sinks``).
+        self._sinks = Sinks(
+            [self._report, self._exporter, MetricPuts(self._metrics), self._reporter, LogSink(log)]
         )
         self.metrics_port_bound: int | None = None
         if metrics_port is not None:
@@ -217,15 +236,15 @@ class LocalElasticAgent:
             # the job ends on every node, each saying why, rather than re-forming around it.
             self._stop_workers(signal.SIGTERM)
             self._job.fail_job(str(exc))
-            self._report.agent_event(WorkerState.FAILED, self.restart_count, raw_error=str(exc))
+            self._sinks.happened(Failed(self.restart_count, str(exc)))
             raise
         except SignalException as exc:
             self._stop_workers(exc.sigval)
-            self._report.agent_event(WorkerState.FAILED, self.restart_count, raw_error=str(exc))
+            self._sinks.happened(Failed(self.restart_count, str(exc)))
             raise
         except BaseException:
             self._stop_workers(signal.SIGTERM)
-            self._report.agent_event(WorkerState.FAILED, self.restart_count)
+            self._sinks.happened(Failed(self.restart_count))
             raise
         finally:
             self._thread_failures.close()
@@ -235,7 +254,7 @@ class LocalElasticAgent:
             self._expiry.close()
             self._channel.close()
             wakeups.close()
-        self._report.run_events(result, self.restart_count)
+        self._sinks.happened(finished(self._worker_group, result, self.restart_count))
         return result
 
     def _stop_gracefully(self, request: StopRequested) -> SignalException:
@@ -291,14 +310,14 @@ class LocalElasticAgent:
                 self._sleep(time.monotonic() + dumping)  # let every stack be written first
                 continue
             outcome, decision = self._next_decision()
+            self._sampler.observed(outcome)
             if decision.stacks and self._expiry.dump_stacks(decision.reason):
                 continue
             if decision.action in (Action.CONTINUE, Action.AWAIT_CHANGE):
                 self._sleep(decision.deadline)
                 continue
             state = GroupState.RUNNING if outcome is None else _state_of(outcome)
-            self._metrics.put_metric(f"workers.{role}.remaining_restarts", self._restarts_left)
-            self._metrics.put_metric(f"workers.{role}.{state.value.lower()}", 1)
+            self._sinks.happened(AttemptEnded(role, state.value, self._restarts_left))
             if decision.action is Action.SUCCEED:
                 assert outcome is not None
                 group.state = WorkerState.SUCCEEDED
@@ -337,15 +356,9 @@ class LocalElasticAgent:
             if decision.uses_restart:
                 self._spent += 1
                 restarts_left -= 1
-            self._report.restart_reasons.append(reason)
             cause = "hang" if self._expiry.hang is not None else decision.cause
-            self._exporter.restarted(cause)
-            self._report.restarting(self.restart_count, cause, reason)
-            log.warning(
-                "[%s] restarting the worker group (%s); %d restart(s) left",
-                role,
-                decision.reason,
-                restarts_left,
+            self._sinks.happened(
+                Restarted(role, cause, reason, decision.reason, self.restart_count, restarts_left)
             )
             if decision.uses_restart:  # the other nodes restart because of this: say why
                 self._job.note_restart(f"{os.uname().nodename}: {reason}")
@@ -451,7 +464,7 @@ class LocalElasticAgent:
         if hang is None or self._hang_told:
             return
         self._hang_told = True
-        self._report.hung(self.restart_count, hang)
+        self._sinks.happened(Hung(self.restart_count, hang))
         if not self._job.watches_membership or (self._worker_group.group_world_size or 1) <= 1:
             return
         reason = f"{os.uname().nodename}: {hang}"
@@ -507,7 +520,7 @@ class LocalElasticAgent:
         began = time.monotonic()
         self._worker_group.join(handler.next_rendezvous())
         self.rendezvous_seconds = time.monotonic() - began
-        self._exporter.joined(self.rendezvous_seconds)
+        self._sinks.happened(Joined(self.rendezvous_seconds))
         self._peers_alive = None
         self._used = self._job.restarts_used(self._spent)
 
@@ -568,7 +581,8 @@ class LocalElasticAgent:
         )
         wakeups = self._wakeups
         self._pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
-        self._node_bar.restart(self._channel)
+        self._sampler.watch(self._channel, self._pcontext)
+        self._node_bar.restart()
         if console_is_relaunchs(spec.redirects, tee, nprocs, relay):
             self._console.add_source(self._node_bar)
         pids = self._pcontext.pids()
@@ -581,29 +595,24 @@ class LocalElasticAgent:
         self._expiry.watch(
             pids,
             log_files,
-            self._pcontext.running,
-            self._channel.progress,
-            self._channel.liveness,
+            self._sampler.take,
             # A start_processes given by the user (torch's, say) has no such method.
             getattr(self._pcontext, "hold_group_stop", lambda: None),
         )
         self._attempts.started()
         self._hang_told = False
-        pcontext = self._pcontext
         self._reporter.start(
             Group(
                 getattr(spec.rdzv_handler, "identity", "") or os.uname().nodename,
                 group.group_rank,
                 group.group_world_size,
                 {worker.local_rank: worker.global_rank for worker in group.workers},
-                self._channel.progress,
-                self._channel.liveness,
-                lambda: _rank_states(pcontext),
+                self._sampler.latest,
             ),
             self._job,
         )
         group.state = WorkerState.HEALTHY
-        self._report.group_started(self.restart_count, self.rendezvous_seconds)
+        self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
 
     def _stop_workers(self, death_sig: signal.Signals) -> None:
         self._reporter.stop()
@@ -613,25 +622,11 @@ class LocalElasticAgent:
                 self._pcontext.wait(dumping)
             self._pcontext.close(death_sig, self._worker_group.spec.shutdown_timeout)
             self._report.last_outcome = self._pcontext.wait(0)
+            self._sampler.observed(self._report.last_outcome)
             if self._channel is not None:
-                self._report.last_progress = {
-                    rank: self._channel.progress(rank) for rank in range(self._channel.slots)
-                }
+                self._report.last_progress = self._sampler.take().progresses()
             self._console.remove_source(self._node_bar)  # prints the bar's final state
 
 
 def _state_of(outcome: RunProcsResult) -> GroupState:
     return GroupState.FAILED if outcome.is_failed() else GroupState.SUCCEEDED
-
-
-def _rank_states(pcontext: PContext) -> dict[int, str]:
-    """How each local rank stands: ``running``, or how it ended once the group did."""
-    running = pcontext.running()
-    ended = pcontext.wait(0)
-    states = {rank: "running" for rank in running}
-    for rank in pcontext.pids():
-        if rank in running:
-            continue
-        code = None if ended is None else ended.exitcodes.get(rank)
-        states[rank] = "ended" if code is None else describe_exit(code)
-    return states

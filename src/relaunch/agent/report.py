@@ -1,5 +1,6 @@
 """What the agent tells about a run: status events as it goes, the summary at its end, the
-one-line cause of each restart, the node's progress bar, and the directories logs go to."""
+one-line cause of each restart (a sink of the agent's happenings: ``agent.sinks``), the node's
+progress bar, and the directories logs go to."""
 
 from __future__ import annotations
 
@@ -7,18 +8,28 @@ import json
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
-from relaunch.agent.channel import Channel
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.core.failures import signal_meaning
+from relaunch.core.happenings import (
+    Failed,
+    Finished,
+    Happening,
+    Hung,
+    NodeSnapshot,
+    Restarted,
+    Started,
+    StragglerFlagged,
+    WorkerEnd,
+)
 from relaunch.core.progress import NodeProgress, Progress
 from relaunch.core.stragglers import Straggler
 from relaunch.core.summary import RankEnd, RunSummary
 from relaunch.events import EventHandler, EventSource, status_event
 from relaunch.procs.context import RunProcsResult
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +37,23 @@ log = logging.getLogger(__name__)
 class RunReport:
     """The record of one agent's run: what its status events and its summary are made of.
 
-    The agent fills in ``last_outcome`` and ``last_progress`` when it stops a group,
-    ``restart_reasons`` when it restarts one, and ``stop_note`` when a stop request ends.
+    It hears what happens (``happened``: a restart adds to ``restart_reasons``); the agent fills
+    in ``last_outcome`` and ``last_progress`` when it stops a group, and ``stop_note`` when a
+    stop request ends. ``clock`` times the run and stamps the events.
     """
 
-    def __init__(self, group: WorkerGroup, event_handler: EventHandler, log_dir: str) -> None:
+    def __init__(
+        self,
+        group: WorkerGroup,
+        event_handler: EventHandler,
+        log_dir: str,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self._group = group
         self._event_handler = event_handler
+        self._clock = clock
         self.log_dir = log_dir
-        self.started_at = time.monotonic()
+        self.started_at = clock.monotonic()
         self.restart_reasons: list[str] = []
         self.stop_note = ""
         self.last_outcome: RunProcsResult | None = None
@@ -42,8 +61,24 @@ class RunReport:
         #: Straggler lines for the summary, by global rank.
         self.stragglers: dict[int, str] = {}
 
+    def happened(self, happening: Happening) -> None:
+        """Record what happened: its status event, and its line in the summary."""
+        if isinstance(happening, Started):
+            self.group_started(happening.restart_count, happening.rendezvous_seconds)
+        elif isinstance(happening, Restarted):
+            self.restart_reasons.append(happening.reason)
+            self.restarting(happening.restart_count, happening.cause, happening.reason)
+        elif isinstance(happening, Hung):
+            self.hung(happening.restart_count, happening.what)
+        elif isinstance(happening, StragglerFlagged):
+            self.straggler(happening.straggler, happening.factor, happening.restart_count)
+        elif isinstance(happening, Failed):
+            self.agent_event(WorkerState.FAILED, happening.restart_count, happening.error)
+        elif isinstance(happening, Finished):
+            self.run_events(happening)
+
     def agent_event(
-        self, state: WorkerState, restart_count: int, raw_error: str | None = None
+        self, state: WorkerState | str, restart_count: int, raw_error: str | None = None
     ) -> None:
         self._event(EventSource.AGENT, state, restart_count, raw_error=raw_error)
 
@@ -84,31 +119,17 @@ class RunReport:
         deadline; every rank's stack is being taken."""
         self._event(EventSource.AGENT, "HUNG", restart_count, raw_error=what)
 
-    def run_events(self, result: RunResult, restart_count: int) -> None:
+    def run_events(self, finished: Finished) -> None:
         """One event per worker (how it ended, its last progress), then the agent's."""
-        for worker in self._group.workers:
-            failure = result.failures.get(worker.global_rank)
-            if failure is not None:
-                state, raw = (
-                    WorkerState.FAILED,
-                    json.dumps(
-                        failure.error_file_data
-                        # a worker killed by a signal leaves no message: say what it means
-                        or {"message": failure.message or signal_meaning(failure.exitcode)}
-                    ),
-                )
-            elif worker.global_rank in result.stopped:
-                state, raw = WorkerState.STOPPED, None
-            else:
-                state, raw = result.state, None
+        for worker in finished.workers:
             progress = self.last_progress.get(worker.local_rank)
             self._event(
                 EventSource.WORKER,
-                state,
-                restart_count,
+                worker.state,
+                finished.restart_count,
                 global_rank=worker.global_rank,
-                worker_id=None if worker.id is None else str(worker.id),
-                raw_error=raw,
+                worker_id=worker.worker_id,
+                raw_error=worker.error,
                 local_rank=worker.local_rank,
                 role_rank=worker.role_rank,
                 role_world_size=worker.role_world_size,
@@ -116,7 +137,7 @@ class RunReport:
                 if progress is None
                 else {"step": progress.step, "total": progress.total, "desc": progress.desc},
             )
-        self.agent_event(result.state, restart_count)
+        self.agent_event(finished.state, finished.restart_count)
 
     def _event(
         self, source: EventSource, state: WorkerState | str, restart_count: int, **fields: Any
@@ -124,7 +145,7 @@ class RunReport:
         group = self._group
         spec = group.spec
         # When it happened (torchelastic's own timestamp field stays 0, as torchelastic has it).
-        fields["details"] = {"time": round(time.time(), 3), **fields.get("details", {})}
+        fields["details"] = {"time": round(self._clock.time(), 3), **fields.get("details", {})}
         self._event_handler.record(
             status_event(
                 source=source,
@@ -135,7 +156,7 @@ class RunReport:
                 rdzv_backend=spec.rdzv_handler.get_backend(),
                 group_rank=group.group_rank,
                 agent_restarts=restart_count,
-                total_run_time=int(time.monotonic() - self.started_at),
+                total_run_time=int(self._clock.monotonic() - self.started_at),
                 group_world_size=group.group_world_size,
                 entry_point=spec.get_entrypoint_name(),
                 **fields,
@@ -158,7 +179,7 @@ class RunReport:
             ranks.append(RankEnd(worker.global_rank, local, exitcode, duration, note))
         return RunSummary(
             outcome,
-            time.monotonic() - self.started_at,
+            self._clock.monotonic() - self.started_at,
             ranks,
             list(self.restart_reasons),
             self.log_dir,
@@ -168,32 +189,33 @@ class RunReport:
 
 
 class NodeBar:
-    """The per-node bar (a ``Console`` bar source): the slowest local rank's progress, and
-    under it, on the console of group rank 0 of a job of several nodes, ``job_line()``: the
-    job-wide bar (``agent.status``)."""
+    """The per-node bar (a ``Console`` bar source): the slowest local rank's progress in the
+    tick's snapshot (``snapshot()``), and under it, on the console of group rank 0 of a job of
+    several nodes, ``job_line()``: the job-wide bar (``agent.status``)."""
 
     def __init__(
-        self, group: WorkerGroup, job_line: Callable[[], str | None] = lambda: None
+        self,
+        group: WorkerGroup,
+        snapshot: Callable[[], NodeSnapshot],
+        job_line: Callable[[], str | None] = lambda: None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._group = group
+        self._snapshot = snapshot
         self._job_line = job_line
-        self._channel: Channel | None = None
+        self._clock = clock
         self._tracker: NodeProgress | None = None
 
-    def restart(self, channel: Channel) -> None:
-        """A new group of workers reports through ``channel``."""
-        self._channel = channel
-        self._tracker = NodeProgress(time.time())
+    def restart(self) -> None:
+        """A new group of workers started."""
+        self._tracker = NodeProgress(self._clock.time())
 
     def __call__(self) -> dict[str, bytes]:
-        channel, tracker = self._channel, self._tracker
-        if channel is None or tracker is None:
+        tracker = self._tracker
+        if tracker is None:
             return {}
-        now = time.time()
-        try:
-            tracker.update({rank: channel.progress(rank) for rank in range(channel.slots)}, now)
-        except ValueError:  # the channel was closed under us: the run is over
-            return {}
+        now = self._clock.time()
+        tracker.update(self._snapshot().progresses(), now)
         bars = {}
         line = tracker.line(now)
         group = self._group
@@ -203,6 +225,35 @@ class NodeBar:
         if job is not None:
             bars["job"] = f"[{group.spec.role}]:{job}".encode()
         return bars
+
+
+def finished(group: WorkerGroup, result: RunResult, restart_count: int) -> Finished:
+    """The run's end as a happening: how each worker of ``group`` ended in ``result``."""
+    ends = []
+    for worker in group.workers:
+        failure = result.failures.get(worker.global_rank)
+        state, error = result.state.value, None
+        if failure is not None:
+            state = WorkerState.FAILED.value
+            error = json.dumps(
+                failure.error_file_data
+                # a worker killed by a signal leaves no message: say what it means
+                or {"message": failure.message or signal_meaning(failure.exitcode)}
+            )
+        elif worker.global_rank in result.stopped:
+            state = WorkerState.STOPPED.value
+        ends.append(
+            WorkerEnd(
+                worker.global_rank,
+                worker.local_rank,
+                worker.role_rank,
+                worker.role_world_size,
+                None if worker.id is None else str(worker.id),
+                state,
+                error,
+            )
+        )
+    return Finished(result.state.value, restart_count, tuple(ends))
 
 
 def make_log_dir(log_dir: str | None, run_id: str) -> str:

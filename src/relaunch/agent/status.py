@@ -12,23 +12,25 @@ Stragglers are flagged on the console (every one on group rank 0's node, its own
 elsewhere) and through ``on_flag`` (the status event and the run summary); group rank 0's
 console shows the job-wide bar (``job_line``). A job of one node judges itself, without the
 store.
+
+Each post reads one ``NodeSnapshot`` (``agent.sampler``), the one the console and a scrape of
+the same tick read; the reporter hears of restarts as a sink (``happened``) for its posts'
+reasons.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from relaunch.core import status as core
 from relaunch.core import stragglers
-from relaunch.core.liveness import Liveness
-from relaunch.core.progress import Progress
+from relaunch.core.happenings import Happening, NodeSnapshot, Restarted
 from relaunch.rendezvous.job import JobServices
-from relaunch.runtime import start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
 log = logging.getLogger(__name__)
 _Note = TypeVar("_Note")
@@ -43,19 +45,20 @@ def status_note(group_rank: int) -> str:
 @dataclass(frozen=True)
 class Group:
     """The group of workers a reporter watches: ``ranks`` maps local ranks to global ranks;
-    ``states()`` says how each local rank stands ("running", "exited 0", ...)."""
+    ``snapshot()`` is the tick's view of them (``agent.sampler.Sampler.latest``)."""
 
     node: str
     group_rank: int
     nodes: int
     ranks: Mapping[int, int]
-    progress: Callable[[int], Progress | None]
-    liveness: Callable[[int], Liveness | None]
-    states: Callable[[], Mapping[int, str]]
+    snapshot: Callable[[], NodeSnapshot]
 
 
 class NodeReporter:
-    """Posts this node's status and flags stragglers (see the module docstring)."""
+    """Posts this node's status and flags stragglers (see the module docstring).
+
+    ``node_state()`` is the group's state and ``restarts_used()`` the job's restarts, as the
+    agent knows them; ``clock`` stamps the posts and times the store."""
 
     def __init__(
         self,
@@ -63,13 +66,17 @@ class NodeReporter:
         on_flag: Callable[[stragglers.Straggler], None] = lambda straggler: None,
         interval: float = stragglers.INTERVAL,
         node_state: Callable[[], str] = lambda: "HEALTHY",
-        restarts: Callable[[], tuple[int, list[str]]] = lambda: (0, []),
+        restarts_used: Callable[[], int] = lambda: 0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._factor = factor
         self._on_flag = on_flag
         self._interval = interval
         self._node_state = node_state
-        self._restarts = restarts
+        self._restarts_used = restarts_used
+        self._clock = clock
+        #: Why the group restarted, restart by restart (``happened``).
+        self._reasons: list[str] = []
         self._stop = threading.Event()
         self._reported = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,7 +87,7 @@ class NodeReporter:
         #: the store took (None: none yet): read by ``agent.metrics``.
         self.view: core.JobView | None = None
         self.store_round_trip: float | None = None
-        self._started_at = time.time()
+        self._started_at = clock.time()
         # The group watched: set by ``start``, read by its thread only.
         self._group: Group | None = None
         self._job: JobServices | None = None
@@ -94,9 +101,15 @@ class NodeReporter:
         self._rates, self._said = stragglers.RankRates(), set()
         self.view = None
         self._stop, self._reported = threading.Event(), threading.Event()
-        if any(group.progress(local) is not None for local in group.ranks):
+        snapshot = group.snapshot()
+        if any(snapshot.progress(local) is not None for local in group.ranks):
             self._reported.set()  # a rank reported before this was called
         self._thread = start_thread(self._run, "relaunch-status", self._stop, self._reported)
+
+    def happened(self, happening: Happening) -> None:
+        """A sink of the agent's happenings: a restart's reason goes into the next posts."""
+        if isinstance(happening, Restarted):
+            self._reasons.append(happening.reason)
 
     def notice_reports(self) -> None:
         """A rank made its first progress report (the channel's wake): sampling is worth it."""
@@ -119,45 +132,39 @@ class NodeReporter:
         while not stop.wait(every):
             self.report()  # what it cannot post or read it skips; a bug ends the agent
 
-    def status(self) -> core.NodeStatus | None:
-        """This node's status now (None before a group started)."""
+    def status(self, snapshot: NodeSnapshot | None = None) -> core.NodeStatus | None:
+        """This node's status now, from ``snapshot`` (default: the tick's); None before a
+        group started."""
         group = self._group
         if group is None:
             return None
-        now = time.time()
-        states = group.states()
+        if snapshot is None:
+            snapshot = group.snapshot()
+        now = self._clock.time()
         rates = self._rates.rates(now)
         ranks = []
         for local, rank in sorted(group.ranks.items()):
-            progress, live = group.progress(local), group.liveness(local)
-            signs = [
-                sign
-                for sign in (
-                    None if progress is None else progress.time,
-                    None if live is None else live.last_sign,
-                )
-                if sign
-            ]
+            sample = snapshot.rank(local)
+            progress = sample.progress
             ranks.append(
                 core.RankStatus(
                     rank,
                     local,
-                    states.get(local, "running"),
+                    sample.state,
                     None if progress is None else progress.step,
                     None if progress is None else progress.total,
                     rates.get(rank),
-                    max(signs, default=None),
+                    sample.last_sign,
                 )
             )
-        restarts, reasons = self._restarts()
         return core.NodeStatus(
             group.node,
             group.group_rank,
             self._node_state(),
-            restarts,
+            self._restarts_used(),
             now,
             ranks,
-            reasons,
+            list(self._reasons),
         )
 
     def report(self) -> None:
@@ -166,20 +173,21 @@ class NodeReporter:
         group, job = self._group, self._job
         if group is None:
             return
+        snapshot = group.snapshot()
         for local, rank in group.ranks.items():
-            progress = group.progress(local)
+            progress = snapshot.progress(local)
             if progress is not None:
                 self._rates.add(rank, progress.time, progress.step)
-        mine = self.status()
+        mine = self.status(snapshot)
         assert mine is not None
         if group.nodes <= 1 or job is None:
             view = core.job_view([mine], self._factor, mine.posted_at)
             self.view = view
             self._flag(view)
             return
-        began = time.monotonic()
+        began = self._clock.monotonic()
         job.post_note(status_note(group.group_rank), mine.encode())
-        self.store_round_trip = time.monotonic() - began
+        self.store_round_trip = self._clock.monotonic() - began
         if group.group_rank == 0:
             names = [status_note(node) for node in range(group.nodes)]
             posts = [
@@ -190,7 +198,7 @@ class NodeReporter:
             view = core.job_view(posts, self._factor, mine.posted_at)
             job.post_note(JOB_NOTE, view.encode())
             self.view = view
-            self.job_line = core.job_bar(view, time.time() - self._started_at)
+            self.job_line = core.job_bar(view, self._clock.time() - self._started_at)
             self._flag(view)
             return
         raw = job.read_notes([JOB_NOTE]).get(JOB_NOTE)

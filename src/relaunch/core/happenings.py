@@ -1,0 +1,197 @@
+"""What the agent tells about its run, and the one view of its ranks that every reader shares.
+
+A *happening* (``Joined``, ``Started``, ``AttemptEnded``, ``Restarted``, ``Hung``,
+``StragglerFlagged``, ``Finished``, ``Failed``) is one frozen value that the agent announces
+once; each of its sinks (``agent.sinks``: the event log and summary, the Prometheus counters,
+torchelastic's metric puts, the status posts, the log) takes from it what it writes.
+
+A ``NodeSnapshot`` is every local rank's channel slot (progress, liveness) and process state,
+read at one moment: the readers of one tick (hang detection, status posts, the node bar, the
+crash-loop count, the summary, a scrape) get the same one (``agent.sampler``), so what they show
+cannot disagree.
+
+Pure: records in, records out; ``taken_at`` is ``time.time()``, passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from relaunch.core.failures import describe_exit
+from relaunch.core.liveness import Liveness
+from relaunch.core.progress import Progress
+from relaunch.core.stragglers import Straggler
+
+# -- the snapshot ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One local rank at a snapshot: its last progress report and liveness block (None before
+    it wrote one), and its process: ``outcome`` is one of ``core.metrics.WORKER_STATES``
+    ("running" also while no process is known), ``exitcode`` its code once the group ended."""
+
+    progress: Progress | None = None
+    liveness: Liveness | None = None
+    outcome: str = "running"
+    exitcode: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.outcome == "running"
+
+    @property
+    def state(self) -> str:
+        """How it stands, in ``relaunch status``'s words: "running", how it ended ("exited 0",
+        "killed by SIGKILL"), or "ended" before its group's end tells its code."""
+        if self.running:
+            return "running"
+        return "ended" if self.exitcode is None else describe_exit(self.exitcode)
+
+    @property
+    def last_sign(self) -> float | None:
+        """When it last showed life through the channel: a report, heartbeat or section."""
+        signs = [
+            sign
+            for sign in (
+                None if self.progress is None else self.progress.time,
+                None if self.liveness is None else self.liveness.last_sign,
+            )
+            if sign
+        ]
+        return max(signs, default=None)
+
+
+_UNSEEN = RankSample()
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """Every local rank of this node as read at ``taken_at`` (``time.time()``), by local rank.
+
+    ``progress``, ``liveness`` and ``slots`` read as the channel's do."""
+
+    taken_at: float
+    ranks: Mapping[int, RankSample] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return len(self.ranks)
+
+    def rank(self, local: int) -> RankSample:
+        """``local``'s sample (a running rank that said nothing, when the snapshot has none)."""
+        return self.ranks.get(local, _UNSEEN)
+
+    def progress(self, local: int) -> Progress | None:
+        return self.rank(local).progress
+
+    def liveness(self, local: int) -> Liveness | None:
+        return self.rank(local).liveness
+
+    def progresses(self) -> dict[int, Progress | None]:
+        """Every rank's last progress report, by local rank."""
+        return {local: sample.progress for local, sample in self.ranks.items()}
+
+    def running(self) -> set[int]:
+        """The local ranks whose process has not exited."""
+        return {local for local, sample in self.ranks.items() if sample.running}
+
+
+# -- the happenings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The agent got its place in a rendezvous round, ``seconds`` after asking."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Started:
+    """A group of workers started (``restart_count`` restarts used), after a join that took
+    ``rendezvous_seconds``."""
+
+    restart_count: int
+    rendezvous_seconds: float
+
+
+@dataclass(frozen=True)
+class AttemptEnded:
+    """The restart policy ended an attempt of ``role``'s group: ``state`` is the group's then
+    (a ``GroupState`` value: SUCCEEDED, FAILED, or RUNNING when it stops to re-form), with
+    ``restarts_left`` before any restart it leads to."""
+
+    role: str
+    state: str
+    restarts_left: int
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """The group restarts: ``cause`` (``core.metrics.RESTART_CAUSES``), ``reason`` in one line
+    (a failure's root cause, or the membership change), ``decision`` the restart policy's
+    words for it; ``restart_count`` restarts used before it, ``restarts_left`` after it."""
+
+    role: str
+    cause: str
+    reason: str
+    decision: str
+    restart_count: int
+    restarts_left: int
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A local rank missed its section's or heartbeat's deadline (``what``); every rank's
+    stack is being taken."""
+
+    restart_count: int
+    what: str
+
+
+@dataclass(frozen=True)
+class StragglerFlagged:
+    """A rank was flagged slower than the job's median / ``factor``."""
+
+    straggler: Straggler
+    factor: float
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class WorkerEnd:
+    """How one worker of the last attempt ended: ``state`` a ``WorkerState`` value, ``error``
+    the JSON its failure is recorded with (None: it did not fail)."""
+
+    global_rank: int
+    local_rank: int
+    role_rank: int
+    role_world_size: int
+    worker_id: str | None
+    state: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The run ended with ``state`` (a ``WorkerState`` value); ``workers`` says how each
+    worker of its last attempt did."""
+
+    state: str
+    restart_count: int
+    workers: tuple[WorkerEnd, ...] = ()
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The run ended by an error: the agent failed (``error``: what it said, if anything)."""
+
+    restart_count: int
+    error: str | None = None
+
+
+Happening = (
+    Joined | Started | AttemptEnded | Restarted | Hung | StragglerFlagged | Finished | Failed
+)
