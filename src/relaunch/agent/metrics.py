@@ -111,8 +111,11 @@ class AgentMetrics:
             where = (("rank", str(rank.rank)), ("local_rank", str(rank.local_rank)))
             return (*base, ("group_rank", at), *where)
 
-        def per_rank(value: Callable[[RankStatus], float | None]) -> list[core.Sample]:
-            got = [(rank, value(rank)) for rank in ranks]
+        def per_rank(value: core.RankValue) -> list[core.Sample]:
+            got = [
+                (rank, value(rank, snapshot.rank(rank.local_rank), rank.rank in slow, now))
+                for rank in ranks
+            ]
             return [core.Sample(labels(rank), v) for rank, v in got if v is not None]
 
         worker_states = [
@@ -149,17 +152,7 @@ class AgentMetrics:
             core.Family("relaunch_max_restarts", [core.Sample(base, spec.max_restarts)]),
             core.Family("relaunch_rendezvous_rounds_total", [core.Sample(base, rounds)]),
             core.Family("relaunch_rendezvous_duration_seconds", durations),
-            core.Family("relaunch_rank_step", per_rank(lambda r: r.step)),
-            core.Family("relaunch_rank_total_steps", per_rank(lambda r: r.total)),
-            core.Family("relaunch_rank_steps_per_second", per_rank(lambda r: r.rate)),
-            core.Family(
-                "relaunch_rank_seconds_since_last_sign",
-                per_rank(lambda r: None if r.last_sign is None else max(0.0, now - r.last_sign)),
-            ),
-            core.Family(
-                "relaunch_rank_straggler",
-                per_rank(lambda r: 1.0 if r.rank in slow else 0.0),
-            ),
+            *(core.Family(name, per_rank(value)) for name, (_, value) in core.RANK_GAUGES.items()),
             core.Family(
                 "relaunch_store_round_trip_seconds",
                 [] if rtt is None else [core.Sample(base, rtt)],

@@ -9,9 +9,14 @@ Pure: values in, text out; the agent side (``relaunch.agent.metrics``) takes the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from relaunch.core.membership import ChangeKind
+
+if TYPE_CHECKING:
+    from relaunch.core.happenings import RankSample
+    from relaunch.core.status import RankStatus
 
 #: The media type Prometheus expects for this format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,6 +36,38 @@ RESTART_CAUSES = (
 
 #: Upper bounds (seconds) of the rendezvous duration histogram's buckets.
 RENDEZVOUS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+#: One rank's value of a per-rank gauge: from its status (steps, rate, last sign), its sample of
+#: the tick's snapshot (its whole progress and liveness records), whether it is flagged a
+#: straggler, and the time of the scrape (``time.time()``); None: no sample.
+RankValue = Callable[["RankStatus", "RankSample", bool, float], "float | None"]
+
+#: The per-rank gauges (``relaunch_rank_*``): name -> (help, value). A new one is one line here
+#: (and its panel in docs/grafana-dashboard.json).
+RANK_GAUGES: dict[str, tuple[str, RankValue]] = {
+    "relaunch_rank_step": (
+        "Each rank's last step (relaunch.report_progress).",
+        lambda status, sample, straggler, now: status.step,
+    ),
+    "relaunch_rank_total_steps": (
+        "Each rank's total steps, where it gave one.",
+        lambda status, sample, straggler, now: status.total,
+    ),
+    "relaunch_rank_steps_per_second": (
+        "Each rank's steps per second over the last 12 s (sampled every 3 s).",
+        lambda status, sample, straggler, now: status.rate,
+    ),
+    "relaunch_rank_seconds_since_last_sign": (
+        "Seconds since each rank's last sign of life (progress, heartbeat or section).",
+        lambda status, sample, straggler, now: (
+            None if status.last_sign is None else max(0.0, now - status.last_sign)
+        ),
+    ),
+    "relaunch_rank_straggler": (
+        "1 when the rank is flagged a straggler (below the job's median / --straggler-factor).",
+        lambda status, sample, straggler, now: 1.0 if straggler else 0.0,
+    ),
+}
 
 #: Every metric an agent serves: name -> (type, help). Every sample carries the labels
 #: ``run_id`` and ``node``; the ``relaunch_rank_*`` and ``relaunch_worker_state`` samples also
@@ -54,20 +91,7 @@ CATALOGUE: dict[str, tuple[str, str]] = {
         "histogram",
         "Seconds each join took, from asking to join to the place in the round.",
     ),
-    "relaunch_rank_step": ("gauge", "Each rank's last step (relaunch.report_progress)."),
-    "relaunch_rank_total_steps": ("gauge", "Each rank's total steps, where it gave one."),
-    "relaunch_rank_steps_per_second": (
-        "gauge",
-        "Each rank's steps per second over the last 12 s (sampled every 3 s).",
-    ),
-    "relaunch_rank_seconds_since_last_sign": (
-        "gauge",
-        "Seconds since each rank's last sign of life (progress, heartbeat or section).",
-    ),
-    "relaunch_rank_straggler": (
-        "gauge",
-        "1 when the rank is flagged a straggler (below the job's median / --straggler-factor).",
-    ),
+    **{name: ("gauge", help_text) for name, (help_text, _) in RANK_GAUGES.items()},
     "relaunch_store_round_trip_seconds": (
         "gauge",
         "Seconds the last write of this node's status to the rendezvous store took.",
