@@ -88,7 +88,7 @@ def test_the_survivors_of_a_lost_node_re_form_within_detection(
     reform = lose_one(job, members, victim, ROUND_TIMEOUT_S)
     assert not reform.problems
     assert reform.members == NODES - 1
-    grace = victim.handler.lost_node_grace
+    grace = victim.handler.job.lost_node_grace
     assert reform.all_back is not None and reform.all_back <= grace + SLACK_S, reform
     # The crash was noticed by its heartbeat stopping (not by anything the victim wrote): its
     # last beat seen may be up to one beat before the crash.

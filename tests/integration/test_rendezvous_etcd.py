@@ -24,6 +24,7 @@ from test_rendezvous import FAST, agent, lines, script
 from relaunch.core.rendezvous import Settings
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+from relaunch.rendezvous.kinds_etcd import EtcdKind
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.store.etcd import EtcdStore
 
@@ -283,8 +284,9 @@ def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
     node's own key again: the node is counted once, at the place of its first write."""
     store = EtcdStore(etcd.endpoints)
     try:
-        rounds = Rounds("idempotent", store, Settings(1, 4), "127.0.0.1", "node-a", keyed=True)
-        other = Rounds("idempotent", store, Settings(1, 4), "127.0.0.1", "node-b", keyed=True)
+        on_etcd = EtcdKind("idempotent", Settings(1, 4), store, store)
+        rounds = Rounds("idempotent", on_etcd, Settings(1, 4), "127.0.0.1", "node-a")
+        other = Rounds("idempotent", on_etcd, Settings(1, 4), "127.0.0.1", "node-b")
         first = rounds.roster.join(0, 2).entry
         other.roster.join(0, 3)
         again = rounds.roster.join(0, 2).entry
@@ -303,7 +305,7 @@ def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCl
     fast = Settings(3, 3, join_timeout=30, last_call_timeout=1, keep_alive_interval=0.3)
     run_id = uuid.uuid4().hex
     handlers = [
-        DynamicRendezvousHandler(
+        DynamicRendezvousHandler.on_etcd(
             run_id,
             EtcdStore(etcd.endpoints),
             fast,
@@ -312,7 +314,6 @@ def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCl
             EtcdStore(etcd.endpoints),
             backend="etcd",
             watch_store=EtcdStore(etcd.endpoints),
-            leases=True,
         )
         for _ in range(3)
     ]
@@ -336,8 +337,8 @@ def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCl
         assert form() == [0, 1, 2]
         assert form(late_by=3 * fast.dead_after) == [0, 1, 2]  # the round outlives every lease
         # Three lease lifetimes in the new round: nobody is lost, no store is.
-        assert handlers[0].wait_membership_change(3 * fast.dead_after) is None
-        assert [h.membership_change() for h in handlers] == [None, None, None]
+        assert handlers[0].job.wait_membership_change(3 * fast.dead_after) is None
+        assert [h.job.membership_change() for h in handlers] == [None, None, None]
     finally:
         for handler in handlers:
             handler.shutdown()

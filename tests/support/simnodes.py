@@ -12,12 +12,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from relaunch.core.membership import MembershipChange
 from relaunch.core.rendezvous import Settings
 from relaunch.rendezvous.api import RendezvousInfo
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.store.api import Store, StoreConnectionError
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd import EtcdStore
 
 #: How long a node thread sleeps between looks at the stop flag while nothing happens.
 POLL_S = 0.25
@@ -103,21 +107,33 @@ class SimJob:
         added = []
         for _ in range(count):
             stores = tuple(CrashableStore(self.make_store()) for _ in range(3))
-            store, heartbeat, watch = (cast(Store, s) for s in stores)
-            handler = DynamicRendezvousHandler(
-                self.run_id,
-                store,
-                self.settings,
-                self.local_world_size,
-                "127.0.0.1",
-                heartbeat,
-                backend="etcd" if self.leases else "c10d",
-                on_shutdown=(watch.close,),
-                watch_store=watch,
-                leases=self.leases,
-            )
+            if self.leases:  # each passes every call through to an EtcdStore
+                etcd, etcd_heartbeat, etcd_watch = (cast("EtcdStore", s) for s in stores)
+                handler = DynamicRendezvousHandler.on_etcd(
+                    self.run_id,
+                    etcd,
+                    self.settings,
+                    self.local_world_size,
+                    "127.0.0.1",
+                    etcd_heartbeat,
+                    watch_store=etcd_watch,
+                    backend="etcd",
+                    on_shutdown=(etcd_watch.close,),
+                )
+            else:
+                store, heartbeat, watch = (cast(Store, s) for s in stores)
+                handler = DynamicRendezvousHandler.on_counters(
+                    self.run_id,
+                    store,
+                    self.settings,
+                    self.local_world_size,
+                    "127.0.0.1",
+                    heartbeat,
+                    watch_store=watch,
+                    on_shutdown=(watch.close,),
+                )
             node = SimNode(len(self.nodes), handler, stores)
-            handler.set_change_listener(self._listener_for(node))
+            handler.job.set_change_listener(self._listener_for(node))
             self.nodes.append(node)
             added.append(node)
         return added
@@ -163,8 +179,8 @@ class SimJob:
             if node.killed or self.stopping.is_set():
                 return
 
-    def _listener_for(self, node: SimNode) -> Callable[[], None]:
-        return lambda: self._heard(node)
+    def _listener_for(self, node: SimNode) -> Callable[[MembershipChange], None]:
+        return lambda _change: self._heard(node)
 
     def _heard(self, node: SimNode) -> None:
         """The change listener: note when, and wake the node's thread."""

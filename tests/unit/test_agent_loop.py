@@ -24,6 +24,7 @@ from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure, SignalException
 from relaunch.procs.signals import raise_signal_exception
 from relaunch.rendezvous.api import JobFailedError, RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous.job import SoloJob
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,13 +123,16 @@ def keeps_running(context: FakeContext) -> None:
     pass
 
 
-class Handler(RendezvousHandler):
+class Handler(RendezvousHandler, SoloJob):
     """This node (group rank 0) of ``nodes``, membership the test changes with ``announce``; no
-    listener support."""
+    listener support. It is its own ``job``: the job services not written here are a solo
+    job's."""
 
     def __init__(self, watching: bool = True, grace: float = 0.0, nodes: int = 1) -> None:
+        SoloJob.__init__(self, self)
+        self.job = self
         self.change: MembershipChange | None = None
-        self.listener: Callable[[], None] | None = None
+        self.listener: Callable[[MembershipChange], None] | None = None
         self.asked = 0
         self.rounds = 0
         self.notes: list[str] = []
@@ -165,7 +169,7 @@ class Handler(RendezvousHandler):
     def announce(self, change: MembershipChange) -> None:
         self.change = change
         if self.listener is not None:
-            self.listener()
+            self.listener(change)
 
     def note_restart(self, reason: str) -> None:
         self.notes.append(reason)
@@ -175,7 +179,9 @@ class Handler(RendezvousHandler):
 
 
 class ListeningHandler(Handler):
-    def set_change_listener(self, listener: Callable[[], None] | None) -> None:
+    pushes_changes = True
+
+    def set_change_listener(self, listener: Callable[[MembershipChange], None] | None) -> None:
         self.listener = listener
 
 

@@ -77,7 +77,7 @@ def test_a_bad_record_in_the_store_is_one_line_naming_its_key() -> None:
 
     store = MemoryStore()
     rules = Settings(1, 2, join_timeout=10, last_call_timeout=0.05, keep_alive_interval=0.05)
-    handler = DynamicRendezvousHandler(
+    handler = DynamicRendezvousHandler.on_counters(
         "job",
         store,
         rules,
@@ -90,7 +90,7 @@ def test_a_bad_record_in_the_store_is_one_line_naming_its_key() -> None:
     try:
         store.set("relaunch/job/nodes/h/a", b'{"failures": "x"}')
         with pytest.raises(BadStoreValue) as caught:
-            handler.prepare_join()
+            handler.job.prepare_join()
         message = str(caught.value)
         assert "relaunch/job/nodes/h/a" in message and "failures is not a count" in message
         assert "\n" not in message
@@ -134,21 +134,21 @@ def test_the_failing_node_that_re_forms_the_round_is_recorded_and_then_excluded(
     store = MemoryStore()
     rules = Settings(1, 2, join_timeout=10, last_call_timeout=0.05, keep_alive_interval=0.05)
     policy = ExclusionPolicy(after=2, cooldown=60.0)
-    handler = DynamicRendezvousHandler(
+    handler = DynamicRendezvousHandler.on_counters(
         "job", store, rules, 1, "127.0.0.1", store, identity="h/a", exclusion_policy=policy
     )
     try:
-        assert handler.prepare_join() is None
+        assert handler.job.prepare_join() is None
         handler.next_rendezvous()
-        handler.note_restart("h: rank 0 exited with 1")
-        assert handler.prepare_join() is None  # one failure: counted, not excluded
+        handler.job.note_restart("h: rank 0 exited with 1")
+        assert handler.job.prepare_join() is None  # one failure: counted, not excluded
         assert exclusion.decode_record(store.get("relaunch/job/nodes/h/a").value).failures == 1
         handler.next_rendezvous()
-        handler.note_restart("h: rank 0 exited with 1")
+        handler.job.note_restart("h: rank 0 exited with 1")
         # Alone, the job cannot go on without it: counted, never excluded.
-        assert handler.prepare_join() is None
+        assert handler.job.prepare_join() is None
         assert exclusion.decode_record(store.get("relaunch/job/nodes/h/a").value).failures == 2
-        assert handler.prepare_join() is None  # leaving twice counts once
+        assert handler.job.prepare_join() is None  # leaving twice counts once
         assert exclusion.decode_record(store.get("relaunch/job/nodes/h/a").value).failures == 2
     finally:
         handler.shutdown()

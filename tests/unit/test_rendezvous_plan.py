@@ -107,7 +107,8 @@ def join_all(sizes: list[int], min_nodes: int, max_nodes: int) -> list[Rendezvou
         min_nodes, max_nodes, join_timeout=1.0, last_call_timeout=0.05, keep_alive_interval=0.05
     )
     handlers = [
-        DynamicRendezvousHandler("job", store, rules, size, "127.0.0.1", store) for size in sizes
+        DynamicRendezvousHandler.on_counters("job", store, rules, size, "127.0.0.1", store)
+        for size in sizes
     ]
     results: list[RendezvousInfo | str] = [""] * len(sizes)
 
@@ -176,7 +177,7 @@ def test_a_node_that_dies_between_joining_and_registering_is_left_out(
 ) -> None:
     store = MemoryStore()
     rules = Settings(min_nodes, 2, join_timeout=20, last_call_timeout=5, keep_alive_interval=0.1)
-    handler = DynamicRendezvousHandler("half", store, rules, 1, "127.0.0.1", store)
+    handler = DynamicRendezvousHandler.on_counters("half", store, rules, 1, "127.0.0.1", store)
     results: list[object] = []
 
     def join() -> None:
@@ -295,20 +296,20 @@ def test_losing_the_store_is_not_losing_a_member(min_nodes: int) -> None:
     round expects every one of them (the reason says "lost", but no member was)."""
     store = MemoryStore()
     rules = _rules(min_nodes, 2)
-    cut_off = DynamicRendezvousHandler(
+    cut_off = DynamicRendezvousHandler.on_counters(
         "store", store, rules, 1, "127.0.0.1", store, watch_store=_UnreachableWatch()
     )
-    other = DynamicRendezvousHandler(
+    other = DynamicRendezvousHandler.on_counters(
         "store", store, rules, 1, "127.0.0.1", store, watch_store=store
     )
     handlers = [cut_off, other]
     try:
         _form(handlers)
-        change = cut_off.wait_membership_change(10)
+        change = cut_off.job.wait_membership_change(10)
         assert change is not None and change.kind is ChangeKind.STORE_LOST
-        assert other.membership_change() is None
+        assert other.job.membership_change() is None
         thread, results = _rejoin(cut_off)  # it re-forms round 0, then waits in round 1
-        seen = other.wait_membership_change(10)
+        seen = other.job.wait_membership_change(10)
         assert seen is not None and seen.kind is ChangeKind.STORE_LOST
         assert "lost the rendezvous store" in seen.reason
         record = _changed(store, "store", 0)
@@ -327,24 +328,26 @@ def test_a_forwarded_worker_error_saying_lost_restarts_the_round_at_full_size() 
     store = MemoryStore()
     rules = _rules(1, 2)
     failed, other = (
-        DynamicRendezvousHandler("fwd", store, rules, 1, "127.0.0.1", store, watch_store=store)
+        DynamicRendezvousHandler.on_counters(
+            "fwd", store, rules, 1, "127.0.0.1", store, watch_store=store
+        )
         for _ in range(2)
     )
     handlers = [failed, other]
     notified = threading.Event()
-    other.set_change_listener(notified.set)
+    other.job.set_change_listener(lambda change: notified.set())
     try:
         _form(handlers)
-        failed.note_restart("h1: rank 0 failed: connection to peer lost")
+        failed.job.note_restart("h1: rank 0 failed: connection to peer lost")
         thread, results = _rejoin(failed)
         assert notified.wait(10), "the listener hears of the change"
-        seen = other.membership_change()
+        seen = other.job.membership_change()
         assert seen is not None and seen.kind is ChangeKind.RESTARTING
         assert seen.reason == "h1: rank 0 failed: connection to peer lost"
         assert _changed(store, "fwd", 0)["expected"] == 2
         # What this node read forwards the restart: it must not count a member lost either.
         assert expected_size(2, seen) == 2
-        other.set_change_listener(None)
+        other.job.set_change_listener(None)
         again = other.next_rendezvous()
         thread.join(20)
         assert again.group_world_size == 2
@@ -359,19 +362,23 @@ def test_a_lost_member_shrinks_the_next_round_and_says_who_noticed() -> None:
     store = MemoryStore()
     rules = _rules(1, 3)
     handlers = [
-        DynamicRendezvousHandler("lost", store, rules, 1, "127.0.0.1", store, watch_store=store)
+        DynamicRendezvousHandler.on_counters(
+            "lost", store, rules, 1, "127.0.0.1", store, watch_store=store
+        )
         for _ in range(3)
     ]
     try:
         infos = _form(handlers)
         rank = {info.group_rank: handler for info, handler in zip(infos, handlers, strict=True)}
-        rank[1]._stop_watching()  # its heartbeat stops: it "dies" (its neighbour is rank 0)
-        change = rank[0].wait_membership_change(10)
+        rank[
+            1
+        ]._standing.stop_watching()  # its heartbeat stops: it "dies" (its neighbour is rank 0)
+        change = rank[0].job.wait_membership_change(10)
         assert change is not None and change.kind is ChangeKind.MEMBER_LOST
         assert (change.member, change.detected_by) == (1, 0)
         assert change.reason.startswith("node of group rank 1 lost (no heartbeat for")
         thread, results = _rejoin(rank[0])
-        seen = rank[2].wait_membership_change(10)
+        seen = rank[2].job.wait_membership_change(10)
         assert seen == change  # the record carries the kind and who noticed
         assert _changed(store, "lost", 0)["expected"] == 2
         again = rank[2].next_rendezvous()
@@ -386,14 +393,14 @@ def test_a_lost_member_shrinks_the_next_round_and_says_who_noticed() -> None:
 def test_a_listener_set_after_the_change_is_called_at_once() -> None:
     store = MemoryStore()
     rules = _rules(1, 1)
-    handler = DynamicRendezvousHandler(
+    handler = DynamicRendezvousHandler.on_counters(
         "late", store, rules, 1, "127.0.0.1", store, watch_store=_UnreachableWatch()
     )
     try:
         handler.next_rendezvous()
-        assert handler.wait_membership_change(10) is not None
+        assert handler.job.wait_membership_change(10) is not None
         calls: list[int] = []
-        handler.set_change_listener(lambda: calls.append(1))
+        handler.job.set_change_listener(lambda change: calls.append(1))
         assert calls == [1]
     finally:
         handler.shutdown()

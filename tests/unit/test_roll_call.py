@@ -11,6 +11,7 @@ import pytest
 from relaunch.core.membership import ChangeKind
 from relaunch.core.rendezvous import Settings
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+from relaunch.rendezvous.kinds import CounterKind
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import CounterRoster
 from relaunch.rendezvous.rounds import Rounds
@@ -41,7 +42,9 @@ def job() -> Iterator[list[DynamicRendezvousHandler]]:
     """Three nodes of one job, in their first round."""
     store = MemoryStore()
     handlers = [
-        DynamicRendezvousHandler("job", store, RULES, 1, "127.0.0.1", store, watch_store=store)
+        DynamicRendezvousHandler.on_counters(
+            "job", store, RULES, 1, "127.0.0.1", store, watch_store=store
+        )
         for _ in range(3)
     ]
     all_at_once(handlers, lambda i: handlers[i].next_rendezvous())
@@ -51,14 +54,14 @@ def job() -> Iterator[list[DynamicRendezvousHandler]]:
 
 
 def test_every_member_answers_a_roll_call_that_many_askers_share(job) -> None:
-    assert all_at_once(job[:2], lambda i: job[i].peers_alive(1.0)) == [True, True]
-    assert job[2].peers_alive(1.0) is True  # the outcome stands for the round
-    assert all(handler.membership_change() is None for handler in job)  # nobody re-forms
+    assert all_at_once(job[:2], lambda i: job[i].job.peers_alive(1.0)) == [True, True]
+    assert job[2].job.peers_alive(1.0) is True  # the outcome stands for the round
+    assert all(handler.job.membership_change() is None for handler in job)  # nobody re-forms
 
 
 def test_a_member_that_does_not_answer_makes_the_roll_call_false() -> None:
     store = MemoryStore()
-    key = Rounds("job", store, RULES, "127.0.0.1", "n").key
+    key = Rounds("job", CounterKind(store), RULES, "127.0.0.1", "n").key
     roster = CounterRoster(store, key)
     roster.mark("here", 0)
     roster.mark("here", 0)
@@ -69,23 +72,23 @@ def test_a_member_that_does_not_answer_makes_the_roll_call_false() -> None:
 
 
 def test_two_nodes_failing_at_once_spend_one_restart_and_a_re_form_spends_none(job) -> None:
-    assert [handler.restarts_used(0) for handler in job] == [0, 0, 0]
-    job[0].note_restart("node 0: rank 0 failed")
-    job[1].note_restart("node 1: rank 1 failed")
+    assert [handler.job.restarts_used(0) for handler in job] == [0, 0, 0]
+    job[0].job.note_restart("node 0: rank 0 failed")
+    job[1].job.note_restart("node 1: rank 1 failed")
     all_at_once(job, lambda i: job[i].next_rendezvous())  # node 2 follows the change
-    assert [handler.restarts_used(0) for handler in job] == [1, 1, 1]
+    assert [handler.job.restarts_used(0) for handler in job] == [1, 1, 1]
     job[2].shutdown()  # a member leaves: the others re-form without it, for free
     for handler in job[:2]:
-        change = handler.wait_membership_change(5.0)
+        change = handler.job.wait_membership_change(5.0)
         assert change is not None and change.kind is ChangeKind.MEMBER_LEFT
     all_at_once(job[:2], lambda i: job[i].next_rendezvous())
-    assert [handler.restarts_used(5) for handler in job[:2]] == [1, 1]
+    assert [handler.job.restarts_used(5) for handler in job[:2]] == [1, 1]
 
 
 def test_a_failed_job_stops_the_other_members_through_the_bell(job) -> None:
-    job[0].fail_job("node 0: rank 0 exited with code 1 (no restart left)")
+    job[0].job.fail_job("node 0: rank 0 exited with code 1 (no restart left)")
     for handler in job[1:]:
-        change = handler.wait_membership_change(5.0)
+        change = handler.job.wait_membership_change(5.0)
         assert change is not None and change.kind is ChangeKind.FAILED
         assert (
             change.reason == "the job failed: node 0: rank 0 exited with code 1 (no restart left)"

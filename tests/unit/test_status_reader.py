@@ -13,6 +13,7 @@ from relaunch.core import status as core
 from relaunch.core.membership import ChangeKind, MembershipChange, encode_change
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.reader import JobNotFound, JobReader
+from relaunch.runtime import ManualClock
 from relaunch.store.api import Versioned
 from relaunch.store.memory import MemoryStore
 
@@ -50,7 +51,7 @@ def node(group_rank: int, rates: dict[int, float], reasons: list[str] | None = N
 def running_job(store: MemoryStore) -> DynamicRendezvousHandler:
     """A job of one node in round 0 on ``store``, through the real rendezvous."""
     settings = plan.Settings(1, 1, join_timeout=10, last_call_timeout=0.1)
-    handler = DynamicRendezvousHandler("job", store, settings, 2, "127.0.0.1", store)
+    handler = DynamicRendezvousHandler.on_counters("job", store, settings, 2, "127.0.0.1", store)
     handler.next_rendezvous()
     return handler
 
@@ -59,11 +60,11 @@ def test_a_running_job_is_read_through_gets_alone() -> None:
     memory = MemoryStore()
     handler = running_job(memory)
     try:
-        handler.post_note("status/0", node(0, {0: 10.0, 1: 2.0}))
+        handler.job.post_note("status/0", node(0, {0: 10.0, 1: 2.0}))
         posts = [core.NodeStatus.decode(node(0, {0: 10.0, 1: 2.0}))]
-        handler.post_note("job", core.job_view(posts, 1.5, NOW).encode())
+        handler.job.post_note("job", core.job_view(posts, 1.5, NOW).encode())
         store = ReadsOnly(memory)
-        snapshot = JobReader(store, "job", clock=lambda: NOW).read()
+        snapshot = JobReader(store, "job", clock=ManualClock(time=NOW)).read()
     finally:
         handler.shutdown()
     assert (snapshot.round, snapshot.phase, snapshot.members) == (0, "running", 1)
@@ -86,7 +87,7 @@ def test_no_such_job() -> None:
 
 def test_a_round_re_forming_shows_why_and_then_the_last_posts() -> None:
     memory = MemoryStore()
-    reader = JobReader(ReadsOnly(memory), "job", clock=lambda: NOW)
+    reader = JobReader(ReadsOnly(memory), "job", clock=ManualClock(time=NOW))
     memory.set(
         reader.key("final", 0),
         b'{"count": 2, "world_size": 4, "master_addr": "h", "master_port": 1}',
@@ -111,7 +112,7 @@ def test_a_round_re_forming_shows_why_and_then_the_last_posts() -> None:
 
 def test_a_finished_job() -> None:
     memory = MemoryStore()
-    reader = JobReader(ReadsOnly(memory), "job", clock=lambda: NOW)
+    reader = JobReader(ReadsOnly(memory), "job", clock=ManualClock(time=NOW))
     memory.set(reader.key("closed"), b"1")
     memory.set(reader.key("final", 3), b"closed")
     snapshot = reader.read()

@@ -106,11 +106,12 @@ def open_reader(
     conf = rdzv_settings(args.rdzv_conf)
     timeout = conf.timeout if "timeout" in args.rdzv_conf else TIMEOUT
     if args.rdzv_backend in ("etcd", "etcd-v2"):
+        from relaunch.rendezvous.reader import EtcdJobReader
         from relaunch.store.etcd import EtcdStore
 
         options = {**etcd_options(args.rdzv_conf), "timeout": timeout}
         etcd = EtcdStore(args.rdzv_endpoint, **options)
-        return JobReader(etcd, args.rdzv_id, keyed=True), etcd.describe(), timeout
+        return EtcdJobReader(etcd, args.rdzv_id), etcd.describe(), timeout
     from relaunch.endpoints import parse_endpoint
     from relaunch.rendezvous.backends import DEFAULT_PORT
     from relaunch.store.client import TcpStore

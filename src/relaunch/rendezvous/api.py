@@ -6,8 +6,6 @@ This module imports no handler, so every handler can import it.
 from __future__ import annotations
 
 import abc
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +156,9 @@ def redacted(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class RendezvousHandler(abc.ABC):
-    """One node's side of the rendezvous."""
+    """One node's side of the rendezvous: torch's handler methods, no more. What the nodes of a
+    job share beyond joining (the restart budget, notes, the membership change) is the job's
+    (``rendezvous.job.JobServices``), which a handler may offer as its ``job``."""
 
     @abc.abstractmethod
     def next_rendezvous(self) -> RendezvousInfo:
@@ -170,91 +170,15 @@ class RendezvousHandler(abc.ABC):
     @abc.abstractmethod
     def get_run_id(self) -> str: ...
 
-    def prepare_join(self) -> float | None:
-        """Before joining again: leave the running round, so the others re-form at once, and
-        say until when (``time.time()``) this node is excluded from the job for failing it too
-        often; None when it may join. Here: never excluded."""
-        return None
-
-    def wait_closed(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the job to finish (a node kept out of it waits
-        so); whether it has. Here nothing closes the job but this node: it sleeps."""
-        time.sleep(max(0.0, timeout))
-        return self.is_closed()
+    @property
+    def use_agent_store(self) -> bool:
+        """Whether the workers use the agent's store (torch's ``TORCHELASTIC_USE_AGENT_STORE``);
+        relaunch's workers never do."""
+        return False
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join a running job (a reason to restart into a larger round)."""
         return 0
-
-    def membership_change(self) -> MembershipChange | None:
-        """Why the running round should be re-formed (nodes waiting, a node lost), or None."""
-        waiting = self.num_nodes_waiting()
-        return MembershipChange.nodes_waiting(waiting) if waiting else None
-
-    def wait_membership_change(self, timeout: float) -> MembershipChange | None:
-        """``membership_change()``, waiting up to ``timeout`` for one (a handler that cannot
-        notice changes while workers run answers at once)."""
-        return self.membership_change()
-
-    def set_change_listener(self, listener: Callable[[], None] | None) -> None:  # noqa: B027
-        """Call ``listener`` (from any thread) whenever ``membership_change()`` may have become
-        non-None, so the agent need not poll; None removes it. A handler that watches membership
-        but keeps this default is polled every ``monitor_interval``; fixed membership never
-        changes, so by default there is nothing to call."""
-
-    @property
-    def pushes_changes(self) -> bool:
-        """Whether changes reach the listener (TODO(seam): moves to ``JobServices``)."""
-        return type(self).set_change_listener is not RendezvousHandler.set_change_listener
-
-    @property
-    def lost_node_grace(self) -> float:
-        """Seconds a lost node may take to be noticed (0: membership is fixed)."""
-        return 0.0
-
-    def check_store(self) -> None:  # noqa: B027 - no store that can outlive this node
-        """Before this node restarts its workers: ``StoreHostGone`` when the store was lost and
-        its host is gone with it (then the job cannot go on, and no restart is said or
-        counted); nothing otherwise."""
-
-    def note_restart(self, reason: str) -> None:  # noqa: B027 - nobody else to tell
-        """This node restarts its workers because of ``reason`` (a failure: it spends one of the
-        job's restarts): the others hear it as theirs."""
-
-    def restarts_used(self, spent_here: int) -> int:
-        """Group restarts the job has used. Here, with no other node to count, those this node
-        spent (``spent_here``); a handler over a shared store counts every node's, so that a
-        node that rejoins does not start with a fresh budget."""
-        return spent_here
-
-    def peers_alive(self, timeout: float) -> bool | None:
-        """Whether every other member of the running group answers within ``timeout`` (then a
-        failure is genuine: no lost node to wait for); None: this handler cannot tell."""
-        return None
-
-    def fail_job(self, reason: str, stacks: bool = False) -> None:  # noqa: B027 - nobody else
-        """This node's failure ends the job (no restart left): stop the others with it, and
-        close the job. ``stacks``: a worker hung; the others take their workers' stacks first."""
-
-    def post_note(self, name: str, value: bytes) -> None:  # noqa: B027 - nobody to read it
-        """Publish ``value`` as this round's note ``name`` (the agents' board: step rates,
-        stragglers), for the other nodes to read with ``read_notes``."""
-
-    def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
-        """This round's notes of ``names`` that were posted (one store read each)."""
-        return {}
-
-    def stop_for_stacks(self, reason: str) -> None:  # noqa: B027 - no other node to ask
-        """A worker of this node hung (``reason``): ask every other node, now, to take its
-        workers' stacks and restart with this one, which spends one of the job's restarts."""
-
-    def exit_barrier(self, timeout: float) -> None:  # noqa: B027 - nothing to wait for
-        """Wait (up to ``timeout``) until every live node's workers have finished."""
-
-    @property
-    def watches_membership(self) -> bool:
-        """Whether membership can change while workers run (if not, nothing needs watching)."""
-        return False
 
     def is_closed(self) -> bool:
         return False

@@ -3,8 +3,9 @@
 callback, as a ``MembershipChange``; a roll call is answered on the spot.
 
 Each member watches one neighbour, so a round of N nodes costs O(1) store operations per node
-and beat. Two ways to beat: a counter the member bumps (the built-in store), or an etcd lease
-holding the member's key, which etcd deletes when the member stops renewing it.
+and beat. Two ways to beat (a ``Pulse``, the store kind's: ``kinds``): a counter the member
+bumps (the built-in store), or an etcd lease holding the member's key, which etcd deletes when
+the member stops renewing it.
 """
 
 from __future__ import annotations
@@ -12,31 +13,42 @@ from __future__ import annotations
 import math
 import random
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange
 from relaunch.rendezvous.api import store_change
 from relaunch.rendezvous.rollcall import CALL
-from relaunch.runtime import start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 from relaunch.store.api import Store, StoreError, Versioned, Watchable
 
 if TYPE_CHECKING:
+    from relaunch.rendezvous.kinds import StoreKind
     from relaunch.store.etcd import EtcdStore
-    from relaunch.store.etcd_feed import PrefixFeed
+
+
+class Pulse(Protocol):
+    """One way to beat, for one round: this member's beat, and the verdict on a neighbour's."""
+
+    def beat(self, key: str) -> None:
+        """Beat once, at ``key`` (this member's heartbeat key of the round)."""
+
+    def lost(self, key: str, now: float) -> str | None:
+        """Why the member beating at ``key`` counts as dead at ``now``, or None while it
+        lives."""
 
 
 class RoundWatch:
     """The threads that watch one round for the member holding ``ticket`` of ``count``.
 
-    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). A re-form or a roll
-    call reaches this member at once through the round's bell: on etcd the node's ``feed`` of
-    the job's news calls it back; else, with a ``watch_store``, a second thread blocks on the
+    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). The heartbeat goes
+    through the ``stores``' heartbeat connection, beating their kind's way. A re-form or a roll
+    call reaches this member at once through the round's bell: on etcd the node's feed of the
+    job's news calls it back; else, with a watch connection, a second thread blocks on the
     bell; without either the heartbeat looks at ``changed`` and ``call`` each beat. ``answer``
-    answers a roll call (once a round).
+    answers a roll call (once a round). Beats are timed on ``clock``.
     """
 
     def __init__(
@@ -45,24 +57,23 @@ class RoundWatch:
         ticket: int,
         count: int,
         settings: plan.Settings,
-        store: Store,
-        watch_store: Watchable | None,
-        lease: NodeLease | None,
+        stores: StoreKind,
         flag: Callable[[MembershipChange, bool], None],
         answer: Callable[[], None] | None = None,
-        feed: PrefixFeed | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._key = round_key
         self._ticket, self._count = ticket, count
         self._settings = settings
-        self._store, self._watch_store = store, watch_store
+        self._stores = stores
+        self._store, self._watch_store = stores.heartbeat_store, stores.watch_store
         self._flag = flag
         self._answer = answer
-        self._lease = lease
+        self._clock = clock
         self._answered = False
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
-        self._feed = feed
+        self._feed = stores.feed
         self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
@@ -145,12 +156,7 @@ class RoundWatch:
         # round at once would otherwise write a thousand heartbeats while the round's final
         # record is still on its way to the others. Neighbours are judged from then on.
         spread = settings.keep_alive_interval / 2
-        since = time.monotonic() + spread
-        pulse: CounterPulse | LeasePulse
-        if self._lease is not None:
-            pulse = LeasePulse(cast("EtcdStore", store), settings, self._lease, since)
-        else:
-            pulse = CounterPulse(store, settings, since)
+        pulse = self._stores.pulse(settings, self._clock.monotonic() + spread)
         neighbour = plan.ring_neighbour(self._ticket, self._count)
         if stop.wait(random.uniform(0.0, spread)):
             return
@@ -164,7 +170,7 @@ class RoundWatch:
                     if changed is not None:
                         self._flag(store_change(key, changed)[0], True)
                 if neighbour is not None:
-                    lost = pulse.lost(self._key(f"hb/{neighbour}"), time.monotonic())
+                    lost = pulse.lost(self._key(f"hb/{neighbour}"), self._clock.monotonic())
                     if lost:
                         self._flag(
                             MembershipChange.member_lost(neighbour - 1, lost, self._ticket - 1),
@@ -246,27 +252,27 @@ class NodeLease:
     each round hangs on it. Keeping it across rounds saves a grant and a revoke per node and
     re-form, and a member re-forming never looks lost to a neighbour that has not yet heard."""
 
-    def __init__(self, store: EtcdStore, ttl: float) -> None:
-        self._store, self._ttl = store, ttl
+    def __init__(self, store: EtcdStore, ttl: float, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._store, self._ttl, self._clock = store, ttl, clock
         self.id: int | None = None
-        self._renewed_at = 0.0  # time.monotonic() of the last grant or renewal
+        self._renewed_at = 0.0  # clock.monotonic() of the last grant or renewal
 
     def renew(self) -> bool:
         """Keep the lease alive; False when there is none, or it expired (its keys are gone)."""
         if self.id is not None and self._store.keep_alive(self.id):
-            self._renewed_at = time.monotonic()
+            self._renewed_at = self._clock.monotonic()
             return True
         self.id = None
         return False
 
     def fresh(self) -> bool:
         """Whether the lease surely lives: renewed within half its time to live."""
-        return self.id is not None and time.monotonic() - self._renewed_at < self._ttl / 2
+        return self.id is not None and self._clock.monotonic() - self._renewed_at < self._ttl / 2
 
     def grant(self) -> int:
         if self.id is None:
             self.id = self._store.grant_lease(self._ttl)
-            self._renewed_at = time.monotonic()
+            self._renewed_at = self._clock.monotonic()
         return self.id
 
     def revoke(self) -> None:

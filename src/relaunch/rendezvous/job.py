@@ -4,8 +4,9 @@
 and run id, close and shut down. What a job of several nodes shares beyond that (the restart
 budget, the roll call, the job's failure, stack requests, notes, the exit barrier, exclusion
 and the membership change, pushed to a listener as a typed value) is ``JobServices``. A handler
-that offers them has a ``job`` attribute; any other handler (static, or one written for torch)
-gets ``SoloJob``: a job of one node, with nobody else to tell.
+that offers them has a ``job`` attribute (the dynamic handler's is ``dynamic_job.DynamicJob``);
+any other handler (static, or one written for torch) gets ``SoloJob``: a job of one node, with
+fixed membership and nobody else to tell.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ class JobServices(Protocol):
 
     @property
     def pushes_changes(self) -> bool:
-        """Whether changes reach the listener; if not, ``membership_change`` is polled."""
+        """Whether each change reaches the listener; if not, ``membership_change`` is polled
+        (every ``monitor_interval``) while membership is watched."""
 
     @property
     def lost_node_grace(self) -> float:
         """Seconds a lost node may take to be noticed (0: membership is fixed)."""
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
-        """Call ``listener`` with each membership change; None removes it."""
+        """Call ``listener`` with the change to the running round, once a round (at once if
+        one is already there); None removes it."""
 
     def membership_change(self) -> MembershipChange | None:
         """Why the running round should be re-formed, or None."""
@@ -80,11 +83,9 @@ class JobServices(Protocol):
 
 
 def job_of(handler: RendezvousHandler) -> JobServices:
-    """The job services of ``handler``: its own, or those of a job of one node."""
+    """The job services of ``handler``: its own ``job``, or those of a job of one node."""
     job: JobServices | None = getattr(handler, "job", None)
-    if job is not None:
-        return job
-    return handler  # type: ignore[return-value]  # TODO(seam): SoloJob(handler)
+    return job if job is not None else SoloJob(handler)
 
 
 class SoloJob:

@@ -14,6 +14,8 @@ It connects as a client (it never hosts the store) and only reads, under
 
 While round n forms (or has just started and posted nothing yet) the notes of round n - 1 are
 shown, and the snapshot says so. Times in the notes are the agents' clocks (``time.time()``).
+``JobReader`` reads the built-in store; ``EtcdJobReader`` etcd, where joins are keys and a
+round's notes come in one range read.
 
 Everything read is checked where it enters (``MalformedJob`` names the key and what is wrong
 with it), and the work a read does is bounded by what a real job can be, not by what the store
@@ -24,20 +26,17 @@ all, whatever a corrupt or hostile store holds.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from relaunch.core import status as core
 from relaunch.core.membership import decode_change
 from relaunch.core.rendezvous import unpack_join
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.rendezvous.rounds import CLOSED, NEWS, news_prefix
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import StoreProtocolError, Versioned
-
-if TYPE_CHECKING:
-    from relaunch.store.etcd import EtcdStore
 
 #: Rounds the ``round`` key may lag behind the newest completed one (its lead writes the final
 #: record first), looked past at most.
@@ -68,6 +67,16 @@ class Readable(Protocol):
 
     def get(self, key: str) -> Versioned:
         """The value and version of ``key`` (``Versioned(None, 0)`` when absent)."""
+
+
+class PrefixReadable(Readable, Protocol):
+    """A store that also reads by prefix (etcd)."""
+
+    def count_prefix(self, prefix: str) -> tuple[int, int]:
+        """How many keys start with ``prefix``, and the store's revision."""
+
+    def read_prefix(self, prefix: str, limit: int = 0) -> tuple[dict[str, Versioned], int]:
+        """The keys under ``prefix`` (at most ``limit``; 0: all), and the store's revision."""
 
 
 class JobNotFound(RendezvousError):
@@ -129,19 +138,12 @@ class Snapshot:
 
 
 class JobReader:
-    """Reads job ``run_id`` from ``store``; ``keyed``: the store is etcd (joins are keys, and
-    a round's notes come in one range read)."""
+    """Reads job ``run_id`` from ``store`` (the built-in store: joins are counters, and notes
+    are read one by one); a snapshot is stamped with ``clock.time()``."""
 
-    def __init__(
-        self,
-        store: Readable,
-        run_id: str,
-        keyed: bool = False,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, store: Readable, run_id: str, clock: Clock = SYSTEM_CLOCK) -> None:
         self._store = store
         self._run_id = run_id
-        self._keyed = keyed
         self._clock = clock
         self._prefix = f"relaunch/{run_id}/"
         self._read = 0  # bytes taken in by the read under way
@@ -262,7 +264,7 @@ class JobReader:
             members,
             notes_round,
             restarts,
-            self._clock(),
+            self._clock.time(),
             sorted(nodes, key=lambda node: node.group_rank),
             view,
             why,
@@ -278,34 +280,44 @@ class JobReader:
             raise self._malformed(self.key(f"notes/{name}", round_), str(exc)) from None
 
     def _joined(self, round_: int) -> int:
-        if self._keyed:
-            return self._etcd().count_prefix(self.key("join/", round_))[0]
+        """How many nodes joined round ``round_`` (a counter)."""
         key = self.key("joins", round_)
         return unpack_join(self._integer(key, self._get("joins", round_)))[0]
 
     def _notes(self, round_: int) -> Mapping[str, bytes]:
-        """The notes ``status/*`` and ``job`` of round ``round_``, by name."""
+        """The notes ``status/*`` and ``job`` of round ``round_``, by name: one read each."""
+        members = self._members(round_)
+        count = members if isinstance(members, int) else 0
+        names = ["job", *(f"status/{rank}" for rank in range(count))]
+        return _notes_of([(name, self._get(f"notes/{name}", round_)) for name in names])
+
+
+class EtcdJobReader(JobReader):
+    """Reads job ``run_id`` from etcd: joins are keys, counted, and a round's notes come in one
+    range read."""
+
+    def __init__(self, store: PrefixReadable, run_id: str, clock: Clock = SYSTEM_CLOCK) -> None:
+        super().__init__(store, run_id, clock)
+        self._etcd = store
+
+    def _joined(self, round_: int) -> int:
+        return self._etcd.count_prefix(self.key("join/", round_))[0]
+
+    def _notes(self, round_: int) -> Mapping[str, bytes]:
+        """One range read, of at most as many notes as a round can have."""
         prefix = self.key("notes/", round_)
-        if self._keyed:  # one range read, of at most as many notes as a round can have
-            found, _ = self._etcd().read_prefix(prefix, limit=MAX_MEMBERS + 1)
-            if len(found) > MAX_MEMBERS:
-                raise self._malformed(prefix, f"more than {MAX_MEMBERS} notes")
-            pairs = [
-                (key[len(prefix) :], self._checked(key, kv.value)) for key, kv in found.items()
-            ]
-        else:
-            members = self._members(round_)
-            count = members if isinstance(members, int) else 0
-            names = ["job", *(f"status/{rank}" for rank in range(count))]
-            pairs = [(name, self._get(f"notes/{name}", round_)) for name in names]
-        return {
-            name: value
-            for name, value in pairs
-            if value is not None and (name == "job" or name.startswith("status/"))
-        }
+        found, _ = self._etcd.read_prefix(prefix, limit=MAX_MEMBERS + 1)
+        if len(found) > MAX_MEMBERS:
+            raise self._malformed(prefix, f"more than {MAX_MEMBERS} notes")
+        return _notes_of(
+            [(key[len(prefix) :], self._checked(key, kv.value)) for key, kv in found.items()]
+        )
 
-    def _etcd(self) -> EtcdStore:
-        from relaunch.store.etcd import EtcdStore
 
-        assert isinstance(self._store, EtcdStore)
-        return self._store
+def _notes_of(pairs: list[tuple[str, bytes | None]]) -> dict[str, bytes]:
+    """The notes a snapshot shows (``status/*`` and ``job``) of ``pairs`` read, by name."""
+    return {
+        name: value
+        for name, value in pairs
+        if value is not None and (name == "job" or name.startswith("status/"))
+    }

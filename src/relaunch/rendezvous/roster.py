@@ -10,23 +10,21 @@ Both keep every operation of a node O(1), whatever the number of nodes:
   so a write retried after a member fail-over never counts a node twice.
 
 Counts that many nodes wait on (members done, answers to a roll call) are awaited by one node,
-which then writes a single key the others wait for: no store event goes to every node.
+which then writes a single key the others wait for: no store event goes to every node. The
+store's kind (``kinds``) says which roster a node uses.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.rendezvous.api import RendezvousError, store_int
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, StoreTimeout
-
-if TYPE_CHECKING:
-    from relaunch.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +62,18 @@ def new_node_id() -> str:
     return f"{os.getpid():x}-{os.urandom(6).hex()}"
 
 
-def roster_for(store: Store, key: KeyOf, node_id: str, keyed: bool) -> Roster:
-    """The roster of ``store``: ``keyed`` (etcd) counts keys, otherwise counters."""
-    if keyed:
-        from relaunch.rendezvous.roster_etcd import KeyRoster  # loads the etcd client
-
-        return KeyRoster(cast("EtcdStore", store), key, node_id)
-    return CounterRoster(store, key)
-
-
 class CounterRoster:
     """Joins and tallies as atomic counters (the built-in store). Keys, under ``r{n}/``::
 
     joins           join counter: ticket and workers so far (``core.rendezvous``)
     node/{ticket}   workers up to and including that node
     {tally}         a counter
+
+    Waits keep their deadlines on ``clock``.
     """
 
-    def __init__(self, store: Store, key: KeyOf) -> None:
-        self._store, self._key = store, key
+    def __init__(self, store: Store, key: KeyOf, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._store, self._key, self._clock = store, key, clock
 
     def join(self, round_: int, local_world_size: int) -> Joined:
         store, key = self._store, self._key
@@ -138,10 +129,10 @@ class CounterRoster:
 
     def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
         key = self._key(name, round_)
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.monotonic() + timeout
         current = self._store.get(key)
         while store_int(key, current.value) < at_least:
-            left = deadline - time.monotonic()
+            left = deadline - self._clock.monotonic()
             if left <= 0:
                 break
             current = self._store.watch(key, current.version, left)

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import (
@@ -46,11 +45,12 @@ from relaunch.rendezvous.api import (
     store_change,
     store_int,
 )
-from relaunch.rendezvous.roster import Roster, roster_for
-from relaunch.store.api import Store, StoreTimeout, Versioned, Watchable
+from relaunch.rendezvous.roster import Roster
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.store.api import StoreTimeout, Versioned, Watchable
 
 if TYPE_CHECKING:
-    from relaunch.store.etcd import EtcdStore
+    from relaunch.rendezvous.kinds import StoreKind
 
 log = logging.getLogger(__name__)
 
@@ -67,28 +67,28 @@ def news_prefix(run_id: str, round_: int | None = None) -> str:
 
 
 class Rounds:
-    """The rounds of job ``run_id`` on ``store``, seen by node ``node_id`` at ``local_addr``;
-    ``keyed``: count joins as keys (etcd) rather than with counters. ``news`` serves the waits
-    for a round's final record (the store itself unless given)."""
+    """The rounds of job ``run_id`` on ``stores`` (their kind counts the joins, and serves the
+    waits for a round's final record), seen by node ``node_id`` at ``local_addr``; deadlines
+    are kept on ``clock``."""
 
     def __init__(
         self,
         run_id: str,
-        store: Store,
+        stores: StoreKind,
         settings: plan.Settings,
         local_addr: str,
         node_id: str,
-        keyed: bool = False,
-        news: Watchable | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._run_id = run_id
-        self._store = store
-        self._news: Watchable = news or store
+        self._stores = stores
+        self._store = stores.store
+        self._news: Watchable = stores.news
         self.settings = settings
         self._local_addr = local_addr
+        self._clock = clock
         self._prefix = f"relaunch/{run_id}"
-        self.roster: Roster = roster_for(store, self.key, node_id, keyed)
-        self._keyed = keyed
+        self.roster: Roster = stores.roster(self.key, node_id)
         self._next_round = 0  # where this node tries to join first
         self._spare_of: int | None = None  # the full round this node said it stands by
 
@@ -108,7 +108,7 @@ class Rounds:
     def join(self, local_world_size: int) -> tuple[int, int, int, plan.Final]:
         """Join the first open round, and the next ones while late: ``(round, ticket, workers
         through this node, final record)``. A member starts from the round after its last."""
-        started_at = time.monotonic()
+        started_at = self._clock.monotonic()
         round_ = self._next_round
         while True:
             joined = self.roster.join(round_, local_world_size)
@@ -130,9 +130,9 @@ class Rounds:
             self._announce_late(round_)
             round_ = self._advance_round(round_)
 
-    def waiting(self, round_: int) -> int:
-        """Nodes that joined the round after ``round_``."""
-        return self.roster.joined(round_ + 1)
+    def waiting(self, round_: int | None) -> int:
+        """Nodes that joined the round after ``round_`` (none before this node's first)."""
+        return 0 if round_ is None else self.roster.joined(round_ + 1)
 
     def _final_of(self, round_: int) -> plan.Final | None:
         return self._parse_final(self._store.get(self.key("final", round_)), round_)
@@ -201,7 +201,7 @@ class Rounds:
         final: plan.Final | None = None
         spare = False  # waiting behind a running round: join_timeout counts from its end
         while True:
-            now = time.monotonic()
+            now = self._clock.monotonic()
             joined = 0
             previous_running, expected = (False, None)
             due = now >= started_at + settings.join_timeout
@@ -240,7 +240,7 @@ class Rounds:
                 self._complete(round_, decision.count)
                 continue
             assert decision.deadline is not None
-            timeout = max(0.0, decision.deadline - time.monotonic())
+            timeout = max(0.0, decision.deadline - self._clock.monotonic())
             # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
             if not entry.lead:
                 final = self._parse_final(
@@ -286,16 +286,10 @@ class Rounds:
     def supersede(self, round_: int, change: MembershipChange, expected: int) -> bool:
         """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes; its
         members see it at once. The first change wins: whether it was this one."""
-        record = encode_change(change, expected)
-        changed, bell = self.key("changed", round_), self.key("bell", round_)
         # Members block on the bell (``rollcall``), which a roll call rings too.
-        if self._keyed:  # etcd: both at one revision, one event to each member's feed
-            etcd = cast("EtcdStore", self._store)
-            return etcd.compare_set(changed, 0, record, also=(bell,)).succeeded
-        won = self._store.compare_set(changed, 0, record).succeeded
-        if won:
-            self._store.set(bell, record)
-        return won
+        return self._stores.supersede(
+            self.key("changed", round_), self.key("bell", round_), encode_change(change, expected)
+        )
 
     def _announce_late(self, round_: int) -> None:
         """Having come too late for ``round_``: ask its members to make room, if there is any

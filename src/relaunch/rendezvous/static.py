@@ -13,6 +13,7 @@ from relaunch.rendezvous.api import (
     RendezvousInfo,
     RendezvousParameters,
 )
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,10 @@ log = logging.getLogger(__name__)
 RESOLVE_TIMEOUT = 600.0
 
 
-def check_master_addr(host: str, port: int, wait_for: float) -> None:
+def check_master_addr(host: str, port: int, wait_for: float, clock: Clock = SYSTEM_CLOCK) -> None:
     """Return once ``host`` resolves on this node; ``RendezvousError`` in one line if it does not
-    within ``wait_for`` seconds (0: at once). The first failure is said at once, in one line.
+    within ``wait_for`` seconds (0: at once), on ``clock``. The first failure is said at once, in
+    one line.
 
     The workers connect to ``MASTER_ADDR``; torch retries an unresolvable one for its whole
     store timeout (30 minutes) with a warning every few seconds, so it is checked here, before
@@ -32,14 +34,14 @@ def check_master_addr(host: str, port: int, wait_for: float) -> None:
     """
     import socket  # here: a single-node launch loads no network code (test_api)
 
-    ends = time.monotonic() + wait_for
+    ends = clock.monotonic() + wait_for
     delay = 0.1
     while True:
         try:
             socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
             return
         except socket.gaierror as exc:
-            if time.monotonic() + delay >= ends:
+            if clock.monotonic() + delay >= ends:
                 waited = f" within {seconds(wait_for)}" if wait_for else ""
                 raise RendezvousError(
                     f"--master-addr {host!r} cannot be resolved on this node{waited} "
@@ -60,7 +62,8 @@ def check_master_addr(host: str, port: int, wait_for: float) -> None:
 
 class StaticRendezvousHandler(RendezvousHandler):
     """Fixed membership: ``nnodes`` nodes, this one at ``node_rank``, each with the same number of
-    workers. ``master_port`` 0 picks a free port (the single-node ``--standalone`` case)."""
+    workers. ``master_port`` 0 picks a free port (the single-node ``--standalone`` case). The
+    wait for the master's name to resolve keeps its deadline on ``clock``."""
 
     def __init__(
         self,
@@ -71,6 +74,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         master_port: int,
         local_world_size: int = 1,
         resolve_timeout: float = RESOLVE_TIMEOUT,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not 0 <= node_rank < nnodes:
             raise ValueError(
@@ -83,6 +87,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.master_port = master_port
         self.local_world_size = local_world_size
         self.resolve_timeout = resolve_timeout
+        self._clock = clock
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> StaticRendezvousHandler:
@@ -106,7 +111,10 @@ class StaticRendezvousHandler(RendezvousHandler):
         # One node has no master elsewhere whose name may come later: a name that does not
         # resolve is a mistake, said at once.
         check_master_addr(
-            self.master_addr, self.master_port, self.resolve_timeout if self.nnodes > 1 else 0.0
+            self.master_addr,
+            self.master_port,
+            self.resolve_timeout if self.nnodes > 1 else 0.0,
+            self._clock,
         )
         if self.master_port == 0:
             try:

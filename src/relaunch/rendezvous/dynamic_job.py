@@ -1,0 +1,349 @@
+"""The job services (``job.JobServices``) of a node of the dynamic rendezvous: what the nodes of
+one job share through its store beside joining rounds.
+
+The restart budget (``relaunch/{run_id}/restarts``, added to by the node whose failure
+re-formed a round), the roll call (``rollcall``), the job's failure and stack requests (a change
+record that supersedes the running round), the notes of a round, the exit barrier, the wait for
+the job's end, and exclusion: a node whose failures re-form the job too often is excluded for a
+while (``core.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only
+that node writes. The handler (``dynamic``) joins the rounds; both share the node's
+``standing.Standing``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from relaunch.core import exclusion
+from relaunch.core import rendezvous as plan
+from relaunch.core.durations import seconds
+from relaunch.core.membership import MembershipChange, expected_size
+from relaunch.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    StoreHostGone,
+    store_int,
+    store_record,
+)
+from relaunch.rendezvous.job import ChangeListener
+from relaunch.rendezvous.kinds import StoreKind
+from relaunch.rendezvous.rollcall import roll_call
+from relaunch.rendezvous.rounds import Rounds
+from relaunch.rendezvous.standing import Standing
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.store.api import StoreConnectionError, StoreError, StoreRefused
+
+log = logging.getLogger(__name__)
+
+
+class DynamicJob:
+    """The job services of one node of job ``run_id``, over its ``rounds`` on ``stores``.
+    ``close`` closes the job (the handler's ``set_closed``). ``identity`` is how the job knows
+    this node across restarts, and ``exclusion_policy`` when it excludes it (None: never).
+    ``store_host_probe`` (c10d, the store hosted by another node) reaches the store within the
+    seconds given, or raises ``StoreError``: once the store is lost, a store that cannot be
+    reached within the keep-alive detection time is judged dead with its host, as a member
+    silent that long is. Deadlines and timestamps come from ``clock``."""
+
+    watches_membership = True
+    pushes_changes = True
+
+    def __init__(
+        self,
+        run_id: str,
+        stores: StoreKind,
+        settings: plan.Settings,
+        rounds: Rounds,
+        standing: Standing,
+        close: Callable[[], None],
+        identity: str = "",
+        exclusion_policy: exclusion.ExclusionPolicy | None = None,
+        store_host_probe: Callable[[float], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._run_id = run_id
+        self._stores, self._store = stores, stores.store
+        self.settings = settings
+        self._rounds, self._key, self._roster = rounds, rounds.key, rounds.roster
+        self._standing = standing
+        self._close = close
+        self.identity = identity
+        self._exclusion = exclusion_policy
+        self._store_host_probe = store_host_probe
+        self._store_unanswered_said = False
+        self._clock = clock
+        self._restarts_seen = 0
+
+    # -- the membership change ----------------------------------------------------------------
+
+    @property
+    def lost_node_grace(self) -> float:
+        return self._stores.lost_node_grace(self.settings)
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        self._standing.set_listener(listener)
+
+    def membership_change(self) -> MembershipChange | None:
+        return self._standing.change
+
+    def wait_membership_change(self, timeout: float) -> MembershipChange | None:
+        """``membership_change()``, waiting up to ``timeout`` seconds for one."""
+        self._standing.wait_change(timeout)
+        return self.membership_change()
+
+    # -- leaving a round, and joining again ---------------------------------------------------
+
+    def prepare_join(self) -> float | None:
+        """Leave the running round (the others re-form at once), then say until when this node
+        is excluded from the job (``clock.time()``), or None when it may join."""
+        self.check_store()
+        try:
+            self.leave_round()
+        except StoreError as exc:
+            log.warning("could not mark round %s for re-forming (%s)", self._standing.round, exc)
+        if self._exclusion is None:
+            return None
+        try:
+            key = self._node_key()
+            record = store_record(key, self._store.get(key).value)
+        except StoreError as exc:
+            log.debug("could not read this node's record: %s", exc)
+            return None  # joining reports an unreachable store
+        return exclusion.excluded_until(record, self._clock.time())
+
+    def leave_round(self) -> None:
+        """Before joining again: mark the current round as re-formed, so others follow. When
+        this node's own failure re-forms it, the failure counts against the node, and may
+        exclude it: the others then re-form without waiting for it."""
+        standing = self._standing
+        standing.stop_watching()
+        if standing.round is None or standing.final is None or standing.left:
+            return
+        standing.left = True
+        change, spending, recorded = standing.leave()
+        if recorded:
+            return  # the round's record says it already: O(1) requests for the followers
+        if self._rounds.is_closed():
+            raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
+        waiting = self._rounds.waiting(standing.round)
+        others = standing.final.count - 1 + waiting  # the next round, should this node be out
+        read = self._read_record() if spending and self._exclusion is not None else None
+        counted = None if read is None else self._counted(read[0], others)
+        if (
+            read is not None
+            and counted is not None
+            and counted.excluded_until > read[0].excluded_until
+        ):
+            until = time.strftime("%H:%M:%S", time.localtime(counted.excluded_until))
+            change = MembershipChange.member_excluded(
+                standing.ticket - 1,
+                f"node {self.identity} (group rank {standing.ticket - 1}) is excluded until "
+                f"{until}, having failed the job {read[0].failures + 1} times ({change.reason})",
+            )
+        won = self._rounds.supersede(
+            standing.round, change, expected_size(standing.final.count, change, waiting)
+        )
+        if won and spending:  # one group restart, one unit, whoever else failed with it
+            self._store.add(self._key("restarts", None), 1)
+            if read is not None and counted is not None:
+                self._write_record(counted, read[1], others)
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the job to finish; whether it has."""
+        closed = self._key("closed", None)
+        deadline = self._clock.monotonic() + timeout
+        feed = self._stores.feed
+        try:
+            if feed is not None:
+                feed.start()  # from here on, the close is heard when written
+            if self._rounds.is_closed():
+                return True
+            while (left := deadline - self._clock.monotonic()) > 0:
+                # In steps: one store call never waits longer than a keep-alive interval.
+                step = min(left, self.settings.keep_alive_interval)
+                if self._stores.news.watch(closed, 0, step).value is not None:
+                    return True
+            return self._rounds.is_closed()
+        except StoreError as exc:
+            raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
+
+    def check_store(self) -> None:
+        """After the store was lost: whether it still lives, judged as a member is, by the
+        keep-alive detection time (``dead_after``) since the loss. ``StoreHostGone`` when its
+        host refuses the connection all that time: on c10d the store lives in the agent that
+        hosted it, and dies with it. A store that answers nothing at all (this node cut off, or
+        the host down) is waited for as a rejoin waits, up to ``join_timeout``: said once."""
+        standing, probe = self._standing, self._store_host_probe
+        lost_at = standing.store_lost_at
+        if lost_at is None or probe is None:
+            return
+        settings = self.settings
+        left = lost_at + settings.dead_after - self._clock.monotonic()
+        try:
+            probe(max(left, settings.keep_alive_interval))
+        except StoreRefused as exc:
+            standing.store_lost = standing.finished = True  # nothing more to write, nor wait for
+            raise StoreHostGone(
+                f"the rendezvous store's host is gone ({exc}): the node that hosted the store "
+                "for job "
+                f"{self._run_id!r} stopped or died, and a c10d store does not outlive its host; "
+                "restart the job, or run it with --rdzv-backend etcd to survive the loss of "
+                "any node"
+            ) from None
+        except StoreError as exc:
+            if not self._store_unanswered_said:
+                self._store_unanswered_said = True
+                log.warning(
+                    "the rendezvous store does not answer (%s): this node may be cut off from "
+                    "its host, or the host may be down; trying to rejoin for up to %s "
+                    "(join_timeout)",
+                    exc,
+                    seconds(settings.join_timeout),
+                )
+            return
+        standing.store_lost_at, self._store_unanswered_said = None, False  # it answers: a blip
+
+    # -- the restart budget, the roll call, the job's failure ---------------------------------
+
+    def note_restart(self, reason: str) -> None:
+        self._standing.restart_reason = reason
+        self._standing.spending = True
+
+    def restarts_used(self, spent_here: int) -> int:
+        """The job's count in the store (``relaunch/{run_id}/restarts``), which the node whose
+        failure re-formed a round adds to; the last count read if the store cannot be read."""
+        key = self._key("restarts", None)
+        try:
+            value = self._store.get(key).value
+        except StoreError as exc:
+            log.warning("could not read the job's restart count: %s", exc)
+        else:
+            self._restarts_seen = store_int(key, value)
+        return self._restarts_seen
+
+    def peers_alive(self, timeout: float) -> bool | None:
+        """A roll call of the running round (``rollcall``): True when every member answered
+        within ``timeout``."""
+        round_, final = self._standing.round, self._standing.final
+        if round_ is None or final is None:
+            return None
+        try:
+            return roll_call(self._store, self._roster, self._key, round_, final.count, timeout)
+        except StoreError as exc:
+            log.warning("roll call of round %d: %s", round_, exc)
+            return None
+
+    def stop_for_stacks(self, reason: str) -> None:
+        """Mark the round re-formed now, asking its members for their workers' stacks, and count
+        the group restart this node's hang spends (``leave_round`` will find the record)."""
+        standing = self._standing
+        if standing.round is None or standing.final is None or standing.finished:
+            return
+        change = MembershipChange.restarting(reason, stacks=True)
+        try:
+            waiting = self._rounds.waiting(standing.round)
+            won = self._rounds.supersede(
+                standing.round, change, expected_size(standing.final.count, change, waiting)
+            )
+            if won:
+                self._store.add(self._key("restarts", None), 1)
+        except StoreError as exc:
+            log.warning("could not ask the other nodes for their workers' stacks: %s", exc)
+
+    def fail_job(self, reason: str, stacks: bool = False) -> None:
+        """Mark the round failed (its members stop and report it, rather than re-form), then
+        close the job."""
+        standing = self._standing
+        if standing.round is not None and standing.final is not None and not standing.finished:
+            failed = MembershipChange.failed(reason, stacks)
+            try:
+                self._rounds.supersede(
+                    standing.round, failed, expected_size(standing.final.count, failed)
+                )
+            except StoreConnectionError as exc:
+                # The store is gone or out of reach (its host failed the job too, say): closing
+                # the job there would wait for it up to join_timeout, for nobody. The other
+                # nodes learn of this one from its silence.
+                log.warning("could not tell the other nodes that the job failed: %s", exc)
+                standing.store_lost = standing.finished = True
+            except StoreError as exc:
+                log.warning("could not tell the other nodes that the job failed: %s", exc)
+        self._close()
+
+    # -- notes, and the exit barrier ----------------------------------------------------------
+
+    def post_note(self, name: str, value: bytes) -> None:
+        round_ = self._standing.round
+        if round_ is None:
+            return
+        try:
+            self._store.set(self._key(f"notes/{name}", round_), value)
+        except StoreError as exc:
+            log.debug("could not post the note %r: %s", name, exc)
+
+    def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
+        round_, notes = self._standing.round, dict[str, bytes]()
+        if round_ is None:
+            return notes
+        try:
+            for name, value in self._stores.read_notes(self._key("notes/", round_), names):
+                notes[name] = value
+        except StoreError as exc:
+            log.debug("could not read the notes: %s", exc)
+        return notes
+
+    def exit_barrier(self, timeout: float) -> None:
+        """Count this node done; group rank 0 waits for every member, then closes the job,
+        which is what the others wait for. O(1) store operations a node, and no event that
+        reaches every node but the one ``closed`` record. Ends early when a member is lost."""
+        standing = self._standing
+        if standing.round is None or standing.final is None:
+            return
+        round_, members = standing.round, standing.final.count
+        deadline = self._clock.monotonic() + timeout
+        interval = self.settings.keep_alive_interval
+        try:
+            self._roster.mark("done", round_)
+            closed = self._key("closed", None)
+            while not standing.changed():  # a member was lost: the live ones are done
+                left = deadline - self._clock.monotonic()
+                if left <= 0:
+                    log.warning("exit barrier: not every node finished within %s", seconds(timeout))
+                    return
+                if standing.ticket == 1:
+                    done = self._roster.await_tally("done", round_, members, min(left, interval))
+                    if done >= members:
+                        return
+                elif self._stores.news.watch(closed, 0, min(left, interval)).value is not None:
+                    return
+        except StoreConnectionError:
+            standing.finished = True  # the hosting node finished and left: everyone is done
+
+    # -- this node's record (``core.exclusion``) ----------------------------------------------
+
+    def _node_key(self) -> str:
+        return self._key(f"nodes/{self.identity}", None)
+
+    def _read_record(self) -> tuple[exclusion.NodeRecord, int]:
+        key = self._node_key()
+        stored = self._store.get(key)
+        return store_record(key, stored.value), stored.version
+
+    def _counted(self, record: exclusion.NodeRecord, others: int) -> exclusion.NodeRecord:
+        """``record`` once one more failure of this node counts (``core.exclusion``)."""
+        assert self._exclusion is not None
+        return exclusion.after_failure(
+            record, self._exclusion, self._clock.time(), others, self.settings.min_nodes
+        )
+
+    def _write_record(self, record: exclusion.NodeRecord, version: int, others: int) -> None:
+        """Store this node's ``record`` over the version read. Only this node writes it; should
+        two agents have been given one identity, the failure is counted again on the other's."""
+        key = self._node_key()
+        for _ in range(8):
+            if self._store.compare_set(key, version, exclusion.encode_record(record)).succeeded:
+                return
+            current, version = self._read_record()
+            record = self._counted(current, others)

@@ -1,0 +1,157 @@
+"""What differs between the kinds of store the dynamic rendezvous runs on, said in one place.
+
+One ``StoreKind`` per node holds the node's connections to the store and does, its kind's way,
+the few things the kinds do differently:
+
+- who joined a round, and the tallies (``roster``, ``answers``): counters on the built-in store,
+  one key per node on etcd (``roster``);
+- heartbeats (``pulse``): a counter each member bumps, or the node's etcd lease holding its key,
+  which etcd deletes when the node stops renewing it; hence the bound on noticing a lost node
+  (``lost_node_grace``), and a lease to give back on shutting down (``release``);
+- marking a round re-formed and ringing its bell (``supersede``): two writes, or on etcd one
+  transaction, which reaches each member's feed as one event;
+- a round's notes (``read_notes``): one read each, or on etcd one range read for all;
+- closing the job (``close_job``): records that dismiss late nodes, or on etcd the job's keys
+  deleted and the dismissal left on a lease;
+- the job's news (``news``, ``feed``): waited for on the store, or on etcd through one watch a
+  node (``store.etcd_feed``).
+
+``CounterKind`` is the built-in store's and the in-process one's; ``kinds_etcd.EtcdKind`` is
+etcd's. ``backends`` builds one for each handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from relaunch.core import rendezvous as plan
+from relaunch.core.rendezvous import KeyOf
+from relaunch.rendezvous.heartbeat import CounterPulse, Pulse
+from relaunch.rendezvous.roster import CounterRoster, Roster
+from relaunch.rendezvous.rounds import CLOSED
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.store.api import Store, Watchable
+
+if TYPE_CHECKING:
+    from relaunch.store.etcd_feed import PrefixFeed
+
+
+class StoreKind(Protocol):
+    """One node's connections to the rendezvous store, and what their kind does its own way."""
+
+    @property
+    def store(self) -> Store:
+        """The connection of the handler's own requests: joins, records, notes."""
+
+    @property
+    def heartbeat_store(self) -> Store:
+        """The heartbeat thread's connection."""
+
+    @property
+    def watch_store(self) -> Watchable | None:
+        """A connection of its own that blocks on the round's bell (None: the heartbeat looks
+        at the round each beat)."""
+
+    @property
+    def feed(self) -> PrefixFeed | None:
+        """etcd: the one watch this node follows the job's news with (None elsewhere)."""
+
+    @property
+    def news(self) -> Watchable:
+        """Where waits for the job's news go: the feed, or the store itself."""
+
+    def roster(self, key: KeyOf, node_id: str) -> Roster:
+        """Joins and tallies of node ``node_id`` on the requests' connection."""
+
+    def answers(self, key: KeyOf, node_id: str) -> Roster:
+        """The same on the watching connection, which answers roll calls."""
+
+    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
+        """Write the change ``record`` at ``changed`` unless one is there, and ring ``bell``
+        with it: whether this one was written."""
+
+    def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
+        """``(name, value)`` of those of ``names`` that are there under ``prefix``, as read."""
+
+    def pulse(self, settings: plan.Settings, since: float) -> Pulse:
+        """Heartbeats for one round, every member's first beat due at ``since``."""
+
+    def lost_node_grace(self, settings: plan.Settings) -> float:
+        """Seconds a lost node may take to be noticed."""
+
+    def close_job(
+        self, key: KeyOf, next_round: int, join_timeout: float, mark_finished: Callable[[], None]
+    ) -> None:
+        """Close the job: late nodes (those waiting for round ``next_round``) are dismissed and
+        the members in the exit barrier hear it; ``mark_finished`` marks the running round
+        finished, where this kind needs it (its records outlive the job)."""
+
+    def release(self) -> None:
+        """Shutting down: let go at once of what keeps this node's keys alive."""
+
+
+def read_each(store: Store, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
+    """``(name, value)`` of those of ``names`` that are there under ``prefix``: one read each."""
+    for name in names:
+        value = store.get(f"{prefix}{name}").value
+        if value is not None:
+            yield name, value
+
+
+class CounterKind:
+    """The built-in store (and the in-process one): joins and tallies as atomic counters,
+    heartbeats as counters, waits on the store itself. ``heartbeat_store`` defaults to
+    ``store``; without a ``watch_store`` the heartbeat looks for re-forms each beat."""
+
+    feed: PrefixFeed | None = None
+
+    def __init__(
+        self,
+        store: Store,
+        heartbeat_store: Store | None = None,
+        watch_store: Store | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.store = store
+        self.heartbeat_store = heartbeat_store or store
+        self.watch_store = watch_store
+        self._clock = clock
+
+    @property
+    def news(self) -> Watchable:
+        return self.store
+
+    def roster(self, key: KeyOf, node_id: str) -> Roster:
+        return CounterRoster(self.store, key, self._clock)
+
+    def answers(self, key: KeyOf, node_id: str) -> Roster:
+        return CounterRoster(self.watch_store or self.heartbeat_store, key, self._clock)
+
+    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
+        won = self.store.compare_set(changed, 0, record).succeeded
+        if won:
+            self.store.set(bell, record)
+        return won
+
+    def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
+        return read_each(self.store, prefix, names)
+
+    def pulse(self, settings: plan.Settings, since: float) -> Pulse:
+        return CounterPulse(self.heartbeat_store, settings, since)
+
+    @staticmethod
+    def lost_node_grace(settings: plan.Settings) -> float:
+        """The neighbour's silence counts from its last beat seen, checked once a beat."""
+        return settings.dead_after + settings.keep_alive_interval
+
+    def close_job(
+        self, key: KeyOf, next_round: int, join_timeout: float, mark_finished: Callable[[], None]
+    ) -> None:
+        self.store.set(key("closed", None), b"1")
+        mark_finished()
+        # Wake and dismiss anyone waiting to join the next round.
+        self.store.compare_set(key("final", next_round), 0, CLOSED)
+
+    def release(self) -> None:
+        pass  # a counter keeps nothing alive
