@@ -227,14 +227,10 @@ def reform_run(
     settings = reform_settings(event, nodes, join_timeout)
     detection = 0.0
     if event == "lost":  # the handler's own bound: its lease granularity included on etcd
-        from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
-        from relaunch.store import MemoryStore
+        from relaunch.rendezvous.kinds import CounterKind
+        from relaunch.rendezvous.kinds_etcd import EtcdKind
 
-        memory = MemoryStore()
-        probe = DynamicRendezvousHandler(
-            run, memory, settings, 1, "127.0.0.1", memory, leases=on_etcd
-        )
-        detection = probe.lost_node_grace
+        detection = (EtcdKind if on_etcd else CounterKind).lost_node_grace(settings)
     with sim_store(bench, on_etcd, run, server_clients, counted=False) as (make_store, server_cpu):
         job = SimJob(run, settings, make_store, on_etcd, SIM_LOCAL_WORLD_SIZE)
         workers = ReformWorkers(job, max(1, min(procs, nodes)), nodes)

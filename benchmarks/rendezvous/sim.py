@@ -217,17 +217,22 @@ def run_batch(
             # etcd: the store the node's feed of the job's news follows (its one watch)
             watch = CountingStore(make_store()) if on_etcd else None
             proxies.append((store, heartbeat, watch))
+            # A CountingStore passes every call through: on etcd, to an EtcdStore.
+            build: Any = (
+                DynamicRendezvousHandler.on_etcd
+                if on_etcd
+                else DynamicRendezvousHandler.on_counters
+            )
             handlers.append(
-                DynamicRendezvousHandler(
+                build(
                     run,
                     store,
                     settings,
                     SIM_LOCAL_WORLD_SIZE,
                     "127.0.0.1",
                     heartbeat,
-                    backend="etcd" if on_etcd else "c10d",
                     watch_store=watch,
-                    leases=on_etcd,
+                    backend="etcd" if on_etcd else "c10d",
                 )
             )
         connect_s = time.perf_counter() - started
