@@ -18,6 +18,7 @@ from relaunch.agent.health import HealthCheck
 from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
+from relaunch.core.rdzv_conf import RendezvousSpec
 from relaunch.core.restart import Backoff
 from relaunch.core.summary import RunSummary
 from relaunch.events import (
@@ -27,13 +28,8 @@ from relaunch.events import (
     metric_handler_from_spec,
 )
 from relaunch.procs.errors import ChildFailedError, SignalException
-from relaunch.rendezvous.api import (
-    JobFailedError,
-    RendezvousClosedError,
-    RendezvousHandler,
-    RendezvousParameters,
-)
-from relaunch.rendezvous.backends import get_rendezvous_handler
+from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
+from relaunch.rendezvous.backends import create_rendezvous_handler
 from relaunch.runtime import raise_open_file_limit
 
 log = logging.getLogger(__name__)
@@ -54,17 +50,19 @@ class elastic_launch:
 
 
 def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
-    """The rendezvous handler ``config`` describes; ValueError when it is not runnable."""
-    params = RendezvousParameters(
+    """The rendezvous handler ``config`` describes, built from its settings as they were read
+    (``LaunchConfig.rendezvous_settings``); ValueError when it is not runnable."""
+    spec = RendezvousSpec(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
         run_id=config.run_id or new_run_id(),
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
+        settings=config.rendezvous_settings,
         local_addr=config.local_addr,
-        **{"local_world_size": config.nproc_per_node, **config.rdzv_configs},
+        local_world_size=config.nproc_per_node,
     )
-    return get_rendezvous_handler(params)
+    return create_rendezvous_handler(spec)
 
 
 def ensure_open_files(config: LaunchConfig) -> None:

@@ -1,13 +1,16 @@
-"""Device placement on this machine: its GPUs and CPU topology read from /proc and sysfs, and
-each local rank's placement planned by ``relaunch.core.placement``.
+"""This machine, read once: its CPUs, its GPUs and their CPU topology, from /proc and sysfs; and
+each local rank's placement on it, planned by ``relaunch.core.placement``.
 
-Loaded only when a launch asks for placement (``--nproc-per-node gpu:LIST``,
-``--device-per-rank``, ``--numa-binding``). The GPUs, in CUDA's order
-(PCI bus order: that of identical GPUs, or of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), are the NVIDIA
-driver's ``/proc/driver/nvidia/gpus/<bus id>`` (only those of the container, inside one), else
-``nvidia-smi --query-gpu``; each one's NUMA node is ``/sys/bus/pci/devices/<bus id>/numa_node``.
-The CPUs are ``/sys/devices/system/node/node*/cpulist`` and ``/sys/devices/system/cpu/cpu*``'s
-package, thread siblings and caches, read only for the mode in use and the nodes with a GPU.
+The one reader of the machine: the number of workers ``--nproc-per-node cpu/gpu/auto/gpu:LIST``
+asks for (``cpu_count``, ``count_gpus``) and the placement (``placement_for``) read the same
+GPUs, listed once per process. Loaded only when a launch needs either. The GPUs, in CUDA's
+order (PCI bus order: that of identical GPUs, or of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), are the
+NVIDIA driver's ``/proc/driver/nvidia/gpus/<bus id>`` (only those of the container, inside one),
+else ``nvidia-smi --query-gpu``; each one's NUMA node is
+``/sys/bus/pci/devices/<bus id>/numa_node``. The workers see those of an inherited
+``CUDA_VISIBLE_DEVICES`` when it is set. The CPUs are ``/sys/devices/system/node/node*/cpulist``
+and ``/sys/devices/system/cpu/cpu*``'s package, thread siblings and caches, read only for the
+mode in use and the nodes with a GPU.
 
 ``RELAUNCH_SYSFS_ROOT`` (for tests only) names a directory that stands in for ``/`` in every
 one of these paths.
@@ -15,6 +18,7 @@ one of these paths.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -29,12 +33,27 @@ from relaunch.core.placement import (
     format_cpu_list,
     parse_cpu_list,
     plan_placement,
+    visible_entries,
 )
 
 log = logging.getLogger(__name__)
 
 #: A directory standing in for ``/`` in the paths read here: for tests only.
 SYSFS_ROOT_ENV = "RELAUNCH_SYSFS_ROOT"
+
+
+def cpu_count() -> int:
+    """The CPUs of this machine (``--nproc-per-node cpu``)."""
+    return os.cpu_count() or 1
+
+
+def count_gpus(environ: Mapping[str, str]) -> int:
+    """The GPUs the workers see, without importing a framework: those an inherited
+    ``CUDA_VISIBLE_DEVICES`` lists, else the machine's (``list_gpus``)."""
+    visible = visible_entries(environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible is not None:
+        return len(visible)
+    return len(list_gpus(environ.get(SYSFS_ROOT_ENV, "/"), environ))
 
 
 def placement_for(config: LaunchConfig, environ: Mapping[str, str]) -> Placement | None:
@@ -92,7 +111,13 @@ def _bus_id(text: str) -> str:
 
 def list_gpus(root: str, environ: Mapping[str, str]) -> tuple[Gpu, ...]:
     """The machine's NVIDIA GPUs in PCI bus order, each with its NUMA node (-1: unknown) and
-    UUID ("": unknown); () when none can be found."""
+    UUID ("": unknown); () when none can be found. Read once per process (for each ``root`` and
+    ``PATH``): counting the GPUs and placing the workers see the same ones."""
+    return _list_gpus(root, environ.get("PATH", os.defpath))
+
+
+@functools.cache
+def _list_gpus(root: str, path: str) -> tuple[Gpu, ...]:
     found: dict[str, str] = {}  # bus id -> uuid
     driver = _path(root, "/proc/driver/nvidia/gpus")
     try:
@@ -107,7 +132,7 @@ def list_gpus(root: str, environ: Mapping[str, str]) -> tuple[Gpu, ...]:
                 uuid = value.strip()
         found[_bus_id(name)] = uuid
     if not found:
-        found = dict(_query_nvidia_smi(environ))
+        found = dict(_query_nvidia_smi(path))
     gpus = []
     for bus_id in sorted(found):
         node = _read(_path(root, f"/sys/bus/pci/devices/{bus_id}/numa_node"))
@@ -116,8 +141,8 @@ def list_gpus(root: str, environ: Mapping[str, str]) -> tuple[Gpu, ...]:
     return tuple(gpus)
 
 
-def _query_nvidia_smi(environ: Mapping[str, str]) -> Iterable[tuple[str, str]]:
-    binary = shutil.which("nvidia-smi", path=environ.get("PATH", os.defpath))
+def _query_nvidia_smi(path: str) -> Iterable[tuple[str, str]]:
+    binary = shutil.which("nvidia-smi", path=path)
     if binary is None:
         return ()
     try:

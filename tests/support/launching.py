@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from relaunch import config
 from relaunch.cli import command
+from relaunch.cli.args import config_from_args
 from relaunch.cli.flags import build_parser
 
 
@@ -18,7 +19,7 @@ def launch(argv: list[str], env: dict[str, str]) -> config.LaunchConfig:
     """The config relaunch runs with ``argv`` (after ``relaunch``) in ``env``."""
     args = build_parser(env).parse_args(argv)
     command._apply_scheduler(args, argv, env)
-    launch_config, _, _ = config.config_from_args(args, env, 0, cpus=4, fresh_run_id="fresh")
+    launch_config, _, _ = config_from_args(args, env, 0, cpus=4, fresh_run_id="fresh")
     return launch_config
 
 

@@ -176,7 +176,7 @@ def test_the_exit_barrier_timeout_is_a_flag_a_variable_and_a_config_field() -> N
 
 
 def test_torchruns_python_exec_runs_the_script(tmp_path) -> None:
-    from relaunch.config import config_from_args
+    from relaunch.cli.args import config_from_args
 
     args = cli.build_parser({}).parse_args(["-m", "pkg.main"])
     assert config_from_args(args, {"PYTHON_EXEC": "/opt/py"}, 0)[1:] == (

@@ -1,4 +1,5 @@
-"""relaunch.config: a frozen LaunchConfig, a pure mapping of flags to it, one kind of error."""
+"""relaunch.config: a frozen LaunchConfig, a pure mapping of flags to it (relaunch.cli.args),
+one kind of error."""
 
 from __future__ import annotations
 
@@ -14,15 +15,9 @@ import pytest
 from conftest import LeakCheck
 
 from relaunch import cli
-from relaunch.config import (
-    ConfigError,
-    LaunchConfig,
-    RdzvSettings,
-    config_from_args,
-    etcd_options,
-    rdzv_settings,
-    validate,
-)
+from relaunch.cli.args import config_from_args, validate
+from relaunch.config import ConfigError, LaunchConfig, etcd_options, rdzv_settings
+from relaunch.core.rdzv_conf import RendezvousSettings
 from relaunch.core.streams import Std
 from relaunch.store.etcd import EtcdStore
 
@@ -150,7 +145,7 @@ def test_a_static_backend_ignores_the_dynamic_keys_but_join_timeout() -> None:
 
 
 def test_rdzv_settings_are_typed_with_defaults() -> None:
-    assert rdzv_settings({}) == RdzvSettings()
+    assert rdzv_settings({}) == RendezvousSettings()
     settings = rdzv_settings(
         {"join_timeout": "10", "keep_alive_max_attempt": 5, "is_host": "no", "token": "t"}
     )

@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from relaunch import cli
-from relaunch.config import ConfigError, LaunchConfig, resolve_nproc
+from relaunch.cli.args import resolve_nproc
+from relaunch.config import ConfigError, LaunchConfig
 from relaunch.core.placement import (
     Gpu,
     Topology,

@@ -1,19 +1,17 @@
 """The ``relaunch`` command: torchrun's flags in, an exit status out.
 
 ``flags`` holds the table of flags and the parser, ``values`` the parsers of their values,
-``command`` the command itself (``main``), and ``store`` the ``relaunch store`` subcommand (loaded
-only for it). The config they build, and its checks, live in ``relaunch.config``.
+``args`` the parsed flags into a checked ``relaunch.config.LaunchConfig``, ``command`` the
+command itself (``main``) with the table of the exceptions it ends on and their exit statuses,
+and ``store`` the ``relaunch store`` subcommand (loaded only for it). ``args``' names load on
+first use, so that ``relaunch --help`` loads no config code.
 """
 
 from __future__ import annotations
 
-from relaunch.cli.command import (
-    config_from_args,
-    console_main,
-    count_gpus,
-    main,
-    resolve_nproc,
-)
+from typing import TYPE_CHECKING
+
+from relaunch.cli.command import console_main, main
 from relaunch.cli.flags import (
     DEFAULT_SIGNALS,
     EXIT_FAILED,
@@ -23,6 +21,10 @@ from relaunch.cli.flags import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+
+if TYPE_CHECKING:
+    from relaunch.cli.args import config_from_args, resolve_nproc
+    from relaunch.placement import count_gpus
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -38,3 +40,20 @@ __all__ = [
     "parse_rdzv_conf",
     "resolve_nproc",
 ]
+
+#: The names loaded on first use, and their modules.
+_LAZY = {
+    "config_from_args": "relaunch.cli.args",
+    "resolve_nproc": "relaunch.cli.args",
+    "count_gpus": "relaunch.placement",
+}
+
+
+def __getattr__(name: str) -> object:
+    """A name of ``_LAZY``, imported on first use."""
+    import importlib
+
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -4,65 +4,123 @@ The only place that installs signal handlers. Exit status: 0 on success; 1 when 
 (the report, root cause first, goes to stderr); 128 + signal when stopped by a signal, once the
 workers are gone; 2 for bad input (a usage error or a ``ConfigError``), reported in one line with
 no traceback. Any other exception is a bug and keeps its traceback.
+
+The exceptions a launch may end with, where they are defined, and each one's exit status::
+
+    ValueError
+    └── ConfigError (relaunch.config) ............ 2    bad input: one line, no traceback
+    Exception
+    ├── RendezvousError (relaunch.rendezvous.api)  1    "relaunch: error: ..."
+    │   ├── RendezvousClosedError ................ 0    the job had already finished
+    │   ├── JobFailedError ....................... 1    another node ended the job
+    │   ├── StoreHostGone ........................ 1    the built-in store's host is gone
+    │   └── AgentFault ........................... 1    a helper thread or a store value failed
+    │       └── BadStoreValue .................... 1
+    ├── ChildFailedError (relaunch.procs.errors) . 1    the workers failed: the report, root
+    │                                                   cause first
+    ├── SignalException (relaunch.procs.errors) .. 128 + the signal, once the workers are gone
+    │   └── StopRequested ........................ 128 + the signal
+    └── anything else ............................ 1    a bug: it keeps its traceback
+    KeyboardInterrupt ............................ 130  Ctrl-C before anything started
+
+A launch goes through three phases, and an exception says a little more in each: ``PREPARE``
+(the flags, the scheduler's inference, the config and its checks: nothing runs), ``CONNECT``
+(the signal handlers and the rendezvous handler: the store hosted or reached) and ``RUN`` (the
+agent and its workers, after which the run's summary is said). ``endings()`` is the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relaunch.cli.flags import EXIT_FAILED, build_parser, explicit_flags, usage_error
+from relaunch.cli.flags import EXIT_FAILED, EXIT_USAGE, build_parser, explicit_flags, usage_error
 
 if TYPE_CHECKING:
     from relaunch.config import LaunchConfig
 
-
-def count_gpus(environ: Mapping[str, str]) -> int:
-    """GPUs visible to workers, without importing a framework."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return 0 if visible.strip() in ("", "-1") else len(visible.split(","))
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+PREPARE, CONNECT, RUN = "prepare", "connect", "run"
+#: The exit status of a launch stopped by a signal: 128 + its number.
+SIGNALLED = -1
 
 
-def _gpus_for(nproc_per_node: str) -> int:
-    """This machine's GPUs, counted only when ``--nproc-per-node`` asks for them (``gpu:LIST``:
-    to check the list)."""
-    asks = nproc_per_node in ("gpu", "auto") or nproc_per_node.startswith("gpu:")
-    return count_gpus(os.environ) if asks else 0
+#: How an exception ends the command: the exception, its exit status (``SIGNALLED``: 128 + the
+#: signal), what is said in each phase it may end (in the others it is a bug, and is raised
+#: again), and whether the run's summary follows.
+Ending = tuple[type[BaseException], int, Mapping[str, Callable[[Any], None]], bool]
 
 
-def resolve_nproc(value: str) -> int:
-    """``relaunch.config.resolve_nproc`` with this machine's CPUs and GPUs."""
-    from relaunch import config
+@functools.cache
+def endings() -> tuple[Ending, ...]:
+    """The table of exceptions and exit statuses; the first row whose exception matches and
+    which lists the phase wins, so subclasses come first. (A function, so that the exceptions'
+    modules load only for a launch, not for ``relaunch --help``.)"""
+    from relaunch.config import ConfigError
+    from relaunch.procs.errors import ChildFailedError, SignalException
+    from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
 
-    return config.resolve_nproc(value, os.cpu_count() or 1, _gpus_for(value))
-
-
-def config_from_args(
-    args: argparse.Namespace,
-) -> tuple[LaunchConfig, Callable[..., Any] | str, tuple[str, ...]]:
-    """``relaunch.config.config_from_args`` with this process's environment and GPUs."""
-    from relaunch import config
-
-    return config.config_from_args(
-        args, os.environ, _gpus_for(args.nproc_per_node), fresh_run_id=config.new_run_id()
+    usage = {PREPARE: _usage, CONNECT: _usage, RUN: _usage}
+    summary, no_summary = True, False
+    return (
+        (ConfigError, EXIT_USAGE, usage, no_summary),
+        (KeyboardInterrupt, 128 + signal.SIGINT, {PREPARE: _silent}, no_summary),
+        (RendezvousClosedError, 0, {RUN: _nothing_to_do}, no_summary),
+        (RendezvousError, EXIT_FAILED, {CONNECT: _error, RUN: _error}, summary),
+        (ChildFailedError, EXIT_FAILED, {RUN: _report}, summary),
+        (SignalException, SIGNALLED, {CONNECT: _silent, RUN: _stopped}, summary),
     )
+
+
+def end(exc: BaseException, phase: str) -> tuple[int, bool] | None:
+    """Say what ``exc`` means in ``phase`` and return the exit status and whether the run's
+    summary follows (``endings()``); None when the table does not list it there (the caller
+    raises it again: a bug keeps its traceback)."""
+    for exception, status, said, summary in endings():
+        if isinstance(exc, exception) and phase in said:
+            said[phase](exc)
+            if status == SIGNALLED:
+                status = 128 + int(getattr(exc, "sigval", 0))
+            return status, summary
+    return None
+
+
+def say(line: str) -> None:
+    """Print ``line`` on stderr; a stderr that takes nothing (a closed pipe, ``/dev/full``) must
+    not change the job's exit status, so the line is dropped then."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _usage(exc: Any) -> None:
+    usage_error(exc, "relaunch")
+
+
+def _error(exc: Any) -> None:
+    say(f"relaunch: error: {exc}")
+
+
+def _nothing_to_do(exc: Any) -> None:
+    say(f"relaunch: {exc}: nothing to do")
+
+
+def _report(exc: Any) -> None:
+    say(exc.format_msg())  # the root cause first, then the summary
+
+
+def _stopped(exc: Any) -> None:
+    say(f"relaunch: stopped by {exc.sigval.name}; the workers are gone")
+
+
+def _silent(exc: Any) -> None:
+    pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,14 +156,17 @@ def prepare(
     try:
         args = build_parser().parse_args(argv)
         _apply_scheduler(args, argv, os.environ)
+        from relaunch.cli.args import config_from_args
+
         config, entrypoint, entry_args = config_from_args(args)
         from relaunch.launcher import ensure_open_files
 
         ensure_open_files(config)  # before anything is said or started
-    except KeyboardInterrupt:  # Ctrl-C while GPUs are counted: nothing started
-        return 128 + signal.SIGINT
-    except Exception as exc:  # a ConfigError (its module is not loaded for --help); else a bug
-        return usage_error(exc, "relaunch")
+    except (Exception, KeyboardInterrupt) as exc:  # not SystemExit: --help and --version
+        ended = end(exc, PREPARE)
+        if ended is None:
+            raise
+        return ended[0]
     return args, config, entrypoint, entry_args
 
 
@@ -134,12 +195,9 @@ def _launch(
     entrypoint: Callable[..., Any] | str,
     entry_args: tuple[str, ...],
 ) -> int:
-    from relaunch.config import ConfigError
     from relaunch.core.ranks import omp_num_threads_default
     from relaunch.core.summary import RunSummary, format_summary
-    from relaunch.procs.errors import ChildFailedError, SignalException
     from relaunch.procs.signals import raise_signal_exception
-    from relaunch.rendezvous.api import RendezvousClosedError, RendezvousError
 
     try:
         for sig in args.signals_to_handle:
@@ -148,15 +206,13 @@ def _launch(
         from relaunch.launcher import launch_agent, rendezvous_handler
 
         handler = rendezvous_handler(config)
-    except ConfigError as exc:
-        return usage_error(exc, "relaunch")
-    except RendezvousError as exc:
-        _say(f"relaunch: error: {exc}")
-        return EXIT_FAILED
-    except SignalException as exc:
-        return 128 + int(exc.sigval)
+    except Exception as exc:
+        failed = end(exc, CONNECT)
+        if failed is None:
+            raise
+        return failed[0]
     if omp_num_threads_default(config.nproc_per_node, os.environ) is not None:
-        _say(
+        say(
             f"relaunch: setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} "
             "workers to avoid overloading the machine; set it yourself to tune"
         )
@@ -165,33 +221,16 @@ def _launch(
         launch_agent(
             config, entrypoint, list(entry_args), handler=handler, on_summary=summaries.append
         )
-        code = 0
-    except RendezvousClosedError as exc:
-        _say(f"relaunch: {exc}: nothing to do")
-        return 0
-    except ConfigError as exc:  # what only starting can tell: the metrics port is taken
-        return usage_error(exc, "relaunch")
-    except RendezvousError as exc:
-        _say(f"relaunch: error: {exc}")
-        code = EXIT_FAILED
-    except ChildFailedError as exc:
-        _say(exc.format_msg())  # the root cause first, then the summary
-        code = EXIT_FAILED
-    except SignalException as exc:
-        _say(f"relaunch: stopped by {exc.sigval.name}; the workers are gone")
-        code = 128 + int(exc.sigval)
-    for summary in summaries:
-        _say("relaunch: " + format_summary(summary))
-    return code
-
-
-def _say(line: str) -> None:
-    """Print ``line`` on stderr; a stderr that takes nothing (a closed pipe, ``/dev/full``) must
-    not change the job's exit status, so the line is dropped then."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
+        status, said_summary = 0, True
+    except Exception as exc:
+        ended = end(exc, RUN)
+        if ended is None:
+            raise
+        status, said_summary = ended
+    if said_summary:
+        for summary in summaries:
+            say("relaunch: " + format_summary(summary))
+    return status
 
 
 class _LogHandler(logging.StreamHandler):  # type: ignore[type-arg]

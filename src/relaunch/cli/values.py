@@ -10,7 +10,8 @@ import math
 import re
 import signal
 
-from relaunch.config import MAX_NPROC_PER_NODE, MAX_SECONDS, ConfigError
+from relaunch.config import ConfigError
+from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.streams import Std
 from relaunch.endpoints import is_loopback, parse_endpoint
 
@@ -35,26 +36,14 @@ def parse_command(text: str) -> str:
 
 def parse_nproc(text: str) -> str:
     """A number of workers >= 1, ``cpu``, ``gpu``, ``auto``, or ``gpu:LIST``: one worker per
-    listed GPU, ``gpu:1,3`` or ``gpu:0-3`` (see ``resolve_nproc``)."""
-    if text in ("cpu", "gpu", "auto"):
-        return text
-    if text.isdecimal() and text.isascii():
-        if not 1 <= int(text) <= MAX_NPROC_PER_NODE:
-            raise ConfigError(
-                f"expected 1 to {MAX_NPROC_PER_NODE} workers per node, got {text}: run more "
-                "nodes for more workers"
-            )
-        return str(int(text))
-    if text.startswith("gpu:"):
-        from relaunch.core.placement import parse_index_list
+    listed GPU, ``gpu:1,3`` or ``gpu:0-3`` (``relaunch.cli.args.parse_device_request``), in
+    its canonical spelling (``gpu:0,1,2,3``)."""
+    from relaunch.cli.args import parse_device_request
 
-        try:
-            return "gpu:" + ",".join(map(str, parse_index_list(text[4:])))
-        except ValueError as exc:
-            raise ConfigError(f"gpu:LIST: {exc}") from None
-    raise ConfigError(
-        f"expected a whole number >= 1, or cpu, gpu, gpu:LIST (gpu:1,3) or auto, got {text!r}"
-    )
+    try:
+        return str(parse_device_request(text))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_count(text: str, minimum: int) -> int:

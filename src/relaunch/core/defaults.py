@@ -1,5 +1,5 @@
-"""The process layer's defaults that the config and the flags name too: here, so that reading
-them (``relaunch --help``, a ``LaunchConfig``) does not load the process layer."""
+"""Defaults and bounds that the config, the flags and the pure parsers name: here, so that reading
+them (``relaunch --help``, a ``LaunchConfig``) loads neither the process layer nor the config."""
 
 from __future__ import annotations
 
@@ -16,3 +16,12 @@ DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0
 #: Default seconds between a failed ``--health-check`` and the next try.
 DEFAULT_HEALTH_CHECK_COOLDOWN = 30.0
+#: The most workers one node may run (``--nproc-per-node``): twice the hardware threads of the
+#: largest common two-socket machines (2 x 128 cores x 2 threads), so that ``cpu`` and any
+#: sensible oversubscription fit, while a typo (65536) is refused before anything forks. Each
+#: worker is a process with its own pipes and log files: past this, a node runs out of memory
+#: or descriptors long before the job does useful work.
+MAX_NPROC_PER_NODE = 1024
+#: The longest any duration may be, in seconds (about 11.6 days): every wait the agent makes
+#: must fit the kernel's (``poll`` takes at most 2**31 - 1 ms, about 24.8 days).
+MAX_SECONDS = 1_000_000.0

@@ -12,8 +12,8 @@ Three options, each off by default:
 
 The indexes of a subset count the GPUs the launcher sees: with an inherited
 ``CUDA_VISIBLE_DEVICES=4,5,6,7``, ``gpu:1,3`` is ``5,7``. Entries of an inherited list are kept
-as written (indexes or UUIDs). ``relaunch.placement`` reads the machine (``Topology``) and
-applies nothing; the process layer binds each worker.
+as written (indexes or UUIDs). ``relaunch.placement`` reads the machine (its CPUs, GPUs and
+``Topology``) and applies nothing; the process layer binds each worker.
 """
 
 from __future__ import annotations

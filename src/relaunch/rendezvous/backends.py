@@ -2,30 +2,42 @@
 
 ``static`` takes its rank from the flags; ``c10d``/``tcp`` run the dynamic rendezvous on the
 built-in store (hosted by the agent that can bind the endpoint), ``etcd``/``etcd-v2`` on an etcd
-v3 cluster, and ``--standalone`` on a store in this process. The store and network code load
-only for the backend that needs them.
+v3 cluster, and ``--standalone`` on a store in this process. The dynamic rendezvous, the store
+and the network code load only for the backend that needs them.
+
+A handler is built from a ``core.rdzv_conf.RendezvousSpec``, whose ``--rdzv-conf`` keys were
+read and checked once (``create_rendezvous_handler``); torch's ``get_rendezvous_handler`` reads
+a ``RendezvousParameters``' keys into one first.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from relaunch.config import RdzvSettings, etcd_options, rdzv_settings
-from relaunch.core import exclusion
-from relaunch.core import rendezvous as plan
+from relaunch.core import exclusion, rdzv_conf
 from relaunch.core.durations import seconds
+from relaunch.core.rdzv_conf import (
+    BACKENDS,
+    C10D_BACKENDS,
+    ETCD_BACKENDS,
+    STATIC_BACKEND,
+    RendezvousSettings,
+    RendezvousSpec,
+)
 from relaunch.endpoints import is_loopback, parse_endpoint
 from relaunch.rendezvous.api import (
-    BACKENDS,
     TOKEN_ENV,
     RendezvousError,
     RendezvousHandler,
     RendezvousParameters,
 )
-from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.static import StaticRendezvousHandler
 from relaunch.store.api import StoreError
+
+if TYPE_CHECKING:
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 
 DEFAULT_PORT = 29400
 
@@ -33,62 +45,94 @@ log = logging.getLogger(__name__)
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler for ``params.backend``; ValueError naming the valid backends otherwise."""
-    if params.backend == "static":
-        return StaticRendezvousHandler.from_parameters(params)
-    if params.backend in ("c10d", "tcp"):
-        return create_handler(params)
-    if params.backend in ("etcd", "etcd-v2"):
-        return create_etcd_handler(params)
+    """The handler for ``params.backend`` (torch's entry point): its ``config`` read and checked
+    (``core.rdzv_conf.parse``), then ``create_rendezvous_handler``. ValueError naming the valid
+    backends, or saying which key is wrong."""
+    if params.backend not in BACKENDS:
+        raise ValueError(
+            f"unknown rendezvous backend {params.backend!r}: valid backends are "
+            + ", ".join(BACKENDS)
+        )
+    spec = RendezvousSpec(
+        backend=params.backend,
+        endpoint=params.endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        settings=rdzv_conf.parse(params.backend, params.config, is_file=os.path.isfile),
+        local_addr=params.local_addr,
+        local_world_size=int(params.get("local_world_size", 1)),
+    )
+    return create_rendezvous_handler(spec)
+
+
+def create_rendezvous_handler(spec: RendezvousSpec) -> RendezvousHandler:
+    """The handler for ``spec.backend``, built from its settings as they are."""
+    if spec.backend == STATIC_BACKEND:
+        return create_static_handler(spec)
+    if spec.backend in C10D_BACKENDS:
+        return create_handler(spec)
+    if spec.backend in ETCD_BACKENDS:
+        return create_etcd_handler(spec)
     raise ValueError(
-        f"unknown rendezvous backend {params.backend!r}: valid backends are " + ", ".join(BACKENDS)
+        f"unknown rendezvous backend {spec.backend!r}: valid backends are " + ", ".join(BACKENDS)
     )
 
 
-def _identity(conf: RdzvSettings) -> str:
+def _identity(conf: RendezvousSettings) -> str:
     """How the job knows this node (``core.exclusion``): its host, and ``node_name``."""
     return exclusion.node_identity(os.uname().nodename, conf.node_name)
 
 
-def _policy(conf: RdzvSettings) -> exclusion.ExclusionPolicy:
+def _policy(conf: RendezvousSettings) -> exclusion.ExclusionPolicy:
     return exclusion.ExclusionPolicy(conf.exclude_after, conf.exclude_cooldown)
 
 
-def _plan_settings(params: RendezvousParameters, conf: RdzvSettings) -> plan.Settings:
-    return plan.Settings(
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        join_timeout=conf.join_timeout,
-        last_call_timeout=conf.last_call_timeout,
-        keep_alive_interval=conf.keep_alive_interval,
-        keep_alive_max_attempt=conf.keep_alive_max_attempt,
+def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:
+    """Build the handler for ``static``: this node's rank, and the master at the endpoint."""
+    if spec.min_nodes != spec.max_nodes:
+        raise ValueError(
+            f"--nnodes {spec.min_nodes}:{spec.max_nodes} needs an elastic rendezvous "
+            "backend; the static backend takes a fixed number of nodes"
+        )
+    host, port = parse_endpoint(spec.endpoint, default_port=29500)
+    return StaticRendezvousHandler(
+        run_id=spec.run_id,
+        node_rank=spec.settings.rank,
+        nnodes=spec.max_nodes,
+        master_addr=host,
+        master_port=port,
+        local_world_size=spec.local_world_size,
+        resolve_timeout=spec.settings.join_timeout,
     )
 
 
-def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+
     host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
-    conf = rdzv_settings(params.config)
+    conf = params.settings
     token = conf.token or os.environ.get(TOKEN_ENV) or None
     timeout = conf.timeout
-    settings = _plan_settings(params, conf)
+    settings = conf.round_settings(params.min_nodes, params.max_nodes)
     is_host = conf.is_host
-    local_world_size = int(params.get("local_world_size", 1))
+    local_world_size = params.local_world_size
     if port == 0 and params.max_nodes == 1 and is_host is not False:
         # --standalone: one node on a port nobody knows, so nobody else can join. The same
         # rendezvous runs on the store in this process, with no server and no sockets.
         from relaunch.store.memory import MemoryStore
 
         memory = MemoryStore()
-        return DynamicRendezvousHandler(
+        return DynamicRendezvousHandler.on_counters(
             params.run_id,
             memory,
             settings,
             local_world_size,
             host,
             memory,
-            backend=params.backend,
             watch_store=memory,
+            backend=params.backend,
             identity=_identity(conf),
             exclusion_policy=_policy(conf),
         )
@@ -143,33 +187,34 @@ def create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
         for stop in on_shutdown:
             stop()
         raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
-    return DynamicRendezvousHandler(
+    return DynamicRendezvousHandler.on_counters(
         params.run_id,
         store,
         settings,
         local_world_size,
         local_addr,
         heartbeat_store,
+        watch_store=watch_store,
         backend=params.backend,
         on_shutdown=(watch_store.close, *on_shutdown),
-        watch_store=watch_store,
         identity=_identity(conf),
         exclusion_policy=_policy(conf),
         store_host_probe=probe if server is None else None,
     )
 
 
-def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     """Build the handler for ``etcd``: the same rendezvous, on an etcd v3 cluster.
 
     ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
     ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
     """
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
     from relaunch.store.etcd import EtcdStore
 
-    conf = rdzv_settings(params.config)
-    settings = _plan_settings(params, conf)
-    options = etcd_options(params.config)
+    conf = params.settings
+    settings = conf.round_settings(params.min_nodes, params.max_nodes)
+    options = conf.etcd_store_arguments()
     store, heartbeat_store, watch_store = (
         EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
     )
@@ -185,17 +230,16 @@ def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandle
         import socket
 
         local_addr = socket.getfqdn()
-    return DynamicRendezvousHandler(
+    return DynamicRendezvousHandler.on_etcd(
         params.run_id,
         store,
         settings,
-        int(params.get("local_world_size", 1)),
+        params.local_world_size,
         local_addr,
         heartbeat_store,
+        watch_store=watch_store,
         backend=params.backend,
         on_shutdown=(watch_store.close,),
-        watch_store=watch_store,
-        leases=True,
         identity=_identity(conf),
         exclusion_policy=_policy(conf),
     )

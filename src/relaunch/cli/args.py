@@ -1,0 +1,339 @@
+"""The parsed flags into one checked ``LaunchConfig``, and the command every worker runs.
+
+Each input is read once, into a typed value: ``--nproc-per-node`` into a ``DeviceRequest`` (its
+number of workers decided by the machine's counts, which ``relaunch.placement`` reads),
+``--rdzv-conf`` into the config's ``rendezvous_settings`` (``core.rdzv_conf``). The
+checks only the other layers can make (the event log, the log directory, the etcd members, the
+timer FIFO, the training script) are made here too, so that ``relaunch.config`` imports none of
+them. Every problem is a ``ConfigError``, which the command reports in one line (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from relaunch.config import ConfigError, LaunchConfig, check_rendezvous, new_run_id
+from relaunch.core.defaults import MAX_NPROC_PER_NODE
+from relaunch.core.rdzv_conf import ETCD_BACKENDS
+from relaunch.core.streams import Std, per_rank
+
+#: ``--master-port`` when not given, for more than one node (torchrun's).
+STATIC_PORT = 29500
+
+
+class DeviceRequest(NamedTuple):
+    """``--nproc-per-node``, read: ``number`` workers, or one per CPU or GPU (``per``: ``cpu``,
+    ``gpu``, or ``auto`` for one per GPU if there are any, else one per CPU), or one per GPU of
+    ``subset`` (``gpu:1,3``). Exactly one of the three is set."""
+
+    number: int | None = None
+    per: str | None = None
+    subset: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        """The request as ``--nproc-per-node`` takes it (a subset with its indexes listed)."""
+        if self.subset is not None:
+            return "gpu:" + ",".join(map(str, self.subset))
+        return self.per if self.per is not None else str(self.number)
+
+    @property
+    def counts_gpus(self) -> bool:
+        """Whether the machine's GPUs must be counted to know the number of workers (or, for a
+        subset, to check it)."""
+        return self.per in ("gpu", "auto") or self.subset is not None
+
+    def workers(self, cpus: int, gpus: int) -> int:
+        """The number of workers on a machine of ``cpus`` CPUs and ``gpus`` GPUs (0: none could
+        be counted, and a subset is taken as it is); ValueError when it cannot be."""
+        if self.number is not None:
+            return self.number
+        if self.subset is not None:
+            if gpus and max(self.subset) >= gpus:
+                raise ValueError(
+                    f"GPU {max(self.subset)} does not exist: the launcher sees {gpus} "
+                    f"(0-{gpus - 1}; CUDA_VISIBLE_DEVICES or nvidia-smi -L)"
+                )
+            return len(self.subset)
+        if self.per == "cpu":
+            return cpus
+        if self.per == "gpu" and gpus == 0:
+            raise ValueError(
+                "no GPU found (CUDA_VISIBLE_DEVICES and nvidia-smi -L list none); give a number "
+                "or use cpu"
+            )
+        return gpus or cpus
+
+
+def parse_device_request(text: str) -> DeviceRequest:
+    """``--nproc-per-node``'s text: a number of workers (1 to ``MAX_NPROC_PER_NODE``), ``cpu``,
+    ``gpu``, ``auto`` or ``gpu:LIST`` (``core.placement.parse_index_list``); ValueError saying
+    what it takes otherwise."""
+    if text in ("cpu", "gpu", "auto"):
+        return DeviceRequest(per=text)
+    if text.isdecimal() and text.isascii():
+        if not 1 <= int(text) <= MAX_NPROC_PER_NODE:
+            raise ValueError(
+                f"expected 1 to {MAX_NPROC_PER_NODE} workers per node, got {text}: run more "
+                "nodes for more workers"
+            )
+        return DeviceRequest(number=int(text))
+    if text.startswith("gpu:"):
+        from relaunch.core.placement import parse_index_list
+
+        try:
+            return DeviceRequest(subset=parse_index_list(text[4:]))
+        except ValueError as exc:
+            raise ValueError(f"gpu:LIST: {exc}") from None
+    raise ValueError(
+        f"expected a whole number >= 1, or cpu, gpu, gpu:LIST (gpu:1,3) or auto, got {text!r}"
+    )
+
+
+def device_request(text: str) -> DeviceRequest:
+    """``--nproc-per-node``'s text (a flag, ``PET_NPROC_PER_NODE`` or a scheduler's) as a
+    request; ConfigError naming the flag."""
+    try:
+        return parse_device_request(text)
+    except ValueError as exc:
+        raise ConfigError(f"--nproc-per-node {text}: {exc}") from None
+
+
+def resolve_nproc(text: str, cpus: int | None = None, gpus: int | None = None) -> int:
+    """``--nproc-per-node`` as a number of workers: ``cpu`` is ``cpus``, ``gpu`` ``gpus``,
+    ``auto`` either, ``gpu:LIST`` the number of GPUs listed (each below ``gpus``, when GPUs
+    could be counted). A count not given is this machine's (``relaunch.placement``), read only
+    when the request needs it."""
+    request = device_request(text)
+    return _workers(request, text, cpus, gpus, os.environ)
+
+
+def _workers(
+    request: DeviceRequest,
+    text: str,
+    cpus: int | None,
+    gpus: int | None,
+    environ: Mapping[str, str],
+) -> int:
+    if request.number is None and (cpus is None or (gpus is None and request.counts_gpus)):
+        from relaunch import placement
+
+        cpus = placement.cpu_count() if cpus is None else cpus
+        if gpus is None and request.counts_gpus:
+            gpus = placement.count_gpus(environ)
+    try:
+        return request.workers(cpus or 0, gpus or 0)
+    except ValueError as exc:
+        raise ConfigError(f"--nproc-per-node {text}: {exc}") from None
+
+
+def config_from_args(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    gpus: int | None = None,
+    *,
+    cpus: int | None = None,
+    fresh_run_id: str | None = None,
+) -> tuple[LaunchConfig, Callable[..., Any] | str, tuple[str, ...]]:
+    """The checked ``LaunchConfig``, the entrypoint and its arguments the parsed flags describe.
+
+    Reads nothing but its arguments (and the training script's file) when all are given:
+    ``environ`` (default: ``os.environ``) gives ``PATH`` for ``--no-python`` and
+    ``PYTHON_EXEC`` (torchrun's: the Python that runs the script); ``gpus`` and ``cpus``
+    (default: this machine's, read only when ``--nproc-per-node`` needs them) resolve
+    ``gpu``/``cpu``/``auto``; ``fresh_run_id`` (default: a new one) is the run id of a job that
+    torchrun gives a fresh one: ``--standalone``, and one node with the static backend, no
+    ``--rdzv-endpoint`` and no ``--master-port``, which torchrun 2.13 runs as ``--standalone``
+    (ignoring ``--rdzv-id``), so that runs on one machine never share an id. That one stays on
+    the static backend, with a free port (as fast, and a failure is final at once: the dynamic
+    rendezvous waits for a lost node to be noticed first).
+    """
+    environ = os.environ if environ is None else environ
+    fresh_run_id = new_run_id() if fresh_run_id is None else fresh_run_id
+    request = device_request(args.nproc_per_node)
+    nproc = _workers(request, args.nproc_per_node, cpus, gpus, environ)
+    min_nodes, max_nodes = args.nnodes
+    backend, run_id, endpoint = args.rdzv_backend, args.rdzv_id, args.rdzv_endpoint
+    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
+    if args.standalone:
+        if max_nodes != 1:
+            raise ConfigError("--standalone runs one node: drop --nnodes or use --rdzv-backend")
+        backend, endpoint, run_id = "c10d", "127.0.0.1:0", fresh_run_id
+        rdzv_configs["is_host"] = "true"
+    if backend == "static":
+        if not endpoint:
+            port = args.master_port
+            if port is None and max_nodes == 1:
+                # torchrun 2.13 runs this as --standalone: a fresh run id (whatever --rdzv-id
+                # says) and a free port. The static backend with port 0 does the same here.
+                port, run_id = 0, fresh_run_id
+            elif port is None:
+                port = STATIC_PORT
+            endpoint = f"{args.master_addr}:{port}"
+        rdzv_configs["rank"] = args.node_rank
+    redirects, tee = _console_filter(args, nproc)
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role=args.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=redirects,
+        tee=tee,
+        local_addr=args.local_addr,
+        shutdown_timeout=args.shutdown_timeout,
+        event_log_handler=args.event_log_handler,
+        timers=True if args.timers else None,
+        hang_timeout=args.hang_timeout,
+        restart_backoff=args.restart_backoff,
+        max_stalled_restarts=args.max_stalled_restarts,
+        straggler_factor=args.straggler_factor,
+        signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        health_check=args.health_check,
+        health_check_timeout=args.health_check_timeout,
+        health_check_cooldown=args.health_check_cooldown,
+        metrics_host=args.metrics_port[0] if args.metrics_port else "",
+        metrics_port=args.metrics_port[1] if args.metrics_port else None,
+        devices=request.subset,
+        device_per_rank=args.device_per_rank,
+        numa_binding=args.numa_binding,
+    )
+    validate(config)
+    if backend != "static" and not endpoint:
+        raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+    _check_timer_file(args.timers, environ)
+    entrypoint, entry_args = _command(args, environ)
+    return config, entrypoint, entry_args
+
+
+def validate(config: LaunchConfig) -> None:
+    """Check ``config`` as a whole, before anything starts: its rendezvous
+    (``relaunch.config.check_rendezvous``, then the etcd members), its event log and its log
+    directory; ConfigError on the first problem."""
+    settings = check_rendezvous(config)
+    if config.rdzv_backend in ETCD_BACKENDS and settings.etcd is not None:
+        from relaunch.store.etcd import parse_endpoints
+
+        try:
+            parse_endpoints(config.rdzv_endpoint or "127.0.0.1", settings.etcd.protocol)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    from relaunch.events import check_log_file, event_handler_from_spec, spec_path
+
+    try:
+        event_handler_from_spec(config.event_log_handler).close()
+        path = spec_path(config.event_log_handler)
+        if path:
+            check_log_file(path, "--event-log-handler file:")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.log_dir is not None:
+        check_log_dir(config.log_dir)
+
+
+def check_log_dir(log_dir: str) -> None:
+    """``--log-dir``: an existing directory this process may write to, or one it may create;
+    ConfigError in one line otherwise. Creates nothing."""
+    from relaunch.events import creatable
+
+    if not log_dir:
+        raise ConfigError("--log-dir is empty: name a directory (it is created if need be)")
+    try:
+        os.stat(log_dir)
+    except FileNotFoundError:
+        problem = creatable(log_dir)
+        if problem:
+            raise ConfigError(f"--log-dir {log_dir} cannot be created: {problem}") from None
+        return
+    except OSError as exc:
+        parent = os.path.dirname(os.path.abspath(log_dir))
+        why = creatable(parent) or exc.strerror
+        raise ConfigError(f"--log-dir {log_dir} cannot be used: {why}") from None
+    if not os.path.isdir(log_dir):
+        raise ConfigError(
+            f"--log-dir {log_dir} is a file, not a directory: name a directory (it is created "
+            "if need be)"
+        )
+    effective = os.access in os.supports_effective_ids
+    if not os.access(log_dir, os.W_OK | os.X_OK, effective_ids=effective):
+        raise ConfigError(
+            f"--log-dir {log_dir} is not writable by this user (or is on a read-only "
+            "filesystem): name a directory you can write"
+        )
+
+
+def _check_timer_file(timers: bool, environ: Mapping[str, str]) -> None:
+    """With timers on, a FIFO named by ``TORCHELASTIC_TIMER_FILE`` must be safe to serve: a FIFO
+    of this user's that no one else can write (whoever writes names the pids that are killed)."""
+    from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV
+
+    path = environ.get(TIMER_FILE_ENV)
+    if not path or not (timers or environ.get(ENABLE_FILE_TIMER_ENV, "") == "1"):
+        return
+    from relaunch.timer.file_based_local_timer import check_server_fifo
+
+    try:
+        check_server_fifo(path)
+    except ValueError as exc:
+        raise ConfigError(f"{TIMER_FILE_ENV}: {exc}") from None
+
+
+def _command(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
+    script: str = args.training_script
+    rest = tuple(args.training_script_args)
+    modes = [
+        flag
+        for flag, on in (
+            ("--module", args.module),
+            ("--no-python", args.no_python),
+            ("--run-path", args.run_path),
+        )
+        if on
+    ]
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)} cannot be used together")
+    if args.no_python:
+        if os.sep in script:
+            usable = os.path.isfile(script) and os.access(script, os.X_OK)
+        else:
+            usable = shutil.which(script, path=environ.get("PATH", os.defpath)) is not None
+        if not usable:
+            raise ConfigError(f"binary {script!r} was not found or is not executable")
+        return script, rest
+    python = environ.get("PYTHON_EXEC") or sys.executable  # torchrun's variable
+    if args.module:
+        return python, ("-u", "-m", script, *rest)
+    if not os.path.isfile(script):
+        raise ConfigError(f"training script {script!r} does not exist")
+    if args.run_path:
+        from relaunch._run_path import run_script
+
+        return run_script, (script, *rest)
+    return python, ("-u", script, *rest)
+
+
+def _console_filter(
+    args: argparse.Namespace, nproc: int
+) -> tuple[Std | dict[int, Std], Std | dict[int, Std]]:
+    """Apply --local-ranks-filter: the other ranks go to their log files only."""
+    if args.local_ranks_filter is None:
+        return args.redirects, args.tee
+    redirects, tee = per_rank(args.redirects, nproc), per_rank(args.tee, nproc)
+    for rank in range(nproc):
+        if rank not in args.local_ranks_filter:
+            redirects[rank], tee[rank] = Std.ALL, Std.NONE
+    return redirects, tee

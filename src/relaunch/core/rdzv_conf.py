@@ -1,0 +1,243 @@
+"""``--rdzv-conf``: the rendezvous keys, read once into a typed, checked value. Pure.
+
+Each backend reads its own keys (the others are ignored, as torchrun does):
+
+- ``static``: ``rank`` (``--node-rank``) and ``join_timeout`` (how long the master's name may
+  take to resolve);
+- ``c10d``/``tcp``: the dynamic rendezvous' keys (``RendezvousSettings``);
+- ``etcd``/``etcd-v2``: those, and the etcd client's (``EtcdOptions``).
+
+``parse`` is the one reader of these keys and the one place each is range-checked; the values go
+down to the handler as they are. It raises ``ValueError`` with the message the ``relaunch``
+command prints (``relaunch.config`` makes it a ``ConfigError``). A new key is a field of
+``RendezvousSettings`` (or ``EtcdOptions``) and its line in ``_dynamic`` (or ``_etcd``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from relaunch.core import exclusion
+from relaunch.core import rendezvous as plan
+from relaunch.core.defaults import MAX_SECONDS
+
+#: The dynamic rendezvous on the built-in store, on etcd, and the fixed one, by
+#: ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name for the dynamic rendezvous on etcd;
+#: relaunch speaks etcd's v3 API under both names.
+C10D_BACKENDS = ("c10d", "tcp")
+ETCD_BACKENDS = ("etcd", "etcd-v2")
+STATIC_BACKEND = "static"
+#: Every backend this release can run.
+BACKENDS = (*C10D_BACKENDS, *ETCD_BACKENDS, STATIC_BACKEND)
+#: ``--rdzv-conf`` keys whose values never appear in a repr, a log line or an error message.
+SECRET_KEYS = ("password", "token")
+
+
+def redacted(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """``conf`` with the values of secret keys (passwords, tokens) masked."""
+    return {key: "***" if key in SECRET_KEYS else value for key, value in conf.items()}
+
+
+def _masked(value: NamedTuple, secrets: tuple[str, ...]) -> str:
+    """``value``'s repr with the values of ``secrets`` masked."""
+    shown = (
+        f"{name}={'***' if name in secrets and item is not None else repr(item)}"
+        for name, item in zip(type(value)._fields, value, strict=True)
+    )
+    return f"{type(value).__name__}({', '.join(shown)})"
+
+
+# Named tuples, not dataclasses: they are made on every launch, and a named tuple class costs a
+# fifth of a frozen dataclass' to define.
+
+
+class EtcdOptions(NamedTuple):
+    """The etcd client's ``--rdzv-conf`` keys: ``protocol``, TLS files, credentials."""
+
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def __repr__(self) -> str:
+        return _masked(self, SECRET_KEYS)
+
+
+class RendezvousSettings(NamedTuple):
+    """The ``--rdzv-conf`` keys, typed and checked, with torchrun's defaults."""
+
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    #: Seconds each store operation may take.
+    timeout: float = 60.0
+    #: Host the store on this node: None (not given) hosts it when the endpoint can be bound.
+    is_host: bool | None = None
+    #: The store's shared secret (else ``$RELAUNCH_RDZV_TOKEN``, read by the rendezvous).
+    token: str | None = None
+    #: This node's name within its host, for the job's record of it (``core.exclusion``).
+    node_name: str | None = None
+    #: Failures a node may cause before it is excluded (0: never), and for how many seconds.
+    exclude_after: int = exclusion.DEFAULT_EXCLUDE_AFTER
+    exclude_cooldown: float = exclusion.DEFAULT_EXCLUDE_COOLDOWN
+    #: The static backend's node rank (``--node-rank``).
+    rank: int = 0
+    #: The etcd client's keys (None: not an etcd backend).
+    etcd: EtcdOptions | None = None
+
+    def __repr__(self) -> str:
+        return _masked(self, SECRET_KEYS)
+
+    def round_settings(self, min_nodes: int, max_nodes: int) -> plan.Settings:
+        """The dynamic rendezvous' decisions' settings for a job of ``min_nodes:max_nodes``."""
+        return plan.Settings(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+            keep_alive_interval=self.keep_alive_interval,
+            keep_alive_max_attempt=self.keep_alive_max_attempt,
+        )
+
+    def etcd_store_arguments(self) -> dict[str, Any]:
+        """``EtcdStore``'s keyword arguments: the etcd keys and ``timeout``."""
+        etcd = self.etcd or EtcdOptions()
+        return {
+            "protocol": etcd.protocol,
+            "cacert": etcd.cacert,
+            "cert": etcd.cert,
+            "key": etcd.key,
+            "user": etcd.user,
+            "password": etcd.password,
+            "timeout": self.timeout,
+        }
+
+
+class RendezvousSpec(NamedTuple):
+    """Which rendezvous this node joins, and how: the ``--rdzv-*`` flags, typed (torch's
+    ``RendezvousParameters``, its ``config`` read into ``settings``)."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    settings: RendezvousSettings
+    local_addr: str | None = None
+    #: The workers this node runs.
+    local_world_size: int = 1
+
+
+def parse(
+    backend: str, conf: Mapping[str, Any], is_file: Callable[[str], bool]
+) -> RendezvousSettings:
+    """The keys of ``conf`` that ``backend`` reads, typed and checked; ValueError saying which
+    is wrong. ``is_file(path)`` tells whether a TLS file named for etcd exists."""
+    if backend == STATIC_BACKEND:
+        rank = _number(conf, "rank", 0, whole=True)
+        if rank < 0:
+            raise ValueError(f"--node-rank {rank} must be >= 0")
+        # The one dynamic key the static backend reads: how long the master's name may take to
+        # resolve (rendezvous.static).
+        timing = _dynamic({"join_timeout": conf.get("join_timeout", 600)})
+        return RendezvousSettings(join_timeout=timing.join_timeout, rank=rank)
+    if backend in C10D_BACKENDS:
+        return _dynamic(conf)
+    if backend in ETCD_BACKENDS:
+        return _dynamic(conf)._replace(etcd=_etcd(conf, is_file))
+    raise ValueError(
+        f"unknown rendezvous backend {backend!r}: valid backends are " + ", ".join(BACKENDS)
+    )
+
+
+def _number(conf: Mapping[str, Any], key: str, default: float, whole: bool = False) -> Any:
+    value = conf.get(key, default)
+    try:
+        return int(value) if whole else float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if whole else "a number of seconds"
+        raise ValueError(f"--rdzv-conf {key}={value!r}: expected {kind}") from None
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _text(conf: Mapping[str, Any], key: str) -> str | None:
+    """A text key: None when not given or empty."""
+    value = conf.get(key)
+    return str(value) if value else None
+
+
+def _dynamic(conf: Mapping[str, Any]) -> RendezvousSettings:
+    """The dynamic rendezvous' keys."""
+    settings = RendezvousSettings(
+        join_timeout=_number(conf, "join_timeout", 600),
+        last_call_timeout=_number(conf, "last_call_timeout", 30),
+        keep_alive_interval=_number(conf, "keep_alive_interval", 5),
+        keep_alive_max_attempt=_number(conf, "keep_alive_max_attempt", 3, whole=True),
+        timeout=_number(conf, "timeout", 60),
+        is_host=None if conf.get("is_host") is None else _truthy(conf["is_host"]),
+        token=_text(conf, "token"),
+        node_name=_text(conf, "node_name"),
+        exclude_after=_number(conf, "exclude_after", exclusion.DEFAULT_EXCLUDE_AFTER, whole=True),
+        exclude_cooldown=_number(conf, "exclude_cooldown", exclusion.DEFAULT_EXCLUDE_COOLDOWN),
+    )
+    if settings.node_name is not None and not exclusion.valid_node_name(settings.node_name):
+        raise ValueError(
+            f"--rdzv-conf node_name={settings.node_name!r}: expected 1 to 64 letters, digits, "
+            "'.', '_' or '-'"
+        )
+    if settings.exclude_after < 0:
+        raise ValueError(
+            f"--rdzv-conf exclude_after={conf['exclude_after']!r}: expected a whole number >= 0"
+        )
+    if not 0 < settings.exclude_cooldown <= MAX_SECONDS:
+        raise ValueError(
+            f"--rdzv-conf exclude_cooldown={conf['exclude_cooldown']!r}: expected a number of "
+            "seconds > 0"
+        )
+    for key in ("join_timeout", "last_call_timeout", "keep_alive_interval", "timeout"):
+        if not 0 < getattr(settings, key) <= MAX_SECONDS:  # nan and inf are not durations
+            raise ValueError(
+                f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds > 0 and at most "
+                f"{MAX_SECONDS:.0f}"
+            )
+    if settings.keep_alive_max_attempt < 1:
+        raise ValueError(
+            f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']!r}: "
+            "expected a whole number >= 1"
+        )
+    return settings
+
+
+def _etcd(conf: Mapping[str, Any], is_file: Callable[[str], bool]) -> EtcdOptions:
+    """The etcd client's keys."""
+    options = EtcdOptions(
+        protocol=str(conf.get("protocol", "http")),
+        cacert=_path(conf, "cacert"),
+        cert=_path(conf, "cert"),
+        key=_path(conf, "key"),
+        user=None if conf.get("user") is None else str(conf["user"]),
+        password=None if conf.get("password") is None else str(conf["password"]),
+    )
+    if options.protocol not in ("http", "https"):
+        raise ValueError(f"--rdzv-conf protocol={options.protocol!r}: expected http or https")
+    for name in ("cacert", "cert", "key"):
+        path = getattr(options, name)
+        if path is not None and not is_file(path):
+            raise ValueError(f"--rdzv-conf {name}={path}: no such file")
+    if (options.user is None) != (options.password is None):
+        raise ValueError("--rdzv-conf: etcd authentication needs both user and password")
+    if options.key is not None and options.cert is None:
+        raise ValueError("--rdzv-conf: etcd TLS: key= needs cert= too")
+    return options
+
+
+def _path(conf: Mapping[str, Any], key: str) -> str | None:
+    value = conf.get(key)
+    return None if value is None else str(value)
