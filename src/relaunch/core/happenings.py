@@ -10,13 +10,16 @@ read at one moment: the readers of one tick (hang detection, status posts, the n
 crash-loop count, the summary, a scrape) get the same one (``agent.sampler``), so what they show
 cannot disagree.
 
-Pure: records in, records out; ``taken_at`` is ``time.time()``, passed in.
+Pure: records in, records out; ``taken_at`` is ``time.time()``, passed in. The records are
+named tuples, not dataclasses: this module loads with every agent, and a frozen dataclass
+costs ten times as much to define.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 from relaunch.core.failures import describe_exit
 from relaunch.core.liveness import Liveness
@@ -26,8 +29,7 @@ from relaunch.core.stragglers import Straggler
 # -- the snapshot ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RankSample:
+class RankSample(NamedTuple):
     """One local rank at a snapshot: its last progress report and liveness block (None before
     it wrote one), and its process: ``outcome`` is one of ``core.metrics.WORKER_STATES``
     ("running" also while no process is known), ``exitcode`` its code once the group ended."""
@@ -66,14 +68,13 @@ class RankSample:
 _UNSEEN = RankSample()
 
 
-@dataclass(frozen=True)
-class NodeSnapshot:
+class NodeSnapshot(NamedTuple):
     """Every local rank of this node as read at ``taken_at`` (``time.time()``), by local rank.
 
     ``progress``, ``liveness`` and ``slots`` read as the channel's do."""
 
     taken_at: float
-    ranks: Mapping[int, RankSample] = field(default_factory=dict)
+    ranks: Mapping[int, RankSample] = MappingProxyType({})
 
     @property
     def slots(self) -> int:
@@ -101,15 +102,13 @@ class NodeSnapshot:
 # -- the happenings -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Joined:
+class Joined(NamedTuple):
     """The agent got its place in a rendezvous round, ``seconds`` after asking."""
 
     seconds: float
 
 
-@dataclass(frozen=True)
-class Started:
+class Started(NamedTuple):
     """A group of workers started (``restart_count`` restarts used), after a join that took
     ``rendezvous_seconds``."""
 
@@ -117,8 +116,7 @@ class Started:
     rendezvous_seconds: float
 
 
-@dataclass(frozen=True)
-class AttemptEnded:
+class AttemptEnded(NamedTuple):
     """The restart policy ended an attempt of ``role``'s group: ``state`` is the group's then
     (a ``GroupState`` value: SUCCEEDED, FAILED, or RUNNING when it stops to re-form), with
     ``restarts_left`` before any restart it leads to."""
@@ -128,8 +126,7 @@ class AttemptEnded:
     restarts_left: int
 
 
-@dataclass(frozen=True)
-class Restarted:
+class Restarted(NamedTuple):
     """The group restarts: ``cause`` (``core.metrics.RESTART_CAUSES``), ``reason`` in one line
     (a failure's root cause, or the membership change), ``decision`` the restart policy's
     words for it; ``restart_count`` restarts used before it, ``restarts_left`` after it."""
@@ -142,8 +139,7 @@ class Restarted:
     restarts_left: int
 
 
-@dataclass(frozen=True)
-class Hung:
+class Hung(NamedTuple):
     """A local rank missed its section's or heartbeat's deadline (``what``); every rank's
     stack is being taken."""
 
@@ -151,8 +147,7 @@ class Hung:
     what: str
 
 
-@dataclass(frozen=True)
-class StragglerFlagged:
+class StragglerFlagged(NamedTuple):
     """A rank was flagged slower than the job's median / ``factor``."""
 
     straggler: Straggler
@@ -160,8 +155,7 @@ class StragglerFlagged:
     restart_count: int
 
 
-@dataclass(frozen=True)
-class WorkerEnd:
+class WorkerEnd(NamedTuple):
     """How one worker of the last attempt ended: ``state`` a ``WorkerState`` value, ``error``
     the JSON its failure is recorded with (None: it did not fail)."""
 
@@ -174,8 +168,7 @@ class WorkerEnd:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(NamedTuple):
     """The run ended with ``state`` (a ``WorkerState`` value); ``workers`` says how each
     worker of its last attempt did."""
 
@@ -184,8 +177,7 @@ class Finished:
     workers: tuple[WorkerEnd, ...] = ()
 
 
-@dataclass(frozen=True)
-class Failed:
+class Failed(NamedTuple):
     """The run ended by an error: the agent failed (``error``: what it said, if anything)."""
 
     restart_count: int
