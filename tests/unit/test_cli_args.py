@@ -184,3 +184,23 @@ def test_torchruns_python_exec_runs_the_script(tmp_path) -> None:
         ("-u", "-m", "pkg.main"),
     )
     assert config_from_args(args, {}, 0)[1] == sys.executable
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus", "gpus", "canonical", "workers"),
+    [
+        ("007", 4, 0, "7", 7),
+        ("cpu", 4, 2, "cpu", 4),
+        ("gpu", 4, 2, "gpu", 2),
+        ("auto", 4, 0, "auto", 4),
+        ("gpu:3,0-1", 4, 4, "gpu:3,0,1", 3),
+    ],
+)
+def test_nproc_per_node_is_read_once_into_a_device_request(
+    text: str, cpus: int, gpus: int, canonical: str, workers: int
+) -> None:
+    from relaunch.cli.args import parse_device_request
+
+    request = parse_device_request(text)
+    assert (str(request), request.workers(cpus, gpus)) == (canonical, workers)
+    assert request.counts_gpus == (text in ("gpu", "auto") or text.startswith("gpu:"))

@@ -214,3 +214,34 @@ def test_a_config_error_from_deep_inside_is_one_line_and_exit_2(leaks: LeakCheck
     done = _main_with_a_failing_rendezvous(leaks, "ConfigError('--rdzv-conf x=1: no good')")
     assert done.returncode == 2
     assert done.stderr == "relaunch: error: --rdzv-conf x=1: no good (see relaunch --help)\n"
+
+
+@pytest.mark.parametrize(
+    ("backend", "conf", "read"),
+    [
+        (
+            "static",
+            {"rank": "1", "join_timeout": "9", "timeout": "x"},
+            {"rank": 1, "join_timeout": 9.0},
+        ),
+        ("c10d", {"rank": "x", "timeout": "5", "protocol": "ftp"}, {"timeout": 5.0, "etcd": None}),
+        ("etcd-v2", {"protocol": "https", "user": "u", "password": "p"}, {"timeout": 60.0}),
+    ],
+)
+def test_each_backend_reads_its_own_rdzv_conf_keys(
+    backend: str, conf: dict[str, str], read: dict[str, object]
+) -> None:
+    settings = LaunchConfig(1, 1, 1, rdzv_backend=backend, rdzv_configs=conf).rendezvous_settings
+    assert {key: getattr(settings, key) for key in read} == read
+    if backend.startswith("etcd"):
+        assert settings.etcd is not None and settings.etcd.protocol == "https"
+        assert "'p'" not in repr(settings)
+
+
+def test_the_settings_are_read_once_and_handed_down_as_they_are() -> None:
+    config = LaunchConfig(1, 2, 1, rdzv_backend="c10d", rdzv_configs={"token": "secret-t"})
+    assert config.rendezvous_settings is config.rendezvous_settings
+    assert config.rendezvous_settings.token == "secret-t"
+    assert "secret-t" not in repr(config.rendezvous_settings)
+    round_settings = config.rendezvous_settings.round_settings(1, 2)
+    assert (round_settings.max_nodes, round_settings.join_timeout) == (2, 600.0)
