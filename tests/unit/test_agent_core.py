@@ -58,13 +58,18 @@ def test_line_prefixes_follow_torchruns_template() -> None:
 
 def test_hang_detection_counts_silence_on_its_clock() -> None:
     from relaunch.agent.expiry import ExpiryWatch
+    from relaunch.core.happenings import NodeSnapshot, RankSample
     from relaunch.core.progress import Progress
     from relaunch.runtime import ManualClock
 
     clock = ManualClock()
     watch = ExpiryWatch("run", timers=False, hang_timeout=10.0, clock=clock)
     progress: dict[int, Progress | None] = {0: None}
-    watch.watch({0: 4_000_000}, {0: []}, lambda: {0}, progress.get)  # no such pid: never signalled
+
+    def snapshot() -> NodeSnapshot:
+        return NodeSnapshot(clock.time(), {0: RankSample(progress[0])})
+
+    watch.watch({0: 4_000_000}, {0: []}, snapshot)  # no such pid: never signalled
     assert watch.check() == 10.0
     clock.advance(4.0)
     assert watch.check() == 6.0

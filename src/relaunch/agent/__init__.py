@@ -1,6 +1,7 @@
-"""The elastic agent: the run loop (``loop``), what it runs (``spec``), the expiry timers and
-hang detection (``expiry``), the shared-memory channel to the workers (``channel``) and what it
-reports (``report``). Its decisions are in ``relaunch.core`` (``restart``, ``console_plan``)."""
+"""The elastic agent: the driver (``loop``), what it runs (``spec``), its hands on the workers
+(``workers``), the expiry timers and hang detection (``expiry``), the shared-memory channel to
+the workers (``channel``), what it reports (``report``, ``sinks``) and the dry run
+(``dry_run``). Its decisions are in ``relaunch.core`` (``step``, ``attempt``, ``restart``)."""
 
 from __future__ import annotations
 

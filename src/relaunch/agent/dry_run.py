@@ -61,10 +61,13 @@ def dry_run(
     entrypoint: Callable[..., Any] | str,
     args: Sequence[Any],
     environ: Mapping[str, str] | None = None,
+    placement: Placement | None = None,
 ) -> str:
     """The text ``relaunch --dry-run`` prints: the plan of this node's first attempt of the job
-    ``config`` describes, running ``entrypoint`` with ``args``. Starts, binds and joins nothing."""
-    return describe_first(first_attempt(config, entrypoint, args, environ))
+    ``config`` describes, running ``entrypoint`` with ``args`` in the launcher's environment
+    ``environ`` (default: this process's), its ranks placed by ``placement``
+    (``relaunch.placement.placement_for``). Starts, binds and joins nothing."""
+    return describe_first(first_attempt(config, entrypoint, args, environ, placement))
 
 
 def first_attempt(
@@ -72,8 +75,9 @@ def first_attempt(
     entrypoint: Callable[..., Any] | str,
     args: Sequence[Any],
     environ: Mapping[str, str] | None = None,
+    placement: Placement | None = None,
 ) -> FirstAttempt:
-    """The plan of the first attempt on this node, from ``config`` alone."""
+    """The plan of the first attempt on this node, from ``config`` (and ``placement``) alone."""
     from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
     from relaunch.procs.console import terminals_of
 
@@ -115,7 +119,7 @@ def first_attempt(
             config.log_dir or "<a new temporary directory>", f"{run_id}_<random>", "attempt_0"
         ),
         extra_env=extra_env,
-        placement=_placement(config, environ),
+        placement=placement,
         terminals=terminals_of(sys.stdout, sys.stderr),
         hang_detection=config.hang_timeout is not None,
     )
@@ -138,7 +142,7 @@ def _place(config: LaunchConfig) -> tuple[tuple[str, ...], int, int, str, int]:
         from relaunch.endpoints import parse_endpoint
 
         host, port = parse_endpoint(config.rdzv_endpoint, default_port=STATIC_DEFAULT_PORT)
-        rank = int(config.rdzv_configs.get("rank", 0))
+        rank = config.rendezvous_settings.rank
         if port == 0:  # one node: a free port, picked as it joins
             return _without("MASTER_PORT"), rank, config.max_nodes, host, 0
         return GROUP_VARIABLES, rank, config.max_nodes, host, port
@@ -149,15 +153,6 @@ def _place(config: LaunchConfig) -> tuple[tuple[str, ...], int, int, str, int]:
 
 def _without(*names: str) -> tuple[str, ...]:
     return tuple(name for name in GROUP_VARIABLES if name not in names)
-
-
-def _placement(config: LaunchConfig, environ: Mapping[str, str]) -> Placement | None:
-    """The device placement ``config`` asks for on this machine (None: none)."""
-    if config.devices is None and not config.device_per_rank and not config.numa_binding:
-        return None
-    from relaunch.placement import placement_for
-
-    return placement_for(config, environ)
 
 
 def describe_first(first: FirstAttempt) -> str:

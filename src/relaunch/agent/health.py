@@ -18,11 +18,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from relaunch.agent.spec import WorkerGroup
 from relaunch.core.defaults import DEFAULT_HEALTH_CHECK_COOLDOWN, DEFAULT_HEALTH_CHECK_TIMEOUT
 from relaunch.core.durations import seconds
 from relaunch.procs.guardian import guardian
 from relaunch.rendezvous.api import RendezvousClosedError
 from relaunch.rendezvous.job import JobServices
+from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +116,12 @@ def await_admission(
     check: HealthCheck | None,
     env: Mapping[str, str],
     backoff: float = 0.0,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """Return once this node may join: it left its running round (so the others stop at
     once), waited ``backoff`` seconds (a crash loop's), is not excluded from the job, and
-    passed its health check. Says on the console why it waits, and until when;
-    ``RendezvousClosedError`` when the job finishes meanwhile."""
+    passed its health check. Says on the console why it waits, and until when (an exclusion
+    ends at a ``clock.time()``); ``RendezvousClosedError`` when the job finishes meanwhile."""
     while True:
         until = job.prepare_join()
         if backoff > 0:
@@ -132,7 +135,7 @@ def await_admission(
                 "it will try to join again then",
                 time.strftime("%H:%M:%S", time.localtime(until)),
             )
-            if job.wait_closed(until - time.time()):
+            if job.wait_closed(until - clock.time()):
                 raise RendezvousClosedError(f"the job {run_id!r} has finished")
             continue
         if check is None:
@@ -150,3 +153,23 @@ def await_admission(
         )
         if job.wait_closed(check.cooldown):
             raise RendezvousClosedError(f"the job {run_id!r} has finished")
+
+
+def join(
+    job: JobServices,
+    group: WorkerGroup,
+    check: HealthCheck | None,
+    backoff: float,
+    restarts: int,
+    clock: Clock = SYSTEM_CLOCK,
+) -> float:
+    """Join the next round once this node may (``await_admission``, after ``backoff``
+    seconds; the job has used ``restarts`` restarts): ``group`` takes its place in it. The
+    seconds the join took, from when this node was admitted."""
+    spec = group.spec
+    run_id = spec.rdzv_handler.get_run_id()
+    env = check_env(spec.local_world_size, run_id, spec.role, restarts)
+    await_admission(job, run_id, check, env, backoff, clock)
+    began = clock.monotonic()
+    group.join(spec.rdzv_handler.next_rendezvous())
+    return clock.monotonic() - began

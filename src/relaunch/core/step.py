@@ -1,16 +1,16 @@
 """The agent's decisions as one pure step: ``step(state, observation, now) -> (state, actions)``.
 
 The agent (``agent.loop``) observes how its workers and the job stand, asks ``step`` what follows,
-and performs the actions in order; the step reads no clock (``now`` is given, on the clock of
-every deadline it returns) and touches nothing. A run is a history of observations in and
-actions out (``tests/unit/test_step.py`` tests it so).
+and performs the actions in order (``core.step_types`` has both); the step reads no clock
+(``now`` is given, on the clock of every deadline it returns) and touches nothing. A run is a
+history of observations in and actions out (``tests/unit/test_step.py`` tests it so).
 
-An attempt goes ``Began`` (or a restart) -> ``Rendezvous`` -> ``Joined`` -> ``StartWorkers`` ->
+An attempt goes ``Began`` (or a restart) -> ``Rendezvous`` -> ``Placed`` -> ``StartWorkers`` ->
 ``WorkersStarted``; then the agent looks (``Looked``) and sleeps (``CheckHangs`` ->
 ``HangsChecked`` -> ``Wait``) until the workers end or the membership changes; then ``Succeed``,
 ``Fail``, ``CutShort``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again.
 
-The restart budget is the job's (``used``, every node's restarts as the job counts them); this
+The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
 at once when every other node answers a roll call; while one does not, it may be dead, and the
 agent waits the lost-node grace for its loss to re-form the group for free (``core.restart``).
@@ -19,17 +19,46 @@ A crash loop waits its backoff between restarts, and stops after restarts that m
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from relaunch.core import restart
 from relaunch.core.durations import seconds
-from relaunch.core.failures import Failure, one_line, root_cause_rank
+from relaunch.core.failures import one_line, root_cause_rank
 from relaunch.core.group import GroupState
-from relaunch.core.liveness import Liveness
+from relaunch.core.happenings import AttemptEnded, Hung, Restarted
 from relaunch.core.membership import MembershipChange
-from relaunch.core.progress import Progress
 from relaunch.core.restart import Backoff, CrashLoop, Mark, stalled_out, startup_failure
+from relaunch.core.step_types import (
+    Action,
+    AskRollCall,
+    Began,
+    CheckHangs,
+    CheckStore,
+    CutShort,
+    Ended,
+    Fail,
+    FailJob,
+    HangsChecked,
+    JobClosed,
+    Looked,
+    NoteRestart,
+    Observation,
+    PeersAnswered,
+    Placed,
+    Rendezvous,
+    ReportFailure,
+    Say,
+    StacksPending,
+    StartWorkers,
+    StopForStacks,
+    StopNote,
+    StopWorkers,
+    Succeed,
+    TakeStacks,
+    Tell,
+    Wait,
+    WorkersStarted,
+)
 
 #: Seconds the other nodes have to answer a roll call before one of them may be dead.
 ROLL_CALL_TIMEOUT = 1.0
@@ -102,283 +131,24 @@ class RunState:
         return self.nodes <= 1
 
 
-# -- observations -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Began:
-    """The run begins."""
-
-
-@dataclass(frozen=True)
-class Joined:
-    """This node joined a group of ``nodes`` nodes; the job has used ``used`` restarts."""
-
-    nodes: int
-    used: int
-
-
-@dataclass(frozen=True)
-class JobClosed:
-    """The job finished (or failed) while this node re-formed."""
-
-
-@dataclass(frozen=True)
-class WorkersStarted:
-    """The workers of a new attempt started."""
-
-
-@dataclass(frozen=True)
-class StacksPending:
-    """Ranks asked for their stacks still run: their stacks are due within ``seconds``."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Ended:
-    """How the workers ended: ``failures`` by global rank (none: every worker succeeded),
-    ``local_ranks`` each global rank's local rank, and by local rank what each worker said in
-    the channel (its last progress report, its heartbeats and sections)."""
-
-    failures: Mapping[int, Failure] = field(default_factory=dict)
-    local_ranks: Mapping[int, int] = field(default_factory=dict)
-    progress: Sequence[Progress | None] = ()
-    liveness: Sequence[Liveness | None] = ()
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.failures)
-
-
-@dataclass(frozen=True)
-class Looked:
-    """How the workers stand (``ended`` None: they run) and the membership change, if any;
-    ``used``: the job's restart count, read when the workers failed."""
-
-    ended: Ended | None = None
-    change: MembershipChange | None = None
-    used: int | None = None
-
-
-@dataclass(frozen=True)
-class PeersAnswered:
-    """The roll call's outcome (None: cannot tell), and the change that came meanwhile."""
-
-    alive: bool | None
-    change: MembershipChange | None = None
-
-
-@dataclass(frozen=True)
-class HangsChecked:
-    """Hang detection looked: the hung local rank it names (None: none), in how many seconds it
-    looks again (None: never), and the deadline the sleep was asked for (``CheckHangs``)."""
-
-    hang: str | None
-    next_check: float | None
-    until: float | None
-
-
-Observation = (
-    Began
-    | Joined
-    | JobClosed
-    | WorkersStarted
-    | StacksPending
-    | Looked
-    | PeersAnswered
-    | HangsChecked
-)
-
-
-# -- actions ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Leave the running round, wait ``backoff`` seconds (a crash loop's), and join again
-    (answered by ``Joined``, or ``JobClosed`` while re-forming)."""
-
-    backoff: float = 0.0
-
-
-@dataclass(frozen=True)
-class StartWorkers:
-    """Start the workers of the group just joined (answered by ``WorkersStarted``)."""
-
-
-@dataclass(frozen=True)
-class StopWorkers:
-    """Stop the workers (SIGTERM, then SIGKILL after the shutdown timeout)."""
-
-
-@dataclass(frozen=True)
-class CheckStore:
-    """Before a restart is said: the job ends here if the store was lost with its host."""
-
-
-@dataclass(frozen=True)
-class AskRollCall:
-    """Ask whether every other node answers within ``timeout`` (answered by ``PeersAnswered``)."""
-
-    timeout: float
-
-
-@dataclass(frozen=True)
-class TakeStacks:
-    """Another node's worker hung (``reason``): ask every running local rank for its stack."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class CheckHangs:
-    """Sleep until ``until`` (None: an event): first let hang detection act on hung workers
-    (answered by ``HangsChecked``)."""
-
-    until: float | None
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Wait for an event (the workers ended, a change, a signal) up to ``seconds`` (None: no
-    limit)."""
-
-    seconds: float | None
-
-
-@dataclass(frozen=True)
-class ReportHung:
-    """Report that a local rank hung (``what``), at restart count ``restart_count``."""
-
-    what: str
-    restart_count: int
-
-
-@dataclass(frozen=True)
-class StopForStacks:
-    """Ask every other node for its workers' stacks and restart with this one."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class FailJob:
-    """End the job on every node (``stacks``: a worker hung; they take stacks first)."""
-
-    reason: str
-    stacks: bool = False
-
-
-@dataclass(frozen=True)
-class NoteRestart:
-    """Tell the other nodes this node spends one of the job's restarts, and why."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class ReportFailure:
-    """Log the failure report of the workers that just failed."""
-
-
-@dataclass(frozen=True)
-class Say:
-    """Log ``text`` (a warning, or an error)."""
-
-    text: str
-    error: bool = False
-
-
-@dataclass(frozen=True)
-class StopNote:
-    """Why the run stopped, for its summary."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class PutMetrics:
-    """The restarts left and the group's state, for the metrics handler."""
-
-    restarts_left: int
-    state: GroupState
-
-
-@dataclass(frozen=True)
-class Restarting:
-    """The group restarts: ``cause`` as a word for counting, ``reason`` in one line."""
-
-    restart_count: int
-    cause: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Succeed:
-    """Every worker finished: pass the exit barrier, close the job, return the results."""
-
-
-@dataclass(frozen=True)
-class Fail:
-    """This node's workers failed, and that is final: return the failure."""
-
-
-@dataclass(frozen=True)
-class CutShort:
-    """The job ended elsewhere and this node's workers with it: end the run with ``message``."""
-
-    message: str
-
-
-Action = (
-    Rendezvous
-    | StartWorkers
-    | StopWorkers
-    | CheckStore
-    | AskRollCall
-    | TakeStacks
-    | CheckHangs
-    | Wait
-    | ReportHung
-    | StopForStacks
-    | FailJob
-    | NoteRestart
-    | ReportFailure
-    | Say
-    | StopNote
-    | PutMetrics
-    | Restarting
-    | Succeed
-    | Fail
-    | CutShort
-)
 Decided = tuple[RunState, list[Action]]
-
-
-# -- the step -----------------------------------------------------------------------------------
 
 
 def step(state: RunState, observation: Observation, now: float) -> Decided:
     """The state after ``observation`` (at ``now``), and what the agent does next, in order."""
     if isinstance(observation, Began):
         return state, [Rendezvous()]
-    if isinstance(observation, Joined):
-        joined = replace(
-            state,
-            nodes=observation.nodes,
-            used=observation.used,
-            peers_alive=None,
-            reforming=None,
+    if isinstance(observation, Placed):
+        placed = replace(
+            state, nodes=observation.nodes, used=observation.used, peers_alive=None, reforming=None
         )
-        return joined, [StartWorkers()]
+        return placed, [StartWorkers()]
     if isinstance(observation, JobClosed):
         return _closed(state)
     if isinstance(observation, WorkersStarted):
-        started = replace(
+        return replace(
             state, attempt_started=now, hang=None, hang_told=False, stacks_taken=False
-        )
-        return started, []
+        ), []
     if isinstance(observation, StacksPending):
         return state, [CheckHangs(now + observation.seconds)]  # let every stack be written
     if isinstance(observation, HangsChecked):
@@ -415,12 +185,13 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
     rules = state.rules
     ended = look.ended
     group = GroupState.RUNNING if ended is None else _group_state(ended)
-    watching_others = rules.watches_membership and not state.alone
     decision = restart.decide(
         group,
         state.restarts_left,
         change,
-        lost_node_grace=rules.lost_node_grace if watching_others else 0.0,
+        lost_node_grace=rules.lost_node_grace
+        if rules.watches_membership and not state.alone
+        else 0.0,
         now=now,
         grace_ends=state.grace_ends,
         peers_alive=state.peers_alive,
@@ -438,7 +209,7 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
         return replace(state, stacks_taken=True), [*actions, TakeStacks(decision.reason)]
     if decision.action in (restart.Action.CONTINUE, restart.Action.AWAIT_CHANGE):
         return state, [*actions, CheckHangs(decision.deadline)]
-    actions.append(PutMetrics(state.restarts_left, group))
+    actions.append(Tell(AttemptEnded(rules.role, group.value, state.restarts_left)))
     if decision.action is restart.Action.SUCCEED:
         return state, [*actions, Succeed()]
     if decision.action is restart.Action.FAIL:
@@ -453,7 +224,7 @@ def _fail(
     now: float,
     actions: list[Action],
 ) -> Decided:
-    """No restart here: the job failed elsewhere, or this node's failure is final."""
+    """No restart: the job failed elsewhere, or this node's failure is final."""
     # A worker of another node hung, and this node's ranks gave their stacks.
     elsewhere = decision.stacks and state.hang is None
     if ended is not None and ended.failed and not elsewhere:
@@ -495,21 +266,17 @@ def _restart(
                 Fail(),
             ]
         delay = rules.backoff.delay(loop.in_a_row)
-    # The workers stop before anything is said: if the store's host is gone with the store,
-    # the job ends there, and no restart was said or counted.
+    # The workers stop before anything is told: if the store's host is gone with the store,
+    # the job ends there, and no restart was told or counted.
     actions += [StopWorkers(), CheckStore()]
     restarts_left = state.restarts_left
     if decision.uses_restart:
         state = replace(state, spent=state.spent + 1)
         restarts_left -= 1
     cause = "hang" if state.hang is not None else decision.cause
-    actions += [
-        Restarting(state.used, cause, reason),
-        Say(
-            f"[{rules.role}] restarting the worker group ({decision.reason}); "
-            f"{restarts_left} restart(s) left"
-        ),
-    ]
+    actions.append(
+        Tell(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
+    )
     if decision.uses_restart:  # the other nodes restart because of this: say why
         actions.append(NoteRestart(f"{rules.node}: {reason}"))
     if delay:
@@ -532,35 +299,36 @@ def _closed(state: RunState) -> Decided:
         return state, [Fail()]
     # Its workers were stopped mid-run to re-form, and the job ended without them (another node
     # failed, or its exit barrier timed out).
-    return state, [
-        CutShort(f"the job ended while this node re-formed ({state.reforming.reason}); {CUT_SHORT}")
-    ]
+    why = state.reforming.reason
+    return state, [CutShort(f"the job ended while this node re-formed ({why}); {CUT_SHORT}")]
 
 
 def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
-    """Hang detection looked before the agent sleeps: tell the job of a new hang (restarting
-    with this node, or ending the job with no restart left), then wait for the next event."""
+    """Hang detection looked before the agent sleeps: tell of a new hang (asking the other
+    nodes for their stacks, or ending the job with no restart left), then wait for the next
+    event, hang detection's next look, the deadline, or the next poll of the membership."""
     rules = state.rules
     state = replace(state, hang=checked.hang)
     actions: list[Action] = []
     if checked.hang is not None and not state.hang_told:
         state = replace(state, hang_told=True)
-        actions.append(ReportHung(checked.hang, state.used))
+        actions.append(Tell(Hung(state.used, checked.hang)))
         if rules.watches_membership and not state.alone:
             reason = f"{rules.node}: {checked.hang}"
             if state.restarts_left > 0:
                 actions.append(StopForStacks(reason))
             else:
                 actions.append(FailJob(f"{reason} (no restart left)", stacks=True))
-    waits = []
-    if checked.next_check is not None:
-        waits.append(checked.next_check)
-    if checked.until is not None:
-        waits.append(checked.until - now)
-    if rules.polls_membership:
-        waits.append(rules.monitor_interval)
-    actions.append(Wait(max(0.0, min(waits)) if waits else None))
-    return state, actions
+    wakes = [
+        wake
+        for wake in (
+            None if checked.next_check is None else now + checked.next_check,
+            checked.until,
+            now + rules.monitor_interval if rules.polls_membership else None,
+        )
+        if wake is not None
+    ]
+    return state, [*actions, Wait(min(wakes, default=None))]
 
 
 def _cause(state: RunState, ended: Ended, now: float) -> tuple[RunState, str]:
@@ -569,9 +337,11 @@ def _cause(state: RunState, ended: Ended, now: float) -> tuple[RunState, str]:
     rank = root_cause_rank(ended.failures)
     line = one_line(rank, ended.failures[rank])
     local = ended.local_ranks.get(rank, 0)
+    ranks = ended.snapshot
     spoke = [
-        progress is not None or (live is not None and live.used)
-        for progress, live in zip(ended.progress, ended.liveness, strict=True)
+        ranks.progress(slot) is not None or (live is not None and live.used)
+        for slot in range(ranks.slots)
+        for live in (ranks.liveness(slot),)
     ]
     state = replace(state, workers_spoke=state.workers_spoke or any(spoke))
     if startup_failure(spoke[local], state.workers_spoke):
@@ -582,8 +352,11 @@ def _cause(state: RunState, ended: Ended, now: float) -> tuple[RunState, str]:
 
 def _mark(ended: Ended) -> Mark:
     """How far the failed attempt got, as its workers said."""
-    steps = [progress.step for progress in ended.progress if progress is not None]
-    signs = sum(live.sections_done + live.beats for live in ended.liveness if live is not None)
+    ranks = ended.snapshot.ranks.values()
+    steps = [rank.progress.step for rank in ranks if rank.progress is not None]
+    signs = sum(
+        rank.liveness.sections_done + rank.liveness.beats for rank in ranks if rank.liveness
+    )
     return Mark(max(steps, default=None), signs)
 
 

@@ -1,0 +1,283 @@
+"""The agent's hands on its workers: start an attempt from its plan (``core.attempt``), watch it
+(hang detection, status posts, the node bar), read how it ended, and stop it, at once or, on a
+stop request, after the workers had their chance to stop themselves.
+
+``core.attempt`` decides what each rank gets; this module does it (``core/X.py`` decides,
+``agent/X.py`` does). The agent's driver (``agent.loop``) says when.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from relaunch.agent.channel import Channel
+from relaunch.agent.expiry import ExpiryWatch
+from relaunch.agent.report import NodeBar, RunReport, new_attempt_dir
+from relaunch.agent.sampler import Sampler
+from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
+from relaunch.agent.status import Group, NodeReporter
+from relaunch.core.attempt import Command, plan_attempt
+from relaunch.core.durations import seconds
+from relaunch.core.failures import format_report
+from relaunch.core.happenings import NodeSnapshot
+from relaunch.core.ranks import GroupContext
+from relaunch.core.step_types import Ended
+from relaunch.procs.console import console_for
+from relaunch.procs.context import PContext, RunProcsResult
+from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.procs.wakeup import EventQueue
+from relaunch.rendezvous.job import JobServices
+from relaunch.runtime import Clock
+
+if TYPE_CHECKING:
+    from relaunch.core.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+class Workers:
+    """The workers of one agent, attempt after attempt (``open`` once per run, then ``start``,
+    ``poll`` and ``stop`` for each attempt). ``sampler`` reads their channel and processes once
+    per tick for every reader (``agent.sampler``); the node bar shows them on the console."""
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        start_processes: Callable[..., PContext],
+        start_method: str,
+        placement: Placement | None,
+        *,
+        expiry: ExpiryWatch,
+        reporter: NodeReporter,
+        report: RunReport,
+        job: JobServices,
+        clock: Clock,
+    ) -> None:
+        spec = group.spec
+        assert spec.entrypoint is not None
+        self._group = group
+        self._command = Command(
+            spec.role,
+            spec.entrypoint,
+            spec.args,
+            spec.local_world_size,
+            spec.redirects,
+            spec.tee,
+            start_method,
+            spec.shutdown_timeout,
+        )
+        self._start_processes = start_processes
+        self._placement = placement
+        self._expiry, self._reporter, self._report, self._job = expiry, reporter, report, job
+        self.sampler = self._sampler = Sampler(clock)
+        self._node_bar = NodeBar(group, self._sampler.latest, lambda: reporter.job_line, clock)
+        self._console = console_for(sys.stdout, sys.stderr)
+        self._channel: Channel | None = None
+        self._wakeups: EventQueue[str] | None = None
+        self._pcontext: PContext | None = None
+        self._explained: RunProcsResult | None = None
+        self._outcome: RunProcsResult | None = None  # how the attempt ended, as last looked
+
+    def open(self, wakeups: EventQueue[str]) -> None:
+        """A run begins: its workers' channel, and the queue their end (and a first use of the
+        channel, when deadlines may need watching) wakes."""
+
+        def workers_speak() -> None:  # from the channel's thread
+            wakeups.put("a worker used the channel")
+            self._reporter.notice_reports()
+
+        self._wakeups = wakeups
+        self._channel = Channel(self._group.spec.local_world_size, on_first_use=workers_speak)
+
+    def close(self) -> None:
+        """The run is over: the node bar's final state, and the channel gone."""
+        self._console.remove_source(self._node_bar)
+        if self._channel is not None:
+            self._channel.close()
+
+    def start(self, restart_count: int) -> None:
+        """Start the attempt of the group just joined (``restart_count`` restarts used)."""
+        group, command = self._group, self._command
+        channel, wakeups = self._channel, self._wakeups
+        assert channel is not None and wakeups is not None, "start before open"
+        channel.reset()
+        plan = plan_attempt(
+            command,
+            self._context(restart_count),
+            group.ranks,
+            os.environ,
+            new_attempt_dir(self._report.log_dir, restart_count),
+            extra_env={**self._expiry.worker_env(), **channel.env()},
+            placement=self._placement,
+            terminals=self._console.terminals(),
+            hang_detection=self._expiry.hang_timeout is not None,
+        )
+        self._pcontext = pcontext = self._start_processes(**plan.start_arguments())
+        pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
+        self._sampler.watch(channel, pcontext)
+        self._node_bar.restart()
+        if plan.draws_console:
+            self._console.add_source(self._node_bar)
+        pids = pcontext.pids()
+        for worker, pid in zip(group.workers, pids.values(), strict=True):
+            worker.id = pid
+        stdouts, stderrs = pcontext.stdouts, pcontext.stderrs
+        log_files = {
+            rank: [path for path in (stdouts.get(rank), stderrs.get(rank)) if path] for rank in pids
+        }
+        self._expiry.watch(
+            pids,
+            log_files,
+            self._sampler.take,
+            # A start_processes given by the user (torch's, say) has no such method.
+            getattr(pcontext, "hold_group_stop", lambda: None),
+        )
+        spec = group.spec
+        assert group.group_rank is not None and group.group_world_size is not None
+        self._reporter.start(
+            Group(
+                getattr(spec.rdzv_handler, "identity", "") or os.uname().nodename,
+                group.group_rank,
+                group.group_world_size,
+                {worker.local_rank: worker.global_rank for worker in group.workers},
+                self._sampler.latest,
+            ),
+            self._job,
+        )
+        group.state = WorkerState.HEALTHY
+
+    def _context(self, restart_count: int) -> GroupContext:
+        """What every worker of the group just joined shares."""
+        group, spec = self._group, self._group.spec
+        assert group.group_rank is not None and group.group_world_size is not None
+        assert group.master_addr is not None and group.master_port is not None
+        return GroupContext(
+            role=spec.role,
+            run_id=spec.rdzv_handler.get_run_id(),
+            group_rank=group.group_rank,
+            group_world_size=group.group_world_size,
+            local_world_size=spec.local_world_size,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            restart_count=restart_count,
+            max_restarts=spec.max_restarts,
+        )
+
+    def poll(self) -> RunProcsResult | None:
+        """How the attempt stands: None while its workers run."""
+        assert self._pcontext is not None
+        self._outcome = self._pcontext.wait(0)
+        return self._outcome
+
+    def still_running(self) -> bool:
+        return self._pcontext is not None and self._pcontext.wait(0) is None
+
+    def ended(self) -> Ended | None:
+        """How the attempt polled last ended (None: it runs), for the step: a failure is
+        explained once (why relaunch killed a worker), with what each rank said."""
+        outcome = self._outcome
+        self._sampler.observed(outcome)
+        if outcome is None:
+            return None
+        group = self._group
+        snapshot = NodeSnapshot(0.0)
+        if outcome.is_failed():
+            if outcome is not self._explained:
+                self._explained = outcome
+                assert self._pcontext is not None
+                self._expiry.explain(outcome.failures, self._pcontext.stderrs)
+            snapshot = self._sampler.take()
+        return Ended(
+            group.by_global_rank(outcome.failures),
+            {worker.global_rank: worker.local_rank for worker in group.workers},
+            snapshot,
+        )
+
+    def failure_report(self) -> str:
+        """The failure report of the attempt that failed, for this agent's log."""
+        group, outcome = self._group, self._outcome
+        assert outcome is not None
+        return format_report(
+            group.spec.role,
+            group.by_global_rank(outcome.failures),
+            os.uname().nodename,
+            group.by_global_rank(outcome.stopped),
+        )
+
+    def succeeded(self) -> RunResult:
+        group, outcome = self._group, self._outcome
+        assert outcome is not None
+        group.state = WorkerState.SUCCEEDED
+        return RunResult(
+            WorkerState.SUCCEEDED, return_values=group.by_global_rank(outcome.return_values)
+        )
+
+    def failed(self) -> RunResult:
+        group, outcome = self._group, self._outcome
+        assert outcome is not None
+        group.state = WorkerState.FAILED
+        return RunResult(
+            WorkerState.FAILED,
+            failures=group.by_global_rank(outcome.failures),
+            stopped=sorted(group.by_global_rank(outcome.stopped)),
+        )
+
+    def stop(self, death_sig: signal.Signals) -> None:
+        """Stop the workers with ``death_sig`` (then SIGKILL after the shutdown timeout),
+        letting ranks asked for their stacks write them first."""
+        self._reporter.stop()
+        if self._pcontext is not None:
+            dumping = self._expiry.dumping()
+            if dumping:  # ranks asked for their stacks: let them write them before the signal
+                self._pcontext.wait(dumping)
+            self._pcontext.close(death_sig, self._group.spec.shutdown_timeout)
+            self._report.last_outcome = self._pcontext.wait(0)
+            self._sampler.observed(self._report.last_outcome)
+            if self._channel is not None:
+                self._report.last_progress = self._sampler.take().progresses()
+            self._console.remove_source(self._node_bar)  # prints the bar's final state
+
+    def stop_gracefully(self, request: StopRequested) -> SignalException:
+        """Ask the workers to stop, give them ``shutdown_timeout`` seconds, then stop the rest.
+
+        Only when a running worker listens (has called ``stop_requested()``); otherwise the
+        workers are stopped at once, as by torchrun. Returns the exception to end the run with:
+        the request, or a second signal.
+        """
+        spec = self._group.spec
+        channel, pcontext = self._channel, self._pcontext
+        if pcontext is None or channel is None:
+            return request
+        if not any(channel.listening(rank) for rank in pcontext.running()):
+            return request  # nobody would hear it: stop them with the signal at once
+        channel.request_stop()
+        try:
+            log.warning(
+                "%s: asking the workers to stop (relaunch.stop_requested()); waiting up "
+                "to %gs for them (send %s again to stop them now)",
+                request.sigval.name,
+                spec.shutdown_timeout,
+                request.sigval.name,
+            )
+            outcome = pcontext.wait(spec.shutdown_timeout)
+        except SignalException as again:
+            self._report.stop_note = f"{again.sigval.name} again: the workers were stopped at once"
+            return again
+        if outcome is not None and not outcome.is_failed():
+            note = "the workers stopped cleanly after the stop request (all exited 0)"
+        elif outcome is not None:
+            note = "the workers stopped after the stop request, some of them failing"
+        else:
+            running = len(pcontext.running())
+            note = (
+                f"{running} worker(s) did not stop within "
+                f"{seconds(spec.shutdown_timeout)} of the request and were sent "
+                f"{request.sigval.name}"
+            )
+        self._report.stop_note = note
+        return request
