@@ -6,9 +6,9 @@ failure). ``--standalone`` is one node on an in-process store.
 """
 
 from relaunch.core.membership import ChangeKind, MembershipChange
+from relaunch.core.rdzv_conf import BACKENDS
 from relaunch.endpoints import parse_endpoint
 from relaunch.rendezvous.api import (
-    BACKENDS,
     JobFailedError,
     RendezvousError,
     RendezvousHandler,

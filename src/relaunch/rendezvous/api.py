@@ -11,14 +11,8 @@ from typing import Any
 
 from relaunch.core.exclusion import NodeRecord, decode_record
 from relaunch.core.membership import MembershipChange, decode_change
+from relaunch.core.rdzv_conf import redacted
 from relaunch.runtime import ExplainedError
-
-#: Backends this release can run, by ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name
-#: for the dynamic rendezvous on etcd; relaunch speaks etcd's v3 API under both names.
-BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2", "static")
-#: ``--rdzv-conf`` keys whose values never appear in a repr, a log line or an error message.
-SECRET_KEYS = ("password", "token")
-
 
 #: The environment variable that holds the rendezvous store's shared token.
 TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
@@ -148,11 +142,6 @@ class RendezvousParameters:
             f"max_nodes={self.max_nodes}, local_addr={self.local_addr!r}, "
             f"config={redacted(self.config)!r})"
         )
-
-
-def redacted(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with the values of secret keys (passwords, tokens) masked."""
-    return {key: "***" if key in SECRET_KEYS else value for key, value in config.items()}
 
 
 class RendezvousHandler(abc.ABC):

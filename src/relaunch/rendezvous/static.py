@@ -6,12 +6,11 @@ import logging
 import time
 
 from relaunch.core.durations import seconds
-from relaunch.endpoints import find_free_port, parse_endpoint
+from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import (
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
 )
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
@@ -88,24 +87,6 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.local_world_size = local_world_size
         self.resolve_timeout = resolve_timeout
         self._clock = clock
-
-    @classmethod
-    def from_parameters(cls, params: RendezvousParameters) -> StaticRendezvousHandler:
-        if params.min_nodes != params.max_nodes:
-            raise ValueError(
-                f"--nnodes {params.min_nodes}:{params.max_nodes} needs an elastic rendezvous "
-                "backend; the static backend takes a fixed number of nodes"
-            )
-        host, port = parse_endpoint(params.endpoint, default_port=29500)
-        return cls(
-            run_id=params.run_id,
-            node_rank=int(params.get("rank", 0)),
-            nnodes=params.max_nodes,
-            master_addr=host,
-            master_port=port,
-            local_world_size=int(params.get("local_world_size", 1)),
-            resolve_timeout=float(params.get("join_timeout", RESOLVE_TIMEOUT)),
-        )
 
     def next_rendezvous(self) -> RendezvousInfo:
         # One node has no master elsewhere whose name may come later: a name that does not
