@@ -274,16 +274,6 @@ def read_rdzv_conf(backend: str, conf: Mapping[str, Any]) -> RendezvousSettings:
         raise ConfigError(str(exc)) from None
 
 
-def rdzv_settings(conf: Mapping[str, Any]) -> RendezvousSettings:
-    """The dynamic rendezvous' settings in ``conf`` (``read_rdzv_conf`` for ``c10d``)."""
-    return read_rdzv_conf("c10d", conf)
-
-
-def etcd_options(conf: Mapping[str, Any]) -> dict[str, Any]:
-    """``EtcdStore``'s keyword arguments in ``conf`` (``read_rdzv_conf`` for ``etcd``)."""
-    return read_rdzv_conf("etcd", conf).etcd_store_arguments()
-
-
 # -- the run id ---------------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from conftest import LeakCheck
 
 from relaunch import cli
 from relaunch.cli.args import config_from_args, validate
-from relaunch.config import ConfigError, LaunchConfig, etcd_options, rdzv_settings
+from relaunch.config import ConfigError, LaunchConfig, read_rdzv_conf
 from relaunch.core.rdzv_conf import RendezvousSettings
 from relaunch.core.streams import Std
 from relaunch.store.etcd import EtcdStore
@@ -145,13 +145,13 @@ def test_a_static_backend_ignores_the_dynamic_keys_but_join_timeout() -> None:
 
 
 def test_rdzv_settings_are_typed_with_defaults() -> None:
-    assert rdzv_settings({}) == RendezvousSettings()
-    settings = rdzv_settings(
-        {"join_timeout": "10", "keep_alive_max_attempt": 5, "is_host": "no", "token": "t"}
+    assert read_rdzv_conf("c10d", {}) == RendezvousSettings()
+    settings = read_rdzv_conf(
+        "c10d", {"join_timeout": "10", "keep_alive_max_attempt": 5, "is_host": "no", "token": "t"}
     )
     assert (settings.join_timeout, settings.keep_alive_max_attempt) == (10.0, 5)
     assert (settings.is_host, settings.token, settings.timeout) == (False, "t", 60.0)
-    assert rdzv_settings({"is_host": "true"}).is_host is True
+    assert read_rdzv_conf("c10d", {"is_host": "true"}).is_host is True
     for conf, message in (
         ({"join_timeout": "x"}, "--rdzv-conf join_timeout='x': expected a number of seconds"),
         ({"keep_alive_max_attempt": "2.5"}, "keep_alive_max_attempt='2.5': expected a whole"),
@@ -159,11 +159,13 @@ def test_rdzv_settings_are_typed_with_defaults() -> None:
         ({"timeout": "soon"}, "timeout='soon'"),
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            rdzv_settings(conf)
+            read_rdzv_conf("c10d", conf)
 
 
 def test_etcd_options_are_the_stores_arguments(tmp_path) -> None:
-    options = etcd_options({"user": "root", "password": "pw", "timeout": "5", "other": "x"})
+    options = read_rdzv_conf(
+        "etcd", {"user": "root", "password": "pw", "timeout": "5", "other": "x"}
+    ).etcd_store_arguments()
     store = EtcdStore("h:1", **options)
     assert store.timeout == 5.0 and options["protocol"] == "http"
     for conf, message in (
@@ -173,7 +175,7 @@ def test_etcd_options_are_the_stores_arguments(tmp_path) -> None:
         ({"key": str(tmp_path / "job.py")}, "key= needs cert= too"),
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            etcd_options(conf)
+            read_rdzv_conf("etcd", conf).etcd_store_arguments()
 
 
 def _main_with_a_failing_rendezvous(

@@ -95,7 +95,7 @@ def open_reader(
     """A reader of the job over a client of its store, the store's address in words, and the
     seconds one read may take. ConfigError on bad input; StoreError when the store cannot be
     reached."""
-    from relaunch.config import ConfigError, etcd_options, rdzv_settings
+    from relaunch.config import ConfigError, read_rdzv_conf
     from relaunch.rendezvous.api import TOKEN_ENV
     from relaunch.rendezvous.reader import JobReader
 
@@ -103,13 +103,14 @@ def open_reader(
         raise ConfigError("--rdzv-endpoint is required: the job's store, as given to its agents")
     if not args.rdzv_id:
         raise ConfigError("--rdzv-id is required: the job's id, as given to its agents")
-    conf = rdzv_settings(args.rdzv_conf)
+    on_etcd = args.rdzv_backend in ("etcd", "etcd-v2")
+    conf = read_rdzv_conf("etcd" if on_etcd else "c10d", args.rdzv_conf)
     timeout = conf.timeout if "timeout" in args.rdzv_conf else TIMEOUT
-    if args.rdzv_backend in ("etcd", "etcd-v2"):
+    if on_etcd:
         from relaunch.rendezvous.reader import EtcdJobReader
         from relaunch.store.etcd import EtcdStore
 
-        options = {**etcd_options(args.rdzv_conf), "timeout": timeout}
+        options = {**conf.etcd_store_arguments(), "timeout": timeout}
         etcd = EtcdStore(args.rdzv_endpoint, **options)
         return EtcdJobReader(etcd, args.rdzv_id), etcd.describe(), timeout
     from relaunch.endpoints import parse_endpoint
