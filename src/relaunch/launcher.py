@@ -11,7 +11,7 @@ import resource
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
 from relaunch.agent.health import HealthCheck
@@ -31,6 +31,9 @@ from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
 from relaunch.rendezvous.backends import create_rendezvous_handler
 from relaunch.runtime import raise_open_file_limit
+
+if TYPE_CHECKING:
+    from relaunch.core.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +167,21 @@ def launch_agent(
     return result.return_values
 
 
+def placement_of(config: LaunchConfig) -> Placement | None:
+    """The ranks' device placement ``config`` asks for (ConfigError if it cannot be), or None."""
+    if config.devices is None and not config.device_per_rank and not config.numa_binding:
+        return None
+    from relaunch.placement import placement_for
+
+    return placement_for(config, os.environ)
+
+
 def _agent(
     config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler, metrics: Metrics
 ) -> LocalElasticAgent:
     """The agent ``config`` describes (its metrics port bound: ConfigError if it cannot be, or
     if its device placement cannot be)."""
-    placement = None
-    if config.devices is not None or config.device_per_rank or config.numa_binding:
-        from relaunch.placement import placement_for
-
-        placement = placement_for(config, os.environ)
+    placement = placement_of(config)
     return LocalElasticAgent(
         spec,
         config.start_method,

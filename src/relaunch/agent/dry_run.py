@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from relaunch.core.attempt import AttemptPlan, Command, plan_attempt
@@ -132,7 +132,7 @@ def first_attempt(
         rank: {name: AT_THE_JOIN if name in unknown else value for name, value in env.items()}
         for rank, env in plan.envs.items()
     }
-    return FirstAttempt(replace(plan, envs=envs), where, f"the join gives {', '.join(unknown)}")
+    return FirstAttempt(plan._replace(envs=envs), where, f"the join gives {', '.join(unknown)}")
 
 
 def _place(config: LaunchConfig) -> tuple[tuple[str, ...], int, int, str, int]:
@@ -165,7 +165,7 @@ def describe_first(first: FirstAttempt) -> str:
     ]
     if first.stopped_before:
         lines.append(f"relaunch: stopped before joining the rendezvous ({first.stopped_before})")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def describe(plan: AttemptPlan) -> str:

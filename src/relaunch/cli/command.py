@@ -144,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared = prepare(arguments)
     if isinstance(prepared, int):
         return prepared
+    if prepared[0].dry_run:
+        return _dry_run(*prepared[1:])
     return _launch(*prepared)
 
 
@@ -187,6 +189,25 @@ def _apply_scheduler(
     for dest in applied:
         setattr(args, dest, inference.values[dest])
     print(f"relaunch: {inference.describe(applied)}", file=sys.stderr)
+
+
+def _dry_run(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str, entry_args: tuple[str, ...]
+) -> int:
+    """Print the plan of this node's first attempt (``agent.dry_run``); start nothing."""
+    from relaunch.agent.dry_run import dry_run
+    from relaunch.launcher import placement_of
+
+    try:
+        text = dry_run(config, entrypoint, entry_args, placement=placement_of(config))
+    except Exception as exc:
+        ended = end(exc, PREPARE)
+        if ended is None:
+            raise
+        return ended[0]
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0
 
 
 def _launch(

@@ -327,6 +327,12 @@ FLAGS = [
         switch=True,
     ),
     _Flag(
+        "workers",
+        ("--dry-run",),
+        "print the first attempt's plan (each rank's command and environment) and start nothing",
+        switch=True,
+    ),
+    _Flag(
         "workers", ("--start-method",), "how function workers start", "spawn", choices=START_METHODS
     ),
     _Flag(
