@@ -168,5 +168,5 @@ def test_a_dry_run_of_an_elastic_rendezvous_stops_before_joining() -> None:
     assert text.endswith(
         "stopped before joining the rendezvous (the join gives RANK, GROUP_RANK, "
         "ROLE_RANK, WORLD_SIZE, GROUP_WORLD_SIZE, ROLE_WORLD_SIZE, MASTER_ADDR, "
-        "MASTER_PORT, TORCHELASTIC_RESTART_COUNT)"
+        "MASTER_PORT, TORCHELASTIC_RESTART_COUNT)\n"
     )

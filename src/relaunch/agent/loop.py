@@ -209,8 +209,8 @@ class LocalElasticAgent:
                 done = self._act(action, wakeups)
                 if isinstance(done, RunResult):
                     return done
-                answer = done or answer
-            observation = answer or self._look(failures)
+                answer = answer if done is None else done
+            observation = self._look(failures) if answer is None else answer
 
     def _look(self, failures: FailureWatch) -> do.Observation:
         """How the workers and the job stand now."""
@@ -235,7 +235,7 @@ class LocalElasticAgent:
         """Perform ``action``: an observation when it answers one, the result when it ends."""
         job, workers = self._job, self._workers
         match action:
-            case do.Rendezvous(backoff):
+            case do.Rendezvous(backoff=backoff):
                 return self._rendezvous(backoff)
             case do.StartWorkers():
                 workers.start(self.restart_count)
@@ -245,29 +245,29 @@ class LocalElasticAgent:
                 workers.stop(signal.SIGTERM)
             case do.CheckStore():
                 job.check_store()
-            case do.AskRollCall(timeout):
+            case do.AskRollCall(timeout=timeout):
                 alive = job.peers_alive(timeout)
                 return do.PeersAnswered(alive, job.membership_change())  # one may have come
-            case do.TakeStacks(reason):
+            case do.TakeStacks(reason=reason):
                 self._expiry.dump_stacks(reason)
-            case do.CheckHangs(until):
+            case do.CheckHangs(until=until):
                 check_in = self._expiry.check()  # acts on hung workers; when to look again
                 return do.HangsChecked(self._expiry.hang, check_in, until)
-            case do.Wait(until):
+            case do.Wait(until=until):
                 wakeups.get(None if until is None else max(0.0, until - self._clock.monotonic()))
-            case do.StopForStacks(reason):
+            case do.StopForStacks(reason=reason):
                 job.stop_for_stacks(reason)
-            case do.FailJob(reason, stacks):
+            case do.FailJob(reason=reason, stacks=stacks):
                 job.fail_job(reason, stacks=stacks)
-            case do.NoteRestart(reason):
+            case do.NoteRestart(reason=reason):
                 job.note_restart(reason)
             case do.ReportFailure():
                 log.warning("%s", workers.failure_report())
-            case do.Say(text, error):
+            case do.Say(text=text, error=error):
                 log.log(logging.ERROR if error else logging.WARNING, "%s", text)
-            case do.StopNote(text):
+            case do.StopNote(text=text):
                 self._report.stop_note = text
-            case do.Tell(happening):
+            case do.Tell(happening=happening):
                 self._sinks.happened(happening)
             case do.Succeed():
                 result = workers.succeeded()
@@ -278,7 +278,7 @@ class LocalElasticAgent:
                 return result
             case do.Fail():
                 return workers.failed()
-            case do.CutShort(message):
+            case do.CutShort(message=message):
                 raise JobFailedError(message)
         return None
 

@@ -4,14 +4,14 @@ CPUs, and the attempt's log directory, decided before anything starts.
 ``plan_attempt`` is pure: given what the run runs (``Command``), the group's place (ranks, master,
 restart count), the launcher's environment and console, and the placement, it returns the
 ``AttemptPlan`` that the agent passes to ``start_processes`` as it is (``start_arguments``), and
-that ``relaunch --dry-run`` prints instead (``agent.dry_run``).
+that ``relaunch --dry-run`` prints instead (``agent.dry_run``). Named tuples, as the step's values
+(``core.step_types``): made at every launch, they cost a tenth of a dataclass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from relaunch.core.console_plan import (
     LOG_LINE_PREFIX_TEMPLATE_ENV,
@@ -22,14 +22,15 @@ from relaunch.core.console_plan import (
 )
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.macros import substitute_local_rank
-from relaunch.core.placement import Placement
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.ranks import GroupContext, WorkerRanks, worker_env
 from relaunch.core.streams import Std
 
+if TYPE_CHECKING:
+    from relaunch.core.placement import Placement
 
-@dataclass(frozen=True)
-class Command:
+
+class Command(NamedTuple):
     """What every attempt of a run starts: ``nprocs`` copies of ``entrypoint`` (a function or a
     binary) with ``args``, their streams as ``redirects`` and ``tee`` say."""
 
@@ -43,8 +44,7 @@ class Command:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
 
-@dataclass(frozen=True)
-class AttemptPlan:
+class AttemptPlan(NamedTuple):
     """One attempt's workers, by local rank: what ``start_processes`` is given.
 
     ``envs`` holds what each worker gets on top of the launcher's environment; ``tee`` is the
@@ -63,9 +63,9 @@ class AttemptPlan:
     tee: Std | Mapping[int, Std]
     shutdown_timeout: float
     log_line_prefixes: dict[int, str]
-    relay: dict[int, Std] = field(default_factory=dict)
-    cpu_affinity: dict[int, frozenset[int]] = field(default_factory=dict)
-    draws_console: bool = False
+    relay: dict[int, Std]
+    cpu_affinity: dict[int, frozenset[int]]
+    draws_console: bool
 
     @property
     def nprocs(self) -> int:

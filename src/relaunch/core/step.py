@@ -19,7 +19,7 @@ A crash loop waits its backoff between restarts, and stops after restarts that m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from relaunch.core import restart
 from relaunch.core.durations import seconds
@@ -65,8 +65,7 @@ ROLL_CALL_TIMEOUT = 1.0
 CUT_SHORT = "this node's workers were stopped before they finished"
 
 
-@dataclass(frozen=True)
-class Rules:
+class Rules(NamedTuple):
     """What a run's decisions depend on that stays fixed while it runs.
 
     ``node`` names this host in what the other nodes are told; ``polls_membership``: the job
@@ -81,21 +80,19 @@ class Rules:
     polls_membership: bool = False
     monitor_interval: float = 0.1
     lost_node_grace: float = 0.0
-    backoff: Backoff = field(default_factory=Backoff)
+    backoff: Backoff = Backoff()
     max_stalled: int = 3
     roll_call_timeout: float = ROLL_CALL_TIMEOUT
 
 
-@dataclass(frozen=True)
-class Reform:
+class Reform(NamedTuple):
     """A restart under way: whether the workers had failed, and the decision's reason."""
 
     failed: bool
     reason: str
 
 
-@dataclass(frozen=True)
-class RunState:
+class RunState(NamedTuple):
     """Everything the next decision depends on, from the observations so far."""
 
     rules: Rules
@@ -113,7 +110,7 @@ class RunState:
     hang: str | None = None
     hang_told: bool = False
     stacks_taken: bool = False
-    crash_loop: CrashLoop = field(default_factory=CrashLoop)
+    crash_loop: CrashLoop = CrashLoop()
     attempt_started: float = 0.0
     #: Some rank used the channel, in this attempt or an earlier one.
     workers_spoke: bool = False
@@ -139,15 +136,15 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     if isinstance(observation, Began):
         return state, [Rendezvous()]
     if isinstance(observation, Placed):
-        placed = replace(
-            state, nodes=observation.nodes, used=observation.used, peers_alive=None, reforming=None
+        placed = state._replace(
+            nodes=observation.nodes, used=observation.used, peers_alive=None, reforming=None
         )
         return placed, [StartWorkers()]
     if isinstance(observation, JobClosed):
         return _closed(state)
     if isinstance(observation, WorkersStarted):
-        return replace(
-            state, attempt_started=now, hang=None, hang_told=False, stacks_taken=False
+        return state._replace(
+            attempt_started=now, hang=None, hang_told=False, stacks_taken=False
         ), []
     if isinstance(observation, StacksPending):
         return state, [CheckHangs(now + observation.seconds)]  # let every stack be written
@@ -158,7 +155,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     if isinstance(observation, PeersAnswered):
         look = state.roll_call_for
         assert look is not None, "a roll call's answer without a roll call"
-        answered = replace(state, peers_alive=observation.alive, roll_call_for=None)
+        answered = state._replace(peers_alive=observation.alive, roll_call_for=None)
         return _decide(answered, look, observation.change, now)
     raise TypeError(f"not an observation: {observation!r}")
 
@@ -167,7 +164,7 @@ def _looked(state: RunState, look: Looked, now: float) -> Decided:
     """The workers and the job were looked at: decide, after a roll call where it tells."""
     failed = look.ended is not None and look.ended.failed
     if failed and look.used is not None:
-        state = replace(state, used=look.used)
+        state = state._replace(used=look.used)
     rules = state.rules
     if (
         failed
@@ -177,7 +174,7 @@ def _looked(state: RunState, look: Looked, now: float) -> Decided:
         and not state.alone
         and state.grace_ends is None
     ):
-        return replace(state, roll_call_for=look), [AskRollCall(rules.roll_call_timeout)]
+        return state._replace(roll_call_for=look), [AskRollCall(rules.roll_call_timeout)]
     return _decide(state, look, look.change, now)
 
 
@@ -204,9 +201,9 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
                 f"waiting up to {seconds(rules.lost_node_grace)} for a lost node to be noticed"
             )
         )
-    state = replace(state, grace_ends=decision.deadline)
+    state = state._replace(grace_ends=decision.deadline)
     if decision.stacks and state.hang is None and not state.stacks_taken:
-        return replace(state, stacks_taken=True), [*actions, TakeStacks(decision.reason)]
+        return state._replace(stacks_taken=True), [*actions, TakeStacks(decision.reason)]
     if decision.action in (restart.Action.CONTINUE, restart.Action.AWAIT_CHANGE):
         return state, [*actions, CheckHangs(decision.deadline)]
     actions.append(Tell(AttemptEnded(rules.role, group.value, state.restarts_left)))
@@ -255,7 +252,7 @@ def _restart(
         loop = state.crash_loop.after_failure(
             now - state.attempt_started, _mark(ended), rules.backoff
         )
-        state = replace(state, crash_loop=loop)
+        state = state._replace(crash_loop=loop)
         stalled = stalled_out(loop, rules.max_stalled)
         if stalled is not None:
             return state, [
@@ -271,7 +268,7 @@ def _restart(
     actions += [StopWorkers(), CheckStore()]
     restarts_left = state.restarts_left
     if decision.uses_restart:
-        state = replace(state, spent=state.spent + 1)
+        state = state._replace(spent=state.spent + 1)
         restarts_left -= 1
     cause = "hang" if state.hang is not None else decision.cause
     actions.append(
@@ -288,7 +285,7 @@ def _restart(
                 f"(--restart-backoff {backoff.base:g}:{backoff.cap:g})"
             )
         )
-    state = replace(state, reforming=Reform(failed, decision.reason))
+    state = state._replace(reforming=Reform(failed, decision.reason))
     return state, [*actions, Rendezvous(delay)]
 
 
@@ -308,10 +305,10 @@ def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
     nodes for their stacks, or ending the job with no restart left), then wait for the next
     event, hang detection's next look, the deadline, or the next poll of the membership."""
     rules = state.rules
-    state = replace(state, hang=checked.hang)
+    state = state._replace(hang=checked.hang)
     actions: list[Action] = []
     if checked.hang is not None and not state.hang_told:
-        state = replace(state, hang_told=True)
+        state = state._replace(hang_told=True)
         actions.append(Tell(Hung(state.used, checked.hang)))
         if rules.watches_membership and not state.alone:
             reason = f"{rules.node}: {checked.hang}"
@@ -343,7 +340,7 @@ def _cause(state: RunState, ended: Ended, now: float) -> tuple[RunState, str]:
         for slot in range(ranks.slots)
         for live in (ranks.liveness(slot),)
     ]
-    state = replace(state, workers_spoke=state.workers_spoke or any(spoke))
+    state = state._replace(workers_spoke=state.workers_spoke or any(spoke))
     if startup_failure(spoke[local], state.workers_spoke):
         ran_for = now - state.attempt_started
         return state, f"during start-up ({ran_for:.1f}s after it started): {line}"
