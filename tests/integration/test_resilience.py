@@ -290,6 +290,7 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
 @pytest.mark.timeout(30)
 def test_one_node_judges_its_own_ranks() -> None:
     from relaunch.agent.status import Group, NodeReporter
+    from relaunch.core.happenings import NodeSnapshot, RankSample
     from relaunch.core.progress import Progress
 
     began = time.time()
@@ -301,7 +302,13 @@ def test_one_node_judges_its_own_ranks() -> None:
 
     flagged: list[int] = []
     reporter = NodeReporter(1.5, lambda straggler: flagged.append(straggler.rank), interval=0.05)
-    group = Group("here", 0, 1, {0: 4, 1: 5, 2: 6}, progress, lambda local: None, dict)
+    group = Group(
+        "here",
+        0,
+        1,
+        {0: 4, 1: 5, 2: 6},
+        lambda: NodeSnapshot(time.time(), {local: RankSample(progress(local)) for local in speeds}),
+    )
     reporter.start(group, None)
     try:
         wait_until(lambda: flagged, timeout=10, what="a straggler")
