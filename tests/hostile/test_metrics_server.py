@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import LeakCheck, wait_until
 
-from relaunch.agent import metrics
+from relaunch.agent import metrics_server
 from relaunch.endpoints import find_free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,8 +138,8 @@ def closed(sock: socket.socket) -> bool:
 
 
 def test_past_the_connection_cap_the_oldest_make_room(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(metrics, "MAX_CONNECTIONS", 8)
-    server = metrics.MetricsServer(HOST, 0, lambda: b"relaunch_x 1\n")
+    monkeypatch.setattr(metrics_server, "MAX_CONNECTIONS", 8)
+    server = metrics_server.MetricsServer(HOST, 0, lambda: b"relaunch_x 1\n")
     server.start()
     crowd = [socket.create_connection((HOST, server.port), timeout=5) for _ in range(12)]
     try:

@@ -1,7 +1,8 @@
 """The elastic agent: the driver (``loop``), what it runs (``spec``), its hands on the workers
 (``workers``), the expiry timers and hang detection (``expiry``), the shared-memory channel to
-the workers (``channel``), what it reports (``report``, ``sinks``) and the dry run
-(``dry_run``). Its decisions are in ``relaunch.core`` (``step``, ``attempt``, ``restart``)."""
+the workers (``channel``) read once per tick (``sampler``), what it reports (``sinks`` tell each
+happening to ``report``, ``metrics``, ``status`` and the log) and the dry run (``dry_run``).
+Its decisions are in ``relaunch.core`` (``step``, ``attempt``, ``restart``)."""
 
 from __future__ import annotations
 
