@@ -23,7 +23,7 @@ import resource
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -212,3 +212,18 @@ def raise_open_file_limit(needed: int) -> tuple[int, int]:
         except (ValueError, OSError):
             pass
     return soft, hard
+
+
+def lazy_attributes(module: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` (PEP 562) that imports each name of ``homes`` from the module
+    named beside it on first use, so that importing ``module`` stays cheap."""
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        import importlib
+
+        return getattr(importlib.import_module(home), name)
+
+    return __getattr__

@@ -21,6 +21,7 @@ from relaunch.cli.flags import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+from relaunch.runtime import lazy_attributes
 
 if TYPE_CHECKING:
     from relaunch.cli.args import config_from_args, resolve_nproc
@@ -49,11 +50,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """A name of ``_LAZY``, imported on first use."""
-    import importlib
-
-    home = _LAZY.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -4,9 +4,9 @@ The TCP client and server and the etcd client load on first use, so a single-nod
 imports sockets, hmac, hashlib, http or ssl.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from relaunch.runtime import lazy_attributes
 from relaunch.store.api import (
     CasResult,
     Store,
@@ -48,8 +48,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _LAZY.get(name)
-    if home is None:
-        raise AttributeError(f"module 'relaunch.store' has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
+__getattr__ = lazy_attributes(__name__, _LAZY)
