@@ -39,6 +39,9 @@ class Event:
         # always serializes its source by name.
         self.source = EventSource(self.source)
 
+    def __str__(self) -> str:
+        return self.serialize()
+
     def serialize(self) -> str:
         """One line of JSON: name, source (by name), timestamp, metadata, in that order."""
         return json.dumps(
@@ -64,6 +67,63 @@ class Event:
             timestamp=int(raw.get("timestamp", 0)),
             metadata=dict(raw.get("metadata") or {}),
         )
+
+
+class NodeState(str, enum.Enum):
+    """Where a node stands in a rendezvous, as torchelastic's rendezvous events say it."""
+
+    INIT = "INIT"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+@dataclass
+class RdzvEvent:
+    """One rendezvous event; ``serialize`` gives torchelastic's one-line JSON for it (its
+    fields in this order, ``node_state`` by name)."""
+
+    name: str
+    run_id: str
+    message: str
+    hostname: str
+    pid: int
+    node_state: NodeState
+    master_endpoint: str = ""
+    rank: int | None = None
+    local_id: int | None = None
+    error_trace: str = ""
+
+    def __str__(self) -> str:
+        return self.serialize()
+
+    def serialize(self) -> str:
+        """One line of JSON with every field."""
+        return json.dumps(
+            {
+                "name": self.name,
+                "run_id": self.run_id,
+                "message": self.message,
+                "hostname": self.hostname,
+                "pid": self.pid,
+                "node_state": NodeState(self.node_state).value,
+                "master_endpoint": self.master_endpoint,
+                "rank": self.rank,
+                "local_id": self.local_id,
+                "error_trace": self.error_trace,
+            }
+        )
+
+    @staticmethod
+    def deserialize(data: str | RdzvEvent) -> RdzvEvent:
+        """The inverse of ``serialize``; an ``RdzvEvent`` is returned as it is."""
+        if isinstance(data, RdzvEvent):
+            return data
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError(f"not a serialized rendezvous event: {data!r}")
+        raw["node_state"] = NodeState[raw["node_state"]]
+        return RdzvEvent(**raw)
 
 
 def _plain(value: Any) -> Any:

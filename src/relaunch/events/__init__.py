@@ -5,12 +5,18 @@ nodes' agents, or nowhere.
 The events and metric samples themselves, in torchelastic's shapes, are built without I/O in
 ``relaunch.core.status_events`` (re-exported here); the files are appended to by
 ``relaunch.jsonl_file``.
+
+torch's module functions are here too, with torch's meaning: ``record(event, destination)``
+sends an event to the ``logging`` handler a destination names (``handlers``), and
+``construct_and_record_rdzv_event`` builds and records a rendezvous event (dropped unless the
+``"dynamic_rendezvous"`` destination has a handler that keeps it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 from typing import IO, Protocol
@@ -20,10 +26,13 @@ from relaunch.core.status_events import (
     EventMetadataValue,
     EventSource,
     MetricData,
+    NodeState,
+    RdzvEvent,
     parse_spec,
     spec_path,
     status_event,
 )
+from relaunch.events.handlers import get_logging_handler
 from relaunch.jsonl_file import MAX_LOG_BYTES, JsonLinesWriter, check_log_file
 from relaunch.jsonl_file import creatable as creatable  # config's log-directory check
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -40,14 +49,100 @@ __all__ = [
     "MetricData",
     "MetricHandler",
     "Metrics",
+    "NodeState",
     "NullEventHandler",
     "NullMetricHandler",
+    "RdzvEvent",
     "check_log_file",
+    "construct_and_record_rdzv_event",
     "event_handler_from_spec",
+    "get_logging_handler",
     "metric_handler_from_spec",
+    "record",
+    "record_rdzv_event",
     "spec_path",
     "status_event",
 ]
+
+
+# --- torch's module functions: events to ``logging`` handlers, by destination ------------------
+
+_events_loggers: dict[str, logging.Logger] = {}
+
+
+def _logger(destination: str) -> logging.Logger:
+    """The logger that sends to ``destination``'s handler only (it does not propagate, so each
+    event is handled once)."""
+    events_logger = _events_loggers.get(destination)
+    if events_logger is None:
+        handler = get_logging_handler(destination)
+        events_logger = logging.getLogger(f"relaunch-events-{destination}")
+        events_logger.setLevel(logging.INFO)
+        events_logger.propagate = False
+        if handler not in events_logger.handlers:
+            events_logger.addHandler(handler)
+        events_logger = _events_loggers.setdefault(destination, events_logger)
+    return events_logger
+
+
+def record(event: Event, destination: str = "null") -> None:
+    """Send ``event``'s JSON line to ``destination`` (``"console"``, ``"null"``,
+    ``"dynamic_rendezvous"`` or ``"file:PATH"``; KeyError for another)."""
+    _logger(destination).info(event.serialize())
+
+
+def record_rdzv_event(event: RdzvEvent) -> None:
+    """Send a rendezvous event's JSON line to the ``"dynamic_rendezvous"`` destination."""
+    _logger("dynamic_rendezvous").info(event.serialize())
+
+
+def construct_and_record_rdzv_event(
+    run_id: str,
+    message: str,
+    node_state: NodeState,
+    name: str = "",
+    hostname: str = "",
+    pid: int | None = None,
+    master_endpoint: str = "",
+    local_id: int | None = None,
+    rank: int | None = None,
+) -> None:
+    """Build a rendezvous event and record it (``record_rdzv_event``), as torch does: named
+    ``"<caller's file>:<name or caller's function>"``, with this host (``socket.getfqdn``) and
+    pid unless given, and the exception being handled as ``error_trace`` when ``node_state``
+    is ``FAILED``. Nothing is built while the destination drops events."""
+    if isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler):
+        return
+    if not hostname:
+        import socket
+
+        hostname = socket.getfqdn()
+    if not pid:
+        pid = os.getpid()
+    caller = sys._getframe(1)
+    if not name:
+        name = caller.f_code.co_name
+    filename = os.path.basename(caller.f_code.co_filename)
+    del caller  # a frame kept alive holds every local of the caller
+    error_trace = ""
+    if node_state == NodeState.FAILED:
+        import traceback
+
+        error_trace = traceback.format_exc()
+    record_rdzv_event(
+        RdzvEvent(
+            name=f"{filename}:{name}",
+            run_id=run_id,
+            message=message,
+            hostname=hostname,
+            pid=pid,
+            node_state=node_state,
+            master_endpoint=master_endpoint,
+            rank=rank,
+            local_id=local_id,
+            error_trace=error_trace,
+        )
+    )
 
 
 # --- events -------------------------------------------------------------------------------------
