@@ -232,8 +232,8 @@ def test_client_errors_say_what_is_wrong(tmp_path) -> None:
     os.mkfifo(fifo)
     for path, error, message in [
         (str(regular), ValueError, "is not a FIFO"),
-        (str(tmp_path / "missing"), FileNotFoundError, "is the timer server running"),
-        (fifo, RuntimeError, "no timer server reads"),
+        (str(tmp_path / "missing"), BrokenPipeError, "no timer server reads .* does not exist"),
+        (fifo, BrokenPipeError, "no timer server reads"),
     ]:
         with pytest.raises(error, match=message), expires(after=1, client=FileTimerClient(path)):
             pass

@@ -111,6 +111,7 @@ class TimerServer(abc.ABC):
         self._clock = clock
         self._stop_event = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._last_pass: float | None = None  # when the reaper last went round its loop
 
     @abc.abstractmethod
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
@@ -166,6 +167,15 @@ class TimerServer(abc.ABC):
                 self._reap_step()
             except Exception:  # one bad request or reap must not end the reaper
                 log.exception("timer server: error in the reaper loop (it goes on)")
+            else:
+                self._last_pass = self._clock.time()
+
+    def get_last_progress_time(self) -> int:
+        """When (``clock.time()``, whole seconds) the reaper last went round its loop, which
+        it does at least every ``max_interval``; now if it has not yet (torch's liveness
+        probe of its file timer server)."""
+        last = self._last_pass
+        return int(self._clock.time() if last is None else last)
 
     def start(self) -> None:
         """Start the reaper thread (returns at once)."""

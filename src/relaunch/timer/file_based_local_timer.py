@@ -128,10 +128,16 @@ def is_descendant(pid: int) -> bool:
     return False
 
 
+class RequestTooLarge(ValueError, RuntimeError):
+    """A timer request that one write cannot carry whole (a RuntimeError, as torch raises)."""
+
+
 class FileTimerClient(TimerClient):
     """Sends this process's timer requests to the ``FileTimerServer`` reading ``file_path``.
 
     ``signal`` is what the worker is reaped with (SIGKILL); zero or negative only reports.
+    With no server reading the FIFO (or no FIFO), ``acquire`` and ``release`` raise
+    BrokenPipeError, as torch's do; a path that is no FIFO is a ValueError.
     """
 
     def __init__(self, file_path: str, signal: int = signals.SIGKILL) -> None:
@@ -140,15 +146,24 @@ class FileTimerClient(TimerClient):
         self._fd: int | None = None
         self._fd_pid = 0
 
+    def _no_server(self, why: str) -> BrokenPipeError:
+        return BrokenPipeError(
+            f"no timer server reads {self._file_path} ({why}): start a FileTimerServer on it "
+            "first, or run under `relaunch --timers`"
+        )
+
     def _pipe(self) -> int:
         if self._fd is not None and self._fd_pid == os.getpid():
             return self._fd
-        check_fifo(self._file_path)
+        try:
+            check_fifo(self._file_path)
+        except FileNotFoundError:
+            raise self._no_server("it does not exist") from None
         try:
             # Non-blocking open fails at once when nobody reads, rather than hanging.
             fd = os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise RuntimeError(f"no timer server reads {self._file_path}: {exc.strerror}") from None
+            raise self._no_server(exc.strerror or str(exc)) from None
         os.set_blocking(fd, True)
         self._fd, self._fd_pid = fd, os.getpid()
         return fd
@@ -156,15 +171,16 @@ class FileTimerClient(TimerClient):
     def _send(self, request: FileTimerRequest) -> None:
         data = (request.to_json() + "\n").encode()
         if len(data) > MAX_REQUEST:
-            raise ValueError(
+            raise RequestTooLarge(
                 f"timer scope {request.scope_id[:40]!r}... is too long: a request "
                 f"must fit in {MAX_REQUEST} bytes"
             )
+        pipe = self._pipe()
         try:
-            os.write(self._pipe(), data)
+            os.write(pipe, data)
         except BrokenPipeError:
             self._fd = None
-            raise RuntimeError(f"the timer server reading {self._file_path} is gone") from None
+            raise self._no_server("the server that read it is gone") from None
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         self._send(
@@ -222,6 +238,19 @@ class FileTimerServer(TableTimerServer):
                 event = "release" if request.expiration_time < 0 else "acquire"
                 self._log_event(event, request if isinstance(request, FileTimerRequest) else None)
         super().register_timers(timer_requests)
+
+    def clear_timers(self, worker_pids: set[Any]) -> None:
+        """Drop every timer of ``worker_pids`` (torch's name for them)."""
+        super().clear_timers(worker_pids)
+
+    @staticmethod
+    def is_process_running(pid: int) -> bool:
+        """Whether a process ``pid`` exists that this process may signal."""
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
 
     def _may_reap(self, pid: int) -> bool:
         if self._may_reap_pid is None:
