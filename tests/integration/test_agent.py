@@ -80,7 +80,7 @@ def test_without_restarts_left_the_failure_is_raised_by_global_rank(
     assert error.name == "always_fail"
     assert set(error.failures) | set(error.stopped) == {0, 1}
     rank, first = error.get_first_failure()
-    assert f"KeyError: 'rank {rank}'" in first.message
+    assert f"KeyError: 'rank {rank}'" in first.details
     assert str(error).splitlines()[1] == "Root cause (first failure):"
 
 

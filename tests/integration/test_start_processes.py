@@ -166,8 +166,8 @@ def test_one_failure_stops_the_rest_and_names_the_root_cause(
     failure = result.failures[1]
     assert failure.exitcode == 1 and failure.pid == pids[1]
     assert failure.error_file == os.path.join(log_dir, "1", "error.json")
-    assert "ValueError: rank 1 cannot go on" in failure.message
-    assert "Traceback (most recent call last)" in failure.message
+    assert "ValueError: rank 1 cannot go on" in failure.details
+    assert "Traceback (most recent call last)" in failure.details
     data = json.loads(read(failure.error_file))
     assert data["message"]["message"] == "ValueError: rank 1 cannot go on"
     assert not any(pid_alive(pid) for pid in pids.values())
@@ -184,8 +184,8 @@ def test_binary_failure_carries_the_stderr_tail(log_dir: str, leaks: LeakCheck) 
     assert result is not None
     failure = result.failures[0]
     assert failure.exitcode == 7
-    assert failure.error_file == ""
-    assert "noise 49" in failure.message and "noise 29" not in failure.message
+    assert failure.error_file == "<N/A>"  # as torch says it
+    assert "noise 49" in failure.details and "noise 29" not in failure.details
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
@@ -213,7 +213,7 @@ def test_unpicklable_return_value_is_a_clear_failure(log_dir: str, leaks: LeakCh
     result = pc.wait()
     pc.close()
     assert result is not None
-    assert "cannot be sent to the launcher" in result.failures[0].message
+    assert "cannot be sent to the launcher" in result.failures[0].details
 
 
 def test_wait_with_zero_timeout_reports_running(log_dir: str, leaks: LeakCheck) -> None:
@@ -316,9 +316,10 @@ def test_process_failure_reads_a_torch_style_error_file(tmp_path) -> None:
         )
     )
     failure = ProcessFailure(0, 123, 1, str(path))
-    assert failure.message == "Traceback...\nRuntimeError: x"
+    assert failure.details == "Traceback...\nRuntimeError: x"
+    assert failure.message == json.loads(path.read_text())["message"]  # as torch has it
     assert failure.error_file == str(path)
-    assert ProcessFailure(0, 1, -15, str(tmp_path / "none.json")).error_file == ""
+    assert ProcessFailure(0, 1, -15, str(tmp_path / "none.json")).error_file == "<N/A>"
 
 
 def test_tee_clears_the_progress_bar_around_worker_lines(

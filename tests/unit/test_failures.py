@@ -26,8 +26,9 @@ class F:
     pid: int
     exitcode: int
     error_file: str = ""
-    message: str = ""
+    details: str = ""
     timestamp: float = 0.0
+    failed_at: float = 0.0
 
 
 def test_describe_exit_names_codes_and_signals() -> None:
@@ -66,7 +67,7 @@ def test_root_cause_is_the_earliest_failure_then_the_lowest_rank() -> None:
 
 def test_report_puts_the_root_cause_first_and_stopped_ranks_apart() -> None:
     failures = {
-        3: F(1, 300, -11, message="segfault here", timestamp=20.0),
+        3: F(1, 300, -11, details="segfault here", timestamp=20.0),
         1: F(1, 100, 2, "/logs/1/error.json", "Traceback\nValueError: boom", timestamp=10.0),
     }
     report = format_report("train", failures, "hostA", stopped=[2, 0])
@@ -84,7 +85,7 @@ def test_report_puts_the_root_cause_first_and_stopped_ranks_apart() -> None:
 
 
 def test_one_stopped_rank_reads_as_a_sentence() -> None:
-    report = format_report("train", {1: F(1, 100, 2, message="boom")}, "hostA", stopped=[0])
+    report = format_report("train", {1: F(1, 100, 2, details="boom")}, "hostA", stopped=[0])
     assert report.splitlines()[-1] == (
         "Rank 0 did not fail: relaunch stopped it because of the failure above"
     )
@@ -101,25 +102,25 @@ def test_a_signal_is_explained_not_answered_with_record_or_redirects() -> None:
     assert signal_meaning(-200) == ""
     # No error file and no stderr log: the meaning stands where the hint was.
     killed = ProcessFailure.from_exit(0, 10, -9, "", stderr_file="", timestamp=1.0)
-    assert killed.message == ""
+    assert killed.details == ""
     report = format_report("train", {0: killed}, "hostA")
     assert "@relaunch.record" not in report and "-r 2" not in report
     assert report.splitlines()[-1] == "    " + signal_meaning(-9)
     # An exit code can still be explained by an error file: the hint stays for it.
     exited = ProcessFailure.from_exit(0, 10, 1, "", stderr_file="", timestamp=1.0)
-    assert exited.message == NO_DETAIL_HINT
+    assert exited.details == NO_DETAIL_HINT
 
 
 def test_the_meaning_comes_before_the_stderr_tail_but_not_after_a_watchdog_cause() -> None:
     tail = stderr_tail_message("/logs/0/stderr.log", "loading shard 7")
-    report = format_report("train", {0: F(0, 10, -9, message=tail)}, "hostA")
+    report = format_report("train", {0: F(0, 10, -9, details=tail)}, "hostA")
     assert report.splitlines()[-3:] == [
         "    " + signal_meaning(-9),
         "    last lines of stderr (/logs/0/stderr.log):",
         "    loading shard 7",
     ]
     reaped = "expiry timer 'step' expired: the block was given 5s; relaunch reaped it"
-    report = format_report("train", {0: F(0, 10, -9, message=reaped)}, "hostA")
+    report = format_report("train", {0: F(0, 10, -9, details=reaped)}, "hostA")
     assert "SIGKILL:" not in report and report.splitlines()[-1] == "    " + reaped
 
 
@@ -143,10 +144,10 @@ def test_headline_skips_a_heading(message: str, line: str) -> None:
 
 def test_one_line_never_ends_with_a_heading() -> None:
     tail = stderr_tail_message("/l/stderr.log", "Traceback: boom")
-    assert one_line(0, F(0, 1, 3, message=tail)) == "rank 0 exited with code 3: Traceback: boom"
+    assert one_line(0, F(0, 1, 3, details=tail)) == "rank 0 exited with code 3: Traceback: boom"
     assert one_line(2, F(0, 1, -9)) == "rank 2 killed by SIGKILL (signal 9)"
     assert (
-        one_line(1, F(0, 1, 1, message="x" * 200), width=10)
+        one_line(1, F(0, 1, 1, details="x" * 200), width=10)
         == "rank 1 exited with code 1: xxxxxxx..."
     )
 
@@ -177,5 +178,5 @@ def test_a_stderr_tail_kept_in_memory_says_why_the_log_lacks_it() -> None:
     failure = ProcessFailure.from_exit(
         0, 1, 1, "", "/logs/0/stderr.log", 1.0, b"Traceback\nRuntimeError: boom\n", "[Errno 5]"
     )
-    assert failure.message.endswith("Traceback\nRuntimeError: boom")
-    assert "is incomplete, [Errno 5]" in failure.message
+    assert failure.details.endswith("Traceback\nRuntimeError: boom")
+    assert "is incomplete, [Errno 5]" in failure.details

@@ -60,8 +60,9 @@ class Failed:
     pid: int = 1_000_001
     exitcode: int = 3
     error_file: str = ""
-    message: str = "ValueError: boom"
+    details: str = "ValueError: boom"
     timestamp: float = 1.0
+    failed_at: float = 1.0
 
 
 def progress(step: int) -> Progress:

@@ -327,15 +327,16 @@ class ExpiryWatch:
     def explain(
         self, failures: Mapping[int, ProcessFailure], stderr_files: Mapping[int, str]
     ) -> None:
-        """Put why a worker was killed (reaped, or aborted as hung) at the head of its failure
-        message."""
+        """Put why a worker was killed (reaped, or aborted as hung) at the head of its failure's
+        ``details``."""
         for rank, failure in failures.items():
             cause = self._causes.get(failure.pid)
             if cause is None:
                 continue
-            detail = "" if failure.message == NO_DETAIL_HINT else failure.message
+            detail = "" if failure.details == NO_DETAIL_HINT else failure.details
             if failure.pid in self._hung_at:  # the root cause: it hung before anyone died
-                failure.timestamp = self._hung_at[failure.pid]
+                failure.failed_at = self._hung_at[failure.pid]
+                failure.timestamp = int(failure.failed_at)
             if _asked_for_stack(cause):
                 dump = faulthandler_dump(read_tail(stderr_files.get(rank, ""), 256 * 1024))
                 if dump and waits_at_exit(dump):
@@ -346,7 +347,7 @@ class ExpiryWatch:
                     if dump
                     else detail
                 )
-            failure.message = f"{cause}\n{detail}" if detail else cause
+            failure.details = f"{cause}\n{detail}" if detail else cause
         self._aborted.clear()
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
-from relaunch.core.failures import signal_meaning
+from relaunch.core.failures import has_error_file, signal_meaning
 from relaunch.core.happenings import (
     Failed,
     Finished,
@@ -237,8 +237,9 @@ def finished(group: WorkerGroup, result: RunResult, restart_count: int) -> Finis
             state = WorkerState.FAILED.value
             error = json.dumps(
                 failure.error_file_data
-                # a worker killed by a signal leaves no message: say what it means
-                or {"message": failure.message or signal_meaning(failure.exitcode)}
+                if has_error_file(failure)
+                # no error file: relaunch's words, or what the signal that killed it means
+                else {"message": failure.details or signal_meaning(failure.exitcode)}
             )
         elif worker.global_rank in result.stopped:
             state = WorkerState.STOPPED.value

@@ -11,6 +11,17 @@ import signal
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+#: What torch's ``ProcessFailure`` says where a field has no value: ``error_file`` without an
+#: error file, ``signal_name()`` without a signal.
+NOT_AVAILABLE = "<N/A>"
+#: The ``message`` of torch's ``error_file_data`` when there was no error file.
+NO_ERROR_MESSAGE = "<NONE>"
+#: torch's ``ProcessFailure.message`` for a process that exited with a code and left no error file
+#: (relaunch's report says more: ``ProcessFailure.details``).
+TRACEBACK_HINT = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+#: The ``errorTraits`` torch adds to the error data of such a process.
+SYSTEM_TERMINATED_TRAITS = {"category": "system_terminated_error", "retryability": "False"}
+
 #: How many lines of a worker's stderr a failure message carries when there is no error file.
 STDERR_TAIL_LINES = 20
 #: How a failure message made of the worker's last stderr lines begins.
@@ -39,14 +50,23 @@ SIGNAL_MEANINGS = {
 
 
 class Failure(Protocol):
-    """The fields of a failed process that a report needs (``ProcessFailure`` has them)."""
+    """The fields of a failed process that a report needs (``ProcessFailure`` has them).
+
+    ``details`` is the failure in relaunch's words (traceback, stderr tail, why relaunch killed
+    it); ``timestamp`` is torch's whole seconds, ``failed_at`` the precise time that breaks ties.
+    """
 
     local_rank: int
     pid: int
     exitcode: int
     error_file: str
-    message: str
-    timestamp: float
+    details: str
+
+    @property
+    def timestamp(self) -> float: ...
+
+    @property
+    def failed_at(self) -> float: ...
 
 
 def signal_name(exitcode: int) -> str:
@@ -101,7 +121,7 @@ def headline(message: str) -> str:
 
 def one_line(rank: int, failure: Failure, width: int = 160) -> str:
     """A failure in one line: ``rank 1 exited with code 3: ValueError: boom``."""
-    why = headline(failure.message)
+    why = headline(failure.details)
     if len(why) > width:
         why = why[: width - 3] + "..."
     return f"rank {rank} {describe_exit(failure.exitcode)}" + (f": {why}" if why else "")
@@ -127,6 +147,45 @@ def message_from_error_file(data: Mapping[str, Any]) -> str:
     return ""
 
 
+def error_data_fields(data: Mapping[str, Any]) -> tuple[Any, int | None]:
+    """torch's ``message`` and ``timestamp`` of an error file's JSON ``data``: its "message" as it
+    is (text, or the dict ``@record`` writes) and its timestamp in seconds (None: it has none)."""
+    message = data.get("message", "")
+    if isinstance(message, Mapping):
+        extra = message.get("extraInfo")
+        raw = extra.get("timestamp") if isinstance(extra, Mapping) else None
+    else:
+        raw = data.get("timestamp")
+    try:
+        return message, None if raw is None else int(float(raw))
+    except (TypeError, ValueError, OverflowError):
+        return message, None
+
+
+def exit_message(exitcode: int, pid: int) -> str:
+    """torch's ``ProcessFailure.message`` when the error file says nothing: the signal and pid
+    (``Signal 11 (SIGSEGV) received by PID 997``) or, for an exit code, the pointer to @record."""
+    if exitcode < 0:
+        return f"Signal {-exitcode} ({torch_signal_name(exitcode)}) received by PID {pid}"
+    return TRACEBACK_HINT
+
+
+def torch_signal_name(exitcode: int) -> str:
+    """torch's ``ProcessFailure.signal_name()``: ``SIGSEGV`` for -11; ``<N/A>`` for an exit code
+    or a number that names no signal."""
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            pass
+    return NOT_AVAILABLE
+
+
+def has_error_file(failure: Failure) -> bool:
+    """Whether ``failure`` names an error file (torch says ``<N/A>`` when there was none)."""
+    return failure.error_file not in ("", NOT_AVAILABLE)
+
+
 def tail_lines(text: str, count: int = STDERR_TAIL_LINES) -> str:
     """The last ``count`` non-empty-trailing lines of ``text``."""
     lines = text.rstrip("\n").splitlines()
@@ -134,10 +193,13 @@ def tail_lines(text: str, count: int = STDERR_TAIL_LINES) -> str:
 
 
 def root_cause_rank(failures: Mapping[int, Failure]) -> int:
-    """The rank whose failure came first (earliest timestamp, then lowest rank)."""
+    """The rank whose failure came first: the earliest timestamp (as torch picks it; whole
+    seconds), then the earliest precise time, then the lowest rank."""
     if not failures:
         raise ValueError("no failures to choose a root cause from")
-    return min(failures, key=lambda rank: (failures[rank].timestamp, rank))
+    return min(
+        failures, key=lambda rank: (failures[rank].timestamp, failures[rank].failed_at, rank)
+    )
 
 
 def _when(timestamp: float) -> str:
@@ -153,17 +215,18 @@ def _indent(text: str, prefix: str = "    ") -> str:
 def _describe(rank: int, failure: Failure, host: str) -> str:
     head = (
         f"  rank {rank} (local_rank {failure.local_rank}, host {host}, pid {failure.pid}) "
-        f"{describe_exit(failure.exitcode)} at {_when(failure.timestamp)}"
+        f"{describe_exit(failure.exitcode)} at {_when(failure.failed_at or failure.timestamp)}"
     )
     parts = [head]
-    if failure.error_file:
+    if has_error_file(failure):
         parts.append(f"  error file: {failure.error_file}")
     meaning = signal_meaning(failure.exitcode)
-    # Said unless the message already explains the signal (relaunch's watchdog sent it).
-    if meaning and (not failure.message or failure.message.startswith(STDERR_TAIL_HEADING)):
+    details = failure.details
+    # Said unless the details already explain the signal (relaunch's watchdog sent it).
+    if meaning and (not details or details.startswith(STDERR_TAIL_HEADING)):
         parts.append(_indent(meaning))
-    if failure.message:
-        parts.append(_indent(failure.message))
+    if details:
+        parts.append(_indent(details))
     return "\n".join(parts)
 
 

@@ -1,5 +1,7 @@
 """Failures of worker processes: error files, ``@record``, and the exceptions a caller sees.
 
+``ErrorHandler``/``get_error_handler`` are what ``@record`` does with an error (torch's names).
+
 Exceptions::
 
     SignalException      the launching process got SIGTERM/SIGINT/SIGHUP/SIGQUIT (has ``sigval``)
@@ -16,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -52,37 +55,65 @@ class StopRequested(SignalException):
 
 @dataclass
 class ProcessFailure:
-    """A worker process that ended with a non-zero exit code.
+    """A worker process that ended with a non-zero exit code, with torch's fields.
 
-    ``message`` is the worker's traceback when it left an error file, otherwise how it ended and the
-    last lines of its stderr (when stderr went to a log file). ``exitcode`` is negative when the
-    process was killed by a signal.
+    From the error file (``@record`` wrote it): ``error_file_data`` is its JSON, ``message`` its
+    "message" (the dict ``@record`` writes, or text) and ``timestamp`` its time. Without one:
+    ``error_file`` is ``<N/A>``, ``error_file_data`` is ``{"message": "<NONE>"}`` (with torch's
+    ``errorTraits`` after an exit code), ``message`` is ``Signal 11 (SIGSEGV) received by PID 997``
+    or torch's pointer to ``@record``, and ``timestamp`` is when it ended. ``exitcode`` is negative
+    when a signal killed the process.
+
+    relaunch's own: ``details``, the failure in words for the report (the traceback, else the last
+    lines of stderr or why relaunch killed it), and ``failed_at``, the precise time that breaks
+    ``timestamp``'s ties (whole seconds, as torch has them).
     """
 
     local_rank: int
     pid: int
     exitcode: int
     error_file: str
-    message: str = ""
-    timestamp: float = 0.0
+    message: str | dict[str, Any] = ""
+    #: Whole seconds (an int, as torch's); one given with a fraction is kept as ``failed_at``.
+    timestamp: float = 0
     error_file_data: dict[str, Any] = field(default_factory=dict)
+    details: str = ""
+    failed_at: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.timestamp:
-            self.timestamp = time.time()
-        if not self.error_file_data:
-            self.error_file_data = read_error_file(self.error_file)
-        if not self.message:
-            self.message = core_failures.message_from_error_file(self.error_file_data)
-        if not self.error_file_data:
+        if not self.failed_at:
+            self.failed_at = float(self.timestamp) if self.timestamp else time.time()
+        self.timestamp = int(self.timestamp)
+        data = self.error_file_data or read_error_file(self.error_file)
+        if data:
+            self.error_file_data = data
+            message, timestamp = core_failures.error_data_fields(data)
+            if not self.details:
+                self.details = core_failures.message_from_error_file(data)
+        else:
             # No error file was written: the report must not point at a file that does not exist.
-            self.error_file = ""
+            self.error_file = core_failures.NOT_AVAILABLE
+            self.error_file_data = {"message": core_failures.NO_ERROR_MESSAGE}
+            message, timestamp = "", None
+        if self.message:
+            if not self.details:
+                self.details = core_failures.message_from_error_file({"message": self.message})
+        elif message:
+            self.message = message
+        else:
+            self.message = core_failures.exit_message(self.exitcode, self.pid)
+            if self.exitcode >= 0:
+                self.error_file_data["errorTraits"] = dict(core_failures.SYSTEM_TERMINATED_TRAITS)
+        if not self.timestamp:
+            self.timestamp = int(self.failed_at) if timestamp is None else timestamp
 
     def signal_name(self) -> str:
-        """The name of the signal that killed the process, e.g. ``SIGKILL``; empty otherwise."""
-        return core_failures.signal_name(self.exitcode)
+        """The name of the signal that killed the process, e.g. ``SIGKILL``; ``<N/A>`` for an exit
+        code (``core.failures.signal_name`` is relaunch's, for reports)."""
+        return core_failures.torch_signal_name(self.exitcode)
 
     def timestamp_isoformat(self) -> str:
+        """``timestamp`` as ``YYYY-MM-DDTHH:MM:SS`` with ``_`` between date and time."""
         import datetime
 
         return datetime.datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
@@ -99,13 +130,14 @@ class ProcessFailure:
         stderr_tail: bytes | None = None,
         stderr_log_error: str = "",
     ) -> ProcessFailure:
-        """A failure whose message falls back to the exit description and the stderr tail.
+        """A failure whose ``details`` fall back to the stderr tail, or a hint, without an error
+        file; ``timestamp`` is when the worker ended (kept precisely as ``failed_at``).
 
         ``stderr_tail`` is the end of the worker's stderr as relaunch read it (kept in memory),
         preferred to the log file, which may lack it (``stderr_log_error`` says why).
         """
-        failure = cls(local_rank, pid, exitcode, error_file, timestamp=timestamp)
-        if not failure.message:
+        failure = cls(local_rank, pid, exitcode, error_file, failed_at=timestamp)
+        if not failure.details:
             text = (
                 read_tail(stderr_file)
                 if stderr_tail is None
@@ -113,13 +145,13 @@ class ProcessFailure:
             )
             tail = core_failures.tail_lines(text)
             if tail:
-                failure.message = core_failures.stderr_tail_message(
+                failure.details = core_failures.stderr_tail_message(
                     stderr_file, tail, stderr_log_error
                 )
             elif not stderr_file and exitcode >= 0:
                 # A worker killed by a signal cannot write an error file: the report says what
                 # the signal means instead (core.failures.signal_meaning).
-                failure.message = NO_DETAIL_HINT
+                failure.details = NO_DETAIL_HINT
         return failure
 
 
@@ -153,13 +185,18 @@ def read_error_file(path: str) -> dict[str, Any]:
 
 
 def write_error_file(path: str, data: Mapping[str, Any]) -> None:
-    """Write ``data`` atomically: a reader never sees half a file, a crash never erases one."""
+    """Write ``data`` as JSON atomically: a reader never sees half a file, a crash never erases
+    one."""
+    _write_atomically(path, json.dumps(data))
+
+
+def _write_atomically(path: str, text: str) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
     try:
         with open(temporary, "w", encoding="utf-8") as file:
-            json.dump(data, file)
+            file.write(text)
         os.replace(temporary, path)
     except BaseException:
         # A full disk: no half-written temporary left behind (the failure report then takes
@@ -184,43 +221,150 @@ def exception_error_data(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def record(fn: F | None = None, error_handler: object = None) -> Any:
+class ErrorHandler:
+    """What ``@record`` does with an error, as torch's ``ErrorHandler``: the exception goes, as
+    JSON in torch's layout, to the file ``TORCHELASTIC_ERROR_FILE`` names (nothing without one).
+
+    Subclass it to handle errors your own way (override ``initialize()`` and
+    ``record_exception()``) and pass it as ``record(main, error_handler=MyHandler())``. relaunch
+    writes the file atomically, and a file it cannot write is said on stderr, not raised: the
+    exception being recorded is the one that must reach the caller.
+    """
+
+    def _get_error_file_path(self) -> str | None:
+        """Where the error goes: ``TORCHELASTIC_ERROR_FILE``; None: nowhere."""
+        return os.environ.get(ERROR_FILE_ENV)
+
+    def initialize(self) -> None:
+        """Called before the decorated function runs: enables faulthandler for every thread, so
+        a crash in native code leaves the Python stacks on stderr."""
+        import faulthandler
+
+        try:
+            faulthandler.enable(all_threads=True)
+        except Exception as exc:
+            warnings.warn(
+                f"Unable to enable fault handler. {type(exc).__name__}: {exc}", stacklevel=2
+            )
+
+    def _write_error_file(self, file_path: str, error_msg: str) -> None:
+        """Write ``error_msg`` (JSON text) to ``file_path``; a failure is said on stderr."""
+        try:
+            _write_atomically(file_path, error_msg)
+        except OSError as exc:
+            print(f"relaunch: cannot write error file {file_path}: {exc}", file=sys.stderr)
+
+    def record_exception(self, e: BaseException) -> None:
+        """Write ``e`` (its type, message, traceback and the time) to the error file."""
+        file = self._get_error_file_path()
+        if file:
+            self._write_error_file(file, json.dumps(exception_error_data(e)))
+
+    def override_error_code_in_rootcause_data(
+        self,
+        rootcause_error_file: str,
+        rootcause_error: dict[str, Any],
+        error_code: int = 0,
+    ) -> None:
+        """Set ``errorCode`` in the root cause's error data read from ``rootcause_error_file``
+        (only the layout ``@record`` writes has a place for it)."""
+        message = rootcause_error.get("message") if isinstance(rootcause_error, dict) else None
+        if isinstance(message, dict):
+            message["errorCode"] = error_code
+        elif isinstance(message, str):
+            log.warning(
+                "child error file (%s) has a text message: its error code is left as it is",
+                rootcause_error_file,
+            )
+        else:
+            log.warning(
+                "child error file (%s) has no message: cannot set its error code %s",
+                rootcause_error_file,
+                error_code,
+            )
+
+    def dump_error_file(self, rootcause_error_file: str, error_code: int = 0) -> None:
+        """Copy the root cause's error file (a worker's) to this process's error file, with
+        ``errorCode`` set to ``error_code`` when it is not 0: a worker killed by a signal cannot
+        say its own exit code."""
+        try:
+            with open(rootcause_error_file, encoding="utf-8") as file:
+                rootcause_error = json.load(file)
+        except (OSError, ValueError) as exc:
+            where = rootcause_error_file
+            print(
+                f"relaunch: cannot read the root cause's error file {where}: {exc}", file=sys.stderr
+            )
+            return
+        if error_code:
+            self.override_error_code_in_rootcause_data(
+                rootcause_error_file, rootcause_error, error_code
+            )
+        my_error_file = self._get_error_file_path()
+        if not my_error_file:
+            log.info(
+                "no %s for this process: the root cause's error file %s is not copied",
+                ERROR_FILE_ENV,
+                rootcause_error_file,
+            )
+            return
+        if os.path.isfile(my_error_file):
+            # A worker that inherited this process's environment may have written here.
+            log.warning(
+                "%s already exists and is replaced by the root cause's %s; it held:\n%s",
+                my_error_file,
+                rootcause_error_file,
+                read_tail(my_error_file),
+            )
+        self._write_error_file(my_error_file, json.dumps(rootcause_error))
+
+
+def get_error_handler() -> ErrorHandler:
+    """The handler ``@record`` uses when it is given none (torch's name)."""
+    return ErrorHandler()
+
+
+def record(fn: F | None = None, error_handler: ErrorHandler | None = None) -> Any:
     """Decorator: write an uncaught exception to the error file named by TORCHELASTIC_ERROR_FILE.
 
-    The exception is re-raised, so the process still fails. ``SystemExit(0)`` is a success. When
-    the function raises ``ChildFailedError`` (it launched workers itself), the root cause's error
-    file is passed up instead of the launcher's own traceback. Use as ``@record`` or ``@record()``.
+    Everything goes through ``error_handler`` (default: ``get_error_handler()``, asked when
+    decorating, as torch does): ``initialize()`` before each call, ``record_exception(e)`` for an
+    exception, which is re-raised, so the process still fails. ``SystemExit(0)`` is a success.
+    When the function raises ``ChildFailedError`` (it launched workers itself), the root cause's
+    error file is copied with ``dump_error_file(error_file, exitcode)``; a root cause without an
+    error file writes nothing, so a scheduler reading the file never takes this launcher's report
+    for the root cause. Use as ``@record``, ``@record()`` or ``record(main, error_handler=h)``.
     """
+    handler = get_error_handler() if error_handler is None else error_handler
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            handler.initialize()
             try:
                 return func(*args, **kwargs)
             except SystemExit as exc:
-                if exc.code in (0, None):
+                if exc.code == 0:
                     return None
                 raise
             except ChildFailedError as exc:
-                _record_to_env_file(exc.root_cause_error_data() or exception_error_data(exc))
+                rank, failure = exc.get_first_failure()
+                if core_failures.has_error_file(failure):
+                    handler.dump_error_file(failure.error_file, failure.exitcode)
+                else:
+                    log.info(
+                        "rank %s failed with no error file, so none is passed up: decorate the "
+                        "workers' entrypoint with @record to pass up their traceback",
+                        rank,
+                    )
                 raise
             except Exception as exc:
-                _record_to_env_file(exception_error_data(exc))
+                handler.record_exception(exc)
                 raise
 
         return wrapper  # type: ignore[return-value]
 
     return decorate(fn) if fn is not None else decorate
-
-
-def _record_to_env_file(data: Mapping[str, Any]) -> None:
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path:
-        return
-    try:
-        write_error_file(path, data)
-    except OSError as exc:
-        print(f"relaunch: cannot write error file {path}: {exc}", file=sys.stderr)
 
 
 class ChildFailedError(Exception):
