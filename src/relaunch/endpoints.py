@@ -18,12 +18,16 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
         raise ValueError("the endpoint is empty: expected HOST:PORT")
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"endpoint {endpoint!r}: expected [IPV6] or [IPV6]:PORT")
+        port_text = rest[1:]
+        has_port = bool(rest)
     elif text.count(":") == 1:
         host, port_text = text.split(":")
+        has_port = True
     else:
-        host, port_text = text, ""
-    if not port_text:
+        host, port_text, has_port = text, "", False
+    if not has_port:
         return host, default_port
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(

@@ -2,11 +2,17 @@
 (``workers``), the expiry timers and hang detection (``expiry``), the shared-memory channel to
 the workers (``channel``) read once per tick (``sampler``), what it reports (``sinks`` tell each
 happening to ``report``, ``metrics``, ``status`` and the log) and the dry run (``dry_run``).
+``api`` and ``local_elastic_agent`` name these where torch's ``agent.server`` has them.
 Its decisions are in ``relaunch.core`` (``step``, ``attempt``, ``restart``)."""
 
 from __future__ import annotations
 
-from relaunch.agent.loop import LocalElasticAgent
+from relaunch.agent.api import ElasticAgent
+from relaunch.agent.local_elastic_agent import (
+    TORCHELASTIC_ENABLE_FILE_TIMER,
+    TORCHELASTIC_TIMER_FILE,
+    LocalElasticAgent,
+)
 from relaunch.agent.spec import (
     DEFAULT_ROLE,
     RunResult,
@@ -20,6 +26,9 @@ from relaunch.core.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
 __all__ = [
     "DEFAULT_ROLE",
     "LOG_LINE_PREFIX_TEMPLATE_ENV",
+    "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_TIMER_FILE",
+    "ElasticAgent",
     "LocalElasticAgent",
     "RunResult",
     "Worker",

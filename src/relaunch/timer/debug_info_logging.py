@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 
+#: torch's names; the module's other names are relaunch's own.
+__all__ = ["log_debug_info_for_expired_timers"]
+
 log = logging.getLogger(__name__)
 
 

@@ -28,6 +28,9 @@ from relaunch.timer.debug_info_logging import log_debug_info_for_expired_timers
 from relaunch.timer.fifo import FifoRequestQueue, check_fifo
 from relaunch.timer.fifo import check_server_fifo as check_server_fifo
 
+#: torch's names; the module's other names are relaunch's own.
+__all__ = ["FileTimerClient", "FileTimerRequest", "FileTimerServer"]
+
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
@@ -40,7 +43,7 @@ class FileTimerRequest(TimerRequest):
     and when the worker made it (``acquired_at``, 0 if unknown), so that a report says how long
     the worker gave itself however late the request was read."""
 
-    __slots__ = ("acquired_at", "signal")
+    __slots__ = ("acquired_at", "signal", "version")
 
     def __init__(
         self,
@@ -51,6 +54,7 @@ class FileTimerRequest(TimerRequest):
         acquired_at: float = 0.0,
     ) -> None:
         super().__init__(worker_pid, scope_id, expiration_time)
+        self.version = PROTOCOL_VERSION
         self.signal = signal
         self.acquired_at = acquired_at
 
@@ -60,7 +64,7 @@ class FileTimerRequest(TimerRequest):
 
     def to_json(self) -> str:
         data = {
-            "version": PROTOCOL_VERSION,
+            "version": self.version,
             "pid": self.worker_pid,
             "scope_id": self.scope_id,
             "expiration_time": self.expiration_time,

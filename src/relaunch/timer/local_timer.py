@@ -16,6 +16,9 @@ from relaunch.timer.base import (
     TimerRequest,
 )
 
+#: torch's names; the module's other names are relaunch's own.
+__all__ = ["LocalTimerClient", "LocalTimerServer", "MultiprocessingRequestQueue"]
+
 log = logging.getLogger(__name__)
 
 _WAKE = "relaunch-timer-wake"
