@@ -33,6 +33,7 @@ from relaunch.core.defaults import (
     MAX_SECONDS,
     NUMA_MODES,
 )
+from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
 from relaunch.core.rdzv_conf import (
     BACKENDS,
     ETCD_BACKENDS,
@@ -112,6 +113,17 @@ class LaunchConfig:
     devices: tuple[int, ...] | None = None
     device_per_rank: bool = False
     numa_binding: str | None = None
+    #: torch's ``local_ranks_filter`` (the seeds' form, beside ``log_dir``, ``redirects`` and
+    #: ``tee``): the local ranks shown on the console; the others' streams neither redirected
+    #: nor tee'd are dropped (None: every rank's shown).
+    local_ranks_filter: frozenset[int] | None = None
+    #: torch 2.13's form: a ``LogsSpecs`` (``relaunch.procs.DefaultLogsSpecs`` or a user's
+    #: own) that says where each attempt's logs go, in place of the four fields above.
+    logs_specs: LogsSpecs | None = None
+    #: torch's: each rank's console prefix, from ``${role_name}``, ``${rank}`` and
+    #: ``${local_rank}`` (None: ``[{role}{local_rank}]:``); the ``relaunch`` command reads it
+    #: from ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, as torchrun does.
+    log_line_prefix_template: str | None = None
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)
@@ -123,7 +135,10 @@ class LaunchConfig:
             value = getattr(self, name)
             if isinstance(value, dict):
                 object.__setattr__(self, name, dict(value))
+        if self.local_ranks_filter is not None:
+            object.__setattr__(self, "local_ranks_filter", frozenset(self.local_ranks_filter))
         _check_counts(self)
+        _check_logs(self)
 
     def __repr__(self) -> str:
         from dataclasses import fields
@@ -172,6 +187,33 @@ def _check_counts(config: LaunchConfig) -> None:
     _check_placement(config)
 
 
+def _check_logs(config: LaunchConfig) -> None:
+    """Logs are said one way: a ``logs_specs`` (torch 2.13's) or the seeds' fields."""
+    specs = config.logs_specs
+    if specs is None:
+        return
+    if not is_logs_specs(specs):
+        raise ConfigError(
+            f"logs_specs must be a LogsSpecs (relaunch.procs.DefaultLogsSpecs or a subclass), "
+            f"got {type(specs).__name__}"
+        )
+    given = [
+        name
+        for name, value in (
+            ("log_dir", config.log_dir),
+            ("redirects", config.redirects or None),
+            ("tee", config.tee or None),
+            ("local_ranks_filter", config.local_ranks_filter),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"logs_specs says where logs go: leave {', '.join(given)} out of the LaunchConfig "
+            "and give them to DefaultLogsSpecs(log_dir, redirects, tee, local_ranks_filter)"
+        )
+
+
 def _check_seconds(name: str, value: float, zero_ok: bool) -> None:
     """A duration: a number > 0 (>= 0 when ``zero_ok``) and at most ``MAX_SECONDS``."""
     low_ok = value >= 0 if zero_ok else value > 0
@@ -210,14 +252,18 @@ def open_files_needed(config: LaunchConfig, terminals: Std = Std.NONE) -> int:
     (``AGENT_DESCRIPTORS``), and for each worker a pidfd and one spare (a pipe end while it
     starts), and for each of its streams that goes through relaunch (redirected, tee'd, or
     copied: ``core.console_plan``, given which of the launcher's streams are ``terminals``)
-    the pipe it reads and the log file."""
+    the pipe it reads and the log file. A rank left off the console (``local_ranks_filter``)
+    has both its streams read; with ``logs_specs`` every stream may be."""
     nprocs, hang = config.nproc_per_node, config.hang_timeout is not None
     tee = agent_tee(config.tee, config.redirects, nprocs, hang, terminals)
     relay = relayed(config.redirects, tee, nprocs, terminals, hang)
     redirects, teed = per_rank(config.redirects, nprocs), per_rank(tee, nprocs)
+    shown = config.local_ranks_filter or range(nprocs)
     needed = AGENT_DESCRIPTORS
     for rank in range(nprocs):
         streams = redirects[rank] | teed[rank] | relay[rank]
+        if config.logs_specs is not None or rank not in shown:
+            streams = Std.ALL
         needed += 2 + 2 * bin(int(streams)).count("1")
     return needed
 

@@ -28,6 +28,7 @@ from relaunch.events import (
     metric_handler_from_spec,
 )
 from relaunch.procs.errors import ChildFailedError, SignalException
+from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsSpecs
 from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
 from relaunch.rendezvous.backends import create_rendezvous_handler
 from relaunch.runtime import raise_open_file_limit
@@ -129,8 +130,6 @@ def launch_agent(
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
-        redirects=config.redirects,
-        tee=config.tee,
         shutdown_timeout=config.shutdown_timeout,
     )
     event_handler = event_handler_from_spec(config.event_log_handler)
@@ -176,6 +175,22 @@ def placement_of(config: LaunchConfig) -> Placement | None:
     return placement_for(config, os.environ)
 
 
+def logs_specs_of(config: LaunchConfig) -> LogsSpecs:
+    """Where the logs of ``config``'s workers go: its ``logs_specs`` (torch 2.13's form), or
+    a ``DefaultLogsSpecs`` of its ``log_dir``, ``redirects``, ``tee`` and ``local_ranks_filter``
+    (the seeds' form; as torch's ``LaunchConfig`` makes one when none is given). Makes the log
+    directory (a new temporary one when none is named)."""
+    if config.logs_specs is not None:
+        logs_specs: LogsSpecs = config.logs_specs
+        return logs_specs
+    return DefaultLogsSpecs(
+        config.log_dir,
+        config.redirects,
+        config.tee,
+        None if config.local_ranks_filter is None else set(config.local_ranks_filter),
+    )
+
+
 def _agent(
     config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler, metrics: Metrics
 ) -> LocalElasticAgent:
@@ -184,9 +199,10 @@ def _agent(
     placement = placement_of(config)
     return LocalElasticAgent(
         spec,
+        logs_specs_of(config),
         config.start_method,
         exit_barrier_timeout=config.exit_barrier_timeout,
-        log_dir=config.log_dir,
+        log_line_prefix_template=config.log_line_prefix_template,
         event_handler=event_handler,
         metrics=metrics,
         timers=config.timers,

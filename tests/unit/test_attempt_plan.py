@@ -80,9 +80,13 @@ def test_placement_and_the_agents_variables_come_after_torchruns() -> None:
 
 
 def test_line_prefixes_follow_torchruns_template_with_global_ranks() -> None:
-    environ = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name} ${rank}/${local_rank}]"}
-    assert plan(environ=environ).log_line_prefixes == {0: "[trainer 2/0]", 1: "[trainer 3/1]"}
-    assert plan(environ=environ).rank_io()[1].prefix == "[trainer 3/1]"
+    template = "[${role_name} ${rank}/${local_rank}]"
+    command = COMMAND._replace(log_line_prefix_template=template)
+    assert plan(command).log_line_prefixes == {0: "[trainer 2/0]", 1: "[trainer 3/1]"}
+    assert plan(command).rank_io()[1].prefix == "[trainer 3/1]"
+    # torch's agent takes the template as an argument: the variable is torchrun's to read.
+    environ = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": template}
+    assert plan(environ=environ).log_line_prefixes == {}
 
 
 @pytest.mark.parametrize(

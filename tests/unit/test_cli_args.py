@@ -100,6 +100,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "straggler_factor": "3",
                 "metrics_port": "9100",
                 "numa_binding": "socket",
+                "logs_specs": "default",
             }.get(dest, "x")
         )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]
@@ -136,12 +137,13 @@ def test_static_multi_node_uses_master_addr_and_port() -> None:
     assert config.rdzv_configs == {"rank": 1}
 
 
-def test_local_ranks_filter_sends_the_other_ranks_to_files_only() -> None:
+def test_local_ranks_filter_is_torchs_filter() -> None:
     config, _, _ = cli.config_from_args(
         parse("--nproc-per-node", "3", "--tee", "1", "--local-ranks-filter", "1")
     )
-    assert config.tee == {0: Std.NONE, 1: Std.OUT, 2: Std.NONE}
-    assert config.redirects == {0: Std.ALL, 1: Std.NONE, 2: Std.ALL}
+    # As torchrun: the streams stay as given, the filter goes with them (DefaultLogsSpecs').
+    assert (config.tee, config.redirects) == (Std.OUT, Std.NONE)
+    assert config.local_ranks_filter == frozenset({1})
 
 
 def test_signals_to_handle() -> None:

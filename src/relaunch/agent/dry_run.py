@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from relaunch.core.attempt import AttemptPlan, Command, plan_attempt
 from relaunch.core.channel import CHANNEL_ENV
 from relaunch.core.placement import format_cpu_list
-from relaunch.core.rank_io import RankIO
+from relaunch.core.rank_io import DEVNULL, RankIO
 from relaunch.core.ranks import GroupContext, ranks_at_offset
 from relaunch.core.streams import Std
 from relaunch.core.timers import TIMER_FILE_ENV
@@ -111,6 +111,9 @@ def first_attempt(
             tee=config.tee,
             start_method=config.start_method,
             shutdown_timeout=config.shutdown_timeout,
+            local_ranks_filter=config.local_ranks_filter,
+            log_line_prefix_template=config.log_line_prefix_template,
+            logs_specs=config.logs_specs,
         ),
         group,
         ranks_at_offset(group_rank * nproc, nproc, nodes * nproc),
@@ -171,13 +174,18 @@ def describe_first(first: FirstAttempt) -> str:
 def describe(plan: AttemptPlan) -> str:
     """Each rank of ``plan``: its command, its output, its CPUs and the variables it gets on top
     of the launcher's environment, one per line."""
-    lines = [f"log directory: {plan.log_dir}"]
+    specs = plan.logs_specs
+    if specs is None:
+        lines = [f"log directory: {plan.log_dir}"]
+    else:
+        lines = [f"log directory: where {type(specs).__name__}.reify says at each attempt"]
     io = plan.rank_io()
     for rank, env in plan.envs.items():
         lines.append(f"local rank {rank} (rank {env.get('RANK', '?')}):")
         lines.append(f"  command: {_command(plan, rank)}")
-        lines.append(f"  stdout: {_stream(io[rank], Std.OUT)}")
-        lines.append(f"  stderr: {_stream(io[rank], Std.ERR)}")
+        if rank in io:
+            lines.append(f"  stdout: {_stream(io[rank], Std.OUT)}")
+            lines.append(f"  stderr: {_stream(io[rank], Std.ERR)}")
         cpus = plan.cpu_affinity.get(rank)
         if cpus is not None:
             lines.append(f"  cpus: {format_cpu_list(cpus)}")
@@ -201,4 +209,6 @@ def _stream(io: RankIO, std: Std) -> str:
         return f"{path}, and the console with the prefix {io.prefix!r}"
     if io.relay & std:
         return f"{path}, and copied to the console as written"
+    if path == DEVNULL:
+        return f"{DEVNULL} (not on the console: --local-ranks-filter)"
     return path or "the console (inherited)"

@@ -14,25 +14,29 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.health import HealthCheck, join
 from relaunch.agent.metrics import AgentMetrics
-from relaunch.agent.report import RunReport, finished, make_log_dir
+from relaunch.agent.report import RunReport, finished
 from relaunch.agent.sinks import LogSink, MetricPuts, Sinks
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
 from relaunch.core import step_types as do
+from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
 from relaunch.core.happenings import Failed, Joined, Started, StragglerFlagged
+from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
 from relaunch.core.restart import Backoff
 from relaunch.core.step import Rules, RunState, step
+from relaunch.core.streams import per_rank
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullEventHandler, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.procs.logs_specs import DefaultLogsSpecs, make_log_dir, own_plan
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.api import AgentFault, JobFailedError, RendezvousClosedError
 from relaunch.rendezvous.job import job_of
@@ -42,6 +46,20 @@ if TYPE_CHECKING:
     from relaunch.core.placement import Placement
 
 log = logging.getLogger(__name__)
+
+#: ``LocalElasticAgent``'s two forms, from its 2nd parameter on: torch 2.13's and the seeds'.
+TORCH_CALL = CallForm(
+    "torch 2.13's",
+    ("logs_specs", "start_method", "exit_barrier_timeout", "log_line_prefix_template"),
+    frozenset(),
+    "give log_dir to DefaultLogsSpecs(log_dir, redirects, tee), and events as event_handler=",
+)
+SEEDS_CALL = CallForm(
+    "the seeds'",
+    ("start_method", "exit_barrier_timeout", "log_dir", "events"),
+    frozenset({"log_line_prefix_template"}),
+    "pass logs_specs=DefaultLogsSpecs(log_dir, spec.redirects, spec.tee) in place of log_dir",
+)
 
 
 class LocalElasticAgent:
@@ -61,16 +79,22 @@ class LocalElasticAgent:
     ``metrics_port_bound``) serves Prometheus metrics on ``metrics_host`` (``ConfigError`` here
     when it cannot be bound); ``placement`` gives local ranks variables and CPUs; ``clock``
     times every deadline (a ``runtime.ManualClock`` in tests).
+
+    Two forms, told apart by the 2nd argument. torch 2.13's: ``LocalElasticAgent(spec,
+    logs_specs, start_method="spawn", exit_barrier_timeout=300, log_line_prefix_template=None)``:
+    each attempt's logs go where ``logs_specs`` says (a ``DefaultLogsSpecs``: under
+    ``{log_dir}/{run_id}_XXXX/attempt_N/``), and ``spec.redirects``/``spec.tee`` must be left
+    out (``logs_specs`` holds them). The seeds': ``LocalElasticAgent(spec, start_method="spawn",
+    exit_barrier_timeout=300, log_dir=None, events=None)``, which logs as
+    ``DefaultLogsSpecs(log_dir, spec.redirects, spec.tee)``. ``log_line_prefix_template``
+    (torch's; a keyword in the seeds' form) makes each rank's console prefix from
+    ``${role_name}``, ``${rank}`` and ``${local_rank}``.
     """
 
     def __init__(
         self,
         spec: WorkerSpec,
-        start_method: str = "spawn",
-        exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
-        log_dir: str | None = None,
-        events: object = None,
-        *,
+        *positional: Any,
         event_handler: EventHandler | None = None,
         metrics: Metrics | None = None,
         timers: bool | None = None,
@@ -84,12 +108,28 @@ class LocalElasticAgent:
         metrics_host: str = "",
         placement: Placement | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        **form_keywords: Any,
     ) -> None:
+        form, given = choose(
+            "LocalElasticAgent",
+            TORCH_CALL,
+            SEEDS_CALL,
+            positional,
+            form_keywords,
+            is_logs_specs,
+            lambda value: isinstance(value, str),
+            "its 2nd argument",
+        )
+        start_method: str = given.get("start_method", "spawn")
+        exit_barrier_timeout: float = given.get(
+            "exit_barrier_timeout", DEFAULT_EXIT_BARRIER_TIMEOUT
+        )
+        logs_specs = _logs_specs(spec, form is TORCH_CALL, given)
         group = self._worker_group = WorkerGroup(spec)
         job = self._job = job_of(spec.rdzv_handler)
         run_id = spec.rdzv_handler.get_run_id()
         self._clock = clock
-        self._events = events
+        self._events = given.get("events")
         self._exit_barrier_timeout = exit_barrier_timeout
         self._health_check = health_check  # run before every join (``agent.health``)
         self._state = RunState(
@@ -105,7 +145,9 @@ class LocalElasticAgent:
                 max_stalled=max_stalled_restarts,
             )
         )
-        self._log_dir = make_log_dir(log_dir, run_id)
+        own = own_plan(logs_specs)
+        # A user's LogsSpecs decides each attempt's paths (its reify); its root is all we know.
+        self._log_dir = logs_specs.root_log_dir if own is None else make_log_dir(own.root, run_id)
         self._report = RunReport(group, event_handler or NullEventHandler(), self._log_dir, clock)
         timers = timers_enabled_by_env() if timers is None else timers
         self._expiry = ExpiryWatch(run_id, timers, hang_timeout, clock)
@@ -123,6 +165,8 @@ class LocalElasticAgent:
             start_processes,
             start_method,
             placement,
+            logs=own or logs_specs,
+            log_line_prefix_template=given.get("log_line_prefix_template"),
             expiry=self._expiry,
             reporter=self._reporter,
             report=self._report,
@@ -297,3 +341,18 @@ class LocalElasticAgent:
                 raise  # the job had finished before this node joined
             return do.JobClosed()
         return do.Placed(group.group_world_size or 1, used)
+
+
+def _logs_specs(spec: WorkerSpec, torch_form: bool, given: dict[str, Any]) -> LogsSpecs:
+    """Where the agent's logs go: the ``logs_specs`` of torch's form (``spec.redirects`` and
+    ``spec.tee`` left out: ValueError), or the seeds' ``log_dir`` with the spec's streams."""
+    if not torch_form:
+        return DefaultLogsSpecs(given.get("log_dir"), spec.redirects, spec.tee)
+    nprocs = spec.local_world_size
+    if any(per_rank(spec.redirects, nprocs).values()) or any(per_rank(spec.tee, nprocs).values()):
+        raise ValueError(
+            "WorkerSpec(redirects=, tee=) is the seeds' form: with logs_specs, give them to "
+            "DefaultLogsSpecs(log_dir, redirects, tee)"
+        )
+    logs_specs: LogsSpecs = given["logs_specs"]
+    return logs_specs

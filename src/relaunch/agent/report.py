@@ -1,13 +1,12 @@
 """What the agent tells about a run: status events as it goes, the summary at its end, the
-one-line cause of each restart (a sink of the agent's happenings: ``agent.sinks``), the node's
-progress bar, and the directories logs go to."""
+one-line cause of each restart (a sink of the agent's happenings: ``agent.sinks``) and the
+node's progress bar. The directories logs go to are ``procs.logs_specs``'s."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -255,26 +254,3 @@ def finished(group: WorkerGroup, result: RunResult, restart_count: int) -> Finis
             )
         )
     return Finished(result.state.value, restart_count, tuple(ends))
-
-
-def make_log_dir(log_dir: str | None, run_id: str) -> str:
-    """A new directory for this run's logs, under ``log_dir`` (default: a new temporary one)."""
-    base = log_dir or tempfile.mkdtemp(prefix="relaunch_")
-    os.makedirs(base, exist_ok=True)
-    path = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
-    log.info("log directory: %s", path)
-    return path
-
-
-def new_attempt_dir(log_dir: str, restart_count: int) -> str:
-    """``attempt_{n}`` for restart ``n``; a group re-formed after a membership change (which
-    uses no restart) gets ``attempt_{n}.1``, ``.2``, ...: no log is ever replaced."""
-    base = os.path.join(log_dir, f"attempt_{restart_count}")
-    path, reformed = base, 0
-    while True:
-        try:
-            os.makedirs(path)
-            return path
-        except FileExistsError:
-            reformed += 1
-            path = f"{base}.{reformed}"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch
-from relaunch.agent.report import NodeBar, RunReport, new_attempt_dir
+from relaunch.agent.report import NodeBar, RunReport
 from relaunch.agent.sampler import Sampler
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.agent.status import Group, NodeReporter
@@ -30,6 +30,7 @@ from relaunch.core.step_types import Ended
 from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult
 from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
@@ -43,7 +44,9 @@ log = logging.getLogger(__name__)
 class Workers:
     """The workers of one agent, attempt after attempt (``open`` once per run, then ``start``,
     ``poll`` and ``stop`` for each attempt). ``sampler`` reads their channel and processes once
-    per tick for every reader (``agent.sampler``); the node bar shows them on the console."""
+    per tick for every reader (``agent.sampler``); the node bar shows them on the console.
+    ``logs``: where their logs go, planned here (``OwnPlan``: each attempt in a new directory
+    of the report's ``log_dir``) or by a user's ``LogsSpecs``."""
 
     def __init__(
         self,
@@ -52,6 +55,8 @@ class Workers:
         start_method: str,
         placement: Placement | None,
         *,
+        logs: OwnPlan | LogsSpecs,
+        log_line_prefix_template: str | None = None,
         expiry: ExpiryWatch,
         reporter: NodeReporter,
         report: RunReport,
@@ -61,15 +66,19 @@ class Workers:
         spec = group.spec
         assert spec.entrypoint is not None
         self._group = group
+        own = logs if isinstance(logs, OwnPlan) else None
         self._command = Command(
             spec.role,
             spec.entrypoint,
             spec.args,
             spec.local_world_size,
-            spec.redirects,
-            spec.tee,
+            own.redirects if own else spec.redirects,
+            own.tee if own else spec.tee,
             start_method,
             spec.shutdown_timeout,
+            own.local_ranks_filter if own else None,
+            log_line_prefix_template,
+            None if own else logs,
         )
         self._start_processes = start_processes
         self._placement = placement
@@ -111,7 +120,9 @@ class Workers:
             self._context(restart_count),
             group.ranks,
             os.environ,
-            new_attempt_dir(self._report.log_dir, restart_count),
+            new_attempt_dir(self._report.log_dir, restart_count)
+            if command.logs_specs is None
+            else "",
             extra_env={**self._expiry.worker_env(), **channel.env()},
             placement=self._placement,
             terminals=self._console.terminals(),

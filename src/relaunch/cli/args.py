@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 from relaunch.config import ConfigError, LaunchConfig, check_rendezvous, new_run_id
 from relaunch.core.defaults import MAX_NPROC_PER_NODE
 from relaunch.core.rdzv_conf import ETCD_BACKENDS
-from relaunch.core.streams import Std, per_rank
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
@@ -175,7 +174,6 @@ def config_from_args(
                 port = STATIC_PORT
             endpoint = f"{args.master_addr}:{port}"
         rdzv_configs["rank"] = args.node_rank
-    redirects, tee = _console_filter(args, nproc)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -188,9 +186,7 @@ def config_from_args(
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         start_method=args.start_method,
-        log_dir=args.log_dir,
-        redirects=redirects,
-        tee=tee,
+        **_logs(args, environ),
         local_addr=args.local_addr,
         shutdown_timeout=args.shutdown_timeout,
         event_log_handler=args.event_log_handler,
@@ -326,14 +322,30 @@ def _command(
     return python, ("-u", script, *rest)
 
 
-def _console_filter(
-    args: argparse.Namespace, nproc: int
-) -> tuple[Std | dict[int, Std], Std | dict[int, Std]]:
-    """Apply --local-ranks-filter: the other ranks go to their log files only."""
-    if args.local_ranks_filter is None:
-        return args.redirects, args.tee
-    redirects, tee = per_rank(args.redirects, nproc), per_rank(args.tee, nproc)
-    for rank in range(nproc):
-        if rank not in args.local_ranks_filter:
-            redirects[rank], tee[rank] = Std.ALL, Std.NONE
-    return redirects, tee
+def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The config's logging fields, as torchrun makes them: ``--log-dir``, ``-r``, ``-t`` and
+    ``--local-ranks-filter`` given to the ``LogsSpecs`` class ``--logs-specs`` names (then
+    made here, as torchrun makes it), else kept as they are (a ``DefaultLogsSpecs`` is made
+    of them when the agent starts, after ``--dry-run``); the console prefix template from
+    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``."""
+    from relaunch.core.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
+
+    fields: dict[str, Any] = {
+        "log_dir": args.log_dir,
+        "redirects": args.redirects,
+        "tee": args.tee,
+        "local_ranks_filter": args.local_ranks_filter,
+    }
+    template = environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV) or None
+    if args.logs_specs is None:
+        return {**fields, "log_line_prefix_template": template}
+    if args.log_dir is not None:
+        check_log_dir(args.log_dir)
+    try:
+        logs_specs = args.logs_specs(**fields)
+    except Exception as exc:
+        raise ConfigError(
+            f"--logs-specs: {args.logs_specs.__name__}(log_dir, redirects, tee, "
+            f"local_ranks_filter) failed: {type(exc).__name__}: {exc}"
+        ) from None
+    return {"logs_specs": logs_specs, "log_line_prefix_template": template}

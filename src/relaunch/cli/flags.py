@@ -377,10 +377,20 @@ FLAGS = [
     _Flag(
         "logs",
         ("--local-ranks-filter",),
-        "show only these local ranks on the console (the log files keep everything)",
+        "show only these local ranks on the console; the others keep their redirected and "
+        "tee'd log files, and the rest of their output is dropped, as under torchrun",
         None,
         _checked("parse_ranks_filter"),
         metavar="RANKS",
+    ),
+    _Flag(
+        "logs",
+        ("--logs-specs",),
+        "a LogsSpecs class that says where logs go, by its name in the torchrun.logs_specs "
+        "entry points (torchrun's); it is given --log-dir, -r, -t and --local-ranks-filter",
+        None,
+        _checked("parse_logs_specs"),
+        metavar="NAME",
     ),
     _Flag(
         "logs",

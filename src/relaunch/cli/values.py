@@ -170,6 +170,44 @@ def parse_ranks_filter(text: str) -> set[int]:
     return {int(item) for item in items}
 
 
+#: The entry-point group torchrun loads ``--logs-specs`` classes from.
+LOGS_SPECS_GROUP = "torchrun.logs_specs"
+
+
+def parse_logs_specs(name: str) -> type:
+    """The ``LogsSpecs`` class named ``name`` in the ``torchrun.logs_specs`` entry points (as
+    torchrun's ``--logs-specs``); ``importlib.metadata`` is read only when the flag is given.
+    ``default`` (torch's own entry point, its ``DefaultLogsSpecs``) is relaunch's
+    ``DefaultLogsSpecs``: the same files, without importing torch."""
+    if name == "default":
+        from relaunch.procs.logs_specs import DefaultLogsSpecs
+
+        return DefaultLogsSpecs
+    from importlib.metadata import entry_points
+
+    group = entry_points(group=LOGS_SPECS_GROUP)
+    found = [point for point in group if point.name == name]
+    if not found:
+        known = ", ".join(sorted({point.name for point in group})) or "none are installed"
+        raise ConfigError(
+            f"no {LOGS_SPECS_GROUP} entry point is named {name!r} (known: {known}): install "
+            "the package that declares it, or leave --logs-specs out"
+        )
+    try:
+        loaded = found[0].load()
+    except Exception as exc:
+        raise ConfigError(
+            f"{LOGS_SPECS_GROUP} entry point {name!r} ({found[0].value}) cannot be loaded: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(loaded, type) or not callable(getattr(loaded, "reify", None)):
+        raise ConfigError(
+            f"{LOGS_SPECS_GROUP} entry point {name!r} ({found[0].value}) is not a LogsSpecs "
+            "class (one with reify(envs))"
+        )
+    return loaded
+
+
 #: Signals no process can catch: relaunch cannot stop its workers on them.
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 

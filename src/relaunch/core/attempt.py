@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from relaunch.core.console_plan import (
-    LOG_LINE_PREFIX_TEMPLATE_ENV,
     agent_tee,
     console_is_relaunchs,
     log_line_prefixes,
@@ -32,7 +31,10 @@ if TYPE_CHECKING:
 
 class Command(NamedTuple):
     """What every attempt of a run starts: ``nprocs`` copies of ``entrypoint`` (a function or a
-    binary) with ``args``, their streams as ``redirects`` and ``tee`` say."""
+    binary) with ``args``, their streams as ``redirects``, ``tee`` and ``local_ranks_filter``
+    (torch's: the ranks shown on the console) say, or, with ``logs_specs`` (a user's
+    ``LogsSpecs``), as its ``reify`` says when the attempt starts. ``log_line_prefix_template``
+    (torch's: ``${role_name}``, ``${rank}``, ``${local_rank}``) makes the console prefixes."""
 
     role: str
     entrypoint: Callable[..., Any] | str
@@ -42,6 +44,9 @@ class Command(NamedTuple):
     tee: Std | Mapping[int, Std] = Std.NONE
     start_method: str = "spawn"
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    local_ranks_filter: frozenset[int] | None = None
+    log_line_prefix_template: str | None = None
+    logs_specs: Any = None
 
 
 class AttemptPlan(NamedTuple):
@@ -50,7 +55,8 @@ class AttemptPlan(NamedTuple):
     ``envs`` holds what each worker gets on top of the launcher's environment; ``tee`` is the
     tee the workers start with (``agent_tee``), ``relay`` the streams relaunch copies
     byte for byte; ``draws_console``: no worker writes to the console itself, so relaunch may
-    draw its bars there.
+    draw its bars there. With ``logs_specs`` (a user's ``LogsSpecs``), ``start_processes``
+    asks it where the logs go, and ``log_dir``, ``redirects`` and ``tee`` are unused.
     """
 
     name: str
@@ -66,6 +72,8 @@ class AttemptPlan(NamedTuple):
     relay: dict[int, Std]
     cpu_affinity: dict[int, frozenset[int]]
     draws_console: bool
+    local_ranks_filter: frozenset[int] | None = None
+    logs_specs: Any = None
 
     @property
     def nprocs(self) -> int:
@@ -80,13 +88,16 @@ class AttemptPlan(NamedTuple):
             "entrypoint": self.entrypoint,
             "args": self.args,
             "envs": self.envs,
-            "log_dir": self.log_dir,
             "start_method": self.start_method,
-            "redirects": self.redirects,
-            "tee": self.tee,
             "shutdown_timeout": self.shutdown_timeout,
             "log_line_prefixes": self.log_line_prefixes,
         }
+        if self.logs_specs is not None:
+            arguments["logs_specs"] = self.logs_specs
+        else:
+            arguments.update(log_dir=self.log_dir, redirects=self.redirects, tee=self.tee)
+        if self.local_ranks_filter:
+            arguments["local_ranks_filter"] = self.local_ranks_filter
         if any(self.relay.values()):
             arguments["relay"] = self.relay
         if self.cpu_affinity:
@@ -98,7 +109,10 @@ class AttemptPlan(NamedTuple):
         return substitute_local_rank(self.args[local_rank], local_rank)
 
     def rank_io(self) -> dict[int, RankIO]:
-        """Where each rank's streams go, as ``start_processes`` will plan them."""
+        """Where each rank's streams go, as ``start_processes`` will plan them (with
+        ``logs_specs``, only its ``reify`` can say: none)."""
+        if self.logs_specs is not None:
+            return {}
         return plan_rank_io(
             self.name,
             self.log_dir,
@@ -107,6 +121,7 @@ class AttemptPlan(NamedTuple):
             self.tee,
             self.log_line_prefixes,
             self.relay,
+            self.local_ranks_filter,
         )
 
 
@@ -141,8 +156,12 @@ def plan_attempt(
     }
     nprocs = command.nprocs
     hang = hang_detection
-    tee = agent_tee(command.tee, command.redirects, nprocs, hang, terminals)
-    relay = relayed(command.redirects, tee, nprocs, terminals, hang)
+    theirs = command.logs_specs is not None
+    redirects = command.redirects
+    tee = command.tee if theirs else agent_tee(command.tee, redirects, nprocs, hang, terminals)
+    # A user's LogsSpecs makes no file for relaunch's tee: with hang detection relaunch reads
+    # every stream it leaves on the console instead (``rank_io_of`` keeps those unlogged).
+    relay = relayed(redirects, tee, nprocs, Std.NONE if theirs and hang else terminals, hang)
     return AttemptPlan(
         name=command.role,
         entrypoint=command.entrypoint,
@@ -154,11 +173,13 @@ def plan_attempt(
         tee=tee,
         shutdown_timeout=command.shutdown_timeout,
         log_line_prefixes=log_line_prefixes(
-            environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV),
+            command.log_line_prefix_template,
             command.role,
             ((worker.local_rank, worker.global_rank) for worker in ranks),
         ),
         relay=relay,
         cpu_affinity=placement.cpus() if placement is not None else {},
-        draws_console=console_is_relaunchs(command.redirects, tee, nprocs, relay),
+        draws_console=not theirs and console_is_relaunchs(command.redirects, tee, nprocs, relay),
+        local_ranks_filter=command.local_ranks_filter,
+        logs_specs=command.logs_specs,
     )

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from relaunch.core.streams import Std, per_rank
@@ -15,13 +15,16 @@ from relaunch.core.streams import Std, per_rank
 STDOUT_LOG = "stdout.log"
 STDERR_LOG = "stderr.log"
 ERROR_FILE = "error.json"
+#: Where a dropped stream goes (``os.devnull``; core does not import ``os``).
+DEVNULL = "/dev/null"
 
 
 @dataclass(frozen=True)
 class RankIO:
     """The I/O of one local rank.
 
-    ``stdout``/``stderr`` are log file paths, "" where the stream is not logged;
+    ``stdout``/``stderr`` are log file paths, "" where the stream is not logged (the worker
+    writes to the launcher's console) and ``DEVNULL`` where it is dropped;
     ``tee`` names the logged streams that are also echoed to the console, each line prefixed
     ``prefix`` (bar refreshes collapsed there); ``relay`` the logged streams, not tee'd, that
     relaunch copies to the console byte for byte (hang detection reads them) rather than letting
@@ -69,12 +72,15 @@ def plan_rank_io(
     tee: Std | Mapping[int, Std] = Std.NONE,
     prefixes: Mapping[int, str] | None = None,
     relay: Std | Mapping[int, Std] = Std.NONE,
+    local_ranks_filter: Collection[int] | None = None,
 ) -> dict[int, RankIO]:
     """One ``RankIO`` per local rank ``0..nprocs-1``, its files in ``{log_dir}/{rank}/``.
 
     A stream is logged when redirected, tee'd (a tee is a redirect echoed to the console,
     prefixed) or relayed (one copied to the console unchanged). ``prefixes`` replaces the
-    console prefix of some ranks.
+    console prefix of some ranks. ``local_ranks_filter`` (torch's; None or empty: every rank)
+    names the ranks shown on the console: the others keep their log files but show nothing,
+    their tees dropped and their streams neither redirected nor tee'd sent to ``os.devnull``.
     """
     redirect_by_rank = per_rank(redirects, nprocs)
     tee_by_rank = per_rank(tee, nprocs)
@@ -83,16 +89,26 @@ def plan_rank_io(
     plan: dict[int, RankIO] = {}
     for rank in range(nprocs):
         rank_dir = posixpath.join(log_dir, str(rank))
-        relay = relay_by_rank[rank] & ~(redirect_by_rank[rank] | tee_by_rank[rank])
-        logged = redirect_by_rank[rank] | tee_by_rank[rank] | relay
+        filtered = bool(local_ranks_filter) and rank not in (local_ranks_filter or ())
+        logs = redirect_by_rank[rank] | tee_by_rank[rank]
+        relay = Std.NONE if filtered else relay_by_rank[rank] & ~logs
+        logged = logs | relay
+        dropped = Std.ALL & ~logged if filtered else Std.NONE
         plan[rank] = RankIO(
             local_rank=rank,
             log_dir=rank_dir,
-            stdout=posixpath.join(rank_dir, STDOUT_LOG) if logged & Std.OUT else "",
-            stderr=posixpath.join(rank_dir, STDERR_LOG) if logged & Std.ERR else "",
-            tee=tee_by_rank[rank],
+            stdout=_path(rank_dir, STDOUT_LOG, Std.OUT, logged, dropped),
+            stderr=_path(rank_dir, STDERR_LOG, Std.ERR, logged, dropped),
+            tee=Std.NONE if filtered else tee_by_rank[rank],
             error_file=posixpath.join(rank_dir, ERROR_FILE),
             prefix=chosen.get(rank, default_prefix(name, rank)),
             relay=Std(relay),
         )
     return plan
+
+
+def _path(rank_dir: str, name: str, std: Std, logged: Std, dropped: Std) -> str:
+    """Where stream ``std`` of a rank goes: its log file, ``DEVNULL`` or "" (the console)."""
+    if logged & std:
+        return posixpath.join(rank_dir, name)
+    return DEVNULL if dropped & std else ""

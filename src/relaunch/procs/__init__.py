@@ -9,10 +9,14 @@ from relaunch.procs.context import (
     start_processes,
 )
 from relaunch.procs.errors import ChildFailedError, ProcessFailure, SignalException, record
+from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from relaunch.procs.tail import TailLog
 
 __all__ = [
     "ChildFailedError",
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
     "MultiprocessContext",
     "PContext",
     "ProcessFailure",

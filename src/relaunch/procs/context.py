@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, overload
 
+from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
+from relaunch.core.logs_specs import LogsSpecs, is_logs_specs, rank_io_of
 from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
@@ -135,12 +137,55 @@ class MultiprocessContext(PContext):
         return pickle.loads(worker.result_bytes)
 
 
+#: ``start_processes``'s two forms, from its 5th parameter on: torch 2.13's and the seeds'.
+TORCH_CALL = CallForm(
+    "torch 2.13's",
+    (
+        "logs_specs",
+        "log_line_prefixes",
+        "start_method",
+        "numa_options",
+        "duplicate_stdout_filters",
+        "duplicate_stderr_filters",
+    ),
+    frozenset({"progbar_events"}),
+    "give log_dir, redirects and tee to DefaultLogsSpecs(log_dir, redirects, tee)",
+)
+SEEDS_CALL = CallForm(
+    "the seeds'",
+    ("log_dir", "start_method", "redirects", "tee", "progbar_events"),
+    frozenset({"log_line_prefixes", "local_ranks_filter"}),
+    "pass logs_specs=DefaultLogsSpecs(log_dir, redirects, tee) in place of log_dir",
+)
+
+
+@overload
 def start_processes(
     name: str,
     entrypoint: Callable[..., Any] | str,
     args: Mapping[int, tuple[Any, ...]],
     envs: Mapping[int, Mapping[str, str]],
-    log_dir: str,
+    logs_specs: LogsSpecs,
+    log_line_prefixes: Mapping[int, str] | None = None,
+    start_method: str = "spawn",
+    numa_options: None = None,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
+    *,
+    progbar_events: ProgbarEvents | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    relay: Std | Mapping[int, Std] = Std.NONE,
+    cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+) -> PContext: ...
+
+
+@overload
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str]],
+    log_dir: str | os.PathLike[str],
     start_method: str = "spawn",
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
@@ -150,24 +195,87 @@ def start_processes(
     log_line_prefixes: Mapping[int, str] | None = None,
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+    local_ranks_filter: Collection[int] | None = None,
+) -> PContext: ...
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str]],
+    *positional: Any,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    relay: Std | Mapping[int, Std] = Std.NONE,
+    cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+    **keywords: Any,
 ) -> PContext:
     """Start one copy of ``entrypoint`` per local rank and return the running context.
 
     A callable runs in a :class:`MultiprocessContext`; a string runs as a binary in a
     :class:`SubprocessContext` (its args are cast to ``str``). ``args`` and ``envs`` must both
-    have the keys ``0..n-1``; ``${local_rank}`` in a string argument becomes the rank. ``log_dir``
-    must be an existing empty directory; each rank gets ``{log_dir}/{rank}/`` with
-    ``stdout.log``/``stderr.log`` for redirected or tee'd streams and ``error.json`` on failure.
+    have the keys ``0..n-1``; ``${local_rank}`` in a string argument becomes the rank.
+
+    Two forms, told apart by the 5th argument. torch 2.13's: a ``LogsSpecs``
+    (``logs_specs``), whose ``reify(envs)`` says where each rank's logs go (``DefaultLogsSpecs``:
+    ``{log_dir}/{run_id}_XXXX/attempt_N/{rank}/``), then ``log_line_prefixes``,
+    ``start_method``, ``numa_options`` (None only: relaunch binds CPUs with ``cpu_affinity``)
+    and the duplicate filters. The seeds': a ``log_dir`` that must be an existing empty
+    directory, each rank's files in ``{log_dir}/{rank}/`` (``stdout.log``/``stderr.log`` for
+    redirected or tee'd streams, ``error.json`` on failure), then ``start_method``,
+    ``redirects``, ``tee`` and ``progbar_events``; ``local_ranks_filter`` (a keyword) names the
+    ranks shown on the console, as ``DefaultLogsSpecs``'s does. A keyword of one form in a call
+    of the other is a TypeError.
+
     ``log_line_prefixes`` replaces the console prefix ``[{name}{local_rank}]:`` of some ranks.
-    ``relay`` (relaunch's own) names streams, neither redirected nor tee'd, that relaunch copies
-    to its console as whole lines with bar refreshes collapsed, rather than letting the workers
-    inherit the console. ``cpu_affinity`` (relaunch's own) binds some ranks to CPUs
-    (``procs.affinity``).
+    ``relay`` (relaunch's own) names streams, neither logged nor dropped, that relaunch copies
+    to its console as whole lines rather than letting the workers inherit the console.
+    ``cpu_affinity`` (relaunch's own) binds some ranks to CPUs (``procs.affinity``).
     """
+    form, given = choose(
+        "start_processes",
+        TORCH_CALL,
+        SEEDS_CALL,
+        positional,
+        keywords,
+        is_logs_specs,
+        lambda value: isinstance(value, (str, os.PathLike)),
+        "its 5th argument",
+    )
+    start_method: str = given.get("start_method", "spawn")
+    prefixes: Mapping[int, str] | None = given.get("log_line_prefixes")
+    progbar_events: ProgbarEvents | None = given.get("progbar_events")
     nprocs = check_ranks(args, envs)
     check_entrypoint(entrypoint, start_method)
-    check_log_dir(log_dir)
-    rank_io = plan_rank_io(name, log_dir, nprocs, redirects, tee, log_line_prefixes, relay)
+    rank_dirs: list[str] = []
+    if form is TORCH_CALL:
+        if given.get("numa_options") is not None:
+            raise ValueError(
+                "numa_options is not taken: bind workers to CPUs with cpu_affinity= or the "
+                "--numa-binding flag"
+            )
+        envs = {rank: dict(envs[rank]) for rank in range(nprocs)}  # reify may add to them
+        dest = given["logs_specs"].reify(envs)
+        rank_io = rank_io_of(dest, name, nprocs, prefixes, relay)
+    elif "log_dir" not in given:
+        raise TypeError(
+            "start_processes() needs where logs go: logs_specs=DefaultLogsSpecs(...) (torch "
+            "2.13) or log_dir=... (the seeds')"
+        )
+    else:
+        log_dir = os.fspath(given["log_dir"])
+        check_log_dir(log_dir)
+        rank_io = plan_rank_io(
+            name,
+            log_dir,
+            nprocs,
+            given.get("redirects", Std.NONE),
+            given.get("tee", Std.NONE),
+            prefixes,
+            relay,
+            given.get("local_ranks_filter"),
+        )
+        rank_dirs = [io.log_dir for io in rank_io.values()]
     rank_args = {rank: substitute_local_rank(args[rank], rank) for rank in range(nprocs)}
     context: PContext
     if isinstance(entrypoint, str):
@@ -193,7 +301,7 @@ def start_processes(
             shutdown_timeout=shutdown_timeout,
             cpu_affinity=cpu_affinity,
         )
-    for io in rank_io.values():
-        os.mkdir(io.log_dir)
+    for rank_dir in rank_dirs:
+        os.mkdir(rank_dir)
     context.start()
     return context

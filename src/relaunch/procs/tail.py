@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TextIO
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
+from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.lines import LineFramer
-from relaunch.procs.console_writer import ConsoleWriter, ProgbarEvents
+from relaunch.procs.console_writer import ConsoleWriter
 from relaunch.runtime import start_thread
 
 log = logging.getLogger(__name__)
@@ -16,12 +18,44 @@ log = logging.getLogger(__name__)
 _READ_SIZE = 1 << 16
 
 
+#: ``TailLog``'s two forms, from its 4th parameter on: torch 2.13's and the seeds'.
+TORCH_CALL = CallForm(
+    "torch 2.13's",
+    ("log_line_prefixes", "interval_sec", "log_line_filter"),
+    frozenset({"progbar_events"}),
+)
+SEEDS_CALL = CallForm(
+    "the seeds'",
+    ("interval_sec", "progbar_events"),
+    frozenset({"log_line_prefixes", "log_line_filter"}),
+)
+
+
+def _every_line(line: str) -> bool:
+    return True
+
+
+def kept_lines(lines: bytes, keep: Callable[[str], bool]) -> bytes:
+    """The lines of ``lines`` (complete lines) that ``keep`` accepts, given each as text with
+    its newline, as torch reads it (undecodable bytes replaced)."""
+    return b"".join(
+        line + b"\n"
+        for line in lines.split(b"\n")[:-1]
+        if keep(line.decode("utf-8", errors="replace") + "\n")
+    )
+
+
 class _FollowedFile:
-    def __init__(self, path: str, prefix: bytes) -> None:
+    def __init__(self, path: str, prefix: bytes, keep: Callable[[str], bool] | None) -> None:
         self.path = path
         self.prefix = prefix
+        self.keep = keep
         self.framer = LineFramer()
         self.file: int | None = None
+
+    def _write(self, writer: ConsoleWriter, lines: bytes) -> None:
+        shown = lines if self.keep is None else kept_lines(lines, self.keep)
+        writer.write_lines(shown, self.prefix)
 
     def read_new(self, writer: ConsoleWriter) -> None:
         if self.file is None:
@@ -30,56 +64,82 @@ class _FollowedFile:
             except FileNotFoundError:
                 return
         while chunk := os.read(self.file, _READ_SIZE):
-            writer.write_lines(self.framer.feed(chunk), self.prefix)
+            self._write(writer, self.framer.feed(chunk))
 
     def finish(self, writer: ConsoleWriter) -> None:
-        writer.write_lines(self.framer.flush(), self.prefix)
+        self._write(writer, self.framer.flush())
         if self.file is not None:
             os.close(self.file)
             self.file = None
 
 
 class TailLog:
-    """Tails ``log_files`` (``{index: path}``) to ``dst``, prefixing each line ``[{name}{index}]:``.
+    """Tails ``log_files`` (``{index: path}``) to ``dst``: torch's ``TailLog``.
 
+    Each line is prefixed ``[{name}{index}]:``, or ``log_line_prefixes[index]`` where given, and
+    written only if ``log_line_filter(line)`` (the line as text, with its newline) is true.
     The files need not exist when ``start()`` is called: they are picked up once created. Files
     are read every ``interval_sec``; ``stop()`` reads what is left (a final partial line too) and
-    returns promptly, whether or not the files ever appeared. The launcher's own tee does not use
-    this class: it reads workers' pipes as lines arrive. ``TailLog`` is for files written by
-    processes it did not start.
+    returns promptly, whether or not the files ever appeared. With ``progbar_events``
+    (ice-learn's), each batch of lines first asks a progress bar to clear itself.
+
+    Two forms: torch 2.13's ``TailLog(name, log_files, dst, log_line_prefixes=None,
+    interval_sec=0.1, log_line_filter=...)``, and the seeds' ``TailLog(name, log_files, dst,
+    interval_sec=0.1, progbar_events=None)``, told apart by the 4th argument (a number: the
+    seeds'). The launcher's own tee does not use this class: it reads workers' pipes as lines
+    arrive. ``TailLog`` is for files written by processes it did not start.
     """
 
     def __init__(
         self,
         name: str,
-        log_files: dict[int, str],
-        dst: TextIO,
-        interval_sec: float = 0.1,
-        progbar_events: ProgbarEvents | None = None,
+        log_files: Mapping[int, str],
+        dst: TextIO | None,
+        *positional: Any,
+        **keywords: Any,
     ) -> None:
+        _, given = choose(
+            "TailLog",
+            TORCH_CALL,
+            SEEDS_CALL,
+            positional,
+            keywords,
+            lambda value: value is None or isinstance(value, Mapping),
+            lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+            "its 4th argument",
+        )
+        prefixes: Mapping[int, str] = given.get("log_line_prefixes") or {}
+        keep: Callable[[str], bool] = given.get("log_line_filter", _every_line)
         self._files = [
-            _FollowedFile(path, f"[{name}{index}]:".encode()) for index, path in log_files.items()
+            _FollowedFile(
+                path,
+                prefixes.get(index, f"[{name}{index}]:").encode(),
+                None if keep is _every_line else keep,
+            )
+            for index, path in log_files.items()
         ]
-        self._writer = ConsoleWriter(dst, progbar_events)
-        self._interval = interval_sec
+        self._writer = None if not dst else ConsoleWriter(dst, given.get("progbar_events"))
+        self._interval: float = given.get("interval_sec", 0.1)
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
 
     def start(self) -> TailLog:
-        if self._files and self._thread is None:
+        if self._files and self._writer is not None and self._thread is None:
             self._thread = start_thread(self._run, "relaunch-taillog")
         return self
 
     def _run(self) -> None:
+        writer = self._writer
+        assert writer is not None
         try:
             while not self._finished.wait(self._interval):
                 for followed in self._files:
-                    followed.read_new(self._writer)
+                    followed.read_new(writer)
             for followed in self._files:
-                followed.read_new(self._writer)
-                followed.finish(self._writer)
-        except OSError:
+                followed.read_new(writer)
+                followed.finish(writer)
+        except Exception:  # an unreadable file, or the user's log_line_filter: said, as torch
             log.exception("error tailing log files")
 
     def stop(self) -> None:
