@@ -124,6 +124,10 @@ class LaunchConfig:
     #: ``${local_rank}`` (None: ``[{role}{local_rank}]:``); the ``relaunch`` command reads it
     #: from ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, as torchrun does.
     log_line_prefix_template: str | None = None
+    #: torch's: copy the tee'd stdout (stderr) lines of every rank that contain any of these
+    #: strings to one file of each attempt, ``filtered_stdout.log`` (``filtered_stderr.log``).
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
 
     def __post_init__(self) -> None:
         configs = dict(self.rdzv_configs)

@@ -131,6 +131,8 @@ def launch_agent(
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
         shutdown_timeout=config.shutdown_timeout,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
     )
     event_handler = event_handler_from_spec(config.event_log_handler)
     metrics = Metrics(

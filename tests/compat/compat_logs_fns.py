@@ -76,6 +76,7 @@ def run_node(task: dict[str, Any]) -> dict[str, Any]:
         args=("-u", task["script"], "${local_rank}"),
         max_restarts=0,
         monitor_interval=0.1,
+        duplicate_stdout_filters=task["filters"],
     )
     if task["custom"]:
         logs_specs: Any = CustomLogsSpecs(task["log_dir"])

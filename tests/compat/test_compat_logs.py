@@ -198,14 +198,53 @@ def test_start_processes_with_logs_specs_writes_torchs_files(
     assert any(b"out 0 line 2\n" in data for data in ours.values())
 
 
+@pytest.mark.timeout(120)
+def test_duplicate_filters_copy_the_teed_lines_like_torch(tmp_path: Path, leaks: LeakCheck) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    copied = {}
+    for name, module in (("torch", torch_mp()), ("ours", sys.modules["relaunch.procs"])):
+        pc = module.start_processes(
+            "echo",
+            sys.executable,
+            {0: ("-u", str(script), "0"), 1: ("-u", str(script), "1")},
+            {rank: {**ENVS[rank], **leaks.env} for rank in (0, 1)},
+            module.DefaultLogsSpecs(
+                str(tmp_path / name),
+                redirects={0: module.Std.ERR},
+                tee={0: module.Std.OUT, 1: module.Std.ERR},
+            ),
+            {0: "[zero]:"},
+            duplicate_stdout_filters=["line 1"],
+            duplicate_stderr_filters=["line 0", "line 2"],
+        )
+        try:
+            result = pc.wait(60)
+            assert result is not None and not result.is_failed(), result
+        finally:
+            pc.close()
+        paths = [getattr(pc.filtered_stdout, "name", pc.filtered_stdout), pc.filtered_stderr]
+        paths[1] = getattr(paths[1], "name", paths[1])
+        assert [os.path.basename(str(path)) for path in paths] == [
+            "filtered_stdout.log",
+            "filtered_stderr.log",
+        ]
+        copied[name] = [sorted(Path(str(path)).read_text().splitlines()) for path in paths]
+    assert copied["ours"] == copied["torch"]
+    assert copied["ours"] == [
+        ["[zero]:out 0 line 1"],
+        ["[echo1]:err 1 line 0", "[echo1]:err 1 line 2"],
+    ]
+
+
 def test_start_processes_forms_are_told_apart_and_not_mixed(log_dir: str) -> None:
     one = {"name": "echo", "entrypoint": "/bin/true", "args": {0: ()}, "envs": {0: {}}}
     with pytest.raises(TypeError, match=r"log_dir= of the seeds' form .* DefaultLogsSpecs"):
         start_processes(**one, logs_specs=DefaultLogsSpecs(log_dir), log_dir=log_dir)
     with pytest.raises(TypeError, match="tee= of the seeds' form"):
         start_processes(*one.values(), DefaultLogsSpecs(log_dir), tee=Std.ALL)
-    with pytest.raises(TypeError, match=r"duplicate_stdout_filters= of torch 2\.13's form"):
-        start_processes(*one.values(), log_dir, duplicate_stdout_filters=["x"])
+    with pytest.raises(TypeError, match=r"numa_options= of torch 2\.13's form"):
+        start_processes(*one.values(), log_dir, numa_options=None)
     with pytest.raises(TypeError, match=r"a logs_specs .* or a log_dir .* 5th argument, got int"):
         start_processes(*one.values(), 3)
     with pytest.raises(TypeError, match="needs where logs go"):
@@ -335,11 +374,15 @@ def test_agent_with_logs_specs_and_prefix_template_like_torch(
             "tee": int(Std.OUT),
             "template": "<${role_name}:${rank}/${local_rank}> ",
             "custom": custom,
+            "filters": None if custom else ["line 1"],
         }
         outcome, console = run_agent_node(task, leaks)
         assert outcome == {"failed": False, "returns": [0, 1]}
         outputs[kind] = sorted(line for line in console.splitlines() if "line" in line)
         files[kind] = files_under(root)
+        for name in [name for name in files[kind] if name.endswith("filtered_stdout.log")]:
+            # Every rank's lines in one file: their order is the order they came in.
+            files[kind][name] = b"".join(sorted(files[kind][name].splitlines(keepends=True)))
     assert files["relaunch"] == files["torch"]
     assert outputs["relaunch"] == outputs["torch"]
     if custom:
@@ -348,6 +391,8 @@ def test_agent_with_logs_specs_and_prefix_template_like_torch(
     else:
         assert "<trainer:1/1> out 1 line 2" in outputs["relaunch"]
         assert "<run>/attempt_0/1/stderr.log" in files["relaunch"]
+        filtered = files["relaunch"]["<run>/attempt_0/filtered_stdout.log"].splitlines()
+        assert sorted(filtered) == [b"<trainer:0/0> out 0 line 1", b"<trainer:1/1> out 1 line 1"]
 
 
 def test_agent_forms_are_told_apart_and_not_mixed(tmp_path: Path) -> None:
@@ -484,3 +529,50 @@ def test_cli_default_logs_specs_and_torchs_local_ranks_filter(
     # Rank 1 is off the console: its tee'd stdout is still on file, its stderr dropped.
     assert (attempt / "1" / "stdout.log").read_text().count("out y line") == 3
     assert not (attempt / "1" / "stderr.log").exists()
+
+
+@pytest.mark.parametrize("text", ["apple,orange", "a,,b,c", "", ",", "x,,,,y"])
+def test_cli_duplicate_filters_parse_like_torchrun(text: str) -> None:
+    from torch.distributed.run import get_args_parser
+
+    from relaunch.cli import build_parser
+
+    argv = [f"--duplicate-stdout-filters={text}", f"--duplicate_stderr_filters={text}", "x.py"]
+    theirs = get_args_parser().parse_args(argv)
+    ours = build_parser({}).parse_args(argv)
+    assert ours.duplicate_stdout_filters == theirs.duplicate_stdout_filters
+    assert ours.duplicate_stderr_filters == theirs.duplicate_stderr_filters
+
+
+@pytest.mark.timeout(120)
+def test_cli_duplicate_filters_copy_every_ranks_teed_lines(
+    tmp_path: Path, leaks: LeakCheck
+) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    logs = tmp_path / "logs"
+    done = relaunch_cli(
+        leaks,
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "3",
+        "--duplicate-stdout-filters",
+        "line 1",
+        "--duplicate-stderr-filters",
+        "line 0,line 2",
+        "--log-dir",
+        str(logs),
+        str(script),
+        "z",
+    )
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = logs.iterdir()
+    attempt = run_dir / "attempt_0"
+    assert sorted((attempt / "filtered_stdout.log").read_text().splitlines()) == [
+        "[default0]:out z line 1",
+        "[default1]:out z line 1",
+    ]
+    assert sorted((attempt / "filtered_stderr.log").read_text().splitlines()) == [
+        f"[default{rank}]:err z line {n}" for rank in (0, 1) for n in (0, 2)
+    ]

@@ -101,6 +101,8 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "metrics_port": "9100",
                 "numa_binding": "socket",
                 "logs_specs": "default",
+                "duplicate_stdout_filters": "a,,b,c",
+                "duplicate_stderr_filters": "d",
             }.get(dest, "x")
         )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]

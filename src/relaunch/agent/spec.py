@@ -57,6 +57,10 @@ class WorkerSpec:
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    #: torch's: copy the tee'd stdout (stderr) lines that contain any of these strings to the
+    #: attempt's ``filtered_stdout.log`` (``filtered_stderr.log``).
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

@@ -79,6 +79,8 @@ class Workers:
             own.local_ranks_filter if own else None,
             log_line_prefix_template,
             None if own else logs,
+            tuple(spec.duplicate_stdout_filters or ()),
+            tuple(spec.duplicate_stderr_filters or ()),
         )
         self._start_processes = start_processes
         self._placement = placement

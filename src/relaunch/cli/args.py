@@ -327,7 +327,7 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
     ``--local-ranks-filter`` given to the ``LogsSpecs`` class ``--logs-specs`` names (then
     made here, as torchrun makes it), else kept as they are (a ``DefaultLogsSpecs`` is made
     of them when the agent starts, after ``--dry-run``); the console prefix template from
-    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``."""
+    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, and the duplicate filters."""
     from relaunch.core.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
 
     fields: dict[str, Any] = {
@@ -336,9 +336,13 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
         "tee": args.tee,
         "local_ranks_filter": args.local_ranks_filter,
     }
-    template = environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV) or None
+    shared = {
+        "log_line_prefix_template": environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV) or None,
+        "duplicate_stdout_filters": args.duplicate_stdout_filters,
+        "duplicate_stderr_filters": args.duplicate_stderr_filters,
+    }
     if args.logs_specs is None:
-        return {**fields, "log_line_prefix_template": template}
+        return {**fields, **shared}
     if args.log_dir is not None:
         check_log_dir(args.log_dir)
     try:
@@ -348,4 +352,4 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
             f"--logs-specs: {args.logs_specs.__name__}(log_dir, redirects, tee, "
             f"local_ranks_filter) failed: {type(exc).__name__}: {exc}"
         ) from None
-    return {"logs_specs": logs_specs, "log_line_prefix_template": template}
+    return {"logs_specs": logs_specs, **shared}

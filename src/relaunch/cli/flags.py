@@ -385,6 +385,23 @@ FLAGS = [
     ),
     _Flag(
         "logs",
+        ("--duplicate-stdout-filters",),
+        "copy the tee'd stdout lines that contain any of these strings (comma-separated, ,, "
+        "for a comma) to filtered_stdout.log in each attempt's log directory",
+        None,
+        _checked("parse_filters"),
+        metavar="TEXT,...",
+    ),
+    _Flag(
+        "logs",
+        ("--duplicate-stderr-filters",),
+        "the same for the tee'd stderr lines, to filtered_stderr.log",
+        None,
+        _checked("parse_filters"),
+        metavar="TEXT,...",
+    ),
+    _Flag(
+        "logs",
         ("--logs-specs",),
         "a LogsSpecs class that says where logs go, by its name in the torchrun.logs_specs "
         "entry points (torchrun's); it is given --log-dir, -r, -t and --local-ranks-filter",

@@ -170,6 +170,12 @@ def parse_ranks_filter(text: str) -> set[int]:
     return {int(item) for item in items}
 
 
+def parse_filters(text: str) -> list[str]:
+    """torchrun's duplicate filters: strings separated by commas, ``,,`` for a comma."""
+    marker = "\0"
+    return [item.replace(marker, ",") for item in text.replace(",,", marker).split(",")]
+
+
 #: The entry-point group torchrun loads ``--logs-specs`` classes from.
 LOGS_SPECS_GROUP = "torchrun.logs_specs"
 

@@ -34,7 +34,8 @@ class Command(NamedTuple):
     binary) with ``args``, their streams as ``redirects``, ``tee`` and ``local_ranks_filter``
     (torch's: the ranks shown on the console) say, or, with ``logs_specs`` (a user's
     ``LogsSpecs``), as its ``reify`` says when the attempt starts. ``log_line_prefix_template``
-    (torch's: ``${role_name}``, ``${rank}``, ``${local_rank}``) makes the console prefixes."""
+    (torch's: ``${role_name}``, ``${rank}``, ``${local_rank}``) makes the console prefixes;
+    the duplicate filters (torch's) copy the matching tee'd lines to one file."""
 
     role: str
     entrypoint: Callable[..., Any] | str
@@ -47,6 +48,8 @@ class Command(NamedTuple):
     local_ranks_filter: frozenset[int] | None = None
     log_line_prefix_template: str | None = None
     logs_specs: Any = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
 
 class AttemptPlan(NamedTuple):
@@ -74,6 +77,8 @@ class AttemptPlan(NamedTuple):
     draws_console: bool
     local_ranks_filter: frozenset[int] | None = None
     logs_specs: Any = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
     @property
     def nprocs(self) -> int:
@@ -98,6 +103,10 @@ class AttemptPlan(NamedTuple):
             arguments.update(log_dir=self.log_dir, redirects=self.redirects, tee=self.tee)
         if self.local_ranks_filter:
             arguments["local_ranks_filter"] = self.local_ranks_filter
+        for stream in ("stdout", "stderr"):
+            needles = getattr(self, f"duplicate_{stream}_filters")
+            if needles:
+                arguments[f"duplicate_{stream}_filters"] = list(needles)
         if any(self.relay.values()):
             arguments["relay"] = self.relay
         if self.cpu_affinity:
@@ -182,4 +191,6 @@ def plan_attempt(
         draws_console=not theirs and console_is_relaunchs(command.redirects, tee, nprocs, relay),
         local_ranks_filter=command.local_ranks_filter,
         logs_specs=command.logs_specs,
+        duplicate_stdout_filters=command.duplicate_stdout_filters,
+        duplicate_stderr_filters=command.duplicate_stderr_filters,
     )

@@ -14,7 +14,8 @@ import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rank_io import RankIO
@@ -34,6 +35,9 @@ from relaunch.procs.monitor import KILL_DEADLINE, GroupMonitor, WorkerProcess
 from relaunch.procs.rank_streams import RankStreams
 from relaunch.procs.signals import SignalsToExceptions, notices_ignored
 from relaunch.runtime import SYSTEM_CLOCK, Clock
+
+if TYPE_CHECKING:
+    from relaunch.procs.duplicates import FilteredCopy
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,12 @@ class PContext(abc.ABC):
         #: In the environment of every worker, hence of every descendant (procs.descendants).
         self._tree = new_token()
 
+    #: torch's duplicate filters (``start_processes``): the files of the filtered copies of
+    #: the tee'd stdouts and stderrs (None: none), and the copies by stream (True: stderr).
+    filtered_stdout: str | None = None
+    filtered_stderr: str | None = None
+    copies: Mapping[bool, FilteredCopy] = MappingProxyType({})
+
     # -- the seed's per-rank maps, read from ``rank_io`` ---------------------------------------
 
     @property
@@ -191,7 +201,7 @@ class PContext(abc.ABC):
                     streams.close_child_ends()
                 worker = WorkerProcess(rank, handle, result_conn=result_conn)
                 workers.append(worker)
-                worker.streams = streams.tees(console, handle.pid)
+                worker.streams = streams.tees(console, handle.pid, self.copies)
                 opened = None
         except BaseException:
             self._abort_start(workers, opened)

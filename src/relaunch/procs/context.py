@@ -15,7 +15,13 @@ from typing import Any, overload
 
 from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
-from relaunch.core.logs_specs import LogsSpecs, is_logs_specs, rank_io_of
+from relaunch.core.logs_specs import (
+    FILTERED_STDERR_LOG,
+    FILTERED_STDOUT_LOG,
+    LogsSpecs,
+    is_logs_specs,
+    rank_io_of,
+)
 from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
@@ -29,6 +35,7 @@ from relaunch.procs.checks import (
     check_start_method,
 )
 from relaunch.procs.console_writer import ProgbarEvents
+from relaunch.procs.duplicates import FilteredCopy
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.monitor import WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -154,7 +161,14 @@ TORCH_CALL = CallForm(
 SEEDS_CALL = CallForm(
     "the seeds'",
     ("log_dir", "start_method", "redirects", "tee", "progbar_events"),
-    frozenset({"log_line_prefixes", "local_ranks_filter"}),
+    frozenset(
+        {
+            "log_line_prefixes",
+            "local_ranks_filter",
+            "duplicate_stdout_filters",
+            "duplicate_stderr_filters",
+        }
+    ),
     "pass logs_specs=DefaultLogsSpecs(log_dir, redirects, tee) in place of log_dir",
 )
 
@@ -196,6 +210,8 @@ def start_processes(
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
     local_ranks_filter: Collection[int] | None = None,
+    duplicate_stdout_filters: list[str] | None = None,
+    duplicate_stderr_filters: list[str] | None = None,
 ) -> PContext: ...
 
 
@@ -227,6 +243,12 @@ def start_processes(
     ranks shown on the console, as ``DefaultLogsSpecs``'s does. A keyword of one form in a call
     of the other is a TypeError.
 
+    ``duplicate_stdout_filters`` and ``duplicate_stderr_filters`` (torch's; keywords in the
+    seeds' form) copy the tee'd lines of every rank that contain any of the strings, prefixed,
+    to one file: the ``LogsDest``'s ``filtered_stdout``/``filtered_stderr``, or
+    ``{log_dir}/filtered_stdout.log`` and ``filtered_stderr.log``; the context's
+    ``filtered_stdout``/``filtered_stderr`` name them.
+
     ``log_line_prefixes`` replaces the console prefix ``[{name}{local_rank}]:`` of some ranks.
     ``relay`` (relaunch's own) names streams, neither logged nor dropped, that relaunch copies
     to its console as whole lines rather than letting the workers inherit the console.
@@ -257,6 +279,7 @@ def start_processes(
         envs = {rank: dict(envs[rank]) for rank in range(nprocs)}  # reify may add to them
         dest = given["logs_specs"].reify(envs)
         rank_io = rank_io_of(dest, name, nprocs, prefixes, relay)
+        filtered = (dest.filtered_stdout, dest.filtered_stderr)
     elif "log_dir" not in given:
         raise TypeError(
             "start_processes() needs where logs go: logs_specs=DefaultLogsSpecs(...) (torch "
@@ -276,6 +299,10 @@ def start_processes(
             given.get("local_ranks_filter"),
         )
         rank_dirs = [io.log_dir for io in rank_io.values()]
+        filtered = (
+            os.path.join(log_dir, FILTERED_STDOUT_LOG),
+            os.path.join(log_dir, FILTERED_STDERR_LOG),
+        )
     rank_args = {rank: substitute_local_rank(args[rank], rank) for rank in range(nprocs)}
     context: PContext
     if isinstance(entrypoint, str):
@@ -303,5 +330,17 @@ def start_processes(
         )
     for rank_dir in rank_dirs:
         os.mkdir(rank_dir)
-    context.start()
+    copies = {}
+    for err, stream in ((False, "stdout"), (True, "stderr")):
+        needles = given.get(f"duplicate_{stream}_filters")
+        if needles:
+            path = filtered[err]
+            copies[err] = FilteredCopy(path, needles)
+            setattr(context, f"filtered_{stream}", path)
+    context.copies = copies
+    try:
+        context.start()
+    finally:
+        for copy in copies.values():
+            copy.release()  # the streams that feed it hold it now
     return context

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-
 from typing import NamedTuple
 
 from relaunch.core.logs_specs import (
@@ -31,10 +30,10 @@ __all__ = [
     "DefaultLogsSpecs",
     "LogsDest",
     "LogsSpecs",
+    "OwnPlan",
     "is_logs_specs",
     "make_log_dir",
     "new_attempt_dir",
-    "OwnPlan",
     "own_plan",
     "rank_io_of",
 ]

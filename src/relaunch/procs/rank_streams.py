@@ -19,12 +19,17 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from relaunch.core.rank_io import RankIO
 from relaunch.core.screen import ScreenFramer
 from relaunch.procs.console import Console
 from relaunch.procs.console_writer import write_all
 from relaunch.procs.terminals import open_terminal
+
+if TYPE_CHECKING:
+    from relaunch.procs.duplicates import FilteredCopy
 
 _READ_SIZE = 1 << 16
 #: How much of a worker's stderr relaunch keeps in memory for the failure report (about 20 lines
@@ -114,7 +119,8 @@ class TeeStream:
     all streams together: under a flood of small writes that is one console write per round, not
     one per read. In a tee'd stream, rows being redrawn (progress bars, live displays) become
     the stream's ``bar`` rather than lines; the log file gets every byte either way. A stderr
-    stream keeps its last ``STDERR_TAIL_BYTES`` in ``tail``.
+    stream keeps its last ``STDERR_TAIL_BYTES`` in ``tail``. A tee'd stream with a ``copy``
+    (torch's duplicate filters) gives it its lines, prefixed ``copy_prefix``.
     """
 
     def __init__(
@@ -130,6 +136,8 @@ class TeeStream:
         log_path: str = "",
         shown: bool = True,
         verbatim: bool = False,
+        copy: FilteredCopy | None = None,
+        copy_prefix: bytes = b"",
     ) -> None:
         os.set_blocking(read_fd, False)
         self.read_fd = read_fd
@@ -152,6 +160,9 @@ class TeeStream:
         self.tail: bytearray | None = bytearray() if err else None
         #: A verbatim stream's bytes after its last newline, not written yet.
         self.held = bytearray()
+        self.copy, self.copy_prefix = copy, copy_prefix
+        if copy is not None:
+            copy.hold()
 
     @property
     def log_fd(self) -> int | None:
@@ -200,6 +211,8 @@ class TeeStream:
         lines, bar = self.framer.feed(chunk)
         if lines:
             self.pending.append(self.console.render(lines, self.prefix))
+            if self.copy is not None:
+                self.copy.take(self.copy_prefix, lines)
         if bar is not None or self.bar is not None:
             self.bar_changed = self.bar_changed or bar != self.bar
             self.bar = bar
@@ -251,7 +264,10 @@ class TeeStream:
             return
         self.open = False
         if self.shown and not self.verbatim:
-            self.pending.append(self.console.render(self.framer.flush(), self.prefix))
+            last = self.framer.flush()
+            self.pending.append(self.console.render(last, self.prefix))
+            if self.copy is not None:
+                self.copy.take(self.copy_prefix, last)
         if self.held:
             self.console.unhold(self)
             self.pending.append(self.take_held())
@@ -268,6 +284,8 @@ class TeeStream:
             self.log.close()
             if self.log.error and not failed_before:
                 self._tell_log_error(self.log)
+        if self.copy is not None:
+            self.copy.release()
 
 
 class StreamEnds:
@@ -335,11 +353,18 @@ class RankStreams:
         self.stdout.close_all()
         self.stderr.close_all()
 
-    def tees(self, console: Console, pid: int) -> list[TeeStream]:
+    def tees(
+        self,
+        console: Console,
+        pid: int,
+        copies: Mapping[bool, FilteredCopy] | None = None,
+    ) -> list[TeeStream]:
         """A ``TeeStream`` per stream relaunch reads: tee'd ones shown as lines prefixed with the
         rank's prefix, relayed ones shown byte for byte, redirected ones not shown; the
-        pseudo-terminals of worker ``pid`` follow the console's size."""
+        pseudo-terminals of worker ``pid`` follow the console's size. A tee'd stream also
+        gives its lines to ``copies[err]``, if any (torch's duplicate filters)."""
         prefix = self.io.prefix.encode()
+        copies = copies or {}
         streams = []
         for ends, err in ((self.stdout, False), (self.stderr, True)):
             if ends.read_fd is None:
@@ -355,6 +380,8 @@ class RankStreams:
                 log_path=ends.path,
                 shown=ends.tee or ends.relay,
                 verbatim=ends.relay and not ends.tee,
+                copy=copies.get(err) if ends.tee else None,
+                copy_prefix=prefix,
             )
             if ends.terminal:
                 console.worker_terminals.add(ends.read_fd, len(self.io.prefix), pid)
