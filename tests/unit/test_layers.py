@@ -61,6 +61,8 @@ MAY_IMPORT = {
     "relaunch.rendezvous": (*FOUNDATIONS, "relaunch.store"),
     "relaunch.events": (*FOUNDATIONS, "relaunch.jsonl_file"),
     "relaunch.procs": (*FOUNDATIONS, "relaunch.jsonl_file"),
+    # torch's multiprocessing[.api|.errors|.tail_log] paths, naming what relaunch.procs holds
+    "relaunch.multiprocessing": (*FOUNDATIONS, "relaunch.procs"),
     "relaunch.timer": FOUNDATIONS,
     "relaunch.store": FOUNDATIONS,
     "relaunch.jsonl_file": FOUNDATIONS,

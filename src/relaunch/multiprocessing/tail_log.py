@@ -1,0 +1,5 @@
+"""torch's ``torch.distributed.elastic.multiprocessing.tail_log``, at relaunch's path."""
+
+from relaunch.procs.tail import TailLog
+
+__all__ = ["TailLog"]
