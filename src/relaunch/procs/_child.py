@@ -7,10 +7,7 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
+from typing import Any
 
 
 class InheritedFd:
@@ -48,10 +45,10 @@ def run_function(
     setup: ChildSetup,
     entrypoint: Callable[..., Any],
     args: tuple[Any, ...],
-    result: Connection,
+    result: InheritedFd,
 ) -> None:
     """Entry of a function worker: own process group, CPUs, clean signals, redirected streams,
-    record."""
+    record; the return value goes to the pipe ``result`` by value (``procs.returns``)."""
     try:
         os.setsid()
     except PermissionError:
@@ -72,16 +69,16 @@ def run_function(
     faulthandler.enable()
 
     from relaunch.procs.errors import record
+    from relaunch.procs.returns import send_return_value
+
+    name = getattr(entrypoint, "__qualname__", None) or repr(entrypoint)
+    rank = os.environ.get("RANK")
+    who = name if rank is None else f"rank {rank}'s {name}"
 
     @record
     def call_and_send() -> None:
         value = entrypoint(*args)
-        try:
-            result.send(value)
-        except Exception as exc:
-            raise TypeError(
-                f"the return value of {getattr(entrypoint, '__name__', entrypoint)!r} "
-                f"({type(value).__name__}) cannot be sent to the launcher: {exc}"
-            ) from exc
+        send_return_value(result.fd, value, who)
+        os.close(result.fd)
 
     call_and_send()

@@ -11,6 +11,7 @@ import atexit
 import logging
 import signal
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,12 @@ from relaunch.core.rank_io import RankIO
 from relaunch.procs.console import console_for
 from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.descendants import kill_marked, new_token, with_token
-from relaunch.procs.errors import ERROR_FILE_ENV, ProcessFailure
+from relaunch.procs.errors import (
+    ERROR_FILE_ENV,
+    ProcessFailure,
+    exception_error_data,
+    write_error_file,
+)
 from relaunch.procs.guardian import guardian
 from relaunch.procs.handles import (
     PopenHandle,
@@ -119,6 +125,11 @@ class PContext(abc.ABC):
         self._signals = SignalsToExceptions()
         self._monitor: GroupMonitor | None = None
         self._result: RunProcsResult | None = None
+        #: The ranks whose return value is still to be loaded (by ``wait``, in the caller's
+        #: thread), and those loaded so far.
+        self._unloaded: dict[int, WorkerProcess] = {}
+        self._loaded: dict[int, Any] = {}
+        self._settle_lock = threading.Lock()
         self._closed = False
         self._started_at = 0.0
         #: In the environment of every worker, hence of every descendant (procs.descendants).
@@ -166,7 +177,9 @@ class PContext(abc.ABC):
         """Start one worker writing to the descriptors ``stdout``/``stderr`` (None: inherit);
         return its handle and the read end of its result channel, if any."""
 
-    def _return_value(self, worker: WorkerProcess) -> Any:
+    def _return_value(self, worker: WorkerProcess, who: str) -> Any:
+        """What ``worker`` (``who``, in a message) returned; called by ``wait`` in the caller's
+        thread. An exception fails that rank with the exception's message."""
         return None
 
     # -- the life cycle --------------------------------------------------------------------------
@@ -193,13 +206,13 @@ class PContext(abc.ABC):
                         {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}, self._tree
                     )
                     with notices_ignored():  # Slurm's warning is for the agent alone
-                        handle, result_conn = self._start_worker(
+                        handle, result = self._start_worker(
                             rank, env, streams.stdout.child_fd, streams.stderr.child_fd
                         )
                     orphans.register(handle.pid)
                 finally:
                     streams.close_child_ends()
-                worker = WorkerProcess(rank, handle, result_conn=result_conn)
+                worker = WorkerProcess(rank, handle, result=result)
                 workers.append(worker)
                 worker.streams = streams.tees(console, handle.pid, self.copies)
                 opened = None
@@ -231,6 +244,8 @@ class PContext(abc.ABC):
             guardian().unregister(worker.pid)
             for stream in worker.streams:
                 stream.finish()
+            if worker.result is not None:
+                worker.result.close()
             worker.handle.release()
         kill_marked(self._tree, TREE_KILL_WAIT)
         guardian().unregister_tree(self._tree)
@@ -260,14 +275,78 @@ class PContext(abc.ABC):
 
         Returns None while workers still run, else the result; when a worker failed, the others
         have already been stopped. Returns as soon as the group ends: ``period`` is accepted for
-        compatibility and unused, since exits are events here, not polled.
+        compatibility and unused, since exits are events here, not polled. The functions' return
+        values are loaded here, in the caller's thread, as torch does: a value that cannot be
+        loaded fails its rank.
         """
         monitor = self._monitor
         if monitor is None:
             raise RuntimeError(f"{type(self).__name__} {self.name!r} was not started")
         if not monitor.wait_done(None if timeout < 0 else timeout):
             return None
-        return self._result
+        return self._settled()
+
+    def _settled(self) -> RunProcsResult:
+        """The result of the ended group, its return values loaded (once; a signal that
+        interrupts the loading leaves the rest for the next call)."""
+        with self._settle_lock:
+            result = self._result
+            if result is None:  # the monitor failed and could not even build the result
+                result = self._result = self._monitor_failure_result()
+            while self._unloaded:
+                rank, worker = next(iter(self._unloaded.items()))
+                try:
+                    self._loaded[rank] = self._return_value(worker, self._who(rank))
+                except Exception as exc:
+                    result.failures[rank] = self._unloadable(rank, worker, exc)
+                del self._unloaded[rank]
+            if not result.failures:
+                result.return_values = dict(sorted(self._loaded.items()))
+            return result
+
+    def _who(self, rank: int) -> str:
+        global_rank = self.envs[rank].get("RANK")
+        return f"local rank {rank}" if global_rank is None else f"rank {global_rank}"
+
+    def _unloadable(self, rank: int, worker: WorkerProcess, error: Exception) -> ProcessFailure:
+        """The failure of a rank whose return value cannot be loaded; its error file says why
+        (it is the root cause a scheduler reads)."""
+        error_file = self.rank_io[rank].error_file
+        try:
+            write_error_file(error_file, exception_error_data(error))
+            written = True
+        except OSError as exc:
+            log.warning("cannot write error file %s: %s", error_file, exc)
+            written = False
+        failure = ProcessFailure.from_exit(
+            rank, worker.pid, worker.exitcode or 0, error_file, timestamp=worker.exit_time
+        )
+        if not written:
+            failure.message = failure.details = f"{type(error).__name__}: {error}"
+        return failure
+
+    def _monitor_failure_result(self) -> RunProcsResult:
+        """Every rank failed: the thread that watched them failed, and they were killed."""
+        assert self._monitor is not None
+        error = self._monitor.failure
+        why = f"relaunch's worker monitor failed ({type(error).__name__}: {error})"
+        workers = self._monitor.workers
+        return RunProcsResult(
+            failures={
+                rank: ProcessFailure(
+                    rank,
+                    worker.pid,
+                    worker.exitcode if worker.exitcode is not None else -signal.SIGKILL,
+                    "",
+                    message=f"{why}; the workers were killed",
+                    timestamp=worker.exit_time,
+                )
+                for rank, worker in workers.items()
+            },
+            stdouts=self.stdouts,
+            stderrs=self.stderrs,
+            exitcodes={rank: worker.exitcode or 0 for rank, worker in workers.items()},
+        )
 
     def hold_group_stop(self) -> None:
         """From now on, a worker's failure does not stop the others: the agent has asked every
@@ -319,7 +398,8 @@ class PContext(abc.ABC):
             worker.handle.release()
 
     def _build_result(self) -> None:
-        """Called by the monitor once every worker has exited."""
+        """Called by the monitor once every worker has exited (in its thread, holding its
+        lock: no user code runs here)."""
         assert self._monitor is not None
         monitor = self._monitor
         workers = monitor.workers
@@ -329,12 +409,10 @@ class PContext(abc.ABC):
             if worker.exitcode and rank not in monitor.stopped_ranks
         }
         stopped = {rank: workers[rank].exitcode or 0 for rank in monitor.stopped_ranks}
-        if failures:
-            values: dict[int, Any] = {}
-        else:
-            values = {rank: self._return_value(worker) for rank, worker in workers.items()}
+        # Loaded by ``wait`` in the caller's thread: unpickling runs the user's code.
+        self._unloaded = {} if failures else dict(workers)
         self._result = RunProcsResult(
-            values,
+            {},
             failures,
             self.stdouts,
             self.stderrs,

@@ -38,6 +38,7 @@ from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.duplicates import FilteredCopy
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.monitor import WorkerProcess
+from relaunch.procs.returns import ReturnReader, widen_pipe
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 __all__ = [
@@ -75,8 +76,10 @@ class SubprocessContext(PContext):
 class MultiprocessContext(PContext):
     """Workers that are Python functions, started with a multiprocessing start method.
 
-    The function's return value is collected per local rank; an uncaught exception is written to
-    the rank's error file automatically (no ``@record`` needed).
+    The function's return value is collected per local rank, sent by value (``procs.returns``):
+    anything the standard pickler can send arrives; a value that cannot be sent or loaded fails
+    its rank with a message that says so. An uncaught exception is written to the rank's error
+    file automatically (no ``@record`` needed).
     """
 
     def __init__(
@@ -124,24 +127,25 @@ class MultiprocessContext(PContext):
             stderr=None if stderr is None else InheritedFd(stderr),
             cpus=self.cpu_affinity.get(local_rank),
         )
-        result_r, result_w = self._mp.Pipe(duplex=False)
+        result_r, result_w = os.pipe()
+        widen_pipe(result_w)
         process = self._mp.Process(
             target=run_function,
-            args=(setup, self.entrypoint, self.args[local_rank], result_w),
+            args=(setup, self.entrypoint, self.args[local_rank], InheritedFd(result_w)),
             name=f"{self.name}{local_rank}",
         )
         try:
             process.start()
+        except BaseException:
+            os.close(result_r)
+            raise
         finally:
-            result_w.close()
-        return ProcessHandle(process, self.start_method), result_r
+            os.close(result_w)
+        return ProcessHandle(process, self.start_method), ReturnReader(result_r)
 
-    def _return_value(self, worker: WorkerProcess) -> Any:
-        if worker.result_bytes is None:
-            return None
-        import pickle
-
-        return pickle.loads(worker.result_bytes)
+    def _return_value(self, worker: WorkerProcess, who: str) -> Any:
+        """What the worker returned, loaded here in the caller's thread (``procs.returns``)."""
+        return None if worker.result is None else worker.result.load(who)
 
 
 #: ``start_processes``'s two forms, from its 5th parameter on: torch 2.13's and the seeds'.

@@ -1,7 +1,8 @@
 """The one thread that watches a group of workers: their exits and their tee'd output.
 
 It waits in a single ``selectors`` call on a pidfd per worker, the read end of every tee'd stream,
-the pipes return values come through, and a wake-up pipe; deadlines (SIGKILL after a grace
+the pipes return values come through (read as they arrive: a worker never blocks on a full pipe
+while the monitor waits for its exit), and a wake-up pipe; deadlines (SIGKILL after a grace
 period, giving up on workers that outlive SIGKILL, the end of draining) are the select timeout.
 Nothing is polled on a period, except a worker that exited but cannot be reaped yet (a zombie
 that a debugger traces), which is looked at again with a growing delay.
@@ -13,11 +14,11 @@ import logging
 import os
 import selectors
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from relaunch.core.group import GroupState, group_state
 from relaunch.procs.console import Console
@@ -29,12 +30,10 @@ from relaunch.procs.handles import (
     stuck_worker,
 )
 from relaunch.procs.rank_streams import TeeStream
+from relaunch.procs.returns import ReturnReader
 from relaunch.procs.signals import signals_deferred
 from relaunch.procs.wakeup import Latch
 from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure, start_thread
-
-if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,9 @@ KILL_DEADLINE = 5.0
 #: which cannot be reaped yet (see ``GroupMonitor._set_aside``).
 RECHECK_FIRST = 0.005
 RECHECK_MAX = 0.5
+#: At most this many bytes of a return value are read per wake-up, so that a large value
+#: arriving does not hold up the other workers' output.
+RESULT_READ_LIMIT = 8 << 20
 
 
 @dataclass
@@ -65,8 +67,8 @@ class WorkerProcess:
     local_rank: int
     handle: PopenHandle | ProcessHandle
     streams: list[TeeStream] = field(default_factory=list)
-    result_conn: Connection | None = None
-    result_bytes: bytes | None = None
+    #: The read end of its return value's pipe (function workers); kept, closed, once read.
+    result: ReturnReader | None = None
     exitcode: int | None = None
     exit_time: float = 0.0
 
@@ -123,9 +125,8 @@ class GroupMonitor:
             self._selector.register(worker.handle.exit_fd, selectors.EVENT_READ, ("exit", worker))
             for stream in worker.streams:
                 self._selector.register(stream.read_fd, selectors.EVENT_READ, ("tee", stream))
-            if worker.result_conn is not None:
-                conn = worker.result_conn
-                self._selector.register(conn.fileno(), selectors.EVENT_READ, ("result", worker))
+            if worker.result is not None:
+                self._selector.register(worker.result.fd, selectors.EVENT_READ, ("result", worker))
         self._thread: threading.Thread | None = None
         #: What ended the monitor thread, if it failed (see ``_fail``).
         self.failure: Exception | None = None
@@ -207,47 +208,62 @@ class GroupMonitor:
         return max(0.0, min(waits)) if waits else None
 
     def _run(self) -> None:
+        """The thread: watch until the group ended and its output is drained. Whatever raises
+        in it, the group still ends (``_fail``), so that ``wait`` and ``close`` return."""
         try:
-            while True:
-                with self.lock:
-                    timeout = self._timeout()
-                for key, _ in self._selector.select(timeout):
-                    kind, item = key.data
-                    if kind == "tee":
-                        self._pump(item)
-                    elif kind == "exit":
-                        self._reap(item)
-                    elif kind == "result":
-                        self._receive_result(item)
-                    else:
-                        self._drain_wake()
-                copied = self._flush_consoles()
-                if self._console is not None:
-                    self._console.tick()
-                if self._past_deadlines():
-                    break
-                if copied:
-                    time.sleep(COALESCE_SECONDS)
-        except Exception as error:
+            self._watch()
+        except BaseException as error:
             self._fail(error)
         finally:
-            self._release()
+            try:
+                self._release()
+            finally:
+                if not self._ended.is_set():  # _fail itself failed: still end the group
+                    with self.lock:
+                        self._done = True
+                    self._ended.set()
 
-    def _fail(self, error: Exception) -> None:
+    def _watch(self) -> None:
+        while True:
+            with self.lock:
+                timeout = self._timeout()
+            for key, _ in self._selector.select(timeout):
+                kind, item = key.data
+                if kind == "tee":
+                    self._pump(item)
+                elif kind == "exit":
+                    self._reap(item)
+                elif kind == "result":
+                    self._read_result(item, RESULT_READ_LIMIT)
+                else:
+                    self._drain_wake()
+            copied = self._flush_consoles()
+            if self._console is not None:
+                self._console.tick()
+            if self._past_deadlines():
+                return
+            if copied:
+                time.sleep(COALESCE_SECONDS)
+
+    def _fail(self, error: BaseException) -> None:
         """The monitor thread fails with ``error``: report it (the agent ends with one line),
-        then kill the workers, which must not outlive their monitor, and end the group.
+        then kill the workers, which must not outlive their monitor, and end the group. Each
+        step runs whatever the one before did.
 
         The report comes first: whoever sees the group end (``wait_done``, a done callback)
         finds the failure reported already, so the end of a group its monitor could not watch
         is never taken for the workers' own (the agent read "every worker stopped, none failed"
         as a success and sat in the exit barrier while its peer waited for it)."""
-        log.debug("the worker monitor failed; stopping the workers", exc_info=True)
+        log.debug("the worker monitor failed; stopping the workers", exc_info=error)
         with self.lock:
-            self.failure = error
+            self.failure = error if isinstance(error, Exception) else RuntimeError(repr(error))
         try:
             report_failure(threading.current_thread().name, error)
-        finally:
+        except Exception:
+            log.error("the worker monitor failed: %r", error)
+        try:
             self.kill_all_trees()
+        finally:
             self._end_without_monitor()
 
     def _end_without_monitor(self) -> None:
@@ -255,11 +271,16 @@ class GroupMonitor:
         ``KILL_DEADLINE``, else given up), and end the group, so that nobody waits for an end
         that the dead thread would have recorded. A worker killed here failed (it is not in
         ``stopped_ranks``): without an agent to hear of the monitor's failure, the result must
-        not read as a success either."""
+        not read as a success either. If even the result cannot be built, ``PContext.wait``
+        makes a failure result of the monitor's failure."""
         for worker in self.workers.values():
             if worker.exitcode is not None:
                 continue
-            code = worker.handle.wait(KILL_DEADLINE)
+            try:
+                code = worker.handle.wait(KILL_DEADLINE)
+            except Exception:
+                log.debug("cannot reap local rank %d", worker.local_rank, exc_info=True)
+                code = None
             with self.lock:
                 worker.exitcode = -signal.SIGKILL if code is None else code
                 worker.exit_time = self._clock.time()
@@ -269,6 +290,8 @@ class GroupMonitor:
         if not done:
             try:
                 self._on_done()
+            except Exception:
+                log.debug("cannot build the result of the group", exc_info=True)
             finally:
                 self._ended.set()
 
@@ -355,8 +378,8 @@ class GroupMonitor:
         # Whatever the worker wrote before it exited is in its pipes now: read all of it.
         for stream in worker.streams:
             self._pump(stream, until_empty=True)
-        if worker.result_conn is not None:
-            self._receive_result(worker)
+        # All of its return value is in its pipe too: it wrote it before it exited.
+        self._read_result(worker, None)
         with self.lock:
             worker.exitcode = exitcode
             worker.exit_time = self._clock.time()
@@ -402,18 +425,15 @@ class GroupMonitor:
                 self.stuck[worker.local_rank] = stuck
             self._record_exit(worker, -signal.SIGKILL)
 
-    def _receive_result(self, worker: WorkerProcess) -> None:
-        conn = worker.result_conn
-        if conn is None:
+    def _read_result(self, worker: WorkerProcess, limit: int | None) -> None:
+        """Read what arrived of ``worker``'s return value (at most ``limit`` bytes; None: all
+        there is, the worker having exited); stop watching the pipe once nothing more comes."""
+        reader = worker.result
+        if reader is None or reader.fd < 0:
             return
-        try:
-            if conn.poll():
-                worker.result_bytes = conn.recv_bytes()
-        except (EOFError, OSError):
-            pass
-        self._selector.unregister(conn.fileno())
-        conn.close()
-        worker.result_conn = None
+        if reader.read(limit or sys.maxsize) or limit is None:
+            self._unwatch(reader.fd)
+            reader.close()
 
     def _past_deadlines(self) -> bool:
         now = self._clock.monotonic()
@@ -455,7 +475,7 @@ class GroupMonitor:
                 if stream.open:
                     stream.pump(until_empty=True)
                     stream.finish()
-            if worker.result_conn is not None:
-                worker.result_conn.close()
+            if worker.result is not None:
+                worker.result.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
