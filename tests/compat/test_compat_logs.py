@@ -324,6 +324,26 @@ def test_tail_log_prefixes_and_filter_like_torch(tmp_path: Path) -> None:
         TailLog("w", files, Lines(), "0.1")
 
 
+def test_tail_logfile_like_torch(tmp_path: Path) -> None:
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.tail_log import tail_logfile as theirs
+
+    from relaunch.procs.tail import tail_logfile as ours
+
+    path = tmp_path / "0.log"
+    path.write_text("keep a\ndrop b\nkeep c\n")
+    finished = threading.Event()
+    finished.set()  # read what there is, then return
+    copied = []
+    for tail in (theirs, ours):
+        dst = Lines()
+        tail("<h>", str(path), dst, finished, 0.01, lambda line: line.startswith("keep"))
+        tail("<h>", str(tmp_path / "never.log"), dst, finished, 0.01, lambda line: True)
+        copied.append(dst.getvalue())
+    assert copied[0] == copied[1] == "<h>keep a\n<h>keep c\n"
+
+
 @pytest.mark.timeout(60)
 def test_tail_log_filter_that_raises_is_said_not_fatal(tmp_path: Path, caplog: Any) -> None:
     path = tmp_path / "0.log"
@@ -404,10 +424,12 @@ def test_agent_forms_are_told_apart_and_not_mixed(tmp_path: Path) -> None:
         LocalElasticAgent(spec, specs, log_dir=str(tmp_path))
     with pytest.raises(TypeError, match="events= of the seeds' form"):
         LocalElasticAgent(spec, specs, "spawn", 30, None, events=object())
-    with pytest.raises(TypeError, match="at most 4 arguments from logs_specs on"):
-        LocalElasticAgent(spec, specs, "spawn", 30, None, object())
+    with pytest.raises(TypeError, match="at most 7 arguments from logs_specs on"):
+        LocalElasticAgent(spec, specs, "spawn", 30, None, 5, None, None, "one too many")
     with pytest.raises(TypeError, match=r"a logs_specs .* or a start_method .* got int"):
         LocalElasticAgent(spec, 3)
+    with pytest.raises(ValueError, match="health_check_server is torch's own and not taken"):
+        LocalElasticAgent(spec, specs, "spawn", 30, None, 5, object())
     spec.redirects = Std.ALL
     with pytest.raises(ValueError, match=r"WorkerSpec\(redirects=, tee=\) is the seeds' form"):
         LocalElasticAgent(spec, specs)

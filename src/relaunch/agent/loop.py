@@ -10,6 +10,7 @@ cannot push membership changes is asked for them, every ``monitor_interval``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -50,7 +51,15 @@ log = logging.getLogger(__name__)
 #: ``LocalElasticAgent``'s two forms, from its 2nd parameter on: torch 2.13's and the seeds'.
 TORCH_CALL = CallForm(
     "torch 2.13's",
-    ("logs_specs", "start_method", "exit_barrier_timeout", "log_line_prefix_template"),
+    (
+        "logs_specs",
+        "start_method",
+        "exit_barrier_timeout",
+        "log_line_prefix_template",
+        "shutdown_timeout",
+        "health_check_server",
+        "uninterruptible_state_timeout",
+    ),
     frozenset(),
     "give log_dir to DefaultLogsSpecs(log_dir, redirects, tee), and events as event_handler=",
 )
@@ -81,11 +90,13 @@ class LocalElasticAgent:
     times every deadline (a ``runtime.ManualClock`` in tests).
 
     Two forms, told apart by the 2nd argument. torch 2.13's: ``LocalElasticAgent(spec,
-    logs_specs, start_method="spawn", exit_barrier_timeout=300, log_line_prefix_template=None)``:
-    each attempt's logs go where ``logs_specs`` says (a ``DefaultLogsSpecs``: under
-    ``{log_dir}/{run_id}_XXXX/attempt_N/``), and ``spec.redirects``/``spec.tee`` must be left
-    out (``logs_specs`` holds them). The seeds': ``LocalElasticAgent(spec, start_method="spawn",
-    exit_barrier_timeout=300, log_dir=None, events=None)``, which logs as
+    logs_specs, start_method="spawn", exit_barrier_timeout=300, log_line_prefix_template=None,
+    shutdown_timeout=None)`` (torch's ``health_check_server`` and
+    ``uninterruptible_state_timeout`` must be None): each attempt's logs go where
+    ``logs_specs`` says (a ``DefaultLogsSpecs``: under ``{log_dir}/{run_id}_XXXX/attempt_N/``),
+    and ``spec.redirects``/``spec.tee`` must be left out (``logs_specs`` holds them). The
+    seeds': ``LocalElasticAgent(spec, start_method="spawn", exit_barrier_timeout=300,
+    log_dir=None, events=None)``, which logs as
     ``DefaultLogsSpecs(log_dir, spec.redirects, spec.tee)``. ``log_line_prefix_template``
     (torch's; a keyword in the seeds' form) makes each rank's console prefix from
     ``${role_name}``, ``${rank}`` and ``${local_rank}``.
@@ -125,6 +136,14 @@ class LocalElasticAgent:
             "exit_barrier_timeout", DEFAULT_EXIT_BARRIER_TIMEOUT
         )
         logs_specs = _logs_specs(spec, form is TORCH_CALL, given)
+        for name in ("health_check_server", "uninterruptible_state_timeout"):
+            if given.get(name) is not None:
+                raise ValueError(
+                    f"{name} is torch's own and not taken: relaunch checks a node's health "
+                    "with health_check= and a hung worker with hang_timeout="
+                )
+        if given.get("shutdown_timeout") is not None:  # torch's: the agent's, not the spec's
+            spec = dataclasses.replace(spec, shutdown_timeout=given["shutdown_timeout"])
         group = self._worker_group = WorkerGroup(spec)
         job = self._job = job_of(spec.rdzv_handler)
         run_id = spec.rdzv_handler.get_run_id()

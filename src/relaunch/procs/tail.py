@@ -73,6 +73,26 @@ class _FollowedFile:
             self.file = None
 
 
+def tail_logfile(
+    header: str,
+    file: str,
+    dst: TextIO,
+    finished: threading.Event,
+    interval_sec: float,
+    log_line_filter: Callable[[str], bool] | None = None,
+) -> None:
+    """torch's: copy the lines of ``file`` to ``dst``, each prefixed ``header`` and kept only
+    if ``log_line_filter(line)`` (None: every line), every ``interval_sec`` until ``finished``
+    is set, then what is left; a file that never appears copies nothing. It blocks: ``TailLog``
+    runs it for its files in a thread."""
+    followed = _FollowedFile(file, header.encode(), log_line_filter)
+    writer = ConsoleWriter(dst)
+    while not finished.wait(interval_sec):
+        followed.read_new(writer)
+    followed.read_new(writer)
+    followed.finish(writer)
+
+
 class TailLog:
     """Tails ``log_files`` (``{index: path}``) to ``dst``: torch's ``TailLog``.
 
