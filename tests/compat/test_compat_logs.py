@@ -598,3 +598,16 @@ def test_cli_duplicate_filters_copy_every_ranks_teed_lines(
     assert sorted((attempt / "filtered_stderr.log").read_text().splitlines()) == [
         f"[default{rank}]:err z line {n}" for rank in (0, 1) for n in (0, 2)
     ]
+
+
+def test_cli_dry_run_with_the_default_logs_specs_makes_nothing(
+    tmp_path: Path, leaks: LeakCheck
+) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO)
+    logs = tmp_path / "not-yet"
+    done = relaunch_cli(
+        leaks, "--dry-run", "--logs-specs", "default", "--log-dir", str(logs), str(script)
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"log directory: {logs}" in done.stdout and not logs.exists()

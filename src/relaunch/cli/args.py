@@ -325,8 +325,9 @@ def _command(
 def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
     """The config's logging fields, as torchrun makes them: ``--log-dir``, ``-r``, ``-t`` and
     ``--local-ranks-filter`` given to the ``LogsSpecs`` class ``--logs-specs`` names (then
-    made here, as torchrun makes it), else kept as they are (a ``DefaultLogsSpecs`` is made
-    of them when the agent starts, after ``--dry-run``); the console prefix template from
+    made here, as torchrun makes it), else (or for ``default``) kept as they are: a
+    ``DefaultLogsSpecs`` is made of them when the agent starts, so ``--dry-run`` makes no
+    directory; the console prefix template from
     ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, and the duplicate filters."""
     from relaunch.core.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
 
@@ -342,6 +343,10 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
         "duplicate_stderr_filters": args.duplicate_stderr_filters,
     }
     if args.logs_specs is None:
+        return {**fields, **shared}
+    from relaunch.procs.logs_specs import DefaultLogsSpecs
+
+    if args.logs_specs is DefaultLogsSpecs:  # made when the agent starts: not here
         return {**fields, **shared}
     if args.log_dir is not None:
         check_log_dir(args.log_dir)
