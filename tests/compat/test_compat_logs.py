@@ -164,8 +164,9 @@ for i in range(3):
             root, redirects={0: mp.Std.ERR, 1: mp.Std.ALL}, tee={0: mp.Std.OUT}
         ),
         lambda mp, root: CustomLogsSpecs(root),
+        lambda mp, root: torch_mp().DefaultLogsSpecs(root, tee=torch_mp().Std.ALL),
     ],
-    ids=["default", "user-subclass"],
+    ids=["default", "user-subclass", "torchs-class-in-both"],
 )
 def test_start_processes_with_logs_specs_writes_torchs_files(
     tmp_path: Path, make_specs: Callable[[Any, str], Any], leaks: LeakCheck
