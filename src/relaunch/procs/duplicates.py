@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 def matching_lines(lines: bytes, prefix: bytes, needles: Sequence[str]) -> bytes:
     """The lines of ``lines`` (complete lines) that contain any of ``needles``, prefixed."""
+    whole = lines.decode("utf-8", errors="replace")
+    if not any(needle in whole for needle in needles):
+        return b""  # most chunks: no line to look at one by one
     return b"".join(
         prefix + line + b"\n"
         for line in lines.split(b"\n")[:-1]
