@@ -193,6 +193,11 @@ def _check_counts(config: LaunchConfig) -> None:
 
 def _check_logs(config: LaunchConfig) -> None:
     """Logs are said one way: a ``logs_specs`` (torch 2.13's) or the seeds' fields."""
+    if is_logs_specs(config.run_id):  # torch's 4th field is logs_specs; here it is run_id
+        raise ConfigError(
+            "LaunchConfig's 4th field is run_id: give logs_specs by keyword, "
+            "LaunchConfig(min_nodes, max_nodes, nproc_per_node, logs_specs=...)"
+        )
     specs = config.logs_specs
     if specs is None:
         return

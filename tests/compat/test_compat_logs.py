@@ -467,6 +467,8 @@ def test_launch_config_takes_logs_specs_and_the_prefix_template(
     assert (run_dir / "attempt_0" / "0" / "stdout.log").read_text().count("out 0 line") == 3
     with pytest.raises(ConfigError, match="leave log_dir, tee out of the LaunchConfig"):
         LaunchConfig(1, 1, 1, log_dir="x", tee=Std.ALL, logs_specs=DefaultLogsSpecs(str(tmp_path)))
+    with pytest.raises(ConfigError, match="4th field is run_id: give logs_specs by keyword"):
+        LaunchConfig(1, 1, 1, DefaultLogsSpecs(str(tmp_path)))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="logs_specs must be a LogsSpecs"):
         LaunchConfig(1, 1, 1, logs_specs="x")  # type: ignore[arg-type]
 
