@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from relaunch.procs import ChildFailedError
 from relaunch.procs import start_processes as relaunch_start_processes
 from relaunch.procs.base import PContext
 from relaunch.procs.monitor import GroupMonitor
+from relaunch.procs.returns import ReturnReader, ReturnValueError, send_return_value
 
 pytestmark = pytest.mark.xdist_group("torch")
 
@@ -138,6 +140,94 @@ def test_views_of_one_storage_still_share_it(tmp_path, marked) -> None:
     value = run_relaunch(tmp_path, fns.tensor_dict, (), n=1).return_values[0]
     value["weight"][1, 0] = 100.0
     assert value["row"][0].item() == 100.0 and value["transposed"][0, 1].item() == 100.0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_other_start_methods_return_the_same_values(start_method: str, tmp_path, marked) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    pc = relaunch_start_processes(
+        "t", fns.tensor_dict, {0: (), 1: ()}, envs(2), str(log_dir), start_method=start_method
+    )
+    try:
+        result = pc.wait(timeout=60)
+    finally:
+        pc.close()
+    assert result is not None and not result.is_failed()
+    for rank in (0, 1):
+        os.environ["LOCAL_RANK"] = str(rank)
+        try:
+            same_value(result.return_values[rank], fns.tensor_dict())
+        finally:
+            del os.environ["LOCAL_RANK"]
+
+
+def frame_of(value: object) -> bytes:
+    """The bytes a worker writes for ``value``."""
+    read_end, write_end = os.pipe()
+
+    def send() -> None:
+        try:
+            send_return_value(write_end, value, "f")
+        finally:
+            os.close(write_end)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with os.fdopen(read_end, "rb") as reader:
+        data = reader.read()
+    sender.join()
+    return data
+
+
+def reader_of(data: bytes) -> ReturnReader:
+    """A reader that has read ``data``, then the pipe's end."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, data)
+    os.close(write_end)
+    reader = ReturnReader(read_end)
+    assert reader.read(1 << 20)
+    reader.close()
+    return reader
+
+
+def test_a_frame_cut_short_is_a_clear_error_not_a_value() -> None:
+    """A worker that dies while it sends leaves part of a frame: that is no value."""
+    whole = frame_of(list(range(10_000)))
+    assert reader_of(whole).load("local rank 0") == list(range(10_000))
+    with pytest.raises(ReturnValueError, match=r"local rank 0's return value arrived incomplete"):
+        reader_of(whole[: len(whole) // 2]).load("local rank 0")
+    with pytest.raises(ReturnValueError, match="arrived incomplete"):
+        reader_of(b"not a frame at all").load("local rank 0")
+    assert reader_of(b"").load("local rank 0") is None  # it sent nothing
+
+
+def test_a_large_value_is_read_as_it_arrives() -> None:
+    """The reader takes what is in the pipe and leaves the rest for later (no blocking read),
+    in steps of at most its limit."""
+    big = b"x" * (8 << 20)
+    frame = frame_of(big)
+    read_end, write_end = os.pipe()
+    reader = ReturnReader(read_end)
+    try:
+        os.set_blocking(write_end, False)
+        sent = 0
+        steps = 0
+        while not reader.done:
+            try:
+                sent += os.write(write_end, frame[sent:])
+            except BlockingIOError:
+                pass
+            before = reader.received
+            reader.read(1 << 16)
+            assert reader.received - before <= (1 << 16) + 64
+            steps += 1
+        assert sent == len(frame) and steps > 2
+        assert reader.load("x") == big
+    finally:
+        reader.close()
+        os.close(write_end)
 
 
 def launch_config(run_id: str, **overrides: Any) -> dict[str, Any]:
