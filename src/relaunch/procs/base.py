@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -312,8 +313,14 @@ class PContext(abc.ABC):
         """The failure of a rank whose return value cannot be loaded; its error file says why
         (it is the root cause a scheduler reads)."""
         error_file = self.rank_io[rank].error_file
+        data = exception_error_data(error)
+        cause = error.__cause__
+        if cause is not None:  # where loading failed (a __setstate__, an import), then why
+            data["message"]["extraInfo"]["py_callstack"] = "".join(
+                [*traceback.format_exception(cause), "\n", data["message"]["message"], "\n"]
+            )
         try:
-            write_error_file(error_file, exception_error_data(error))
+            write_error_file(error_file, data)
             written = True
         except OSError as exc:
             log.warning("cannot write error file %s: %s", error_file, exc)
