@@ -4,7 +4,6 @@ every member is back in the new round."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from benchmarks.rendezvous.simstore import (
     sim_store,
     simulation,
 )
+from relaunch.rendezvous.api import RendezvousInfo
 from tests.support.simnodes import (
     Back,
     Reform,
@@ -108,7 +108,7 @@ def reform_worker(
                     reply = [
                         NodeView(
                             first + n.index,
-                            [Back(b.at, dataclasses.replace(b.info, store=None)) for b in n.backs],
+                            [Back(b.at, _without_store(b.info)) for b in n.backs],
                             list(n.notified),
                             list(n.called),
                         )
@@ -405,3 +405,17 @@ def bench_reform(
         print(f"  not measured: {error}")
         checks.append(Check(f"re-forming: {error}"[:90], "-", "-", None))
     return checks
+
+
+def _without_store(info: RendezvousInfo) -> RendezvousInfo:
+    """``info`` with no store, to send to another process."""
+    return RendezvousInfo(
+        None,
+        info.rank,
+        info.world_size,
+        info.bootstrap_store_info,
+        rank_offset=info.rank_offset,
+        global_world_size=info.global_world_size,
+        role_rank_offset=info.role_rank_offset,
+        role_world_size=info.role_world_size,
+    )

@@ -223,18 +223,17 @@ def run_batch(
                 if on_etcd
                 else DynamicRendezvousHandler.on_counters
             )
-            handlers.append(
-                build(
-                    run,
-                    store,
-                    settings,
-                    SIM_LOCAL_WORLD_SIZE,
-                    "127.0.0.1",
-                    heartbeat,
-                    watch_store=watch,
-                    backend="etcd" if on_etcd else "c10d",
-                )
+            handler = build(
+                run,
+                store,
+                settings,
+                "127.0.0.1",
+                heartbeat,
+                watch_store=watch,
+                backend="etcd" if on_etcd else "c10d",
             )
+            handler.job.set_workers("default", SIM_LOCAL_WORLD_SIZE)
+            handlers.append(handler)
         connect_s = time.perf_counter() - started
         results: list[Any] = [None] * count
         ended = [0.0] * count
@@ -251,7 +250,7 @@ def run_batch(
                 results[index] = (
                     info.group_rank,
                     info.group_world_size,
-                    info.world_size,
+                    info.global_world_size,
                     info.rank_offset,
                     info.master_addr,
                     info.master_port,

@@ -64,7 +64,6 @@ def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
         max_nodes=config.max_nodes,
         settings=config.rendezvous_settings,
         local_addr=config.local_addr,
-        local_world_size=config.nproc_per_node,
     )
     return create_rendezvous_handler(spec)
 

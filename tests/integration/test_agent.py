@@ -87,7 +87,7 @@ def test_without_restarts_left_the_failure_is_raised_by_global_rank(
 def test_agent_run_records_worker_and_agent_events(tmp_path, leaks: LeakCheck, monkeypatch) -> None:
     monkeypatch.setenv("RELAUNCH_TEST_MARK", leaks.mark)
     events_file = tmp_path / "events.jsonl"
-    handler = StaticRendezvousHandler("run9", 0, 1, "127.0.0.1", 0, local_world_size=2)
+    handler = StaticRendezvousHandler("run9", 0, 1, "127.0.0.1", 0)
     spec = WorkerSpec(
         role="trainer",
         local_world_size=2,

@@ -287,12 +287,12 @@ def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
         on_etcd = EtcdKind("idempotent", Settings(1, 4), store, store)
         rounds = Rounds("idempotent", on_etcd, Settings(1, 4), "127.0.0.1", "node-a")
         other = Rounds("idempotent", on_etcd, Settings(1, 4), "127.0.0.1", "node-b")
-        first = rounds.roster.join(0, 2).entry
-        other.roster.join(0, 3)
-        again = rounds.roster.join(0, 2).entry
+        first = rounds.roster.join(0, 2, "default").entry
+        other.roster.join(0, 3, "default")
+        again = rounds.roster.join(0, 2, "default").entry
         assert first is not None and first == again and first.lead
         assert rounds.roster.joined(0) == 2
-        _, world_size, runs = rounds.roster.members(0, 2, Settings(1, 4))
+        _, world_size, runs, _ = rounds.roster.members(0, 2, Settings(1, 4))
         assert world_size == 5 and len(runs) == 2
     finally:
         store.close()
@@ -309,7 +309,6 @@ def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCl
             run_id,
             EtcdStore(etcd.endpoints),
             fast,
-            1,
             "127.0.0.1",
             EtcdStore(etcd.endpoints),
             backend="etcd",

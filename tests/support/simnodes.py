@@ -113,7 +113,6 @@ class SimJob:
                     self.run_id,
                     etcd,
                     self.settings,
-                    self.local_world_size,
                     "127.0.0.1",
                     etcd_heartbeat,
                     watch_store=etcd_watch,
@@ -126,12 +125,12 @@ class SimJob:
                     self.run_id,
                     store,
                     self.settings,
-                    self.local_world_size,
                     "127.0.0.1",
                     heartbeat,
                     watch_store=watch,
                     on_shutdown=(watch.close,),
                 )
+            handler.job.set_workers("default", self.local_world_size)
             node = SimNode(len(self.nodes), handler, stores)
             handler.job.set_change_listener(self._listener_for(node))
             self.nodes.append(node)
@@ -338,8 +337,8 @@ def check_world(infos: list[RendezvousInfo], nodes: int, local_world_size: int) 
         problems.append("group ranks are not a permutation of 0..N-1")
     if {info.group_world_size for info in infos} != {nodes}:
         problems.append(f"group world sizes {sorted({i.group_world_size for i in infos})}")
-    if {info.world_size for info in infos} != {nodes * local_world_size}:
-        problems.append(f"world sizes {sorted({i.world_size for i in infos})}")
+    if {info.global_world_size for info in infos} != {nodes * local_world_size}:
+        problems.append(f"world sizes {sorted({i.global_world_size or 0 for i in infos})}")
     if any(info.rank_offset != info.group_rank * local_world_size for info in infos):
         problems.append("rank offsets are not group_rank * local_world_size")
     if len({(info.master_addr, info.master_port) for info in infos}) > 1:

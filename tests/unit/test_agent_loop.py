@@ -145,7 +145,12 @@ class Handler(RendezvousHandler, SoloJob):
         self.rounds += 1
         self.change = None
         return RendezvousInfo(
-            0, self._nodes, "127.0.0.1", 29500, rank_offset=0, world_size=NPROCS * self._nodes
+            group_rank=0,
+            group_world_size=self._nodes,
+            master_addr="127.0.0.1",
+            master_port=29500,
+            rank_offset=0,
+            global_world_size=NPROCS * self._nodes,
         )
 
     def get_backend(self) -> str:

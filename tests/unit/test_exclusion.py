@@ -81,7 +81,6 @@ def test_a_bad_record_in_the_store_is_one_line_naming_its_key() -> None:
         "job",
         store,
         rules,
-        1,
         "127.0.0.1",
         store,
         identity="h/a",
@@ -135,7 +134,7 @@ def test_the_failing_node_that_re_forms_the_round_is_recorded_and_then_excluded(
     rules = Settings(1, 2, join_timeout=10, last_call_timeout=0.05, keep_alive_interval=0.05)
     policy = ExclusionPolicy(after=2, cooldown=60.0)
     handler = DynamicRendezvousHandler.on_counters(
-        "job", store, rules, 1, "127.0.0.1", store, identity="h/a", exclusion_policy=policy
+        "job", store, rules, "127.0.0.1", store, identity="h/a", exclusion_policy=policy
     )
     try:
         assert handler.job.prepare_join() is None

@@ -100,7 +100,14 @@ class Handler(RendezvousHandler):
     identity = "host-a"
 
     def next_rendezvous(self) -> RendezvousInfo:
-        return RendezvousInfo(0, 1, "127.0.0.1", 29500, rank_offset=0, world_size=NPROCS)
+        return RendezvousInfo(
+            group_rank=0,
+            group_world_size=1,
+            master_addr="127.0.0.1",
+            master_port=29500,
+            rank_offset=0,
+            global_world_size=NPROCS,
+        )
 
     def get_backend(self) -> str:
         return "fake"

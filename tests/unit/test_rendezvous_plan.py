@@ -28,8 +28,8 @@ S = Settings(min_nodes=2, max_nodes=4, join_timeout=100, last_call_timeout=10)
 
 
 def test_join_counter_packs_ticket_and_workers() -> None:
-    total = plan.join_increment(8) + plan.join_increment(2) + plan.join_increment(3)
-    assert plan.unpack_join(total) == (3, 13)
+    total = sum(plan.join_increment(size, "default") for size in (8, 2, 3))
+    assert plan.unpack_join(total)[:2] == (3, 13)
     assert plan.assign(3, 13, 3) == (2, 10)
 
 
@@ -107,9 +107,10 @@ def join_all(sizes: list[int], min_nodes: int, max_nodes: int) -> list[Rendezvou
         min_nodes, max_nodes, join_timeout=1.0, last_call_timeout=0.05, keep_alive_interval=0.05
     )
     handlers = [
-        DynamicRendezvousHandler.on_counters("job", store, rules, size, "127.0.0.1", store)
-        for size in sizes
+        DynamicRendezvousHandler.on_counters("job", store, rules, "127.0.0.1", store) for _ in sizes
     ]
+    for handler, size in zip(handlers, sizes, strict=True):
+        handler.job.set_workers("default", size)
     results: list[RendezvousInfo | str] = [""] * len(sizes)
 
     def join(index: int) -> None:
@@ -158,12 +159,11 @@ def test_concurrent_joins_always_form_one_consistent_world(
     assert min_nodes <= len(members) <= max_nodes
     assert len(members) + len(refused) == len(sizes)  # no node holds two places
     assert sorted(info.group_rank for _, info in members) == list(range(len(members)))
-    world = {info.world_size for _, info in members}
+    world = {info.global_world_size for _, info in members}
     assert world == {sum(sizes[i] for i, _ in members)}
-    ranks = sorted(
-        r for i, info in members for r in range(info.rank_offset, info.rank_offset + sizes[i])
-    )
-    assert ranks == list(range(world.pop()))  # a permutation of 0..world-1
+    offsets = [(i, info.rank_offset or 0) for i, info in members]
+    ranks = sorted(r for i, offset in offsets for r in range(offset, offset + sizes[i]))
+    assert ranks == list(range(world.pop() or 0))  # a permutation of 0..world-1
     assert len({(info.master_addr, info.master_port) for _, info in members}) == 1
     assert {info.group_world_size for _, info in members} == {len(members)}
     # Latecomers wait as spares until the job finishes (or behind one that does).
@@ -177,7 +177,7 @@ def test_a_node_that_dies_between_joining_and_registering_is_left_out(
 ) -> None:
     store = MemoryStore()
     rules = Settings(min_nodes, 2, join_timeout=20, last_call_timeout=5, keep_alive_interval=0.1)
-    handler = DynamicRendezvousHandler.on_counters("half", store, rules, 1, "127.0.0.1", store)
+    handler = DynamicRendezvousHandler.on_counters("half", store, rules, "127.0.0.1", store)
     results: list[object] = []
 
     def join() -> None:
@@ -189,13 +189,13 @@ def test_a_node_that_dies_between_joining_and_registering_is_left_out(
     thread = threading.Thread(target=join)
     thread.start()
     store.wait(["relaunch/half/r0/node/1"], 10)
-    store.add("relaunch/half/r0/joins", plan.join_increment(1))  # joins, then "dies"
+    store.add("relaunch/half/r0/joins", plan.join_increment(1, "default"))  # joins, "dies"
     thread.join(20)
     handler.shutdown()
     (result,) = results
     if outcome == "alone":
         assert isinstance(result, RendezvousInfo)
-        assert (result.group_world_size, result.world_size) == (1, 1)
+        assert (result.group_world_size, result.global_world_size) == (1, 1)
     else:
         assert isinstance(result, RendezvousError) and "fewer than 2" in str(result)
 
@@ -297,10 +297,10 @@ def test_losing_the_store_is_not_losing_a_member(min_nodes: int) -> None:
     store = MemoryStore()
     rules = _rules(min_nodes, 2)
     cut_off = DynamicRendezvousHandler.on_counters(
-        "store", store, rules, 1, "127.0.0.1", store, watch_store=_UnreachableWatch()
+        "store", store, rules, "127.0.0.1", store, watch_store=_UnreachableWatch()
     )
     other = DynamicRendezvousHandler.on_counters(
-        "store", store, rules, 1, "127.0.0.1", store, watch_store=store
+        "store", store, rules, "127.0.0.1", store, watch_store=store
     )
     handlers = [cut_off, other]
     try:
@@ -329,7 +329,7 @@ def test_a_forwarded_worker_error_saying_lost_restarts_the_round_at_full_size() 
     rules = _rules(1, 2)
     failed, other = (
         DynamicRendezvousHandler.on_counters(
-            "fwd", store, rules, 1, "127.0.0.1", store, watch_store=store
+            "fwd", store, rules, "127.0.0.1", store, watch_store=store
         )
         for _ in range(2)
     )
@@ -363,7 +363,7 @@ def test_a_lost_member_shrinks_the_next_round_and_says_who_noticed() -> None:
     rules = _rules(1, 3)
     handlers = [
         DynamicRendezvousHandler.on_counters(
-            "lost", store, rules, 1, "127.0.0.1", store, watch_store=store
+            "lost", store, rules, "127.0.0.1", store, watch_store=store
         )
         for _ in range(3)
     ]
@@ -394,7 +394,7 @@ def test_a_listener_set_after_the_change_is_called_at_once() -> None:
     store = MemoryStore()
     rules = _rules(1, 1)
     handler = DynamicRendezvousHandler.on_counters(
-        "late", store, rules, 1, "127.0.0.1", store, watch_store=_UnreachableWatch()
+        "late", store, rules, "127.0.0.1", store, watch_store=_UnreachableWatch()
     )
     try:
         handler.next_rendezvous()

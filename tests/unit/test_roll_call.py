@@ -43,7 +43,7 @@ def job() -> Iterator[list[DynamicRendezvousHandler]]:
     store = MemoryStore()
     handlers = [
         DynamicRendezvousHandler.on_counters(
-            "job", store, RULES, 1, "127.0.0.1", store, watch_store=store
+            "job", store, RULES, "127.0.0.1", store, watch_store=store
         )
         for _ in range(3)
     ]

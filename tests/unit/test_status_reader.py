@@ -51,7 +51,8 @@ def node(group_rank: int, rates: dict[int, float], reasons: list[str] | None = N
 def running_job(store: MemoryStore) -> DynamicRendezvousHandler:
     """A job of one node in round 0 on ``store``, through the real rendezvous."""
     settings = plan.Settings(1, 1, join_timeout=10, last_call_timeout=0.1)
-    handler = DynamicRendezvousHandler.on_counters("job", store, settings, 2, "127.0.0.1", store)
+    handler = DynamicRendezvousHandler.on_counters("job", store, settings, "127.0.0.1", store)
+    handler.job.set_workers("default", 2)
     handler.next_rendezvous()
     return handler
 

@@ -169,6 +169,7 @@ def join(
     spec = group.spec
     run_id = spec.rdzv_handler.get_run_id()
     env = check_env(spec.local_world_size, run_id, spec.role, restarts)
+    job.set_workers(spec.role, spec.local_world_size)  # what this node's join carries
     await_admission(job, run_id, check, env, backoff, clock)
     began = clock.monotonic()
     group.join(spec.rdzv_handler.next_rendezvous())

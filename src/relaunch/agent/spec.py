@@ -9,13 +9,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.agent.ranks import node_place
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.ranks import WorkerRanks, ranks_at_offset
+from relaunch.core.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
+from relaunch.core.ranks import WorkerRanks, ranks_of
 from relaunch.core.streams import Std
 from relaunch.procs.errors import ProcessFailure
-from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
-
-DEFAULT_ROLE = "default"
+from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 
 
 class WorkerState(str, enum.Enum):
@@ -110,14 +110,24 @@ class WorkerGroup:
         self.ranks: list[WorkerRanks] = []
 
     def join(self, info: RendezvousInfo) -> None:
-        """Take this node's place from a completed rendezvous: the group's and every worker's."""
+        """Take this node's place from a completed rendezvous (``info``: relaunch's or torch's
+        ``RendezvousInfo``): the group's and every worker's (``agent.ranks``)."""
         spec = self.spec
+        master = info.bootstrap_store_info
+        master_addr = spec.master_addr or (master.master_addr if master else None)
+        master_port = spec.master_port or (master.master_port if master else None)
+        if not master_addr or not master_port:
+            raise RendezvousError(
+                "the rendezvous handler did not say where the workers' store is "
+                "(bootstrap_store_info): return a RendezvousStoreInfo from next_rendezvous, or "
+                "give the WorkerSpec a master_addr and master_port"
+            )
+        place = node_place(info, spec.role, spec.local_world_size)
         self.store = info.store
-        self.group_rank = info.group_rank
-        self.group_world_size = info.group_world_size
-        self.master_addr = spec.master_addr or info.master_addr
-        self.master_port = spec.master_port or info.master_port
-        self.ranks = ranks_at_offset(info.rank_offset, spec.local_world_size, info.world_size)
+        self.group_rank = info.rank
+        self.group_world_size = info.world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.ranks = ranks_of(place, spec.local_world_size)
         for worker, ranks in zip(self.workers, self.ranks, strict=True):
             worker.global_rank = ranks.global_rank
             worker.role_rank = ranks.role_rank

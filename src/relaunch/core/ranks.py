@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+#: The role of a ``WorkerSpec`` that names none, and of a node whose agent did not say.
+DEFAULT_ROLE = "default"
 
 
 @dataclass(frozen=True)
@@ -17,32 +21,145 @@ class WorkerRanks:
     role_world_size: int
 
 
-def ranks_at_offset(rank_offset: int, local_world_size: int, world_size: int) -> list[WorkerRanks]:
-    """The ranks of a node whose first worker has global rank ``rank_offset``."""
-    if local_world_size < 1 or not 0 <= rank_offset <= world_size - local_world_size:
-        raise ValueError(
-            f"{local_world_size} workers from rank {rank_offset} do not fit a world of {world_size}"
-        )
+class NodePlace(NamedTuple):
+    """Where a node's workers stand in the job: the global rank of its first worker and the
+    number of workers of all nodes, and the same counted within the node's role only."""
+
+    rank_offset: int
+    world_size: int
+    role_rank_offset: int
+    role_world_size: int
+
+
+#: Consecutive nodes (by group rank) of one role with the same number of workers:
+#: ``(role, nodes, workers per node)``. A role of None is a node whose role is not known (it
+#: joined and died before saying it): it counts towards no role's ranks.
+RoleRun = tuple["str | None", int, int]
+
+
+def one_role_place(rank_offset: int, world_size: int) -> NodePlace:
+    """The place of a node in a job of a single role: role ranks are global ranks."""
+    return NodePlace(rank_offset, world_size, rank_offset, world_size)
+
+
+def ranks_of(place: NodePlace, local_world_size: int) -> list[WorkerRanks]:
+    """The ranks of the ``local_world_size`` workers of a node at ``place``; ValueError when
+    they do not fit the world sizes it gives."""
+    for first, world, what in (
+        (place.rank_offset, place.world_size, "a world"),
+        (place.role_rank_offset, place.role_world_size, "a role world"),
+    ):
+        if local_world_size < 1 or not 0 <= first <= world - local_world_size:
+            raise ValueError(
+                f"{local_world_size} workers from rank {first} do not fit {what} of {world}"
+            )
     return [
-        WorkerRanks(local, rank_offset + local, rank_offset + local, world_size, world_size)
+        WorkerRanks(
+            local,
+            place.rank_offset + local,
+            place.role_rank_offset + local,
+            place.world_size,
+            place.role_world_size,
+        )
         for local in range(local_world_size)
     ]
 
 
-def assign_ranks(local_world_sizes: Sequence[int], group_rank: int) -> list[WorkerRanks]:
+def ranks_at_offset(rank_offset: int, local_world_size: int, world_size: int) -> list[WorkerRanks]:
+    """The ranks of a node whose first worker has global rank ``rank_offset``, in a job of a
+    single role."""
+    return ranks_of(one_role_place(rank_offset, world_size), local_world_size)
+
+
+def role_runs(nodes: Iterable[tuple[str | None, int]]) -> tuple[RoleRun, ...]:
+    """``(role, workers)`` of each node in group-rank order, as runs (``RoleRun``): one run a
+    stretch of nodes alike, so a job of few roles is said in few runs whatever its size."""
+    runs: list[RoleRun] = []
+    for role, workers in nodes:
+        if runs and runs[-1][0] == role and runs[-1][2] == workers:
+            runs[-1] = (role, runs[-1][1] + 1, workers)
+        else:
+            runs.append((role, 1, workers))
+    return tuple(runs)
+
+
+def role_place(
+    runs: Sequence[RoleRun], group_rank: int, role: str | None = None
+) -> tuple[int, int]:
+    """``(role rank of its first worker, workers of its role)`` of the node of ``group_rank``
+    among the nodes ``runs`` describe: a role's nodes hold its ranks in group-rank order, as
+    torch 2.13's agent assigns them. ValueError when the runs give that node no role, or
+    another than ``role``."""
+    nodes = sum(count for _, count, _ in runs)
+    if not 0 <= group_rank < nodes:
+        raise ValueError(f"group rank {group_rank} is outside 0..{nodes - 1}")
+    seen, mine = 0, None
+    for run_role, count, _ in runs:
+        if seen <= group_rank < seen + count:
+            mine = run_role
+            break
+        seen += count
+    if mine is None or (role is not None and mine != role):
+        raise ValueError(
+            f"the rendezvous gives the node of group rank {group_rank} the role {mine!r}, "
+            f"not {role!r}"
+        )
+    seen = offset = size = 0
+    for run_role, count, workers in runs:
+        if run_role == mine:
+            size += count * workers
+            offset += min(max(group_rank - seen, 0), count) * workers
+        seen += count
+    return offset, size
+
+
+def place_in_runs(runs: Sequence[RoleRun], group_rank: int) -> NodePlace:
+    """The place of the node of ``group_rank`` among the nodes ``runs`` describe, every node's
+    role and workers known: global ranks are contiguous per node in group-rank order, role
+    ranks the same within each role (``role_place``)."""
+    role_offset, role_world = role_place(runs, group_rank)
+    seen = offset = world = 0
+    for _, count, workers in runs:
+        offset += min(max(group_rank - seen, 0), count) * workers
+        world += count * workers
+        seen += count
+    return NodePlace(offset, world, role_offset, role_world)
+
+
+def places(nodes: Sequence[tuple[str, int]]) -> list[NodePlace]:
+    """The place of every node, given ``(role, workers)`` of each in group-rank order (what a
+    node that gathered them all hands out): ``place_in_runs`` for each, in one pass."""
+    role_sizes: dict[str, int] = {}
+    for role, workers in nodes:
+        role_sizes[role] = role_sizes.get(role, 0) + workers
+    world = sum(role_sizes.values())
+    offset, role_offsets, out = 0, dict.fromkeys(role_sizes, 0), []
+    for role, workers in nodes:
+        out.append(NodePlace(offset, world, role_offsets[role], role_sizes[role]))
+        offset += workers
+        role_offsets[role] += workers
+    return out
+
+
+def assign_ranks(
+    local_world_sizes: Sequence[int], group_rank: int, roles: Sequence[str] | None = None
+) -> list[WorkerRanks]:
     """The ranks of the workers of node ``group_rank``.
 
-    ``local_world_sizes[g]`` is the number of workers on the node of group rank ``g``; nodes may
-    differ. Global ranks are contiguous per node and ordered by group rank. With a single role,
-    role ranks equal global ranks.
+    ``local_world_sizes[g]`` is the number of workers on the node of group rank ``g``, and
+    ``roles[g]`` its role (None: one role for all); nodes may differ in both. Global ranks are
+    contiguous per node and ordered by group rank; role ranks likewise within each role.
     """
     if not 0 <= group_rank < len(local_world_sizes):
         raise ValueError(f"group rank {group_rank} is outside 0..{len(local_world_sizes) - 1}")
     if any(size < 1 for size in local_world_sizes):
         raise ValueError(f"every node needs at least one worker: {list(local_world_sizes)}")
-    return ranks_at_offset(
-        sum(local_world_sizes[:group_rank]), local_world_sizes[group_rank], sum(local_world_sizes)
-    )
+    if roles is None:
+        roles = [""] * len(local_world_sizes)
+    if len(roles) != len(local_world_sizes):
+        raise ValueError(f"{len(roles)} roles for {len(local_world_sizes)} nodes")
+    runs = role_runs(zip(roles, local_world_sizes, strict=True))
+    return ranks_of(place_in_runs(runs, group_rank), local_world_sizes[group_rank])
 
 
 @dataclass(frozen=True)

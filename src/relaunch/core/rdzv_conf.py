@@ -128,8 +128,6 @@ class RendezvousSpec(NamedTuple):
     max_nodes: int
     settings: RendezvousSettings
     local_addr: str | None = None
-    #: The workers this node runs.
-    local_world_size: int = 1
 
 
 def parse(

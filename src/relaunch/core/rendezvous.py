@@ -4,16 +4,19 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
 
 - A node joins round ``r`` with O(1) store operations whatever the number of nodes; nobody
   retries a compare-and-set. On the built-in store it is one atomic ``add`` on the round's join
-  counter, which packs two numbers, so the reply gives the node its *ticket* (1, 2, ... in arrival
-  order, its group rank plus one) and the sum of the workers of every node up to it (its base
-  global rank). etcd has no atomic add: there each node writes its own key in one transaction
-  that also claims the round's lead if nobody has, and the order is the keys' create revisions,
-  which the final record carries as ``runs`` (``revision_runs``, ``place_by_revision``).
+  counter, which packs several sums, so the reply gives the node its *ticket* (1, 2, ... in
+  arrival order, its group rank plus one), the sum of the workers of every node up to it (its
+  base global rank), and whether those nodes all have one role (``JoinTotal.one_role``). etcd
+  has no atomic add: there each node writes its own key (its workers and role) in one
+  transaction that also claims the round's lead if nobody has, and the order is the keys' create
+  revisions, which the final record carries as ``runs`` (``revision_runs``,
+  ``place_by_revision``).
 - The first node (ticket 1, or the lead) completes the round: at ``max_nodes`` joins, or at
   ``min_nodes`` once ``last_call_timeout`` has passed since the count reached ``min_nodes``. It
   writes the round's final record (compare-and-set from absent, so there is only ever one),
   carrying the member count, the world size, and its own address and port for
-  MASTER_ADDR/MASTER_PORT.
+  MASTER_ADDR/MASTER_PORT; when the members' roles differ, their roles too (``roles``), from
+  which each node counts its role ranks (``core.ranks.place_in_runs``).
 - A node whose ticket is beyond the final count arrived late: it joins the next round and waits
   there; running nodes see it (``nodes_waiting``) and restart into that larger round. When the
   round is full (``max_nodes``) it waits there as a spare, for as long as the round runs: when
@@ -29,20 +32,69 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from relaunch.core.durations import seconds
+from relaunch.core.ranks import RoleRun
 
-#: The join counter adds ``1 + workers * TICKET_SPAN``: tickets live in the low digits.
+#: The join counter packs four sums (``join_increment``), lowest digits first: tickets (one a
+#: node), workers, role fingerprints, and their squares. Tickets and each node's workers stay
+#: below ``TICKET_SPAN``; the other spans hold their sums for that many nodes.
 TICKET_SPAN = 1 << 24
+WORKER_SPAN = 1 << 48
+FINGERPRINT_SPAN = 1 << 88
+#: The store holds the join counter as a decimal number of about 90 digits.
+JOIN_TOTAL_DIGITS = 100
+#: FNV-1a, 64 bits (``role_fingerprint``).
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+FNV_MASK = (1 << 64) - 1
 
 
-def join_increment(local_world_size: int) -> int:
-    return 1 + local_world_size * TICKET_SPAN
+def role_fingerprint(role: str) -> int:
+    """A 64-bit number for ``role`` (FNV-1a): equal roles give equal numbers, and two roles of
+    one job the same one with a chance of about 2**-64. Pure Python: a launch imports no hash
+    library for it."""
+    mark = FNV_OFFSET
+    for byte in role.encode():
+        mark = ((mark ^ byte) * FNV_PRIME) & FNV_MASK
+    return mark
 
 
-def unpack_join(total: int) -> tuple[int, int]:
-    """``(ticket, workers up to and including this node)`` from the join counter's value."""
-    return total % TICKET_SPAN, total // TICKET_SPAN
+def join_increment(local_world_size: int, role: str) -> int:
+    """What a node of ``local_world_size`` workers of ``role`` adds to a round's join counter.
+
+    The sums of the role fingerprints and of their squares tell, in the one counter every node
+    adds to anyway, whether all the nodes up to a ticket have one role (``JoinTotal.one_role``):
+    the common case then needs no read of each node's role."""
+    if not 1 <= local_world_size < TICKET_SPAN:
+        raise ValueError(f"a node runs 1 to {TICKET_SPAN - 1} workers, not {local_world_size}")
+    mark = role_fingerprint(role)
+    return 1 + TICKET_SPAN * (local_world_size + WORKER_SPAN * (mark + FINGERPRINT_SPAN * mark**2))
+
+
+class JoinTotal(NamedTuple):
+    """The join counter's value as a node's ``add`` returned it: its ``ticket`` (nodes up to and
+    including it), the workers of those nodes (``through``), and the sums of their role
+    fingerprints and of the fingerprints' squares."""
+
+    ticket: int
+    through: int
+    marks: int
+    squares: int
+
+    def one_role(self) -> bool:
+        """Whether the nodes up to this ticket all have one role. Their fingerprints are all
+        equal exactly when n * sum(x**2) == sum(x)**2 (Cauchy-Schwarz)."""
+        return self.ticket * self.squares == self.marks**2
+
+
+def unpack_join(total: int) -> JoinTotal:
+    """The four sums of the join counter's value ``total``."""
+    rest, ticket = divmod(total, TICKET_SPAN)
+    rest, through = divmod(rest, WORKER_SPAN)
+    squares, marks = divmod(rest, FINGERPRINT_SPAN)
+    return JoinTotal(ticket, through, marks, squares)
 
 
 @dataclass(frozen=True)
@@ -82,7 +134,8 @@ Run = tuple[int, int, int]
 class Final:
     """A completed round: who is in it and where the workers' master is. ``runs`` places the
     members by the create revisions of their join keys (etcd); empty, the tickets do.
-    ``version``: the store's version of the record (what the round's later keys come after)."""
+    ``version``: the store's version of the record (what the round's later keys come after).
+    ``roles``: the members' roles, when they differ."""
 
     count: int
     world_size: int
@@ -90,6 +143,9 @@ class Final:
     master_port: int
     runs: tuple[Run, ...] = ()
     version: int = 0
+    #: The members' roles and workers in group-rank order (``core.ranks.role_runs``); empty
+    #: when they all have one role.
+    roles: tuple[RoleRun, ...] = ()
 
 
 def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:
@@ -225,6 +281,17 @@ class Entry:
     through: int
     revision: int
     lead: bool
+
+
+class Members(NamedTuple):
+    """Who the lead found in a round it completes: ``nodes`` members, ``world_size`` workers,
+    the ``runs`` that place them by revision (etcd; else empty) and their ``roles`` in
+    group-rank order (empty when they all have one)."""
+
+    nodes: int
+    world_size: int
+    runs: tuple[Run, ...] = ()
+    roles: tuple[RoleRun, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from relaunch.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
 )
 from relaunch.rendezvous.backends import get_rendezvous_handler
 from relaunch.rendezvous.static import StaticRendezvousHandler
@@ -27,6 +28,7 @@ __all__ = [
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
+    "RendezvousStoreInfo",
     "StaticRendezvousHandler",
     "get_rendezvous_handler",
     "parse_endpoint",

@@ -61,7 +61,6 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
         max_nodes=params.max_nodes,
         settings=rdzv_conf.parse(params.backend, params.config, is_file=os.path.isfile),
         local_addr=params.local_addr,
-        local_world_size=int(params.get("local_world_size", 1)),
     )
     return create_rendezvous_handler(spec)
 
@@ -102,7 +101,6 @@ def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:
         nnodes=spec.max_nodes,
         master_addr=host,
         master_port=port,
-        local_world_size=spec.local_world_size,
         resolve_timeout=spec.settings.join_timeout,
     )
 
@@ -117,7 +115,6 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     timeout = conf.timeout
     settings = conf.round_settings(params.min_nodes, params.max_nodes)
     is_host = conf.is_host
-    local_world_size = params.local_world_size
     if port == 0 and params.max_nodes == 1 and is_host is not False:
         # --standalone: one node on a port nobody knows, so nobody else can join. The same
         # rendezvous runs on the store in this process, with no server and no sockets.
@@ -128,7 +125,6 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
             params.run_id,
             memory,
             settings,
-            local_world_size,
             host,
             memory,
             watch_store=memory,
@@ -191,7 +187,6 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         params.run_id,
         store,
         settings,
-        local_world_size,
         local_addr,
         heartbeat_store,
         watch_store=watch_store,
@@ -234,7 +229,6 @@ def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         params.run_id,
         store,
         settings,
-        params.local_world_size,
         local_addr,
         heartbeat_store,
         watch_store=watch_store,

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, TypedDict
 from relaunch.core import exclusion
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, expected_size
-from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
+from relaunch.core.ranks import role_place
+from relaunch.rendezvous.api import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
 from relaunch.rendezvous.dynamic_job import DynamicJob
 from relaunch.rendezvous.heartbeat import RoundWatch
 from relaunch.rendezvous.kinds import CounterKind, StoreKind
@@ -58,7 +64,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         run_id: str,
         stores: StoreKind,
         settings: plan.Settings,
-        local_world_size: int,
         local_addr: str,
         backend: str = "c10d",
         on_shutdown: tuple[Callable[[], object], ...] = (),
@@ -70,7 +75,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._run_id = run_id
         self._stores = stores
         self.settings = settings
-        self._local_world_size = local_world_size
         self._backend = backend
         self._clock = clock
         node_id = new_node_id()
@@ -101,7 +105,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         run_id: str,
         store: Store,
         settings: plan.Settings,
-        local_world_size: int,
         local_addr: str,
         heartbeat_store: Store | None = None,
         watch_store: Store | None = None,
@@ -110,7 +113,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ) -> DynamicRendezvousHandler:
         """The handler on the built-in store or the in-process one (``kinds.CounterKind``)."""
         stores = CounterKind(store, heartbeat_store, watch_store, clock)
-        return cls(run_id, stores, settings, local_world_size, local_addr, clock=clock, **options)
+        return cls(run_id, stores, settings, local_addr, clock=clock, **options)
 
     @classmethod
     def on_etcd(
@@ -118,7 +121,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         run_id: str,
         store: EtcdStore,
         settings: plan.Settings,
-        local_world_size: int,
         local_addr: str,
         heartbeat_store: EtcdStore,
         watch_store: EtcdStore | None = None,
@@ -129,7 +131,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         from relaunch.rendezvous.kinds_etcd import EtcdKind  # loads the etcd client
 
         stores = EtcdKind(run_id, settings, store, heartbeat_store, watch_store, clock)
-        return cls(run_id, stores, settings, local_world_size, local_addr, clock=clock, **options)
+        return cls(run_id, stores, settings, local_addr, clock=clock, **options)
 
     def get_backend(self) -> str:
         return self._backend
@@ -165,23 +167,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._standing.round,
                 exc,
             )
-        round_, ticket, through, final = self._rounds.join(self._local_world_size)
+        role, workers = self._standing.workers
+        round_, ticket, through, final = self._rounds.join(workers, role)
         self._standing.enter(round_, ticket, final)
         if feed is not None and round_ > 0:
             feed.forget(self._rounds.news_prefix(round_ - 1))
-        group_rank, offset = plan.assign(ticket, through, self._local_world_size)
+        group_rank, offset = plan.assign(ticket, through, workers)
+        role_offset, role_world_size = offset, final.world_size
+        if final.roles:
+            try:
+                role_offset, role_world_size = role_place(final.roles, group_rank, role)
+            except ValueError as exc:
+                raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
         self._start_watching()
         log.info(
             "rendezvous round %d complete: group rank %d of %d", round_, group_rank, final.count
         )
         return RendezvousInfo(
-            group_rank=group_rank,
-            group_world_size=final.count,
-            master_addr=final.master_addr,
-            master_port=final.master_port,
+            self._stores.store,
+            group_rank,
+            final.count,
+            RendezvousStoreInfo(final.master_addr, final.master_port),
             rank_offset=offset,
-            world_size=final.world_size,
-            store=self._stores.store,
+            global_world_size=final.world_size,
+            role_rank_offset=role_offset,
+            role_world_size=role_world_size,
         )
 
     def set_closed(self) -> None:

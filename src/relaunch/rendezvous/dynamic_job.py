@@ -27,7 +27,7 @@ from relaunch.rendezvous.api import (
     store_int,
     store_record,
 )
-from relaunch.rendezvous.job import ChangeListener
+from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.rounds import Rounds
@@ -94,6 +94,10 @@ class DynamicJob:
         return self.membership_change()
 
     # -- leaving a round, and joining again ---------------------------------------------------
+
+    def set_workers(self, role: str, local_world_size: int) -> None:
+        """This node joins its next rounds with ``local_world_size`` workers of ``role``."""
+        self._standing.workers = (role, check_workers(role, local_world_size))
 
     def prepare_join(self) -> float | None:
         """Leave the running round (the others re-form at once), then say until when this node

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from relaunch.core.rendezvous import TICKET_SPAN
+
 if TYPE_CHECKING:
     from relaunch.core.membership import MembershipChange
     from relaunch.rendezvous.api import RendezvousHandler
@@ -46,6 +48,10 @@ class JobServices(Protocol):
 
     def membership_change(self) -> MembershipChange | None:
         """Why the running round should be re-formed, or None."""
+
+    def set_workers(self, role: str, local_world_size: int) -> None:
+        """This node brings ``local_world_size`` workers of ``role`` to its next joins (the
+        agent says it from its ``WorkerSpec`` before each join): nodes may differ in both."""
 
     def prepare_join(self) -> float | None:
         """Leave the running round before joining again; until when (``time.time()``) this
@@ -82,6 +88,18 @@ class JobServices(Protocol):
         """Wait (up to ``timeout``) until every live node's workers have finished."""
 
 
+def check_workers(role: str, local_world_size: int) -> int:
+    """``local_world_size``, once it and ``role`` are what a join can carry; ValueError in one
+    line if not."""
+    if not isinstance(role, str):
+        raise ValueError(f"a worker role is a string, not {role!r}")
+    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int):
+        raise ValueError(f"local_world_size must be a whole number, got {local_world_size!r}")
+    if not 1 <= local_world_size < TICKET_SPAN:
+        raise ValueError(f"local_world_size must be 1 to {TICKET_SPAN - 1}, got {local_world_size}")
+    return local_world_size
+
+
 def job_of(handler: RendezvousHandler) -> JobServices:
     """The job services of ``handler``: its own ``job``, or those of a job of one node."""
     job: JobServices | None = getattr(handler, "job", None)
@@ -103,6 +121,9 @@ class SoloJob:
 
     def membership_change(self) -> MembershipChange | None:
         return None
+
+    def set_workers(self, role: str, local_world_size: int) -> None:
+        pass  # nobody to tell: the agent places the workers (``agent.ranks``)
 
     def prepare_join(self) -> float | None:
         return None

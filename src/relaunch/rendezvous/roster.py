@@ -21,8 +21,9 @@ import os
 from typing import Protocol
 
 from relaunch.core import rendezvous as plan
+from relaunch.core.ranks import RoleRun, role_runs
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
-from relaunch.rendezvous.api import RendezvousError, store_int
+from relaunch.rendezvous.api import BadStoreValue, RendezvousError, store_int
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, StoreTimeout
 
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class Roster(Protocol):
-    def join(self, round_: int, local_world_size: int) -> Joined:
-        """Join ``round_`` unless it completed already or the job closed: one write."""
+    def join(self, round_: int, local_world_size: int, role: str) -> Joined:
+        """Join ``round_`` with ``local_world_size`` workers of ``role`` unless it completed
+        already or the job closed: one write."""
 
     def joined(self, round_: int) -> int:
         """How many nodes joined ``round_`` so far."""
@@ -39,10 +41,8 @@ class Roster(Protocol):
     def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
         """Return once ``at_least`` nodes joined ``round_``, or after ``timeout``."""
 
-    def members(
-        self, round_: int, count: int, settings: plan.Settings
-    ) -> tuple[int, int, tuple[plan.Run, ...]]:
-        """As the lead: ``(members, world size, runs)`` of the first ``count`` joins."""
+    def members(self, round_: int, count: int, settings: plan.Settings) -> plan.Members:
+        """As the lead: who the first ``count`` joins are."""
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
         """``(ticket, workers through this node)`` in the completed round; None when late."""
@@ -65,8 +65,8 @@ def new_node_id() -> str:
 class CounterRoster:
     """Joins and tallies as atomic counters (the built-in store). Keys, under ``r{n}/``::
 
-    joins           join counter: ticket and workers so far (``core.rendezvous``)
-    node/{ticket}   workers up to and including that node
+    joins           join counter: ticket, workers so far, role sums (``core.rendezvous``)
+    node/{ticket}   that node's join counter value, and its role
     {tally}         a counter
 
     Waits keep their deadlines on ``clock``.
@@ -75,21 +75,22 @@ class CounterRoster:
     def __init__(self, store: Store, key: KeyOf, clock: Clock = SYSTEM_CLOCK) -> None:
         self._store, self._key, self._clock = store, key, clock
 
-    def join(self, round_: int, local_world_size: int) -> Joined:
+    def join(self, round_: int, local_world_size: int, role: str) -> Joined:
         store, key = self._store, self._key
         if store.get(key("closed", None)).value is not None:
             return Joined(None, closed=True)
         if store.get(key("final", round_)).value is not None:
             round_key = key("round", None)
             return Joined(None, round_now=store_int(round_key, store.get(round_key).value))
-        total = store.add(key("joins", round_), plan.join_increment(local_world_size))
-        ticket, through = plan.unpack_join(total)
-        store.set(key(f"node/{ticket}", round_), str(through).encode())
-        return Joined(Entry(ticket, through, 0, ticket == 1))
+        total = store.add(key("joins", round_), plan.join_increment(local_world_size, role))
+        joined = plan.unpack_join(total)
+        store.set(key(f"node/{joined.ticket}", round_), f"{total} {role}".encode())
+        return Joined(Entry(joined.ticket, joined.through, 0, joined.ticket == 1))
 
     def joined(self, round_: int) -> int:
         key = self._key("joins", round_)
-        return plan.unpack_join(store_int(key, self._store.get(key).value))[0]
+        value = self._store.get(key).value
+        return plan.unpack_join(store_int(key, value, digits=plan.JOIN_TOTAL_DIGITS)).ticket
 
     def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
         try:
@@ -97,11 +98,11 @@ class CounterRoster:
         except StoreTimeout:
             pass
 
-    def members(
-        self, round_: int, count: int, settings: plan.Settings
-    ) -> tuple[int, int, tuple[plan.Run, ...]]:
+    def members(self, round_: int, count: int, settings: plan.Settings) -> plan.Members:
         """A node that took a ticket but died before registering is left out (it is the last
-        one here); one in the middle is caught by the heartbeats once the workers start."""
+        one here); one in the middle is caught by the heartbeats once the workers start. The
+        last member's join total says whether the members have one role; only when they do
+        not are the others' roles read."""
         for members in range(count, settings.min_nodes - 1, -1):
             last = self._key(f"node/{members}", round_)
             try:
@@ -113,8 +114,38 @@ class CounterRoster:
                     members,
                 )
                 continue
-            return members, store_int(last, self._store.get(last).value), ()
+            raw = self._store.get(last).value
+            total, _ = _node_value(last, raw)
+            if total.ticket != members:
+                raise BadStoreValue(last, raw, "not the join of that ticket")
+            roles = () if total.one_role() else self._roles(round_, members, settings)
+            return plan.Members(members, total.through, (), roles)
         raise RendezvousError(f"fewer than {settings.min_nodes} joined nodes registered")
+
+    def _roles(self, round_: int, members: int, settings: plan.Settings) -> tuple[RoleRun, ...]:
+        """The roles and workers of the first ``members`` nodes, read from their keys. A node
+        registers right after taking its ticket; one that has not within a keep-alive interval
+        died in between (its heartbeat never starts, and the round re-forms): its role is not
+        known, and counts for none."""
+        deadline = self._clock.monotonic() + settings.keep_alive_interval
+        nodes: list[tuple[str | None, int]] = []
+        through_before = 0
+        for ticket in range(1, members + 1):
+            key = self._key(f"node/{ticket}", round_)
+            raw = self._store.get(key).value
+            if raw is None:
+                try:
+                    self._store.wait([key], max(0.0, deadline - self._clock.monotonic()))
+                    raw = self._store.get(key).value
+                except StoreTimeout:
+                    pass
+            if raw is None:
+                nodes.append((None, 0))
+                continue
+            total, role = _node_value(key, raw)
+            nodes.append((role, total.through - through_before))
+            through_before = total.through
+        return role_runs(nodes)
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
         assert entry.ticket is not None
@@ -137,3 +168,14 @@ class CounterRoster:
                 break
             current = self._store.watch(key, current.version, left)
         return store_int(key, current.value)
+
+
+def _node_value(key: str, raw: bytes | None) -> tuple[plan.JoinTotal, str]:
+    """A ``node/{ticket}`` key's join total and role; ``BadStoreValue`` if no relaunch wrote
+    it."""
+    number, _, role = (raw or b"").partition(b" ")
+    try:
+        total = store_int(key, number, digits=plan.JOIN_TOTAL_DIGITS)
+        return plan.unpack_join(total), role.decode()
+    except UnicodeDecodeError as exc:
+        raise BadStoreValue(key, raw, exc) from None

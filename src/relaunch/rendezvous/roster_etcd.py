@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from relaunch.core import rendezvous as plan
+from relaunch.core.ranks import role_runs
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
-from relaunch.rendezvous.api import store_int
+from relaunch.rendezvous.api import BadStoreValue, store_int
 from relaunch.store import etcd
 from relaunch.store.etcd import EtcdStore
 
@@ -12,7 +13,8 @@ from relaunch.store.etcd import EtcdStore
 class KeyRoster:
     """Joins and tallies as one key per node (etcd). Keys, under ``r{n}/``::
 
-    join/{node}     this node's join: its number of workers; the create revision orders it
+    join/{node}     this node's join: its number of workers and its role; the create revision
+                    orders it
     lead            the node that completes the round (the first to join)
     {tally}/{node}  this node, counted
     """
@@ -20,7 +22,7 @@ class KeyRoster:
     def __init__(self, store: EtcdStore, key: KeyOf, node_id: str) -> None:
         self._store, self._key, self._node = store, key, node_id
 
-    def join(self, round_: int, local_world_size: int) -> Joined:
+    def join(self, round_: int, local_world_size: int, role: str) -> Joined:
         """One transaction: unless the job closed or the round completed, write this node's
         key and claim the lead if nobody has; else read why not. Nothing else is read: the
         transaction's revision is the key's, unless an earlier attempt wrote it (a write
@@ -31,7 +33,7 @@ class KeyRoster:
         reply = self._store.txn(
             [etcd.absent(closed), etcd.absent(final)],
             [
-                etcd.put(mine, str(local_world_size).encode(), previous=True),
+                etcd.put(mine, f"{local_world_size} {role}".encode(), previous=True),
                 etcd.txn_op([etcd.absent(lead)], [etcd.put(lead, node)]),
             ],
             [etcd.read(closed), etcd.read(key("round", None))],
@@ -53,14 +55,16 @@ class KeyRoster:
     def await_joined(self, round_: int, at_least: int, timeout: float) -> None:
         self._store.await_prefix_count(self._key("join/", round_), at_least, timeout)
 
-    def members(
-        self, round_: int, count: int, settings: plan.Settings
-    ) -> tuple[int, int, tuple[plan.Run, ...]]:
-        joins = self._store.range_prefix(self._key("join/", round_), count)
-        runs = plan.revision_runs(
-            [(revision, store_int(name, value)) for name, value, revision in joins]
-        )
-        return len(joins), sum(nodes * workers for _, nodes, workers in runs), runs
+    def members(self, round_: int, count: int, settings: plan.Settings) -> plan.Members:
+        joins = [
+            (revision, *_join_value(name, value))
+            for name, value, revision in self._store.range_prefix(self._key("join/", round_), count)
+        ]
+        runs = plan.revision_runs([(revision, workers) for revision, workers, _ in joins])
+        one_role = len({role for _, _, role in joins}) <= 1
+        roles = () if one_role else role_runs((role, workers) for _, workers, role in joins)
+        world_size = sum(nodes * workers for _, nodes, workers in runs)
+        return plan.Members(len(joins), world_size, runs, roles)
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
         return plan.place_by_revision(final.runs, entry.revision)
@@ -73,3 +77,13 @@ class KeyRoster:
 
     def await_tally(self, name: str, round_: int, at_least: int, timeout: float) -> int:
         return self._store.await_prefix_count(self._key(f"{name}/", round_), at_least, timeout)
+
+
+def _join_value(key: str, raw: bytes) -> tuple[int, str]:
+    """A ``join/{node}`` key's number of workers and role; ``BadStoreValue`` if no relaunch
+    wrote it."""
+    number, _, role = raw.partition(b" ")
+    try:
+        return store_int(key, number), role.decode()
+    except UnicodeDecodeError as exc:
+        raise BadStoreValue(key, raw, exc) from None

@@ -12,8 +12,9 @@ Keys, under ``relaunch/{run_id}/``::
     r{n}/done               members whose workers finished (the exit barrier), a tally
     news/closed             set once the job finished: late nodes exit cleanly (on etcd the
                             job's other keys are deleted then, and this one lives on a lease)
-    news/r{n}/final         the completed round: members, world size, master address, and on
-                            etcd the runs of create revisions that place the members
+    news/r{n}/final         the completed round: members, world size, master address, on
+                            etcd the runs of create revisions that place the members, and the
+                            members' roles when they differ
     news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
     news/r{n}/bell          rung with each change that stands, and by a roll call: what the
@@ -105,13 +106,14 @@ class Rounds:
         """Whether the job finished (late nodes then exit rather than wait)."""
         return self._store.get(self.key("closed")).value is not None
 
-    def join(self, local_world_size: int) -> tuple[int, int, int, plan.Final]:
-        """Join the first open round, and the next ones while late: ``(round, ticket, workers
-        through this node, final record)``. A member starts from the round after its last."""
+    def join(self, local_world_size: int, role: str) -> tuple[int, int, int, plan.Final]:
+        """Join the first open round with ``local_world_size`` workers of ``role``, and the next
+        ones while late: ``(round, ticket, workers through this node, final record)``. A member
+        starts from the round after its last."""
         started_at = self._clock.monotonic()
         round_ = self._next_round
         while True:
-            joined = self.roster.join(round_, local_world_size)
+            joined = self.roster.join(round_, local_world_size, role)
             if joined.closed:
                 raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
             if joined.entry is None:  # the round completed without this node
@@ -152,6 +154,7 @@ class Rounds:
                 _count(data["master_port"]),
                 tuple((_count(a), _count(b), _count(c)) for a, b, c in data.get("runs", ())),
                 record.version,
+                tuple((_role(a), _count(b), _count(c)) for a, b, c in data.get("roles", ())),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
@@ -266,17 +269,19 @@ class Rounds:
     def _complete(self, round_: int, count: int) -> None:
         """As the lead: write the final record of ``round_`` with (up to) ``count`` nodes."""
         try:
-            members, world_size, runs = self.roster.members(round_, count, self.settings)
+            members = self.roster.members(round_, count, self.settings)
         except RendezvousError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r} failed: {exc}") from None
         record: dict[str, object] = {
-            "count": members,
-            "world_size": world_size,
+            "count": members.nodes,
+            "world_size": members.world_size,
             "master_addr": self._local_addr,
             "master_port": find_free_port(self._local_addr),
         }
-        if runs:
-            record["runs"] = runs
+        if members.runs:
+            record["runs"] = members.runs
+        if members.roles:
+            record["roles"] = members.roles
         if self._store.compare_set(
             self.key("final", round_), 0, json.dumps(record).encode()
         ).succeeded:
@@ -318,4 +323,11 @@ def _count(value: object) -> int:
     """A whole number of a record relaunch wrote: ``ValueError`` for anything else."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{value!r:.40} is not a count")
+    return value
+
+
+def _role(value: object) -> str | None:
+    """A role of a record relaunch wrote (None: not known): ``ValueError`` for anything else."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{value!r:.40} is not a role")
     return value

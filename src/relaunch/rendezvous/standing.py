@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import ChangeKind, MembershipChange
+from relaunch.core.ranks import DEFAULT_ROLE
 from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class Standing:
         # one of the job's restarts if its change is the one that stands; and why.
         self.spending = False
         self.restart_reason = ""
+        # What this node brings to its next join: (role, workers), as its agent said
+        # (``DynamicJob.set_workers``).
+        self.workers: tuple[str, int] = (DEFAULT_ROLE, 1)
 
     def enter(self, round_: int, ticket: int, final: plan.Final) -> None:
         """This node is a member of round ``round_`` now, holding ``ticket``."""

@@ -11,6 +11,7 @@ from relaunch.rendezvous.api import (
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousStoreInfo,
 )
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
@@ -60,9 +61,12 @@ def check_master_addr(host: str, port: int, wait_for: float, clock: Clock = SYST
 
 
 class StaticRendezvousHandler(RendezvousHandler):
-    """Fixed membership: ``nnodes`` nodes, this one at ``node_rank``, each with the same number of
-    workers. ``master_port`` 0 picks a free port (the single-node ``--standalone`` case). The
-    wait for the master's name to resolve keeps its deadline on ``clock``."""
+    """Fixed membership: ``nnodes`` nodes, this one at ``node_rank``. ``master_port`` 0 picks a
+    free port (the single-node ``--standalone`` case). The wait for the master's name to
+    resolve keeps its deadline on ``clock``.
+
+    There is no store to share the nodes' workers through: the agent takes every node to run
+    as many workers as its own, of one role (torch's ``TORCH_ELASTIC_WORKER_IDENTICAL``)."""
 
     def __init__(
         self,
@@ -71,7 +75,6 @@ class StaticRendezvousHandler(RendezvousHandler):
         nnodes: int,
         master_addr: str,
         master_port: int,
-        local_world_size: int = 1,
         resolve_timeout: float = RESOLVE_TIMEOUT,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -84,7 +87,6 @@ class StaticRendezvousHandler(RendezvousHandler):
         self.nnodes = nnodes
         self.master_addr = master_addr
         self.master_port = master_port
-        self.local_world_size = local_world_size
         self.resolve_timeout = resolve_timeout
         self._clock = clock
 
@@ -106,14 +108,8 @@ class StaticRendezvousHandler(RendezvousHandler):
                     f"{exc.strerror or exc}; with one node, leave --master-addr out or name "
                     "an address of this machine, or give --master-port"
                 ) from None
-        return RendezvousInfo(
-            group_rank=self.node_rank,
-            group_world_size=self.nnodes,
-            master_addr=self.master_addr,
-            master_port=self.master_port,
-            rank_offset=self.node_rank * self.local_world_size,
-            world_size=self.nnodes * self.local_world_size,
-        )
+        master = RendezvousStoreInfo(self.master_addr, self.master_port)
+        return RendezvousInfo(None, self.node_rank, self.nnodes, master)
 
     def get_backend(self) -> str:
         return "static"
