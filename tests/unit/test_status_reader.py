@@ -104,7 +104,7 @@ def test_a_round_re_forming_shows_why_and_then_the_last_posts() -> None:
     assert re.search(r"\(no status posted yet\) +1$", table, re.M)  # group rank 1 of 2
     # The next round forms: the last round's posts are shown, and said to be.
     memory.set(reader.key("round"), b"1")
-    memory.set(reader.key("joins", 1), b"1")
+    memory.set(reader.key("joins", 1), str(plan.join_increment(2, "default")).encode())
     snapshot = reader.read()
     assert (snapshot.round, snapshot.phase, snapshot.notes_round) == (1, "re-forming", 0)
     assert snapshot.note == "round 1 re-forming (1 node(s) joined); showing round 0's last posts"

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 from relaunch.core import status as core
 from relaunch.core.membership import decode_change
-from relaunch.core.rendezvous import unpack_join
+from relaunch.core.rendezvous import JOIN_TOTAL_DIGITS, unpack_join
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.rendezvous.rounds import CLOSED, NEWS, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -164,12 +164,15 @@ class JobReader:
             raise MalformedJob(f"the job's keys hold more than {MAX_READ} bytes in all")
         return value
 
-    def _integer(self, key: str, value: bytes | None, high: int = _MAX_INT) -> int:
-        """The decimal integer ``value`` of ``key`` (0 when absent), within 0..``high``."""
+    def _integer(
+        self, key: str, value: bytes | None, high: int = _MAX_INT, digits: int = 19
+    ) -> int:
+        """The decimal integer ``value`` of ``key`` (0 when absent) of at most ``digits``
+        digits, within 0..``high``."""
         if value is None:
             return 0
         text = value.strip()
-        if not (text.isdigit() and len(text) <= 19 and int(text) <= high):
+        if not (text.isdigit() and len(text) <= digits and int(text) <= high):
             shown = repr(value[:20]) + ("..." if len(value) > 20 else "")
             raise self._malformed(key, f"{shown}, where an integer up to {high} belongs")
         return int(text)
@@ -282,7 +285,9 @@ class JobReader:
     def _joined(self, round_: int) -> int:
         """How many nodes joined round ``round_`` (a counter)."""
         key = self.key("joins", round_)
-        return unpack_join(self._integer(key, self._get("joins", round_)))[0]
+        value = self._get("joins", round_)
+        total = self._integer(key, value, 10**JOIN_TOTAL_DIGITS, JOIN_TOTAL_DIGITS)
+        return unpack_join(total).ticket
 
     def _notes(self, round_: int) -> Mapping[str, bytes]:
         """The notes ``status/*`` and ``job`` of round ``round_``, by name: one read each."""
