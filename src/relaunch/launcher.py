@@ -36,6 +36,8 @@ from relaunch.runtime import raise_open_file_limit
 if TYPE_CHECKING:
     from relaunch.core.placement import Placement
 
+__all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
+
 log = logging.getLogger(__name__)
 
 
@@ -43,14 +45,21 @@ class elastic_launch:
     """``elastic_launch(config, entrypoint)(*args)`` runs ``entrypoint`` on every worker.
 
     Returns ``{global_rank: return_value}`` (None for binaries) or raises ``ChildFailedError``.
+    ``health_check_server``: as ``launch_agent``'s.
     """
 
-    def __init__(self, config: LaunchConfig, entrypoint: Callable[..., Any] | str) -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        entrypoint: Callable[..., Any] | str,
+        health_check_server: Any = None,
+    ) -> None:
         self._config = config
         self._entrypoint = entrypoint
+        self._health_check_server = health_check_server
 
     def __call__(self, *args: Any) -> dict[int, Any]:
-        return launch_agent(self._config, self._entrypoint, list(args))
+        return launch_agent(self._config, self._entrypoint, list(args), self._health_check_server)
 
 
 def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
@@ -106,12 +115,16 @@ def launch_agent(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
     args: list[Any],
+    health_check_server: Any = None,
+    *,
     handler: RendezvousHandler | None = None,
     on_summary: Callable[[RunSummary], None] | None = None,
 ) -> dict[int, Any]:
     """Run the agent ``config`` describes and map its result (``handler`` if already built).
 
-    ``on_summary`` gets the end-of-run summary, whatever the outcome.
+    ``on_summary`` gets the end-of-run summary, whatever the outcome. ``health_check_server``
+    (torch's ``HealthCheckServer``, a stub in open-source torch) is stopped when the run ends,
+    as torch's agent does, and never started: relaunch's health checks are ``--health-check``.
     """
     if handler is None:
         handler = rendezvous_handler(config)
@@ -160,6 +173,8 @@ def launch_agent(
     finally:
         handler.shutdown()
         event_handler.close()
+        if health_check_server is not None:
+            health_check_server.stop()
         if on_summary is not None:
             on_summary(agent.summary(outcome))
     if result.is_failed():

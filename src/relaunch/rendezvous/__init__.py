@@ -10,11 +10,19 @@ from relaunch.core.rdzv_conf import BACKENDS
 from relaunch.endpoints import parse_endpoint
 from relaunch.rendezvous.api import (
     JobFailedError,
+    RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
+    RendezvousHandlerCreator,
+    RendezvousHandlerRegistry,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStateError,
     RendezvousStoreInfo,
+    RendezvousTimeoutError,
+    rendezvous_handler_registry,
 )
 from relaunch.rendezvous.backends import get_rendezvous_handler
 from relaunch.rendezvous.static import StaticRendezvousHandler
@@ -24,12 +32,20 @@ __all__ = [
     "ChangeKind",
     "JobFailedError",
     "MembershipChange",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
     "RendezvousInfo",
     "RendezvousParameters",
+    "RendezvousStateError",
     "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
     "StaticRendezvousHandler",
     "get_rendezvous_handler",
     "parse_endpoint",
+    "rendezvous_handler_registry",
 ]

@@ -6,6 +6,7 @@ This module imports no handler, so every handler can import it.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -13,6 +14,23 @@ from relaunch.core.exclusion import NodeRecord, decode_record
 from relaunch.core.membership import MembershipChange, decode_change
 from relaunch.core.rdzv_conf import redacted
 from relaunch.runtime import ExplainedError
+
+__all__ = [
+    "JobFailedError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "rendezvous_handler_registry",
+]
 
 #: The environment variable that holds the rendezvous store's shared token.
 TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
@@ -24,6 +42,24 @@ class RendezvousError(Exception):
 
 class RendezvousClosedError(RendezvousError):
     """The job this node tried to join has already finished."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """The rendezvous did not complete within ``join_timeout``."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The rendezvous store could not be reached (or hosted), or was lost."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous store holds a state no relaunch wrote (``BadStoreValue`` is one)."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """torch's: a node left out of a closed rendezvous exits without failing. relaunch ends such
+    a node with ``RendezvousClosedError`` (the agent and the launcher take it as a clean end);
+    the class is here for code that catches torch's."""
 
 
 class JobFailedError(RendezvousError):
@@ -42,7 +78,7 @@ class AgentFault(RendezvousError):
     line."""
 
 
-class BadStoreValue(AgentFault, ExplainedError):
+class BadStoreValue(AgentFault, RendezvousStateError, ExplainedError):
     """A value read from the rendezvous store is not what relaunch writes there; the message
     names the key."""
 
@@ -298,6 +334,31 @@ class RendezvousParameters:
     def get(self, key: str, default: Any = None) -> Any:
         return self.config.get(key, default)
 
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
+        """``key``'s value as a bool (torch's spellings: 1/0, true/false, t/f, yes/no, y/n, any
+        case); ValueError naming the key for anything else."""
+        value = self.get(key, default)
+        if value is None or isinstance(value, bool):
+            return value
+        text = str(value).strip().lower() if isinstance(value, (str, int)) else ""
+        if text in ("1", "true", "t", "yes", "y"):
+            return True
+        if text in ("0", "false", "f", "no", "n"):
+            return False
+        raise ValueError(
+            f"rendezvous option {key}={value!r}: expected a boolean (true/false, 1/0, yes/no)"
+        )
+
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        """``key``'s value as an int; ValueError naming the key when it is not one."""
+        value = self.get(key, default)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"rendezvous option {key}={value!r}: expected an integer") from None
+
     def __repr__(self) -> str:
         return (
             f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
@@ -340,3 +401,51 @@ class RendezvousHandler(abc.ABC):
 
     def shutdown(self) -> bool:
         return True
+
+
+#: What builds a handler for a backend from its parameters (torch's name).
+RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
+
+
+class RendezvousHandlerRegistry:
+    """Backends by name, each with the creator that builds its handler: where a user's own
+    backend plugs into ``get_rendezvous_handler`` (``rendezvous_handler_registry``, as in
+    torch). relaunch's built-in backends are registered by ``rendezvous.backends``."""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, RendezvousHandlerCreator] = {}
+
+    def register(self, backend: str, creator: RendezvousHandlerCreator) -> None:
+        """Make ``creator`` build the handlers of ``backend``; ValueError for an empty name, or
+        for a name another creator has."""
+        if not backend:
+            raise ValueError("a rendezvous backend needs a name: got an empty one")
+        current = self._registry.get(backend)
+        if current is not None and current != creator:
+            raise ValueError(
+                f"rendezvous backend {backend!r} is already registered (with {current!r}): "
+                "give yours another name"
+            )
+        self._registry[backend] = creator
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        """The handler ``params.backend``'s creator builds; ValueError naming the registered
+        backends for an unknown one, RuntimeError when the handler says it is another's."""
+        creator = self._registry.get(params.backend)
+        if creator is None:
+            raise ValueError(
+                f"unknown rendezvous backend {params.backend!r}: valid backends are "
+                + ", ".join(self._registry)
+                + "; register another with rendezvous_handler_registry.register(name, creator)"
+            )
+        handler = creator(params)
+        if handler.get_backend() != params.backend:
+            raise RuntimeError(
+                f"the creator of rendezvous backend {params.backend!r} built a handler of "
+                f"backend {handler.get_backend()!r}"
+            )
+        return handler
+
+
+#: The registry ``get_rendezvous_handler`` builds handlers from.
+rendezvous_handler_registry = RendezvousHandlerRegistry()

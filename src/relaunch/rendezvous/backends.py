@@ -6,8 +6,9 @@ v3 cluster, and ``--standalone`` on a store in this process. The dynamic rendezv
 and the network code load only for the backend that needs them.
 
 A handler is built from a ``core.rdzv_conf.RendezvousSpec``, whose ``--rdzv-conf`` keys were
-read and checked once (``create_rendezvous_handler``); torch's ``get_rendezvous_handler`` reads
-a ``RendezvousParameters``' keys into one first.
+read and checked once (``create_rendezvous_handler``); torch's ``get_rendezvous_handler`` builds
+through ``rendezvous_handler_registry``, where the built-in backends are registered (they read a
+``RendezvousParameters``' keys into a spec first) and a user's own may be.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from relaunch.core.rdzv_conf import (
 from relaunch.endpoints import is_loopback, parse_endpoint
 from relaunch.rendezvous.api import (
     TOKEN_ENV,
-    RendezvousError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    rendezvous_handler_registry,
 )
 from relaunch.rendezvous.static import StaticRendezvousHandler
 from relaunch.store.api import StoreError
@@ -45,14 +47,15 @@ log = logging.getLogger(__name__)
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler for ``params.backend`` (torch's entry point): its ``config`` read and checked
-    (``core.rdzv_conf.parse``), then ``create_rendezvous_handler``. ValueError naming the valid
-    backends, or saying which key is wrong."""
-    if params.backend not in BACKENDS:
-        raise ValueError(
-            f"unknown rendezvous backend {params.backend!r}: valid backends are "
-            + ", ".join(BACKENDS)
-        )
+    """The handler for ``params.backend`` (torch's entry point), built by the creator
+    ``rendezvous_handler_registry`` has for it: a built-in backend's reads and checks
+    ``config`` (``core.rdzv_conf.parse``), then ``create_rendezvous_handler``. ValueError naming
+    the registered backends, or saying which key is wrong."""
+    return rendezvous_handler_registry.create_handler(params)
+
+
+def _create_builtin(params: RendezvousParameters) -> RendezvousHandler:
+    """A built-in backend's handler for ``params``."""
     spec = RendezvousSpec(
         backend=params.backend,
         endpoint=params.endpoint,
@@ -63,6 +66,10 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
         local_addr=params.local_addr,
     )
     return create_rendezvous_handler(spec)
+
+
+for _backend in BACKENDS:
+    rendezvous_handler_registry.register(_backend, _create_builtin)
 
 
 def create_rendezvous_handler(spec: RendezvousSpec) -> RendezvousHandler:
@@ -146,7 +153,9 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
             port = server.port
         except OSError as exc:
             if is_host is not None:
-                raise RendezvousError(f"cannot host the store on {host}:{port}: {exc}") from None
+                raise RendezvousConnectionError(
+                    f"cannot host the store on {host}:{port}: {exc}"
+                ) from None
     local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
     on_shutdown = (server.stop,) if server is not None else ()
 
@@ -182,7 +191,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     except StoreError as exc:
         for stop in on_shutdown:
             stop()
-        raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+        raise RendezvousConnectionError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
         store,
@@ -216,7 +225,7 @@ def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     try:
         store.get(f"relaunch/{params.run_id}/news/closed")  # reachable, and the credentials work
     except StoreError as exc:
-        raise RendezvousError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+        raise RendezvousConnectionError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     if params.local_addr:
         local_addr = params.local_addr
     elif all(is_loopback(endpoint.host) for endpoint in store.endpoints):

@@ -19,6 +19,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.core.ranks import role_place
 from relaunch.rendezvous.api import (
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -150,7 +151,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             return self._next_rendezvous()
         except StoreError as exc:
             self._standing.store_lost = True
-            raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
+            raise RendezvousConnectionError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def _next_rendezvous(self) -> RendezvousInfo:
         self.job.check_store()

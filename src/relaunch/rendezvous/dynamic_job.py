@@ -22,7 +22,7 @@ from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousError,
+    RendezvousConnectionError,
     StoreHostGone,
     store_int,
     store_record,
@@ -171,7 +171,7 @@ class DynamicJob:
                     return True
             return self._rounds.is_closed()
         except StoreError as exc:
-            raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
+            raise RendezvousConnectionError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def check_store(self) -> None:
         """After the store was lost: whether it still lives, judged as a member is, by the

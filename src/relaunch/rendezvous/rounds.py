@@ -43,6 +43,7 @@ from relaunch.rendezvous.api import (
     BadStoreValue,
     RendezvousClosedError,
     RendezvousError,
+    RendezvousTimeoutError,
     store_change,
     store_int,
 )
@@ -236,7 +237,7 @@ class Rounds:
             if decision.step is plan.Step.LATE:
                 return None
             if decision.step is plan.Step.FAIL:
-                raise RendezvousError(
+                raise RendezvousTimeoutError(
                     f"rendezvous of job {self._run_id!r} failed: {decision.reason}"
                 )
             if decision.step is plan.Step.COMPLETE:
