@@ -58,7 +58,6 @@ MIRRORS = {
 #: torch's public names that are not at the mirror, and why (docs/python-api.md says it too).
 NOT_AT_MIRROR = {
     ("torch.distributed.elastic.multiprocessing.api", "get_std_cm"): "torch's stdout redirect",
-    ("torch.distributed.elastic.multiprocessing.tail_log", "tail_logfile"): "TailLog's thread",
     ("torch.distributed.elastic.agent.server", "SimpleElasticAgent"): "agent is core.step",
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent"): "agent is core.step",
     (

@@ -1,5 +1,5 @@
 """torch's ``torch.distributed.elastic.multiprocessing.tail_log``, at relaunch's path."""
 
-from relaunch.procs.tail import TailLog
+from relaunch.procs.tail import TailLog, tail_logfile
 
-__all__ = ["TailLog"]
+__all__ = ["TailLog", "tail_logfile"]
