@@ -34,6 +34,7 @@ from relaunch.core.defaults import (
     NUMA_MODES,
 )
 from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
+from relaunch.core.placement import numa_binding_of
 from relaunch.core.rdzv_conf import (
     BACKENDS,
     ETCD_BACKENDS,
@@ -69,7 +70,9 @@ class LaunchConfig:
     max_nodes: int
     nproc_per_node: int
     run_id: str = ""
-    role: str = "default"
+    #: torch's LaunchConfig default ("default_role"); the ``relaunch`` command passes its
+    #: ``--role`` ("default", torchrun's).
+    role: str = "default_role"
     rdzv_endpoint: str = ""
     rdzv_backend: str = "static"
     rdzv_configs: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +85,8 @@ class LaunchConfig:
     tee: Std | dict[int, Std] = Std.NONE
     metrics_cfg: dict[str, str] = field(default_factory=dict)
     local_addr: str | None = None
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    #: Seconds the workers get to stop after SIGTERM (None, torch's default: relaunch's 30).
+    shutdown_timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT
     event_log_handler: str = "null"
     #: Run a file timer server for ``relaunch.timer.expires`` (None: when
     #: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); restart when a worker hangs this many seconds.
@@ -128,8 +132,16 @@ class LaunchConfig:
     #: strings to one file of each attempt, ``filtered_stdout.log`` (``filtered_stderr.log``).
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
+    #: torch's ``NumaOptions``: its ``affinity_mode`` becomes ``numa_binding`` (the same modes).
+    numa_options: Any = None
+    #: torch's: every worker has ``LOCAL_RANK=0`` and sees only its own GPU.
+    virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
+        if self.shutdown_timeout is None:
+            object.__setattr__(self, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT)
+        if self.numa_options is not None:
+            _take_numa_options(self)
         configs = dict(self.rdzv_configs)
         if self.rdzv_timeout > 0:
             configs.setdefault("timeout", self.rdzv_timeout)
@@ -189,6 +201,20 @@ def _check_counts(config: LaunchConfig) -> None:
     if config.health_check is not None and not config.health_check.strip():
         raise ConfigError("health_check must be a shell command, got an empty one")
     _check_placement(config)
+
+
+def _take_numa_options(config: LaunchConfig) -> None:
+    """torch's ``numa_options`` as ``numa_binding`` (both may be given if they agree)."""
+    try:
+        mode = numa_binding_of(config.numa_options)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.numa_binding not in (None, mode):
+        raise ConfigError(
+            f"numa_options asks for {mode!r} and numa_binding for {config.numa_binding!r}: "
+            "give one of them"
+        )
+    object.__setattr__(config, "numa_binding", mode)
 
 
 def _check_logs(config: LaunchConfig) -> None:

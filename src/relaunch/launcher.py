@@ -18,7 +18,8 @@ from relaunch.agent.health import HealthCheck
 from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
-from relaunch.core.rdzv_conf import RendezvousSpec
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.core.rdzv_conf import BACKENDS, RendezvousSpec
 from relaunch.core.restart import Backoff
 from relaunch.core.summary import RunSummary
 from relaunch.events import (
@@ -29,7 +30,13 @@ from relaunch.events import (
 )
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsSpecs
-from relaunch.rendezvous.api import JobFailedError, RendezvousClosedError, RendezvousHandler
+from relaunch.rendezvous.api import (
+    JobFailedError,
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
 from relaunch.rendezvous.backends import create_rendezvous_handler
 from relaunch.runtime import raise_open_file_limit
 
@@ -64,11 +71,28 @@ class elastic_launch:
 
 def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
     """The rendezvous handler ``config`` describes, built from its settings as they were read
-    (``LaunchConfig.rendezvous_settings``); ValueError when it is not runnable."""
+    (``LaunchConfig.rendezvous_settings``); ValueError when it is not runnable. A backend that
+    is not built in is built by the creator a user registered for it with
+    ``relaunch.rendezvous.registry.rendezvous_handler_registry`` (torch's way), from a
+    ``RendezvousParameters`` of the config's ``rdzv_*`` fields; ValueError naming the
+    registered backends when there is none (a typo)."""
+    run_id = config.run_id or new_run_id()
+    if config.rdzv_backend not in BACKENDS:
+        return rendezvous_handler_registry.create_handler(
+            RendezvousParameters(
+                config.rdzv_backend,
+                config.rdzv_endpoint,
+                run_id,
+                config.min_nodes,
+                config.max_nodes,
+                config.local_addr,
+                **config.rdzv_configs,
+            )
+        )
     spec = RendezvousSpec(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
-        run_id=config.run_id or new_run_id(),
+        run_id=run_id,
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         settings=config.rendezvous_settings,
@@ -142,9 +166,14 @@ def launch_agent(
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
-        shutdown_timeout=config.shutdown_timeout,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
+        if config.shutdown_timeout is None
+        else config.shutdown_timeout,
     )
     event_handler = event_handler_from_spec(config.event_log_handler)
     metrics = Metrics(
@@ -184,7 +213,12 @@ def launch_agent(
 
 def placement_of(config: LaunchConfig) -> Placement | None:
     """The ranks' device placement ``config`` asks for (ConfigError if it cannot be), or None."""
-    if config.devices is None and not config.device_per_rank and not config.numa_binding:
+    if not (
+        config.devices is not None
+        or config.device_per_rank
+        or config.numa_binding
+        or config.virtual_local_rank
+    ):
         return None
     from relaunch.placement import placement_for
 

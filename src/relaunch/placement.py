@@ -59,25 +59,47 @@ def count_gpus(environ: Mapping[str, str]) -> int:
 def placement_for(config: LaunchConfig, environ: Mapping[str, str]) -> Placement | None:
     """The placement ``config`` asks for on this machine (None: none asked); ConfigError when it
     cannot be. Lines on what cannot be done (a rank that runs unbound) are logged as warnings."""
-    if not (config.devices is not None or config.device_per_rank or config.numa_binding):
+    return place_workers(
+        config.nproc_per_node,
+        environ,
+        devices=config.devices,
+        device_per_rank=config.device_per_rank,
+        numa_binding=config.numa_binding,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+
+
+def place_workers(
+    nproc: int,
+    environ: Mapping[str, str],
+    *,
+    devices: tuple[int, ...] | None = None,
+    device_per_rank: bool = False,
+    numa_binding: str | None = None,
+    virtual_local_rank: bool = False,
+) -> Placement | None:
+    """The placement of ``nproc`` local ranks on this machine (``core.placement.plan_placement``
+    says what each option means; None: none asked); ConfigError when it cannot be."""
+    if not (devices is not None or device_per_rank or numa_binding or virtual_local_rank):
         return None
     root = environ.get(SYSFS_ROOT_ENV, "/")
     inherited = environ.get("CUDA_VISIBLE_DEVICES")
     gpus: tuple[Gpu, ...] = ()
-    if config.numa_binding or inherited is None:
+    if numa_binding or inherited is None:
         gpus = list_gpus(root, environ)
     topology = None
-    if config.numa_binding and gpus:
-        topology = read_topology(root, config.numa_binding, gpus)
+    if numa_binding and gpus:
+        topology = read_topology(root, numa_binding, gpus)
     try:
         placement = plan_placement(
-            config.nproc_per_node,
-            subset=config.devices,
-            device_per_rank=config.device_per_rank,
-            numa_binding=config.numa_binding,
+            nproc,
+            subset=devices,
+            device_per_rank=device_per_rank,
+            numa_binding=numa_binding,
             inherited=inherited,
             gpu_count=len(gpus),
             topology=topology,
+            virtual_local_rank=virtual_local_rank,
         )
     except ValueError as exc:
         raise ConfigError(f"cannot place the workers: {exc}") from None

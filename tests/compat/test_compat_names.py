@@ -75,23 +75,14 @@ NOT_AT_MIRROR = {
 BUILT_BY_START_PROCESSES = ("MultiprocessContext", "PContext", "SubprocessContext")
 
 #: Callables built with keywords past their first few parameters (torch's docs do): only those
-#: few are checked for their position.
-POSITIONAL = {"LaunchConfig": 3, "WorkerSpec": 3}
+#: few are checked for their position. WorkerSpec takes all of torch's in torch's order
+#: (relaunch's own fields come after them).
+POSITIONAL = {"LaunchConfig": 3}
 
 #: What relaunch's callables do not take as torch's do (a parameter or method missing, a
 #: required one torch defaults, another position), by name, each with its reason; the same in
 #: docs/python-api.md.
 KNOWN_GAPS: dict[str, list[str]] = {
-    # torch deprecated fn= for entrypoint=; relaunch's agent takes event_handler= (an object,
-    # or LaunchConfig.event_log_handler), its NUMA binding is LaunchConfig.numa_binding, and it
-    # has no virtual local ranks.
-    "WorkerSpec": [
-        "fn: missing",
-        "event_log_handler: missing",
-        "numa_options: missing",
-        "virtual_local_rank: missing",
-    ],
-    "LaunchConfig": ["numa_options: missing", "virtual_local_rank: missing"],
     # relaunch's failure report has its own layout: no delimiters to choose.
     "ChildFailedError": [
         ".format_msg(boarder_delim: missing)",

@@ -51,6 +51,7 @@ MAY_IMPORT = {
     "relaunch.agent": (
         *FOUNDATIONS,
         "relaunch.config",  # ConfigError: bad input found only when starting (a metrics port)
+        "relaunch.placement",  # a WorkerSpec's numa_options and virtual_local_rank (torch's)
         "relaunch.events",
         "relaunch.jsonl_file",
         "relaunch.rendezvous",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from relaunch.core.attempt import AttemptPlan, Command, plan_attempt
 from relaunch.core.channel import CHANNEL_ENV
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.placement import format_cpu_list
 from relaunch.core.rank_io import DEVNULL, RankIO
 from relaunch.core.ranks import GroupContext, ranks_at_offset
@@ -110,7 +111,9 @@ def first_attempt(
             redirects=config.redirects,
             tee=config.tee,
             start_method=config.start_method,
-            shutdown_timeout=config.shutdown_timeout,
+            shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
+            if config.shutdown_timeout is None
+            else config.shutdown_timeout,
             local_ranks_filter=config.local_ranks_filter,
             log_line_prefix_template=config.log_line_prefix_template,
             logs_specs=config.logs_specs,

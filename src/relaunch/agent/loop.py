@@ -30,11 +30,20 @@ from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
 from relaunch.core.happenings import Failed, Joined, Started, StragglerFlagged
 from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
+from relaunch.core.placement import numa_binding_of
 from relaunch.core.restart import Backoff
 from relaunch.core.step import Rules, RunState, step
 from relaunch.core.streams import per_rank
 from relaunch.core.summary import RunSummary
-from relaunch.events import EventHandler, Metrics, NullEventHandler, NullMetricHandler
+from relaunch.events import (
+    Event,
+    EventHandler,
+    Metrics,
+    NullEventHandler,
+    NullMetricHandler,
+    get_logging_handler,
+    record,
+)
 from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.logs_specs import DefaultLogsSpecs, make_log_dir, own_plan
@@ -69,6 +78,52 @@ SEEDS_CALL = CallForm(
     frozenset({"log_line_prefix_template"}),
     "pass logs_specs=DefaultLogsSpecs(log_dir, spec.redirects, spec.tee) in place of log_dir",
 )
+
+
+class RecordTo:
+    """Events to ``relaunch.events.record(event, destination)``: where the agent's events go
+    when it is given no event handler, as torch's agent sends them to its spec's
+    ``event_log_handler``."""
+
+    def __init__(self, destination: str) -> None:
+        get_logging_handler(destination)  # an unknown destination: say so before the run
+        self.destination = destination
+
+    def record(self, event: Event) -> None:
+        record(event, self.destination)
+
+    def close(self) -> None:
+        pass
+
+
+def events_of(spec: WorkerSpec) -> EventHandler:
+    """Where the events of an agent given no event handler go: ``spec.event_log_handler``."""
+    if spec.event_log_handler == "null":
+        return NullEventHandler()
+    return RecordTo(spec.event_log_handler)
+
+
+def placement_of(spec: WorkerSpec, placement: Placement | None) -> Placement | None:
+    """The workers' placement: ``placement`` (the launcher's), else what ``spec`` asks for
+    (torch's ``numa_options`` and ``virtual_local_rank``) on this machine. ValueError when
+    ``placement`` leaves out the spec's virtual local ranks."""
+    if placement is not None:
+        if spec.virtual_local_rank and not placement.virtual_local_rank:
+            raise ValueError(
+                "the WorkerSpec asks for virtual_local_rank but the placement given does not: "
+                "plan it with virtual_local_rank=True"
+            )
+        return placement
+    if not spec.virtual_local_rank and spec.numa_options is None:
+        return None
+    from relaunch.placement import place_workers
+
+    return place_workers(
+        spec.local_world_size,
+        os.environ,
+        numa_binding=None if spec.numa_options is None else numa_binding_of(spec.numa_options),
+        virtual_local_rank=spec.virtual_local_rank,
+    )
 
 
 class LocalElasticAgent:
@@ -167,7 +222,9 @@ class LocalElasticAgent:
         own = own_plan(logs_specs)
         # A user's LogsSpecs decides each attempt's paths (its reify); its root is all we know.
         self._log_dir = logs_specs.root_log_dir if own is None else make_log_dir(own.root, run_id)
-        self._report = RunReport(group, event_handler or NullEventHandler(), self._log_dir, clock)
+        if event_handler is None:
+            event_handler = events_of(spec)
+        self._report = RunReport(group, event_handler, self._log_dir, clock)
         timers = timers_enabled_by_env() if timers is None else timers
         self._expiry = ExpiryWatch(run_id, timers, hang_timeout, clock)
         self._reporter = NodeReporter(
@@ -183,7 +240,7 @@ class LocalElasticAgent:
             group,
             start_processes,
             start_method,
-            placement,
+            placement_of(spec, placement),
             logs=own or logs_specs,
             log_line_prefix_template=given.get("log_line_prefix_template"),
             expiry=self._expiry,

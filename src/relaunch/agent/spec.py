@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from relaunch.agent.ranks import node_place
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.core.placement import numa_binding_of
 from relaunch.core.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
 from relaunch.core.ranks import WorkerRanks, ranks_of
 from relaunch.core.streams import Std
@@ -42,11 +44,19 @@ class WorkerSpec:
     to every worker, with ``${local_rank}`` replaced by its local rank. ``monitor_interval`` is
     how often a rendezvous handler that cannot report membership changes is asked for them;
     everything else is an event.
+
+    The fields are torch 2.13's, in its order, then relaunch's own (by keyword). ``fn``: torch's
+    deprecated alias of ``entrypoint`` (a DeprecationWarning; it wins over ``entrypoint``, as in
+    torch). ``event_log_handler``: where the agent records its events (``relaunch.events.record``
+    destinations) when it is given no ``event_handler``. ``numa_options``: torch's
+    ``NumaOptions``, as relaunch's NUMA binding of the same mode. ``virtual_local_rank``: every
+    worker gets ``LOCAL_RANK=0`` and sees only its own GPU (``CUDA_VISIBLE_DEVICES``).
     """
 
     role: str
     local_world_size: int
     rdzv_handler: RendezvousHandler
+    fn: Callable[..., Any] | None = None
     entrypoint: Callable[..., Any] | str | None = None
     args: tuple[Any, ...] = ()
     max_restarts: int = 3
@@ -54,21 +64,38 @@ class WorkerSpec:
     master_port: int | None = None
     master_addr: str | None = None
     local_addr: str | None = None
-    redirects: Std | dict[int, Std] = Std.NONE
-    tee: Std | dict[int, Std] = Std.NONE
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    event_log_handler: str = "null"
+    numa_options: Any = None
     #: torch's: copy the tee'd stdout (stderr) lines that contain any of these strings to the
     #: attempt's ``filtered_stdout.log`` (``filtered_stderr.log``).
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.fn:
+            if isinstance(self.entrypoint, tuple):  # relaunch's old order: (entrypoint, args)
+                raise ValueError(
+                    "WorkerSpec's 4th field is fn (torch's order: role, local_world_size, "
+                    "rdzv_handler, fn, entrypoint, args): give entrypoint= and args= by keyword"
+                )
+            warnings.warn(
+                "WorkerSpec.fn is deprecated: use WorkerSpec.entrypoint",
+                DeprecationWarning,
+                stacklevel=3,  # the caller of the dataclass' __init__
+            )
+            self.entrypoint = self.fn
         if self.entrypoint is None:
             raise ValueError("WorkerSpec needs an entrypoint: a function or a binary")
+        if self.numa_options is not None:
+            numa_binding_of(self.numa_options)  # a mode relaunch cannot bind: say so now
 
     def get_entrypoint_name(self) -> str:
         """The function's name, the script a Python interpreter runs, or the binary's name."""

@@ -8,7 +8,9 @@ Three options, each off by default:
 - a device per rank (``--device-per-rank``): local rank ``i`` sees only its own GPU (the
   ``i``-th of the subset, else of the inherited ``CUDA_VISIBLE_DEVICES``, else GPU ``i``);
 - NUMA binding (``--numa-binding MODE``, torch 2.13's modes): each worker may run only on CPUs
-  near its GPU, as ``plan_cpus`` says.
+  near its GPU, as ``plan_cpus`` says;
+- torch's virtual local ranks (``virtual_local_rank``): a device per rank, and every worker's
+  ``LOCAL_RANK`` is 0 (its one GPU is ``cuda:0``).
 
 The indexes of a subset count the GPUs the launcher sees: with an inherited
 ``CUDA_VISIBLE_DEVICES=4,5,6,7``, ``gpu:1,3`` is ``5,7``. Entries of an inherited list are kept
@@ -68,6 +70,34 @@ def visible_entries(visible: str | None) -> list[str] | None:
     if visible.strip() in ("", "-1"):
         return []
     return [entry.strip() for entry in visible.split(",")]
+
+
+def numa_binding_of(options: object) -> str:
+    """The ``--numa-binding`` mode of torch's ``NumaOptions`` (its ``affinity_mode``: an
+    ``AffinityMode`` or its text); ValueError when relaunch has no such mode. relaunch always
+    falls back to running a rank unbound, with a warning, when it cannot bind it
+    (torch's ``should_fall_back_if_binding_fails=True``)."""
+    mode = getattr(options, "affinity_mode", None)
+    text = str(getattr(mode, "value", mode))
+    if text not in NUMA_MODES:
+        raise ValueError(
+            f"numa_options affinity_mode {mode!r} has no relaunch NUMA binding: expected one of "
+            + ", ".join(NUMA_MODES)
+        )
+    return text
+
+
+def virtual_devices(nproc: int, devices: Sequence[str], inherited: str | None) -> list[str]:
+    """Each local rank's one GPU with torch's virtual local ranks: the rank-th of ``devices``
+    (those the workers would see), else, with no ``CUDA_VISIBLE_DEVICES`` inherited and too few
+    GPUs counted, the rank's own index (torch's rule); ValueError when an inherited list is
+    shorter than ``nproc``."""
+    if len(devices) < nproc and inherited is not None:
+        raise ValueError(
+            f"local rank {len(devices)} exceeds the GPUs of CUDA_VISIBLE_DEVICES={inherited}: "
+            f"{nproc} workers with virtual_local_rank need one each"
+        )
+    return [devices[rank] if rank < len(devices) else str(rank) for rank in range(nproc)]
 
 
 def worker_devices(
@@ -224,6 +254,8 @@ class Placement:
 
     ranks: tuple[RankPlacement, ...]
     notes: tuple[str, ...] = ()
+    #: torch's virtual local ranks: ``LOCAL_RANK=0`` and a GPU each.
+    virtual_local_rank: bool = False
 
     def env(self, local_rank: int) -> dict[str, str]:
         return dict(self.ranks[local_rank].env)
@@ -242,12 +274,14 @@ def plan_placement(
     inherited: str | None = None,
     gpu_count: int = 0,
     topology: Topology | None = None,
+    virtual_local_rank: bool = False,
 ) -> Placement:
     """The placement of ``nproc`` local ranks; ValueError when it cannot be (a subset GPU that
     does not exist, more ranks than GPUs for a device each).
 
     ``inherited`` is the launcher's ``CUDA_VISIBLE_DEVICES`` (None: unset), ``gpu_count`` the
     GPUs it sees otherwise, ``topology`` the machine (needed only with ``numa_binding``).
+    ``virtual_local_rank`` (torch's): each rank sees only its own GPU and has ``LOCAL_RANK=0``.
     """
     if subset is not None and len(subset) != nproc:
         raise ValueError(f"{nproc} workers for the {len(subset)} GPUs of gpu:LIST")
@@ -257,8 +291,13 @@ def plan_placement(
         seen = "none" if not devices else f"only {len(devices)} ({','.join(devices)})"
         raise ValueError(f"a device per rank for {nproc} workers, but the launcher sees {seen}")
     envs: list[dict[str, str]] = [{} for _ in range(nproc)]
+    if virtual_local_rank:
+        devices = tuple(virtual_devices(nproc, devices, inherited if subset is None else None))
     for rank, env in enumerate(envs):
-        if per_rank:
+        if virtual_local_rank:
+            env["LOCAL_RANK"] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = devices[rank]
+        elif per_rank:
             env["CUDA_VISIBLE_DEVICES"] = devices[rank]
         elif subset is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
@@ -269,6 +308,7 @@ def plan_placement(
     return Placement(
         tuple(RankPlacement(env, rank_cpus) for env, rank_cpus in zip(envs, cpus, strict=True)),
         tuple(notes),
+        virtual_local_rank,
     )
 
 
