@@ -222,3 +222,32 @@ def test_launch_config_checks_placement() -> None:
     with pytest.raises(ConfigError, match="numa_binding 'cpu' is unknown"):
         LaunchConfig(1, 1, 1, numa_binding="cpu")
     assert LaunchConfig(1, 1, 2, devices=(3, 1), numa_binding="exclusive").devices == (3, 1)
+
+
+# -- torch's virtual local ranks ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("inherited", "subset", "gpu_count", "seen"),
+    [
+        (None, None, 0, ["0", "1"]),  # no GPU counted: torch's rule, the rank's own index
+        (None, None, 4, ["0", "1"]),
+        ("5,7,9", None, 0, ["5", "7"]),  # the local rank-th of the inherited list
+        ("4,5,6,7", (1, 3), 0, ["5", "7"]),  # the local rank-th of a gpu:LIST subset
+    ],
+)
+def test_virtual_local_ranks_see_one_gpu_each_as_local_rank_0(
+    inherited: str | None, subset: tuple[int, ...] | None, gpu_count: int, seen: list[str]
+) -> None:
+    placement = plan_placement(
+        2, subset=subset, inherited=inherited, gpu_count=gpu_count, virtual_local_rank=True
+    )
+    assert placement.virtual_local_rank
+    assert [placement.env(rank) for rank in (0, 1)] == [
+        {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": device} for device in seen
+    ]
+
+
+def test_virtual_local_ranks_need_an_inherited_gpu_each() -> None:
+    with pytest.raises(ValueError, match=r"local rank 1 exceeds .* CUDA_VISIBLE_DEVICES=3"):
+        plan_placement(2, inherited="3", virtual_local_rank=True)
