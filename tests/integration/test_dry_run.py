@@ -70,3 +70,20 @@ def test_a_bad_flag_is_still_a_usage_error(leaks: LeakCheck, tmp_path) -> None:
     done = relaunch_cli(leaks, "--dry-run", "--nproc-per-node", "0", str(tmp_path / "job.py"))
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "--nproc-per-node" in done.stderr
+
+
+def test_virtual_local_rank_gives_each_worker_local_rank_0_and_its_own_gpu(
+    leaks: LeakCheck, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun 2.13's --virtual-local-rank: LOCAL_RANK=0 everywhere, the rank-th inherited GPU."""
+    script = tmp_path / "job.py"
+    script.write_text("pass\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    done = relaunch_cli(
+        leaks, "--dry-run", "--nproc-per-node", "2", "--virtual-local-rank", str(script)
+    )
+    assert done.returncode == 0, done.stderr
+    ranks = done.stdout.split("local rank 1 (rank 1):")
+    assert len(ranks) == 2, done.stdout
+    assert "    LOCAL_RANK=0\n" in ranks[0] and "    CUDA_VISIBLE_DEVICES=3\n" in ranks[0]
+    assert "    LOCAL_RANK=0\n" in ranks[1] and "    CUDA_VISIBLE_DEVICES=5\n" in ranks[1]

@@ -204,6 +204,7 @@ def config_from_args(
         metrics_port=args.metrics_port[1] if args.metrics_port else None,
         devices=request.subset,
         device_per_rank=args.device_per_rank,
+        virtual_local_rank=args.virtual_local_rank,
         numa_binding=args.numa_binding,
     )
     validate(config)

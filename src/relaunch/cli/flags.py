@@ -344,6 +344,13 @@ FLAGS = [
     ),
     _Flag(
         "workers",
+        ("--virtual-local-rank",),
+        "give every worker LOCAL_RANK=0 and one GPU of its own as CUDA_VISIBLE_DEVICES "
+        "(torchrun's): the GPU --device-per-rank would give it",
+        switch=True,
+    ),
+    _Flag(
+        "workers",
         ("--numa-binding",),
         "bind each worker to CPUs near its GPU (torch's modes): node, socket, exclusive or "
         "core-complex",
