@@ -87,6 +87,8 @@ class Prometheus:
             with urllib.request.urlopen(url, timeout=5) as answer:
                 body = json.loads(answer.read())
         except urllib.error.HTTPError as exc:
+            if exc.code == 503:  # listening, but not ready: its storage is still opening
+                return {"status": "error", "error": f"{exc.code} {exc.reason}"}
             body = json.loads(exc.read())
         except OSError as exc:  # not listening yet
             return {"status": "error", "error": str(exc)}
