@@ -32,9 +32,9 @@ from relaunch.core.defaults import (
     MAX_NPROC_PER_NODE,
     MAX_SECONDS,
     NUMA_MODES,
+    numa_binding_of,
 )
 from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
-from relaunch.core.placement import numa_binding_of
 from relaunch.core.rdzv_conf import (
     BACKENDS,
     ETCD_BACKENDS,

@@ -27,10 +27,9 @@ from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
 from relaunch.core import step_types as do
 from relaunch.core.call_forms import CallForm, choose
-from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT
+from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT, numa_binding_of
 from relaunch.core.happenings import Failed, Joined, Started, StragglerFlagged
 from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
-from relaunch.core.placement import numa_binding_of
 from relaunch.core.restart import Backoff
 from relaunch.core.step import Rules, RunState, step
 from relaunch.core.streams import per_rank

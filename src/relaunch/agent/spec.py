@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaunch.agent.ranks import node_place
-from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.placement import numa_binding_of
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, numa_binding_of
 from relaunch.core.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
 from relaunch.core.ranks import WorkerRanks, ranks_of
 from relaunch.core.streams import Std

@@ -1,5 +1,6 @@
-"""Defaults and bounds that the config, the flags and the pure parsers name: here, so that reading
-them (``relaunch --help``, a ``LaunchConfig``) loads neither the process layer nor the config."""
+"""Defaults and bounds that the config, the flags and the pure parsers name, and the one reading of
+torch's ``NumaOptions``: here, so that reading them (``relaunch --help``, a ``LaunchConfig``, a
+``WorkerSpec``) loads neither the process layer, the config nor the placement."""
 
 from __future__ import annotations
 
@@ -25,3 +26,18 @@ MAX_NPROC_PER_NODE = 1024
 #: The longest any duration may be, in seconds (about 11.6 days): every wait the agent makes
 #: must fit the kernel's (``poll`` takes at most 2**31 - 1 ms, about 24.8 days).
 MAX_SECONDS = 1_000_000.0
+
+
+def numa_binding_of(options: object) -> str:
+    """The ``--numa-binding`` mode of torch's ``NumaOptions`` (its ``affinity_mode``: an
+    ``AffinityMode`` or its text); ValueError when relaunch has no such mode. relaunch always
+    falls back to running a rank unbound, with a warning, when it cannot bind it
+    (torch's ``should_fall_back_if_binding_fails=True``)."""
+    mode = getattr(options, "affinity_mode", None)
+    text = str(getattr(mode, "value", mode))
+    if text not in NUMA_MODES:
+        raise ValueError(
+            f"numa_options affinity_mode {mode!r} has no relaunch NUMA binding: expected one of "
+            + ", ".join(NUMA_MODES)
+        )
+    return text

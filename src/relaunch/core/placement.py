@@ -72,21 +72,6 @@ def visible_entries(visible: str | None) -> list[str] | None:
     return [entry.strip() for entry in visible.split(",")]
 
 
-def numa_binding_of(options: object) -> str:
-    """The ``--numa-binding`` mode of torch's ``NumaOptions`` (its ``affinity_mode``: an
-    ``AffinityMode`` or its text); ValueError when relaunch has no such mode. relaunch always
-    falls back to running a rank unbound, with a warning, when it cannot bind it
-    (torch's ``should_fall_back_if_binding_fails=True``)."""
-    mode = getattr(options, "affinity_mode", None)
-    text = str(getattr(mode, "value", mode))
-    if text not in NUMA_MODES:
-        raise ValueError(
-            f"numa_options affinity_mode {mode!r} has no relaunch NUMA binding: expected one of "
-            + ", ".join(NUMA_MODES)
-        )
-    return text
-
-
 def virtual_devices(nproc: int, devices: Sequence[str], inherited: str | None) -> list[str]:
     """Each local rank's one GPU with torch's virtual local ranks: the rank-th of ``devices``
     (those the workers would see), else, with no ``CUDA_VISIBLE_DEVICES`` inherited and too few

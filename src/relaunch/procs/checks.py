@@ -9,7 +9,7 @@ through starting a group. Each error is of the type torch raises for the same mi
 from __future__ import annotations
 
 import os
-import pickle
+from _pickle import PicklingError  # pickle's own class; the pure-Python pickle loads lazily
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,7 +32,7 @@ class LogDirNotEmptyError(RuntimeError, ValueError):
     """``log_dir`` is not empty (torch < 2.2: RuntimeError)."""
 
 
-class NotPicklableError(ValueError, pickle.PicklingError):
+class NotPicklableError(ValueError, PicklingError):
     """The function or its arguments cannot reach a spawned child (torch: the PicklingError of
     starting it)."""
 
@@ -54,6 +54,8 @@ def check_picklable(
 ) -> None:
     """Raise NotPicklableError (a ValueError) when the function or its arguments cannot reach a
     spawned child."""
+    import pickle
+
     what: object = entrypoint
     try:
         pickle.dumps(entrypoint)
