@@ -1,11 +1,14 @@
 """relaunch.timer beside torch.distributed.elastic.timer: what a worker meets when no server
 reads the FIFO (BrokenPipeError, as torch's FileTimerClient raises), with no client configured
-(RuntimeError), and the request line both clients write."""
+(RuntimeError), the request line both clients write, a request queue's ``get(size, timeout)``
+and a server started twice."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -95,3 +98,59 @@ def test_file_server_liveness_and_process_probe_as_torchs(tmp_path) -> None:
         server.clear_timers(worker_pids={os.getpid()})  # torch's keyword
     finally:
         server.stop()
+
+
+def _put_later(mp_queue, count: int, pause: float) -> threading.Thread:
+    def put() -> None:
+        for i in range(count):
+            time.sleep(pause)  # the requests' pace is what is tested
+            mp_queue.put(timer.TimerRequest(1000 + i, f"scope{i}", time.time() + 60))
+
+    thread = threading.Thread(target=put, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["torch", "relaunch"])
+@pytest.mark.parametrize(("size", "count"), [(5, 5), (5, 3)])
+def test_request_queue_get_waits_for_size_requests_or_the_timeout(which, size, count) -> None:
+    """``get(size, timeout)`` returns once ``size`` requests arrived, or at the timeout with
+    fewer: requests that come one by one are not cut off at the first."""
+    module = torch_timer.local_timer if which == "torch" else timer.local_timer
+    mp_queue = multiprocessing.get_context("spawn").Queue()
+    try:
+        request_queue = module.MultiprocessingRequestQueue(mp_queue)
+        putter = _put_later(mp_queue, count, 0.05)
+        started = time.monotonic()
+        got = request_queue.get(size, timeout=3.0 if count == size else 1.0)
+        waited = time.monotonic() - started
+        putter.join(timeout=10)
+        assert [request.worker_id for request in got] == [1000 + i for i in range(count)]
+        if count == size:
+            assert waited < 2.5  # returned once the last one came, not at the timeout
+        else:
+            assert waited >= 0.9  # waited out the timeout for the missing ones
+    finally:
+        mp_queue.close()
+        mp_queue.join_thread()
+
+
+def _reapers() -> int:
+    return sum(thread.name == "relaunch-timer-reaper" for thread in threading.enumerate())
+
+
+@pytest.mark.timeout(30)
+def test_a_timer_server_started_twice_goes_on_with_one_reaper() -> None:
+    mp_queue = multiprocessing.get_context("spawn").Queue()
+    server = timer.LocalTimerServer(mp_queue, max_interval=0.05)
+    before = _reapers()
+    try:
+        server.start()
+        server.start()  # torch's tests start their server again; it goes on
+        assert _reapers() == before + 1
+    finally:
+        server.stop()
+        mp_queue.close()
+        mp_queue.join_thread()
+    assert _reapers() == before

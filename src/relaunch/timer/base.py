@@ -79,7 +79,9 @@ class RequestQueue(abc.ABC):
 
     @abc.abstractmethod
     def get(self, size: int, timeout: float) -> list[TimerRequest]:
-        """Up to ``size`` requests: blocks until one arrives or ``timeout`` seconds pass."""
+        """Up to ``size`` requests: blocks until ``size`` have arrived or ``timeout`` seconds
+        pass (torch's meaning). The server asks for one, then takes what is queued with a
+        timeout of 0."""
 
     def interrupt(self) -> None:  # noqa: B027 - a queue that cannot be woken returns on timeout
         """Make a blocked ``get`` return now (the server is stopping)."""
@@ -139,7 +141,7 @@ class TimerServer(abc.ABC):
         next_deadline = self._next_deadline()
         if next_deadline is not None:
             timeout = max(0.0, min(timeout, next_deadline - self._clock.time()))
-        requests = self._request_queue.get(_BATCH, timeout)
+        requests = self._request_queue.get(1, timeout)
         for _ in range(_MAX_DRAINS):
             if self._stop_event.is_set():
                 return
@@ -178,9 +180,10 @@ class TimerServer(abc.ABC):
         return int(self._clock.time() if last is None else last)
 
     def start(self) -> None:
-        """Start the reaper thread (returns at once)."""
+        """Start the reaper thread (returns at once); a server already started goes on, as
+        torch's may be started again."""
         if self._reaper is not None:
-            raise RuntimeError(f"{type(self).__name__} was already started")
+            return
         self._stop_event.clear()
         self._reaper = start_thread(self._run_reaper, "relaunch-timer-reaper", daemon=self._daemon)
 

@@ -146,6 +146,8 @@ class FifoRequestQueue(RequestQueue):
             self._on_malformed(line, str(exc))
 
     def get(self, size: int, timeout: float) -> list[TimerRequest]:
+        """Up to ``size`` of the requests that have arrived, waiting at most ``timeout``
+        seconds only while none has: what the server asks (one, then what is queued)."""
         assert self._read_fd is not None and self._wake_r is not None
         if not self._buffered:
             # poll, not select: under a raised open-file limit a descriptor may be past 1023.

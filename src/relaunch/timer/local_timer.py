@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import time
 from typing import Any
 
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -50,19 +51,22 @@ class MultiprocessingRequestQueue(RequestQueue):
             return 1
 
     def get(self, size: int, timeout: float) -> list[TimerRequest]:
+        """Up to ``size`` requests, waiting at most ``timeout`` seconds for them (torch's
+        meaning); ``interrupt`` ends the wait at once."""
         requests: list[TimerRequest] = []
-        try:
-            item = self._mp_queue.get(block=True, timeout=timeout)
-            while True:
-                if isinstance(item, TimerRequest):
-                    requests.append(item)
-                elif item != _WAKE:
-                    log.warning("timer server: ignored %r on its queue: not a TimerRequest", item)
-                if len(requests) >= size:
-                    break
-                item = self._mp_queue.get_nowait()
-        except queue.Empty:
-            pass
+        deadline = time.monotonic() + timeout
+        while len(requests) < size:
+            wait = deadline - time.monotonic()
+            try:
+                item = self._mp_queue.get(block=wait > 0, timeout=wait if wait > 0 else None)
+            except queue.Empty:
+                break
+            if isinstance(item, TimerRequest):
+                requests.append(item)
+            elif item == _WAKE:
+                break
+            else:
+                log.warning("timer server: ignored %r on its queue: not a TimerRequest", item)
         return requests
 
     def interrupt(self) -> None:
