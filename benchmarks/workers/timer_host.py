@@ -73,6 +73,9 @@ def serve(fifo, max_interval, mode):
             max_interval=max_interval,
             log_event=lambda name, request: count(name),
             on_reap=on_reap,
+            # The workers are this server's siblings (both forked by the host), not its
+            # descendants, which is all it reaps by default: reap any pid, as torch's does.
+            may_reap=lambda pid: True,
         )
     server.start()
     say("ready", os.getpid())
