@@ -63,7 +63,7 @@ class MultiprocessingRequestQueue(RequestQueue):
                 break
             if isinstance(item, TimerRequest):
                 requests.append(item)
-            elif item == _WAKE:
+            elif isinstance(item, str) and item == _WAKE:
                 break
             else:
                 log.warning("timer server: ignored %r on its queue: not a TimerRequest", item)
