@@ -10,13 +10,13 @@ cannot push membership changes is asked for them, every ``monitor_interval``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from relaunch.agent.agent_args import agent_arguments, events_of, placement_of
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.health import HealthCheck, join
 from relaunch.agent.metrics import AgentMetrics
@@ -26,26 +26,14 @@ from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
 from relaunch.core import step_types as do
-from relaunch.core.call_forms import CallForm, choose
-from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT, numa_binding_of
 from relaunch.core.happenings import Failed, Joined, Started, StragglerFlagged
-from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
 from relaunch.core.restart import Backoff
 from relaunch.core.step import Rules, RunState, step
-from relaunch.core.streams import per_rank
 from relaunch.core.summary import RunSummary
-from relaunch.events import (
-    Event,
-    EventHandler,
-    Metrics,
-    NullEventHandler,
-    NullMetricHandler,
-    get_logging_handler,
-    record,
-)
+from relaunch.events import EventHandler, Metrics, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
-from relaunch.procs.logs_specs import DefaultLogsSpecs, make_log_dir, own_plan
+from relaunch.procs.logs_specs import make_log_dir, own_plan
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.api import AgentFault, JobFailedError, RendezvousClosedError
 from relaunch.rendezvous.job import job_of
@@ -55,74 +43,6 @@ if TYPE_CHECKING:
     from relaunch.core.placement import Placement
 
 log = logging.getLogger(__name__)
-
-#: ``LocalElasticAgent``'s two forms, from its 2nd parameter on: torch 2.13's and the seeds'.
-TORCH_CALL = CallForm(
-    "torch 2.13's",
-    (
-        "logs_specs",
-        "start_method",
-        "exit_barrier_timeout",
-        "log_line_prefix_template",
-        "shutdown_timeout",
-        "health_check_server",
-        "uninterruptible_state_timeout",
-    ),
-    frozenset(),
-    "give log_dir to DefaultLogsSpecs(log_dir, redirects, tee), and events as event_handler=",
-)
-SEEDS_CALL = CallForm(
-    "the seeds'",
-    ("start_method", "exit_barrier_timeout", "log_dir", "events"),
-    frozenset({"log_line_prefix_template"}),
-    "pass logs_specs=DefaultLogsSpecs(log_dir, spec.redirects, spec.tee) in place of log_dir",
-)
-
-
-class RecordTo:
-    """Events to ``relaunch.events.record(event, destination)``: where the agent's events go
-    when it is given no event handler, as torch's agent sends them to its spec's
-    ``event_log_handler``."""
-
-    def __init__(self, destination: str) -> None:
-        get_logging_handler(destination)  # an unknown destination: say so before the run
-        self.destination = destination
-
-    def record(self, event: Event) -> None:
-        record(event, self.destination)
-
-    def close(self) -> None:
-        pass
-
-
-def events_of(spec: WorkerSpec) -> EventHandler:
-    """Where the events of an agent given no event handler go: ``spec.event_log_handler``."""
-    if spec.event_log_handler == "null":
-        return NullEventHandler()
-    return RecordTo(spec.event_log_handler)
-
-
-def placement_of(spec: WorkerSpec, placement: Placement | None) -> Placement | None:
-    """The workers' placement: ``placement`` (the launcher's), else what ``spec`` asks for
-    (torch's ``numa_options`` and ``virtual_local_rank``) on this machine. ValueError when
-    ``placement`` leaves out the spec's virtual local ranks."""
-    if placement is not None:
-        if spec.virtual_local_rank and not placement.virtual_local_rank:
-            raise ValueError(
-                "the WorkerSpec asks for virtual_local_rank but the placement given does not: "
-                "plan it with virtual_local_rank=True"
-            )
-        return placement
-    if not spec.virtual_local_rank and spec.numa_options is None:
-        return None
-    from relaunch.placement import place_workers
-
-    return place_workers(
-        spec.local_world_size,
-        os.environ,
-        numa_binding=None if spec.numa_options is None else numa_binding_of(spec.numa_options),
-        virtual_local_rank=spec.virtual_local_rank,
-    )
 
 
 class LocalElasticAgent:
@@ -175,35 +95,14 @@ class LocalElasticAgent:
         clock: Clock = SYSTEM_CLOCK,
         **form_keywords: Any,
     ) -> None:
-        form, given = choose(
-            "LocalElasticAgent",
-            TORCH_CALL,
-            SEEDS_CALL,
-            positional,
-            form_keywords,
-            is_logs_specs,
-            lambda value: isinstance(value, str),
-            "its 2nd argument",
-        )
-        start_method: str = given.get("start_method", "spawn")
-        exit_barrier_timeout: float = given.get(
-            "exit_barrier_timeout", DEFAULT_EXIT_BARRIER_TIMEOUT
-        )
-        logs_specs = _logs_specs(spec, form is TORCH_CALL, given)
-        for name in ("health_check_server", "uninterruptible_state_timeout"):
-            if given.get(name) is not None:
-                raise ValueError(
-                    f"{name} is torch's own and not taken: relaunch checks a node's health "
-                    "with health_check= and a hung worker with hang_timeout="
-                )
-        if given.get("shutdown_timeout") is not None:  # torch's: the agent's, not the spec's
-            spec = dataclasses.replace(spec, shutdown_timeout=given["shutdown_timeout"])
+        arguments = agent_arguments(spec, positional, form_keywords)
+        spec, logs_specs = arguments.spec, arguments.logs_specs
         group = self._worker_group = WorkerGroup(spec)
         job = self._job = job_of(spec.rdzv_handler)
         run_id = spec.rdzv_handler.get_run_id()
         self._clock = clock
-        self._events = given.get("events")
-        self._exit_barrier_timeout = exit_barrier_timeout
+        self._events = arguments.events
+        self._exit_barrier_timeout = arguments.exit_barrier_timeout
         self._health_check = health_check  # run before every join (``agent.health``)
         self._state = RunState(
             Rules(
@@ -238,10 +137,10 @@ class LocalElasticAgent:
         self._workers = Workers(
             group,
             start_processes,
-            start_method,
+            arguments.start_method,
             placement_of(spec, placement),
             logs=own or logs_specs,
-            log_line_prefix_template=given.get("log_line_prefix_template"),
+            log_line_prefix_template=arguments.log_line_prefix_template,
             expiry=self._expiry,
             reporter=self._reporter,
             report=self._report,
@@ -416,18 +315,3 @@ class LocalElasticAgent:
                 raise  # the job had finished before this node joined
             return do.JobClosed()
         return do.Placed(group.group_world_size or 1, used)
-
-
-def _logs_specs(spec: WorkerSpec, torch_form: bool, given: dict[str, Any]) -> LogsSpecs:
-    """Where the agent's logs go: the ``logs_specs`` of torch's form (``spec.redirects`` and
-    ``spec.tee`` left out: ValueError), or the seeds' ``log_dir`` with the spec's streams."""
-    if not torch_form:
-        return DefaultLogsSpecs(given.get("log_dir"), spec.redirects, spec.tee)
-    nprocs = spec.local_world_size
-    if any(per_rank(spec.redirects, nprocs).values()) or any(per_rank(spec.tee, nprocs).values()):
-        raise ValueError(
-            "WorkerSpec(redirects=, tee=) is the seeds' form: with logs_specs, give them to "
-            "DefaultLogsSpecs(log_dir, redirects, tee)"
-        )
-    logs_specs: LogsSpecs = given["logs_specs"]
-    return logs_specs
