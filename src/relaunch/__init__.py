@@ -5,7 +5,8 @@ Importing relaunch never imports torch or any other framework.
 
 The names load on first use (PEP 562): a worker that only calls ``relaunch.report_progress``,
 ``relaunch.stop_requested``, ``relaunch.heartbeat`` or ``relaunch.section`` pays for the channel
-module, not for the agent and its processes.
+module, one that calls ``relaunch.save_state``/``load_state`` for the state's, not for the agent
+and its processes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,15 @@ _HOMES = {
             "record",
             "start_processes",
         ),
-        "relaunch.worker": ("heartbeat", "report_progress", "section", "stop_requested"),
+        "relaunch.state.api": ("StateError", "load_state", "save_state"),
+        "relaunch.worker": (
+            "failure_pending",
+            "heartbeat",
+            "on_failure_pending",
+            "report_progress",
+            "section",
+            "stop_requested",
+        ),
     }.items()
     for name in names
 }
@@ -75,8 +84,15 @@ if TYPE_CHECKING:
         record as record,
         start_processes as start_processes,
     )
+    from relaunch.state.api import (
+        StateError as StateError,
+        load_state as load_state,
+        save_state as save_state,
+    )
     from relaunch.worker import (
+        failure_pending as failure_pending,
         heartbeat as heartbeat,
+        on_failure_pending as on_failure_pending,
         report_progress as report_progress,
         section as section,
         stop_requested as stop_requested,

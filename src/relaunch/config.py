@@ -42,6 +42,11 @@ from relaunch.core.rdzv_conf import (
     RendezvousSettings,
     redacted,
 )
+from relaunch.core.state_settings import (
+    DEFAULT_JIT_SAVE_TIMEOUT,
+    DEFAULT_PERSIST_EVERY,
+    StateSettings,
+)
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint
 
@@ -136,6 +141,24 @@ class LaunchConfig:
     numa_options: Any = None
     #: torch's: every worker has ``LOCAL_RANK=0`` and sees only its own GPU.
     virtual_local_rank: bool = False
+    #: Modules a zygote imports once, from which each Python worker is forked at every start
+    #: (``--preload``; ``relaunch.procs.zygote``); empty: every worker starts cold.
+    preload: tuple[str, ...] = ()
+    #: ``relaunch.save_state``: at most this many bytes of shared memory for the node's kept
+    #: state (None: a quarter of the machine's memory); a copy in ``state_dir`` every
+    #: ``state_persist_every`` saves of each rank and at the end (None: none); and how long a
+    #: failure waits for the saves of workers that listen (``failure_pending``; 0: no wait).
+    state_memory: int | None = None
+    state_dir: str | None = None
+    state_persist_every: int = DEFAULT_PERSIST_EVERY
+    jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
+
+    @property
+    def state(self) -> StateSettings:
+        """How the agent keeps its workers' state (``core.state``)."""
+        return StateSettings(
+            self.state_memory, self.state_dir, self.state_persist_every, self.jit_save_timeout
+        )
 
     def __post_init__(self) -> None:
         if self.shutdown_timeout is None:
@@ -153,6 +176,7 @@ class LaunchConfig:
                 object.__setattr__(self, name, dict(value))
         if self.local_ranks_filter is not None:
             object.__setattr__(self, "local_ranks_filter", frozenset(self.local_ranks_filter))
+        object.__setattr__(self, "preload", _checked_modules(self.preload))
         _check_counts(self)
         _check_logs(self)
 
@@ -200,6 +224,11 @@ def _check_counts(config: LaunchConfig) -> None:
         raise ConfigError(f"metrics_port must be a port 0..65535, got {config.metrics_port!r}")
     if config.health_check is not None and not config.health_check.strip():
         raise ConfigError("health_check must be a shell command, got an empty one")
+    try:
+        config.state  # noqa: B018 - its checks
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_seconds("jit_save_timeout", config.jit_save_timeout, True)
     _check_placement(config)
 
 
@@ -247,6 +276,17 @@ def _check_logs(config: LaunchConfig) -> None:
             f"logs_specs says where logs go: leave {', '.join(given)} out of the LaunchConfig "
             "and give them to DefaultLogsSpecs(log_dir, redirects, tee, local_ranks_filter)"
         )
+
+
+def _checked_modules(names: Any) -> tuple[str, ...]:
+    """``preload``: module names (``torch``, ``numpy.linalg``), as a tuple."""
+    if isinstance(names, str):
+        raise ConfigError(f"preload must be a sequence of module names, got the string {names!r}")
+    modules = tuple(names)
+    for name in modules:
+        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"preload: {name!r} is not a module name (torch, numpy.linalg)")
+    return modules
 
 
 def _check_seconds(name: str, value: float, zero_ok: bool) -> None:

@@ -270,4 +270,6 @@ def _agent(
         metrics_port=config.metrics_port,
         metrics_host=config.metrics_host,
         placement=placement,
+        state=config.state,
+        preload=config.preload,
     )

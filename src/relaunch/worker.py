@@ -1,5 +1,5 @@
 """What a worker calls to talk to its agent: ``report_progress``, ``stop_requested``,
-``heartbeat`` and ``section``.
+``failure_pending`` (and ``on_failure_pending``), ``heartbeat`` and ``section``.
 
 Each costs a few microseconds at most, never blocks, and does nothing outside relaunch, so
 training code can call them every step unconditionally.
@@ -17,6 +17,10 @@ from types import TracebackType
 from relaunch.core import channel
 from relaunch.core.sections import learned_bound
 
+TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseconds
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 _UNKNOWN, _OPEN, _ABSENT = 0, 1, 2
 _state = _UNKNOWN
 _map: mmap.mmap | None = None
@@ -24,7 +28,11 @@ _offset = 0
 _sequence = 0
 _desc_cache: tuple[str, bytes] = ("", channel.encode_desc(""))
 _listening = False
+_failure_listening = False
+_last_report: tuple[float, float] | None = None  # (step, time) of the previous report
+_step_seconds = 0.0
 _FIELDS = channel.FIELDS
+_STEP_SECONDS = channel.STEP_SECONDS
 _SEQ = channel.SEQ
 _time = time.time
 _LIVE = channel.LIVE_FIELDS
@@ -34,8 +42,10 @@ _live_lock = allocate_lock()  # heartbeats may come from another thread than the
 
 def _forget() -> None:
     """In a forked child: look at the channel afresh on the next call."""
-    global _state
+    global _state, _failure_listening, _last_report, _step_seconds
     _state = _UNKNOWN
+    _failure_listening = False
+    _last_report, _step_seconds = None, 0.0
     _Live.open = []
 
 
@@ -70,19 +80,24 @@ def _open() -> mmap.mmap | None:
 def report_progress(step: int, total: int | None = None, desc: str | None = None) -> None:
     """Tell the agent this worker reached ``step`` (of ``total``): it draws one bar per node
     (the slowest local rank), counts it as a sign of life, and puts it in status events."""
-    global _sequence, _desc_cache
+    global _sequence, _desc_cache, _last_report, _step_seconds
     if _state != _OPEN and (_state == _ABSENT or _open() is None):
         return
     mapped, offset = _map, _offset
     assert mapped is not None
     sequence = _sequence + 1
     _SEQ.pack_into(mapped, offset, sequence)  # odd: being written
+    now = _time()
     try:
-        _FIELDS.pack_into(mapped, offset + 8, step, -1 if total is None else total, _time())
+        _FIELDS.pack_into(mapped, offset + 8, step, -1 if total is None else total, now)
     except struct.error:  # a float or another number type: as an int
-        _FIELDS.pack_into(
-            mapped, offset + 8, int(step), -1 if total is None else int(total), _time()
-        )
+        _FIELDS.pack_into(mapped, offset + 8, int(step), -1 if total is None else int(total), now)
+    if _last_report is not None and step > _last_report[0]:
+        # What a step takes, for the agent's count of the time a restart redoes.
+        per_step = (now - _last_report[1]) / (step - _last_report[0])
+        _step_seconds = 0.8 * _step_seconds + 0.2 * per_step if _step_seconds else per_step
+        _STEP_SECONDS.pack_into(mapped, offset + channel.STEP_SECONDS_OFFSET, _step_seconds)
+    _last_report = (step, now)
     if desc is not None and desc != _desc_cache[0]:
         _desc_cache = (desc, channel.encode_desc(desc))
         mapped[offset + channel.DESC_OFFSET : offset + channel.DESC_END] = _desc_cache[1]
@@ -90,6 +105,19 @@ def report_progress(step: int, total: int | None = None, desc: str | None = None
     _SEQ.pack_into(mapped, offset, _sequence)
     if sequence == 1:  # this slot's first report: the agent starts sampling the steps
         _wake_agent()
+
+
+def note_restore(began: float, ended: float, step: int) -> None:
+    """``load_state`` ran from ``began`` to ``ended`` and restored ``step`` (-1: none): the
+    agent's goodput ledger counts the worker's start and the restore apart."""
+    if _state != _OPEN and (_state == _ABSENT or _open() is None):
+        return
+    mapped = _map
+    assert mapped is not None
+    at = _offset + channel.RECOVERY_OFFSET
+    channel.RESTORE.pack_into(mapped, at, began, 0.0, step)
+    _STEP_SECONDS.pack_into(mapped, at + 8, ended)  # last: the record is whole
+    _wake_agent()
 
 
 def stop_requested() -> bool:
@@ -104,6 +132,49 @@ def stop_requested() -> bool:
         mapped[_offset + channel.LISTENING_OFFSET] = 1
         _listening = True
     return mapped[channel.STOP_OFFSET] != 0
+
+
+def failure_pending() -> bool:
+    """Whether another rank failed, hung or was lost and the agent is about to stop this
+    worker: ``save_state`` now, and it is what the restarted world resumes from. Once a worker
+    has asked (or given ``on_failure_pending`` a callback), its agent waits up to
+    ``--jit-save-timeout`` seconds for its save before stopping it. Always False outside
+    relaunch."""
+    global _failure_listening
+    if _state != _OPEN and (_state == _ABSENT or _open() is None):
+        return False
+    mapped = _map
+    assert mapped is not None
+    if not _failure_listening:
+        mapped[_offset + channel.FAILURE_LISTENING_OFFSET] = 1
+        _failure_listening = True
+    return mapped[channel.FAILURE_OFFSET] != 0
+
+
+def on_failure_pending(callback: Callable[[], object]) -> None:
+    """Call ``callback()`` in a thread of relaunch's when a failure is pending (see
+    ``failure_pending``): for a worker that cannot look between steps, a save from another
+    thread. Once per attempt; outside relaunch it does nothing."""
+    if not failure_pending() and _state == _OPEN:
+        path = channel.pending_path(os.environ[channel.CHANNEL_ENV], int(os.environ["LOCAL_RANK"]))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # never waits for a writer
+        except OSError:
+            return
+        import threading
+
+        def wait_then_call() -> None:
+            try:
+                os.read(fd, 1)
+            finally:
+                os.close(fd)
+            callback()
+
+        threading.Thread(
+            target=wait_then_call, name="relaunch-failure-pending", daemon=True
+        ).start()
+    elif _state == _OPEN:
+        callback()  # already pending
 
 
 # -- liveness: heartbeats and sections -------------------------------------------------------
@@ -176,7 +247,7 @@ def _write_live() -> None:
         _Live.beat_how,
     )
     if name != _Live.name_written:
-        mapped[_offset + channel.NAME_OFFSET : _offset + channel.SLOT] = channel.encode_desc(
+        mapped[_offset + channel.NAME_OFFSET : _offset + channel.NAME_END] = channel.encode_desc(
             name, channel.NAME
         )
         _Live.name_written = name

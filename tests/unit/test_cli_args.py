@@ -103,6 +103,9 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "logs_specs": "default",
                 "duplicate_stdout_filters": "a,,b,c",
                 "duplicate_stderr_filters": "d",
+                "state_memory": "8G",
+                "state_persist_every": "3",
+                "jit_save_timeout": "2.5",
             }.get(dest, "x")
         )
         argv = [underscored] if flag.switch else [f"{underscored}={value}"]

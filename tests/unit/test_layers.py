@@ -58,10 +58,11 @@ MAY_IMPORT = {
         "relaunch.procs",
         "relaunch.timer",
         "relaunch.store",
+        "relaunch.state",  # the slot files of the state its workers keep
     ),
     "relaunch.rendezvous": (*FOUNDATIONS, "relaunch.store"),
     "relaunch.events": (*FOUNDATIONS, "relaunch.jsonl_file"),
-    "relaunch.procs": (*FOUNDATIONS, "relaunch.jsonl_file"),
+    "relaunch.procs": (*FOUNDATIONS, "relaunch.jsonl_file", "relaunch.pickling"),
     # torch's multiprocessing[.api|.errors|.tail_log] paths, naming what relaunch.procs holds
     "relaunch.multiprocessing": (*FOUNDATIONS, "relaunch.procs"),
     "relaunch.timer": FOUNDATIONS,
@@ -70,6 +71,9 @@ MAY_IMPORT = {
     "relaunch.config": FOUNDATIONS,
     "relaunch._run_path": (),
     "relaunch.worker": ("relaunch.core",),
+    # what a worker imports to keep its state in the agent (relaunch.save_state)
+    "relaunch.state": ("relaunch.core", "relaunch.pickling", "relaunch.worker"),
+    "relaunch.pickling": (),
     "relaunch.endpoints": ("relaunch.core",),
     "relaunch.runtime": ("relaunch.core",),
 }

@@ -37,6 +37,10 @@ class Channel:
         # Read and write: opening does not wait for a writer, and reads block, not end, between
         # writers.
         self._wake_fd = os.open(self._wake_path, os.O_RDWR)
+        self._pending_paths = [channel.pending_path(self.path, rank) for rank in range(slots)]
+        for path in self._pending_paths:
+            os.mkfifo(path, 0o600)
+            guardian().register_file(path)
         self._closing = False
         self._waker = start_thread(self._read_wakes, "relaunch-channel", on_first_use)
         self.reset()
@@ -56,6 +60,27 @@ class Channel:
     def request_stop(self) -> None:
         self._map[channel.STOP_OFFSET] = 1
 
+    def announce_failure(self) -> None:
+        """Raise the failure-pending flag and wake each rank's ``on_failure_pending`` callback
+        (a rank with none has no reader: nothing is written for it)."""
+        self._map[channel.FAILURE_OFFSET] = 1
+        for path in self._pending_paths:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no callback waits on it
+                continue
+            try:
+                os.write(fd, b"!")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def failure_listening(self, rank: int) -> bool:
+        """Whether ``rank`` will hear of a pending failure (``failure_pending()``)."""
+        with memoryview(self._map) as view:
+            return channel.failure_listening(view, rank)
+
     @property
     def stop_requested(self) -> bool:
         return self._map[channel.STOP_OFFSET] != 0
@@ -69,6 +94,19 @@ class Channel:
         with memoryview(self._map) as view:
             return read_liveness(view, rank)
 
+    def restore(self, rank: int) -> tuple[float, float, int] | None:
+        """When ``rank``'s ``load_state`` began and ended, and the step it restored (-1: none);
+        None before it ended."""
+        at = channel.slot_offset(rank) + channel.RECOVERY_OFFSET
+        began, ended, step = channel.RESTORE.unpack_from(self._map, at)
+        return None if not ended else (began, ended, step)
+
+    def step_seconds(self, rank: int) -> float:
+        """What a step of ``rank`` took lately (its reports' moving average; 0: unknown)."""
+        at = channel.slot_offset(rank) + channel.STEP_SECONDS_OFFSET
+        seconds: float = channel.STEP_SECONDS.unpack_from(self._map, at)[0]
+        return seconds
+
     def listening(self, rank: int) -> bool:
         """Whether ``rank`` reads the stop flag (it has called ``stop_requested()``)."""
         with memoryview(self._map) as view:
@@ -80,7 +118,7 @@ class Channel:
         self._waker.join()
         os.close(self._wake_fd)
         self._map.close()
-        for path in (self.path, self._wake_path):
+        for path in (self.path, self._wake_path, *self._pending_paths):
             try:
                 os.unlink(path)
             except FileNotFoundError:

@@ -68,7 +68,13 @@ def dry_run(
     ``config`` describes, running ``entrypoint`` with ``args`` in the launcher's environment
     ``environ`` (default: this process's), its ranks placed by ``placement``
     (``relaunch.placement.placement_for``). Starts, binds and joins nothing."""
-    return describe_first(first_attempt(config, entrypoint, args, environ, placement))
+    text = describe_first(first_attempt(config, entrypoint, args, environ, placement))
+    if config.preload:
+        text += (
+            f"relaunch: --preload {','.join(config.preload)}: each Python worker is forked from "
+            "a process that imported them once (started cold where it cannot be)\n"
+        )
+    return text
 
 
 def first_attempt(

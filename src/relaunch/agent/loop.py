@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.agent_args import agent_arguments, events_of, placement_of
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
+from relaunch.agent.goodput import GoodputMarks
 from relaunch.agent.health import HealthCheck, join
 from relaunch.agent.metrics import AgentMetrics
 from relaunch.agent.report import RunReport, finished
@@ -26,8 +27,9 @@ from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
 from relaunch.core import step_types as do
-from relaunch.core.happenings import Failed, Joined, Started, StragglerFlagged
+from relaunch.core.happenings import Failed, Joined, RestartCosted, Started, StragglerFlagged
 from relaunch.core.restart import Backoff
+from relaunch.core.state_settings import StateSettings
 from relaunch.core.step import Rules, RunState, step
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullMetricHandler
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
     from relaunch.core.placement import Placement
 
 log = logging.getLogger(__name__)
+
+#: An agent keeps its workers' state as ``core.state``'s defaults say, unless told otherwise.
+KEEP_STATE = StateSettings()
 
 
 class LocalElasticAgent:
@@ -61,7 +66,9 @@ class LocalElasticAgent:
     join; ``start_processes`` starts each group; ``metrics_port`` (0: a free one, then
     ``metrics_port_bound``) serves Prometheus metrics on ``metrics_host`` (``ConfigError`` here
     when it cannot be bound); ``placement`` gives local ranks variables and CPUs; ``clock``
-    times every deadline (a ``runtime.ManualClock`` in tests).
+    times every deadline (a ``runtime.ManualClock`` in tests). ``state``: how the workers'
+    ``relaunch.save_state`` is kept (``agent.state``; None: not at all). ``preload``: modules a
+    zygote imports once, from which each Python worker is forked (``procs.zygote``).
 
     Two forms, told apart by the 2nd argument. torch 2.13's: ``LocalElasticAgent(spec,
     logs_specs, start_method="spawn", exit_barrier_timeout=300, log_line_prefix_template=None,
@@ -93,6 +100,8 @@ class LocalElasticAgent:
         metrics_host: str = "",
         placement: Placement | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        state: StateSettings | None = KEEP_STATE,
+        preload: tuple[str, ...] = (),
         **form_keywords: Any,
     ) -> None:
         arguments = agent_arguments(spec, positional, form_keywords)
@@ -146,6 +155,8 @@ class LocalElasticAgent:
             report=self._report,
             job=job,
             clock=clock,
+            state=state,
+            preload=preload,
         )
         self._exporter = AgentMetrics(
             group, self._reporter, self._workers.sampler.latest, lambda: self.restart_count, clock
@@ -156,6 +167,8 @@ class LocalElasticAgent:
         self._sinks = Sinks(
             [self._report, self._exporter, metric_puts, self._reporter, LogSink(log)]
         )
+        self._goodput = GoodputMarks(clock, lambda cost: self._sinks.happened(RestartCosted(cost)))
+        self._started_once = False
         self.metrics_port_bound: int | None = None
         if metrics_port is not None:
             self.metrics_port_bound = self._exporter.bind(metrics_host, metrics_port)
@@ -207,6 +220,7 @@ class LocalElasticAgent:
             self._sinks.happened(Failed(self.restart_count, said))
             raise
         finally:
+            self._goodput.end()
             failures.close()
             self._exporter.close()
             self._job.set_change_listener(None)
@@ -245,6 +259,9 @@ class LocalElasticAgent:
         failed = outcome is not None and outcome.is_failed()
         used = job.restarts_used(self._state.spent) if failed else None
         change = job.membership_change() if job.watches_membership else None
+        if failed or change is not None:
+            self._goodput.seen()
+        self._workers.look_back(self._goodput)
         return do.Looked(ended, change, used)
 
     def _act(
@@ -257,6 +274,8 @@ class LocalElasticAgent:
                 return self._rendezvous(backoff)
             case do.StartWorkers():
                 workers.start(self.restart_count)
+                self._goodput.started()
+                self._started_once = True
                 self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
                 return do.WorkersStarted()
             case do.StopWorkers():
@@ -304,10 +323,13 @@ class LocalElasticAgent:
         """Leave the running round, wait out a crash loop's backoff, an exclusion and a failing
         health check, and join the next round."""
         group, job, spent = self._worker_group, self._job, self._state.spent
+        if self._started_once:
+            self._workers.leaving(self._goodput)
         try:
             self.rendezvous_seconds = join(
                 job, group, self._health_check, backoff, self.restart_count, self._clock
             )
+            self._goodput.joined(self.rendezvous_seconds)
             self._sinks.happened(Joined(self.rendezvous_seconds))
             used = job.restarts_used(spent)
         except RendezvousClosedError:

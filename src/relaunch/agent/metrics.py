@@ -19,7 +19,8 @@ from relaunch.agent.metrics_server import MetricsServer
 from relaunch.agent.spec import WorkerGroup, WorkerState
 from relaunch.agent.status import NodeReporter
 from relaunch.core import metrics as core
-from relaunch.core.happenings import Happening, Joined, NodeSnapshot, Restarted
+from relaunch.core.goodput import CAUSES, Ledger
+from relaunch.core.happenings import Happening, Joined, NodeSnapshot, RestartCosted, Restarted
 from relaunch.core.status import RankStatus
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
@@ -42,6 +43,8 @@ class AgentMetrics:
         self._restarts_used = restarts_used
         self._clock = clock
         self._lock = threading.Lock()
+        self._ledger = Ledger()
+        self._started = clock.monotonic()
         self._restarts = dict.fromkeys(core.RESTART_CAUSES, 0)
         self._rounds = 0
         self._durations = core.Histogram()
@@ -55,6 +58,9 @@ class AgentMetrics:
             self.restarted(happening.cause)
         elif isinstance(happening, Joined):
             self.joined(happening.seconds)
+        elif isinstance(happening, RestartCosted):
+            with self._lock:
+                self._ledger.costs.append(happening.cost)
 
     def restarted(self, cause: str) -> None:
         """The group restarts, for ``cause`` (one of ``core.metrics.RESTART_CAUSES``)."""
@@ -100,6 +106,8 @@ class AgentMetrics:
             restarts = dict(self._restarts)
             rounds = self._rounds
             durations = self._durations.samples(base)
+            lost = self._ledger.totals()
+            ratio = self._ledger.effective_ratio(self._clock.monotonic() - self._started)
         snapshot = self._snapshot()
         status = self._reporter.status(snapshot)
         view = self._reporter.view
@@ -157,4 +165,9 @@ class AgentMetrics:
                 "relaunch_store_round_trip_seconds",
                 [] if rtt is None else [core.Sample(base, rtt)],
             ),
+            core.Family(
+                "relaunch_restart_lost_seconds_total",
+                [core.Sample((*base, ("cause", cause)), lost[cause]) for cause in CAUSES],
+            ),
+            core.Family("relaunch_goodput_ratio", [core.Sample(base, ratio)]),
         ]

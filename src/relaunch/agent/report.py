@@ -12,12 +12,14 @@ from typing import Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.core.failures import has_error_file, signal_meaning
+from relaunch.core.goodput import Ledger
 from relaunch.core.happenings import (
     Failed,
     Finished,
     Happening,
     Hung,
     NodeSnapshot,
+    RestartCosted,
     Restarted,
     Started,
     StragglerFlagged,
@@ -57,6 +59,8 @@ class RunReport:
         self.stop_note = ""
         self.last_outcome: RunProcsResult | None = None
         self.last_progress: dict[int, Progress | None] = {}
+        #: Every restart's cost (``core.goodput``), for the summary.
+        self.ledger = Ledger()
         #: Straggler lines for the summary, by global rank.
         self.stragglers: dict[int, str] = {}
 
@@ -71,6 +75,8 @@ class RunReport:
             self.hung(happening.restart_count, happening.what)
         elif isinstance(happening, StragglerFlagged):
             self.straggler(happening.straggler, happening.factor, happening.restart_count)
+        elif isinstance(happening, RestartCosted):
+            self.restart_cost(happening)
         elif isinstance(happening, Failed):
             self.agent_event(WorkerState.FAILED, happening.restart_count, happening.error)
         elif isinstance(happening, Finished):
@@ -91,6 +97,21 @@ class RunReport:
             restart_count,
             global_rank=straggler.rank,
             details={"straggler": {"steps_per_second": straggler.rate, "median": straggler.median}},
+        )
+
+    def restart_cost(self, costed: RestartCosted) -> None:
+        """A ``RESTART_COST`` agent event (relaunch's): a restart's seconds lost by cause, and
+        its part of the summary's goodput line."""
+        cost = costed.cost
+        self.ledger.costs.append(cost)
+        self._event(
+            EventSource.AGENT,
+            "RESTART_COST",
+            cost.restart,
+            details={
+                "lost_seconds": {cause: round(v, 3) for cause, v in cost.seconds.items()},
+                "steps_redone": cost.steps_redone,
+            },
         )
 
     def group_started(self, restart_count: int, rendezvous_seconds: float) -> None:
@@ -176,14 +197,16 @@ class RunReport:
             if stuck is not None:
                 note = f"did not die of SIGKILL: {stuck}; relaunch went on without it"
             ranks.append(RankEnd(worker.global_rank, local, exitcode, duration, note))
+        elapsed = self._clock.monotonic() - self.started_at
         return RunSummary(
             outcome,
-            self._clock.monotonic() - self.started_at,
+            elapsed,
             ranks,
             list(self.restart_reasons),
             self.log_dir,
             self.stop_note,
             [self.stragglers[rank] for rank in sorted(self.stragglers)],
+            self.ledger.line(elapsed) or "",
         )
 
 

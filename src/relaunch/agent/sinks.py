@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
-from relaunch.core.happenings import AttemptEnded, Happening, Restarted
+from relaunch.core.happenings import AttemptEnded, Happening, RestartCosted, Restarted
 from relaunch.events import Metrics
 
 
@@ -58,7 +58,15 @@ class LogSink:
         self._log = log
 
     def happened(self, happening: Happening) -> None:
-        if isinstance(happening, Restarted):
+        if isinstance(happening, RestartCosted):
+            cost = happening.cost
+            self._log.info(
+                "restart %d cost %.2fs: %s",
+                cost.restart,
+                cost.total,
+                ", ".join(f"{cause} {seconds:.2f}s" for cause, seconds in cost.seconds.items()),
+            )
+        elif isinstance(happening, Restarted):
             self._log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
                 happening.role,

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from relaunch.core import status as core
 from relaunch.core import stragglers
-from relaunch.core.happenings import Happening, NodeSnapshot, Restarted
+from relaunch.core.happenings import Happening, NodeSnapshot, RestartCosted, Restarted
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
@@ -77,6 +77,7 @@ class NodeReporter:
         self._clock = clock
         #: Why the group restarted, restart by restart (``happened``).
         self._reasons: list[str] = []
+        self._lost = 0.0  # seconds lost to restarts (``core.goodput``)
         self._stop = threading.Event()
         self._reported = threading.Event()
         self._thread: threading.Thread | None = None
@@ -107,9 +108,12 @@ class NodeReporter:
         self._thread = start_thread(self._run, "relaunch-status", self._stop, self._reported)
 
     def happened(self, happening: Happening) -> None:
-        """A sink of the agent's happenings: a restart's reason goes into the next posts."""
+        """A sink of the agent's happenings: a restart's reason and cost go into the next
+        posts."""
         if isinstance(happening, Restarted):
             self._reasons.append(happening.reason)
+        elif isinstance(happening, RestartCosted):
+            self._lost += happening.cost.total
 
     def notice_reports(self) -> None:
         """A rank made its first progress report (the channel's wake): sampling is worth it."""
@@ -165,6 +169,7 @@ class NodeReporter:
             now,
             ranks,
             list(self._reasons),
+            round(self._lost, 3),
         )
 
     def report(self) -> None:

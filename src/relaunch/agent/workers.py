@@ -17,18 +17,22 @@ from typing import TYPE_CHECKING
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.expiry import ExpiryWatch
+from relaunch.agent.goodput import GoodputMarks
 from relaunch.agent.report import NodeBar, RunReport
 from relaunch.agent.sampler import Sampler
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
+from relaunch.agent.state import JustInTime, StateKeeper
 from relaunch.agent.status import Group, NodeReporter
+from relaunch.config import ConfigError
 from relaunch.core.attempt import Command, plan_attempt
 from relaunch.core.durations import seconds
 from relaunch.core.failures import format_report
 from relaunch.core.happenings import NodeSnapshot
-from relaunch.core.ranks import GroupContext
+from relaunch.core.ranks import GroupContext, omp_num_threads_default
+from relaunch.core.state_settings import StateSettings
 from relaunch.core.step_types import Ended
 from relaunch.procs.console import console_for
-from relaunch.procs.context import PContext, RunProcsResult
+from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
 from relaunch.procs.wakeup import EventQueue
@@ -37,6 +41,7 @@ from relaunch.runtime import Clock
 
 if TYPE_CHECKING:
     from relaunch.core.placement import Placement
+    from relaunch.procs.zygote import Zygote
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,8 @@ class Workers:
         report: RunReport,
         job: JobServices,
         clock: Clock,
+        state: StateSettings | None = None,
+        preload: tuple[str, ...] = (),
     ) -> None:
         spec = group.spec
         assert spec.entrypoint is not None
@@ -85,10 +92,16 @@ class Workers:
         self._start_processes = start_processes
         self._placement = placement
         self._expiry, self._reporter, self._report, self._job = expiry, reporter, report, job
+        self._clock = clock
         self.sampler = self._sampler = Sampler(clock)
         self._node_bar = NodeBar(group, self._sampler.latest, lambda: reporter.job_line, clock)
         self._console = console_for(sys.stdout, sys.stderr)
         self._channel: Channel | None = None
+        self._state_settings = state
+        self.state: StateKeeper | None = None
+        #: ``--preload``: the modules, and the zygote that forks the workers (``open`` starts it).
+        self._preload = preload
+        self.zygote: Zygote | None = None
         self._wakeups: EventQueue[str] | None = None
         self._pcontext: PContext | None = None
         self._explained: RunProcsResult | None = None
@@ -104,12 +117,21 @@ class Workers:
 
         self._wakeups = wakeups
         self._channel = Channel(self._group.spec.local_world_size, on_first_use=workers_speak)
+        if self._state_settings is not None:
+            self.state = StateKeeper(self._state_settings, self._job.local_addr)
+        if self._preload:
+            self.zygote = self._start_zygote(self._channel.env())
 
     def close(self) -> None:
-        """The run is over: the node bar's final state, and the channel gone."""
+        """The run is over: the node bar's final state, the channel gone, the kept state on
+        disk (``--state-dir``) and out of memory."""
         self._console.remove_source(self._node_bar)
         if self._channel is not None:
             self._channel.close()
+        if self.state is not None:
+            self.state.close()
+        if self.zygote is not None:
+            self.zygote.close()
 
     def start(self, restart_count: int) -> None:
         """Start the attempt of the group just joined (``restart_count`` restarts used)."""
@@ -117,6 +139,7 @@ class Workers:
         channel, wakeups = self._channel, self._wakeups
         assert channel is not None and wakeups is not None, "start before open"
         channel.reset()
+        state_env = {} if self.state is None else self.state.env(self._resume_step())
         plan = plan_attempt(
             command,
             self._context(restart_count),
@@ -125,13 +148,24 @@ class Workers:
             new_attempt_dir(self._report.log_dir, restart_count)
             if command.logs_specs is None
             else "",
-            extra_env={**self._expiry.worker_env(), **channel.env()},
+            extra_env={**self._expiry.worker_env(), **channel.env(), **state_env},
             placement=self._placement,
             terminals=self._console.terminals(),
             hang_detection=self._expiry.hang_timeout is not None,
         )
-        self._pcontext = pcontext = self._start_processes(**plan.start_arguments())
+        arguments = plan.start_arguments()
+        if self.zygote is None:
+            self._pcontext = pcontext = self._start_processes(**arguments)
+        else:
+            from relaunch.procs.zygote import PreloadError
+
+            try:
+                self._pcontext = pcontext = self._start_processes(**arguments, zygote=self.zygote)
+            except PreloadError as exc:
+                raise ConfigError(str(exc)) from None
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
+        if self.state is not None and hasattr(pcontext, "set_failure_grace"):
+            pcontext.set_failure_grace(JustInTime(self.state, channel, self.state.jit_save_timeout))
         self._sampler.watch(channel, pcontext)
         self._node_bar.restart()
         if plan.draws_console:
@@ -163,6 +197,47 @@ class Workers:
             self._job,
         )
         group.state = WorkerState.HEALTHY
+
+    def _start_zygote(self, channel_env: dict[str, str]) -> Zygote | None:
+        """The zygote of ``--preload``, started (it imports while the agent joins), with the
+        launcher's environment and what every worker gets on top of it; None (said) when the
+        workers are no Python script or module, or are started by a user's start_processes."""
+        from relaunch.procs.zygote import Zygote, python_command  # sockets: only with --preload
+
+        spec = self._group.spec
+        modules = ",".join(self._preload)
+        command = None
+        if isinstance(spec.entrypoint, str):
+            command = python_command([spec.entrypoint, *map(str, spec.args)])
+        if command is None:
+            log.warning("--preload %s: the workers are no Python script or module: cold", modules)
+            return None
+        if self._start_processes is not start_processes:
+            log.warning("--preload %s: a start_processes of your own starts them cold", modules)
+            return None
+        omp = omp_num_threads_default(spec.local_world_size, os.environ)
+        env = {
+            **os.environ,
+            **self._expiry.worker_env(),
+            **channel_env,
+            **({} if omp is None else {"OMP_NUM_THREADS": omp}),
+        }
+        zygote = Zygote(self._preload, command, env)
+        zygote.start()
+        return zygote
+
+    def _resume_step(self) -> int | None:
+        """The step the attempt's workers resume from (``load_state``), agreed by every node."""
+        group, state = self._group, self.state
+        assert state is not None and group.group_rank is not None
+        assert group.group_world_size is not None
+        return state.agree(
+            self._job,
+            group.group_rank,
+            group.group_world_size,
+            {worker.local_rank: worker.global_rank for worker in group.workers},
+            group.workers[0].world_size if group.workers else 0,
+        )
 
     def _context(self, restart_count: int) -> GroupContext:
         """What every worker of the group just joined shares."""
@@ -245,15 +320,56 @@ class Workers:
         letting ranks asked for their stacks write them first."""
         self._reporter.stop()
         if self._pcontext is not None:
+            self._save_just_in_time()
             dumping = self._expiry.dumping()
             if dumping:  # ranks asked for their stacks: let them write them before the signal
                 self._pcontext.wait(dumping)
             self._pcontext.close(death_sig, self._group.spec.shutdown_timeout)
+            if self.zygote is not None:
+                self.zygote.revive()  # one that died imports again while the agent rejoins
             self._report.last_outcome = self._pcontext.wait(0)
             self._sampler.observed(self._report.last_outcome)
             if self._channel is not None:
                 self._report.last_progress = self._sampler.take().progresses()
             self._console.remove_source(self._node_bar)  # prints the bar's final state
+
+    def _save_just_in_time(self) -> None:
+        """Before running workers are stopped because another node's failed: tell them
+        (``failure_pending``) and give those that listen up to ``--jit-save-timeout`` seconds
+        to ``save_state``. (A failure of this node's own workers is told from the monitor:
+        ``agent.state.JustInTime``.)"""
+        channel, pcontext, state = self._channel, self._pcontext, self.state
+        if channel is None or pcontext is None or state is None or not state.jit_save_timeout:
+            return
+        listening = [rank for rank in pcontext.running() if channel.failure_listening(rank)]
+        if not listening:
+            return
+        channel.announce_failure()
+        missing = state.wait_for_saves(listening, pcontext.running, state.jit_save_timeout)
+        if missing:
+            log.warning(
+                "local rank(s) %s did not save within --jit-save-timeout %s of the failure notice",
+                ",".join(map(str, sorted(missing))),
+                seconds(state.jit_save_timeout),
+            )
+
+    def leaving(self, goodput: GoodputMarks) -> None:
+        """The attempt is over, the next join comes: its moments to ``goodput``."""
+        pcontext, channel = self._pcontext, self._channel
+        if pcontext is None or channel is None:
+            return
+        outcome = pcontext.wait(0)
+        failed = {} if outcome is None else outcome.failures
+        ranks = range(self._group.spec.local_world_size)
+        seconds_a_step = max((channel.step_seconds(rank) for rank in ranks), default=0.0)
+        # A start_processes given by the user (torch's, say) has no exit_times.
+        exit_times: dict[int, float] = getattr(pcontext, "exit_times", dict)()
+        goodput.leaving(exit_times, failed, self._report.last_progress, seconds_a_step)
+
+    def look_back(self, goodput: GoodputMarks) -> None:
+        """Whether the workers of a restart are back (``goodput.look``)."""
+        if self._channel is not None:
+            goodput.look(self._channel, self._group.spec.local_world_size)
 
     def stop_gracefully(self, request: StopRequested) -> SignalException:
         """Ask the workers to stop, give them ``shutdown_timeout`` seconds, then stop the rest.

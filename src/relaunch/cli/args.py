@@ -206,6 +206,11 @@ def config_from_args(
         device_per_rank=args.device_per_rank,
         virtual_local_rank=args.virtual_local_rank,
         numa_binding=args.numa_binding,
+        preload=args.preload or (),
+        state_memory=args.state_memory,
+        state_dir=args.state_dir,
+        state_persist_every=args.state_persist_every,
+        jit_save_timeout=args.jit_save_timeout,
     )
     validate(config)
     if backend != "static" and not endpoint:

@@ -359,6 +359,49 @@ FLAGS = [
         metavar="MODE",
     ),
     _Flag(
+        "workers",
+        ("--preload",),
+        "import these modules (comma-separated: torch,numpy) once, in a process that forks "
+        "each Python worker at every start and restart: warm restarts (docs/preload.md)",
+        None,
+        _checked("parse_preload"),
+        metavar="MODULES",
+    ),
+    _Flag(
+        "state",
+        ("--state-memory",),
+        "shared memory this node keeps for relaunch.save_state, as bytes or with K, M, G or T "
+        "(default: a quarter of the machine's memory)",
+        None,
+        _checked("parse_size"),
+        metavar="SIZE",
+    ),
+    _Flag(
+        "state",
+        ("--state-dir",),
+        "also write each rank's newest saved state here, in the background and at the end, "
+        "so that a requeued job resumes from it through load_state()",
+        None,
+        metavar="DIR",
+    ),
+    _Flag(
+        "state",
+        ("--state-persist-every",),
+        "write the state to --state-dir every N saves of each rank",
+        10,
+        _checked("parse_count", 1),
+        metavar="N",
+    ),
+    _Flag(
+        "state",
+        ("--jit-save-timeout",),
+        "when a rank fails, seconds the others that ask relaunch.failure_pending() get to "
+        "save_state before they are stopped (0: none)",
+        10.0,
+        _checked("parse_seconds", False),
+        metavar="SECONDS",
+    ),
+    _Flag(
         "logs",
         ("--log-dir",),
         "base directory for log files (default: a new temporary directory)",
@@ -446,7 +489,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     groups = {
         name: parser.add_argument_group(name)
-        for name in ("nodes", "rendezvous", "restarts", "workers", "logs")
+        for name in ("nodes", "rendezvous", "restarts", "state", "workers", "logs")
     }
     for flag in FLAGS:
         long_name = flag.names[-1]

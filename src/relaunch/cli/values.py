@@ -54,6 +54,27 @@ def parse_count(text: str, minimum: int) -> int:
     raise ConfigError(f"expected a whole number >= {minimum}, got {text!r}")
 
 
+def parse_size(text: str) -> int:
+    """A number of bytes: ``8G``, ``512M``, ``1.5GiB`` or plain bytes (``--state-memory``)."""
+    from relaunch.core.state_settings import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_preload(text: str) -> tuple[str, ...]:
+    """``--preload``: module names, comma-separated (``torch,numpy``); none imported here."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise ConfigError(f"expected module names, comma-separated (torch,numpy), got {text!r}")
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"{name!r} is not a module name (dotted Python names: torch.nn)")
+    return names
+
+
 def parse_seconds(text: str, positive: bool) -> float:
     """A number of seconds, > 0 when ``positive``, else >= 0, and at most ``MAX_SECONDS``
     (``inf`` and ``nan`` are not durations: every wait must fit the kernel's)."""

@@ -1,9 +1,10 @@
 """What the agent tells about its run, and the one view of its ranks that every reader shares.
 
 A *happening* (``Joined``, ``Started``, ``AttemptEnded``, ``Restarted``, ``Hung``,
-``StragglerFlagged``, ``Finished``, ``Failed``) is one frozen value that the agent announces
-once; each of its sinks (``agent.sinks``: the event log and summary, the Prometheus counters,
-torchelastic's metric puts, the status posts, the log) takes from it what it writes.
+``StragglerFlagged``, ``RestartCosted``, ``Finished``, ``Failed``) is one frozen value that the
+agent announces once; each of its sinks (``agent.sinks``: the event log and summary, the
+Prometheus counters, torchelastic's metric puts, the status posts, the log) takes from it what it
+writes.
 
 A ``NodeSnapshot`` is every local rank's channel slot (progress, liveness) and process state,
 read at one moment: the readers of one tick (hang detection, status posts, the node bar, the
@@ -22,6 +23,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from relaunch.core.failures import describe_exit
+from relaunch.core.goodput import RestartCost
 from relaunch.core.liveness import Liveness
 from relaunch.core.progress import Progress
 from relaunch.core.stragglers import Straggler
@@ -177,6 +179,12 @@ class Finished(NamedTuple):
     workers: tuple[WorkerEnd, ...] = ()
 
 
+class RestartCosted(NamedTuple):
+    """A restart's seconds lost by cause, once its workers were back (``core.goodput``)."""
+
+    cost: RestartCost
+
+
 class Failed(NamedTuple):
     """The run ended by an error: the agent failed (``error``: what it said, if anything)."""
 
@@ -185,5 +193,13 @@ class Failed(NamedTuple):
 
 
 Happening = (
-    Joined | Started | AttemptEnded | Restarted | Hung | StragglerFlagged | Finished | Failed
+    Joined
+    | Started
+    | AttemptEnded
+    | Restarted
+    | Hung
+    | StragglerFlagged
+    | RestartCosted
+    | Finished
+    | Failed
 )

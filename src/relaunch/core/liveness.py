@@ -11,9 +11,9 @@ from relaunch.core.channel import (
     BOUND_LEARNED,
     LIVE_FIELDS,
     LIVE_OFFSET,
+    NAME_END,
     NAME_OFFSET,
     SEQ,
-    SLOT,
     slot_offset,
 )
 from relaunch.core.durations import seconds
@@ -61,7 +61,7 @@ def read_liveness(
             buffer, offset + 8
         )
         start = slot_offset(rank) + NAME_OFFSET
-        name = bytes(buffer[start : slot_offset(rank) + SLOT]).split(b"\0", 1)[0]
+        name = bytes(buffer[start : slot_offset(rank) + NAME_END]).split(b"\0", 1)[0]
         (after,) = SEQ.unpack_from(buffer, offset)
         if after == before:
             return Liveness(

@@ -96,6 +96,15 @@ CATALOGUE: dict[str, tuple[str, str]] = {
         "gauge",
         "Seconds the last write of this node's status to the rendezvous store took.",
     ),
+    "relaunch_restart_lost_seconds_total": (
+        "counter",
+        "Seconds this node lost to restarts, by cause (detection, teardown, health_check, "
+        "rendezvous, worker_start, state_restore, recomputation).",
+    ),
+    "relaunch_goodput_ratio": (
+        "gauge",
+        "The share of the run so far not lost to restarts (1: none lost).",
+    ),
 }
 
 Labels = tuple[tuple[str, str], ...]

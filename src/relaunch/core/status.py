@@ -104,6 +104,8 @@ class NodeStatus:
     posted_at: float
     ranks: list[RankStatus] = field(default_factory=list)
     restart_reasons: list[str] = field(default_factory=list)
+    #: Seconds this node lost to restarts (the goodput ledger's total, ``core.goodput``).
+    lost_seconds: float = 0.0
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -137,6 +139,7 @@ class NodeStatus:
             _field(data, "posted_at", "number"),
             ranks,
             reasons,
+            _field(data, "lost_seconds", "number", optional=True) or 0.0,
         )
 
 
@@ -261,9 +264,12 @@ def format_table(
     """The job as ``relaunch status`` prints it: one line per rank, under its node, which says
     its group's state and when it last posted (every few seconds: its heartbeat here).
     ``members``: how many nodes the round has; those that posted nothing get a line saying so."""
+    lost = max((node.lost_seconds for node in nodes), default=0.0)
     lines = [
         f"job {run_id}: {len(nodes)} node(s), {sum(len(n.ranks) for n in nodes)} rank(s), "
-        f"{restarts} restart(s) used" + (f"; {note}" if note else "")
+        f"{restarts} restart(s) used"
+        + (f", {lost:.1f}s lost to them" if lost else "")
+        + (f"; {note}" if note else "")
     ]
     bar = None if view is None else job_bar(view)
     if bar is not None:

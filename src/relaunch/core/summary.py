@@ -32,6 +32,8 @@ class RunSummary:
     stop: str = ""
     #: The ranks flagged as stragglers during the run, one line each.
     stragglers: list[str] = field(default_factory=list)
+    #: The goodput ledger's line: the time lost to restarts, by cause (``core.goodput``).
+    goodput: str = ""
 
 
 def _duration(seconds: float) -> str:
@@ -80,6 +82,8 @@ def format_summary(summary: RunSummary) -> str:
     for number, reason in enumerate(summary.restarts, 1):
         lines.append(f"  restart {number}: {_restart(reason)}")
     lines.extend(f"  straggler: {line}" for line in summary.stragglers)
+    if summary.goodput:
+        lines.append(f"  {summary.goodput}")
     if summary.log_dir:
         lines.append(f"  logs: {summary.log_dir}")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ from relaunch.procs.handles import (
     signal_tree,
     wait_groups_gone,
 )
-from relaunch.procs.monitor import KILL_DEADLINE, GroupMonitor, WorkerProcess
+from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace, GroupMonitor, WorkerProcess
 from relaunch.procs.rank_streams import RankStreams
 from relaunch.procs.signals import SignalsToExceptions, notices_ignored
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -361,6 +361,20 @@ class PContext(abc.ABC):
         if self._monitor is not None:
             with self._monitor.lock:
                 self._monitor.holding = True
+
+    def exit_times(self) -> dict[int, float]:
+        """When each worker ended (``time.time()``; 0.0 while it runs), by local rank."""
+        if self._monitor is None:
+            return {}
+        with self._monitor.lock:
+            return {rank: w.exit_time for rank, w in self._monitor.workers.items()}
+
+    def set_failure_grace(self, grace: FailureGrace) -> None:
+        """From now on, the first failure asks ``grace`` how long the other workers' stop may
+        wait for them to save their state (``relaunch.failure_pending``)."""
+        if self._monitor is not None:
+            with self._monitor.lock:
+                self._monitor.grace = grace
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once every worker has ended (then ``wait(0)`` has the result): from the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
@@ -41,6 +41,9 @@ from relaunch.procs.monitor import WorkerProcess
 from relaunch.procs.returns import ReturnReader, widen_pipe
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
+if TYPE_CHECKING:
+    from relaunch.procs.zygote import Zygote
+
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "START_METHODS",
@@ -53,15 +56,24 @@ __all__ = [
 
 
 class SubprocessContext(PContext):
-    """Workers that are binaries (any executable, a Python interpreter included)."""
+    """Workers that are binaries (any executable, a Python interpreter included).
+
+    With a ``zygote`` (``--preload``), a Python worker is forked from it rather than started
+    (``procs.zygote``); what it cannot start as ``Popen`` would starts as before.
+    """
 
     entrypoint: str
+    zygote: Zygote | None = None
 
     def _start_worker(
         self, local_rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
     ) -> tuple[PopenHandle, None]:
         argv = [self.entrypoint, *map(str, self.args[local_rank])]
         with starting_on(self.cpu_affinity.get(local_rank)):
+            if self.zygote is not None:
+                forked = self.zygote.spawn(argv, {**os.environ, **env}, stdout, stderr)
+                if forked is not None:
+                    return forked, None
             popen = subprocess.Popen(
                 argv,
                 env={**os.environ, **env},
@@ -194,6 +206,7 @@ def start_processes(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+    zygote: Zygote | None = None,
 ) -> PContext: ...
 
 
@@ -213,6 +226,7 @@ def start_processes(
     log_line_prefixes: Mapping[int, str] | None = None,
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+    zygote: Zygote | None = None,
     local_ranks_filter: Collection[int] | None = None,
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
@@ -228,6 +242,7 @@ def start_processes(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+    zygote: Zygote | None = None,
     **keywords: Any,
 ) -> PContext:
     """Start one copy of ``entrypoint`` per local rank and return the running context.
@@ -257,6 +272,8 @@ def start_processes(
     ``relay`` (relaunch's own) names streams, neither logged nor dropped, that relaunch copies
     to its console as whole lines rather than letting the workers inherit the console.
     ``cpu_affinity`` (relaunch's own) binds some ranks to CPUs (``procs.affinity``).
+    ``zygote`` (relaunch's own, ``--preload``) forks the Python workers it can
+    (``procs.zygote``).
     """
     form, given = choose(
         "start_processes",
@@ -310,7 +327,7 @@ def start_processes(
     rank_args = {rank: substitute_local_rank(args[rank], rank) for rank in range(nprocs)}
     context: PContext
     if isinstance(entrypoint, str):
-        context = SubprocessContext(
+        context = binaries = SubprocessContext(
             name,
             entrypoint,
             rank_args,
@@ -320,6 +337,7 @@ def start_processes(
             shutdown_timeout=shutdown_timeout,
             cpu_affinity=cpu_affinity,
         )
+        binaries.zygote = zygote
     else:
         context = MultiprocessContext(
             name,

@@ -54,7 +54,7 @@ while [ -n "${trees# }" ] && [ "$round" -lt 20 ]; do
   done
   [ -n "$found" ] || break
 done
-for file in $files; do rm -f -- "$file"; done
+for file in $files; do rm -rf -- "$file"; done
 """
 
 
@@ -87,7 +87,8 @@ class Guardian:
         self._send(f"- {pid}\n")
 
     def register_file(self, path: str) -> None:
-        """Remove ``path`` if the launcher dies without removing it (a temporary file)."""
+        """Remove ``path`` if the launcher dies without removing it (a temporary file, or a
+        directory relaunch made, with what is in it)."""
         if any(c.isspace() for c in path):
             raise ValueError(f"the guardian cannot track a path with spaces: {path!r}")
         self._send(f"f {path}\n")

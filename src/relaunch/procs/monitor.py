@@ -60,6 +60,19 @@ RECHECK_MAX = 0.5
 RESULT_READ_LIMIT = 8 << 20
 
 
+class FailureGrace:
+    """What a group's first failure asks before the others are stopped (the agent's
+    just-in-time save, ``agent.state``). The default holds nothing."""
+
+    def begin(self, running: set[int], release: Callable[[], None]) -> float:
+        """A worker failed while the local ranks ``running`` run: how many seconds their stop
+        may wait (0: stop them now); ``release()`` stops them sooner."""
+        return 0.0
+
+    def exited(self, local_rank: int) -> None:
+        """A worker ended while the stop waited."""
+
+
 @dataclass
 class WorkerProcess:
     """A started worker as the monitor tracks it."""
@@ -103,6 +116,10 @@ class GroupMonitor:
         #: A failure does not stop the others (every worker was asked for its stack, and each
         #: must finish writing it); the caller stops them.
         self.holding = False
+        #: Asked at the group's first failure how long the others' stop may wait for them to
+        #: save their state (``FailureGrace``); None: stopped at once.
+        self.grace: FailureGrace | None = None
+        self._grace_until: float | None = None
         #: The workers given up on, by local rank: still alive ``KILL_DEADLINE`` s after SIGKILL.
         self.stuck: dict[int, StuckWorker] = {}
         self.lock = threading.Condition()
@@ -174,7 +191,17 @@ class GroupMonitor:
 
     # -- the monitor thread --------------------------------------------------------------------
 
+    def end_grace(self) -> None:
+        """The workers saved (``FailureGrace``): stop the failed group now."""
+        with signals_deferred(), self.lock:
+            if self._grace_until is None:
+                return
+            self._grace_until = None
+            self._stop_locked(signal.SIGTERM, self.stop_timeout)
+        self._wake()
+
     def _stop_locked(self, sig: int, timeout: float) -> None:
+        self._grace_until = None
         running = [w for w in self.workers.values() if w.exitcode is None]
         deadline = self._clock.monotonic() + timeout
         # A second stop (a Ctrl-C during a stop) may only bring the SIGKILL closer.
@@ -199,7 +226,13 @@ class GroupMonitor:
 
     def _timeout(self) -> float | None:
         now = self._clock.monotonic()
-        deadlines = (self._kill_at, self._give_up_at, self._recheck_at, self._drain_until)
+        deadlines = (
+            self._kill_at,
+            self._give_up_at,
+            self._recheck_at,
+            self._drain_until,
+            self._grace_until,
+        )
         waits = [d - now for d in deadlines if d is not None]
         if self._console is not None:
             tick = self._console.next_tick()
@@ -385,9 +418,17 @@ class GroupMonitor:
             worker.exit_time = self._clock.time()
             codes = {rank: w.exitcode for rank, w in self.workers.items()}
             state = group_state(codes)
-            if state is GroupState.FAILED and self._kill_at is None and not self.holding:
-                # The group is one unit: one failure stops the others.
-                self._stop_locked(signal.SIGTERM, self.stop_timeout)
+            if self._grace_until is not None and self.grace is not None:
+                self.grace.exited(worker.local_rank)
+            elif state is GroupState.FAILED and self._kill_at is None and not self.holding:
+                # The group is one unit: one failure stops the others, once those that save
+                # their state when told of it have (``FailureGrace``).
+                running = {rank for rank, code in codes.items() if code is None}
+                hold = self.grace.begin(running, self.end_grace) if self.grace and running else 0
+                if hold > 0:
+                    self._grace_until = self._clock.monotonic() + hold
+                else:
+                    self._stop_locked(signal.SIGTERM, self.stop_timeout)
             if all(code is not None for code in codes.values()):
                 self._kill_at = self._give_up_at = self._recheck_at = None
                 self._on_done()
@@ -440,6 +481,8 @@ class GroupMonitor:
         if self._recheck_at is not None and now >= self._recheck_at:
             self._recheck_unreaped()
         with self.lock:
+            if self._grace_until is not None and now >= self._grace_until:
+                self._stop_locked(signal.SIGTERM, self.stop_timeout)
             if self._kill_at is not None and now >= self._kill_at:
                 self._kill_at = None
                 log.warning("workers did not exit in time after the stop signal: sending SIGKILL")

@@ -1,7 +1,7 @@
 """A function worker's return value, sent by value from the worker to the launcher.
 
 The worker pickles the value with the standard pickler (protocol 5: large buffers such as numpy
-arrays go out of band, unjoined; a plain CPU tensor's storage too, see ``_pickler_class``) and
+arrays go out of band, unjoined; a plain CPU tensor's storage too, see ``relaunch.pickling``) and
 writes one frame to a pipe: a header naming the value's type and the length of each part, the
 pickle, the buffers. By value, because the launcher reads the value after the worker exited:
 multiprocessing's own pickler (which torch extends) shares a tensor's storage through a file
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import pickle
+    pass
 
 #: magic, number of out-of-band buffers, length of the type's name.
 _HEAD = struct.Struct("!4sIH")
@@ -59,127 +58,13 @@ def widen_pipe(fd: int) -> None:
         pass
 
 
-def _pickler_class() -> type[pickle.Pickler]:
-    """The standard pickler, and in a worker that imported torch, one that sends a plain CPU
-    tensor's storage out of band (read from its memory, rebuilt from the frame's buffer)
-    instead of through ``torch.save`` into bytes, which copies it three more times. Any other
-    tensor (a subclass, a parameter, on a device, sparse, quantized, with autograd history or
-    attributes) pickles as torch pickles it."""
-    import pickle
-
-    torch = sys.modules.get("torch")
-    tensor_type = getattr(torch, "Tensor", None)
-    if tensor_type is None:
-        return pickle.Pickler
-
-    class _Pickler(pickle.Pickler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            # One storage, one buffer: views of a storage share it in the launcher too.
-            self._storages: dict[tuple[int, int], _StorageBytes] = {}
-
-        def reducer_override(self, obj: Any) -> Any:
-            if type(obj) is not tensor_type or not _plain_tensor(obj):
-                return NotImplemented
-            storage = obj.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in self._storages:
-                self._storages[key] = _StorageBytes(*key)
-            return (
-                _rebuild_tensor,
-                (
-                    self._storages[key],
-                    str(obj.dtype).removeprefix("torch."),
-                    obj.storage_offset(),
-                    tuple(obj.size()),
-                    obj.stride(),
-                    obj.requires_grad,
-                ),
-            )
-
-    return _Pickler
-
-
-def _plain_tensor(tensor: Any) -> bool:
-    """A dense CPU tensor with no autograd history, no lazy bits and no attributes (what this
-    torch cannot say is not one: torch pickles it)."""
-    try:
-        return _is_plain(tensor)
-    except Exception:
-        return False
-
-
-def _is_plain(tensor: Any) -> bool:
-    import torch
-
-    return bool(
-        tensor.device.type == "cpu"
-        and tensor.layout is torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-        and not any(getattr(tensor, "names", None) or ())
-        and tensor.is_leaf
-        and not getattr(tensor, "__dict__", None)
-        and tensor.untyped_storage().nbytes() > 0
-    )
-
-
-class _StorageBytes:
-    """A CPU tensor storage's memory, pickled as one out-of-band buffer (no copy here)."""
-
-    def __init__(self, address: int, size: int) -> None:
-        self.address = address
-        self.size = size
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        import ctypes
-        import pickle
-
-        memory = (ctypes.c_char * self.size).from_address(self.address)
-        return (_rebuild_storage, (pickle.PickleBuffer(memoryview(memory).cast("B")),))
-
-
-def _rebuild_storage(buffer: Any) -> Any:
-    """A storage over ``buffer`` (in the launcher: a part of the frame, not copied again)."""
-    import torch
-
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
-
-
-def _rebuild_tensor(
-    storage: Any,
-    dtype: str,
-    offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    requires_grad: bool,
-) -> Any:
-    import torch
-
-    tensor = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)
-    return tensor.requires_grad_() if requires_grad else tensor
-
-
 def send_return_value(fd: int, value: object, what: str) -> None:
     """Write ``value`` to the pipe ``fd`` as one frame (in the worker). ``what`` names the
     returning function in the error raised when the value cannot be pickled."""
-    import io
-
-    buffers: list[memoryview] = []
-
-    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
-        try:
-            buffers.append(buffer.raw())
-        except BufferError:  # not contiguous: pickled in band instead
-            return True
-        return False
+    from relaunch.pickling import dump_parts
 
     try:
-        out = io.BytesIO()
-        _pickler_class()(out, protocol=5, buffer_callback=out_of_band).dump(value)
-        data = out.getbuffer()
+        data, *buffers = dump_parts(value)
     except Exception as exc:
         raise ReturnValueError(
             f"{what} returned a {type_name(value)}, which cannot be sent to the launcher: "

@@ -67,6 +67,9 @@ class DynamicJob:
         self._stores, self._store = stores, stores.store
         self.settings = settings
         self._rounds, self._key, self._roster = rounds, rounds.key, rounds.roster
+        #: The address the other nodes reach this one at (its workers' MASTER_ADDR when it
+        #: hosts rank 0, its state peer server's).
+        self.local_addr: str | None = rounds.local_addr
         self._standing = standing
         self._close = close
         self.identity = identity
@@ -297,6 +300,25 @@ class DynamicJob:
         except StoreError as exc:
             log.debug("could not read the notes: %s", exc)
         return notes
+
+    def gather(
+        self, name: str, rank: int, count: int, value: bytes, timeout: float
+    ) -> dict[int, bytes] | None:
+        round_ = self._standing.round
+        if round_ is None:
+            return None
+        names = [f"{name}/{member}" for member in range(count)]
+        prefix = self._key("notes/", round_)
+        try:
+            self._store.set(prefix + names[rank], value)
+            self._store.wait([prefix + part for part in names], timeout)
+            parts = dict(self._stores.read_notes(prefix, names))
+        except (StoreError, TimeoutError) as exc:
+            log.warning("could not gather the note %r of every node: %s", name, exc)
+            return None
+        if len(parts) != count:
+            return None
+        return {member: parts[part] for member, part in enumerate(names)}
 
     def exit_barrier(self, timeout: float) -> None:
         """Count this node done; group rank 0 waits for every member, then closes the job,

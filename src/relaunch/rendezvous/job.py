@@ -84,6 +84,17 @@ class JobServices(Protocol):
     def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
         """This round's notes of ``names`` that were posted."""
 
+    @property
+    def local_addr(self) -> str | None:
+        """The address the other nodes reach this one at (None: a job of one node)."""
+
+    def gather(
+        self, name: str, rank: int, count: int, value: bytes, timeout: float
+    ) -> dict[int, bytes] | None:
+        """Post ``value`` as group rank ``rank``'s part of this round's note ``name`` and wait
+        up to ``timeout`` seconds for the parts of all ``count`` group ranks; None when they
+        did not all come (a node was lost, the store failed)."""
+
     def exit_barrier(self, timeout: float) -> None:
         """Wait (up to ``timeout``) until every live node's workers have finished."""
 
@@ -115,6 +126,7 @@ class SoloJob:
     watches_membership = False
     pushes_changes = False
     lost_node_grace = 0.0
+    local_addr = None
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
         pass
@@ -155,6 +167,11 @@ class SoloJob:
 
     def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
         return {}
+
+    def gather(
+        self, name: str, rank: int, count: int, value: bytes, timeout: float
+    ) -> dict[int, bytes] | None:
+        return {rank: value} if count == 1 else None
 
     def exit_barrier(self, timeout: float) -> None:
         pass

@@ -87,7 +87,7 @@ class Rounds:
         self._store = stores.store
         self._news: Watchable = stores.news
         self.settings = settings
-        self._local_addr = local_addr
+        self._local_addr = self.local_addr = local_addr
         self._clock = clock
         self._prefix = f"relaunch/{run_id}"
         self.roster: Roster = stores.roster(self.key, node_id)

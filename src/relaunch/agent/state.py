@@ -1,0 +1,315 @@
+"""The agent's side of the state its workers keep (``relaunch.save_state``): the shared-memory
+directory that outlives them, the step each attempt resumes from (agreed by every node), the
+copies on disk (``--state-dir``), and the wait for just-in-time saves when a failure is pending.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
+
+from relaunch.agent.channel import Channel
+from relaunch.core import state as layout
+from relaunch.core.durations import seconds
+from relaunch.core.state_settings import StateSettings, default_memory
+from relaunch.procs.guardian import guardian
+from relaunch.procs.monitor import FailureGrace
+from relaunch.rendezvous.job import JobServices
+from relaunch.runtime import start_thread
+from relaunch.state.files import committed, copy_committed, file_header, find_slot, held_steps
+
+if TYPE_CHECKING:
+    from relaunch.agent.state_peers import PeerLink
+
+log = logging.getLogger(__name__)
+
+#: How often a wait for just-in-time saves looks whether the workers it waits for still run.
+EXIT_CHECK = 0.05
+#: How long the nodes wait for each other's steps before an attempt (a lost node ends it).
+AGREE_TIMEOUT = 60.0
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class StateKeeper:
+    """The state of one agent's workers, run after run, kept as ``settings`` say; with
+    ``peer_host`` (the address the node is known by in a job of several nodes), also on
+    another node (``agent.state_peers``)."""
+
+    def __init__(self, settings: StateSettings, peer_host: str | None = None) -> None:
+        memory = settings.memory
+        self.memory = default_memory(machine_memory()) if memory is None else memory
+        self.state_dir = state_dir = settings.directory
+        self.persist_every = settings.persist_every
+        self.jit_save_timeout = settings.jit_save_timeout
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.directory = tempfile.mkdtemp(prefix="relaunch_state_", dir=shm)
+        guardian().register_file(self.directory)  # removed even if this process is SIGKILLed
+        fifo = os.path.join(self.directory, layout.SAVED_FIFO)
+        os.mkfifo(fifo, 0o600)
+        self._saved_fd = os.open(fifo, os.O_RDWR)  # never waits for a writer; reads block
+        self._changed = threading.Condition()
+        self._saves: dict[int, int] = {}  # local rank -> saves committed, in this run
+        self._persisted_at = 0  # the total of saves at the last copy to disk
+        self._ranks: dict[int, int] = {}  # local rank -> global rank, this attempt
+        self._closing = False
+        self._expected: dict[int, int] = {}  # local rank -> saves it had when told to save
+        self._on_expected: Callable[[], None] | None = None
+        self._persist_wanted = threading.Event()
+        self._peers: PeerLink | None = None
+        if peer_host is not None:
+            from relaunch.agent.state_peers import PeerLink  # sockets: a job of several nodes
+
+            self._peers = PeerLink(self.directory, peer_host, self.memory)
+        self._reader = start_thread(self._read_saves, "relaunch-state-saves")
+        self._persister = (
+            None if state_dir is None else start_thread(self._persist_loop, "relaunch-state-disk")
+        )
+
+    def env(self, step: int | None) -> dict[str, str]:
+        """What every worker of an attempt that resumes from ``step`` is given."""
+        return {
+            layout.STATE_DIR_ENV: self.directory,
+            layout.STATE_MEMORY_ENV: str(self.memory),
+            layout.STATE_STEP_ENV: "" if step is None else str(step),
+        }
+
+    # -- before an attempt ---------------------------------------------------------------
+
+    def agree(
+        self,
+        job: JobServices,
+        group_rank: int,
+        group_world_size: int,
+        ranks: Mapping[int, int],
+        world_size: int,
+    ) -> int | None:
+        """The newest step every rank of the new world (``world_size`` ranks) has, on any
+        node, agreed with every node (None: start afresh); what this node's new ranks need of
+        it and lack is copied here first. ``ranks``: this node's local ranks -> their global
+        ranks."""
+        with self._changed:
+            self._ranks = dict(ranks)
+        self._seed(ranks.values())
+        held = held_steps(self.directory)
+        if group_world_size == 1 or self._peers is None:
+            step = layout.common_step(held, world_size)
+            self._fetch(step, ranks.values(), {})
+            return step
+        mine = {"address": self._peers.address, "token": self._peers.token, "held": held}
+        parts = job.gather(
+            "state", group_rank, group_world_size, json.dumps(mine).encode(), AGREE_TIMEOUT
+        )
+        if parts is None:
+            log.warning(
+                "the nodes could not agree on a step to resume from within %s: the workers "
+                "start without state (load_state() returns None)",
+                seconds(AGREE_TIMEOUT),
+            )
+            return None
+        nodes = {member: json.loads(raw) for member, raw in parts.items()}
+        anywhere: dict[int, set[int]] = {}
+        holders: dict[tuple[int, int], tuple[str, str]] = {}
+        for node in nodes.values():
+            peer = (str(node["address"]), str(node["token"]))
+            for rank_text, steps in node["held"].items():
+                for kept in steps:
+                    anywhere.setdefault(int(rank_text), set()).add(int(kept))
+                    holders.setdefault((int(rank_text), int(kept)), peer)
+        successor = nodes[(group_rank + 1) % group_world_size]
+        self._peers.follow((str(successor["address"]), str(successor["token"])))
+        step = layout.common_step(anywhere, world_size)
+        self._fetch(step, ranks.values(), holders)
+        return step
+
+    def _fetch(
+        self,
+        step: int | None,
+        ranks: Collection[int],
+        holders: Mapping[tuple[int, int], tuple[str, str]],
+    ) -> None:
+        """Make ``step`` of each of ``ranks`` one of its own slots here (``load_state`` reads
+        those): from a peer copy or a replicated save on this node, else pulled from a node
+        that holds it."""
+        if step is None:
+            return
+        for rank in ranks:
+            own = committed(self.directory, rank)
+            if any(head.step == step for head in own.values()):
+                continue
+            # The slot to give it: an empty one, else the older.
+            slot = min(layout.SLOTS, key=lambda n: own[n].generation if n in own else -1)
+            target = self._slot(rank, slot)
+            source = find_slot(self.directory, rank, step)
+            try:
+                if source is not None:
+                    copy_committed(source, target, fsync=False)
+                elif self._peers is not None and (rank, step) in holders:
+                    self._peers.pull(holders[(rank, step)], rank, step, target)
+            except (OSError, ValueError) as exc:
+                log.warning("could not fetch rank %d's state of step %d: %s", rank, step, exc)
+            head = file_header(target)
+            if head is None or head.step != step:
+                log.warning(
+                    "rank %d's state of step %d could not be brought here: its load_state() "
+                    "will fail",
+                    rank,
+                    step,
+                )
+
+    def _seed(self, ranks: Collection[int]) -> None:
+        """Ranks with nothing in memory get their copy on disk (a requeued job)."""
+        if self.state_dir is None:
+            return
+        for rank in ranks:
+            if committed(self.directory, rank):
+                continue
+            source = os.path.join(self.state_dir, layout.persisted_name(rank))
+            try:
+                copy_committed(source, self._slot(rank, 0), fsync=False)
+            except OSError as exc:
+                log.warning("could not restore rank %d's state from %s: %s", rank, source, exc)
+
+    def _slot(self, rank: int, slot: int) -> str:
+        return os.path.join(self.directory, layout.slot_name(rank, slot))
+
+    # -- while it runs ---------------------------------------------------------------------
+
+    def _read_saves(self) -> None:
+        record = layout.SAVED.size
+        while True:
+            data = os.read(self._saved_fd, record * 512)
+            if self._closing:
+                return
+            with self._changed:
+                for at in range(0, len(data) - record + 1, record):
+                    (local,) = layout.SAVED.unpack_from(data, at)
+                    self._saves[local] = self._saves.get(local, 0) + 1
+                    if self._peers is not None and local in self._ranks:
+                        self._peers.saved(self._ranks[local])
+                self._settle_expected()
+                total = sum(self._saves.values())
+                ranks = max(1, len(self._ranks))
+                if total - self._persisted_at >= self.persist_every * ranks:
+                    self._persisted_at = total
+                    self._persist_wanted.set()
+                self._changed.notify_all()
+
+    def saves(self) -> dict[int, int]:
+        """Saves committed so far, by local rank."""
+        with self._changed:
+            return dict(self._saves)
+
+    def expect_saves(self, ranks: Collection[int], then: Callable[[], None]) -> None:
+        """Call ``then()`` (from the saves' thread) once each local rank of ``ranks`` has
+        saved from now on, or is counted out (``not_expected``)."""
+        with self._changed:
+            self._expected = {rank: self._saves.get(rank, 0) for rank in ranks}
+            self._on_expected = then
+            self._settle_expected()
+
+    def not_expected(self, rank: int) -> None:
+        """Local rank ``rank`` will not save (it ended)."""
+        with self._changed:
+            self._expected.pop(rank, None)
+            self._settle_expected()
+
+    def _settle_expected(self) -> None:
+        """Drop the ranks that saved; ``then()`` once none is left (the lock held)."""
+        for rank, before in list(self._expected.items()):
+            if self._saves.get(rank, 0) > before:
+                del self._expected[rank]
+        if not self._expected and self._on_expected is not None:
+            then, self._on_expected = self._on_expected, None
+            then()
+
+    def wait_for_saves(
+        self, ranks: Collection[int], running: Callable[[], Collection[int]], timeout: float
+    ) -> set[int]:
+        """Wait up to ``timeout`` seconds until every local rank of ``ranks`` has saved from
+        now on or ended (``running()``, asked every ``EXIT_CHECK`` seconds: a worker's end
+        has no event here); the ranks that did neither."""
+        saved = threading.Event()
+        self.expect_saves(ranks, saved.set)
+        deadline = time.monotonic() + timeout
+        while not saved.wait(min(EXIT_CHECK, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            alive = set(running())
+            for rank in set(ranks) - alive:
+                self.not_expected(rank)
+        with self._changed:
+            missing, self._expected, self._on_expected = set(self._expected), {}, None
+        return missing
+
+    def _persist_loop(self) -> None:
+        while True:
+            self._persist_wanted.wait()
+            self._persist_wanted.clear()
+            if self._closing:
+                return
+            self.persist()
+
+    def persist(self) -> None:
+        """Copy each local rank's newest committed state to ``state_dir`` (a full disk: one
+        line, and the copy there before stays)."""
+        if self.state_dir is None:
+            return
+        with self._changed:
+            ranks = list(self._ranks.values())
+        for rank in ranks:
+            slots = committed(self.directory, rank)
+            if not slots:
+                continue
+            slot = max(slots, key=lambda number: slots[number].generation)
+            source = self._slot(rank, slot)
+            target = os.path.join(self.state_dir, layout.persisted_name(rank))
+            try:
+                os.makedirs(self.state_dir, exist_ok=True)
+                copy_committed(source, target, fsync=True)
+            except OSError as exc:
+                log.warning("could not write rank %d's state to %s: %s", rank, target, exc)
+
+    def close(self) -> None:
+        """The job ended, whichever way: the newest state to disk, the memory freed."""
+        self._closing = True
+        self._persist_wanted.set()
+        os.write(self._saved_fd, layout.SAVED.pack(0))  # ends the reader
+        self._reader.join()
+        if self._persister is not None:
+            self._persister.join()
+        self.persist()
+        if self._peers is not None:
+            self._peers.close()
+        os.close(self._saved_fd)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        guardian().unregister_file(self.directory)
+
+
+class JustInTime(FailureGrace):
+    """A failure of one of this node's workers: the others that listen
+    (``relaunch.failure_pending``) are told, and their stop waits up to ``timeout`` seconds
+    for their saves (``procs.monitor.FailureGrace``)."""
+
+    def __init__(self, keeper: StateKeeper, channel: Channel, timeout: float) -> None:
+        self._keeper, self._channel, self._timeout = keeper, channel, timeout
+
+    def begin(self, running: set[int], release: Callable[[], None]) -> float:
+        listening = [rank for rank in running if self._channel.failure_listening(rank)]
+        if not listening or self._timeout <= 0:
+            return 0.0
+        self._keeper.expect_saves(listening, release)
+        self._channel.announce_failure()
+        return self._timeout
+
+    def exited(self, local_rank: int) -> None:
+        self._keeper.not_expected(local_rank)

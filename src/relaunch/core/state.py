@@ -1,0 +1,142 @@
+"""Worker state kept by the agent (``relaunch.save_state``): the slot files' layout, which step
+a restarted world resumes from, and the memory bound's arithmetic.
+
+Each global rank has two slot files in the agent's shared-memory directory, ``rank{R}.0`` and
+``rank{R}.1``; a save writes the slot that does not hold the rank's newest step, and commits
+it by rewriting its header last (one ``pwrite``: a worker killed in the middle of a save leaves
+the slot uncommitted and the other one, the previous save, intact).
+
+Slot layout (little-endian)::
+
+    0: magic 8s | 8: committed u32 | 12: parts u32 | 16: step i64 | 24: generation u64
+   32: payload bytes u64 | 40: flags u32 (``REPLICATED``: the same on every rank) | 44..64
+   reserved
+   64: the parts' lengths, u64 each | then the parts back to back: the pickle (protocol 5),
+       then its out-of-band buffers
+
+A persisted state (``--state-dir``) is a slot's bytes as they were when committed. How an agent
+keeps state (its flags) is ``core.state_settings``: this module loads in every worker that
+saves, and stays light.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Collection, Mapping
+
+STATE_DIR_ENV = "RELAUNCH_STATE_DIR"
+STATE_MEMORY_ENV = "RELAUNCH_STATE_MEMORY"
+#: The step every rank of this attempt resumes from ("": none, start afresh).
+STATE_STEP_ENV = "RELAUNCH_STATE_STEP"
+
+MAGIC = b"RLSTATE1"
+HEADER = struct.Struct("<8sIIqQQI")
+#: A flag of a slot: its state is every rank's (data parallel), so a rank that lacks its own
+#: save of the step may resume from it.
+REPLICATED = 1
+HEADER_SIZE = 64
+#: The offset of the commit flag (a u32): cleared first and set last by a save.
+COMMITTED = 8
+LENGTH = struct.Struct("<Q")
+#: A header with more parts than this is not one relaunch wrote.
+MAX_PARTS = 1 << 24
+SLOTS = (0, 1)
+#: The FIFO in the state directory a worker writes its local rank to (``SAVED``) after each
+#: committed save: the agent counts saves (``--state-persist-every``) and waits for the
+#: just-in-time saves on it.
+SAVED_FIFO = "saved.fifo"
+SAVED = struct.Struct("<H")
+
+
+def slot_name(rank: int, slot: int) -> str:
+    return f"rank{rank}.{slot}"
+
+
+def persisted_name(rank: int) -> str:
+    return f"rank{rank}.state"
+
+
+def header(
+    step: int, generation: int, lengths: Collection[int], committed: bool, flags: int = 0
+) -> bytes:
+    """The 64-byte header of a slot holding parts of ``lengths``."""
+    head = HEADER.pack(
+        MAGIC, int(committed), len(lengths), step, generation, payload(lengths), flags
+    )
+    return head.ljust(HEADER_SIZE, b"\0")
+
+
+def payload(lengths: Collection[int]) -> int:
+    """Bytes after the header: the length table and the parts."""
+    return LENGTH.size * len(lengths) + sum(lengths)
+
+
+class Header:
+    """A slot's header as read: ``None`` from ``read_header`` when it is not a committed one."""
+
+    __slots__ = ("flags", "generation", "parts", "payload", "step")
+
+    def __init__(self, step: int, generation: int, parts: int, payload: int, flags: int) -> None:
+        self.step, self.generation, self.parts, self.payload = step, generation, parts, payload
+        self.flags = flags
+
+    @property
+    def replicated(self) -> bool:
+        return bool(self.flags & REPLICATED)
+
+    @property
+    def size(self) -> int:
+        """The slot's bytes in use: header and payload."""
+        return HEADER_SIZE + self.payload
+
+
+def read_header(data: bytes) -> Header | None:
+    """The header of a committed slot from its first ``HEADER_SIZE`` bytes; None otherwise."""
+    if len(data) < HEADER.size:
+        return None
+    magic, committed, parts, step, generation, length, flags = HEADER.unpack_from(data)
+    if magic != MAGIC or committed != 1 or not 0 < parts <= MAX_PARTS:
+        return None
+    if length < LENGTH.size * parts:
+        return None
+    return Header(step, generation, parts, length, flags)
+
+
+def steps_held(own: Mapping[int, Collection[Header]]) -> dict[int, list[int]]:
+    """The steps each rank of one node can resume from: its own saves, and the replicated
+    saves of any rank of the node (``REPLICATED``)."""
+    shared = {head.step for heads in own.values() for head in heads if head.replicated}
+    return {rank: sorted({head.step for head in heads} | shared) for rank, heads in own.items()}
+
+
+def common_step(steps: Mapping[int, Collection[int]], world_size: int) -> int | None:
+    """The newest step every rank ``0 .. world_size-1`` has (None: a rank has none, or no step
+    is common): the step a re-formed world resumes from."""
+    if world_size < 1 or any(rank not in steps for rank in range(world_size)):
+        return None
+    shared = set(steps[0])
+    for rank in range(1, world_size):
+        shared &= set(steps[rank])
+    return max(shared) if shared else None
+
+
+def format_bytes(size: int) -> str:
+    """``size`` as people read it: ``100 MiB``, ``1.5 GiB``, ``512 B``."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.3g} {unit}" if unit != "B" else f"{size} B"
+        value /= 1024
+    return f"{value:.3g} TiB"
+
+
+def too_large(needed: int, in_use: int, limit: int) -> str | None:
+    """The one line a save that does not fit the bound gets, or None when it fits.
+    ``in_use``: the other slots' bytes, which stay."""
+    if in_use + needed <= limit:
+        return None
+    return (
+        f"save_state needs {format_bytes(needed)} but the agent's state memory holds "
+        f"{format_bytes(limit)} ({format_bytes(in_use)} in use by the other saves): raise "
+        "--state-memory (PET_STATE_MEMORY) or save less"
+    )

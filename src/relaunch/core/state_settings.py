@@ -1,0 +1,62 @@
+"""How an agent keeps its workers' state (``--state-memory``, ``--state-dir``,
+``--state-persist-every``, ``--jit-save-timeout``): the typed settings, checked once, and the
+sizes people write (``8G``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: ``--state-memory``'s default: this share of the machine's memory.
+DEFAULT_MEMORY_SHARE = 0.25
+DEFAULT_PERSIST_EVERY = 10
+DEFAULT_JIT_SAVE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class StateSettings:
+    """How an agent keeps its workers' state: ``memory`` bytes of shared memory at most (None:
+    ``default_memory``); a copy in ``directory`` every ``persist_every`` saves of each rank and
+    at the job's end (None: none); ``jit_save_timeout`` seconds for the listening workers'
+    saves when a failure is pending (0: none)."""
+
+    memory: int | None = None
+    directory: str | None = None
+    persist_every: int = DEFAULT_PERSIST_EVERY
+    jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.memory is not None and (isinstance(self.memory, bool) or self.memory <= 0):
+            raise ValueError(f"state memory must be a number of bytes > 0, got {self.memory!r}")
+        if isinstance(self.persist_every, bool) or not (
+            isinstance(self.persist_every, int) and self.persist_every >= 1
+        ):
+            raise ValueError(
+                f"state_persist_every must be a whole number >= 1, got {self.persist_every!r}"
+            )
+        if not (isinstance(self.jit_save_timeout, (int, float)) and self.jit_save_timeout >= 0):
+            raise ValueError(
+                f"jit_save_timeout must be seconds >= 0, got {self.jit_save_timeout!r}"
+            )
+
+
+def default_memory(machine_bytes: int) -> int:
+    """``--state-memory`` when none is given: a quarter of the machine's memory."""
+    return int(machine_bytes * DEFAULT_MEMORY_SHARE)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``512M``, ``8G``, ``1.5GiB`` or a number of bytes (K, M, G, T: powers of 1024)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a size: give bytes or a number with K, M, G or T (e.g. 8G)"
+        )
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"a state memory bound must be more than 0 bytes, got {text!r}")
+    return size

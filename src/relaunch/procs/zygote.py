@@ -1,0 +1,532 @@
+"""Warm starts (``--preload``): Python workers forked from a zygote that imported the heavy
+modules once, rather than started cold.
+
+The agent keeps one ``Zygote`` for its run: started when the run begins (its imports overlap the
+rendezvous), asked for each Python worker of every attempt (``spawn``, from
+``SubprocessContext``), started again when it died, and closed when the run ends. The zygote is
+``relaunch.procs._zygote``, run by path in the workers' own interpreter; the two talk over a
+Unix socket pair (``_zygote.send_message``/``receive_message``: marshal data, descriptors by
+``SCM_RIGHTS``).
+
+A worker forked from it sees what ``python [-u] script.py ARGS`` or ``python [-u] -m MODULE
+ARGS`` started by ``subprocess.Popen`` would: the agent sends, with the request, everything a
+fresh process takes from its parent at that moment (the environment, the working directory,
+the calling thread's CPUs and signal mask, the ignored signals, the umask, its stdin, stdout and
+stderr). What the zygote cannot reproduce exactly starts cold, as before (``spawn`` returns
+None): another interpreter or interpreter options (``-c``, ``-O``, ``-X``...; ``-u`` only where
+the zygote has it too), a ``sys.path[0]`` other than the zygote's, a difference in a variable
+the interpreter reads as it starts (``PYTHON*``, the locale's), a directory or zip archive as
+the script.
+
+A ``ZygoteHandle`` is what ``PopenHandle`` is for a cold worker: the pid, a descriptor that
+becomes readable when the exit status is known (the status pipe), ``poll``, ``wait``,
+``abandon`` and ``release``. If the zygote dies, its workers die with it (``PR_SET_PDEATHSIG``)
+and read as killed (-SIGKILL) once their pid is gone; the group then restarts as after any
+failure, from a new zygote.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+import zipimport
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from relaunch.procs import _zygote
+from relaunch.procs.guardian import guardian
+from relaunch.procs.handles import PopenHandle
+from relaunch.procs.signals import signals_deferred
+
+log = logging.getLogger(__name__)
+
+#: The zygote's program: read and run ``_zygote.py`` by path (``argv[1]``), in ``__main__``.
+BOOT = "import sys;p=sys.argv[1];exec(compile(open(p,'rb').read(),p,'exec'))"
+#: The interpreter options a zygote and its workers may have (one set per zygote).
+OPTIONS = frozenset({"-u"})
+#: Variables the interpreter reads as it starts: a worker whose values differ starts cold.
+LOCALE_VARIABLES = ("LANG", "LC_ALL", "LC_CTYPE")
+#: Seconds a request waits for the zygote's reply (a fork, even of a large process, takes far
+#: less): past it the zygote counts as gone, and a new one is started.
+REPLY_TIMEOUT = 60.0
+#: A name the workers' Python may have, when it is not the launcher's own.
+_PYTHON_NAME = re.compile(r"python[0-9.]*[a-z]?(\.exe)?")
+
+
+class PreloadError(Exception):
+    """The modules ``--preload`` names cannot be preloaded (the message says why, in one
+    line); the agent reports it as bad input."""
+
+
+@dataclass(frozen=True)
+class PythonCommand:
+    """A worker's command line read as ``python [OPTIONS] script ARGS`` or ``python [OPTIONS]
+    -m module ARGS``."""
+
+    python: str
+    options: tuple[str, ...]
+    script: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+    @property
+    def sys_argv(self) -> list[str]:
+        """``sys.argv`` as the interpreter sets it before the code runs (``-m``: runpy puts the
+        module's path in place of ``-m``)."""
+        return ["-m" if self.module is not None else str(self.script), *self.args]
+
+    def path0(self, cwd: str) -> str:
+        """``sys.path[0]`` for a worker started in ``cwd``: the script's directory, symbolic
+        links resolved (``-m``: ``cwd``), as CPython computes it."""
+        if self.script is None:
+            return cwd
+        return os.path.dirname(os.path.realpath(os.path.join(cwd, self.script)))
+
+
+def python_command(argv: Sequence[str], python_names: Sequence[str] = ()) -> PythonCommand | None:
+    """``argv`` as a Python worker's command the zygote can run, or None: not a Python
+    (``argv[0]`` is neither one of ``python_names``, the launcher's ``sys.executable`` nor named
+    ``python...``), options other than ``OPTIONS``, ``-c`` or stdin."""
+    if not argv:
+        return None
+    python = argv[0]
+    known = (sys.executable, os.environ.get("PYTHON_EXEC", ""), *python_names)
+    if python not in known and not _PYTHON_NAME.fullmatch(os.path.basename(python)):
+        return None
+    options: list[str] = []
+    rest = list(argv[1:])
+    while rest and rest[0].startswith("-") and rest[0] != "-":
+        option = rest.pop(0)
+        if option == "-m" and rest:
+            return PythonCommand(python, tuple(options), None, rest[0], tuple(rest[1:]))
+        if option not in OPTIONS or option in options:
+            return None
+        options.append(option)
+    if not rest or rest[0] == "-":
+        return None
+    return PythonCommand(python, tuple(options), rest[0], None, tuple(rest[1:]))
+
+
+def startup_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that the interpreter reads as it starts."""
+    return {
+        name: value
+        for name, value in env.items()
+        if name.startswith("PYTHON") or name in LOCALE_VARIABLES
+    }
+
+
+class ZygoteGone(Exception):
+    """The zygote ended (or its socket broke) before it answered."""
+
+
+class ZygoteHandle(PopenHandle):
+    """A worker forked by the zygote, as a ``PopenHandle`` is a cold one (a subclass for the
+    monitor's types: no ``Popen`` behind it).
+
+    ``exit_fd`` is the status pipe: readable once the zygote wrote the wait status, or at its
+    end without one when the zygote died; the worker then reads as killed (-SIGKILL) once its
+    pid is gone (told by a pidfd where there are pidfds).
+    """
+
+    def __init__(self, pid: int, status_fd: int, pidfd: int | None) -> None:
+        self.pid = pid
+        self.exit_fd = status_fd
+        os.set_blocking(status_fd, False)
+        self._pidfd = pidfd
+        self._code: int | None = None
+        self._orphaned = False
+
+    def poll(self) -> int | None:
+        if self._code is None and not self._orphaned:
+            try:
+                data = os.read(self.exit_fd, _zygote.INT_SIZE)
+            except BlockingIOError:
+                return None
+            except OSError:
+                data = b""
+            if len(data) == _zygote.INT_SIZE:
+                self._code = os.waitstatus_to_exitcode(int.from_bytes(data, "little"))
+            else:
+                self._orphaned = True  # the zygote died before it could say
+        if self._code is None and self._orphaned and self._gone():
+            self._code = -signal.SIGKILL
+        return self._code
+
+    def _gone(self) -> bool:
+        if self._pidfd is not None:
+            return _readable(self._pidfd, 0)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, waiting up to ``timeout`` seconds; None if it has not exited."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not self._orphaned:
+                _readable(self.exit_fd, left)
+            elif self._pidfd is not None:
+                _readable(self._pidfd, left)
+            else:  # no pidfds here: look again shortly
+                time.sleep(min(left, 0.01))
+        return self._code
+
+    def abandon(self) -> None:
+        """Nothing to do: the zygote reaps it whenever it dies."""
+
+    def release(self) -> None:
+        os.close(self.exit_fd)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+@dataclass
+class _Caller:
+    """What a process started now by the calling thread would inherit from it."""
+
+    cwd: str
+    cpus: list[int]
+    blocked: int
+    ignored: int
+    umask: int
+
+
+def _caller() -> _Caller:
+    fields: dict[str, str] = {}
+    for path in ("/proc/thread-self/status", f"/proc/self/task/{threading.get_native_id()}/status"):
+        try:
+            with open(path) as file:
+                fields = dict(line.split(":", 1) for line in file if ":" in line)
+            break
+        except OSError:
+            continue
+    if "Umask" in fields:
+        umask = int(fields["Umask"].strip(), 8)
+    else:
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return _Caller(
+        os.getcwd(),
+        sorted(os.sched_getaffinity(0)),
+        int(fields.get("SigBlk", "0").strip(), 16),
+        int(fields.get("SigIgn", "0").strip(), 16),
+        umask,
+    )
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` becomes readable within ``timeout`` seconds (any descriptor number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
+
+
+def _valid(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+class Zygote:
+    """The zygote of one agent: imports ``preload`` once, in the interpreter and with the
+    options of ``command`` (the workers' command line), with the environment ``env`` (the
+    launcher's and the variables every worker gets), then forks the workers (``spawn``).
+
+    ``start`` starts it (and returns at once); ``spawn`` waits for it to be ready the first
+    time, and starts it again when it died. ``close`` ends it. ``started`` counts the zygotes
+    started; ``ready`` is the last one's report (its pid, the threads its imports left).
+    """
+
+    def __init__(
+        self, preload: Sequence[str], command: PythonCommand, env: Mapping[str, str]
+    ) -> None:
+        self.preload = tuple(preload)
+        self._command = command
+        self._env = dict(env)
+        self._startup = startup_variables(self._env)
+        self._cwd = os.getcwd()
+        self._path0 = command.path0(self._cwd)
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self.ready: dict[str, Any] | None = None
+        self.started = 0
+        self._cold_reason = ""
+        self._closed = False
+        _zygotes.add(self)
+
+    @property
+    def pid(self) -> int | None:
+        """The running zygote's pid (None: none runs)."""
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> None:
+        """Start the zygote unless one runs (its imports run meanwhile)."""
+        with self._lock:
+            if self._proc is None and not self._cold_reason and not self._closed:
+                self._launch()
+
+    def revive(self) -> None:
+        """Start a new zygote now if the last one died (it imports while the agent rejoins)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is not None:
+                log.warning("--preload: %s; starting a new one", self._ended())
+                self._launch()
+
+    def _launch(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = self._command
+        argv = [
+            command.python,
+            *command.options,
+            "-c",
+            BOOT,
+            _zygote.__file__,
+            str(child.fileno()),
+            "preload=" + ",".join(self.preload),  # for ps: what this process is
+        ]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=self._env,
+                cwd=self._cwd,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(child.fileno(),),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            parent.close()
+            self._cold_reason = f"cannot start {command.python}: {exc}"
+            log.warning("--preload: %s; the workers start cold", self._cold_reason)
+            return
+        finally:
+            child.close()
+        guardian().register(proc.pid)
+        self._proc, self._sock, self.ready = proc, parent, None
+        self.started += 1
+        setup = {
+            "preload": list(self.preload),
+            "argv": command.sys_argv,
+            "path0": self._path0,
+            "agent": os.getpid(),
+        }
+        try:
+            _zygote.send_message(parent, setup)
+        except OSError:
+            pass  # it died already: found out when it is asked for a worker
+
+    def _discard(self) -> None:
+        """Let go of the zygote: close its socket and SIGKILL it (it has nothing to finish;
+        workers it still has die with it)."""
+        proc, sock = self._proc, self._sock
+        self._proc = self._sock = None
+        self.ready = None
+        if sock is not None:
+            sock.close()
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        guardian().unregister(proc.pid)
+
+    def close(self) -> None:
+        """End the zygote (its workers, if any still run, die with it)."""
+        with self._lock:
+            self._closed = True
+            self._discard()
+
+    def _wait_ready(self) -> bool:
+        """Wait for the zygote's report (the first time); whether workers may be forked from
+        it. PreloadError when the modules cannot be imported."""
+        if self.ready is not None:
+            return True
+        sock = self._sock
+        assert sock is not None
+        try:
+            got = _zygote.receive_message(sock, 0)
+        except (OSError, EOFError):
+            got = None
+        except BaseException:
+            self._discard()  # a signal: the next start begins from a new zygote
+            raise
+        if got is None:
+            raise ZygoteGone(self._ended())
+        report = got[0]
+        assert isinstance(report, dict)
+        self.ready = report
+        error = report["error"]
+        if error is not None:
+            self._discard()
+            raise PreloadError(f"--preload {','.join(self.preload)}: {error}")
+        why = ""
+        if report["cuda"]:
+            why = "importing them initialised CUDA, which a forked process cannot use"
+        elif report["python_threads"]:
+            names = ", ".join(report["python_threads"])
+            why = f"importing them started Python threads ({names}) that forked workers would lack"
+        if why:
+            self._cold_reason = why
+            log.warning("--preload %s: %s; the workers start cold", ",".join(self.preload), why)
+            self._discard()
+            return False
+        if report["native_threads"]:
+            log.warning(
+                "--preload %s: importing them left %d native thread(s) running in the zygote; "
+                "forked workers do not have them",
+                ",".join(self.preload),
+                report["native_threads"],
+            )
+        return True
+
+    def _ended(self) -> str:
+        """Why the zygote stopped answering (it is let go of)."""
+        proc = self._proc
+        code = None
+        if proc is not None:
+            try:
+                code = proc.wait(1.0)  # its socket closed as it died: it is about to be reaped
+            except subprocess.TimeoutExpired:
+                pass
+        self._discard()
+        if code is None:
+            return "the zygote stopped answering"
+        if code < 0:
+            try:
+                return f"the zygote died of {signal.Signals(-code).name}"
+            except ValueError:
+                return f"the zygote died of signal {-code}"
+        return f"the zygote exited with status {code}"
+
+    def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], stdout: int | None, stderr: int | None
+    ) -> ZygoteHandle | None:
+        """Fork the worker ``argv`` with the environment ``env`` (all of it), writing to the
+        descriptors ``stdout`` and ``stderr`` (None: the agent's); None when it must start
+        cold (``python_command``, ``startup_variables``, a script that is no file)."""
+        command = python_command(argv, (self._command.python,))
+        if command is None or not self._fits(command, env):
+            return None
+        try:
+            caller = _caller()
+        except OSError:
+            return None
+        if command.path0(caller.cwd) != self._path0:
+            return None
+        streams = [fd for fd in (0, 1, 2) if _valid(fd)]
+        given = {1: stdout, 2: stderr}
+        sent = [fd for fd in (0, 1, 2) if given.get(fd) is not None or fd in streams]
+        fds = [fd if given.get(fd) is None else given[fd] for fd in sent]
+        request = {
+            "argv": list(argv),
+            "sys_argv": command.sys_argv,
+            "script": command.script,
+            "module": command.module,
+            "path0": command.path0(caller.cwd),
+            "env": dict(env),
+            "cwd": caller.cwd,
+            "cpus": caller.cpus,
+            "blocked": caller.blocked,
+            "ignored": caller.ignored,
+            "umask": caller.umask,
+            "streams": sent,
+        }
+        with self._lock:
+            for _ in range(2):  # a zygote found dead is started again, once
+                if self._cold_reason or self._closed:
+                    return None
+                if self._proc is None:
+                    self._launch()
+                    if self._proc is None:
+                        return None
+                try:
+                    if not self._wait_ready():
+                        return None
+                    return self._request(request, [fd for fd in fds if fd is not None])
+                except ZygoteGone as gone:
+                    log.warning("--preload: %s; starting a new one", gone)
+            raise PreloadError(
+                f"--preload {','.join(self.preload)}: the zygote died twice in a row before it "
+                "could fork a worker"
+            )
+
+    def _fits(self, command: PythonCommand, env: Mapping[str, str]) -> bool:
+        if (command.python, command.options) != (self._command.python, self._command.options):
+            return False
+        if startup_variables(env) != self._startup:
+            return False
+        if any("=" in name or "\0" in name or "\0" in value for name, value in env.items()):
+            return False  # what Popen refuses, it refuses the same way
+        script = command.script
+        if script is not None:
+            if not os.path.isfile(script) or script.endswith(".pyc"):
+                return False  # as CPython runs it, or says it cannot
+            try:
+                zipimport.zipimporter(script)
+            except zipimport.ZipImportError:
+                pass
+            else:
+                return False  # a zip application: runpy runs its __main__
+        return True
+
+    def _request(self, request: dict[str, Any], fds: list[int]) -> ZygoteHandle:
+        sock = self._sock
+        assert sock is not None
+        try:
+            with signals_deferred():  # a request and its reply, whole
+                sock.settimeout(REPLY_TIMEOUT)
+                try:
+                    _zygote.send_message(sock, request, fds)
+                    got = _zygote.receive_message(sock, 2)
+                finally:
+                    sock.settimeout(None)
+        except (OSError, EOFError):
+            got = None
+        except BaseException:
+            self._discard()
+            raise
+        if got is None:
+            raise ZygoteGone(self._ended())
+        reply, received = got
+        assert isinstance(reply, dict)
+        return ZygoteHandle(reply["pid"], received[0], received[1] if len(received) > 1 else None)
+
+
+def _forget_in_child() -> None:
+    """A process forked by the agent (a function worker) must not keep a zygote's socket open,
+    or the zygote would outlive a dead agent: the sockets are close-on-exec, not close-on-fork."""
+    for zygote in list(_zygotes):
+        sock = zygote._sock
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        zygote._sock = zygote._proc = None
+        zygote._closed = True
+
+
+_zygotes: weakref.WeakSet[Zygote] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_forget_in_child)

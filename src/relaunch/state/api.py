@@ -1,0 +1,195 @@
+"""What a worker calls to keep its state in its agent's memory: ``save_state`` and
+``load_state``.
+
+The agent owns a shared-memory directory (``RELAUNCH_STATE_DIR``) that outlives its workers;
+each rank saves into two slot files of its own (``core.state``), so a worker killed in the
+middle of a save leaves its previous save whole. Before each attempt the agents agree on the
+newest step every rank of the new world has (``RELAUNCH_STATE_STEP``), and ``load_state``
+gives it. Outside relaunch both do nothing (``load_state`` returns None).
+"""
+
+from __future__ import annotations
+
+import os
+
+from relaunch.core import state as layout
+
+TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseconds
+if TYPE_CHECKING:
+    from typing import Any
+
+    from relaunch.state.files import SlotWriter
+
+_slots: dict[int, SlotWriter] = {}  # slot -> the mapped slot file of this process' rank
+_newest: tuple[int, int, int] | None = None  # (slot, step, generation) of the last commit
+_opened_for: tuple[str, int] | None = None  # the directory and rank the slots belong to
+_saved_fd = -1
+
+
+def _forget() -> None:
+    """In a forked child: its own slots, looked at afresh."""
+    global _newest, _opened_for, _saved_fd
+    _slots.clear()  # the parent's maps: left to it
+    _newest, _opened_for, _saved_fd = None, None, -1
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
+class StateError(RuntimeError):
+    """A save that cannot be kept (too large for ``--state-memory``, the memory full) or a
+    load that cannot be read; the message says what to do."""
+
+
+def _where() -> tuple[str, int, int] | None:
+    """The agent's state directory, this worker's global and local rank; None outside
+    relaunch."""
+    directory = os.environ.get(layout.STATE_DIR_ENV)
+    rank, local = os.environ.get("RANK", ""), os.environ.get("LOCAL_RANK", "")
+    if not directory or not rank.isdigit() or not local.isdigit():
+        return None
+    return directory, int(rank), int(local)
+
+
+def _open_slots(directory: str, rank: int) -> None:
+    """Open this rank's two slots (once per process) and find its newest commit."""
+    global _newest, _opened_for
+    from relaunch.state.files import SlotWriter, slot_header
+
+    for writer in _slots.values():
+        writer.close()
+        os.close(writer.fd)
+    _slots.clear()
+    _newest = None
+    for slot in layout.SLOTS:
+        path = os.path.join(directory, layout.slot_name(rank, slot))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _slots[slot] = SlotWriter(fd)
+        head = slot_header(fd)
+        if head is not None and (_newest is None or head.generation > _newest[2]):
+            _newest = (slot, head.step, head.generation)
+    _opened_for = (directory, rank)
+
+
+def _others_in_use(directory: str, mine: str) -> int:
+    """Bytes of shared memory the directory's other files hold (the other nodes' copies in
+    its ``peers`` too)."""
+    total = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name != mine and entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+            elif entry.is_dir(follow_symlinks=False):
+                total += _others_in_use(entry.path, "")
+    return total
+
+
+def save_state(state: Any, step: int, *, replicated: bool = False) -> None:
+    """Keep ``state`` (any picklable object: a dict of tensors and optimizer state too) as this
+    rank's state at ``step``, in memory the agent owns: it survives this worker's death, and
+    after a restart ``load_state`` gives it back. Copies each byte once (pickle protocol 5,
+    buffers out of band); the previous save stays whole until this one is committed.
+    ``replicated``: the state is the same on every rank (data parallel), so a rank of this node
+    that lacks its own save of ``step`` (it failed first) may resume from this one: what a
+    just-in-time save (``failure_pending``) should say. ``StateError`` when it does not fit
+    ``--state-memory``. Outside relaunch it does nothing."""
+    global _newest
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_state's step must be a whole number >= 0, got {step!r}")
+    where = _where()
+    if where is None:
+        return
+    directory, rank, local = where
+    if _opened_for != (directory, rank):
+        _open_slots(directory, rank)
+    from relaunch.pickling import dump_parts
+
+    parts = dump_parts(state)
+    needed = layout.HEADER_SIZE + layout.payload([part.nbytes for part in parts])
+    slot = 0 if _newest is None or _newest[0] == 1 else 1
+    name = layout.slot_name(rank, slot)
+    limit = int(os.environ.get(layout.STATE_MEMORY_ENV) or 0)
+    if limit:
+        problem = layout.too_large(needed, _others_in_use(directory, name), limit)
+        if problem is not None:
+            raise StateError(problem)
+    generation = 1 if _newest is None else _newest[2] + 1
+    try:
+        _slots[slot].write(step, generation, parts, layout.REPLICATED if replicated else 0)
+    except OSError as exc:
+        raise StateError(
+            f"save_state could not keep {layout.format_bytes(needed)} in {directory}: "
+            f"{exc.strerror or exc}; lower --state-memory below what the machine's /dev/shm "
+            "holds, or save less"
+        ) from None
+    _newest = (slot, step, generation)
+    _tell_agent(directory, local)
+
+
+def _tell_agent(directory: str, local: int) -> None:
+    """One record on the agent's FIFO: a save was committed (never blocks)."""
+    global _saved_fd
+    if _saved_fd < 0:
+        try:
+            _saved_fd = os.open(
+                os.path.join(directory, layout.SAVED_FIFO),
+                os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC,
+            )
+        except OSError:
+            return
+    try:
+        os.write(_saved_fd, layout.SAVED.pack(local))
+    except OSError:
+        pass  # full: the agent has records to read already
+
+
+def load_state() -> tuple[int, Any] | None:
+    """``(step, state)``: what this rank saved at the newest step every rank of this world has
+    (the same step on every rank), or None when there is none (a first start, outside
+    relaunch). ``StateError`` when the kept state cannot be read back."""
+    import time
+
+    from relaunch.worker import note_restore
+
+    began = time.time()
+    loaded = _load()
+    note_restore(began, time.time(), -1 if loaded is None else loaded[0])
+    return loaded
+
+
+def _load() -> tuple[int, Any] | None:
+    where = _where()
+    step_text = os.environ.get(layout.STATE_STEP_ENV, "")
+    if where is None or not step_text.isdigit():
+        return None
+    directory, rank, _ = where
+    step = int(step_text)
+    from relaunch.state.files import StateCorrupt, committed, file_header, find_replica, read_slot
+
+    slots = committed(directory, rank)
+    newest_first = sorted(slots.items(), key=lambda item: -item[1].generation)
+    paths = [
+        os.path.join(directory, layout.slot_name(rank, slot))
+        for slot, head in newest_first
+        if head.step == step
+    ]
+    replica = None if paths else find_replica(directory, step)
+    for path in paths or ([] if replica is None else [replica]):
+        head = file_header(path)
+        if head is None or head.step != step:
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            parts = read_slot(fd, head)
+        except StateCorrupt as exc:
+            raise StateError(f"load_state: rank {rank}'s state of step {step}: {exc}") from None
+        finally:
+            os.close(fd)
+        import pickle
+
+        return step, pickle.loads(parts[0], buffers=parts[1:])
+    raise StateError(
+        f"load_state: rank {rank}'s state of step {step} is no longer in {directory} (another "
+        "process of this rank saved over it before load_state): call load_state before "
+        "save_state"
+    )

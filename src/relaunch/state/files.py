@@ -1,0 +1,229 @@
+"""The slot files of ``core.state``, read and written with ``pread``/``pwrite``: each byte is
+copied once, from the worker's memory into the shared-memory file, and once back on a load."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+from relaunch.core.state import (
+    COMMITTED,
+    HEADER_SIZE,
+    LENGTH,
+    SLOTS,
+    Header,
+    header,
+    read_header,
+    slot_name,
+    steps_held,
+)
+
+#: The subdirectory of a state directory that holds other nodes' copies (``agent.state_peers``).
+PEERS = "peers"
+
+
+class StateCorrupt(Exception):
+    """A committed slot whose bytes do not match its header (changed while read, or damaged)."""
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _read_into(fd: int, part: bytearray | memoryview, offset: int) -> None:
+    view = memoryview(part)
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise StateCorrupt("the slot ends before its header says")
+        view, offset = view[got:], offset + got
+
+
+class SlotWriter:
+    """A worker's slot file, mapped: a save is a ``memcpy`` into pages the file already has
+    (after its first save of that size), with no system call per part. Its memory is reserved
+    (``posix_fallocate``) before it is written, so a full ``/dev/shm`` is an ``OSError`` here,
+    never a SIGBUS in the middle of a save."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map: mmap.mmap | None = None
+
+    def write(self, step: int, generation: int, parts: Sequence[memoryview], flags: int = 0) -> int:
+        """Write ``parts`` and commit them as ``step``: the commit flag is cleared first and
+        set last, each one aligned 4-byte store, so a death in between leaves an uncommitted
+        slot. Returns the slot's bytes in use."""
+        lengths = [part.nbytes for part in parts]
+        used = HEADER_SIZE + LENGTH.size * len(lengths) + sum(lengths)
+        mapped = self._reserve(used)
+        with memoryview(mapped) as view:
+            view[COMMITTED : COMMITTED + 4] = b"\0\0\0\0"
+            view[:HEADER_SIZE] = header(step, generation, lengths, committed=False, flags=flags)
+            offset = HEADER_SIZE
+            for length in lengths:
+                LENGTH.pack_into(view, offset, length)
+                offset += LENGTH.size
+            for part in parts:
+                view[offset : offset + part.nbytes] = part.cast("B")
+                offset += part.nbytes
+            view[COMMITTED : COMMITTED + 4] = b"\1\0\0\0"
+        return used
+
+    def _reserve(self, used: int) -> mmap.mmap:
+        size = os.fstat(self.fd).st_size
+        if size < used or size > 2 * used:  # grow, or give back what a larger state took
+            self.close()
+            os.ftruncate(self.fd, used)
+            os.posix_fallocate(self.fd, 0, used)
+            size = used
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, size)
+        return self._map
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def slot_header(fd: int) -> Header | None:
+    """The header of the slot ``fd`` when it is committed."""
+    return read_header(os.pread(fd, HEADER_SIZE, 0))
+
+
+def read_slot(fd: int, expected: Header) -> list[bytearray]:
+    """The parts of the committed slot ``fd`` whose header was ``expected``: the pickle, then
+    its buffers, each in memory of its own. ``StateCorrupt`` when the slot changed meanwhile
+    or does not match its header."""
+    table = os.pread(fd, LENGTH.size * expected.parts, HEADER_SIZE)
+    if len(table) != LENGTH.size * expected.parts:
+        raise StateCorrupt("the slot ends inside its length table")
+    lengths = [LENGTH.unpack_from(table, at)[0] for at in range(0, len(table), LENGTH.size)]
+    if len(table) + sum(lengths) != expected.payload:
+        raise StateCorrupt("the slot's lengths do not add up to its header's")
+    parts = [bytearray(length) for length in lengths]
+    offset = HEADER_SIZE + len(table)
+    for part in parts:
+        _read_into(fd, part, offset)
+        offset += len(part)
+    again = slot_header(fd)
+    if again is None or again.generation != expected.generation:
+        raise StateCorrupt("the slot was rewritten while it was read")
+    return parts
+
+
+def committed(directory: str, rank: int) -> dict[int, Header]:
+    """The committed slots of ``rank`` in ``directory``, by slot number."""
+    found = {}
+    for slot in SLOTS:
+        head = file_header(os.path.join(directory, slot_name(rank, slot)))
+        if head is not None:
+            found[slot] = head
+    return found
+
+
+def file_header(path: str) -> Header | None:
+    """The header of the slot file ``path`` when it is there and committed."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return slot_header(fd)
+    finally:
+        os.close(fd)
+
+
+def find_replica(directory: str, step: int) -> str | None:
+    """A slot file in ``directory`` with a replicated save of ``step`` (any rank's)."""
+    with os.scandir(directory) as entries:
+        names = sorted(entry.name for entry in entries if entry.name.startswith("rank"))
+    for name in names:
+        head = file_header(os.path.join(directory, name))
+        if head is not None and head.replicated and head.step == step:
+            return os.path.join(directory, name)
+    return None
+
+
+def copy_committed(source: str, target: str, fsync: bool) -> Header | None:
+    """Copy the committed slot file ``source`` to ``target`` through a temporary file renamed
+    into place (a reader never sees half of it); None, and nothing written, when ``source``
+    holds no committed state or it was rewritten while copied. ``OSError`` from the target's
+    file system (a full disk) leaves the old ``target`` as it was."""
+    try:
+        fd = os.open(source, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        head = slot_header(fd)
+        if head is None:
+            return None
+        temporary = f"{target}.tmp{os.getpid()}"
+        out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _copy(fd, out, head, fsync)
+        except BaseException as exc:
+            os.close(out)
+            os.unlink(temporary)
+            if isinstance(exc, StateCorrupt):
+                return None
+            raise
+        os.close(out)
+        os.replace(temporary, target)
+        return head
+    finally:
+        os.close(fd)
+
+
+def _copy(fd: int, out: int, head: Header, fsync: bool) -> None:
+    """The ``head.size`` bytes of slot ``fd`` into ``out``; ``StateCorrupt`` when the slot was
+    rewritten meanwhile."""
+    offset, chunk = 0, bytearray(min(head.size, 8 << 20))
+    while offset < head.size:
+        view = memoryview(chunk)[: min(len(chunk), head.size - offset)]
+        _read_into(fd, view, offset)
+        write_all(out, view, offset)
+        offset += len(view)
+    again = slot_header(fd)
+    if again is None or again.generation != head.generation:
+        raise StateCorrupt("the slot was rewritten while it was copied")
+    if fsync:
+        os.fsync(out)
+
+
+def find_slot(directory: str, rank: int, step: int) -> str | None:
+    """A committed slot file in ``directory`` holding ``rank``'s state of ``step``: the rank's
+    own, a peer copy, or any rank's replicated save (newest first)."""
+    candidates = []
+    for where in (directory, os.path.join(directory, PEERS)):
+        for slot in SLOTS:
+            path = os.path.join(where, slot_name(rank, slot))
+            head = file_header(path)
+            if head is not None and head.step == step:
+                candidates.append((head.generation, path))
+    if candidates:
+        return max(candidates)[1]
+    return find_replica(directory, step)
+
+
+def held_steps(directory: str) -> dict[int, list[int]]:
+    """Every rank's steps this node holds: its own ranks' (with their replicated saves) and
+    the peer copies."""
+    own: dict[int, list[Header]] = {}
+    for where in (directory, os.path.join(directory, PEERS)):
+        try:
+            names = os.listdir(where)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            rank_text, _, slot = name.removeprefix("rank").partition(".")
+            if not name.startswith("rank") or not rank_text.isdigit() or not slot.isdigit():
+                continue
+            head = file_header(os.path.join(where, name))
+            if head is not None:
+                own.setdefault(int(rank_text), []).append(head)
+    return steps_held(own)

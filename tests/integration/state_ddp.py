@@ -1,0 +1,54 @@
+"""A torch gloo DDP worker for tests/integration/test_state.py: ``state_ddp.py OUT STEPS
+KILL_AT``. Saves model and optimizer with ``relaunch.save_state`` after every step and resumes
+from ``load_state()``; in attempt 0 the last rank SIGKILLs itself after saving step KILL_AT
+(-1: never). Writes ``OUT/weights.{rank}``: a digest of the final weights, and
+``OUT/resumed.{attempt}.{rank}``; with ``STATE_DDP_STEP_SECONDS`` set, each step waits that long
+and writes ``OUT/step.{rank}`` (the step it begins), and ``OUT/agent.{rank}`` names the agent."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import relaunch
+
+out, steps, kill_at = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+world = int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+got = relaunch.load_state()
+start = 0
+if got is not None:
+    start = got[0] + 1
+    model.load_state_dict(got[1]["model"])
+    optimizer.load_state_dict(got[1]["optim"])
+(out / f"resumed.{attempt}.{rank}").write_text(str(start - 1))
+(out / f"agent.{rank}").write_text(str(os.getppid()))
+pause = float(os.environ.get("STATE_DDP_STEP_SECONDS", "0"))
+for step in range(start, steps):
+    if pause:
+        time.sleep(pause)
+        (out / f"step.{rank}").write_text(str(step))
+    data = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(16, 32, generator=data), torch.randn(16, 1, generator=data)
+    loss = ((ddp(x) - y) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    relaunch.save_state({"model": model.state_dict(), "optim": optimizer.state_dict()}, step)
+    if step == kill_at and attempt == 0 and rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+(out / f"weights.{rank}").write_text(hashlib.sha256(weights).hexdigest())
+dist.destroy_process_group()

@@ -1,0 +1,325 @@
+"""State kept in the agent's memory across a worker's death (docs/recovery.md): real agents,
+real workers, real torch gloo, both rendezvous backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import LeakCheck, relaunch_cli, wait_until
+from test_resilience import endpoint_of
+
+HERE = pathlib.Path(__file__).parent
+WORKER = str(HERE / "state_worker.py")
+DDP = str(HERE / "state_ddp.py")
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def read(out: pathlib.Path, name: str) -> str:
+    return (out / name).read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_worker_resumes_every_rank_from_the_same_step(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    done = relaunch_cli(
+        leaks,
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        WORKER,
+        str(tmp_path),
+        "kill",
+        "8",
+        "4",
+    )
+    assert done.returncode == 0, done.stderr
+    assert [read(tmp_path, f"resumed.0.{rank}") for rank in range(3)] == ["-1"] * 3
+    assert [read(tmp_path, f"resumed.1.{rank}") for rank in range(3)] == ["4"] * 3
+    for rank in range(3):  # nothing redone twice, nothing lost: the sum of 0..7 once
+        assert read(tmp_path, f"final.{rank}") == repr({"rank": rank, "sum": 28, "step": 7})
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", ["one-node", "c10d", "etcd"])
+def test_weights_after_a_worker_kill_are_bit_identical_to_an_uninterrupted_run(
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, layout: str
+) -> None:
+    """torch gloo DDP, model and optimizer kept with save_state every step; one rank SIGKILLed
+    after step 5: the job resumes from step 5 on every rank and ends with the very weights of
+    a run that was never interrupted."""
+    pytest.importorskip("torch")
+    digests = {}
+    for kill_at in ("-1", "5"):
+        out = tmp_path / f"kill{kill_at}"
+        out.mkdir()
+        command = [DDP, str(out), "10", kill_at]
+        if layout == "one-node":
+            done = relaunch_cli(
+                leaks, "--nproc-per-node", "2", "--max-restarts", "1", *command, timeout=120
+            )
+            assert done.returncode == 0, done.stderr
+        else:
+            run_two_nodes(leaks, request, layout, f"ddp-{layout}-{kill_at}-{os.getpid()}", command)
+        digests[kill_at] = {read(out, f"weights.{rank}") for rank in range(2)}
+        if kill_at == "5":
+            assert {read(out, f"resumed.1.{rank}") for rank in range(2)} == {"5"}
+    assert len(digests["-1"]) == 1  # the ranks agree
+    assert digests["5"] == digests["-1"]
+
+
+def run_two_nodes(
+    leaks: LeakCheck,
+    request: pytest.FixtureRequest,
+    backend: str,
+    run_id: str,
+    command: list[str],
+) -> None:
+    """Two agents of one worker each on ``backend``, run to their end (both exit 0)."""
+    endpoint = endpoint_of(backend, request)
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "relaunch",
+                *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1"),
+                *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+                *command,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=leaks.process_env(),
+        )
+        for _ in range(2)
+    ]
+    errors = [agent.communicate(timeout=120)[1] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], errors
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_lets_the_listening_workers_save_just_in_time(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    """Rank 0 saves nothing until told that rank 1 failed; then its replicated save is what
+    both ranks resume from, past rank 1's own last save."""
+    done = relaunch_cli(
+        leaks,
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        WORKER,
+        str(tmp_path),
+        "jit",
+        "200",
+        "5",
+    )
+    assert done.returncode == 0, done.stderr
+    resumed = {read(tmp_path, f"resumed.1.{rank}") for rank in range(2)}
+    assert len(resumed) == 1, resumed
+    assert int(resumed.pop()) >= 4  # rank 1 saved 0..4, rank 0 at least as far once told
+    assert read(tmp_path, "final.0") == read(tmp_path, "final.1").replace("'rank': 1", "'rank': 0")
+
+
+@pytest.mark.timeout(60)
+def test_a_requeued_job_resumes_from_the_state_dir(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    state_dir, out = tmp_path / "state", tmp_path / "out"
+    out.mkdir()
+    flags = ("--nproc-per-node", "2", "--state-dir", str(state_dir), "--state-persist-every", "3")
+    failed = relaunch_cli(leaks, *flags, "--max-restarts", "0", WORKER, str(out), "exit", "10", "6")
+    assert failed.returncode == 1, failed.stderr
+    assert sorted(os.listdir(state_dir)) == ["rank0.state", "rank1.state"]
+    again = relaunch_cli(leaks, *flags, WORKER, str(out), "exit", "10", "-1")
+    assert again.returncode == 0, again.stderr
+    # Each rank saved step 6 and exited 1; the first exit stops the other, which may not have
+    # saved 6 yet: the newest step both have is 6 or 5.
+    resumed = {read(out, f"resumed.0.{rank}") for rank in range(2)}
+    assert resumed in ({"6"}, {"5"}), resumed
+    for rank in range(2):
+        assert read(out, f"final.{rank}") == repr({"rank": rank, "sum": 45, "step": 9})
+
+
+@pytest.mark.timeout(30)
+def test_a_save_larger_than_the_state_memory_fails_with_one_line(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    done = relaunch_cli(
+        leaks,
+        "--nproc-per-node",
+        "1",
+        "--state-memory",
+        "4M",
+        WORKER,
+        str(tmp_path),
+        "big",
+        "0",
+        "8",
+    )
+    assert done.returncode == 1
+    (line,) = [line for line in done.stderr.splitlines() if "StateError" in line][-1:]
+    assert "save_state needs 8 MiB but the agent's state memory holds 4 MiB" in line
+    assert "raise --state-memory" in line
+
+
+@pytest.mark.timeout(20)
+def test_a_bad_state_memory_is_a_usage_error(leaks: LeakCheck) -> None:
+    done = relaunch_cli(leaks, "--state-memory", "lots", "--nproc-per-node", "1", WORKER)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "is not a size" in done.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["success", "failure", "sigterm", "sigkill"])
+def test_nothing_is_left_in_dev_shm_after_any_end(
+    tmp_path: pathlib.Path, leaks: LeakCheck, ending: str
+) -> None:
+    script = tmp_path / "save.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, pathlib, sys, time
+            import relaunch
+            relaunch.save_state(bytes(1 << 20), 1)
+            pathlib.Path({str(tmp_path)!r}, "dir").write_text(os.environ["RELAUNCH_STATE_DIR"])
+            if {ending!r} == "failure":
+                sys.exit(1)
+            if {ending!r} in ("sigterm", "sigkill"):
+                time.sleep(60)
+            """
+        )
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "relaunch", "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=leaks.process_env(),
+    )
+    marker = tmp_path / "dir"
+    wait_until(marker.exists, 20)
+    directory = marker.read_text()
+    assert directory.startswith("/dev/shm/relaunch_state_")
+    if ending in ("sigterm", "sigkill"):
+        assert os.path.isdir(directory)
+        agent.send_signal(signal.SIGTERM if ending == "sigterm" else signal.SIGKILL)
+    agent.communicate(timeout=30)
+    # The guardian removes it after a SIGKILL of the agent: wait for it, bounded.
+    wait_until(lambda: not os.path.exists(directory), 10, f"{directory} to be removed")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_lost(
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, backend: str
+) -> None:
+    """Two nodes of one rank; the agent of the node that does not host the store is SIGKILLed
+    (its worker dies with it) and a new node takes its place: it resumes from the copy of its
+    rank's state that the lost node pushed to the survivor."""
+    pytest.importorskip("torch")
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    run_two_nodes(
+        leaks, request, backend, f"ref-{backend}-{os.getpid()}", [DDP, str(reference), "30", "-1"]
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    endpoint = endpoint_of(backend, request)
+    run_id = f"node-kill-{backend}-{os.getpid()}"
+    argv = [
+        sys.executable,
+        "-m",
+        "relaunch",
+        *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2"),
+        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+        *("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2"),
+        *(DDP, str(out), "30", "-1"),
+    ]
+    env = {**leaks.process_env(), "STATE_DDP_STEP_SECONDS": "0.1"}
+
+    def agent() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+
+    host = agent()  # first: it hosts the built-in store, which must outlive this test's kill
+    if backend == "c10d":
+        port = int(endpoint.rpartition(":")[2])
+        wait_until(lambda: port_open(port), 30, "the store to listen")
+    victim = agent()
+    wait_until(lambda: (out / "step.0").exists() and int(read(out, "step.0") or 0) >= 10, 60)
+    rank = next(r for r in range(2) if int(read(out, f"agent.{r}")) == victim.pid)
+    killed_at = int(read(out, f"step.{rank}"))
+    victim.kill()
+    victim.communicate(timeout=10)
+    survivor = host
+    newcomer = agent()
+    errors = [process.communicate(timeout=100)[1] for process in (survivor, newcomer)]
+    assert [survivor.returncode, newcomer.returncode] == [0, 0], errors
+    # A node's loss re-forms the job without spending a restart: attempt 0 again.
+    resumed = {read(out, f"resumed.0.{rank}") for rank in range(2)}
+    assert len(resumed) == 1, resumed
+    assert killed_at - 1 - int(resumed.pop()) <= 1  # at most one step redone
+    assert {read(out, f"weights.{rank}") for rank in range(2)} == {
+        read(reference, f"weights.{rank}") for rank in range(2)
+    }
+
+
+@pytest.mark.timeout(60)
+def test_the_goodput_ledger_adds_up_to_the_time_the_restart_lost(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    """The restart's causes, in the RESTART_COST event and the summary, add up (within 5 %) to
+    what the job lost: from the failure to the restarted job completing the step it failed
+    in, less the one step an uninterrupted job would have spent."""
+    events = tmp_path / "events.jsonl"
+    done = relaunch_cli(
+        leaks,
+        *("--nproc-per-node", "2", "--max-restarts", "1"),
+        *("--event-log-handler", f"file:{events}"),
+        str(HERE / "goodput_worker.py"),
+        str(tmp_path),
+        "14",
+    )
+    assert done.returncode == 0, done.stderr
+    lost = max(float(read(tmp_path, f"back.{rank}")) for rank in range(2))
+    lost -= float(read(tmp_path, "failed")) + 0.3
+    (cost,) = [
+        json.loads(event["metadata"]["metadata"])
+        for event in map(json.loads, events.read_text().splitlines())
+        if event["metadata"]["state"] == "RESTART_COST"
+    ]
+    seconds = cost["lost_seconds"]
+    assert set(seconds) == {
+        "detection",
+        "teardown",
+        "health_check",
+        "rendezvous",
+        "worker_start",
+        "state_restore",
+        "recomputation",
+    }
+    assert cost["steps_redone"] == 3  # steps 11, 12, 13 after the save of step 10
+    assert sum(seconds.values()) == pytest.approx(lost, rel=0.05)
+    (line,) = [line for line in done.stderr.splitlines() if "goodput:" in line]
+    assert "lost over 1 restart" in line and "recomputation" in line

@@ -1,0 +1,66 @@
+"""The pure rules of kept state (``relaunch.core.state``): which step a world resumes from, the
+slot header, the memory bound's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from relaunch.core import state, state_settings
+
+
+def test_a_world_resumes_from_the_newest_step_every_rank_has() -> None:
+    assert state.common_step({0: [4, 5], 1: [3, 4]}, 2) == 4
+    assert state.common_step({0: [5], 1: [4]}, 2) is None  # nothing common: start afresh
+    assert state.common_step({0: [4, 5]}, 2) is None  # rank 1 has nothing
+    assert state.common_step({0: [7], 1: [7], 2: [7]}, 3) == 7
+    assert state.common_step({}, 0) is None
+
+
+def test_a_replicated_save_stands_for_every_rank_of_its_node() -> None:
+    own = state.read_header(state.header(4, 9, [10], committed=True))
+    shared = state.read_header(state.header(6, 3, [10], committed=True, flags=state.REPLICATED))
+    assert own is not None and shared is not None
+    assert state.steps_held({0: [shared], 1: [own]}) == {0: [6], 1: [4, 6]}
+
+
+def test_only_a_committed_header_is_read() -> None:
+    written = state.header(12, 3, [100, 5, 7], committed=True)
+    head = state.read_header(written)
+    assert head is not None
+    assert (head.step, head.generation, head.parts) == (12, 3, 3)
+    assert head.size == state.HEADER_SIZE + 3 * 8 + 112
+    assert state.read_header(state.header(12, 3, [100], committed=False)) is None
+    assert state.read_header(bytes(64)) is None
+    assert state.read_header(written[:20]) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("512M", 512 << 20), ("8G", 8 << 30), ("1.5GiB", 3 << 29), ("4096", 4096), ("2k", 2048)],
+)
+def test_sizes_read_as_people_write_them(text: str, size: int) -> None:
+    assert state_settings.parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "0", "1.2.3M", "5X"])
+def test_a_size_that_is_not_one_says_how_to_write_it(text: str) -> None:
+    with pytest.raises(ValueError, match=r"size|more than 0"):
+        state_settings.parse_bytes(text)
+
+
+def test_a_save_that_does_not_fit_says_how_much_and_what_to_do() -> None:
+    assert state.too_large(100, 50, 150) is None
+    line = state.too_large(8 << 20, 1 << 20, 4 << 20)
+    assert line is not None and "\n" not in line
+    assert "needs 8 MiB" in line and "holds 4 MiB" in line and "1 MiB in use" in line
+    assert "--state-memory" in line
+
+
+def test_settings_are_checked_once() -> None:
+    with pytest.raises(ValueError, match="state_persist_every"):
+        state_settings.StateSettings(persist_every=0)
+    with pytest.raises(ValueError, match="jit_save_timeout"):
+        state_settings.StateSettings(jit_save_timeout=-1)
+    with pytest.raises(ValueError, match="state memory"):
+        state_settings.StateSettings(memory=0)
+    assert state_settings.default_memory(16 << 30) == 4 << 30
