@@ -15,4 +15,5 @@ BENCHMARKS = {
     "chaos": "faults at random moments in real jobs: survival, leaks, lost lines, reports",
     "spares": "a lost node's place taken by a waiting spare vs a node started cold",
     "resilience": "a hang's deadline -> every stack and a restart (1 and 2 nodes); stragglers",
+    "recovery": "a DDP job's worker or node killed -> next step, steps lost: memory vs checkpoints",
 }

@@ -64,3 +64,28 @@ def test_settings_are_checked_once() -> None:
     with pytest.raises(ValueError, match="state memory"):
         state_settings.StateSettings(memory=0)
     assert state_settings.default_memory(16 << 30) == 4 << 30
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff",
+        b"[]",
+        b'{"address": 1, "token": "t", "held": {}}',
+        b'{"address": "a:1", "token": "t", "held": {"x": [1]}}',
+        b'{"address": "a:1", "token": "t", "held": {"0": [true]}}',
+        b'{"address": "a:1", "token": "t", "held": {"0": "1"}}',
+    ],
+)
+def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) -> None:
+    from relaunch.agent.state import node_held
+
+    with pytest.raises(ValueError):
+        node_held(raw)
+
+
+def test_a_state_record_reads_as_its_peer_and_steps() -> None:
+    from relaunch.agent.state import node_held
+
+    raw = b'{"address": "10.0.0.2:4000", "token": "ab", "held": {"3": [7, 8]}}'
+    assert node_held(raw) == (("10.0.0.2:4000", "ab"), {3: [7, 8]})

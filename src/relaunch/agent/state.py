@@ -23,7 +23,14 @@ from relaunch.procs.guardian import guardian
 from relaunch.procs.monitor import FailureGrace
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import start_thread
-from relaunch.state.files import committed, copy_committed, file_header, find_slot, held_steps
+from relaunch.state.files import (
+    PEERS,
+    committed,
+    copy_committed,
+    file_header,
+    find_slot,
+    held_steps,
+)
 
 if TYPE_CHECKING:
     from relaunch.agent.state_peers import PeerLink
@@ -34,6 +41,44 @@ log = logging.getLogger(__name__)
 EXIT_CHECK = 0.05
 #: How long the nodes wait for each other's steps before an attempt (a lost node ends it).
 AGREE_TIMEOUT = 60.0
+
+
+def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]]]:
+    """A node's state record (``agree``): its peer (address, token) and the steps it holds by
+    rank. ``ValueError`` saying what is wrong when it is not one."""
+    try:
+        record = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError("not an object")
+    address, token, held = record.get("address"), record.get("token"), record.get("held")
+    if not isinstance(address, str) or not isinstance(token, str) or not isinstance(held, dict):
+        raise ValueError("address, token and held are not a string, a string and an object")
+    steps: dict[int, list[int]] = {}
+    for rank, kept in held.items():
+        if not rank.isdigit() or not isinstance(kept, list):
+            raise ValueError(f"held[{rank!r}] is not a rank's list of steps")
+        if not all(isinstance(step, int) and not isinstance(step, bool) for step in kept):
+            raise ValueError(f"held[{rank!r}] holds a step that is not a whole number")
+        steps[int(rank)] = kept
+    return (address, token), steps
+
+
+def prune_peers(directory: str, step: int) -> None:
+    """Forget the other nodes' copies older than ``step``: no world resumes from them again."""
+    peers = os.path.join(directory, PEERS)
+    try:
+        names = os.listdir(peers)
+    except FileNotFoundError:
+        return
+    for name in names:
+        head = file_header(os.path.join(peers, name))
+        if head is not None and head.step < step:
+            try:
+                os.unlink(os.path.join(peers, name))
+            except FileNotFoundError:
+                pass
 
 
 def machine_memory() -> int:
@@ -116,19 +161,27 @@ class StateKeeper:
                 seconds(AGREE_TIMEOUT),
             )
             return None
-        nodes = {member: json.loads(raw) for member, raw in parts.items()}
+        nodes = {}
+        for member, raw in parts.items():
+            try:
+                nodes[member] = node_held(raw)
+            except ValueError as exc:  # from the store: checked, never trusted
+                log.warning(
+                    "group rank %d posted a state record relaunch cannot read: %s", member, exc
+                )
         anywhere: dict[int, set[int]] = {}
         holders: dict[tuple[int, int], tuple[str, str]] = {}
-        for node in nodes.values():
-            peer = (str(node["address"]), str(node["token"]))
-            for rank_text, steps in node["held"].items():
+        for peer, node_steps in nodes.values():
+            for rank, steps in node_steps.items():
+                anywhere.setdefault(rank, set()).update(steps)
                 for kept in steps:
-                    anywhere.setdefault(int(rank_text), set()).add(int(kept))
-                    holders.setdefault((int(rank_text), int(kept)), peer)
-        successor = nodes[(group_rank + 1) % group_world_size]
-        self._peers.follow((str(successor["address"]), str(successor["token"])))
+                    holders.setdefault((rank, kept), peer)
+        successor = nodes.get((group_rank + 1) % group_world_size)
+        self._peers.follow(None if successor is None else successor[0])
         step = layout.common_step(anywhere, world_size)
         self._fetch(step, ranks.values(), holders)
+        if step is not None:
+            prune_peers(self.directory, step)
         return step
 
     def _fetch(

@@ -1,0 +1,263 @@
+"""A DDP training job for the recovery benchmark: python ddp_recovery.py OUT MODE EVERY.
+
+A gloo DDP job of 2 x 2 (or any number of) ranks: six ``nn.Linear(2048, 2048)`` layers (100.7 MB
+of parameters) and SGD with momentum (a buffer as large), so a rank's state is 201 MB. A step
+is padded to ``STEP_S`` (0.1 s). To fit that with 4 ranks on 2 cores, where all-reducing 100 MB
+of gradients alone takes ~0.5 s and a full backward and update ~0.1 s a rank:
+
+- every rank trains on the same batch (seeded by the step), so the replicas stay equal without
+  the gradients' all-reduce: DDP's communication hook all-reduces 16 values of the bucket instead
+  (the ranks still meet in one collective a step, as under DDP, and a dead rank stops the rest);
+- step ``s`` trains layer ``s % 6`` (the others run on detached weights): every parameter and
+  momentum buffer changes within six steps, and the state saved is always all of it.
+
+The state (``{"step", "model", "optim"}``) is saved after every ``EVERY``-th step, by MODE:
+
+- ``memory``: ``relaunch.save_state(state, step)`` on every rank (``replicated=True`` where it
+  takes it); ``relaunch.load_state()`` at the start;
+- ``disk``: ``torch.save`` by global rank 0 to OUT/ckpt/latest.pt (written beside it, then
+  renamed); every rank ``torch.load``s it at the start;
+- ``flash``: DLRover's Flash Checkpoint, ``DdpCheckpointer(OUT/ckpt)``, ``save_checkpoint(step,
+  state, path, storage_type=StorageType.MEMORY)``; ``load_checkpoint()`` at the start, its
+  tensors copied (they are views of shared memory that the next save overwrites).
+
+At the start the ranks agree on the newest step any of them loaded; the ranks without it receive
+the model and the momentum from one that has it (those of a replacement node, in memory mode).
+
+Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from ``time.time()``:
+
+- ``start T RANK PID ATTEMPT NODE STATE_DIR CHANNEL``: first thing (the last two: relaunch's
+  shared-memory files, or -);
+- ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed;
+- ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step, in the step's padding: one
+  100 MB ``bytearray`` copy;
+- ``resume T RANK STEP CHECKSUM SOURCE LOAD_S``: the state in place (SOURCE ``own``,
+  ``received`` or ``none``; LOAD_S the rank's own load);
+- ``step T RANK STEP CHECKSUM LOSS SAVE_S``: the step done, its save (SAVE_S s) included;
+- ``done T RANK STEP CHECKSUM``.
+
+The checksum sums a strided sample of every parameter and momentum buffer: equal on every rank
+at a step, and a resumed job's equal to the one logged at that step before. The job stops after
+the first step that sees OUT/stop (agreed by an all-reduce every step).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+STARTED = time.time()
+LAYERS = 6
+WIDTH = 2048
+BATCH = 1
+STEP_S = 0.1
+MB = 100_000_000
+
+
+def event(fd: int, *fields: object) -> None:
+    os.write(fd, (" ".join(str(f) for f in fields) + "\n").encode())
+
+
+def clone(obj):
+    """``obj`` with every tensor in it (in dicts, lists, tuples) copied."""
+    if hasattr(obj, "clone") and hasattr(obj, "storage_offset"):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone(v) for v in obj)
+    return obj
+
+
+class Copy:
+    """One 100 MB ``bytearray`` copy, timed (the buffers made, and their pages touched, once)."""
+
+    def __init__(self) -> None:
+        self.src, self.dst = bytearray(b"\1" * MB), bytearray(MB)
+        memoryview(self.dst)[:] = self.src
+
+    def seconds(self) -> float:
+        began = time.perf_counter()
+        memoryview(self.dst)[:] = self.src
+        return time.perf_counter() - began
+
+
+def main() -> int:
+    out, mode, every = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    fd = os.open(os.path.join(out, "events"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    node = os.environ.get("RECOVERY_NODE", "-")
+    shm = [os.environ.get(name) or "-" for name in ("RELAUNCH_STATE_DIR", "RELAUNCH_CHANNEL")]
+    event(fd, "start", repr(STARTED), rank, os.getpid(), attempt, node, *shm)
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    event(fd, "torch", repr(time.time()), rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    event(fd, "joined", repr(time.time()), rank)
+    copy = Copy() if rank == 0 and mode == "memory" else None
+
+    class Net(nn.Module):  # type: ignore[misc]
+        """Six layers; the forward trains layer ``k`` (the others run on detached weights)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+
+        def forward(self, x, k):
+            for i, layer in enumerate(self.layers):
+                x = layer(x) if i == k else F.linear(x, layer.weight.detach(), layer.bias.detach())
+                x = F.relu(x) if i < LAYERS - 1 else x
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    for p in params:  # the momentum exists from the start: every state has the same shape
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+    def state(step: int) -> dict[str, object]:
+        return {"step": step, "model": model.state_dict(), "optim": opt.state_dict()}
+
+    def checksum() -> str:
+        total = 0.0
+        for p in params:
+            total += p.detach().view(-1)[::997].double().sum().item()
+            total += opt.state[p]["momentum_buffer"].view(-1)[::997].double().sum().item()
+        return repr(total)
+
+    ckpt_dir = os.path.join(out, "ckpt")
+    latest = os.path.join(ckpt_dir, "latest.pt")
+    checkpointer = storage_type = None
+    if mode == "flash":
+        import importlib
+
+        flash = importlib.import_module("dlrover.trainer.torch.flash_checkpoint.ddp")
+        checkpointer = flash.DdpCheckpointer(ckpt_dir)
+        storage_type = flash.StorageType.MEMORY
+    replicated: dict[str, bool] = {}
+    if mode == "memory":
+        import inspect
+
+        import relaunch
+
+        if "replicated" in inspect.signature(relaunch.save_state).parameters:
+            replicated["replicated"] = True  # every rank's state is the same
+
+    # -- resume: every rank loads what it has; all agree on the newest step ------------------
+    began = time.perf_counter()
+    loaded = None
+    if mode == "memory":
+        got = relaunch.load_state()
+        if got is not None:
+            loaded = got[1]
+    elif mode == "disk" and os.path.exists(latest):
+        loaded = torch.load(latest, map_location="cpu", weights_only=False)
+    elif mode == "flash":
+        assert checkpointer is not None
+        got = checkpointer.load_checkpoint()
+        # Its tensors are views of the node's shared memory, which the next save overwrites:
+        # kept by the optimizer as they are (load_state_dict does not copy a tensor of the
+        # right dtype), the momentum would change under it. Copied here.
+        loaded = clone(got) if got else None
+    load_s = time.perf_counter() - began
+    own = loaded["step"] if loaded else -1
+    steps = torch.full((world,), -1, dtype=torch.int64)
+    steps[rank] = own
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    best = int(steps.max())
+    source = "none"
+    if best >= 0:
+        if own == best:
+            assert loaded is not None
+            model.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["optim"])
+            source = "own"
+        if bool((steps != best).any()):
+            src = int((steps == best).nonzero()[0])
+            with torch.no_grad():
+                for p in params:
+                    dist.broadcast(p.data, src)
+                    dist.broadcast(opt.state[p]["momentum_buffer"], src)
+            source = source if own == best else "received"
+    del loaded
+    step = max(best, 0)
+    event(
+        fd,
+        "resume",
+        repr(time.time()),
+        rank,
+        step,
+        checksum(),
+        source,
+        repr(load_s),
+    )
+
+    def lockstep(_state, bucket):  # the replicas are equal: meet, but move 16 values, not MBs
+        grads = bucket.buffer()
+        probe = grads[:16].clone()
+        return dist.all_reduce(probe, async_op=True).get_future().then(lambda _: grads)
+
+    ddp = nn.parallel.DistributedDataParallel(
+        model,
+        broadcast_buffers=False,
+        find_unused_parameters=True,  # the layers not trained this step
+        bucket_cap_mb=512,  # one bucket: one collective a step
+        init_sync=False,  # the replicas are equal already (the resume above)
+    )
+    ddp.register_comm_hook(None, lockstep)
+    stop = os.path.join(out, "stop")
+    flag = torch.zeros(1)
+    while True:
+        step += 1
+        began = time.perf_counter()
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH, WIDTH, generator=gen)
+        y = torch.randn(BATCH, WIDTH, generator=gen)
+        loss = F.mse_loss(ddp(x, step % LAYERS), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if copy is not None:  # in the step's padding, under the same load as the saves
+            event(fd, "memcpy", repr(time.time()), rank, repr(copy.seconds()))
+        pad = STEP_S - (time.perf_counter() - began)
+        if pad > 0:
+            time.sleep(pad)
+        began = time.perf_counter()
+        if step % every == 0:
+            if mode == "memory":
+                relaunch.save_state(state(step), step, **replicated)
+            elif mode == "disk" and rank == 0:
+                os.makedirs(ckpt_dir, exist_ok=True)
+                torch.save(state(step), latest + ".tmp")
+                os.replace(latest + ".tmp", latest)
+            elif mode == "flash":
+                assert checkpointer is not None
+                path = os.path.join(ckpt_dir, f"{step}.pt")
+                checkpointer.save_checkpoint(step, state(step), path, storage_type=storage_type)
+        saved = time.perf_counter() - began
+        event(
+            fd, "step", repr(time.time()), rank, step, checksum(), f"{loss.item():.6f}", repr(saved)
+        )
+        flag.fill_(1.0 if os.path.exists(stop) else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            break
+    event(fd, "done", repr(time.time()), rank, step, checksum())
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
