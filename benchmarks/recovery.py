@@ -828,7 +828,57 @@ def run(ctx: harness.Context) -> list[Check]:
         everything[kill] = samples
     if "a" in reasons:
         checks.append(save_check([r for samples in everything.values() for r in samples["a"]]))
+    checks.append(peer_copy_check(ctx))
     return checks
+
+
+def peer_copy_check(ctx: harness.Context) -> Check:
+    """A node's state copied to another over loopback (``agent.state_peers``): a 100 MiB slot
+    pushed to the successor, and pulled back, medians of 5; no budget, the note gives it."""
+    import tempfile
+
+    from relaunch.agent.state_peers import PeerLink
+    from relaunch.core import state as layout
+    from relaunch.state.files import PEERS, SlotWriter, file_header
+
+    size = 100 << 20
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm") as a_dir,
+        tempfile.TemporaryDirectory(dir="/dev/shm") as b_dir,
+    ):
+        sender, receiver = (
+            PeerLink(a_dir, "127.0.0.1", 2 * size),
+            PeerLink(b_dir, "127.0.0.1", 2 * size),
+        )
+        try:
+            fd = os.open(os.path.join(a_dir, layout.slot_name(0, 0)), os.O_RDWR | os.O_CREAT, 0o600)
+            writer = SlotWriter(fd)
+            writer.write(1, 1, [memoryview(bytearray(os.urandom(1 << 20)) * 100)])
+            writer.close()
+            os.close(fd)
+            peer = (receiver.address, receiver.token)
+            pushes, pulls = [], []
+            for rep in range(5):
+                began = time.perf_counter()
+                sender._push(0, peer)
+                pushes.append(time.perf_counter() - began)
+                head = file_header(os.path.join(b_dir, PEERS, layout.slot_name(0, 0)))
+                assert head is not None and head.step == 1, "the copy was not committed"
+                began = time.perf_counter()
+                assert sender.pull(peer, 0, 1, os.path.join(a_dir, f"pulled{rep}"))
+                pulls.append(time.perf_counter() - began)
+        finally:
+            sender.close()
+            receiver.close()
+    push, pull = median(pushes), median(pulls)
+    ctx.data["peer_copy"] = {"bytes": size, "push_s": pushes, "pull_s": pulls}
+    mib = size / (1 << 20)
+    return Check(
+        "a node's state to another over loopback (100 MiB slot: push, pull)",
+        f"{mib / push:.0f} MiB/s, {mib / pull:.0f} MiB/s",
+        "-",
+        None,
+    )
 
 
 def save_check(runs: list[Run]) -> Check:
