@@ -9,7 +9,8 @@ from, -1: none) and ``OUT/final.{rank}`` (the state at the end). MODE:
 - ``jit``: in attempt 0, rank 1 saves each step and exits 3 at step ``KILL_AT``; rank 0 saves
   nothing but asks ``failure_pending()`` each step, and once told saves its last step
   (``replicated``), which both resume from;
-- ``exit``: runs to ``KILL_AT`` and exits 1 (a job that fails, to be requeued);
+- ``exit``: runs to ``KILL_AT`` and, once every rank saved it, exits 1 (a job that fails, to
+  be requeued);
 - ``big``: saves ``KILL_AT`` MiB once.
 """
 
@@ -39,6 +40,7 @@ for step in range(start, steps):
         if rank == 1 and step == kill_at:
             sys.exit(3)
         if rank == 0 and relaunch.failure_pending():
+            (out / "jit").write_text(str(step - 1))  # first: the save ends this worker's time
             relaunch.save_state(state, step - 1, replicated=True)
             time.sleep(60)  # stopped by the agent
         time.sleep(0.01)
@@ -54,5 +56,8 @@ for step in range(start, steps):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # held, as by a collective with the killed rank
     if mode == "exit" and step == kill_at:
+        (out / f"saved.{rank}").write_text("")
+        while len(list(out.glob("saved.*"))) < int(os.environ["WORLD_SIZE"]):
+            time.sleep(0.005)  # every rank saved this step, as a collective would see to
         sys.exit(1)
 (out / f"final.{rank}").write_text(repr(state))

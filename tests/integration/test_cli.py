@@ -294,9 +294,19 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
 #: What relaunch is compared with where torch is not installed: torchrun 2.13's names.
 TORCHRUN_2_13_NAMES = frozenset(agentfns.CONTRACT)
 #: What relaunch adds of its own: the channel of ``stop_requested`` and ``report_progress``,
-#: Python's fault handler, so that a hang's SIGABRT prints every rank's stack, and the token
-#: that finds every descendant of the workers (procs.descendants).
-RELAUNCH_OWN_NAMES = frozenset({"RELAUNCH_CHANNEL", "PYTHONFAULTHANDLER", "RELAUNCH_TREE"})
+#: Python's fault handler, so that a hang's SIGABRT prints every rank's stack, the token
+#: that finds every descendant of the workers (procs.descendants), and where ``save_state``
+#: keeps the state and which step ``load_state`` gives (core.state).
+RELAUNCH_OWN_NAMES = frozenset(
+    {
+        "RELAUNCH_CHANNEL",
+        "PYTHONFAULTHANDLER",
+        "RELAUNCH_TREE",
+        "RELAUNCH_STATE_DIR",
+        "RELAUNCH_STATE_MEMORY",
+        "RELAUNCH_STATE_STEP",
+    }
+)
 #: Compared apart: where they may differ (the port, the run id, the error file's path, the
 #: agent store) or how (the address).
 COMPARED_APART = frozenset(

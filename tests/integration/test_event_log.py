@@ -51,11 +51,19 @@ def test_events_can_be_followed_while_the_job_runs(
         env=leaks.process_env(),
     )
     try:
-        # Seen while the job runs: the start, the restart and its cause, the second start.
-        running = [("AGENT", "HEALTHY"), ("AGENT", "RESTARTING"), ("AGENT", "HEALTHY")]
+        # Seen while the job runs: the start, the restart and its cause, the second start, and
+        # what the restart cost (at once: workers that report no progress are back once started).
+        running = [
+            ("AGENT", "HEALTHY"),
+            ("AGENT", "RESTARTING"),
+            ("AGENT", "HEALTHY"),
+            ("AGENT", "RESTART_COST"),
+        ]
         wait_until(lambda: states(log) == running, timeout=30, what="the events of the restart")
         assert agent.poll() is None
-        started, restarting, again = events(log)
+        started, restarting, again, cost = events(log)
+        lost = json.loads(cost["metadata"]["metadata"])["lost_seconds"]
+        assert cost["metadata"]["agent_restarts"] == 1 and lost["recomputation"] == 0
         inner = json.loads(restarting["metadata"]["metadata"])
         assert inner["cause"] == "worker_failed"
         assert "rank 1 exited with code 3" in restarting["metadata"]["raw_error"]
@@ -69,7 +77,7 @@ def test_events_can_be_followed_while_the_job_runs(
     _, err = agent.communicate(timeout=30)
     assert agent.returncode == 0, err
     # Then, as torchelastic writes them at the end: each worker's, then the agent's.
-    assert states(log)[3:] == [
+    assert states(log)[4:] == [
         ("WORKER", "SUCCEEDED"),
         ("WORKER", "SUCCEEDED"),
         ("AGENT", "SUCCEEDED"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import secrets
 import signal
 import subprocess
@@ -180,8 +181,12 @@ def test_status_shows_every_rank_the_straggler_and_the_restart(
             assert keys() == before
             assert shown.returncode == 0, shown.stderr
             table = shown.stdout
-            head = f"job {run_id}: {nodes} node(s), {2 * nodes} rank(s), 1 restart(s) used; round"
-            assert table.startswith(head) and "running" in table.splitlines()[0]
+            # The restart's cost (the goodput ledger) once its workers reported progress again.
+            head = (
+                rf"job {re.escape(run_id)}: {nodes} node\(s\), {2 * nodes} rank\(s\), "
+                r"1 restart\(s\) used, \d+\.\ds lost to them; round"
+            )
+            assert re.match(head, table) and "running" in table.splitlines()[0], table
             rows = {  # rank -> its row: "... group rank local running step rate ..."
                 int(cells[cells.index("running") - 2]): line
                 for line in table.splitlines()

@@ -75,6 +75,7 @@ def test_settings_are_checked_once() -> None:
         b'{"address": "a:1", "token": "t", "held": {"x": [1]}}',
         b'{"address": "a:1", "token": "t", "held": {"0": [true]}}',
         b'{"address": "a:1", "token": "t", "held": {"0": "1"}}',
+        b'{"address": "a:1", "token": "t", "held": {}, "replicated": ["1"]}',
     ],
 )
 def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) -> None:
@@ -87,5 +88,5 @@ def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) 
 def test_a_state_record_reads_as_its_peer_and_steps() -> None:
     from relaunch.agent.state import node_held
 
-    raw = b'{"address": "10.0.0.2:4000", "token": "ab", "held": {"3": [7, 8]}}'
-    assert node_held(raw) == (("10.0.0.2:4000", "ab"), {3: [7, 8]})
+    raw = b'{"address": "10.0.0.2:4000", "token": "ab", "held": {"3": [7, 8]}, "replicated": [8]}'
+    assert node_held(raw) == (("10.0.0.2:4000", "ab"), {3: [7, 8]}, [8])

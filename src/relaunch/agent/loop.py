@@ -274,9 +274,9 @@ class LocalElasticAgent:
                 return self._rendezvous(backoff)
             case do.StartWorkers():
                 workers.start(self.restart_count)
+                self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
                 self._goodput.started()
                 self._started_once = True
-                self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
                 return do.WorkersStarted()
             case do.StopWorkers():
                 workers.stop(signal.SIGTERM)

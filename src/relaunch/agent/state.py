@@ -30,6 +30,7 @@ from relaunch.state.files import (
     file_header,
     find_slot,
     held_steps,
+    replicated_steps,
 )
 
 if TYPE_CHECKING:
@@ -43,9 +44,10 @@ EXIT_CHECK = 0.05
 AGREE_TIMEOUT = 60.0
 
 
-def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]]]:
-    """A node's state record (``agree``): its peer (address, token) and the steps it holds by
-    rank. ``ValueError`` saying what is wrong when it is not one."""
+def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]], list[int]]:
+    """A node's state record (``agree``): its peer (address, token), the steps it holds by
+    rank, and those of its replicated saves. ``ValueError`` saying what is wrong when it is
+    not one."""
     try:
         record = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -62,7 +64,12 @@ def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]]]:
         if not all(isinstance(step, int) and not isinstance(step, bool) for step in kept):
             raise ValueError(f"held[{rank!r}] holds a step that is not a whole number")
         steps[int(rank)] = kept
-    return (address, token), steps
+    replicated = record.get("replicated", [])
+    if not isinstance(replicated, list) or not all(
+        isinstance(step, int) and not isinstance(step, bool) for step in replicated
+    ):
+        raise ValueError("replicated is not a list of whole numbers")
+    return (address, token), steps, replicated
 
 
 def prune_peers(directory: str, step: int) -> None:
@@ -150,7 +157,12 @@ class StateKeeper:
             step = layout.common_step(held, world_size)
             self._fetch(step, ranks.values(), {})
             return step
-        mine = {"address": self._peers.address, "token": self._peers.token, "held": held}
+        mine = {
+            "address": self._peers.address,
+            "token": self._peers.token,
+            "held": held,
+            "replicated": replicated_steps(held, self.directory),
+        }
         parts = job.gather(
             "state", group_rank, group_world_size, json.dumps(mine).encode(), AGREE_TIMEOUT
         )
@@ -171,10 +183,14 @@ class StateKeeper:
                 )
         anywhere: dict[int, set[int]] = {}
         holders: dict[tuple[int, int], tuple[str, str]] = {}
-        for peer, node_steps in nodes.values():
+        for peer, node_steps, replicated in nodes.values():
             for rank, steps in node_steps.items():
                 anywhere.setdefault(rank, set()).update(steps)
                 for kept in steps:
+                    holders.setdefault((rank, kept), peer)
+            for rank in range(world_size):  # any rank may resume from a replicated save
+                anywhere.setdefault(rank, set()).update(replicated)
+                for kept in replicated:
                     holders.setdefault((rank, kept), peer)
         successor = nodes.get((group_rank + 1) % group_world_size)
         self._peers.follow(None if successor is None else successor[0])

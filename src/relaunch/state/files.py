@@ -211,8 +211,8 @@ def find_slot(directory: str, rank: int, step: int) -> str | None:
 
 
 def held_steps(directory: str) -> dict[int, list[int]]:
-    """Every rank's steps this node holds: its own ranks' (with their replicated saves) and
-    the peer copies."""
+    """Every rank's steps this node holds: its own ranks' and the peer copies; a replicated
+    save stands for every rank listed (``replicated_steps`` for the others)."""
     own: dict[int, list[Header]] = {}
     for where in (directory, os.path.join(directory, PEERS)):
         try:
@@ -227,3 +227,16 @@ def held_steps(directory: str) -> dict[int, list[int]]:
             if head is not None:
                 own.setdefault(int(rank_text), []).append(head)
     return steps_held(own)
+
+
+def replicated_steps(held_here: dict[int, list[int]], directory: str) -> list[int]:
+    """The steps of which this node holds a replicated save (any rank's): any rank of the world
+    may resume from them."""
+    steps = set()
+    for rank in held_here:
+        for where in (directory, os.path.join(directory, PEERS)):
+            for slot in SLOTS:
+                head = file_header(os.path.join(where, slot_name(rank, slot)))
+                if head is not None and head.replicated:
+                    steps.add(head.step)
+    return sorted(steps)
