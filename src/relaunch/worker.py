@@ -32,7 +32,7 @@ _failure_listening = False
 _last_report: tuple[float, float] | None = None  # (step, time) of the previous report
 _step_seconds = 0.0
 _FIELDS = channel.FIELDS
-_STEP_SECONDS = channel.STEP_SECONDS
+_F64 = channel.F64
 _SEQ = channel.SEQ
 _time = time.time
 _LIVE = channel.LIVE_FIELDS
@@ -96,7 +96,7 @@ def report_progress(step: int, total: int | None = None, desc: str | None = None
         # What a step takes, for the agent's count of the time a restart redoes.
         per_step = (now - _last_report[1]) / (step - _last_report[0])
         _step_seconds = 0.8 * _step_seconds + 0.2 * per_step if _step_seconds else per_step
-        _STEP_SECONDS.pack_into(mapped, offset + channel.STEP_SECONDS_OFFSET, _step_seconds)
+        _F64.pack_into(mapped, offset + channel.STEP_SECONDS_OFFSET, _step_seconds)
     _last_report = (step, now)
     if desc is not None and desc != _desc_cache[0]:
         _desc_cache = (desc, channel.encode_desc(desc))
@@ -116,7 +116,7 @@ def note_restore(began: float, ended: float, step: int) -> None:
     assert mapped is not None
     at = _offset + channel.RECOVERY_OFFSET
     channel.RESTORE.pack_into(mapped, at, began, 0.0, step)
-    _STEP_SECONDS.pack_into(mapped, at + 8, ended)  # last: the record is whole
+    _F64.pack_into(mapped, at + 8, ended)  # last: the record is whole
     _wake_agent()
 
 

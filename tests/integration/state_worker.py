@@ -9,6 +9,7 @@ from, -1: none) and ``OUT/final.{rank}`` (the state at the end). MODE:
 - ``jit``: in attempt 0, rank 1 saves each step and exits 3 at step ``KILL_AT``; rank 0 saves
   nothing but asks ``failure_pending()`` each step, and once told saves its last step
   (``replicated``), which both resume from;
+- ``callback``: as ``jit``, but rank 0 saves from ``on_failure_pending``'s callback;
 - ``exit``: runs to ``KILL_AT`` and, once every rank saved it, exits 1 (a job that fails, to
   be requeued);
 - ``big``: saves ``KILL_AT`` MiB once.
@@ -35,16 +36,33 @@ if mode == "big":
 got = relaunch.load_state()
 start, state = (0, {"rank": rank, "sum": 0}) if got is None else (got[0] + 1, got[1])
 (out / f"resumed.{attempt}.{rank}").write_text(str(-1 if got is None else got[0]))
+if mode == "callback" and attempt == 0 and rank == 0:
+    # Saved from relaunch's thread when told, while the main thread goes on stepping.
+    kept = {"now": (state, start - 1)}  # one value: the thread reads a whole pair
+
+    def save_now() -> None:
+        now, at = kept["now"]
+        (out / "jit").write_text(str(at))
+        relaunch.save_state(now, at, replicated=True)
+
+    relaunch.on_failure_pending(save_now)
+mode = "jit" if mode == "callback" else mode
 for step in range(start, steps):
     if mode == "jit" and attempt == 0:
+        if rank == 0 and step == kill_at:
+            (out / "ready").write_text("")  # rank 0 is as far as rank 1 will get
         if rank == 1 and step == kill_at:
+            while not (out / "ready").exists():
+                time.sleep(0.005)
             sys.exit(3)
-        if rank == 0 and relaunch.failure_pending():
+        if rank == 0 and "kept" not in globals() and relaunch.failure_pending():
             (out / "jit").write_text(str(step - 1))  # first: the save ends this worker's time
             relaunch.save_state(state, step - 1, replicated=True)
             time.sleep(60)  # stopped by the agent
         time.sleep(0.01)
     state = {"rank": state["rank"], "sum": state["sum"] + step, "step": step}
+    if "kept" in globals():
+        kept["now"] = (state, step)
     if mode != "jit" or attempt > 0 or rank == 1:
         relaunch.save_state(state, step)
     if mode == "kill" and attempt == 0 and step == kill_at:

@@ -117,8 +117,9 @@ def run_two_nodes(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["jit", "callback"])
 def test_a_failure_lets_the_listening_workers_save_just_in_time(
-    tmp_path: pathlib.Path, leaks: LeakCheck
+    tmp_path: pathlib.Path, leaks: LeakCheck, mode: str
 ) -> None:
     """Rank 0 saves nothing until told that rank 1 failed; then its replicated save is what
     both ranks resume from, past rank 1's own last save."""
@@ -130,7 +131,7 @@ def test_a_failure_lets_the_listening_workers_save_just_in_time(
         "1",
         WORKER,
         str(tmp_path),
-        "jit",
+        mode,
         "200",
         "5",
     )

@@ -104,7 +104,7 @@ class Channel:
     def step_seconds(self, rank: int) -> float:
         """What a step of ``rank`` took lately (its reports' moving average; 0: unknown)."""
         at = channel.slot_offset(rank) + channel.STEP_SECONDS_OFFSET
-        seconds: float = channel.STEP_SECONDS.unpack_from(self._map, at)[0]
+        seconds: float = channel.F64.unpack_from(self._map, at)[0]
         return seconds
 
     def listening(self, rank: int) -> bool:

@@ -60,7 +60,7 @@ SEQ = struct.Struct("<Q")
 FIELDS = struct.Struct("<qqd")
 LIVE_FIELDS = struct.Struct("<ddddQQBB")
 RESTORE = struct.Struct("<ddq")
-STEP_SECONDS = struct.Struct("<d")
+F64 = struct.Struct("<d")
 
 
 def size(slots: int) -> int:
