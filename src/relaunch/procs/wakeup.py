@@ -91,8 +91,17 @@ class EventQueue(Generic[T]):
     def close(self) -> None:
         """Release the pipe; later ``put`` calls only queue (nobody waits any more)."""
         with signals_deferred():
-            if self._previous_fd is not None:  # a signal's exception cut the restore short
-                signal.set_wakeup_fd(self._previous_fd)
+            if threading.current_thread() is threading.main_thread():
+                # A signal's exception may have cut the restore short, even between setting
+                # the fd and noting the one before (a signal another thread caught runs its
+                # handler in the main thread at any instruction, deferred or not): whatever
+                # is left of ours goes.
+                current = signal.set_wakeup_fd(-1)
+                if self._previous_fd is not None:
+                    current = self._previous_fd
+                elif current == self._write_fd:
+                    current = -1
+                signal.set_wakeup_fd(current)
                 self._previous_fd = None
             with self._lock:
                 if self._closed:
