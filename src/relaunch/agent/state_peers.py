@@ -103,13 +103,7 @@ class PeerLink:
             write_all(fd, bytes(layout.HEADER_SIZE), 0)  # uncommitted while it is rewritten
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
-            buffer = bytearray(min(_CHUNK, size))
-            offset = layout.HEADER_SIZE
-            while offset < size:
-                view = memoryview(buffer)[: min(len(buffer), size - offset)]
-                _read_into(connection, view)
-                write_all(fd, view, offset)
-                offset += len(view)
+            _receive_into(connection, fd, layout.HEADER_SIZE, size)
             if _read_exactly(connection, 1) == b"\1" and layout.read_header(head) is not None:
                 write_all(fd, head, 0)
         finally:
@@ -194,12 +188,7 @@ class PeerLink:
             temporary = f"{target}.pull"
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                buffer, offset = bytearray(min(_CHUNK, size)), 0
-                while offset < size:
-                    view = memoryview(buffer)[: min(len(buffer), size - offset)]
-                    _read_into(connection, view)
-                    write_all(fd, view, offset)
-                    offset += len(view)
+                _receive_into(connection, fd, 0, size)
             except BaseException:
                 os.close(fd)
                 os.unlink(temporary)
@@ -239,6 +228,16 @@ def _send_file(connection: socket.socket, fd: int, size: int) -> None:
     with os.fdopen(os.dup(fd), "rb") as file:
         if connection.sendfile(file, 0, size) != size:
             raise ValueError("the slot ended before its header says")
+
+
+def _receive_into(connection: socket.socket, fd: int, offset: int, end: int) -> None:
+    """The bytes ``offset`` to ``end`` of a slot file, from ``connection`` into file ``fd``."""
+    buffer = bytearray(min(_CHUNK, max(0, end - offset)))
+    while offset < end:
+        view = memoryview(buffer)[: min(len(buffer), end - offset)]
+        _read_into(connection, view)
+        write_all(fd, view, offset)
+        offset += len(view)
 
 
 def _read_exactly(connection: socket.socket, size: int) -> bytes:

@@ -164,20 +164,11 @@ def _load() -> tuple[int, Any] | None:
         return None
     directory, rank, _ = where
     step = int(step_text)
-    from relaunch.state.files import StateCorrupt, committed, file_header, find_replica, read_slot
+    from relaunch.state.files import StateCorrupt, file_header, find_slot, read_slot
 
-    slots = committed(directory, rank)
-    newest_first = sorted(slots.items(), key=lambda item: -item[1].generation)
-    paths = [
-        os.path.join(directory, layout.slot_name(rank, slot))
-        for slot, head in newest_first
-        if head.step == step
-    ]
-    replica = None if paths else find_replica(directory, step)
-    for path in paths or ([] if replica is None else [replica]):
-        head = file_header(path)
-        if head is None or head.step != step:
-            continue
+    path = find_slot(directory, rank, step)
+    head = None if path is None else file_header(path)
+    if path is not None and head is not None and head.step == step:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             parts = read_slot(fd, head)
