@@ -53,13 +53,14 @@ it (connection refused), the nodes' restart counts drift apart, and an agent giv
   state's is the one logged at that step before the kill; the final loss.
 
 **The variants**: (a) relaunch, ``relaunch.save_state`` every step, ``load_state`` at the start,
-``--preload torch``; (b) relaunch, ``torch.save`` every step, (c) every 10 steps (global rank 0
-writes, every rank reads); (d), (e) the same under torchrun (``python -m torch.distributed.run``);
-(f) DLRover 0.6.1's Flash Checkpoint (``DdpCheckpointer.save_checkpoint(..., StorageType.MEMORY)``
-every step, ``load_checkpoint()``) under ``dlrover-run`` with a local DLRover master for the 2
-nodes, where ``--dlrover-python`` (default: this interpreter) imports dlrover 0.6.1 with the same
-torch and mount namespaces work; benchmarks/workers/dlrover_run.py gives torch 2.13's
-``SubprocessHandler`` the ``numa_options`` that 0.6.1 does not pass.
+``--preload torch,torch._dynamo`` (torch, and what building its optimizer imports); (b) relaunch,
+``torch.save`` every step, (c) every 10 steps (global rank 0 writes, every rank reads); (d), (e) the
+same under torchrun (``python -m torch.distributed.run``); (f) DLRover 0.6.1's Flash Checkpoint
+(``DdpCheckpointer.save_checkpoint(..., StorageType.MEMORY)`` every step, ``load_checkpoint()``)
+under ``dlrover-run`` with a local DLRover master for the 2 nodes, where ``--dlrover-python``
+(default: this interpreter) imports dlrover 0.6.1 with the same torch and mount namespaces work;
+benchmarks/workers/dlrover_run.py gives torch 2.13's ``SubprocessHandler`` the ``numa_options`` that
+0.6.1 does not pass.
 
 **Budgets** (variant a): worker kill -> next step <= 1.0 s, the restarted ranks' first line with
 torch imported <= 0.2 s (the warm start), steps lost 0 after a worker kill and <= 1 after a node
@@ -123,7 +124,14 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("a", RELAUNCH, "memory", 1, "relaunch, save_state every step", ("--preload", "torch")),
+    Variant(
+        "a",
+        RELAUNCH,
+        "memory",
+        1,
+        "relaunch, save_state every step",
+        ("--preload", "torch,torch._dynamo"),
+    ),
     Variant("b", RELAUNCH, "disk", 1, "relaunch, torch.save every step"),
     Variant("c", RELAUNCH, "disk", 10, "relaunch, torch.save every 10 steps"),
     Variant("d", TORCHRUN, "disk", 1, "torchrun, torch.save every step"),

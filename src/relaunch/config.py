@@ -359,7 +359,7 @@ def check_rendezvous(config: LaunchConfig) -> RendezvousSettings:
                 "backend; the static backend takes a fixed number of nodes"
             )
         settings = config.rendezvous_settings
-        if settings.rank >= config.max_nodes:
+        if (settings.rank or 0) >= config.max_nodes:
             raise ConfigError(
                 f"--node-rank {settings.rank} must be below --nnodes {config.max_nodes}"
             )

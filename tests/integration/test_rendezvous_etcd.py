@@ -21,6 +21,7 @@ from conftest import LeakCheck, wait_until
 from etcd_cluster import EtcdCluster, b64
 from test_rendezvous import FAST, agent, lines, script
 
+from relaunch.core.node_order import Claim
 from relaunch.core.rendezvous import Settings
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
@@ -287,12 +288,12 @@ def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
         on_etcd = EtcdKind("idempotent", Settings(1, 4), store, store)
         rounds = Rounds("idempotent", on_etcd, Settings(1, 4), "127.0.0.1", "node-a")
         other = Rounds("idempotent", on_etcd, Settings(1, 4), "127.0.0.1", "node-b")
-        first = rounds.roster.join(0, 2, "default").entry
-        other.roster.join(0, 3, "default")
-        again = rounds.roster.join(0, 2, "default").entry
+        first = rounds.roster.join(0, 2, "default", Claim()).entry
+        other.roster.join(0, 3, "default", Claim())
+        again = rounds.roster.join(0, 2, "default", Claim()).entry
         assert first is not None and first == again and first.lead
         assert rounds.roster.joined(0) == 2
-        _, world_size, runs, _ = rounds.roster.members(0, 2, Settings(1, 4))
+        _, world_size, runs, *_ = rounds.roster.members(0, 2, Settings(1, 4))
         assert world_size == 5 and len(runs) == 2
     finally:
         store.close()

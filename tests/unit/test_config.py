@@ -226,7 +226,11 @@ def test_a_config_error_from_deep_inside_is_one_line_and_exit_2(leaks: LeakCheck
             {"rank": "1", "join_timeout": "9", "timeout": "x"},
             {"rank": 1, "join_timeout": 9.0},
         ),
-        ("c10d", {"rank": "x", "timeout": "5", "protocol": "ftp"}, {"timeout": 5.0, "etcd": None}),
+        (
+            "c10d",
+            {"rank": "3", "timeout": "5", "protocol": "ftp"},
+            {"rank": 3, "timeout": 5.0, "etcd": None},
+        ),
         ("etcd-v2", {"protocol": "https", "user": "u", "password": "p"}, {"timeout": 60.0}),
     ],
 )

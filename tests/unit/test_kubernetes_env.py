@@ -114,9 +114,12 @@ def test_the_etcd_job_rendezvous_on_the_etcd_service(capsys: pytest.CaptureFixtu
         assert (got.min_nodes, got.max_nodes) == (2, 2)
         assert (got.rdzv_backend, got.rdzv_endpoint) == ("etcd", "relaunch-etcd:2379")
         assert got.run_id == UID  # each run of the Job apart in etcd
-    # The line says what was inferred: only the id, the manifest set the rest as PET_*.
+        assert got.rendezvous_settings.rank == index, "group ranks follow the pods' indexes"
+    # The line says what was inferred: the id and the node rank, the manifest set the rest as
+    # PET_*.
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"relaunch: running under a Kubernetes Indexed Job: --rdzv-id {UID} (RELAUNCH_JOB_UID)"
+        f"relaunch: running under a Kubernetes Indexed Job: --rdzv-id {UID} (RELAUNCH_JOB_UID), "
+        "--node-rank 1 (JOB_COMPLETION_INDEX)"
     )
 
 
@@ -224,5 +227,5 @@ def test_the_line_names_the_variables() -> None:
         "running under a Kubernetes Indexed Job: "
         "--rdzv-backend c10d (HOSTNAME, JOB_COMPLETION_INDEX, RELAUNCH_SUBDOMAIN), "
         "--rdzv-endpoint j-0.s:29400 (HOSTNAME, JOB_COMPLETION_INDEX, RELAUNCH_SUBDOMAIN), "
-        "--rdzv-id j (HOSTNAME, JOB_COMPLETION_INDEX)"
+        "--rdzv-id j (HOSTNAME, JOB_COMPLETION_INDEX), --node-rank 0 (JOB_COMPLETION_INDEX)"
     )

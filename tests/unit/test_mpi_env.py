@@ -46,9 +46,11 @@ def test_every_open_mpi_rank_meets_on_the_launching_host(
         got = launch(["train.py"], open_mpi(rank, size=3))
         assert (got.min_nodes, got.max_nodes, got.rdzv_backend) == (3, 3, "c10d")
         assert (got.rdzv_endpoint, got.run_id) == ("192.0.2.2:29400", "1077215233")
+        assert got.rendezvous_settings.rank == rank, "group ranks follow the MPI ranks"
     assert capsys.readouterr().err.splitlines()[-1] == (
         "relaunch: running under Open MPI: --nnodes 3 (OMPI_COMM_WORLD_SIZE), --rdzv-backend c10d"
-        " (OMPI_COMM_WORLD_SIZE), --rdzv-endpoint 192.0.2.2:29400 (OMPI_MCA_orte_hnp_uri), "
+        " (OMPI_COMM_WORLD_SIZE), --node-rank 2 (OMPI_COMM_WORLD_RANK), "
+        "--rdzv-endpoint 192.0.2.2:29400 (OMPI_MCA_orte_hnp_uri), "
         "--rdzv-id 1077215233 (OMPI_MCA_ess_base_jobid)"
     )
 

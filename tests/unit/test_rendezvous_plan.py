@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from relaunch.core import node_order
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import (
     ChangeKind,
@@ -30,7 +31,7 @@ S = Settings(min_nodes=2, max_nodes=4, join_timeout=100, last_call_timeout=10)
 def test_join_counter_packs_ticket_and_workers() -> None:
     total = sum(plan.join_increment(size, "default") for size in (8, 2, 3))
     assert plan.unpack_join(total)[:2] == (3, 13)
-    assert plan.assign(3, 13, 3) == (2, 10)
+    assert node_order.assign((), 3, 13, 3) == (2, 10)
 
 
 @pytest.mark.parametrize(
@@ -80,8 +81,8 @@ def test_a_round_after_a_running_one_waits_for_it_then_completes_at_the_expected
 
 
 def test_ring_and_liveness() -> None:
-    assert plan.ring_neighbour(1, 1) is None
-    assert [plan.ring_neighbour(t, 3) for t in (1, 2, 3)] == [2, 3, 1]
+    assert plan.ring_neighbour(0, 1) is None
+    assert [plan.ring_neighbour(rank, 3) for rank in (0, 1, 2)] == [1, 2, 0]
     fast = Settings(1, 1, keep_alive_interval=1, keep_alive_max_attempt=3)
     assert not plan.is_dead(10.0, 13.0, fast) and plan.is_dead(10.0, 13.1, fast)
 

@@ -154,7 +154,7 @@ def _place(config: LaunchConfig) -> tuple[tuple[str, ...], int, int, str, int]:
         from relaunch.endpoints import parse_endpoint
 
         host, port = parse_endpoint(config.rdzv_endpoint, default_port=STATIC_DEFAULT_PORT)
-        rank = config.rendezvous_settings.rank
+        rank = config.rendezvous_settings.rank or 0
         if port == 0:  # one node: a free port, picked as it joins
             return _without("MASTER_PORT"), rank, config.max_nodes, host, 0
         return GROUP_VARIABLES, rank, config.max_nodes, host, port

@@ -163,16 +163,16 @@ def config_from_args(
             raise ConfigError("--standalone runs one node: drop --nnodes or use --rdzv-backend")
         backend, endpoint, run_id = "c10d", "127.0.0.1:0", fresh_run_id
         rdzv_configs["is_host"] = "true"
-    if backend == "static":
-        if not endpoint:
-            port = args.master_port
-            if port is None and max_nodes == 1:
-                # torchrun 2.13 runs this as --standalone: a fresh run id (whatever --rdzv-id
-                # says) and a free port. The static backend with port 0 does the same here.
-                port, run_id = 0, fresh_run_id
-            elif port is None:
-                port = STATIC_PORT
-            endpoint = f"{args.master_addr}:{port}"
+    if backend == "static" and not endpoint:
+        port = args.master_port
+        if port is None and max_nodes == 1:
+            # torchrun 2.13 runs this as --standalone: a fresh run id (whatever --rdzv-id
+            # says) and a free port. The static backend with port 0 does the same here.
+            port, run_id = 0, fresh_run_id
+        elif port is None:
+            port = STATIC_PORT
+        endpoint = f"{args.master_addr}:{port}"
+    if args.node_rank is not None:  # static: the group rank; dynamic: the nodes' order
         rdzv_configs["rank"] = args.node_rank
     config = LaunchConfig(
         min_nodes=min_nodes,

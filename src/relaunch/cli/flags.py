@@ -141,8 +141,9 @@ FLAGS = [
     _Flag(
         "nodes",
         ("--node-rank",),
-        "rank of this node (static rendezvous)",
-        0,
+        "rank of this node: its group rank (static rendezvous), or its place in the order "
+        "the group ranks follow (c10d, etcd)",
+        None,
         _checked("parse_count", 0),
         metavar="RANK",
     ),

@@ -15,13 +15,15 @@ pod, so the manifest opts in by saying them in its ``env``:
 
 Without ``RELAUNCH_SUBDOMAIN`` nothing is inferred: an Indexed Job that runs one single-node
 relaunch per pod stays what it is, and Kubeflow's PyTorchJob and TrainJob, which set torchrun's
-own ``PET_*`` variables, need nothing from here. Ranks come from the rendezvous, not from the
-index (a replacement pod may join a group whose ranks were handed out already).
+own ``PET_*`` variables, need nothing from here. The index is the pod's ``--node-rank``: group
+ranks follow it among the pods present, but a replacement pod takes the place of the one it
+replaces (``core.node_order``), not necessarily its index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from relaunch.core.inference import Inference
 
@@ -43,14 +45,16 @@ def detect(environ: Mapping[str, str]) -> Inference | None:
     job = hostname[: -len(suffix)]
     where = "HOSTNAME, JOB_COMPLETION_INDEX, RELAUNCH_SUBDOMAIN"
     uid = environ.get("RELAUNCH_JOB_UID", "").strip()
-    values = {
+    values: dict[str, Any] = {
         "rdzv_backend": "c10d",
         "rdzv_endpoint": f"{job}-0.{subdomain}:{STORE_PORT}",
         "rdzv_id": uid or job,
+        "node_rank": int(index),
     }
     sources = {
         "rdzv_backend": where,
         "rdzv_endpoint": where,
         "rdzv_id": "RELAUNCH_JOB_UID" if uid else "HOSTNAME, JOB_COMPLETION_INDEX",
+        "node_rank": "JOB_COMPLETION_INDEX",
     }
     return Inference("a Kubernetes Indexed Job", values, sources)

@@ -47,12 +47,13 @@ def hnp_address(uri: str) -> str:
     return f"[{found}]" if found else ""
 
 
-def _world(environ: Mapping[str, str]) -> tuple[str, int, str] | None:
-    """(the flavour's name, the number of ranks, the variable saying it), or None."""
+def _world(environ: Mapping[str, str]) -> tuple[str, int, str, int, str] | None:
+    """(the flavour's name, the number of ranks and the variable saying it, this process' rank
+    and its variable), or None."""
     for name, size_var, rank_var in _FLAVOURS:
-        size = environ.get(size_var, "").strip()
-        if size.isdigit() and int(size) > 0 and environ.get(rank_var, "").strip().isdigit():
-            return name, int(size), size_var
+        size, rank = environ.get(size_var, "").strip(), environ.get(rank_var, "").strip()
+        if size.isdigit() and int(size) > 0 and rank.isdigit() and int(rank) < int(size):
+            return name, int(size), size_var, int(rank), rank_var
     return None
 
 
@@ -61,9 +62,9 @@ def detect(environ: Mapping[str, str]) -> Inference | None:
     world = _world(environ)
     if world is None:
         return None
-    name, size, size_var = world
-    values: dict[str, Any] = {"nnodes": (size, size), "rdzv_backend": "c10d"}
-    sources = {"nnodes": size_var, "rdzv_backend": size_var}
+    name, size, size_var, rank, rank_var = world
+    values: dict[str, Any] = {"nnodes": (size, size), "rdzv_backend": "c10d", "node_rank": rank}
+    sources = {"nnodes": size_var, "rdzv_backend": size_var, "node_rank": rank_var}
     host, host_var = environ.get("MASTER_ADDR", "").strip(), "MASTER_ADDR"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 address

@@ -4,7 +4,8 @@ Each backend reads its own keys (the others are ignored, as torchrun does):
 
 - ``static``: ``rank`` (``--node-rank``) and ``join_timeout`` (how long the master's name may
   take to resolve);
-- ``c10d``/``tcp``: the dynamic rendezvous' keys (``RendezvousSettings``);
+- ``c10d``/``tcp``: the dynamic rendezvous' keys (``RendezvousSettings``), ``rank`` among them:
+  the node's place in the scheduler's order, which group ranks follow;
 - ``etcd``/``etcd-v2``: those, and the etcd client's (``EtcdOptions``).
 
 ``parse`` is the one reader of these keys and the one place each is range-checked; the values go
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from relaunch.core import exclusion
+from relaunch.core import exclusion, node_order
 from relaunch.core import rendezvous as plan
 from relaunch.core.defaults import MAX_SECONDS
 
@@ -84,8 +85,9 @@ class RendezvousSettings(NamedTuple):
     #: Failures a node may cause before it is excluded (0: never), and for how many seconds.
     exclude_after: int = exclusion.DEFAULT_EXCLUDE_AFTER
     exclude_cooldown: float = exclusion.DEFAULT_EXCLUDE_COOLDOWN
-    #: The static backend's node rank (``--node-rank``).
-    rank: int = 0
+    #: This node's rank (``--node-rank``, or what the scheduler says): the static backend's
+    #: group rank; the dynamic one orders its nodes by it (``core.node_order``). None: not given.
+    rank: int | None = None
     #: The etcd client's keys (None: not an etcd backend).
     etcd: EtcdOptions | None = None
 
@@ -135,18 +137,20 @@ def parse(
 ) -> RendezvousSettings:
     """The keys of ``conf`` that ``backend`` reads, typed and checked; ValueError saying which
     is wrong. ``is_file(path)`` tells whether a TLS file named for etcd exists."""
-    if backend == STATIC_BACKEND:
+    rank = None
+    if conf.get("rank") is not None:
         rank = _number(conf, "rank", 0, whole=True)
-        if rank < 0:
-            raise ValueError(f"--node-rank {rank} must be >= 0")
+        if not 0 <= rank < node_order.MAX_NODE_RANK:
+            raise ValueError(f"--node-rank {rank} must be >= 0 and below 2**31")
+    if backend == STATIC_BACKEND:
         # The one dynamic key the static backend reads: how long the master's name may take to
         # resolve (rendezvous.static).
         timing = _dynamic({"join_timeout": conf.get("join_timeout", 600)})
-        return RendezvousSettings(join_timeout=timing.join_timeout, rank=rank)
+        return RendezvousSettings(join_timeout=timing.join_timeout, rank=rank or 0)
     if backend in C10D_BACKENDS:
-        return _dynamic(conf)
+        return _dynamic(conf)._replace(rank=rank)
     if backend in ETCD_BACKENDS:
-        return _dynamic(conf)._replace(etcd=_etcd(conf, is_file))
+        return _dynamic(conf)._replace(etcd=_etcd(conf, is_file), rank=rank)
     raise ValueError(
         f"unknown rendezvous backend {backend!r}: valid backends are " + ", ".join(BACKENDS)
     )

@@ -17,11 +17,15 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
   carrying the member count, the world size, and its own address and port for
   MASTER_ADDR/MASTER_PORT; when the members' roles differ, their roles too (``roles``), from
   which each node counts its role ranks (``core.ranks.place_in_runs``).
+- Group ranks follow the tickets unless a node asks for a place: the rank it had in an earlier
+  round, or its place in the scheduler's order. The lead then reads the members' join records
+  and places them (``core.node_order``); the final record carries the ``order``, and the
+  address and port of the member it put at group rank 0 for MASTER_ADDR/MASTER_PORT.
 - A node whose ticket is beyond the final count arrived late: it joins the next round and waits
   there; running nodes see it (``nodes_waiting``) and restart into that larger round. When the
   round is full (``max_nodes``) it waits there as a spare, for as long as the round runs: when
   a member is lost, the next round completes with the spare in its place.
-- Each member heartbeats its own counter and watches one neighbour on a ring, so a dead node is
+- Each member heartbeats its own counter and watches the next group rank on a ring: a dead node is
   noticed after ``keep_alive_interval * keep_alive_max_attempt`` at O(1) cost per node.
 - A change while the round runs (``core.membership``) marks it for re-forming, with the size the
   next round expects.
@@ -146,6 +150,15 @@ class Final:
     #: The members' roles and workers in group-rank order (``core.ranks.role_runs``); empty
     #: when they all have one role.
     roles: tuple[RoleRun, ...] = ()
+    #: ``(ticket, workers)`` of the members in group-rank order (``core.node_order``); empty
+    #: when that is the order of their tickets.
+    order: tuple[tuple[int, int], ...] = ()
+
+    def group_rank(self, ticket: int) -> int:
+        """The group rank of the member holding ``ticket``."""
+        if not self.order:
+            return ticket - 1
+        return [placed for placed, _ in self.order].index(ticket)
 
 
 def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:
@@ -249,16 +262,11 @@ def decide_join(
     return JoinDecision(Step.WAIT, deadline=fail_at)
 
 
-def assign(ticket: int, workers_through_me: int, local_world_size: int) -> tuple[int, int]:
-    """``(group_rank, base_global_rank)`` of the node holding ``ticket``."""
-    return ticket - 1, workers_through_me - local_world_size
-
-
-def ring_neighbour(ticket: int, count: int) -> int | None:
-    """The ticket whose heartbeat this node watches (None when alone)."""
+def ring_neighbour(group_rank: int, count: int) -> int | None:
+    """The group rank whose heartbeat this node watches (None when alone)."""
     if count < 2:
         return None
-    return ticket % count + 1
+    return (group_rank + 1) % count
 
 
 def is_dead(last_change_at: float, now: float, settings: Settings) -> bool:
@@ -285,13 +293,16 @@ class Entry:
 
 class Members(NamedTuple):
     """Who the lead found in a round it completes: ``nodes`` members, ``world_size`` workers,
-    the ``runs`` that place them by revision (etcd; else empty) and their ``roles`` in
-    group-rank order (empty when they all have one)."""
+    the ``runs`` that place them by revision (etcd; else empty), their ``roles`` in
+    group-rank order (empty when they all have one), their ``order`` (``Final.order``) and,
+    when group rank 0 is not the lead, where that member's workers' master is."""
 
     nodes: int
     world_size: int
     runs: tuple[Run, ...] = ()
     roles: tuple[RoleRun, ...] = ()
+    order: tuple[tuple[int, int], ...] = ()
+    master: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)

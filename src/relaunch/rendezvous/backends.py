@@ -104,7 +104,7 @@ def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:
     host, port = parse_endpoint(spec.endpoint, default_port=29500)
     return StaticRendezvousHandler(
         run_id=spec.run_id,
-        node_rank=spec.settings.rank,
+        node_rank=spec.settings.rank or 0,
         nnodes=spec.max_nodes,
         master_addr=host,
         master_port=port,
@@ -138,6 +138,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
             backend=params.backend,
             identity=_identity(conf),
             exclusion_policy=_policy(conf),
+            node_rank=conf.rank,
         )
     import socket
 
@@ -204,6 +205,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         identity=_identity(conf),
         exclusion_policy=_policy(conf),
         store_host_probe=probe if server is None else None,
+        node_rank=conf.rank,
     )
 
 
@@ -245,4 +247,5 @@ def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         on_shutdown=(watch_store.close,),
         identity=_identity(conf),
         exclusion_policy=_policy(conf),
+        node_rank=conf.rank,
     )

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
-from relaunch.core import exclusion
+from relaunch.core import exclusion, node_order
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.core.ranks import role_place
@@ -50,6 +50,7 @@ class HandlerOptions(TypedDict, total=False):
     identity: str
     exclusion_policy: exclusion.ExclusionPolicy | None
     store_host_probe: Callable[[float], None] | None
+    node_rank: int | None
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -57,7 +58,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     ``stores``: the node's connections, of one kind (``kinds``). ``on_shutdown``: what else to
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
-    ``DynamicJob``. Deadlines come from ``clock``.
+    ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
+    which its group rank follows (``core.node_order``). Deadlines come from ``clock``.
     """
 
     def __init__(
@@ -71,9 +73,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         identity: str = "",
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
+        node_rank: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._run_id = run_id
+        self._node_rank = node_rank
         self._stores = stores
         self.settings = settings
         self._backend = backend
@@ -168,12 +172,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._standing.round,
                 exc,
             )
-        role, workers = self._standing.workers
-        round_, ticket, through, final = self._rounds.join(workers, role)
-        self._standing.enter(round_, ticket, final)
+        standing = self._standing
+        role, workers = standing.workers
+        last = None if standing.round is None else (standing.round, standing.group_rank)
+        round_, ticket, through, final = self._rounds.join(workers, role, last, self._node_rank)
+        try:
+            group_rank, offset = node_order.assign(final.order, ticket, through, workers)
+        except ValueError as exc:
+            raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
+        standing.enter(round_, group_rank, final)
         if feed is not None and round_ > 0:
             feed.forget(self._rounds.news_prefix(round_ - 1))
-        group_rank, offset = plan.assign(ticket, through, workers)
         role_offset, role_world_size = offset, final.world_size
         if final.roles:
             try:
@@ -236,7 +245,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             try:
                 # Leaving before the job finished: the others re-form without this node. This
                 # also wakes this node's own watcher, so its connection can close.
-                left = MembershipChange.member_left(standing.ticket - 1)
+                left = MembershipChange.member_left(standing.group_rank)
                 self._rounds.supersede(
                     standing.round, left, expected_size(standing.final.count, left)
                 )
@@ -259,7 +268,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         assert round_ is not None and standing.final is not None
         standing.watch = RoundWatch(
             lambda name: self._rounds.key(name, round_),
-            standing.ticket,
+            standing.group_rank,
             standing.final.count,
             self.settings,
             self._stores,

@@ -145,8 +145,8 @@ class DynamicJob:
         ):
             until = time.strftime("%H:%M:%S", time.localtime(counted.excluded_until))
             change = MembershipChange.member_excluded(
-                standing.ticket - 1,
-                f"node {self.identity} (group rank {standing.ticket - 1}) is excluded until "
+                standing.group_rank,
+                f"node {self.identity} (group rank {standing.group_rank}) is excluded until "
                 f"{until}, having failed the job {read[0].failures + 1} times ({change.reason})",
             )
         won = self._rounds.supersede(
@@ -338,7 +338,7 @@ class DynamicJob:
                 if left <= 0:
                     log.warning("exit barrier: not every node finished within %s", seconds(timeout))
                     return
-                if standing.ticket == 1:
+                if standing.group_rank == 0:
                     done = self._roster.await_tally("done", round_, members, min(left, interval))
                     if done >= members:
                         return

@@ -41,7 +41,8 @@ class Pulse(Protocol):
 
 
 class RoundWatch:
-    """The threads that watch one round for the member holding ``ticket`` of ``count``.
+    """The threads that watch one round for the member of group rank ``group_rank`` of
+    ``count``.
 
     ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). The heartbeat goes
     through the ``stores``' heartbeat connection, beating their kind's way. A re-form or a roll
@@ -54,7 +55,7 @@ class RoundWatch:
     def __init__(
         self,
         round_key: Callable[[str], str],
-        ticket: int,
+        group_rank: int,
         count: int,
         settings: plan.Settings,
         stores: StoreKind,
@@ -63,7 +64,7 @@ class RoundWatch:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._key = round_key
-        self._ticket, self._count = ticket, count
+        self._group_rank, self._count = group_rank, count
         self._settings = settings
         self._stores = stores
         self._store, self._watch_store = stores.heartbeat_store, stores.watch_store
@@ -157,12 +158,12 @@ class RoundWatch:
         # record is still on its way to the others. Neighbours are judged from then on.
         spread = settings.keep_alive_interval / 2
         pulse = self._stores.pulse(settings, self._clock.monotonic() + spread)
-        neighbour = plan.ring_neighbour(self._ticket, self._count)
+        neighbour = plan.ring_neighbour(self._group_rank, self._count)
         if stop.wait(random.uniform(0.0, spread)):
             return
         try:
             while True:
-                pulse.beat(self._key(f"hb/{self._ticket}"))
+                pulse.beat(self._key(f"hb/{self._group_rank}"))
                 if self._watch_store is None:  # nobody blocks on the bell: look each beat
                     self._answer_call(store, called=False)
                     key = self._key("changed")
@@ -173,7 +174,7 @@ class RoundWatch:
                     lost = pulse.lost(self._key(f"hb/{neighbour}"), self._clock.monotonic())
                     if lost:
                         self._flag(
-                            MembershipChange.member_lost(neighbour - 1, lost, self._ticket - 1),
+                            MembershipChange.member_lost(neighbour, lost, self._group_rank),
                             False,
                         )
                 if stop.wait(settings.keep_alive_interval):

@@ -16,12 +16,16 @@ store's kind (``kinds``) says which roster a node uses.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Protocol
 
+from relaunch.core import node_order
 from relaunch.core import rendezvous as plan
-from relaunch.core.ranks import RoleRun, role_runs
+from relaunch.core.node_order import Claim, Joiner
+from relaunch.core.ranks import role_runs
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.rendezvous.api import BadStoreValue, RendezvousError, store_int
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -31,9 +35,9 @@ log = logging.getLogger(__name__)
 
 
 class Roster(Protocol):
-    def join(self, round_: int, local_world_size: int, role: str) -> Joined:
-        """Join ``round_`` with ``local_world_size`` workers of ``role`` unless it completed
-        already or the job closed: one write."""
+    def join(self, round_: int, local_world_size: int, role: str, claim: Claim) -> Joined:
+        """Join ``round_`` with ``local_world_size`` workers of ``role``, asking for a place by
+        ``claim`` (``core.node_order``), unless it completed already or the job closed."""
 
     def joined(self, round_: int) -> int:
         """How many nodes joined ``round_`` so far."""
@@ -66,7 +70,9 @@ class CounterRoster:
     """Joins and tallies as atomic counters (the built-in store). Keys, under ``r{n}/``::
 
     joins           join counter: ticket, workers so far, role sums (``core.rendezvous``)
-    node/{ticket}   that node's join counter value, and its role
+    claims          how many joins ask for a place (``core.node_order``): the lead reads
+                    every member's record only when some do, or when their roles differ
+    node/{ticket}   that node's record: its join counter value, role and claim (JSON)
     {tally}         a counter
 
     Waits keep their deadlines on ``clock``.
@@ -75,16 +81,19 @@ class CounterRoster:
     def __init__(self, store: Store, key: KeyOf, clock: Clock = SYSTEM_CLOCK) -> None:
         self._store, self._key, self._clock = store, key, clock
 
-    def join(self, round_: int, local_world_size: int, role: str) -> Joined:
+    def join(self, round_: int, local_world_size: int, role: str, claim: Claim) -> Joined:
         store, key = self._store, self._key
         if store.get(key("closed", None)).value is not None:
             return Joined(None, closed=True)
         if store.get(key("final", round_)).value is not None:
             round_key = key("round", None)
             return Joined(None, round_now=store_int(round_key, store.get(round_key).value))
+        if claim.asks:  # counted before the join: the lead, seeing the join, sees the claim
+            store.add(key("claims", round_), 1)
         total = store.add(key("joins", round_), plan.join_increment(local_world_size, role))
         joined = plan.unpack_join(total)
-        store.set(key(f"node/{joined.ticket}", round_), f"{total} {role}".encode())
+        record = {"total": str(total), "role": role, **node_order.encode_claim(claim)}
+        store.set(key(f"node/{joined.ticket}", round_), json.dumps(record).encode())
         return Joined(Entry(joined.ticket, joined.through, 0, joined.ticket == 1))
 
     def joined(self, round_: int) -> int:
@@ -102,7 +111,7 @@ class CounterRoster:
         """A node that took a ticket but died before registering is left out (it is the last
         one here); one in the middle is caught by the heartbeats once the workers start. The
         last member's join total says whether the members have one role; only when they do
-        not are the others' roles read."""
+        not, or when some ask for a place, are the others' records read."""
         for members in range(count, settings.min_nodes - 1, -1):
             last = self._key(f"node/{members}", round_)
             try:
@@ -115,20 +124,28 @@ class CounterRoster:
                 )
                 continue
             raw = self._store.get(last).value
-            total, _ = _node_value(last, raw)
+            total, _, _ = _node_record(last, raw)
             if total.ticket != members:
                 raise BadStoreValue(last, raw, "not the join of that ticket")
-            roles = () if total.one_role() else self._roles(round_, members, settings)
-            return plan.Members(members, total.through, (), roles)
+            claims_key = self._key("claims", round_)
+            if total.one_role() and store_int(claims_key, self._store.get(claims_key).value) == 0:
+                return plan.Members(members, total.through)
+            joiners = self._joiners(round_, members, settings)
+            if any(joiner.claim is None for joiner in joiners):
+                # A member's record is missing (it died in between): arrival order, and its
+                # role counts for none.
+                nodes = [(joiner.role, joiner.workers) for joiner in joiners]
+                roles = () if total.one_role() else role_runs(nodes)
+                return plan.Members(members, total.through, (), roles)
+            return placed_members(joiners)
         raise RendezvousError(f"fewer than {settings.min_nodes} joined nodes registered")
 
-    def _roles(self, round_: int, members: int, settings: plan.Settings) -> tuple[RoleRun, ...]:
-        """The roles and workers of the first ``members`` nodes, read from their keys. A node
-        registers right after taking its ticket; one that has not within a keep-alive interval
-        died in between (its heartbeat never starts, and the round re-forms): its role is not
-        known, and counts for none."""
+    def _joiners(self, round_: int, members: int, settings: plan.Settings) -> list[Joiner]:
+        """The first ``members`` nodes, read from their records. A node registers right after
+        taking its ticket; one that has not within a keep-alive interval died in between (its
+        heartbeat never starts, and the round re-forms): its role and claim are not known."""
         deadline = self._clock.monotonic() + settings.keep_alive_interval
-        nodes: list[tuple[str | None, int]] = []
+        joiners: list[Joiner] = []
         through_before = 0
         for ticket in range(1, members + 1):
             key = self._key(f"node/{ticket}", round_)
@@ -140,12 +157,12 @@ class CounterRoster:
                 except StoreTimeout:
                     pass
             if raw is None:
-                nodes.append((None, 0))
+                joiners.append(Joiner(ticket, 0, None, None))
                 continue
-            total, role = _node_value(key, raw)
-            nodes.append((role, total.through - through_before))
+            total, role, claim = _node_record(key, raw)
+            joiners.append(Joiner(ticket, total.through - through_before, role, claim))
             through_before = total.through
-        return role_runs(nodes)
+        return joiners
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
         assert entry.ticket is not None
@@ -170,12 +187,44 @@ class CounterRoster:
         return store_int(key, current.value)
 
 
-def _node_value(key: str, raw: bytes | None) -> tuple[plan.JoinTotal, str]:
-    """A ``node/{ticket}`` key's join total and role; ``BadStoreValue`` if no relaunch wrote
-    it."""
-    number, _, role = (raw or b"").partition(b" ")
+def placed_members(joiners: Sequence[Joiner], runs: tuple[plan.Run, ...] = ()) -> plan.Members:
+    """As the lead: the members ``joiners`` (in arrival order, ``runs`` placing them on etcd),
+    given their group ranks (``core.node_order``)."""
+    ordered = node_order.place(joiners)
+    one_role = len({joiner.role for joiner in joiners}) <= 1
+    roles = () if one_role else role_runs((joiner.role, joiner.workers) for joiner in ordered)
+    first = ordered[0].claim
+    master = None
+    if ordered[0].ticket != 1 and first is not None and first.addr and first.port:
+        master = (first.addr, first.port)
+    world_size = sum(joiner.workers for joiner in joiners)
+    return plan.Members(len(joiners), world_size, runs, roles, node_order.order_of(ordered), master)
+
+
+def node_record(key: str, raw: bytes | None) -> dict[str, object]:
+    """A node's join record (JSON object); ``BadStoreValue`` if no relaunch wrote it."""
     try:
-        total = store_int(key, number, digits=plan.JOIN_TOTAL_DIGITS)
-        return plan.unpack_join(total), role.decode()
-    except UnicodeDecodeError as exc:
+        record = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadStoreValue(key, raw, f"not JSON ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("role"), str):
+        raise BadStoreValue(key, raw, "not a node's join record")
+    return record
+
+
+def decode_claim(key: str, raw: bytes | None, record: dict[str, object]) -> Claim:
+    """The claim in a node's join ``record``; ``BadStoreValue`` if no relaunch wrote it."""
+    try:
+        return node_order.decode_claim(record)
+    except ValueError as exc:
         raise BadStoreValue(key, raw, exc) from None
+
+
+def _node_record(key: str, raw: bytes | None) -> tuple[plan.JoinTotal, str, Claim]:
+    """A ``node/{ticket}`` record's join total, role and claim."""
+    record = node_record(key, raw)
+    number = record.get("total")
+    if not isinstance(number, str):
+        raise BadStoreValue(key, raw, "no join total")
+    total = store_int(key, number.encode(), digits=plan.JOIN_TOTAL_DIGITS)
+    return plan.unpack_join(total), str(record["role"]), decode_claim(key, raw, record)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+from relaunch.core import node_order
 from relaunch.core import rendezvous as plan
-from relaunch.core.ranks import role_runs
+from relaunch.core.node_order import Claim, Joiner
 from relaunch.core.rendezvous import Entry, Joined, KeyOf
 from relaunch.rendezvous.api import BadStoreValue, store_int
+from relaunch.rendezvous.roster import decode_claim, node_record, placed_members
 from relaunch.store import etcd
 from relaunch.store.etcd import EtcdStore
 
@@ -13,8 +17,8 @@ from relaunch.store.etcd import EtcdStore
 class KeyRoster:
     """Joins and tallies as one key per node (etcd). Keys, under ``r{n}/``::
 
-    join/{node}     this node's join: its number of workers and its role; the create revision
-                    orders it
+    join/{node}     this node's join: its number of workers, its role and its claim
+                    (``core.node_order``; JSON); the create revision orders it
     lead            the node that completes the round (the first to join)
     {tally}/{node}  this node, counted
     """
@@ -22,7 +26,7 @@ class KeyRoster:
     def __init__(self, store: EtcdStore, key: KeyOf, node_id: str) -> None:
         self._store, self._key, self._node = store, key, node_id
 
-    def join(self, round_: int, local_world_size: int, role: str) -> Joined:
+    def join(self, round_: int, local_world_size: int, role: str, claim: Claim) -> Joined:
         """One transaction: unless the job closed or the round completed, write this node's
         key and claim the lead if nobody has; else read why not. Nothing else is read: the
         transaction's revision is the key's, unless an earlier attempt wrote it (a write
@@ -33,7 +37,7 @@ class KeyRoster:
         reply = self._store.txn(
             [etcd.absent(closed), etcd.absent(final)],
             [
-                etcd.put(mine, f"{local_world_size} {role}".encode(), previous=True),
+                etcd.put(mine, _join_record(local_world_size, role, claim), previous=True),
                 etcd.txn_op([etcd.absent(lead)], [etcd.put(lead, node)]),
             ],
             [etcd.read(closed), etcd.read(key("round", None))],
@@ -56,15 +60,16 @@ class KeyRoster:
         self._store.await_prefix_count(self._key("join/", round_), at_least, timeout)
 
     def members(self, round_: int, count: int, settings: plan.Settings) -> plan.Members:
-        joins = [
-            (revision, *_join_value(name, value))
-            for name, value, revision in self._store.range_prefix(self._key("join/", round_), count)
+        joins = self._store.range_prefix(self._key("join/", round_), count)
+        joiners = [
+            Joiner(ticket, *_join_value(name, value))
+            for ticket, (name, value, _) in enumerate(joins, start=1)
         ]
-        runs = plan.revision_runs([(revision, workers) for revision, workers, _ in joins])
-        one_role = len({role for _, _, role in joins}) <= 1
-        roles = () if one_role else role_runs((role, workers) for _, workers, role in joins)
-        world_size = sum(nodes * workers for _, nodes, workers in runs)
-        return plan.Members(len(joins), world_size, runs, roles)
+        revisions = [revision for _, _, revision in joins]
+        runs = plan.revision_runs(
+            [(revision, j.workers) for revision, j in zip(revisions, joiners, strict=True)]
+        )
+        return placed_members(joiners, runs)
 
     def place(self, entry: Entry, final: plan.Final) -> tuple[int, int] | None:
         return plan.place_by_revision(final.runs, entry.revision)
@@ -79,11 +84,15 @@ class KeyRoster:
         return self._store.await_prefix_count(self._key(f"{name}/", round_), at_least, timeout)
 
 
-def _join_value(key: str, raw: bytes) -> tuple[int, str]:
-    """A ``join/{node}`` key's number of workers and role; ``BadStoreValue`` if no relaunch
-    wrote it."""
-    number, _, role = raw.partition(b" ")
-    try:
-        return store_int(key, number), role.decode()
-    except UnicodeDecodeError as exc:
-        raise BadStoreValue(key, raw, exc) from None
+def _join_record(workers: int, role: str, claim: Claim) -> bytes:
+    return json.dumps({"workers": workers, "role": role, **node_order.encode_claim(claim)}).encode()
+
+
+def _join_value(key: str, raw: bytes) -> tuple[int, str, Claim]:
+    """A ``join/{node}`` record's number of workers, role and claim; ``BadStoreValue`` if no
+    relaunch wrote it."""
+    record = node_record(key, raw)
+    workers = record.get("workers")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise BadStoreValue(key, raw, "no number of workers")
+    return workers, str(record["role"]), decode_claim(key, raw, record)

@@ -7,14 +7,15 @@ Keys, under ``relaunch/{run_id}/``::
                             a node too late for it moves it on
     r{n}/...                who joined, per store (``roster``): a join counter on the built-in
                             store, one key per node on etcd
-    r{n}/hb/{ticket}        heartbeat of a member: a counter it bumps, or on etcd a key bound
+    r{n}/hb/{group rank}    heartbeat of a member: a counter it bumps, or on etcd a key bound
                             to its lease, which etcd deletes when the member stops renewing it
     r{n}/done               members whose workers finished (the exit barrier), a tally
     news/closed             set once the job finished: late nodes exit cleanly (on etcd the
                             job's other keys are deleted then, and this one lives on a lease)
     news/r{n}/final         the completed round: members, world size, master address, on
-                            etcd the runs of create revisions that place the members, and the
-                            members' roles when they differ
+                            etcd the runs of create revisions that place the members, the
+                            members' roles when they differ, and their group-rank order
+                            when it is not their arrival order (``core.node_order``)
     news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
     news/r{n}/bell          rung with each change that stands, and by a roll call: what the
@@ -37,6 +38,7 @@ from relaunch.core.membership import (
     encode_change,
     expected_size,
 )
+from relaunch.core.node_order import Claim, check_order
 from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import (
@@ -107,14 +109,23 @@ class Rounds:
         """Whether the job finished (late nodes then exit rather than wait)."""
         return self._store.get(self.key("closed")).value is not None
 
-    def join(self, local_world_size: int, role: str) -> tuple[int, int, int, plan.Final]:
+    def join(
+        self,
+        local_world_size: int,
+        role: str,
+        last: tuple[int, int] | None = None,
+        node_rank: int | None = None,
+    ) -> tuple[int, int, int, plan.Final]:
         """Join the first open round with ``local_world_size`` workers of ``role``, and the next
         ones while late: ``(round, ticket, workers through this node, final record)``. A member
-        starts from the round after its last."""
+        starts from the round after its last. ``last`` (``(round, group rank)`` where this
+        node was a member last) and ``node_rank`` (its place in the scheduler's order) ask for
+        a group rank (``core.node_order``)."""
         started_at = self._clock.monotonic()
         round_ = self._next_round
         while True:
-            joined = self.roster.join(round_, local_world_size, role)
+            claim = Claim(last, node_rank, self._local_addr, find_free_port(self._local_addr))
+            joined = self.roster.join(round_, local_world_size, role, claim)
             if joined.closed:
                 raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
             if joined.entry is None:  # the round completed without this node
@@ -156,7 +167,9 @@ class Rounds:
                 tuple((_count(a), _count(b), _count(c)) for a, b, c in data.get("runs", ())),
                 record.version,
                 tuple((_role(a), _count(b), _count(c)) for a, b, c in data.get("roles", ())),
+                tuple((_count(a), _count(b)) for a, b in data.get("order", ())),
             )
+            check_order(final.order, final.count, final.world_size)
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise BadStoreValue(self.key("final", round_), value, why) from None
@@ -273,16 +286,24 @@ class Rounds:
             members = self.roster.members(round_, count, self.settings)
         except RendezvousError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r} failed: {exc}") from None
+        # The workers' master is on the member of group rank 0: this node, or the one whose
+        # join record said where.
+        master_addr, master_port = members.master or (
+            self._local_addr,
+            find_free_port(self._local_addr),
+        )
         record: dict[str, object] = {
             "count": members.nodes,
             "world_size": members.world_size,
-            "master_addr": self._local_addr,
-            "master_port": find_free_port(self._local_addr),
+            "master_addr": master_addr,
+            "master_port": master_port,
         }
         if members.runs:
             record["runs"] = members.runs
         if members.roles:
             record["roles"] = members.roles
+        if members.order:
+            record["order"] = members.order
         if self._store.compare_set(
             self.key("final", round_), 0, json.dumps(record).encode()
         ).succeeded:

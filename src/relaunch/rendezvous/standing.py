@@ -28,7 +28,7 @@ class Standing:
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
         self.round: int | None = None
-        self.ticket = 0
+        self.group_rank = 0
         self.final: plan.Final | None = None
         self._change: MembershipChange | None = None
         self._recorded = False  # whether ``_change`` came from the round's record
@@ -55,10 +55,10 @@ class Standing:
         # (``DynamicJob.set_workers``).
         self.workers: tuple[str, int] = (DEFAULT_ROLE, 1)
 
-    def enter(self, round_: int, ticket: int, final: plan.Final) -> None:
-        """This node is a member of round ``round_`` now, holding ``ticket``."""
+    def enter(self, round_: int, group_rank: int, final: plan.Final) -> None:
+        """This node is a member of round ``round_`` now, of group rank ``group_rank``."""
         with self._lock:
-            self.round, self.ticket, self.final = round_, ticket, final
+            self.round, self.group_rank, self.final = round_, group_rank, final
             self._change, self._recorded = None, False
             self._changed.clear()
             self.left = False

@@ -1,0 +1,150 @@
+"""Which node of a round gets which group rank: where the scheduler put it, and where it was.
+
+Nodes join a round in any order (their *tickets*, 1, 2, ... by arrival). Group ranks follow
+this rule instead (``place``), so that rank 0 lands where the scheduler says and a restart moves
+no rank it does not have to:
+
+1. A node that was a member of an earlier round keeps the group rank it had there, if that rank
+   is below the new round's member count. Two nodes claiming one rank: the one from the later
+   round keeps it, then the one that arrived first.
+2. The places left, lowest first, go to the other nodes in the scheduler's order: by the node
+   rank each brings (``--node-rank``, or what the scheduler says: ``SLURM_NODEID``, the MPI
+   rank, ``JOB_COMPLETION_INDEX``), then nodes without one in arrival order, and last any node
+   whose join record was never read (it died between taking a ticket and registering).
+
+So group rank 0 moves only when its node left, a lost node's place goes to the node that takes
+it over, and a first round started in any order gets the scheduler's order. Pure: the lead of a
+round calls ``place`` with what the members registered; the final record carries the result
+(``order``) only when it differs from the arrival order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+#: Bounds of what a node may claim: a hostile record must not allocate or loop without end.
+MAX_NODE_RANK = 1 << 31
+MAX_ADDR = 255
+
+
+class Claim(NamedTuple):
+    """What a node asks of its place, and where its workers' master would be should it get
+    group rank 0. ``last``: ``(round, group rank)`` of the last round it was a member of;
+    ``node_rank``: its place in the scheduler's order (``--node-rank``); ``addr``/``port``: a
+    free port it found."""
+
+    last: tuple[int, int] | None = None
+    node_rank: int | None = None
+    addr: str = ""
+    port: int = 0
+
+    @property
+    def asks(self) -> bool:
+        """Whether the node asks for a place (else any place will do)."""
+        return self.last is not None or self.node_rank is not None
+
+
+class Joiner(NamedTuple):
+    """One node of a round being completed: its ``ticket`` (arrival, 1-based), its workers, its
+    role, and its claim (None: its record was never read)."""
+
+    ticket: int
+    workers: int
+    role: str | None
+    claim: Claim | None
+
+
+def place(joiners: Sequence[Joiner]) -> list[Joiner]:
+    """``joiners`` in group-rank order, by the rule of this module."""
+    count = len(joiners)
+    placed: list[Joiner | None] = [None] * count
+    kept: set[int] = set()
+    keepers = [j for j in joiners if j.claim and j.claim.last and j.claim.last[1] < count]
+    for joiner in sorted(keepers, key=_keeper_order):
+        assert joiner.claim is not None and joiner.claim.last is not None
+        rank = joiner.claim.last[1]
+        if placed[rank] is None:
+            placed[rank] = joiner
+            kept.add(joiner.ticket)
+    rest = iter(sorted((j for j in joiners if j.ticket not in kept), key=_newcomer_order))
+    return [joiner if joiner is not None else next(rest) for joiner in placed]
+
+
+def _keeper_order(joiner: Joiner) -> tuple[int, int]:
+    assert joiner.claim is not None and joiner.claim.last is not None
+    return -joiner.claim.last[0], joiner.ticket
+
+
+def _newcomer_order(joiner: Joiner) -> tuple[bool, bool, int, int]:
+    claim = joiner.claim
+    node_rank = None if claim is None else claim.node_rank
+    return claim is None, node_rank is None, node_rank or 0, joiner.ticket
+
+
+def order_of(placed: Sequence[Joiner]) -> tuple[tuple[int, int], ...]:
+    """What the final record says of ``placed``: ``(ticket, workers)`` in group-rank order, or
+    nothing when that is the arrival order (the tickets then give the ranks)."""
+    if all(joiner.ticket == rank + 1 for rank, joiner in enumerate(placed)):
+        return ()
+    return tuple((joiner.ticket, joiner.workers) for joiner in placed)
+
+
+def assign(
+    order: Sequence[tuple[int, int]], ticket: int, through: int, workers: int
+) -> tuple[int, int]:
+    """``(group rank, base global rank)`` of the node holding ``ticket``, with ``workers``
+    workers and ``through`` workers up to and including it in arrival order, in a round whose
+    final record says ``order`` (``order_of``)."""
+    if not order:
+        return ticket - 1, through - workers
+    base = 0
+    for rank, (placed, placed_workers) in enumerate(order):
+        if placed == ticket:
+            return rank, base
+        base += placed_workers
+    raise ValueError(f"ticket {ticket} is not in the round's order")
+
+
+def check_order(order: Sequence[tuple[int, int]], count: int, world_size: int) -> None:
+    """ValueError unless ``order`` places each of ``count`` tickets once, with ``world_size``
+    workers in all (a final record read from the store)."""
+    if not order:
+        return
+    if sorted(ticket for ticket, _ in order) != list(range(1, count + 1)):
+        raise ValueError("the order does not place each member once")
+    if sum(workers for _, workers in order) != world_size or min(w for _, w in order) < 1:
+        raise ValueError("the order's workers do not add up to the world size")
+
+
+def encode_claim(claim: Claim) -> dict[str, Any]:
+    """``claim`` as fields of a node's join record (JSON)."""
+    fields: dict[str, Any] = {"addr": claim.addr, "port": claim.port}
+    if claim.last is not None:
+        fields["last"] = list(claim.last)
+    if claim.node_rank is not None:
+        fields["node_rank"] = claim.node_rank
+    return fields
+
+
+def decode_claim(fields: Mapping[str, Any]) -> Claim:
+    """The claim in a node's join record; ValueError saying what is wrong for one no relaunch
+    wrote."""
+    addr, port = fields.get("addr", ""), fields.get("port", 0)
+    if not isinstance(addr, str) or len(addr) > MAX_ADDR:
+        raise ValueError("'addr' is not an address")
+    if not _whole(port, 65536):
+        raise ValueError("'port' is not a port")
+    last = fields.get("last")
+    if last is not None:
+        if not (isinstance(last, list) and len(last) == 2 and all(_whole(n) for n in last)):
+            raise ValueError("'last' is not [round, group rank]")
+        last = (last[0], last[1])
+    node_rank = fields.get("node_rank")
+    if node_rank is not None and not _whole(node_rank):
+        raise ValueError("'node_rank' is not a whole number")
+    return Claim(last, node_rank, addr, port)
+
+
+def _whole(value: object, below: int = MAX_NODE_RANK) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < below
