@@ -31,16 +31,15 @@ DEATH_SETTLE_S = 1.0  # both workers run in world 2 this long before the kill, p
 DEATH_PHASE_STEP_S = 0.1  # this much more per repetition (mod 5): the heartbeats' phase varies
 DEATH_BOUND_S = 20.0  # how long a launcher gets to recover
 WORKER_GONE_S = 1.0  # the killed node's worker must be gone this soon (relaunch)
-#: Heartbeats: relaunch counts a node dead after interval * max_attempt = 1.0 s. torchrun takes
-#: only whole seconds for keep_alive_interval (it parses it with int()), and with interval 1 and
-#: max_attempt 1 a single node never completes its round (torch 2.13: it waits until
-#: join_timeout), so torchrun gets 1 s * 2 = 2.0 s.
-#: relaunch on etcd gets relaunch's settings: its heartbeat is an etcd lease of
-#: ceil(interval * max_attempt) = 1 s that the agent renews every 0.5 s.
+#: relaunch keeps the default heartbeats (5 s x 3: a node silent 15 s is dead): its agent's
+#: guardian says the dead agent's last word (``rendezvous.last_word``), and the survivor hears
+#: it from the store at once. torchrun has no such word: it gets heartbeats of 1 s x 2 = 2.0 s
+#: (it takes only whole seconds for keep_alive_interval, parsing it with int(), and with
+#: interval 1 and max_attempt 1 a single node never completes its round: torch 2.13 waits until
+#: join_timeout).
 DEATH_CONF = {
-    RELAUNCH: "keep_alive_interval=0.5,keep_alive_max_attempt=2,last_call_timeout=1,"
-    "join_timeout=60",
-    ETCD: "keep_alive_interval=0.5,keep_alive_max_attempt=2,last_call_timeout=1,join_timeout=60",
+    RELAUNCH: "last_call_timeout=1,join_timeout=60",
+    ETCD: "last_call_timeout=1,join_timeout=60",
     TORCHRUN: "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,join_timeout=60",
 }
 

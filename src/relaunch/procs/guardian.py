@@ -5,7 +5,8 @@ That also means nothing kills them if the launching process is itself killed (ev
 which no handler can catch). The guardian is a POSIX shell (about a millisecond to start, about a
 megabyte of memory) in a session of its own, reading the launcher's registrations of live process
 groups from a pipe. When the pipe reaches end of file, which the kernel guarantees however the
-launcher dies, it SIGKILLs every group still registered, and removes the temporary files
+launcher dies, it SIGKILLs every group still registered, has the launcher's last word said
+(``rendezvous.last_word``: its round re-forms at once), and removes the temporary files
 registered with it (the agent's shared-memory channel). Unlike a parent-death signal it also
 covers the workers' descendants, and it does not fire when the thread that started a worker exits.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import threading
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,10 @@ trap '' INT TERM HUP QUIT PIPE USR1
 live=' '
 files=' '
 trees=' '
+word=
 while read -r op arg; do
   case "$op" in
+    w) word="$arg" ;;
     +) live="$live$arg " ;;
     -) case "$live" in *" $arg "*) live="${live%%" $arg "*} ${live#*" $arg "}" ;; esac ;;
     f) files="$files$arg " ;;
@@ -41,6 +45,7 @@ while read -r op arg; do
   esac
 done
 for pid in $live; do kill -KILL -"$pid" 2>/dev/null; kill -KILL "$pid" 2>/dev/null; done
+[ -z "$word" ] || printf '%s\n' "$word" | "$0" -I -c "$1" "$2" &
 round=0
 while [ -n "${trees# }" ] && [ "$round" -lt 20 ]; do
   round=$((round + 1))
@@ -55,7 +60,14 @@ while [ -n "${trees# }" ] && [ "$round" -lt 20 ]; do
   [ -n "$found" ] || break
 done
 for file in $files; do rm -rf -- "$file"; done
+wait
 """
+#: What the guardian runs for a dead agent's last word (``rendezvous.last_word``), with this
+#: interpreter, isolated (``-I``), the directory relaunch is in first on its path.
+_LAST_WORD = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from relaunch.rendezvous.last_word import main; sys.exit(main())"
+)
 
 
 class Guardian:
@@ -63,8 +75,9 @@ class Guardian:
     starting it."""
 
     def __init__(self) -> None:
+        relaunch_in = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self._proc = subprocess.Popen(
-            ["/bin/sh", "-c", _SCRIPT],
+            ["/bin/sh", "-c", _SCRIPT, sys.executable, _LAST_WORD, relaunch_in],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -106,6 +119,13 @@ class Guardian:
     def unregister_tree(self, token: str) -> None:
         self._send(f"u {token}\n")
 
+    def set_last_word(self, line: str | None) -> None:
+        """Have the guardian say ``line`` (``rendezvous.last_word``) if the launcher dies, after
+        killing its workers; None: say nothing."""
+        if line is not None and ("\n" in line or not line.strip()):
+            raise ValueError("a last word is one line")
+        self._send(f"w {line or ''}\n")
+
     def _send(self, line: str) -> None:
         with self._lock:
             if self._broken:
@@ -117,13 +137,17 @@ class Guardian:
                 self._broken = True
                 log.warning("the orphan guardian (pid %d) is gone: %s", self._proc.pid, exc)
 
-    def _forget_in_child(self) -> None:
-        # A forked child must not hold the pipe open, or the guardian would outlive a dead launcher.
+    def close(self) -> None:
+        """End the pipe, as the launcher's death does: the guardian does its work and exits."""
         try:
             os.close(self._fd)
         except OSError:
             pass
         self._broken = True
+
+    def _forget_in_child(self) -> None:
+        # A forked child must not hold the pipe open, or the guardian would outlive a dead launcher.
+        self.close()
 
 
 _guardian: Guardian | None = None

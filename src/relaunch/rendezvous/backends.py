@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core import exclusion, rdzv_conf
 from relaunch.core.durations import seconds
@@ -40,6 +40,7 @@ from relaunch.store.api import StoreError
 
 if TYPE_CHECKING:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+    from relaunch.rendezvous.last_word import LastWord
 
 DEFAULT_PORT = 29400
 
@@ -92,6 +93,14 @@ def _identity(conf: RendezvousSettings) -> str:
 
 def _policy(conf: RendezvousSettings) -> exclusion.ExclusionPolicy:
     return exclusion.ExclusionPolicy(conf.exclude_after, conf.exclude_cooldown)
+
+
+def _last_word(where: dict[str, Any]) -> LastWord:
+    """What this node's orphan guardian says to the store at ``where`` should its agent die."""
+    from relaunch.procs.guardian import guardian
+    from relaunch.rendezvous.last_word import LastWord
+
+    return LastWord(where, lambda line: guardian().set_last_word(line))
 
 
 def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:
@@ -206,6 +215,10 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         exclusion_policy=_policy(conf),
         store_host_probe=probe if server is None else None,
         node_rank=conf.rank,
+        # The store's host takes the store with it: nobody would hear its last word.
+        last_word=None
+        if server is not None
+        else _last_word({"store": "c10d", "host": host, "port": port, "token": token}),
     )
 
 
@@ -248,4 +261,7 @@ def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         identity=_identity(conf),
         exclusion_policy=_policy(conf),
         node_rank=conf.rank,
+        last_word=_last_word(
+            {"store": "etcd", "endpoints": params.endpoint or "127.0.0.1", "options": options}
+        ),
     )

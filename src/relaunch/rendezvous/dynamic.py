@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from relaunch.core import exclusion, node_order
 from relaunch.core import rendezvous as plan
-from relaunch.core.membership import MembershipChange, expected_size
+from relaunch.core.membership import MembershipChange, encode_change, expected_size
 from relaunch.core.ranks import role_place
 from relaunch.rendezvous.api import (
     RendezvousConnectionError,
@@ -28,6 +28,7 @@ from relaunch.rendezvous.api import (
 from relaunch.rendezvous.dynamic_job import DynamicJob
 from relaunch.rendezvous.heartbeat import RoundWatch
 from relaunch.rendezvous.kinds import CounterKind, StoreKind
+from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.roster import new_node_id
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.rendezvous.standing import Standing
@@ -51,6 +52,7 @@ class HandlerOptions(TypedDict, total=False):
     exclusion_policy: exclusion.ExclusionPolicy | None
     store_host_probe: Callable[[float], None] | None
     node_rank: int | None
+    last_word: LastWord | None
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -59,7 +61,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ``stores``: the node's connections, of one kind (``kinds``). ``on_shutdown``: what else to
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
     ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
-    which its group rank follows (``core.node_order``). Deadlines come from ``clock``.
+    which its group rank follows (``core.node_order``). ``last_word``: what this node's guardian
+    says should its agent die while a member (``last_word``). Deadlines come from ``clock``.
     """
 
     def __init__(
@@ -74,10 +77,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
         node_rank: int | None = None,
+        last_word: LastWord | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._run_id = run_id
         self._node_rank = node_rank
+        self._last_word = last_word
         self._stores = stores
         self.settings = settings
         self._backend = backend
@@ -181,6 +186,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         except ValueError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
         standing.enter(round_, group_rank, final)
+        if self._last_word is not None:
+            lost = MembershipChange.member_lost(group_rank, "its agent died", None)
+            self._last_word.leave(
+                self._rounds.key("changed", round_),
+                self._rounds.key("bell", round_),
+                encode_change(lost, expected_size(final.count, lost)),
+            )
         if feed is not None and round_ > 0:
             feed.forget(self._rounds.news_prefix(round_ - 1))
         role_offset, role_world_size = offset, final.world_size
@@ -231,6 +243,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             )
 
     def shutdown(self) -> bool:
+        if self._last_word is not None:
+            self._last_word.retract()
         standing = self._standing
         standing.stop_watching()
         if self._stores.feed is not None:

@@ -91,6 +91,14 @@ class StoreKind(Protocol):
         """Shutting down: let go at once of what keeps this node's keys alive."""
 
 
+def supersede_on_counters(store: Store, changed: str, bell: str, record: bytes) -> bool:
+    """``StoreKind.supersede`` on the built-in store: the change, then its bell."""
+    won = store.compare_set(changed, 0, record).succeeded
+    if won:
+        store.set(bell, record)
+    return won
+
+
 def read_each(store: Store, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
     """``(name, value)`` of those of ``names`` that are there under ``prefix``: one read each."""
     for name in names:
@@ -129,10 +137,7 @@ class CounterKind:
         return CounterRoster(self.watch_store or self.heartbeat_store, key, self._clock)
 
     def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        won = self.store.compare_set(changed, 0, record).succeeded
-        if won:
-            self.store.set(bell, record)
-        return won
+        return supersede_on_counters(self.store, changed, bell, record)
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         return read_each(self.store, prefix, names)

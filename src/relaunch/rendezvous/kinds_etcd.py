@@ -17,6 +17,12 @@ from relaunch.store.etcd import EtcdStore
 from relaunch.store.etcd_feed import PrefixFeed
 
 
+def supersede_on_etcd(store: EtcdStore, changed: str, bell: str, record: bytes) -> bool:
+    """``StoreKind.supersede`` on etcd: the change and its bell at one revision, one event to
+    each member's feed."""
+    return store.compare_set(changed, 0, record, also=(bell,)).succeeded
+
+
 class EtcdKind:
     """etcd, for one node of job ``run_id``: joins and tallies as one key per node, heartbeats
     on the node's lease (kept from its first round to its shutdown), a change and its bell
@@ -59,8 +65,7 @@ class EtcdKind:
         return KeyRoster(self.watch_store or self.heartbeat_store, key, node_id)
 
     def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        """Both at one revision: one event to each member's feed."""
-        return self.store.compare_set(changed, 0, record, also=(bell,)).succeeded
+        return supersede_on_etcd(self.store, changed, bell, record)
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         """One range read for several notes."""

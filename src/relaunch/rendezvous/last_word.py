@@ -1,0 +1,101 @@
+"""A dead agent's last word: its round re-forms at once, not after the heartbeats' silence.
+
+An agent killed by SIGKILL or the OOM killer leaves its machine alive, and its orphan guardian
+(``procs.guardian``) sees the death first: the end of its pipe. While the agent is a member of a
+round, it leaves the guardian a *last word*: one line saying how to reach the store and which
+change to write there (its round superseded by "node of group rank G lost (its agent died)").
+At the pipe's end, after killing the agent's workers, the guardian runs ``main`` in a fresh
+interpreter, which writes that change the way the node's store kind writes any change
+(compare-and-set from absent, and the bell every member blocks on): the others re-form within
+about a second instead of ``keep_alive_interval * keep_alive_max_attempt``. The heartbeats stay
+for machines that vanish whole.
+
+An agent that leaves its round itself takes its last word back first (``LastWord.retract``);
+one that did not, ending while its round had ended anyway, writes nothing: the round's change is
+there already and the compare-and-set fails. A last word that cannot reach the store within
+``DEADLINE_S`` (the store went with the agent's node) is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: How long the dead agent's last word may take to reach the store.
+DEADLINE_S = 3.0
+#: One write to a pipe up to this size is atomic (POSIX ``PIPE_BUF``): the guardian reads the
+#: whole line or none of it.
+MAX_LINE = 4096
+
+
+class LastWord:
+    """What this agent leaves its guardian while it is a member of a round. ``where``: how to
+    reach the store (``{"store": "c10d", "host", "port", "token"}`` or ``{"store": "etcd",
+    "endpoints", "options"}``); ``send``: hands the guardian its line (None takes it back)."""
+
+    def __init__(self, where: dict[str, Any], send: Callable[[str | None], None]) -> None:
+        self._where, self._send = where, send
+        self._left = False
+
+    def leave(self, changed: str, bell: str, record: bytes) -> None:
+        """Should this agent die, write ``record`` at ``changed`` and ring ``bell``."""
+        line = json.dumps(
+            {**self._where, "changed": changed, "bell": bell, "record": record.decode()}
+        )
+        if len(line) >= MAX_LINE:
+            log.warning("no last word for the guardian: %d bytes is too long", len(line))
+            self.retract()
+            return
+        self._send(line)
+        self._left = True
+
+    def retract(self) -> None:
+        """This agent leaves its round itself: nothing to say should it die."""
+        if self._left:
+            self._send(None)
+            self._left = False
+
+
+def speak(line: str) -> bool:
+    """Write the change of the last word ``line``; whether it was written (False: the round had
+    a change already)."""
+    word = json.loads(line)
+    changed, bell, record = word["changed"], word["bell"], word["record"].encode()
+    if word["store"] == "etcd":
+        from relaunch.rendezvous.kinds_etcd import supersede_on_etcd
+        from relaunch.store.etcd import EtcdStore
+
+        etcd = EtcdStore(word["endpoints"], **{**word["options"], "timeout": DEADLINE_S})
+        try:
+            return supersede_on_etcd(etcd, changed, bell, record)
+        finally:
+            etcd.close()
+    from relaunch.rendezvous.kinds import supersede_on_counters
+    from relaunch.store.client import TcpStore
+
+    store = TcpStore(
+        word["host"],
+        word["port"],
+        word["token"],
+        timeout=DEADLINE_S,
+        connect_timeout=DEADLINE_S,
+    )
+    try:
+        return supersede_on_counters(store, changed, bell, record)
+    finally:
+        store.close()
+
+
+def main() -> int:
+    """The guardian's call: the last word on standard input, said; 0, or 1 when it could not
+    be (nobody reads the status: the heartbeats notice the death then)."""
+    try:
+        speak(sys.stdin.readline())
+    except Exception:
+        return 1
+    return 0
