@@ -154,12 +154,6 @@ class Final:
     #: when that is the order of their tickets.
     order: tuple[tuple[int, int], ...] = ()
 
-    def group_rank(self, ticket: int) -> int:
-        """The group rank of the member holding ``ticket``."""
-        if not self.order:
-            return ticket - 1
-        return [placed for placed, _ in self.order].index(ticket)
-
 
 def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:
     """The members ``(create revision, workers)`` in revision order, as runs: one run when the
