@@ -193,8 +193,10 @@ def launch_agent(
     except SignalException as exc:
         outcome = f"stopped by {exc.sigval.name}"
         raise
-    except JobFailedError:
-        outcome = "failed: the job ended on another node"
+    except JobFailedError as exc:
+        outcome = "failed: the job ended on another node" + (
+            "" if exc.requeue else "; do not requeue the job"
+        )
         raise
     except RendezvousClosedError:
         outcome = "not started: the job had already finished"
@@ -207,7 +209,9 @@ def launch_agent(
         if on_summary is not None:
             on_summary(agent.summary(outcome))
     if result.is_failed():
-        raise ChildFailedError(spec.get_entrypoint_name(), result.failures, result.stopped)
+        raise ChildFailedError(
+            spec.get_entrypoint_name(), result.failures, result.stopped, requeue=agent.requeue
+        )
     return result.return_values
 
 

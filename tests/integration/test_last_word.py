@@ -3,6 +3,7 @@ survivors re-form at once, with the default keep-alive (15 s of silence), on bot
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -55,7 +56,8 @@ def test_a_sigkilled_agent_is_noticed_through_its_guardian_not_its_silence(
     finally:
         stop_all(nodes)
     assert first.stdout() == ["world 2", "world 1"]
-    assert "node of group rank 1 lost (its agent died)" in first.stderr()
+    # On etcd either node may have arrived first: its group rank is not known here.
+    assert re.search(r"node of group rank [01] lost \(its agent died\)", first.stderr())
 
 
 def test_an_agent_that_ends_by_itself_leaves_no_last_word(

@@ -204,7 +204,7 @@ def test_restarts_that_make_no_progress_stop_the_job(
         str(job),
         str(tmp_path),
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 93, done.stderr  # do not requeue: it would fail the same way
     # Attempt 1 got further than attempt 0; attempts 2 and 3 did not: two stalled restarts.
     assert sorted(os.listdir(tmp_path)) == [
         "attempt.0",
@@ -215,6 +215,72 @@ def test_restarts_that_make_no_progress_stop_the_job(
     ]
     assert "stopped after 2 restarts in a row that made no progress" in done.stderr
     assert "the furthest step reached: 6" in done.stderr
+    assert "do not requeue the job" in done.stderr  # the run summary says why it is 93
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_the_same_failure_again_and_again_stops_every_node_with_do_not_requeue(
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, backend: str
+) -> None:
+    """Workers that report nothing; node 1's rank fails with the same exception at the same
+    line on every attempt. After the first failure and 2 restarts that repeated it, the job
+    stops: both nodes exit 93, the other one told through the store."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            if os.environ["GROUP_RANK"] == "1":
+                raise RuntimeError("the data shard is corrupt")
+            time.sleep(60)
+            """
+        )
+    )
+    endpoint = endpoint_of(backend, request)
+    flags = [
+        "--nnodes",
+        "2",
+        "--max-restarts",
+        "10",
+        "--restart-backoff",
+        "0",
+        "--max-stalled-restarts",
+        "2",
+        "--tee",
+        "2",  # the workers' stderr is read: the failure's exception and place
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        f"same-{backend}-{os.getpid()}-{time.monotonic_ns()}",
+        "--rdzv-conf",
+        "last_call_timeout=30,join_timeout=60",
+        str(job),
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "relaunch", *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=leaks.process_env(),
+        )
+        for _ in range(2)
+    ]
+    try:
+        errs = [node.communicate(timeout=80)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [node.returncode for node in nodes] == [93, 93], errs
+    said = "3 attempts in a row failed the same way: restarting again would repeat it"
+    assert any(said in err for err in errs), errs
+    assert any("RuntimeError: the data shard is corrupt" in err for err in errs), errs
+    assert all("do not requeue the job" in err for err in errs), errs
 
 
 def _read_lines(stream: Any, into: list[tuple[float, str]]) -> None:

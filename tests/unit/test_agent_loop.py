@@ -186,6 +186,9 @@ class Handler(RendezvousHandler, SoloJob):
 class ListeningHandler(Handler):
     pushes_changes = True
 
+    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+        pass
+
     def set_change_listener(self, listener: Callable[[MembershipChange], None] | None) -> None:
         self.listener = listener
 
@@ -344,7 +347,7 @@ class SharedCountHandler(ListeningHandler):
         self.calls += 1
         return self.alive
 
-    def fail_job(self, reason: str, stacks: bool = False) -> None:
+    def fail_job(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
         self.failed_with.append(reason)
         self.closed = True
 

@@ -6,6 +6,7 @@ import pytest
 
 from relaunch.core.failures import (
     describe_exit,
+    failure_signature,
     format_report,
     headline,
     message_from_error_file,
@@ -37,6 +38,25 @@ def test_describe_exit_names_codes_and_signals() -> None:
     assert describe_exit(-11) == "killed by SIGSEGV (signal 11)"
     assert signal_name(1) == ""
     assert signal_name(-200) == "signal 200"
+
+
+def test_a_failure_signature_is_its_exception_and_last_place_not_its_time_or_rank() -> None:
+    trace = (
+        "Traceback (most recent call last):\n"
+        '  File "/job/train.py", line 40, in <module>\n    main()\n'
+        '  File "/job/train.py", line 12, in step\n    1 / 0\n'
+        "ZeroDivisionError: division by zero"
+    )
+    one = F(0, 11, 1, details=trace, timestamp=5.0)
+    again = F(3, 99, 1, details=trace, timestamp=90.0)
+    assert (
+        failure_signature(one)
+        == failure_signature(again)
+        == ('ZeroDivisionError: division by zero at File "/job/train.py", line 12, in step')
+    )
+    elsewhere = F(0, 11, 1, details=trace.replace("line 12", "line 13"))
+    assert failure_signature(elsewhere) != failure_signature(one)
+    assert failure_signature(F(0, 1, -9)) == "killed by SIGKILL (signal 9)"
 
 
 def test_error_file_message_prefers_the_traceback() -> None:

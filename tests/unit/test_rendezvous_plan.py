@@ -228,6 +228,13 @@ def test_a_changed_record_carries_the_kind(kind: ChangeKind) -> None:
     assert json.loads(encode_change(change, 7))["kind"] == kind.value
 
 
+def test_a_failed_record_says_whether_the_job_may_be_requeued() -> None:
+    final = MembershipChange.failed("n1: no progress", requeue=False)
+    assert decode_change(encode_change(final, 2))[0] == final and not final.requeue
+    assert "requeue" not in json.loads(encode_change(MembershipChange.failed("x"), 2))
+    assert decode_change(b'{"kind": "failed", "reason": "x"}')[0].requeue
+
+
 def test_a_changed_record_without_a_kind_never_shrinks_the_next_round() -> None:
     change, expected = decode_change(b'{"reason": "node of group rank 1 lost", "expected": 2}')
     assert (change.kind, change.reason, expected) == (

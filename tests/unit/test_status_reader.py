@@ -120,6 +120,24 @@ def test_a_finished_job() -> None:
     assert snapshot.phase == "finished" and snapshot.note == "finished"
 
 
+def test_a_job_stopped_for_a_failure_restarting_cannot_mend_says_so() -> None:
+    memory = MemoryStore()
+    reader = JobReader(ReadsOnly(memory), "job", clock=ManualClock(time=NOW))
+    memory.set(reader.key("round"), b"3")
+    memory.set(
+        reader.key("final", 3),
+        b'{"count": 2, "world_size": 4, "master_addr": "h", "master_port": 1}',
+    )
+    failed = MembershipChange.failed("host1: rank 1 exited with code 3", requeue=False)
+    memory.set(reader.key("changed", 3), encode_change(failed, 2))
+    memory.set(reader.key("closed"), b"1")
+    snapshot = reader.read()
+    assert snapshot.phase == "finished"
+    assert snapshot.note == (
+        "finished (the job failed: host1: rank 1 exited with code 3; do not requeue it)"
+    )
+
+
 def test_restart_reasons_are_told_once_each_naming_the_node() -> None:
     own = "rank 2 exited with code 3"
     posts = [

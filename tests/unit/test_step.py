@@ -310,10 +310,37 @@ def test_a_crash_loop_waits_its_backoff_and_stops_when_it_makes_no_progress() ->
         ended("FAILED", 8),
         ReportFailure(),
         Say(f"[trainer] {stalled}", error=True),
-        StopNote(stalled),
-        FailJob(f"n1: {BOOM} ({stalled})"),
-        Fail(),
+        StopNote(f"{stalled}; do not requeue the job"),
+        FailJob(f"n1: {BOOM} ({stalled})", requeue=False),
+        Fail(requeue=False),
     ]
+
+
+def test_workers_that_say_nothing_stop_once_they_fail_the_same_way_again_and_again() -> None:
+    """No progress to judge by: the same failure (exception line and place) on the first
+    attempt and ``max_stalled`` restarts in a row stops the job, not to be requeued."""
+    rule = rules(max_restarts=10, backoff=Backoff(0.0, 0.0), max_stalled=2)
+    state = started(rule)
+    said_all = []
+    for attempt in range(3):
+        state, said = run(state, [(10.0 * attempt, Looked(failed(), used=attempt))])
+        said_all.append(said[0])
+        state, _ = run(state, [(10.0 * attempt, Placed(1, attempt + 1)), (0.0, WorkersStarted())])
+    assert [said[-1] for said in said_all[:2]] == [Rendezvous(0.0), Rendezvous(0.0)]
+    repeated = (
+        "stopped after 3 attempts in a row failed the same way: restarting again would repeat it"
+    )
+    assert said_all[2][-3:] == [
+        StopNote(f"{repeated}; do not requeue the job"),
+        FailJob(f"n1: {BOOM} ({repeated})", requeue=False),
+        Fail(requeue=False),
+    ]
+
+
+def test_a_job_stopped_elsewhere_for_good_cuts_this_node_short_for_good() -> None:
+    change = MembershipChange.failed("n2: no progress", requeue=False)
+    _, said = run(started(rules(watches_membership=True), nodes=2), [(1.0, Looked(None, change))])
+    assert said[0][-1] == CutShort(f"the job failed: n2: no progress; {CUT}", requeue=False)
 
 
 def test_a_group_that_ran_its_healthy_period_starts_a_new_loop() -> None:

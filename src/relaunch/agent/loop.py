@@ -35,6 +35,7 @@ from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.procs.guardian import guardian
 from relaunch.procs.logs_specs import make_log_dir, own_plan
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.api import AgentFault, JobFailedError, RendezvousClosedError
@@ -108,11 +109,15 @@ class LocalElasticAgent:
         spec, logs_specs = arguments.spec, arguments.logs_specs
         group = self._worker_group = WorkerGroup(spec)
         job = self._job = job_of(spec.rdzv_handler)
+        # Should this agent die on a live machine, its orphan guardian tells the others.
+        job.leave_last_word_with(lambda line: guardian().set_last_word(line))
         run_id = spec.rdzv_handler.get_run_id()
         self._clock = clock
         self._events = arguments.events
         self._exit_barrier_timeout = arguments.exit_barrier_timeout
         self._health_check = health_check  # run before every join (``agent.health``)
+        #: False once the run failed for a reason that running the job again cannot mend.
+        self.requeue = True
         self._state = RunState(
             Rules(
                 role=spec.role,
@@ -294,8 +299,8 @@ class LocalElasticAgent:
                 wakeups.get(None if until is None else max(0.0, until - self._clock.monotonic()))
             case do.StopForStacks(reason=reason):
                 job.stop_for_stacks(reason)
-            case do.FailJob(reason=reason, stacks=stacks):
-                job.fail_job(reason, stacks=stacks)
+            case do.FailJob(reason=reason, stacks=stacks, requeue=requeue):
+                job.fail_job(reason, stacks=stacks, requeue=requeue)
             case do.NoteRestart(reason=reason):
                 job.note_restart(reason)
             case do.ReportFailure():
@@ -313,10 +318,11 @@ class LocalElasticAgent:
                 job.exit_barrier(self._exit_barrier_timeout)
                 self._worker_group.spec.rdzv_handler.set_closed()
                 return result
-            case do.Fail():
+            case do.Fail(requeue=requeue):
+                self.requeue = requeue
                 return workers.failed()
-            case do.CutShort(message=message):
-                raise JobFailedError(message)
+            case do.CutShort(message=message, requeue=requeue):
+                raise JobFailedError(message, requeue)
         return None
 
     def _rendezvous(self, backoff: float) -> do.Observation:

@@ -1,7 +1,8 @@
 """``relaunch`` itself: parse the flags, check the config, run the agent, map the outcome.
 
 The only place that installs signal handlers. Exit status: 0 on success; 1 when workers failed
-(the report, root cause first, goes to stderr); 128 + signal when stopped by a signal, once the
+(the report, root cause first, goes to stderr); 93 when they failed in a way that restarting
+could not mend, on every node (do not requeue); 128 + signal when stopped by a signal, once the
 workers are gone; 2 for bad input (a usage error or a ``ConfigError``), reported in one line with
 no traceback. Any other exception is a bug and keeps its traceback.
 
@@ -12,12 +13,15 @@ The exceptions a launch may end with, where they are defined, and each one's exi
     Exception
     ├── RendezvousError (relaunch.rendezvous.api)  1    "relaunch: error: ..."
     │   ├── RendezvousClosedError ................ 0    the job had already finished
-    │   ├── JobFailedError ....................... 1    another node ended the job
+    │   ├── JobFailedError ....................... 1    another node ended the job (93: for
+    │   │                                                   a failure restarting cannot mend)
     │   ├── StoreHostGone ........................ 1    the built-in store's host is gone
     │   └── AgentFault ........................... 1    a helper thread or a store value failed
     │       └── BadStoreValue .................... 1
     ├── ChildFailedError (relaunch.procs.errors) . 1    the workers failed: the report, root
-    │                                                   cause first
+    │                                                   cause first; 93 when restarting could
+    │                                                   not help (``requeue`` False): do not
+    │                                                   requeue the job
     ├── SignalException (relaunch.procs.errors) .. 128 + the signal, once the workers are gone
     │   └── StopRequested ........................ 128 + the signal
     └── anything else ............................ 1    a bug: it keeps its traceback
@@ -40,7 +44,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relaunch.cli.flags import EXIT_FAILED, EXIT_USAGE, build_parser, explicit_flags, usage_error
+from relaunch.cli.flags import (
+    EXIT_DO_NOT_REQUEUE,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    build_parser,
+    explicit_flags,
+    usage_error,
+)
 
 if TYPE_CHECKING:
     from relaunch.config import LaunchConfig
@@ -86,6 +97,8 @@ def end(exc: BaseException, phase: str) -> tuple[int, bool] | None:
             said[phase](exc)
             if status == SIGNALLED:
                 status = 128 + int(getattr(exc, "sigval", 0))
+            elif status == EXIT_FAILED and getattr(exc, "requeue", True) is False:
+                status = EXIT_DO_NOT_REQUEUE
             return status, summary
     return None
 

@@ -25,6 +25,10 @@ from relaunch.core.streams import Std
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+#: The job failed for a reason that running it again cannot mend (restarts that made no
+#: progress, the same failure again and again): a batch script should not requeue it. NVRx's
+#: ft_launcher uses the same number.
+EXIT_DO_NOT_REQUEUE = 93
 
 
 def usage_error(exc: BaseException, prog: str) -> int:
@@ -290,8 +294,9 @@ FLAGS = [
     _Flag(
         "restarts",
         ("--max-stalled-restarts",),
-        "stop the job after this many restarts in a row that made no progress "
-        "(report_progress steps, sections, heartbeats); 0: never",
+        "stop the job, exit status 93 (do not requeue), after this many restarts in a row "
+        "that made no progress (report_progress steps, sections, heartbeats) or failed the "
+        "same way as the first; 0: never",
         3,
         _checked("parse_count", 0),
         metavar="N",

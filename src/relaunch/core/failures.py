@@ -49,6 +49,10 @@ SIGNAL_MEANINGS = {
 }
 
 
+#: A place in a Python traceback: ``File "train.py", line 12, in step``.
+_FRAME = re.compile(r'File "[^"\n]*", line \d+, in [^\n]*')
+
+
 class Failure(Protocol):
     """The fields of a failed process that a report needs (``ProcessFailure`` has them).
 
@@ -117,6 +121,14 @@ def headline(message: str) -> str:
     if not lines[0].rstrip().endswith(":"):
         return lines[0]
     return lines[-1].strip() if len(lines) > 1 else ""
+
+
+def failure_signature(failure: Failure) -> str:
+    """What tells one failure from another regardless of when and where it happened: its
+    exception line (or how the process ended) and the last place of its traceback, if any."""
+    why = headline(failure.details) or describe_exit(failure.exitcode)
+    frames = _FRAME.findall(failure.details)
+    return f"{why} at {frames[-1]}" if frames else why
 
 
 def one_line(rank: int, failure: Failure, width: int = 160) -> str:

@@ -38,7 +38,8 @@ class MembershipChange:
     ``member`` is the group rank of the member lost or gone; ``detected_by`` the group rank of
     the member that noticed a loss. ``reason`` is the line the logs and restart reasons show.
     ``stacks``: a worker hung, so every member asks its workers for their stacks before it
-    stops them.
+    stops them. ``requeue`` (a failed job): False when restarting cannot help, so that every
+    node ends with the status that says not to requeue the job.
     """
 
     kind: ChangeKind
@@ -46,6 +47,7 @@ class MembershipChange:
     member: int | None = None
     detected_by: int | None = None
     stacks: bool = False
+    requeue: bool = True
 
     def __str__(self) -> str:
         return self.reason
@@ -78,8 +80,8 @@ class MembershipChange:
         return cls(ChangeKind.FINISHED, "the job finished")
 
     @classmethod
-    def failed(cls, reason: str, stacks: bool = False) -> MembershipChange:
-        return cls(ChangeKind.FAILED, f"the job failed: {reason}", stacks=stacks)
+    def failed(cls, reason: str, stacks: bool = False, requeue: bool = True) -> MembershipChange:
+        return cls(ChangeKind.FAILED, f"the job failed: {reason}", stacks=stacks, requeue=requeue)
 
     @classmethod
     def store_lost(cls, error: object) -> MembershipChange:
@@ -105,6 +107,8 @@ def encode_change(change: MembershipChange, expected: int) -> bytes:
         record["detected_by"] = change.detected_by
     if change.stacks:
         record["stacks"] = True
+    if not change.requeue:
+        record["requeue"] = False
     return json.dumps(record).encode()
 
 
@@ -132,6 +136,7 @@ def decode_change(raw: bytes) -> tuple[MembershipChange, int | None]:
         member,
         detected_by,
         bool(data.get("stacks", False)),
+        data.get("requeue", True) is not False,
     )
     expected = _optional_int(data, "expected")
     if expected is not None and expected < 0:

@@ -31,6 +31,9 @@ class RestartDecision:
     #: Why, as a word for counting: ``worker_failed``, ``hang`` (a worker hung on some node),
     #: or the kind of the membership change (``member_lost``, ``nodes_waiting``, ...).
     cause: str = ""
+    #: FAIL: whether running the job again could help (False: another node stopped it for a
+    #: failure that restarting cannot mend).
+    requeue: bool = True
 
 
 def decide(
@@ -65,7 +68,13 @@ def decide(
             if membership_change.kind in (ChangeKind.FAILED, ChangeKind.FINISHED)
             else Action.RESTART
         )
-        return RestartDecision(action, reason=membership_change.reason, stacks=stacks, cause=cause)
+        return RestartDecision(
+            action,
+            reason=membership_change.reason,
+            stacks=stacks,
+            cause=cause,
+            requeue=membership_change.requeue,
+        )
     if state is GroupState.FAILED:
         if restarts_left > 0:
             return RestartDecision(
@@ -127,21 +136,31 @@ class Mark:
 class CrashLoop:
     """The restarts in a row: ``in_a_row`` failures of groups that ran less than the backoff's
     healthy period, ``stalled`` of them in a row without progress, and ``best_step``, the
-    highest step any earlier attempt reached."""
+    highest step any earlier attempt reached; ``failure``, the last failure's signature
+    (``core.failures.failure_signature``), and ``repeated``, the attempts in a row that ended
+    with it, none of them getting further than the ones before (an attempt that did starts
+    the count again: a job that fails the same way after hours of progress may be unlucky)."""
 
     in_a_row: int = 0
     stalled: int = 0
     best_step: int | None = None
+    failure: str = ""
+    repeated: int = 0
 
-    def after_failure(self, ran_for: float, mark: Mark, backoff: Backoff) -> CrashLoop:
-        """The loop after an attempt that ran ``ran_for`` seconds and got to ``mark`` failed."""
+    def after_failure(
+        self, ran_for: float, mark: Mark, backoff: Backoff, failure: str = ""
+    ) -> CrashLoop:
+        """The loop after an attempt that ran ``ran_for`` seconds and got to ``mark`` failed
+        with ``failure`` (its signature)."""
         in_a_row = 1 if ran_for >= backoff.healthy else self.in_a_row + 1
         progressed = made_progress(self.best_step, mark)
         stalled = self.stalled + 1 if progressed is False else 0
         best = self.best_step
         if mark.step is not None:
             best = mark.step if best is None else max(best, mark.step)
-        return CrashLoop(in_a_row, stalled, best)
+        same = failure and failure == self.failure and progressed is not True
+        repeated = self.repeated + 1 if same else 1
+        return CrashLoop(in_a_row, stalled, best, failure, repeated)
 
 
 def made_progress(best_step: int | None, mark: Mark) -> bool | None:
@@ -156,15 +175,23 @@ def made_progress(best_step: int | None, mark: Mark) -> bool | None:
 
 
 def stalled_out(loop: CrashLoop, limit: int) -> str | None:
-    """Why the job stops for want of progress (``limit`` restarts in a row made none; 0:
-    never), or None."""
-    if limit <= 0 or loop.stalled < limit:
+    """Why restarting cannot help, so the job stops and is not to be requeued: ``limit``
+    restarts in a row made no progress, or ``limit`` attempts in a row failed the same way
+    (0: never); None while it may."""
+    if limit <= 0:
         return None
-    where = "" if loop.best_step is None else f" (the furthest step reached: {loop.best_step})"
-    return (
-        f"stopped after {loop.stalled} restarts in a row that made no progress{where}: "
-        "restarting again would repeat the same failure"
-    )
+    if loop.stalled >= limit:
+        where = "" if loop.best_step is None else f" (the furthest step reached: {loop.best_step})"
+        return (
+            f"stopped after {loop.stalled} restarts in a row that made no progress{where}: "
+            "restarting again would repeat the same failure"
+        )
+    if loop.repeated > limit:  # the first failure, then ``limit`` restarts that repeated it
+        return (
+            f"stopped after {loop.repeated} attempts in a row failed the same way: "
+            "restarting again would repeat it"
+        )
+    return None
 
 
 def startup_failure(rank_spoke: bool, workers_speak: bool) -> bool:

@@ -14,7 +14,8 @@ The restart budget is the job's (``used``: every node's restarts, as the job cou
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
 at once when every other node answers a roll call; while one does not, it may be dead, and the
 agent waits the lost-node grace for its loss to re-form the group for free (``core.restart``).
-A crash loop waits its backoff between restarts, and stops after restarts that made no progress.
+A crash loop waits its backoff between restarts, and stops after restarts that made no progress
+or failed the same way: such a stop tells every node not to requeue the job.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 from relaunch.core import restart
 from relaunch.core.durations import seconds
-from relaunch.core.failures import one_line, root_cause_rank
+from relaunch.core.failures import failure_signature, one_line, root_cause_rank
 from relaunch.core.group import GroupState
 from relaunch.core.happenings import AttemptEnded, Hung, Restarted
 from relaunch.core.membership import MembershipChange
@@ -63,6 +64,8 @@ from relaunch.core.step_types import (
 #: Seconds the other nodes have to answer a roll call before one of them may be dead.
 ROLL_CALL_TIMEOUT = 1.0
 CUT_SHORT = "this node's workers were stopped before they finished"
+#: What a stop that restarting cannot mend adds to the run's summary.
+DO_NOT_REQUEUE = "do not requeue the job"
 
 
 class Rules(NamedTuple):
@@ -230,7 +233,7 @@ def _fail(
         return state, [*actions, FailJob(reason), Fail()]
     if elsewhere and ended is not None and ended.failed:
         actions.append(ReportFailure())  # where this node's ranks were
-    return state, [*actions, CutShort(f"{decision.reason}; {CUT_SHORT}")]
+    return state, [*actions, CutShort(f"{decision.reason}; {CUT_SHORT}", decision.requeue)]
 
 
 def _restart(
@@ -249,18 +252,19 @@ def _restart(
     if ended is not None and failed:
         actions.append(ReportFailure())
         state, reason = _cause(state, ended, now)
+        signature = failure_signature(ended.failures[root_cause_rank(ended.failures)])
         loop = state.crash_loop.after_failure(
-            now - state.attempt_started, _mark(ended), rules.backoff
+            now - state.attempt_started, _mark(ended), rules.backoff, signature
         )
         state = state._replace(crash_loop=loop)
         stalled = stalled_out(loop, rules.max_stalled)
-        if stalled is not None:
+        if stalled is not None:  # restarting cannot help, nor can running the job again
             return state, [
                 *actions,
                 Say(f"[{rules.role}] {stalled}", error=True),
-                StopNote(stalled),
-                FailJob(f"{rules.node}: {reason} ({stalled})"),
-                Fail(),
+                StopNote(f"{stalled}; {DO_NOT_REQUEUE}"),
+                FailJob(f"{rules.node}: {reason} ({stalled})", requeue=False),
+                Fail(requeue=False),
             ]
         delay = rules.backoff.delay(loop.in_a_row)
     # The workers stop before anything is told: if the store's host is gone with the store,

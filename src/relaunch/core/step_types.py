@@ -241,14 +241,16 @@ class StopForStacks(Value):
 
 
 class FailJob(Value):
-    """End the job on every node (``stacks``: a worker hung; they take stacks first)."""
+    """End the job on every node (``stacks``: a worker hung; they take stacks first;
+    ``requeue`` False: restarting cannot help, and every node says not to requeue the job)."""
 
-    __slots__ = ("reason", "stacks")
+    __slots__ = ("reason", "requeue", "stacks")
     reason: str
     stacks: bool
+    requeue: bool
 
-    def __init__(self, reason: str, stacks: bool = False) -> None:
-        self._set(reason=reason, stacks=stacks)
+    def __init__(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
+        self._set(reason=reason, stacks=stacks, requeue=requeue)
 
 
 class NoteRestart(Value):
@@ -301,17 +303,26 @@ class Succeed(Value):
 
 
 class Fail(Value):
-    """This node's workers failed, and that is final: return the failure."""
+    """This node's workers failed, and that is final: return the failure (``requeue`` False:
+    running the job again cannot help either)."""
+
+    __slots__ = ("requeue",)
+    requeue: bool
+
+    def __init__(self, requeue: bool = True) -> None:
+        self._set(requeue=requeue)
 
 
 class CutShort(Value):
-    """The job ended elsewhere and this node's workers with it: end the run with ``message``."""
+    """The job ended elsewhere and this node's workers with it: end the run with ``message``
+    (``requeue`` False: the job ended for a failure that running it again cannot mend)."""
 
-    __slots__ = ("message",)
+    __slots__ = ("message", "requeue")
     message: str
+    requeue: bool
 
-    def __init__(self, message: str) -> None:
-        self._set(message=message)
+    def __init__(self, message: str, requeue: bool = True) -> None:
+        self._set(message=message, requeue=requeue)
 
 
 Action = (

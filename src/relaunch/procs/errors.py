@@ -371,7 +371,9 @@ class ChildFailedError(Exception):
     """One or more workers failed. ``str(e)`` is a report a person can act on, root cause first.
 
     ``failures`` maps rank to :class:`ProcessFailure`; ``stopped`` names the ranks that were only
-    stopped because of those failures (they are not failures themselves).
+    stopped because of those failures (they are not failures themselves). ``requeue`` False:
+    the agent stopped restarting because it could not help (no progress, the same failure
+    again), so running the job again would not either.
     """
 
     def __init__(
@@ -379,12 +381,14 @@ class ChildFailedError(Exception):
         name: str,
         failures: Mapping[int, ProcessFailure],
         stopped: Iterable[int] = (),
+        requeue: bool = True,
     ) -> None:
         if not failures:
             raise ValueError("ChildFailedError needs at least one failure")
         self.name = name
         self.failures = dict(failures)
         self.stopped = sorted(stopped)
+        self.requeue = requeue
         super().__init__(self.format_msg())
 
     def get_first_failure(self) -> tuple[int, ProcessFailure]:

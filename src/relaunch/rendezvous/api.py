@@ -65,7 +65,12 @@ class RendezvousGracefulExitError(RendezvousError):
 
 class JobFailedError(RendezvousError):
     """The job ended while this node's workers ran: another node failed with no restart left
-    (the message says why), or the job was closed while this node re-formed."""
+    (the message says why), or the job was closed while this node re-formed. ``requeue``
+    False: that node stopped the job for a failure that running it again cannot mend."""
+
+    def __init__(self, message: str, requeue: bool = True) -> None:
+        super().__init__(message)
+        self.requeue = requeue
 
 
 class StoreHostGone(RendezvousError):

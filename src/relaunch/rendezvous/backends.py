@@ -96,11 +96,11 @@ def _policy(conf: RendezvousSettings) -> exclusion.ExclusionPolicy:
 
 
 def _last_word(where: dict[str, Any]) -> LastWord:
-    """What this node's orphan guardian says to the store at ``where`` should its agent die."""
-    from relaunch.procs.guardian import guardian
+    """What this node's orphan guardian says to the store at ``where`` should its agent die
+    (the agent hands it to the guardian: ``JobServices.leave_last_word_with``)."""
     from relaunch.rendezvous.last_word import LastWord
 
-    return LastWord(where, lambda line: guardian().set_last_word(line))
+    return LastWord(where)
 
 
 def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:

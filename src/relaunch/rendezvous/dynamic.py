@@ -106,6 +106,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             identity,
             exclusion_policy,
             store_host_probe,
+            last_word,
             clock,
         )
 

@@ -29,6 +29,7 @@ from relaunch.rendezvous.api import (
 )
 from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
+from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.rendezvous.standing import Standing
@@ -61,9 +62,11 @@ class DynamicJob:
         identity: str = "",
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
+        last_word: LastWord | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._run_id = run_id
+        self._last_word = last_word
         self._stores, self._store = stores, stores.store
         self.settings = settings
         self._rounds, self._key, self._roster = rounds, rounds.key, rounds.roster
@@ -90,6 +93,10 @@ class DynamicJob:
 
     def membership_change(self) -> MembershipChange | None:
         return self._standing.change
+
+    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+        if self._last_word is not None:
+            self._last_word.send_to(send)
 
     def wait_membership_change(self, timeout: float) -> MembershipChange | None:
         """``membership_change()``, waiting up to ``timeout`` seconds for one."""
@@ -259,12 +266,12 @@ class DynamicJob:
         except StoreError as exc:
             log.warning("could not ask the other nodes for their workers' stacks: %s", exc)
 
-    def fail_job(self, reason: str, stacks: bool = False) -> None:
+    def fail_job(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
         """Mark the round failed (its members stop and report it, rather than re-form), then
         close the job."""
         standing = self._standing
         if standing.round is not None and standing.final is not None and not standing.finished:
-            failed = MembershipChange.failed(reason, stacks)
+            failed = MembershipChange.failed(reason, stacks, requeue)
             try:
                 self._rounds.supersede(
                     standing.round, failed, expected_size(standing.final.count, failed)

@@ -49,6 +49,10 @@ class JobServices(Protocol):
     def membership_change(self) -> MembershipChange | None:
         """Why the running round should be re-formed, or None."""
 
+    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+        """Have ``send`` hand this node's last word (``last_word``) to what outlives the
+        agent (its orphan guardian), for every round it is a member of."""
+
     def set_workers(self, role: str, local_world_size: int) -> None:
         """This node brings ``local_world_size`` workers of ``role`` to its next joins (the
         agent says it from its ``WorkerSpec`` before each join): nodes may differ in both."""
@@ -72,8 +76,9 @@ class JobServices(Protocol):
     def peers_alive(self, timeout: float) -> bool | None:
         """Whether every other member answers within ``timeout``; None: cannot tell."""
 
-    def fail_job(self, reason: str, stacks: bool = False) -> None:
-        """End the job for every node (``stacks``: a worker hung; take stacks first)."""
+    def fail_job(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
+        """End the job for every node (``stacks``: a worker hung; take stacks first;
+        ``requeue`` False: restarting cannot help, and every node says so)."""
 
     def stop_for_stacks(self, reason: str) -> None:
         """A worker of this node hung: ask every other node for its workers' stacks."""
@@ -134,6 +139,9 @@ class SoloJob:
     def membership_change(self) -> MembershipChange | None:
         return None
 
+    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+        pass  # one node: nobody to tell
+
     def set_workers(self, role: str, local_world_size: int) -> None:
         pass  # nobody to tell: the agent places the workers (``agent.ranks``)
 
@@ -156,7 +164,7 @@ class SoloJob:
     def peers_alive(self, timeout: float) -> bool | None:
         return None
 
-    def fail_job(self, reason: str, stacks: bool = False) -> None:
+    def fail_job(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
         pass
 
     def stop_for_stacks(self, reason: str) -> None:

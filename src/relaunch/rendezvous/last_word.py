@@ -36,14 +36,24 @@ MAX_LINE = 4096
 class LastWord:
     """What this agent leaves its guardian while it is a member of a round. ``where``: how to
     reach the store (``{"store": "c10d", "host", "port", "token"}`` or ``{"store": "etcd",
-    "endpoints", "options"}``); ``send``: hands the guardian its line (None takes it back)."""
+    "endpoints", "options"}``); ``send`` (or ``send_to``, by the agent, which owns the
+    guardian): hands the guardian its line (None takes it back). Without one, nothing is
+    left."""
 
-    def __init__(self, where: dict[str, Any], send: Callable[[str | None], None]) -> None:
+    def __init__(
+        self, where: dict[str, Any], send: Callable[[str | None], None] | None = None
+    ) -> None:
         self._where, self._send = where, send
         self._left = False
 
+    def send_to(self, send: Callable[[str | None], None]) -> None:
+        """Hand the last words to ``send`` from now on."""
+        self._send = send
+
     def leave(self, changed: str, bell: str, record: bytes) -> None:
         """Should this agent die, write ``record`` at ``changed`` and ring ``bell``."""
+        if self._send is None:
+            return
         line = json.dumps(
             {**self._where, "changed": changed, "bell": bell, "record": record.decode()}
         )
@@ -56,7 +66,7 @@ class LastWord:
 
     def retract(self) -> None:
         """This agent leaves its round itself: nothing to say should it die."""
-        if self._left:
+        if self._left and self._send is not None:
             self._send(None)
             self._left = False
 

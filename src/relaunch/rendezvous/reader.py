@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from relaunch.core import status as core
-from relaunch.core.membership import decode_change
+from relaunch.core.membership import ChangeKind, MembershipChange, decode_change
 from relaunch.core.rendezvous import JOIN_TOTAL_DIGITS, unpack_join
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.rendezvous.rounds import CLOSED, NEWS, news_prefix
@@ -201,6 +201,16 @@ class JobReader:
             raise self._malformed(key, f"a member count of {shown} (1 to {MAX_MEMBERS})")
         return count
 
+    def _change(self, round_: int) -> MembershipChange | None:
+        """The change that ended round ``round_``, if one did."""
+        changed = self._get("changed", round_)
+        if changed is None:
+            return None
+        try:
+            return decode_change(changed)[0]
+        except _SHAPE_ERRORS as exc:
+            raise self._malformed(self.key("changed", round_), str(exc)) from None
+
     def read(self) -> Snapshot:
         """The job now; ``JobNotFound`` when the store holds nothing of it; ``MalformedJob``
         when a key holds what no agent writes."""
@@ -225,6 +235,9 @@ class JobReader:
                 members = None if members == CLOSED else members
             else:
                 members = None if members == CLOSED else members
+            change = self._change(round_)
+            if change is not None and change.kind is ChangeKind.FAILED:
+                why = change.reason + ("" if change.requeue else "; do not requeue it")
         elif members is None:
             joined = self._joined(round_)
             if round_ == 0 and joined == 0 and restarts == 0:
@@ -232,13 +245,9 @@ class JobReader:
             phase = "re-forming" if round_ > 0 else "forming"
             why = f"{joined} node(s) joined"
         else:
-            changed = self._get("changed", round_)
+            change = self._change(round_)
             phase = "running"
-            if changed is not None:
-                try:
-                    change, _ = decode_change(changed)
-                except _SHAPE_ERRORS as exc:
-                    raise self._malformed(self.key("changed", round_), str(exc)) from None
+            if change is not None:
                 phase, why = "re-forming", change.reason or change.kind.value
         assert not isinstance(members, bytes)
         notes_round: int | None = round_
