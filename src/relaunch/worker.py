@@ -15,7 +15,7 @@ from _thread import allocate_lock
 from types import TracebackType
 
 from relaunch.core import channel
-from relaunch.core.sections import learned_bound
+from relaunch.core.sections import BOUNDS_ENV, LEARN_AFTER, learned_bound
 
 TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseconds
 if TYPE_CHECKING:
@@ -74,7 +74,26 @@ def _open() -> mmap.mmap | None:
     _sequence += _sequence % 2
     (_live_sequence,) = _SEQ.unpack_from(mapped, _offset + channel.LIVE_OFFSET)
     _live_sequence += _live_sequence % 2
+    _learn_from_the_job(os.environ.get(BOUNDS_ENV))
     return _map
+
+
+def _learn_from_the_job(text: str | None) -> None:
+    """Start from the bounds the job's workers learned before this one (``BOUNDS_ENV``): a
+    restarted worker's sections and heartbeats are watched from the first."""
+    if not text:
+        return
+    from relaunch.core.sections import decode_learned
+
+    try:
+        learned = decode_learned(text)
+    except ValueError:
+        return  # not the agent's: learn afresh
+    with _live_lock:
+        for name, (count, longest) in learned.sections.items():
+            _Live.durations[name] = _Learner(count, longest)
+        if learned.beats is not None:
+            _Live.beat_gaps = _Learner(*learned.beats)
 
 
 def report_progress(step: int, total: int | None = None, desc: str | None = None) -> None:
@@ -185,13 +204,18 @@ class _Learner:
 
     __slots__ = ("count", "longest")
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.longest = 0.0
+    def __init__(self, count: int = 0, longest: float = 0.0) -> None:
+        self.count = count
+        self.longest = longest
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float) -> bool:
+        """Count ``seconds``; whether that changed what the job keeps: the bound was just
+        learned, or its longest observation grew."""
         self.count += 1
-        self.longest = max(self.longest, seconds)
+        grew = seconds > self.longest
+        if grew:
+            self.longest = seconds
+        return self.count == LEARN_AFTER or (grew and self.count > LEARN_AFTER)
 
     def bound(self, given: float | None) -> tuple[float, int]:
         """``(seconds, BOUND_*)``: the timeout given, else the learned one, else none (0)."""
@@ -257,6 +281,30 @@ def _write_live() -> None:
         _wake_agent()
 
 
+def _keep_learned() -> None:
+    """Write what this worker learned where its agent keeps it for the job (a file beside the
+    channel, replaced whole). Only when a bound is first learned or widens: rarely after the
+    first steps. The caller holds ``_live_lock``."""
+    from relaunch.core.sections import Learned, encode_learned
+
+    def seen(learner: _Learner) -> tuple[int, float]:
+        return learner.count, learner.longest
+
+    sections = {n: seen(k) for n, k in _Live.durations.items() if k.count >= LEARN_AFTER}
+    beats = seen(_Live.beat_gaps) if _Live.beat_gaps.count >= LEARN_AFTER else None
+    path = channel.bounds_path(os.environ[channel.CHANNEL_ENV], int(os.environ["LOCAL_RANK"]))
+    written = f"{path}.{os.getpid()}"
+    try:
+        with open(written, "w") as file:
+            file.write(encode_learned(Learned(sections, beats)))
+        os.replace(written, path)
+    except OSError:  # a full /dev/shm: the bounds are learned afresh after a restart, as before
+        try:
+            os.unlink(written)
+        except OSError:
+            pass
+
+
 def _wake_agent() -> None:
     """Tell the agent the workers use the channel (one byte on its wake FIFO): their steps are
     to be sampled, their deadlines watched, from now on."""
@@ -283,8 +331,8 @@ def heartbeat(timeout: float | None = None) -> None:
         return
     now = _time()
     with _live_lock:
-        if _Live.beat_at:
-            _Live.beat_gaps.observe(now - _Live.beat_at)
+        if _Live.beat_at and _Live.beat_gaps.observe(now - _Live.beat_at):
+            _keep_learned()
         bound, _Live.beat_how = _Live.beat_gaps.bound(timeout)
         _Live.beat_at, _Live.beat_due = now, (now + bound if bound else 0.0)
         _Live.beats += 1
@@ -333,6 +381,7 @@ class section:  # lower case: used like a function, ``with relaunch.section("ste
             if _Live.open and _Live.open[-1][1] == self._entered:
                 _Live.open.pop()
             if kind is None:  # only a section that ended normally teaches its duration
-                _Live.durations[self._name].observe(now - self._entered)
+                if _Live.durations[self._name].observe(now - self._entered):
+                    _keep_learned()
                 _Live.done += 1
             _write_live()

@@ -384,3 +384,48 @@ def test_one_node_judges_its_own_ranks() -> None:
     status = reporter.status()
     assert status is not None and [r.rank for r in status.ranks] == [4, 5, 6]
     assert all(r.state == "running" and r.rate for r in status.ranks)
+
+
+#: Attempt 0 runs its "step" section six times (the bound is learned: 5 s, the floor) and
+#: fails; attempt 1 hangs in its first step, which only a kept bound can catch; attempt 2 ends.
+HANG_AFTER_RESTART = """
+import os, sys, time, relaunch
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0:
+    for _ in range(6):
+        with relaunch.section("step"):
+            time.sleep(0.01)
+    sys.exit(3)
+if attempt == 1:
+    with relaunch.section("step"):
+        time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_restarted_worker_is_watched_from_its_first_step_by_the_bound_learned_before(
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, backend: str
+) -> None:
+    """The bound attempt 0 learned is kept by the job (in the store) and given to attempt 1's
+    worker, whose first section is then overdue after 5 s instead of unwatched."""
+    job = tmp_path / "job.py"
+    job.write_text(HANG_AFTER_RESTART)
+    began = time.monotonic()
+    done = relaunch(
+        leaks,
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint_of(backend, request),
+        "--rdzv-id",
+        f"bounds-{backend}-{os.getpid()}-{time.monotonic_ns()}",
+        "--max-restarts",
+        "2",
+        "--restart-backoff",
+        "0",
+        str(job),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "section 'step' overdue" in done.stderr and "its bound is 5s (learned)" in done.stderr
+    assert time.monotonic() - began < 40, "the hang was caught by the kept bound, not waited out"

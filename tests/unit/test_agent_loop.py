@@ -19,6 +19,7 @@ from conftest import wait_until
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
 from relaunch.core.membership import MembershipChange
+from relaunch.core.sections import Learned
 from relaunch.events import Event, EventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure, SignalException
@@ -188,6 +189,9 @@ class ListeningHandler(Handler):
 
     def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
         pass
+
+    def share_learned(self, learned: Learned) -> Learned:
+        return learned
 
     def set_change_listener(self, listener: Callable[[MembershipChange], None] | None) -> None:
         self.listener = listener

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from relaunch.core import channel
+from relaunch.core import rendezvous as plan
 from relaunch.core.liveness import Liveness, next_due, overdue, read_liveness
 from relaunch.core.membership import MembershipChange, decode_change, encode_change
 from relaunch.core.restart import (
@@ -16,8 +17,18 @@ from relaunch.core.restart import (
     stalled_out,
     startup_failure,
 )
-from relaunch.core.sections import LEARN_AFTER, LEARN_FLOOR, learned_bound
+from relaunch.core.sections import (
+    LEARN_AFTER,
+    LEARN_FLOOR,
+    Learned,
+    decode_learned,
+    encode_learned,
+    learned_bound,
+    merge,
+)
 from relaunch.core.stragglers import RankRates, flag, interval
+from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+from relaunch.store.memory import MemoryStore
 
 
 def test_backoff_doubles_from_the_second_restart_up_to_its_cap() -> None:
@@ -166,3 +177,47 @@ def test_a_change_carries_the_request_for_stacks() -> None:
 def test_a_large_job_posts_less_often_to_bound_the_stores_load() -> None:
     assert interval(2) == interval(300) == 3.0
     assert interval(4096) == 40.96  # 100 posts a second for the whole job
+
+
+# -- learned bounds kept by the job ------------------------------------------------------------
+
+
+def test_learned_tables_merge_to_the_most_observations_and_the_longest() -> None:
+    one = Learned({"step": (5, 0.5), "eval": (9, 2.0)}, beats=(6, 1.0))
+    other = Learned({"step": (20, 0.4)})
+    assert merge(one, other) == Learned({"step": (20, 0.5), "eval": (9, 2.0)}, beats=(6, 1.0))
+    assert merge(Learned(), one) == one and not Learned()
+    assert decode_learned(encode_learned(one)) == one
+
+
+def test_a_table_of_bounds_not_relaunch_wrote_is_refused_and_unlearned_entries_dropped() -> None:
+    assert decode_learned('{"sections": {"step": [2, 0.5]}}') == Learned()
+    for bad in [
+        "[]",
+        "{",
+        '{"sections": {"step": [5]}}',
+        '{"sections": {"step": [5, -1]}}',
+        '{"sections": {"step": [5, NaN]}}',
+        '{"sections": {"step": [true, 1.0]}}',
+        '{"beats": [5, "x"]}',
+        '{"sections": {"' + "x" * 200 + '": [5, 1.0]}}',
+    ]:
+        with pytest.raises(ValueError):
+            decode_learned(bad)
+
+
+def test_the_job_keeps_what_every_node_learned_in_its_store() -> None:
+    store = MemoryStore()
+    settings = plan.Settings(1, 1, join_timeout=10, last_call_timeout=0.1)
+    handler = DynamicRendezvousHandler.on_counters("job", store, settings, "127.0.0.1", store)
+    try:
+        job = handler.job
+        assert job.share_learned(Learned({"step": (5, 0.5)})) == Learned({"step": (5, 0.5)})
+        # Another node's workers learned more: the job keeps both, and gives both.
+        kept = job.share_learned(Learned({"step": (7, 0.2), "eval": (5, 3.0)}))
+        assert kept == Learned({"step": (7, 0.5), "eval": (5, 3.0)})
+        assert job.share_learned(Learned()) == kept  # a node that learned nothing gets them
+        store.set("relaunch/job/learned", b"not relaunch's")
+        assert job.share_learned(Learned({"step": (5, 1.0)})) == Learned({"step": (5, 1.0)})
+    finally:
+        handler.shutdown()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from relaunch.core import channel
 from relaunch.core.liveness import Liveness, read_liveness
 from relaunch.core.progress import Progress, read_progress
+from relaunch.core.sections import Learned, decode_learned, merge
 from relaunch.procs.guardian import guardian
 from relaunch.runtime import start_thread
 
@@ -40,6 +41,10 @@ class Channel:
         self._pending_paths = [channel.pending_path(self.path, rank) for rank in range(slots)]
         for path in self._pending_paths:
             os.mkfifo(path, 0o600)
+            guardian().register_file(path)
+        # Written by the workers (``relaunch.worker``): removed with the channel, however it ends.
+        self._bounds_paths = [channel.bounds_path(self.path, rank) for rank in range(slots)]
+        for path in self._bounds_paths:
             guardian().register_file(path)
         self._closing = False
         self._waker = start_thread(self._read_wakes, "relaunch-channel", on_first_use)
@@ -112,13 +117,25 @@ class Channel:
         with memoryview(self._map) as view:
             return channel.listening(view, rank)
 
+    def learned(self) -> Learned:
+        """What the workers of this channel learned of their sections' and heartbeats' bounds
+        (``relaunch.worker``), merged; a file that is not theirs counts for nothing."""
+        learned = Learned()
+        for path in self._bounds_paths:
+            try:
+                with open(path, "rb") as file:
+                    learned = merge(learned, decode_learned(file.read(1 << 20)))
+            except (OSError, ValueError):
+                continue
+        return learned
+
     def close(self) -> None:
         self._closing = True
         os.write(self._wake_fd, b"\0")  # ends the reader
         self._waker.join()
         os.close(self._wake_fd)
         self._map.close()
-        for path in (self.path, self._wake_path, *self._pending_paths):
+        for path in (self.path, self._wake_path, *self._pending_paths, *self._bounds_paths):
             try:
                 os.unlink(path)
             except FileNotFoundError:

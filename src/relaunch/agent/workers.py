@@ -29,6 +29,7 @@ from relaunch.core.durations import seconds
 from relaunch.core.failures import format_report
 from relaunch.core.happenings import NodeSnapshot
 from relaunch.core.ranks import GroupContext, omp_num_threads_default
+from relaunch.core.sections import BOUNDS_ENV, Learned, encode_learned, merge
 from relaunch.core.state_settings import StateSettings
 from relaunch.core.step_types import Ended
 from relaunch.procs.console import console_for
@@ -97,6 +98,7 @@ class Workers:
         self._node_bar = NodeBar(group, self._sampler.latest, lambda: reporter.job_line, clock)
         self._console = console_for(sys.stdout, sys.stderr)
         self._channel: Channel | None = None
+        self._learned = Learned()  # the bounds the workers learned, kept for the next ones
         self._state_settings = state
         self.state: StateKeeper | None = None
         #: ``--preload``: the modules, and the zygote that forks the workers (``open`` starts it).
@@ -139,7 +141,11 @@ class Workers:
         channel, wakeups = self._channel, self._wakeups
         assert channel is not None and wakeups is not None, "start before open"
         channel.reset()
-        state_env = {} if self.state is None else self.state.env(self._resume_step())
+        extra_env = {} if self.state is None else self.state.env(self._resume_step())
+        # What the job's workers learned of their bounds: these are watched from the start.
+        self._learned = self._job.share_learned(self._learned)
+        if self._learned:
+            extra_env[BOUNDS_ENV] = encode_learned(self._learned)
         plan = plan_attempt(
             command,
             self._context(restart_count),
@@ -148,7 +154,7 @@ class Workers:
             new_attempt_dir(self._report.log_dir, restart_count)
             if command.logs_specs is None
             else "",
-            extra_env={**self._expiry.worker_env(), **channel.env(), **state_env},
+            extra_env={**self._expiry.worker_env(), **channel.env(), **extra_env},
             placement=self._placement,
             terminals=self._console.terminals(),
             hang_detection=self._expiry.hang_timeout is not None,
@@ -358,6 +364,7 @@ class Workers:
         pcontext, channel = self._pcontext, self._channel
         if pcontext is None or channel is None:
             return
+        self._learned = merge(self._learned, channel.learned())
         outcome = pcontext.wait(0)
         failed = {} if outcome is None else outcome.failures
         ranks = range(self._group.spec.local_world_size)

@@ -88,6 +88,12 @@ def pending_path(path: str, rank: int) -> str:
     return f"{path}.pending{rank}"
 
 
+def bounds_path(path: str, rank: int) -> str:
+    """The file beside the channel ``path`` where local rank ``rank`` keeps the bounds it
+    learned (``core.sections.encode_learned``), for its agent to keep for the job."""
+    return f"{path}.bounds{rank}"
+
+
 def wake_path(path: str) -> str:
     """The FIFO beside the channel ``path`` that a worker writes one byte to, to wake its agent,
     when its slot gets its first progress report, and when it first uses heartbeats or

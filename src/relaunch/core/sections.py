@@ -7,7 +7,12 @@ healthy step widens the bound rather than tripping it; a fivefold margin over th
 seen is what a hang detector needs to stay quiet through garbage collection, a slow batch or a
 stalled file system, and still catch a collective that waits forever within a few steps' time.
 
-Imported by the worker side (``relaunch.worker``): plain functions and numbers only.
+Imported by the worker side (``relaunch.worker``): plain functions and numbers only (json only
+when a table of learned bounds is read or written).
+
+The job keeps what its workers learned (``Learned``): the agent collects each worker's table,
+merges it into the job's in the store, and hands it to the workers it starts next
+(``BOUNDS_ENV``), so that a restarted or replacement worker is protected from its first step.
 """
 
 from __future__ import annotations
@@ -26,3 +31,101 @@ def learned_bound(observations: int, longest: float) -> float | None:
     if observations < LEARN_AFTER:
         return None
     return max(LEARN_FLOOR, LEARN_FACTOR * longest)
+
+
+# -- what the job keeps of the learning, across restarts and nodes ------------------------------
+
+#: The environment variable that hands a worker the bounds learned before its start.
+BOUNDS_ENV = "RELAUNCH_BOUNDS"
+#: Limits on a table read from the store or a file: what comes from outside stays small.
+MAX_NAMES = 256
+MAX_NAME = 128
+MAX_LONGEST = 7 * 24 * 3600.0
+
+#: ``(observations, longest seconds)`` of one section name, or of the gaps between heartbeats.
+Seen = tuple[int, float]
+
+
+class Learned(tuple[dict[str, Seen], "Seen | None"]):
+    """What workers learned: per section name, and of the gaps between heartbeats (``beats``;
+    None: nothing learned). Only learned entries (``LEARN_AFTER`` observations or more) are
+    kept: fewer teach no bound."""
+
+    __slots__ = ()
+
+    def __new__(cls, sections: dict[str, Seen] | None = None, beats: Seen | None = None) -> Learned:
+        return super().__new__(cls, (dict(sections or {}), beats))
+
+    @property
+    def sections(self) -> dict[str, Seen]:
+        return self[0]
+
+    @property
+    def beats(self) -> Seen | None:
+        return self[1]
+
+    def __bool__(self) -> bool:
+        return bool(self.sections) or self.beats is not None
+
+
+def merge(one: Learned, other: Learned) -> Learned:
+    """Both tables in one: for each name, the most observations and the longest duration."""
+    sections = dict(one.sections)
+    for name, seen in other.sections.items():
+        sections[name] = _wider(sections.get(name), seen)
+    beats = other.beats if one.beats is None else _wider(other.beats, one.beats)
+    return Learned(sections, beats)
+
+
+def _wider(seen: Seen | None, other: Seen) -> Seen:
+    if seen is None:
+        return other
+    return max(seen[0], other[0]), max(seen[1], other[1])
+
+
+def encode_learned(learned: Learned) -> str:
+    """``learned`` as JSON (the store's record, a worker's file, ``BOUNDS_ENV``)."""
+    import json
+
+    record: dict[str, object] = {"sections": {k: list(v) for k, v in learned.sections.items()}}
+    if learned.beats is not None:
+        record["beats"] = list(learned.beats)
+    return json.dumps(record, separators=(",", ":"))
+
+
+def decode_learned(text: str | bytes) -> Learned:
+    """The table ``encode_learned`` wrote; ValueError saying what is wrong with one it did not
+    (an entry not yet learned is dropped)."""
+    import json
+
+    try:
+        record = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("sections", {}), dict):
+        raise ValueError("not a table of learned bounds")
+    named = record.get("sections", {})
+    if len(named) > MAX_NAMES:
+        raise ValueError(f"more than {MAX_NAMES} sections")
+    sections = {}
+    for name, seen in named.items():
+        if len(name) > MAX_NAME:
+            raise ValueError(f"a section name longer than {MAX_NAME} characters")
+        checked = _seen(seen)
+        if checked[0] >= LEARN_AFTER:
+            sections[name] = checked
+    beats = None if record.get("beats") is None else _seen(record["beats"])
+    return Learned(sections, beats if beats is not None and beats[0] >= LEARN_AFTER else None)
+
+
+def _seen(value: object) -> Seen:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise ValueError(f"{value!r:.40} is not [observations, longest]")
+    count, longest = value
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1 << 62:
+        raise ValueError(f"{count!r:.40} is not a number of observations")
+    if isinstance(longest, bool) or not isinstance(longest, (int, float)):
+        raise ValueError(f"{longest!r:.40} is not a duration")
+    if not 0 <= longest <= MAX_LONGEST:  # also refuses nan
+        raise ValueError(f"{longest!r:.40} is not a duration")
+    return count, float(longest)

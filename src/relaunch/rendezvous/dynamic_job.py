@@ -20,6 +20,7 @@ from relaunch.core import exclusion
 from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange, expected_size
+from relaunch.core.sections import Learned, decode_learned, encode_learned, merge
 from relaunch.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -224,6 +225,36 @@ class DynamicJob:
     def note_restart(self, reason: str) -> None:
         self._standing.restart_reason = reason
         self._standing.spending = True
+
+    def share_learned(self, learned: Learned) -> Learned:
+        """Merge ``learned`` into the job's table (``relaunch/{run_id}/learned``, a
+        compare-and-set, tried a few times when nodes write at once) and return the job's;
+        ``learned`` alone when the store cannot be reached. A table that is not relaunch's is
+        written over, with one warning."""
+        key = self._key("learned", None)
+        try:
+            for _ in range(8):
+                stored = self._store.get(key)
+                kept = Learned()
+                if stored.value is not None:
+                    try:
+                        kept = decode_learned(stored.value)
+                    except ValueError as exc:
+                        log.warning(
+                            "the job's learned bounds under %s are not relaunch's (%s): "
+                            "writing them anew",
+                            key,
+                            exc,
+                        )
+                merged = merge(kept, learned)
+                if merged == kept:
+                    return kept
+                record = encode_learned(merged).encode()
+                if self._store.compare_set(key, stored.version, record).succeeded:
+                    return merged
+        except StoreError as exc:
+            log.warning("could not share the learned bounds through the store: %s", exc)
+        return learned
 
     def restarts_used(self, spent_here: int) -> int:
         """The job's count in the store (``relaunch/{run_id}/restarts``), which the node whose

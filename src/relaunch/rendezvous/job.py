@@ -19,6 +19,7 @@ from relaunch.core.rendezvous import TICKET_SPAN
 
 if TYPE_CHECKING:
     from relaunch.core.membership import MembershipChange
+    from relaunch.core.sections import Learned
     from relaunch.rendezvous.api import RendezvousHandler
 
 #: Called, from any thread, with each membership change (nodes waiting, a node lost, the job
@@ -52,6 +53,10 @@ class JobServices(Protocol):
     def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
         """Have ``send`` hand this node's last word (``last_word``) to what outlives the
         agent (its orphan guardian), for every round it is a member of."""
+
+    def share_learned(self, learned: Learned) -> Learned:
+        """Merge the bounds this node's workers ``learned`` into the job's, and return the
+        job's (``core.sections``): what the workers started next begin from."""
 
     def set_workers(self, role: str, local_world_size: int) -> None:
         """This node brings ``local_world_size`` workers of ``role`` to its next joins (the
@@ -141,6 +146,9 @@ class SoloJob:
 
     def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
         pass  # one node: nobody to tell
+
+    def share_learned(self, learned: Learned) -> Learned:
+        return learned  # one node: the agent keeps them
 
     def set_workers(self, role: str, local_world_size: int) -> None:
         pass  # nobody to tell: the agent places the workers (``agent.ranks``)
