@@ -89,11 +89,11 @@ def _learn_from_the_job(text: str | None) -> None:
         learned = decode_learned(text)
     except ValueError:
         return  # not the agent's: learn afresh
-    with _live_lock:
-        for name, (count, longest) in learned.sections.items():
-            _Live.durations[name] = _Learner(count, longest)
+    with _live_lock:  # a forked child keeps what its parent learned since, too
+        for name, seen in learned.sections.items():
+            _Live.durations.setdefault(name, _Learner()).widen(*seen)
         if learned.beats is not None:
-            _Live.beat_gaps = _Learner(*learned.beats)
+            _Live.beat_gaps.widen(*learned.beats)
 
 
 def report_progress(step: int, total: int | None = None, desc: str | None = None) -> None:
@@ -204,9 +204,14 @@ class _Learner:
 
     __slots__ = ("count", "longest")
 
-    def __init__(self, count: int = 0, longest: float = 0.0) -> None:
-        self.count = count
-        self.longest = longest
+    def __init__(self) -> None:
+        self.count = 0
+        self.longest = 0.0
+
+    def widen(self, count: int, longest: float) -> None:
+        """Take in what was seen elsewhere: at least ``count`` runs, the longest ``longest``."""
+        self.count = max(self.count, count)
+        self.longest = max(self.longest, longest)
 
     def observe(self, seconds: float) -> bool:
         """Count ``seconds``; whether that changed what the job keeps: the bound was just

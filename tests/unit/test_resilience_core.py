@@ -188,6 +188,9 @@ def test_learned_tables_merge_to_the_most_observations_and_the_longest() -> None
     assert merge(one, other) == Learned({"step": (20, 0.5), "eval": (9, 2.0)}, beats=(6, 1.0))
     assert merge(Learned(), one) == one and not Learned()
     assert decode_learned(encode_learned(one)) == one
+    # A worker's own table never holds what the store's reader refuses: those names stay out.
+    many = Learned({f"s{n}": (5, 1.0) for n in range(300)} | {"x" * 200: (5, 1.0)})
+    assert len(decode_learned(encode_learned(many)).sections) == 256
 
 
 def test_a_table_of_bounds_not_relaunch_wrote_is_refused_and_unlearned_entries_dropped() -> None:

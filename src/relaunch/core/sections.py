@@ -87,7 +87,9 @@ def encode_learned(learned: Learned) -> str:
     """``learned`` as JSON (the store's record, a worker's file, ``BOUNDS_ENV``)."""
     import json
 
-    record: dict[str, object] = {"sections": {k: list(v) for k, v in learned.sections.items()}}
+    # What ``decode_learned`` takes: names it would refuse are left out, not the whole table.
+    kept = [(name, seen) for name, seen in learned.sections.items() if len(name) <= MAX_NAME]
+    record: dict[str, object] = {"sections": {k: list(v) for k, v in kept[:MAX_NAMES]}}
     if learned.beats is not None:
         record["beats"] = list(learned.beats)
     return json.dumps(record, separators=(",", ":"))
