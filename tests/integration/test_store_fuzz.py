@@ -50,6 +50,7 @@ HANDLED_OPS = (
     wire.WAIT,
     wire.WATCH,
     wire.PING,
+    wire.PROMOTE,  # a primary answers at once
 )
 Reply = tuple[int, list[bytes]]
 
@@ -265,7 +266,7 @@ CLOSES = {
     "op 0": wire.encode(0, [b"k"]),
     "op HELLO": wire.encode(wire.HELLO, [wire.PROTOCOL, b"0", b"n"]),
     "op AUTH again": wire.encode(wire.AUTH, [b"", b"n"]),
-    "op 11": wire.encode(11, []),
+    "op 13": wire.encode(13, []),
     "op 255": wire.encode(255, [b"k", b"v"]),
     # Keys that are not UTF-8.
     "GET non-UTF-8 key": wire.encode(wire.GET, [b"\xff\xfe"]),
@@ -316,6 +317,8 @@ def predict_authenticated(payload: bytes) -> str:
         code, _ = wire.decode_payload(payload)
     except StoreProtocolError:
         return "close"
+    if code == wire.REPLICATE:
+        return "stream"
     if code not in HANDLED_OPS:
         return "close"
     return "may park" if code in (wire.WAIT, wire.WATCH) else "reply or close"
@@ -355,6 +358,12 @@ def test_random_payloads_get_a_reply_or_a_closed_connection(
             replies = raw.receive_until_closed()
             assert len(replies) <= 1
             assert all(code in (wire.OK, wire.ERROR, wire.TIMEOUT) for code, _ in replies)
+        elif outcome == "stream":
+            # A standby's stream: the snapshot's records; a request after it closes it.
+            raw.send(frame(payload) + wire.encode(wire.PING, []))
+            replies = raw.receive_until_closed()
+            assert replies and all(code == wire.OK for code, _ in replies)
+            assert replies[-1][1][0] == wire.RECORD_SYNCED
         else:
             # Pipeline a PING: the server closes the connection, or answers both, in order.
             raw.send(frame(payload) + wire.encode(wire.PING, []))

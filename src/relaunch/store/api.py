@@ -40,6 +40,18 @@ class StoreAuthError(StoreConnectionError):
     """Authentication failed: wrong or missing token."""
 
 
+class StoreRedirect(StoreError):
+    """The store is a standby: ``primary`` (``host:port``) serves the job."""
+
+    def __init__(self, message: str, primary: str) -> None:
+        super().__init__(message)
+        self.primary = primary
+
+
+class StoreFenced(StoreError):
+    """The store lost the job's majority and serves nobody: another may run the job."""
+
+
 class StoreProtocolError(StoreError):
     """A malformed frame or an unexpected reply."""
 

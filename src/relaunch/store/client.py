@@ -20,7 +20,9 @@ from relaunch.store.api import (
     StoreAuthError,
     StoreConnectionError,
     StoreError,
+    StoreFenced,
     StoreProtocolError,
+    StoreRedirect,
     StoreRefused,
     StoreTimeout,
     Versioned,
@@ -30,6 +32,8 @@ from relaunch.store.retry import Backoff
 
 #: Extra seconds a client waits beyond a server-side deadline for the reply to arrive.
 REPLY_MARGIN = 5.0
+#: How long a follower's stream may stay quiet: as long as its connection lives.
+_FOREVER = 365 * 86400.0
 
 
 def _fields(reply: list[bytes], count: int) -> list[bytes]:
@@ -199,6 +203,13 @@ class TcpStore:
             raise StoreTimeout(f"timed out waiting for keys: {missing}")
         if code == wire.ERROR:
             raise StoreError(reply[0].decode(errors="replace")[:1000] if reply else "store error")
+        if code == wire.REDIRECT and len(reply) == 1:
+            primary = reply[0].decode(errors="replace")[:300]
+            raise StoreRedirect(f"the store at {self.endpoint} is a standby of {primary}", primary)
+        if code == wire.FENCED:
+            raise StoreFenced(
+                f"the store at {self.endpoint} lost the job's majority: it serves nobody"
+            )
         raise StoreProtocolError(f"the store at {self.endpoint} answered with status {code}")
 
     # -- the Store protocol ---------------------------------------------------------------------
@@ -232,6 +243,44 @@ class TcpStore:
 
     def ping(self) -> None:
         self._call(wire.PING, [])
+
+    def promote(self, voter: str, quorum: int, timeout: float) -> bool:
+        """As ``voter``, ask a standby to take over from its primary once ``quorum`` distinct
+        voters asked: whether it serves as the primary within ``timeout`` seconds (a primary
+        says so at once)."""
+        millis = wire.from_int(max(0, int(timeout * 1000)))
+        try:
+            self._call(wire.PROMOTE, [voter.encode(), wire.from_int(quorum), millis], timeout)
+        except StoreTimeout:
+            return False
+        return True
+
+    def replicate(self, apply: Callable[[list[bytes]], None]) -> None:
+        """Follow every change of this store, as a standby does: ``apply`` gets each record of
+        the stream (``wire.RECORD_*``: a snapshot, its end, then each change) until the
+        connection ends (``StoreConnectionError``), ``abort`` is called, or ``apply`` raises.
+        The stream may be quiet for long: no deadline but the connection's."""
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+            self._send(wire.encode(wire.REPLICATE, []), Deadline(self.timeout, self._clock))
+            try:
+                while True:
+                    code, fields = self._receive(Deadline(_FOREVER, self._clock))
+                    if code != wire.OK:
+                        raise StoreProtocolError(f"{self.endpoint} will not be followed ({code})")
+                    apply(fields)
+            finally:
+                self._drop()
+
+    def abort(self) -> None:
+        """End the connection under a ``replicate`` that another thread runs."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         with self._lock:

@@ -47,11 +47,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from relaunch.runtime import open_descriptors, raise_open_file_limit, start_thread
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.state import KeyValueState
+
+if TYPE_CHECKING:
+    from relaunch.store.client import TcpStore
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,10 @@ _ACCEPT_BACKOFF = 0.5
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _WAKE = "wake"
 _LENGTH = struct.Struct(">I")
+#: A standby further behind than this is dropped (it follows again from a fresh snapshot).
+REPLICA_HIGH_WATER = 64 << 20
+#: What PROMOTE requests wait on (no client's key: they start with a NUL).
+_PROMOTED = "\0promoted"
 
 
 @dataclass(eq=False, slots=True)
@@ -116,6 +124,7 @@ class _Client:
     closing: bool = False
     events: int = selectors.EVENT_READ  # what the selector watches for it (0: unregistered)
     paused: bool = False  # its requests wait: its replies are over OUT_HIGH_WATER
+    replica: bool = False  # a standby following this store: each change is sent to it
 
 
 @dataclass(eq=False, slots=True)
@@ -252,6 +261,20 @@ class TcpStoreServer:
         self._refusals = _Refusals(REFUSAL_SUMMARY_INTERVAL)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # Between stores (``follow``, ``fence``; the design: docs/store-failover.md).
+        self._replicas: set[_Client] = set()
+        self._primary: str | None = None  # a standby: the store it follows ("host:port")
+        self._synced = False  # a standby holds a whole snapshot of its primary
+        self._fresh = False  # its stream just began: the snapshot replaces what it held
+        #: Whole snapshots a standby took (one per connection to its primary).
+        self.snapshots = 0
+        self._stopped = threading.Event()
+        self._follow_lock = threading.Lock()  # the follower's writes against the promotion
+        self._follower: TcpStore | None = None
+        self._votes: set[bytes] = set()
+        self._quorum = 0
+        self._fenced = False
+        self._fence_told = False
         self._check_open_file_limit(expected)
 
     @property
@@ -268,12 +291,102 @@ class TcpStoreServer:
         self._thread = start_thread(self.serve_forever, "relaunch-store")
         return self
 
+    # -- between stores: a standby, its promotion, fencing -----------------------------------
+
+    @property
+    def standby(self) -> bool:
+        """Whether this store follows another (and redirects its clients there)."""
+        return self._primary is not None
+
+    @property
+    def following(self) -> bool:
+        """Whether a standby's stream from its primary is open now."""
+        return self._follower is not None
+
+    @property
+    def synced(self) -> bool:
+        """Whether a standby holds a whole snapshot of its primary (only then may it take over)."""
+        return self._synced
+
+    def follow(self, host: str, port: int) -> None:
+        """Serve as the standby of the store at ``host:port``: follow its every change (a
+        thread, reconnecting with backoff until promoted or stopped) and redirect clients
+        there, until a quorum asks this store to take over (``PROMOTE``)."""
+        self._primary = f"{host}:{port}"
+        start_thread(lambda: self._follow(host, port), "relaunch-store-standby")
+
+    def fence(self) -> None:
+        """Serve nobody from now on (this store lost the job's majority): every request, and
+        every one waiting, is answered ``FENCED``."""
+        self._fenced = True
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"f")
+
+    def _follow(self, host: str, port: int) -> None:
+        from relaunch.store.client import TcpStore
+
+        pause = 0.05
+        while self._primary is not None and not self._stopping:
+            try:
+                store = TcpStore(host, port, self._token, timeout=30.0, connect_timeout=1.0)
+            except StoreError:
+                self._stopped.wait(pause)  # the primary is not there (yet, or any more)
+                pause = min(2 * pause, 1.0)
+                continue
+            pause = 0.05
+            with self._follow_lock:
+                if self._primary is None or self._stopping:
+                    store.close()
+                    return
+                self._follower, self._synced, self._fresh = store, False, True
+            try:
+                store.replicate(self._apply)
+            except StoreError as exc:
+                log.debug("standby: lost the primary at %s:%d: %s", host, port, exc)
+            finally:
+                with self._follow_lock:
+                    self._follower = None
+
+    def _apply(self, fields: list[bytes]) -> None:
+        """One record of the primary's stream, taken in (the follower's thread)."""
+        with self._follow_lock:
+            if self._primary is None or self._stopping:
+                raise StoreError("promoted: no longer following")
+            kind = fields[0] if fields else b""
+            if self._fresh:  # a new stream begins with a whole snapshot: start afresh
+                self._state, self._fresh = KeyValueState(), False
+            if kind == wire.RECORD_KEY and len(fields) == 4:
+                self._state.apply(_key(fields[1]), fields[2], wire.to_int(fields[3]))
+            elif kind == wire.RECORD_DELETED and len(fields) == 3:
+                self._state.apply(_key(fields[1]), None, wire.to_int(fields[2]))
+            elif kind == wire.RECORD_SYNCED and len(fields) == 2:
+                self._state.revision = max(self._state.revision, wire.to_int(fields[1]))
+                self._synced = True
+                self.snapshots += 1
+            else:
+                raise StoreProtocolError("not a replication record")
+
+    def _promote(self) -> None:
+        """Take over: serve the job from the state followed so far (the loop's thread)."""
+        with self._follow_lock:
+            follower, self._follower, self._primary = self._follower, None, None
+        if follower is not None:
+            follower.abort()
+        log.warning("store: this standby serves the job now (%d voters asked)", len(self._votes))
+        for waiter in list(self._waiters.get(_PROMOTED, {})):
+            self._unpark(waiter)
+            self._reply(waiter.client, wire.OK)
+
     def stop(self) -> None:
         """Stop serving and release everything; the wake-up pipe is closed here, after the
         thread ended, so that no write can land on a descriptor closed under it."""
         if self._wake_w < 0:
             return
         self._stopping = True
+        self._stopped.set()
+        follower = self._follower
+        if follower is not None:
+            follower.abort()
         os.write(self._wake_w, b"x")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -318,6 +431,8 @@ class TcpStoreServer:
                         self._accept()
                     else:
                         os.read(self._wake_r, 512)
+                        if self._fenced and not self._fence_told:
+                            self._tell_fenced()
                 while self._ready:
                     client = self._ready.pop()
                     if client in self._clients and not client.paused:
@@ -618,8 +733,15 @@ class TcpStoreServer:
         if not client.authenticated:
             self._authenticate(client, op, fields)
             return
-        if client.waiter is not None:
+        if client.waiter is not None or client.replica:
             raise StoreProtocolError("a request arrived while another one is still waiting")
+        if self._fenced and op != wire.PING:
+            self._reply(client, wire.FENCED)
+            return
+        primary = self._primary
+        if primary is not None and op not in (wire.PING, wire.PROMOTE):
+            self._reply(client, wire.REDIRECT, [primary.encode()])
+            return
         handler = self._HANDLERS.get(op)
         if handler is None:
             raise StoreProtocolError(f"unknown operation {op}")
@@ -694,6 +816,51 @@ class TcpStoreServer:
     def _ping(self, client: _Client, fields: list[bytes]) -> None:
         self._reply(client, wire.OK)
 
+    def _replicate(self, client: _Client, fields: list[bytes]) -> None:
+        """The client is a standby: a snapshot now, then every change as it is made."""
+        client.replica = True
+        self._replicas.add(client)
+        for key, value, version in self._state.items():
+            record = [wire.RECORD_KEY, key.encode(), value, _int(version)]
+            self._send(client, _frame(wire.OK, record))
+        self._send(client, _frame(wire.OK, [wire.RECORD_SYNCED, _int(self._state.revision)]))
+
+    def _ship(self, key: str) -> None:
+        """Send the change just made to ``key`` to every standby; one too far behind is dropped."""
+        value, version = self._state.get(key)
+        record = (
+            [wire.RECORD_DELETED, key.encode(), _int(self._state.revision)]
+            if value is None
+            else [wire.RECORD_KEY, key.encode(), value, _int(version)]
+        )
+        frame = _frame(wire.OK, record)
+        for replica in list(self._replicas):
+            self._send(replica, frame)
+            if len(replica.out) > REPLICA_HIGH_WATER:
+                log.warning("store: dropping the standby at %s: too far behind", replica.peer)
+                self._close(replica)
+
+    def _promote_request(self, client: _Client, fields: list[bytes]) -> None:
+        """A voter asks this standby to take over once ``quorum`` distinct ones have; the
+        answer waits for that (or its timeout). A primary answers at once."""
+        voter, quorum, timeout = fields[0], wire.to_int(fields[1]), _seconds(fields[2])
+        if self._primary is None:
+            self._reply(client, wire.OK)
+            return
+        self._votes.add(voter)
+        self._quorum = max(self._quorum, quorum)
+        self._park(_Waiter(client, (_PROMOTED,), time.monotonic() + timeout))
+        if self._synced and len(self._votes) >= self._quorum:
+            self._promote()
+
+    def _tell_fenced(self) -> None:
+        """Answer every waiting request ``FENCED`` (the loop's thread)."""
+        self._fence_told = True
+        for parked in list(self._waiters.values()):
+            for waiter in list(parked):
+                self._unpark(waiter)
+                self._reply(waiter.client, wire.FENCED)
+
     _HANDLERS = {
         wire.GET: _get,
         wire.SET: _set,
@@ -703,6 +870,8 @@ class TcpStoreServer:
         wire.WAIT: _wait,
         wire.WATCH: _watch,
         wire.PING: _ping,
+        wire.REPLICATE: _replicate,
+        wire.PROMOTE: _promote_request,
     }
 
     # -- waiters --------------------------------------------------------------------------------
@@ -723,7 +892,10 @@ class TcpStoreServer:
                     del self._waiters[key]
 
     def _changed(self, key: str) -> None:
-        """Wake the waiters on ``key`` (only those) that the change satisfies."""
+        """Send the change to the standbys; wake the waiters on ``key`` (only those) that the
+        change satisfies."""
+        if self._replicas:
+            self._ship(key)
         parked = self._waiters.get(key)
         if not parked:
             return
@@ -806,6 +978,7 @@ class TcpStoreServer:
         if client not in self._clients:
             return
         self._clients.discard(client)
+        self._replicas.discard(client)
         self._unproven.pop(client, None)
         if client.waiter is not None:
             self._unpark(client.waiter)
@@ -820,6 +993,10 @@ class TcpStoreServer:
             self._release(client, client.reserved)
         if not self._accepting:
             self._resume_accepting()  # a descriptor is free: take the next waiting client
+
+
+def _int(number: int) -> bytes:
+    return wire.from_int(number)
 
 
 def _frame(status: int, fields: list[bytes]) -> bytes:

@@ -49,3 +49,16 @@ class KeyValueState:
 
     def all_exist(self, keys: Sequence[str]) -> bool:
         return all(key in self._data for key in keys)
+
+    def items(self) -> list[tuple[str, bytes, int]]:
+        """Every key with its value and version (a snapshot for a standby)."""
+        return [(key, value, version) for key, (value, version) in self._data.items() if value]
+
+    def apply(self, key: str, value: bytes | None, version: int) -> None:
+        """Take a change as another store made it: ``key`` holds ``value`` at ``version``
+        (None: deleted at revision ``version``); the versions stay the other store's."""
+        if value is None:
+            self._data.pop(key, None)
+        else:
+            self._data[key] = Versioned(value, version)
+        self.revision = max(self.revision, version)

@@ -24,8 +24,14 @@ _LENGTH = struct.Struct(">I")
 
 # Operations (requests) ...
 HELLO, AUTH, GET, SET, CAS, ADD, DELETE, WAIT, WATCH, PING = range(1, 11)
-# ... and statuses (replies).
-OK, ERROR, TIMEOUT = 0, 1, 2
+# ... those between stores: a standby follows its primary, and is asked to take over ...
+REPLICATE, PROMOTE = 11, 12
+# ... and statuses (replies): REDIRECT (a standby: ask the primary it names), FENCED (a store
+# that lost the job's majority: it serves nobody).
+OK, ERROR, TIMEOUT, REDIRECT, FENCED = 0, 1, 2, 3, 4
+#: The kinds of a replication stream's records: a key's value and version, a key deleted at a
+#: revision, the snapshot's end and its revision.
+RECORD_KEY, RECORD_DELETED, RECORD_SYNCED = b"k", b"d", b"r"
 
 
 def encode(code: int, fields: Sequence[bytes] = ()) -> bytes:
