@@ -189,3 +189,16 @@ def test_a_value_too_large_to_return_is_refused(connect: StoreFactory) -> None:
         store.set("big", b"x" * (MAX_VALUE + 1))
     store.set("fits", b"x" * MAX_VALUE)
     assert len(store.get("fits").value or b"") == MAX_VALUE
+
+
+def test_many_keys_read_at_once_read_as_one_by_one(connect: StoreFactory) -> None:
+    """The lead of a round reads every member's record so (``rendezvous.roster.get_many``): on
+    the built-in store one request per ``wire.MAX_GETS`` keys; on etcd one read each."""
+    from relaunch.rendezvous.roster import get_many
+
+    store = connect()
+    keys = [f"many/{n}" for n in range(200)]
+    for n in range(0, 200, 3):
+        store.set(keys[n], str(n).encode())
+    assert get_many(store, keys) == [store.get(key) for key in keys]
+    assert get_many(store, []) == []

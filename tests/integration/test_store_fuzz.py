@@ -51,6 +51,7 @@ HANDLED_OPS = (
     wire.WATCH,
     wire.PING,
     wire.PROMOTE,  # a primary answers at once
+    wire.GETS,
 )
 Reply = tuple[int, list[bytes]]
 
@@ -266,7 +267,7 @@ CLOSES = {
     "op 0": wire.encode(0, [b"k"]),
     "op HELLO": wire.encode(wire.HELLO, [wire.PROTOCOL, b"0", b"n"]),
     "op AUTH again": wire.encode(wire.AUTH, [b"", b"n"]),
-    "op 13": wire.encode(13, []),
+    "op 99": wire.encode(99, []),
     "op 255": wire.encode(255, [b"k", b"v"]),
     # Keys that are not UTF-8.
     "GET non-UTF-8 key": wire.encode(wire.GET, [b"\xff\xfe"]),

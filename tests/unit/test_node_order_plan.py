@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relaunch.core import node_order
-from relaunch.core.node_order import Claim, Joiner
+from relaunch.core.node_order import Claim, Joiner, Placing
 
 
 def joiner(ticket: int, last: tuple[int, int] | None = None, rank: int | None = None) -> Joiner:
@@ -23,14 +23,15 @@ def tickets(placed: list[Joiner]) -> list[int]:
 def test_without_claims_the_arrival_order_stands_and_the_record_says_nothing() -> None:
     placed = node_order.place([joiner(t) for t in (1, 2, 3)])
     assert tickets(placed) == [1, 2, 3]
-    assert node_order.order_of(placed) == ()
+    assert node_order.placing_of(placed) is None
 
 
 def test_a_first_round_started_in_reverse_follows_the_node_ranks() -> None:
     arrived = [joiner(1, rank=2), joiner(2, rank=1), joiner(3, rank=0)]
     placed = node_order.place(arrived)
     assert tickets(placed) == [3, 2, 1]
-    assert node_order.order_of(placed) == ((3, 1), (2, 1), (1, 1))
+    # By ticket: ticket 1 has group rank 2, ticket 3 group rank 0.
+    assert node_order.placing_of(placed) == Placing((2, 1, 0), (2, 1, 0))
 
 
 def test_survivors_keep_their_ranks_and_the_replacement_takes_the_lost_one() -> None:
@@ -58,13 +59,16 @@ def test_a_node_whose_record_was_never_read_comes_last() -> None:
 
 
 def test_assign_gives_each_node_its_rank_and_contiguous_global_ranks() -> None:
-    order = ((3, 2), (1, 1), (2, 4))  # tickets in group-rank order, with their workers
+    # Tickets 3, 1, 2 in group-rank order, with 2, 1 and 4 workers.
+    placed = [Joiner(3, 2, "a", None), Joiner(1, 1, "a", None), Joiner(2, 4, "a", None)]
+    placing = node_order.placing_of(placed)
     # (group rank, base global rank); the arrival order's ``through`` is not used then.
-    assert node_order.assign(order, 3, 0, 2) == (0, 0)
-    assert node_order.assign(order, 1, 0, 1) == (1, 2)
-    assert node_order.assign(order, 2, 0, 4) == (2, 3)
+    assert node_order.assign(placing, 3, 0, 2) == (0, 0)
+    assert node_order.assign(placing, 1, 0, 1) == (1, 2)
+    assert node_order.assign(placing, 2, 0, 4) == (2, 3)
+    assert node_order.assign(None, 3, 13, 3) == (2, 10)  # by tickets
     with pytest.raises(ValueError, match="ticket 4"):
-        node_order.assign(order, 4, 0, 1)
+        node_order.assign(placing, 4, 0, 1)
 
 
 claims = st.builds(
@@ -81,7 +85,12 @@ def test_any_claims_give_each_member_one_rank_and_keep_every_fitting_unique_clai
     arrived = [Joiner(t, 1, "default", claim) for t, claim in enumerate(made, start=1)]
     placed = node_order.place(arrived)
     assert sorted(tickets(placed)) == list(range(1, len(arrived) + 1))
-    node_order.check_order(node_order.order_of(placed), len(arrived), len(arrived))
+    placing = node_order.placing_of(placed)
+    if placing is not None:  # what each member reads back places it where the lead put it
+        fields = node_order.encode_placing(placing)
+        again = node_order.decode_placing(fields, len(arrived), len(arrived))
+        assert again == placing
+        assert [again.ranks[j.ticket - 1] for j in placed] == list(range(len(placed)))
     newest: dict[int, int] = {}
     for j in arrived:
         if j.claim is not None and j.claim.last is not None and j.claim.last[1] < len(arrived):
@@ -107,13 +116,18 @@ def test_claims_round_trip_and_bad_ones_are_refused() -> None:
             node_order.decode_claim(bad)
 
 
-def test_a_final_record_whose_order_does_not_add_up_is_refused() -> None:
-    node_order.check_order(((2, 1), (1, 3)), 2, 4)
-    for order, count, world in [
-        (((1, 1), (1, 1)), 2, 2),  # a ticket twice
-        (((1, 1), (3, 1)), 2, 2),  # a ticket beyond the count
-        (((1, 1), (2, 1)), 2, 3),  # workers do not add up
-        (((1, 0), (2, 2)), 2, 2),  # a node without workers
+def test_a_final_record_whose_placing_does_not_add_up_is_refused() -> None:
+    good = Placing((1, 0), (3, 0))
+    assert node_order.decode_placing(node_order.encode_placing(good), 2, 4) == good
+    assert node_order.decode_placing({}, 2, 4) is None
+    for placing, count, world in [
+        (Placing((0, 0), (0, 1)), 2, 2),  # a group rank twice
+        (Placing((0, 2), (0, 1)), 2, 2),  # a group rank beyond the count
+        (Placing((0, 1), (0, 2)), 2, 2),  # a worker beyond the world
+        (Placing((0,), (0,)), 2, 2),  # not every member placed
     ]:
         with pytest.raises(ValueError):
-            node_order.check_order(order, count, world)
+            node_order.decode_placing(node_order.encode_placing(placing), count, world)
+    for fields in [{"ranks": "!!", "bases": ""}, {"ranks": 5, "bases": ""}, {"ranks": "AAA="}]:
+        with pytest.raises(ValueError, match="placing"):
+            node_order.decode_placing(fields, 1, 1)

@@ -31,7 +31,7 @@ S = Settings(min_nodes=2, max_nodes=4, join_timeout=100, last_call_timeout=10)
 def test_join_counter_packs_ticket_and_workers() -> None:
     total = sum(plan.join_increment(size, "default") for size in (8, 2, 3))
     assert plan.unpack_join(total)[:2] == (3, 13)
-    assert node_order.assign((), 3, 13, 3) == (2, 10)
+    assert node_order.assign(None, 3, 13, 3) == (2, 10)
 
 
 @pytest.mark.parametrize(

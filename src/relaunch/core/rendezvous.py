@@ -19,7 +19,7 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
   which each node counts its role ranks (``core.ranks.place_in_runs``).
 - Group ranks follow the tickets unless a node asks for a place: the rank it had in an earlier
   round, or its place in the scheduler's order. The lead then reads the members' join records
-  and places them (``core.node_order``); the final record carries the ``order``, and the
+  and places them (``core.node_order``); the final record carries the ``placing``, and the
   address and port of the member it put at group rank 0 for MASTER_ADDR/MASTER_PORT.
 - A node whose ticket is beyond the final count arrived late: it joins the next round and waits
   there; running nodes see it (``nodes_waiting``) and restart into that larger round. When the
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from relaunch.core.durations import seconds
+from relaunch.core.node_order import Placing
 from relaunch.core.ranks import RoleRun
 
 #: The join counter packs four sums (``join_increment``), lowest digits first: tickets (one a
@@ -150,9 +151,8 @@ class Final:
     #: The members' roles and workers in group-rank order (``core.ranks.role_runs``); empty
     #: when they all have one role.
     roles: tuple[RoleRun, ...] = ()
-    #: ``(ticket, workers)`` of the members in group-rank order (``core.node_order``); empty
-    #: when that is the order of their tickets.
-    order: tuple[tuple[int, int], ...] = ()
+    #: Where the members go (``core.node_order.Placing``); None: by their tickets.
+    placing: Placing | None = None
 
 
 def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:
@@ -288,14 +288,14 @@ class Entry:
 class Members(NamedTuple):
     """Who the lead found in a round it completes: ``nodes`` members, ``world_size`` workers,
     the ``runs`` that place them by revision (etcd; else empty), their ``roles`` in
-    group-rank order (empty when they all have one), their ``order`` (``Final.order``) and,
-    when group rank 0 is not the lead, where that member's workers' master is."""
+    group-rank order (empty when they all have one), their ``placing`` (``Final.placing``)
+    and, when group rank 0 is not the lead, where that member's workers' master is."""
 
     nodes: int
     world_size: int
     runs: tuple[Run, ...] = ()
     roles: tuple[RoleRun, ...] = ()
-    order: tuple[tuple[int, int], ...] = ()
+    placing: Placing | None = None
     master: tuple[str, int] | None = None
 
 

@@ -183,7 +183,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         last = None if standing.round is None else (standing.round, standing.group_rank)
         round_, ticket, through, final = self._rounds.join(workers, role, last, self._node_rank)
         try:
-            group_rank, offset = node_order.assign(final.order, ticket, through, workers)
+            group_rank, offset = node_order.assign(final.placing, ticket, through, workers)
         except ValueError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
         standing.enter(round_, group_rank, final)

@@ -38,7 +38,7 @@ from relaunch.core.membership import (
     encode_change,
     expected_size,
 )
-from relaunch.core.node_order import Claim, check_order
+from relaunch.core.node_order import Claim, decode_placing, encode_placing
 from relaunch.core.rendezvous import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import (
@@ -159,17 +159,17 @@ class Rounds:
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
         try:
             data = json.loads(value)
+            count, world_size = _count(data["count"]), _count(data["world_size"])
             final = plan.Final(
-                _count(data["count"]),
-                _count(data["world_size"]),
+                count,
+                world_size,
                 str(data["master_addr"]),
                 _count(data["master_port"]),
                 tuple((_count(a), _count(b), _count(c)) for a, b, c in data.get("runs", ())),
                 record.version,
                 tuple((_role(a), _count(b), _count(c)) for a, b, c in data.get("roles", ())),
-                tuple((_count(a), _count(b)) for a, b in data.get("order", ())),
+                decode_placing(data, count, world_size),
             )
-            check_order(final.order, final.count, final.world_size)
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             raise BadStoreValue(self.key("final", round_), value, why) from None
@@ -302,8 +302,8 @@ class Rounds:
             record["runs"] = members.runs
         if members.roles:
             record["roles"] = members.roles
-        if members.order:
-            record["order"] = members.order
+        if members.placing is not None:
+            record.update(encode_placing(members.placing))
         if self._store.compare_set(
             self.key("final", round_), 0, json.dumps(record).encode()
         ).succeeded:

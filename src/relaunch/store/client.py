@@ -217,6 +217,17 @@ class TcpStore:
     def get(self, key: str) -> Versioned:
         return _versioned(self._call(wire.GET, [key.encode()]))
 
+    def get_many(self, keys: Sequence[str]) -> list[Versioned]:
+        """The value and version of each of ``keys``, a request per ``wire.MAX_GETS`` keys
+        (the lead of a round reads every member's record so). For small values: a reply must
+        fit in one frame."""
+        found: list[Versioned] = []
+        for start in range(0, len(keys), wire.MAX_GETS):
+            chunk = keys[start : start + wire.MAX_GETS]
+            reply = _fields(self._call(wire.GETS, [k.encode() for k in chunk]), 3 * len(chunk))
+            found += [_versioned(reply[at : at + 3]) for at in range(0, len(reply), 3)]
+        return found
+
     def set(self, key: str, value: bytes) -> int:
         return wire.to_int(_fields(self._call(wire.SET, [key.encode(), value]), 1)[0])
 

@@ -23,6 +23,10 @@ class MemoryStore:
         with self._changed:
             return self._state.get(key)
 
+    def get_many(self, keys: Sequence[str]) -> list[Versioned]:
+        with self._changed:
+            return [self._state.get(key) for key in keys]
+
     def set(self, key: str, value: bytes) -> int:
         with self._changed:
             version = self._state.set(key, value)

@@ -773,6 +773,14 @@ class TcpStoreServer:
         current = self._state.get(_key(key))
         self._reply(client, wire.OK, _versioned_fields(*current))
 
+    def _gets(self, client: _Client, fields: list[bytes]) -> None:
+        if len(fields) > wire.MAX_GETS:
+            raise ValueError(f"at most {wire.MAX_GETS} keys a request")
+        reply: list[bytes] = []
+        for key in fields:
+            reply += _versioned_fields(*self._state.get(_key(key)))
+        self._reply(client, wire.OK, reply)
+
     def _set(self, client: _Client, fields: list[bytes]) -> None:
         key, value = _key(fields[0]), _value(fields[1])
         self._reply(client, wire.OK, [wire.from_int(self._state.set(key, value))])
@@ -872,6 +880,7 @@ class TcpStoreServer:
         wire.PING: _ping,
         wire.REPLICATE: _replicate,
         wire.PROMOTE: _promote_request,
+        wire.GETS: _gets,
     }
 
     # -- waiters --------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ _LENGTH = struct.Struct(">I")
 HELLO, AUTH, GET, SET, CAS, ADD, DELETE, WAIT, WATCH, PING = range(1, 11)
 # ... those between stores: a standby follows its primary, and is asked to take over ...
 REPLICATE, PROMOTE = 11, 12
+# ... several keys read in one request (at most ``MAX_GETS``) ...
+GETS = 13
+MAX_GETS = MAX_FIELDS // 3
 # ... and statuses (replies): REDIRECT (a standby: ask the primary it names), FENCED (a store
 # that lost the job's majority: it serves nobody).
 OK, ERROR, TIMEOUT, REDIRECT, FENCED = 0, 1, 2, 3, 4
