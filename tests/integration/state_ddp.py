@@ -20,6 +20,14 @@ import torch.distributed as dist
 import relaunch
 
 out, steps, kill_at = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+
+def publish(name: str, text: str) -> None:
+    """Write OUT/``name`` whole (beside it, then renamed): the test never reads half of it."""
+    (out / f".{name}").write_text(text)
+    os.replace(out / f".{name}", out / name)
+
+
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 world = int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo")
@@ -33,13 +41,13 @@ if got is not None:
     start = got[0] + 1
     model.load_state_dict(got[1]["model"])
     optimizer.load_state_dict(got[1]["optim"])
-(out / f"resumed.{attempt}.{rank}").write_text(str(start - 1))
-(out / f"agent.{rank}").write_text(str(os.getppid()))
+publish(f"resumed.{attempt}.{rank}", str(start - 1))
+publish(f"agent.{rank}", str(os.getppid()))
 pause = float(os.environ.get("STATE_DDP_STEP_SECONDS", "0"))
 for step in range(start, steps):
     if pause:
         time.sleep(pause)
-        (out / f"step.{rank}").write_text(str(step))
+        publish(f"step.{rank}", str(step))
     data = torch.Generator().manual_seed(1000 * step + rank)
     x, y = torch.randn(16, 32, generator=data), torch.randn(16, 1, generator=data)
     loss = ((ddp(x) - y) ** 2).mean()
@@ -50,5 +58,5 @@ for step in range(start, steps):
     if step == kill_at and attempt == 0 and rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
 weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-(out / f"weights.{rank}").write_text(hashlib.sha256(weights).hexdigest())
+publish(f"weights.{rank}", hashlib.sha256(weights).hexdigest())
 dist.destroy_process_group()

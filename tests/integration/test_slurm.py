@@ -215,9 +215,11 @@ def test_a_node_killed_ends_the_step_under_kill_on_bad_exit(
     victim = next(int(str(r["agent"])) for r in records if r["SLURM_NODEID"] == "1")
     os.kill(victim, signal.SIGKILL)  # node 1's relaunch dies; the guardian kills its workers
     _, stderr = srun.communicate(timeout=60)
-    # Slurm ends the step: the other relaunch (and its workers) get SIGTERM, and it stops
+    # Slurm ends the step: the other relaunch (and its workers) get SIGTERM, and it stops. Its
+    # 143 is relaunch's own exit after that stop; its last line may not reach srun's output
+    # (srun stops forwarding once it force-terminates the step, as it did under CI's load).
     assert srun.returncode != 0, stderr
     assert "task 1: Killed" in stderr, stderr
-    assert "stopped by SIGTERM; the workers are gone" in stderr, stderr
+    assert "SIGTERM: asking the workers to stop" in stderr, stderr
     assert "task 0: Exited with exit code 143" in stderr, stderr
     wait_until(lambda: not pid_alive(victim), timeout=10, what="the killed relaunch reaped")
