@@ -829,17 +829,19 @@ class TcpStoreServer:
         client.replica = True
         self._replicas.add(client)
         for key, value, version in self._state.items():
-            record = [wire.RECORD_KEY, key.encode(), value, _int(version)]
+            record = [wire.RECORD_KEY, key.encode(), value, wire.from_int(version)]
             self._send(client, _frame(wire.OK, record))
-        self._send(client, _frame(wire.OK, [wire.RECORD_SYNCED, _int(self._state.revision)]))
+        self._send(
+            client, _frame(wire.OK, [wire.RECORD_SYNCED, wire.from_int(self._state.revision)])
+        )
 
     def _ship(self, key: str) -> None:
         """Send the change just made to ``key`` to every standby; one too far behind is dropped."""
         value, version = self._state.get(key)
         record = (
-            [wire.RECORD_DELETED, key.encode(), _int(self._state.revision)]
+            [wire.RECORD_DELETED, key.encode(), wire.from_int(self._state.revision)]
             if value is None
-            else [wire.RECORD_KEY, key.encode(), value, _int(version)]
+            else [wire.RECORD_KEY, key.encode(), value, wire.from_int(version)]
         )
         frame = _frame(wire.OK, record)
         for replica in list(self._replicas):
@@ -1002,10 +1004,6 @@ class TcpStoreServer:
             self._release(client, client.reserved)
         if not self._accepting:
             self._resume_accepting()  # a descriptor is free: take the next waiting client
-
-
-def _int(number: int) -> bytes:
-    return wire.from_int(number)
 
 
 def _frame(status: int, fields: list[bytes]) -> bytes:
