@@ -7,13 +7,13 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from conftest import LeakCheck, relaunch_cli, wait_until
+from test_rendezvous import serving
 from test_resilience import endpoint_of
 
 from relaunch.core.goodput import CAUSES
@@ -21,14 +21,6 @@ from relaunch.core.goodput import CAUSES
 HERE = pathlib.Path(__file__).parent
 WORKER = str(HERE / "state_worker.py")
 DDP = str(HERE / "state_ddp.py")
-
-
-def port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def read(out: pathlib.Path, name: str) -> str:
@@ -286,7 +278,7 @@ def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_los
     host = agent()  # first: it hosts the built-in store, which must outlive this test's kill
     if backend == "c10d":
         port = int(endpoint.rpartition(":")[2])
-        wait_until(lambda: port_open(port), 30, "the store to listen")
+        wait_until(lambda: serving(port), 30, "the store to listen")
     victim = agent()
     wait_until(lambda: (out / "step.0").exists() and int(read(out, "step.0") or 0) >= 10, 60)
     rank = next(r for r in range(2) if int(read(out, f"agent.{r}")) == victim.pid)
