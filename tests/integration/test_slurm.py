@@ -216,10 +216,14 @@ def test_a_node_killed_ends_the_step_under_kill_on_bad_exit(
     os.kill(victim, signal.SIGKILL)  # node 1's relaunch dies; the guardian kills its workers
     _, stderr = srun.communicate(timeout=60)
     # Slurm ends the step: the other relaunch (and its workers) get SIGTERM, and it stops. Its
-    # 143 is relaunch's own exit after that stop; its last line may not reach srun's output
-    # (srun stops forwarding once it force-terminates the step, as it did under CI's load).
+    # 143 is relaunch's own exit after that stop. Which of its lines srun forwards is a race:
+    # Slurm signals the workers too, so they may be gone before relaunch would ask them to stop,
+    # and srun stops forwarding once it force-terminates the step (both seen under CI's load).
     assert srun.returncode != 0, stderr
     assert "task 1: Killed" in stderr, stderr
-    assert "SIGTERM: asking the workers to stop" in stderr, stderr
+    assert (
+        "SIGTERM: asking the workers to stop" in stderr
+        or "relaunch: stopped by SIGTERM" in stderr
+    ), stderr
     assert "task 0: Exited with exit code 143" in stderr, stderr
     wait_until(lambda: not pid_alive(victim), timeout=10, what="the killed relaunch reaped")
