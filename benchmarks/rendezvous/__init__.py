@@ -3,7 +3,7 @@
 Run by hand (not part of the test suite): ``python -m benchmarks rendezvous [--quick]``
 (``--backends etcd``: the etcd parts alone; ``--only sim``, ``--only reform``: one part).
 
-Four measurements, each on two rendezvous backends: the built-in store (``c10d``) and etcd
+Five measurements, the first four on two rendezvous backends: the built-in store (``c10d``) and etcd
 (``etcd``, a single-member etcd v3 that the benchmark starts from ``/usr/bin/etcd`` with
 tests/etcd_cluster.py and stops at the end). The first two run the ``relaunch`` command on both
 backends and, where ``torch`` can be imported, torchrun (``python -m torch.distributed.run``) on
@@ -14,12 +14,15 @@ threads of 8 processes, on real sockets to one store server (a TcpStoreServer in
 its own, or the etcd member), all at once and then one by one, and counts the store operations
 of each node (and, on etcd, the HTTP requests) and the server's and clients' CPU. The fourth
 runs 1,024 such nodes with heartbeats, crashes one (or adds one) and times the re-forming
-(tests/support/simnodes.py). Only relaunch's numbers are checked against budgets; torchrun's
+(tests/support/simnodes.py). The fifth loses the built-in store's host in a job of 3 (c10d,
+relaunch naming three hosts so that the store moves; torchrun for comparison). Only
+relaunch's numbers are checked against budgets; torchrun's
 are for comparison. Standard library only (plus the etcd binary for the etcd side); the exit
 status is 0 when every relaunch budget was measured and holds. See benchmarks/README.md for
 what each measurement means.
 
-One module per measurement: ``join`` (1), ``death`` (2), ``sim`` (3) and ``reform`` (4); what they
+One module per measurement: ``join`` (1), ``death`` (2), ``sim`` (3), ``reform`` (4) and ``host``
+(5); what they
 share is in ``shared`` (the sides, the etcd member, the agents of a run) and ``simstore`` (the
 store server of the simulated nodes of 3 and 4). This module is the benchmark: its options and
 ``run``.
@@ -32,6 +35,7 @@ import argparse
 from benchmarks import harness
 from benchmarks.harness import RELAUNCH, TORCHRUN, BenchError, Check, log
 from benchmarks.rendezvous.death import DEATH_BOUND_S, bench_death
+from benchmarks.rendezvous.host import bench_host
 from benchmarks.rendezvous.join import JOIN_NODES, bench_join, join_run
 from benchmarks.rendezvous.reform import REFORM_NODES, bench_reform
 from benchmarks.rendezvous.shared import (
@@ -119,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=("join", "death", "sim", "reform"),
+        choices=("join", "death", "sim", "reform", "host"),
         help="run only these measurements (repeatable)",
     )
     parser.add_argument(
@@ -162,7 +166,7 @@ def run(ctx: harness.Context) -> list[Check]:
     """The measurements asked for, on the sides asked for; relaunch's checks (the etcd side's
     are printed apart, out of the exit status)."""
     opts = ctx.opts
-    only = set(opts.only or ("join", "death", "sim", "reform"))
+    only = set(opts.only or ("join", "death", "sim", "reform", "host"))
     checks: list[Check] = []
     relaunch, torchrun = ctx.launchers(Launcher)
     if "c10d" not in opts.backends:
@@ -178,13 +182,15 @@ def run(ctx: harness.Context) -> list[Check]:
                 else f"not run: {etcd.unavailable}"
             )
             print(f"  etcd: {etcd_version()}, {where}")
-        if only & {"join", "death"}:
+        if only & {"join", "death", "host"}:
             log("warm-up: one single-node run of each launcher")
             warm_up(bench)
         if "join" in only:
             checks += bench_join(bench, opts.reps, opts.torchrun_reps, opts.join_nodes)
         if "death" in only:
             checks += bench_death(bench, opts.reps, opts.death_torchrun_reps)
+        if "host" in only:
+            checks += bench_host(bench, opts.reps, opts.death_torchrun_reps)
         if "sim" in only:
             checks += bench_sim(
                 bench,

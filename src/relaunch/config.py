@@ -48,7 +48,7 @@ from relaunch.core.state_settings import (
     StateSettings,
 )
 from relaunch.core.streams import Std, per_rank
-from relaunch.endpoints import parse_endpoint
+from relaunch.endpoints import parse_endpoint, parse_endpoint_list
 
 #: ``--signals-to-handle`` when not given (torchrun's).
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -366,18 +366,17 @@ def check_rendezvous(config: LaunchConfig) -> RendezvousSettings:
         _endpoint(endpoint)
         return settings
     if backend not in ETCD_BACKENDS:
-        if "," in endpoint:
-            raise ConfigError(
-                f"--rdzv-backend {backend} takes one --rdzv-endpoint HOST:PORT; a "
-                "list of members is for --rdzv-backend etcd"
-            )
-        _endpoint(endpoint or "127.0.0.1")
+        # c10d: several hosts are where its store may move (docs/store-failover.md).
+        _endpoint(endpoint or "127.0.0.1", several=True)
     return config.rendezvous_settings
 
 
-def _endpoint(endpoint: str) -> None:
+def _endpoint(endpoint: str, several: bool = False) -> None:
     try:
-        parse_endpoint(endpoint, default_port=0)
+        if several:
+            parse_endpoint_list(endpoint, default_port=0)
+        else:
+            parse_endpoint(endpoint, default_port=0)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

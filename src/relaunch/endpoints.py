@@ -36,6 +36,18 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def parse_endpoint_list(endpoints: str, default_port: int) -> list[tuple[str, int]]:
+    """``host:port,host:port,...`` into its endpoints, each as ``parse_endpoint`` reads it;
+    ValueError when one is malformed or one is named twice."""
+    parsed: list[tuple[str, int]] = []
+    for item in endpoints.split(","):
+        endpoint = parse_endpoint(item, default_port)
+        if endpoint in parsed:
+            raise ValueError(f"the endpoint {item.strip()!r} is named twice in {endpoints!r}")
+        parsed.append(endpoint)
+    return parsed
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on right now."""
     import socket

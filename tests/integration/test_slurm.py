@@ -222,8 +222,7 @@ def test_a_node_killed_ends_the_step_under_kill_on_bad_exit(
     assert srun.returncode != 0, stderr
     assert "task 1: Killed" in stderr, stderr
     assert (
-        "SIGTERM: asking the workers to stop" in stderr
-        or "relaunch: stopped by SIGTERM" in stderr
+        "SIGTERM: asking the workers to stop" in stderr or "relaunch: stopped by SIGTERM" in stderr
     ), stderr
     assert "task 0: Exited with exit code 143" in stderr, stderr
     wait_until(lambda: not pid_alive(victim), timeout=10, what="the killed relaunch reaped")

@@ -4,6 +4,8 @@ fenced store serves nobody. Real servers on loopback, real clients."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from conftest import wait_until
 
@@ -60,7 +62,7 @@ def test_a_standby_follows_every_change_with_the_primarys_versions(pair) -> None
         voter.close()
 
 
-def test_a_standby_takes_over_only_when_a_quorum_of_distinct_voters_asks(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_standby_takes_over_only_when_a_quorum_of_distinct_voters_asks_at_once(pair) -> None:  # type: ignore[no-untyped-def]
     _, standby, _ = pair
     wait_until(lambda: standby.synced, what="the standby's snapshot")
     one = TcpStore("127.0.0.2", standby.port, TOKEN)
@@ -68,8 +70,17 @@ def test_a_standby_takes_over_only_when_a_quorum_of_distinct_voters_asks(pair) -
     try:
         assert not one.promote("node-a", 2, timeout=0.2), "one voter of two"
         assert not one.promote("node-a", 2, timeout=0.2), "the same voter again"
+        # A vote counts while its request waits: node-a's timed out, node-b alone is no quorum.
+        assert not two.promote("node-b", 2, timeout=0.2), "votes that do not overlap"
         assert standby.standby
-        assert two.promote("node-b", 2, timeout=5)
+        answers: list[bool] = []
+        asking = threading.Thread(target=lambda: answers.append(one.promote("node-a", 2, 10)))
+        asking.start()
+        try:
+            assert two.promote("node-b", 2, timeout=10)
+        finally:
+            asking.join()
+        assert answers == [True]
         assert not standby.standby
         assert one.get("before").value == b"1"
         assert one.promote("node-a", 2, timeout=0.2), "a primary says so at once"
@@ -134,3 +145,28 @@ def test_a_fenced_store_answers_every_request_and_every_waiting_one_fenced() -> 
         waiting.close()
         other.close()
         server.stop()
+
+
+def test_a_standby_told_to_follow_another_primary_starts_afresh_from_it() -> None:
+    old = TcpStoreServer("127.0.0.1", 0, TOKEN).start()
+    new = TcpStoreServer("127.0.0.3", 0, TOKEN).start()
+    standby = TcpStoreServer("127.0.0.2", 0, TOKEN).start()
+    try:
+        with TcpStore("127.0.0.1", old.port, TOKEN) as client:
+            client.set("old", b"1")
+        with TcpStore("127.0.0.3", new.port, TOKEN) as client:
+            client.set("new", b"2")
+        standby.follow("127.0.0.1", old.port)
+        wait_until(lambda: standby.synced, what="the first primary's snapshot")
+        standby.follow("127.0.0.3", new.port)  # the job's store moved there
+        assert standby.primary == f"127.0.0.3:{new.port}"
+        wait_until(lambda: standby.snapshots == 2, what="the new primary's snapshot")
+        with TcpStore("127.0.0.3", new.port, TOKEN) as client:
+            client.set("later", b"3")
+        with TcpStore("127.0.0.2", standby.port, TOKEN) as voter:
+            wait_until(lambda: voter.promote("node-a", 1, timeout=1), what="the promotion")
+            assert voter.get("new").value == b"2" and voter.get("later").value == b"3"
+            assert voter.get("old").value is None, "what the old primary held is gone"
+    finally:
+        for server in (old, new, standby):
+            server.stop()

@@ -115,7 +115,7 @@ def test_launch_config_is_frozen_and_replace_makes_a_changed_copy() -> None:
         ({"rdzv_configs": {"rank": 1}}, "--node-rank 1 must be below --nnodes 1"),
         ({"rdzv_configs": {"rank": "x"}}, "rank='x': expected a whole number"),
         ({"rdzv_endpoint": "h:x"}, "has port 'x'"),
-        ({"rdzv_backend": "c10d", "rdzv_endpoint": "a:1,b:2"}, "a list of members is for"),
+        ({"rdzv_backend": "c10d", "rdzv_endpoint": "a:1,b:x"}, "endpoint 'b:x' has port 'x'"),
         (
             {"rdzv_backend": "c10d", "rdzv_configs": {"keep_alive_interval": "0"}},
             "keep_alive_interval='0': expected a number of seconds > 0",

@@ -27,7 +27,7 @@ from relaunch.core.rdzv_conf import (
     RendezvousSettings,
     RendezvousSpec,
 )
-from relaunch.endpoints import is_loopback, parse_endpoint
+from relaunch.endpoints import is_loopback, parse_endpoint, parse_endpoint_list
 from relaunch.rendezvous.api import (
     TOKEN_ENV,
     RendezvousConnectionError,
@@ -41,6 +41,7 @@ from relaunch.store.api import StoreError
 if TYPE_CHECKING:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
     from relaunch.rendezvous.last_word import LastWord
+    from relaunch.store.server import TcpStoreServer
 
 DEFAULT_PORT = 29400
 
@@ -122,16 +123,20 @@ def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:
 
 
 def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
-    """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint."""
+    """Build the handler for ``c10d``/``tcp``: host the store if this node can bind the endpoint.
+    With several endpoints the store may move among them (``failover``): the node joins the one
+    that serves the job now, hosts it if none does and it can, and else serves a standby at the
+    first other one it can bind."""
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 
-    host, port = parse_endpoint(params.endpoint or "127.0.0.1", DEFAULT_PORT)
+    endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", DEFAULT_PORT)
+    host, port = endpoints[0]
     conf = params.settings
     token = conf.token or os.environ.get(TOKEN_ENV) or None
     timeout = conf.timeout
     settings = conf.round_settings(params.min_nodes, params.max_nodes)
     is_host = conf.is_host
-    if port == 0 and params.max_nodes == 1 and is_host is not False:
+    if port == 0 and params.max_nodes == 1 and is_host is not False and len(endpoints) == 1:
         # --standalone: one node on a port nobody knows, so nobody else can join. The same
         # rendezvous runs on the store in this process, with no server and no sockets.
         from relaunch.store.memory import MemoryStore
@@ -154,11 +159,22 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     from relaunch.store.client import TcpStore
     from relaunch.store.server import TcpStoreServer
 
-    server: TcpStoreServer | None = None
-    if is_host is not False:
+    failing_over = len(endpoints) > 1
+    serving = None
+    if failing_over:
+        from relaunch.rendezvous.failover import find_primary
+
         try:
-            # Each node connects three times (store, heartbeat, watch): room for all of them.
-            server = TcpStoreServer(host, port, token, expected_clients=3 * params.max_nodes)
+            serving = find_primary(endpoints, token)
+        except StoreError as exc:
+            raise RendezvousConnectionError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+        host, port = serving or endpoints[0]
+    # Each node connects three times (store, heartbeat, watch): room for all of them.
+    clients = 3 * params.max_nodes
+    server: TcpStoreServer | None = None
+    if is_host is not False and serving is None:
+        try:
+            server = TcpStoreServer(host, port, token, expected_clients=clients)
             server.start()
             port = server.port
         except OSError as exc:
@@ -166,8 +182,11 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
                 raise RendezvousConnectionError(
                     f"cannot host the store on {host}:{port}: {exc}"
                 ) from None
+    standby = None
+    if failing_over and server is None and is_host is not False:
+        standby = _serve_standby(endpoints, (host, port), token, clients)
     local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
-    on_shutdown = (server.stop,) if server is not None else ()
+    on_shutdown = tuple(hosted.stop for hosted in (server, standby) if hosted is not None)
 
     def probe(within: float) -> None:
         """Reach the store hosted elsewhere within ``within`` seconds, or ``StoreError``."""
@@ -193,7 +212,12 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
             on_wait=waiting,
         )
         heartbeat_store = TcpStore(
-            host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
+            host,
+            port,
+            token,
+            # A beat the store has not taken within the detection time: its host is silent.
+            timeout=min(timeout, settings.dead_after) if failing_over else timeout,
+            connect_timeout=settings.join_timeout,
         )
         watch_store = TcpStore(
             host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
@@ -202,6 +226,22 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         for stop in on_shutdown:
             stop()
         raise RendezvousConnectionError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+    # The store's host takes the store with it: nobody would hear its last word.
+    last_word = (
+        None
+        if server is not None
+        else _last_word({"store": "c10d", "host": host, "port": port, "token": token})
+    )
+    failover = None
+    if failing_over:
+        from relaunch.rendezvous.failover import StoreFailover
+
+        failover = StoreFailover(endpoints, token, (host, port), server or standby)
+        for client in (heartbeat_store, store, watch_store):
+            failover.add_client(client)
+        if last_word is not None:
+            failover.on_move(last_word.move_to)
+        on_shutdown = (failover.close, *on_shutdown)
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
         store,
@@ -215,11 +255,29 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         exclusion_policy=_policy(conf),
         store_host_probe=probe if server is None else None,
         node_rank=conf.rank,
-        # The store's host takes the store with it: nobody would hear its last word.
-        last_word=None
-        if server is not None
-        else _last_word({"store": "c10d", "host": host, "port": port, "token": token}),
+        last_word=last_word,
+        failover=failover,
     )
+
+
+def _serve_standby(
+    endpoints: list[tuple[str, int]], primary: tuple[str, int], token: str | None, clients: int
+) -> TcpStoreServer | None:
+    """A standby of ``primary`` at the first other endpoint this node can bind (its own host's
+    address), or None when it can bind none."""
+    from relaunch.store.server import TcpStoreServer
+
+    for host, port in endpoints:
+        if (host, port) == primary:
+            continue
+        try:
+            standby = TcpStoreServer(host, port, token, expected_clients=clients)
+        except OSError:
+            continue  # not this machine's address, or another node serves there
+        standby.start()
+        standby.follow(*primary)
+        return standby
+    return None
 
 
 def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:

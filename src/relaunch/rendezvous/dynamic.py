@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from relaunch.core import exclusion, node_order
 from relaunch.core import rendezvous as plan
-from relaunch.core.membership import MembershipChange, encode_change, expected_size
+from relaunch.core.membership import ChangeKind, MembershipChange, encode_change, expected_size
 from relaunch.core.ranks import role_place
 from relaunch.rendezvous.api import (
     RendezvousConnectionError,
@@ -38,6 +38,7 @@ from relaunch.store.api import Store, StoreError
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from relaunch.rendezvous.failover import StoreFailover
     from relaunch.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class HandlerOptions(TypedDict, total=False):
     store_host_probe: Callable[[float], None] | None
     node_rank: int | None
     last_word: LastWord | None
+    failover: StoreFailover | None
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -62,7 +64,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
     ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
     which its group rank follows (``core.node_order``). ``last_word``: what this node's guardian
-    says should its agent die while a member (``last_word``). Deadlines come from ``clock``.
+    says should its agent die while a member (``last_word``). ``failover``: where the job's
+    built-in store may move when its host is lost (``failover``). Deadlines come from ``clock``.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         store_host_probe: Callable[[float], None] | None = None,
         node_rank: int | None = None,
         last_word: LastWord | None = None,
+        failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._run_id = run_id
@@ -107,8 +111,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
             exclusion_policy,
             store_host_probe,
             last_word,
+            failover,
             clock,
         )
+        self._failover = failover
+        if failover is not None:
+            failover.guard(
+                self._round_now,
+                lambda round_, rank: self._rounds.key(f"hb/{rank}", round_),
+                settings,
+            )
+
+    def _round_now(self) -> tuple[int, int, int] | None:
+        """The running round, its member count and this node's group rank (None: none runs)."""
+        standing = self._standing
+        round_, final = standing.round, standing.final
+        if round_ is None or final is None or standing.changed():
+            return None
+        return round_, final.count, standing.group_rank
 
     @classmethod
     def on_counters(
@@ -187,6 +207,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         except ValueError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
         standing.enter(round_, group_rank, final)
+        if self._failover is not None and self._failover.hosting:
+            # Whom the others lose should this node's store go: they re-form without it.
+            self._stores.store.set(self._rounds.key("store_host", round_), b"%d" % group_rank)
         if self._last_word is not None:
             lost = MembershipChange.member_lost(group_rank, "its agent died", None)
             self._last_word.leave(
@@ -276,6 +299,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 log.debug("error while shutting down the rendezvous", exc_info=True)
         return True
 
+    def _flag(self, round_: int, change: MembershipChange, recorded: bool) -> None:
+        """A change the round's watch noticed. When the store was lost and may move, the calls
+        still waiting on it (a status post, say) end now rather than at their deadline: the
+        agent's teardown must not wait for a silent host."""
+        self._standing.flag(round_, change, recorded)
+        if change.kind is ChangeKind.STORE_LOST and self._failover is not None:
+            self._failover.cut_off()
+
     def _start_watching(self) -> None:
         """Watch the round just joined: heartbeats, the neighbour's, and the round's bell."""
         standing = self._standing
@@ -287,7 +318,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             standing.final.count,
             self.settings,
             self._stores,
-            lambda change, recorded: standing.flag(round_, change, recorded),
+            lambda change, recorded: self._flag(round_, change, recorded),
             lambda: self._answers.mark("here", round_),
             self._clock,
         )

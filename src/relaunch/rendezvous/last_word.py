@@ -50,6 +50,10 @@ class LastWord:
         """Hand the last words to ``send`` from now on."""
         self._send = send
 
+    def move_to(self, host: str, port: int) -> None:
+        """The job's built-in store moved to ``host:port`` (``failover``): say it there."""
+        self._where.update(host=host, port=port)
+
     def leave(self, changed: str, bell: str, record: bytes) -> None:
         """Should this agent die, write ``record`` at ``changed`` and ring ``bell``."""
         if self._send is None:

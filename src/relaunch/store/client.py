@@ -71,7 +71,7 @@ class TcpStore:
         on_wait: Callable[[str, float, str], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self.host, self.port = host, port
+        self._address = (host, port)
         self.timeout = timeout
         self._clock = clock
         self._token = token or None
@@ -80,12 +80,50 @@ class TcpStore:
         self._sock: socket.socket | None = None
         self._reader = wire.FrameReader()
         self._pending: list[bytes] = []
+        self._suspended = False
         with self._lock:
             self._connect(on_wait)
 
     @property
+    def host(self) -> str:
+        return self._address[0]
+
+    @property
+    def port(self) -> int:
+        return self._address[1]
+
+    @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def move_to(self, host: str, port: int) -> None:
+        """Serve every call from now on from the store at ``host:port`` (the job's store moved
+        there: ``rendezvous.failover``). A call waiting on the old store, in another thread,
+        ends with ``StoreConnectionError``; the next call connects to the new one."""
+        self._address = (host, port)
+        self._suspended = False
+        self.interrupt()
+
+    def suspend(self) -> None:
+        """The store was lost and may move: end the call in flight, and fail every call with
+        ``StoreConnectionError`` at once (none reconnects to a silent host) until ``resume``
+        or ``move_to``."""
+        self._suspended = True
+        self.interrupt()
+
+    def resume(self) -> None:
+        self._suspended = False
+
+    def interrupt(self) -> None:
+        """End the call another thread waits in (``StoreConnectionError``); an idle connection
+        is closed. Either way the next call connects afresh."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop()
+            finally:
+                self._lock.release()
+        else:
+            self.abort()
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -94,9 +132,7 @@ class TcpStore:
         backoff = Backoff(deadline.at, self._clock)
         while True:
             try:
-                sock = socket.create_connection(
-                    (self.host, self.port), timeout=max(0.01, deadline.left())
-                )
+                sock = socket.create_connection(self._address, timeout=max(0.01, deadline.left()))
                 break
             except OSError as exc:
                 # A name that does not resolve is waited for like a store that does not answer:
@@ -186,6 +222,8 @@ class TcpStore:
 
     def _call(self, op: int, fields: Sequence[bytes], wait: float = 0.0) -> list[bytes]:
         """One request and its reply; ``wait`` is how long the server may hold the reply."""
+        if self._suspended:
+            raise StoreConnectionError(f"the store at {self.endpoint} was lost; it may move")
         with self._lock:
             if self._sock is None:
                 self._connect()
@@ -285,7 +323,7 @@ class TcpStore:
                 self._drop()
 
     def abort(self) -> None:
-        """End the connection under a ``replicate`` that another thread runs."""
+        """End the connection under a call another thread runs (a ``replicate``, a watch)."""
         sock = self._sock
         if sock is not None:
             try:

@@ -33,6 +33,7 @@ does not flood the log.
 from __future__ import annotations
 
 import errno
+import functools
 import heapq
 import itertools
 import logging
@@ -271,7 +272,7 @@ class TcpStoreServer:
         self._stopped = threading.Event()
         self._follow_lock = threading.Lock()  # the follower's writes against the promotion
         self._follower: TcpStore | None = None
-        self._votes: set[bytes] = set()
+        self._votes: dict[bytes, _Waiter] = {}  # each voter's waiting PROMOTE request
         self._quorum = 0
         self._fenced = False
         self._fence_told = False
@@ -308,11 +309,27 @@ class TcpStoreServer:
         """Whether a standby holds a whole snapshot of its primary (only then may it take over)."""
         return self._synced
 
+    @property
+    def primary(self) -> str | None:
+        """A standby: the store it follows (``host:port``); None for a primary."""
+        return self._primary
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced
+
     def follow(self, host: str, port: int) -> None:
         """Serve as the standby of the store at ``host:port``: follow its every change (a
         thread, reconnecting with backoff until promoted or stopped) and redirect clients
-        there, until a quorum asks this store to take over (``PROMOTE``)."""
-        self._primary = f"{host}:{port}"
+        there, until a quorum asks this store to take over (``PROMOTE``). A standby told to
+        follow another primary drops its stream and starts afresh from the new one."""
+        target = f"{host}:{port}"
+        with self._follow_lock:
+            if self._primary == target:
+                return
+            self._primary, follower = target, self._follower
+        if follower is not None:
+            follower.abort()
         start_thread(lambda: self._follow(host, port), "relaunch-store-standby")
 
     def fence(self) -> None:
@@ -325,8 +342,8 @@ class TcpStoreServer:
     def _follow(self, host: str, port: int) -> None:
         from relaunch.store.client import TcpStore
 
-        pause = 0.05
-        while self._primary is not None and not self._stopping:
+        target, pause = f"{host}:{port}", 0.05
+        while self._primary == target and not self._stopping:
             try:
                 store = TcpStore(host, port, self._token, timeout=30.0, connect_timeout=1.0)
             except StoreError:
@@ -335,23 +352,24 @@ class TcpStoreServer:
                 continue
             pause = 0.05
             with self._follow_lock:
-                if self._primary is None or self._stopping:
+                if self._primary != target or self._stopping:
                     store.close()
                     return
                 self._follower, self._synced, self._fresh = store, False, True
             try:
-                store.replicate(self._apply)
+                store.replicate(functools.partial(self._apply, store))
             except StoreError as exc:
                 log.debug("standby: lost the primary at %s:%d: %s", host, port, exc)
             finally:
                 with self._follow_lock:
-                    self._follower = None
+                    if self._follower is store:
+                        self._follower = None
 
-    def _apply(self, fields: list[bytes]) -> None:
-        """One record of the primary's stream, taken in (the follower's thread)."""
+    def _apply(self, stream: TcpStore, fields: list[bytes]) -> None:
+        """One record of the primary's ``stream``, taken in (the follower's thread)."""
         with self._follow_lock:
-            if self._primary is None or self._stopping:
-                raise StoreError("promoted: no longer following")
+            if self._follower is not stream or self._stopping:
+                raise StoreError("promoted, or following another store: this stream ends")
             kind = fields[0] if fields else b""
             if self._fresh:  # a new stream begins with a whole snapshot: start afresh
                 self._state, self._fresh = KeyValueState(), False
@@ -363,6 +381,8 @@ class TcpStoreServer:
                 self._state.revision = max(self._state.revision, wire.to_int(fields[1]))
                 self._synced = True
                 self.snapshots += 1
+                if self._wake_w >= 0:  # votes that came before the snapshot count now
+                    os.write(self._wake_w, b"s")
             else:
                 raise StoreProtocolError("not a replication record")
 
@@ -373,6 +393,7 @@ class TcpStoreServer:
         if follower is not None:
             follower.abort()
         log.warning("store: this standby serves the job now (%d voters asked)", len(self._votes))
+        self._votes.clear()
         for waiter in list(self._waiters.get(_PROMOTED, {})):
             self._unpark(waiter)
             self._reply(waiter.client, wire.OK)
@@ -433,6 +454,7 @@ class TcpStoreServer:
                         os.read(self._wake_r, 512)
                         if self._fenced and not self._fence_told:
                             self._tell_fenced()
+                        self._weigh_votes()  # the standby's snapshot may have just completed
                 while self._ready:
                     client = self._ready.pop()
                     if client in self._clients and not client.paused:
@@ -857,10 +879,21 @@ class TcpStoreServer:
         if self._primary is None:
             self._reply(client, wire.OK)
             return
-        self._votes.add(voter)
+        waiter = _Waiter(client, (_PROMOTED,), time.monotonic() + timeout)
+        self._votes[voter] = waiter
         self._quorum = max(self._quorum, quorum)
-        self._park(_Waiter(client, (_PROMOTED,), time.monotonic() + timeout))
-        if self._synced and len(self._votes) >= self._quorum:
+        self._park(waiter)
+        self._weigh_votes()
+
+    def _weigh_votes(self) -> None:
+        """Take over once a quorum of voters ask at once and the snapshot is whole: a vote
+        counts while its request waits (one that timed out, or whose voter left, no longer)."""
+        if self._primary is None or not self._votes:
+            return
+        for voter, waiter in list(self._votes.items()):
+            if waiter.client.waiter is not waiter:
+                del self._votes[voter]
+        if self._synced and self._votes and len(self._votes) >= self._quorum:
             self._promote()
 
     def _tell_fenced(self) -> None:
