@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -218,6 +220,20 @@ def test_a_node_started_after_the_move_finds_the_store_through_the_named_hosts(
         wait_until(
             lambda: any(r["WORLD_SIZE"] == "2" for r in _records(records)), 30, "a world of 2"
         )
+        # `relaunch status` with the same list reads the job where the store is now.
+        shown = subprocess.run(
+            [
+                *(sys.executable, "-m", "relaunch", "status", "--json"),
+                *("--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.endpoint),
+                *("--rdzv-id", rdzv.run_id),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=leaks.process_env(),
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["run_id"] == rdzv.run_id
         job = script(tmp_path, UNTIL_BACK)
         env = {"RECORDS": str(records)}
         nodes.append(start(tmp_path, leaks, rdzv, "d", job, *FLAGS, env=env))

@@ -113,15 +113,20 @@ def open_reader(
         options = {**conf.etcd_store_arguments(), "timeout": timeout}
         etcd = EtcdStore(args.rdzv_endpoint, **options)
         return EtcdJobReader(etcd, args.rdzv_id), etcd.describe(), timeout
-    from relaunch.endpoints import parse_endpoint
+    from relaunch.endpoints import parse_endpoint_list
     from relaunch.rendezvous.backends import DEFAULT_PORT
     from relaunch.store.client import TcpStore
 
     try:
-        host, port = parse_endpoint(args.rdzv_endpoint, DEFAULT_PORT)
+        endpoints = parse_endpoint_list(args.rdzv_endpoint, DEFAULT_PORT)
     except ValueError as exc:
         raise ConfigError(f"--rdzv-endpoint: {exc}") from None
     token = conf.token or environ.get(TOKEN_ENV) or None
+    host, port = endpoints[0]
+    if len(endpoints) > 1:  # the store may have moved among them: ask which one serves
+        from relaunch.rendezvous.failover import find_primary
+
+        host, port = find_primary(endpoints, token, min(timeout, 1.0)) or endpoints[0]
     store = TcpStore(host, port, token, timeout=timeout, connect_timeout=min(timeout, 5.0))
     return JobReader(store, args.rdzv_id), store.endpoint, timeout
 

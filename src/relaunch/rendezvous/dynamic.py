@@ -206,8 +206,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             group_rank, offset = node_order.assign(final.placing, ticket, through, workers)
         except ValueError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
+        previous = None if standing.final is None else standing.final.count
         standing.enter(round_, group_rank, final)
         if self._failover is not None and self._failover.hosting:
+            self._failover.admit(final.count, previous)
             # Whom the others lose should this node's store go: they re-form without it.
             self._stores.store.set(self._rounds.key("store_host", round_), b"%d" % group_rank)
         if self._last_word is not None:

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING
 
 from relaunch.core.durations import seconds
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
-from relaunch.store.api import StoreAuthError, StoreConnectionError, StoreError, StoreRefused
+from relaunch.store.api import (
+    StoreAuthError,
+    StoreConnectionError,
+    StoreError,
+    StoreFenced,
+    StoreRefused,
+)
 from relaunch.store.client import TcpStore
 from relaunch.store.deadline import Deadline
 
@@ -47,6 +53,19 @@ _PROBE_KEY = "relaunch/\0primary?"
 def majority(members: int) -> int:
     """How many of ``members`` nodes are a majority."""
     return members // 2 + 1
+
+
+def quorum_needed(members: int, previous: Sequence[int]) -> int:
+    """How many of a running round's ``members`` (the primary's node included) must beat into
+    the primary for it to go on serving, ``previous`` holding the size of the round before it
+    if known; 0 when nothing elsewhere can take over. A round of 3 or more needs its own
+    majority. A round after one of 3 or more also needs that round's majority: the other side
+    of a partition may promote a standby with a majority of the last round, so a smaller round
+    formed here (an ``--nnodes`` minimum low enough) must not run the job beside it."""
+    needed = majority(members) if members >= 3 else 0
+    if previous and previous[-1] >= 3:
+        needed = max(needed, majority(previous[-1]))
+    return needed
 
 
 def _reach(endpoint: Endpoint, within: float) -> None:
@@ -142,6 +161,20 @@ class StoreFailover:
         self._guard = MajorityWatch(self._clients[0], round_now, beat_key, settings, self._clock)
         if self.hosting and self._server is not None:
             self._guard.start(self._server)
+
+    def admit(self, members: int, previous: int | None) -> None:
+        """A round of ``members`` just formed on this node's store after one of ``previous``:
+        fence the store at once (``StoreFenced``) when that round can never hold the majority
+        it needs (``quorum_needed``); only the primary judges."""
+        server = self._server
+        if not self.hosting or server is None:
+            return
+        if members < quorum_needed(members, [] if previous is None else [previous]):
+            server.fence()
+            raise StoreFenced(
+                f"a round of {members} formed on this node's store after one of {previous}: "
+                "the others may run the job on a standby, so this store lost the job's majority"
+            )
 
     def close(self) -> None:
         """Stop guarding this node's store (shutting down)."""
@@ -244,6 +277,7 @@ class MajorityWatch:
         window = self._settings.dead_after / 2
         heard: dict[tuple[int, int], tuple[int, float]] = {}  # (round, rank): (version, when)
         checked = self._clock.monotonic()
+        sizes: dict[int, int] = {}  # the members of each round seen (the last two kept)
         while not self._stop.wait(interval):
             now = self._clock.monotonic()
             stalled, checked = now - checked > 1.5 * interval, now
@@ -251,7 +285,9 @@ class MajorityWatch:
             if running is None or server.fenced:
                 continue
             round_, members, me = running
-            if members < 3:
+            sizes[round_] = members
+            needed = quorum_needed(members, [sizes[r] for r in sizes if r < round_][-1:])
+            if not needed:
                 continue  # no majority without every node: nothing can take over from us
             keys = [self._beat_key(round_, rank) for rank in range(members)]
             try:
@@ -266,7 +302,7 @@ class MajorityWatch:
                     last = heard[(round_, rank)] = (version, now)
                 if rank != me and now - last[1] <= window:
                     beating += 1
-            if beating < majority(members):
+            if beating < needed:
                 server.fence()
                 log.warning(
                     "store: only %d of the %d nodes of round %d beat into this store within %s: "
@@ -279,3 +315,5 @@ class MajorityWatch:
                 return
             for stale in [key for key in heard if key[0] < round_]:
                 del heard[stale]
+            for old in sorted(sizes)[:-2]:
+                del sizes[old]
