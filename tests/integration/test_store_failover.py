@@ -201,12 +201,14 @@ UNTIL_BACK = """
 """
 
 
+@pytest.mark.parametrize("given", ["the list", "one standby"])
 def test_a_node_started_after_the_move_finds_the_store_through_the_named_hosts(
-    tmp_path: Path, leaks: LeakCheck
+    tmp_path: Path, leaks: LeakCheck, given: str
 ) -> None:
     """After the host's loss, a node started with the same ``--rdzv-endpoint`` asks the named
-    hosts which one serves the job, joins there (and serves a standby at the free address):
-    the job grows back to 3 and finishes."""
+    hosts which one serves the job and joins there (serving a standby at the free address);
+    one given a single named host's address, a standby's, follows its redirect. The job grows
+    back to 3 and finishes."""
     records = tmp_path / "records"
     records.mkdir()
     nodes: list[Node] = []
@@ -236,6 +238,8 @@ def test_a_node_started_after_the_move_finds_the_store_through_the_named_hosts(
         assert json.loads(shown.stdout)["run_id"] == rdzv.run_id
         job = script(tmp_path, UNTIL_BACK)
         env = {"RECORDS": str(records)}
+        if given == "one standby":  # the third host's: it follows the store at the second
+            rdzv = Rendezvous("c10d", f"127.0.0.3:{port}", lambda: True, rdzv.run_id)
         nodes.append(start(tmp_path, leaks, rdzv, "d", job, *FLAGS, env=env))
         for node in nodes[1:]:
             assert node.wait() == 0, node.stderr()

@@ -222,6 +222,14 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         watch_store = TcpStore(
             host, port, token, timeout=timeout, connect_timeout=settings.join_timeout
         )
+        if server is None and not failing_over:
+            from relaunch.rendezvous.failover import redirected
+
+            moved = redirected(store)  # a standby's address: join where its store moved
+            if moved is not None:
+                host, port = moved
+                for client in (store, heartbeat_store, watch_store):
+                    client.move_to(host, port)
     except StoreError as exc:
         for stop in on_shutdown:
             stop()

@@ -27,12 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from relaunch.core.durations import seconds
+from relaunch.endpoints import parse_endpoint
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 from relaunch.store.api import (
     StoreAuthError,
     StoreConnectionError,
     StoreError,
     StoreFenced,
+    StoreRedirect,
     StoreRefused,
 )
 from relaunch.store.client import TcpStore
@@ -103,6 +105,27 @@ def find_primary(
         except StoreError:
             continue
         return endpoint
+    return None
+
+
+def redirected(store: TcpStore) -> Endpoint | None:
+    """Where ``store`` sends its clients when it is a standby (a node given one named host's
+    address joins the job where its store is now), or None when it serves (or says nothing
+    usable: the join that follows reports the store's errors)."""
+    try:
+        store.get(_PROBE_KEY)
+    except StoreRedirect as exc:
+        try:
+            host, port = parse_endpoint(exc.primary, default_port=0)
+            if not port:
+                raise ValueError("no port")
+            return host, port
+        except ValueError:
+            log.warning(
+                "the standby at %s redirects to %r: not an endpoint", store.endpoint, exc.primary
+            )
+    except StoreError:
+        pass
     return None
 
 
