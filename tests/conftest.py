@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -53,6 +54,27 @@ def _helpers_of_this_process() -> set[int]:
     server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     pids.update(pid for pid in (tracker_pid, server_pid) if pid)
     return pids
+
+
+#: The signals an agent run in this process handles (and torch's ``start_processes``): each test
+#: leaves their handlers as it found them, so no later test runs with another's.
+_HANDLED_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept() -> Iterator[None]:
+    found = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+    yield
+    for sig, handler in found.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture

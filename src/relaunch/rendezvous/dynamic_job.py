@@ -25,27 +25,23 @@ from relaunch.core.sections import Learned, decode_learned, encode_learned, merg
 from relaunch.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
-    StoreHostGone,
     store_int,
     store_record,
 )
-from relaunch.rendezvous.failover import format_endpoint
 from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
 from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.rendezvous.standing import Standing
+from relaunch.rendezvous.store_loss import StoreLoss
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.store.api import StoreConnectionError, StoreError, StoreFenced, StoreRefused
+from relaunch.store.api import StoreConnectionError, StoreError, StoreFenced
 
 if TYPE_CHECKING:
     from relaunch.rendezvous.failover import StoreFailover
 
 log = logging.getLogger(__name__)
-
-#: How long a lost store's primary gets to answer before a failover asks a standby.
-CHECK_PRIMARY_S = 0.5
 
 
 class DynamicJob:
@@ -77,7 +73,6 @@ class DynamicJob:
     ) -> None:
         self._run_id = run_id
         self._last_word = last_word
-        self._failover = failover
         self._stores, self._store = stores, stores.store
         self.settings = settings
         self._rounds, self._key, self._roster = rounds, rounds.key, rounds.roster
@@ -88,8 +83,9 @@ class DynamicJob:
         self._close = close
         self.identity = identity
         self._exclusion = exclusion_policy
-        self._store_host_probe = store_host_probe
-        self._store_unanswered_said = False
+        self._loss = StoreLoss(
+            run_id, standing, settings, rounds, stores.store, store_host_probe, failover, clock
+        )
         self._clock = clock
         self._restarts_seen = 0
 
@@ -195,122 +191,8 @@ class DynamicJob:
             raise RendezvousConnectionError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def check_store(self) -> None:
-        """After the store was lost: whether it still lives, judged as a member is, by the
-        keep-alive detection time (``dead_after``) since the loss. ``StoreHostGone`` when its
-        host refuses the connection all that time: on c10d the store lives in the agent that
-        hosted it, and dies with it. A store that answers nothing at all (this node cut off, or
-        the host down) is waited for as a rejoin waits, up to ``join_timeout``: said once."""
-        standing, probe = self._standing, self._store_host_probe
-        lost_at = standing.store_lost_at
-        if lost_at is None:
-            return
-        if self._failover is not None:
-            self._follow_the_store(self._failover)
-            return
-        if probe is None:
-            return
-        settings = self.settings
-        left = lost_at + settings.dead_after - self._clock.monotonic()
-        try:
-            probe(max(left, settings.keep_alive_interval))
-        except StoreError as exc:
-            self._store_unanswered(exc, "run it with --rdzv-backend etcd")
-            return
-        standing.store_lost_at, self._store_unanswered_said = None, False  # it answers: a blip
-
-    def _store_unanswered(self, exc: StoreError, to_survive: str) -> None:
-        """The store was lost and does not answer: ``StoreHostGone`` when its host refuses
-        the connection (saying how ``to_survive`` it), said once and waited for otherwise."""
-        if isinstance(exc, StoreRefused):
-            self._standing.store_lost = self._standing.finished = True  # nothing to write
-            raise StoreHostGone(
-                f"the rendezvous store's host is gone ({exc}): the node that hosted the store "
-                "for job "
-                f"{self._run_id!r} stopped or died, and a c10d store does not outlive its host; "
-                f"restart the job, or {to_survive} to survive the loss of any node"
-            ) from None
-        if not self._store_unanswered_said:
-            self._store_unanswered_said = True
-            log.warning(
-                "the rendezvous store does not answer (%s): this node may be cut off from "
-                "its host, or the host may be down; trying to rejoin for up to %s "
-                "(join_timeout)",
-                exc,
-                seconds(self.settings.join_timeout),
-            )
-
-    def _follow_the_store(self, failover: StoreFailover) -> None:
-        try:
-            self._find_the_store(failover)
-        finally:
-            failover.resume()  # moved, a blip, or waited for: the connections may call again
-
-    def _find_the_store(self, failover: StoreFailover) -> None:
-        """``check_store`` when the store may move (``failover``): a primary that answers was
-        a blip; one that is gone is replaced by the first named standby, once a majority of
-        the last round's members ask it to take over, and the round re-forms without the lost
-        host. ``StoreHostGone`` when this node's own store lost the job's majority, or the
-        store's host refuses and no majority moved the store."""
-        standing, settings = self._standing, self.settings
-        try:
-            # Quick: a store silent this long is lost (its host's silence was timed already).
-            failover.check_primary(min(settings.keep_alive_interval, CHECK_PRIMARY_S))
-        except StoreFenced:
-            raise self._fenced_out() from None
-        except StoreError as exc:
-            lost = exc
-        else:
-            standing.store_lost_at, self._store_unanswered_said = None, False  # a blip
-            return
-        members = 0 if standing.final is None else standing.final.count
-        if failover.hosting or members < 3:
-            self._store_unanswered(lost, "run 3 nodes or more (a majority moves the store)")
-            return
-        old = format_endpoint(failover.primary)
-        within = settings.dead_after + settings.keep_alive_interval
-        moved = failover.take_over(f"{standing.round}/{standing.group_rank}", members, within)
-        if moved is None:
-            self._store_unanswered(lost, "make sure a majority of the nodes can reach each other")
-            return
-        standing.store_lost_at, self._store_unanswered_said = None, False
-        log.warning(
-            "the rendezvous store's host %s is gone (%s): the store moved to %s, and the job "
-            "re-forms without it",
-            old,
-            lost,
-            format_endpoint(moved),
-        )
-        self._supersede_for_lost_host(members)
-
-    def _fenced_out(self) -> StoreHostGone:
-        """This node's store lost the job's majority (``failover.MajorityWatch``): the error
-        this node stops with."""
-        self._standing.store_lost = self._standing.finished = True
-        return StoreHostGone(
-            f"this node lost the majority of job {self._run_id!r}: its store serves nobody "
-            "now (the other nodes moved the store to another host, or cannot go on); "
-            "it stops here"
-        )
-
-    def _supersede_for_lost_host(self, members: int) -> None:
-        """Re-form the running round without the store's lost host (the group rank it said
-        under ``store_host``); the first node to write it wins."""
-        standing, round_ = self._standing, self._standing.round
-        if round_ is None:
-            return
-        reason = "the store's host is gone"
-        try:
-            raw = self._store.get(self._key("store_host", round_)).value
-            host = int(raw) if raw is not None and raw.isdigit() else None
-            change = (
-                MembershipChange.member_lost(host, reason, standing.group_rank)
-                if host is not None and host != standing.group_rank
-                else MembershipChange.restarting(reason)
-            )
-            waiting = self._rounds.waiting(round_)
-            self._rounds.supersede(round_, change, expected_size(members, change, waiting))
-        except StoreError as exc:
-            log.warning("could not re-form round %d after the store moved: %s", round_, exc)
+        """After the store was lost: whether it lives, or moved (``store_loss.StoreLoss``)."""
+        self._loss.check()
 
     # -- the restart budget, the roll call, the job's failure ---------------------------------
 
@@ -477,7 +359,7 @@ class DynamicJob:
         except StoreConnectionError:
             standing.finished = True  # the hosting node finished and left: everyone is done
         except StoreFenced:
-            raise self._fenced_out() from None
+            raise self._loss.fenced_out() from None
 
     # -- this node's record (``core.exclusion``) ----------------------------------------------
 
