@@ -19,6 +19,7 @@ from conftest import LeakCheck, pid_alive, wait_until
 from test_rendezvous import Rendezvous, script
 from test_spares_and_health import Node, start, stop_all
 
+from relaunch.core.exclusion import decode_record
 from relaunch.endpoints import find_free_port
 from relaunch.store.api import StoreError
 from relaunch.store.client import TcpStore
@@ -38,8 +39,9 @@ FLAGS = ("--nnodes", "2:3", "--max-restarts", "3", "--rdzv-conf", CONF)
 SLACK = 4.0
 
 #: Each attempt of each worker leaves a record; the first attempt's rank 2 fails once (a
-#: restart the job counts, which must survive the store's move); a world of 3 then waits to
-#: be re-formed, and a world of 2 finishes.
+#: restart the job counts, and a failure on its node's record, which must survive the store's
+#: move); a world of 3 then waits to be re-formed, and a world of 2 finishes once the test
+#: has looked at the moved store (its marker ``finish``).
 JOB = """
     import json, os, time
     record = {name: os.environ[name] for name in
@@ -52,6 +54,9 @@ JOB = """
         if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "2":
             raise SystemExit("the first attempt's rank 2 fails once")
         time.sleep(90)
+    finish, deadline = os.path.join(os.environ["RECORDS"], "..", "finish"), time.time() + 60
+    while not os.path.exists(finish) and time.time() < deadline:
+        time.sleep(0.05)
 """
 
 
@@ -100,6 +105,7 @@ def _nodes(
 
 def _three_nodes(tmp_path: Path, leaks: LeakCheck, records: Path) -> tuple[list[Node], int]:
     nodes, _, port = _nodes(tmp_path, leaks, records)
+    (tmp_path / "finish").touch()  # the world of 2 finishes at once
     return nodes, port
 
 
@@ -110,7 +116,7 @@ def test_the_store_hosts_sigkill_moves_the_store_and_the_survivors_finish(
     records.mkdir()
     nodes: list[Node] = []
     try:
-        nodes, port = _three_nodes(tmp_path, leaks, records)
+        nodes, rdzv, port = _nodes(tmp_path, leaks, records)
         host = nodes[0]
         wait_until(lambda: len(_restarted_world_of_3(records)) == 3, 60, "a restarted world of 3")
         assert _serving("127.0.0.1", port) and not _serving("127.0.0.2", port)
@@ -123,10 +129,19 @@ def test_the_store_hosts_sigkill_moves_the_store_and_the_survivors_finish(
             "the survivors' workers in a world of 2",
         )
         took = time.monotonic() - killed_at
+        # The moved store holds the job's history: the restart spent before the move, and the
+        # failure counted on the failing node's record (all three agents share this host's
+        # name, so one record).
+        with TcpStore("127.0.0.2", port, timeout=5) as moved:
+            assert moved.get(f"relaunch/{rdzv.run_id}/restarts").value == b"1"
+            record = moved.get(f"relaunch/{rdzv.run_id}/nodes/{os.uname().nodename}").value
+        assert decode_record(record).failures == 1, record
+        (tmp_path / "finish").touch()
         survivors = nodes[1:]
         for node in survivors:
             assert node.wait() == 0, node.stderr()
     finally:
+        (tmp_path / "finish").touch()
         stop_all(nodes)
     waiting = [r for r in _records(records) if r["WORLD_SIZE"] == "2"]
     assert sorted(str(r["RANK"]) for r in waiting) == ["0", "1"], waiting
@@ -137,8 +152,8 @@ def test_the_store_hosts_sigkill_moves_the_store_and_the_survivors_finish(
         assert "the store moved to 127.0.0.2:" in err, err
         assert "Traceback" not in err, err
     print(f"store host SIGKILL -> survivors' workers again: {took:.2f}s")
-    for record in _records(records):
-        wait_until(lambda r=record: not pid_alive(int(str(r["pid"]))), 10, "every worker gone")
+    for record_ in _records(records):
+        wait_until(lambda r=record_: not pid_alive(int(str(r["pid"]))), 10, "every worker gone")
 
 
 def test_a_silent_store_host_is_replaced_and_fenced_when_it_comes_back(
