@@ -95,6 +95,7 @@ def run_two_nodes(
                 "relaunch",
                 *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1"),
                 *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+                *("--tee", "2"),  # the workers' stderr too, should the run fail
                 *command,
             ],
             stdout=subprocess.DEVNULL,
@@ -105,7 +106,8 @@ def run_two_nodes(
         for _ in range(2)
     ]
     errors = [agent.communicate(timeout=120)[1] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], errors
+    codes = [agent.returncode for agent in agents]
+    assert codes == [0, 0], f"exit statuses {codes}:\n" + "\n---\n".join(errors)
 
 
 @pytest.mark.timeout(60)
