@@ -327,7 +327,8 @@ class TcpStoreServer:
         with self._follow_lock:
             if self._primary == target:
                 return
-            self._primary, follower = target, self._follower
+            # Nothing from the old primary may be promoted: whole again with the new snapshot.
+            self._primary, follower, self._synced = target, self._follower, False
         if follower is not None:
             follower.abort()
         start_thread(lambda: self._follow(host, port), "relaunch-store-standby")
