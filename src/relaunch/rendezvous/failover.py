@@ -1,10 +1,11 @@
 """The built-in store outlives its host (docs/store-failover.md): one node's part.
 
-Failover is on when ``--rdzv-endpoint`` names several hosts. The agent that can bind the first
-free of them serves the job's store (the primary), as with one endpoint; every other agent that
-can bind one of the named addresses serves a standby there, which follows the primary's every
-change (``TcpStoreServer.follow``) and redirects clients to it. Every node knows the standbys
-without asking: the named hosts, in the order given.
+Failover is on when ``--rdzv-endpoint`` names several hosts. An agent starting asks them which
+one serves the job (``find_primary``); when none does, the agent that can bind the first one
+serves the job's store (the primary), as with one endpoint. Every other agent that can bind one
+of the named addresses serves a standby there, which follows the primary's every change
+(``TcpStoreServer.follow``) and redirects clients to it. Every node knows the standbys without
+asking: the named hosts, in the order given.
 
 When the primary is lost (refused: its agent died; silent: its machine is gone), each surviving
 node asks the first named standby that answers to take over (``PROMOTE``), naming itself and
