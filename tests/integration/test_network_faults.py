@@ -12,6 +12,7 @@ A host is cut off by taking its port on the switch down (its cable pulled), mid-
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import secrets
 import shutil
@@ -216,6 +217,28 @@ class Network:
         assert os.stat(f"/proc/{agent.proc.pid}/ns/net").st_ino == mine
         return agent
 
+    def relaunch(
+        self,
+        host: str,
+        endpoint: str,
+        run_id: str,
+        nnodes: str,
+        tmp_path: pathlib.Path,
+        job: pathlib.Path,
+        stop: pathlib.Path,
+    ) -> Agent:
+        """A relaunch agent on ``host``: one worker running ``job`` until ``stop`` exists, fast
+        rendezvous on c10d at ``endpoint``, its logs under ``tmp_path/host``."""
+        return self.start(
+            host,
+            "-m",
+            "relaunch",
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+            *("--nnodes", nnodes, "--nproc-per-node", "1", "--local-addr", self.addr(host)),
+            *("--rdzv-conf", FAST, "--tee", "1", "--shutdown-timeout", "5"),
+            *("--log-dir", str(tmp_path / host), str(job), str(stop)),
+        )
+
     def teardown(self) -> None:
         for agent in self.agents:
             agent.stop()
@@ -300,33 +323,7 @@ def test_a_host_cut_off_leaves_the_others_to_re_form_and_rejoins_once_back(
     run_id = uuid.uuid4().hex
 
     def start(host: str) -> Agent:
-        return net.start(
-            host,
-            "-m",
-            "relaunch",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            run_id,
-            "--nnodes",
-            "2:3",
-            "--nproc-per-node",
-            "1",
-            "--local-addr",
-            net.addr(host),
-            "--rdzv-conf",
-            FAST,
-            "--tee",
-            "1",
-            "--shutdown-timeout",
-            "5",
-            "--log-dir",
-            str(tmp_path / host),
-            str(job),
-            str(stop),
-        )
+        return net.relaunch(host, endpoint, run_id, "2:3", tmp_path, job, stop)
 
     h1 = start("h1")  # hosts the store: h1 can bind the endpoint's address
     wait_until(

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 from conftest import wait_until
-from test_network_faults import FAST, PORT, WORKER, Agent, Network, for_each, listening, net
+from test_network_faults import PORT, WORKER, Agent, Network, for_each, listening, net
 
 __all__ = ["net"]  # the fixture, used by name
 
@@ -29,33 +29,7 @@ def test_the_majority_side_of_a_partition_moves_the_store_and_the_hosts_side_sto
     run_id = uuid.uuid4().hex
 
     def start(host: str) -> Agent:
-        return net.start(
-            host,
-            "-m",
-            "relaunch",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            run_id,
-            "--nnodes",
-            nnodes,
-            "--nproc-per-node",
-            "1",
-            "--local-addr",
-            net.addr(host),
-            "--rdzv-conf",
-            FAST,
-            "--tee",
-            "1",
-            "--shutdown-timeout",
-            "5",
-            "--log-dir",
-            str(tmp_path / host),
-            str(job),
-            str(stop),
-        )
+        return net.relaunch(host, endpoint, run_id, nnodes, tmp_path, job, stop)
 
     host = start("h1")
     wait_until(lambda: listening(host.proc.pid, net.addr("h1"), PORT), 20, "h1 hosting the store")
