@@ -1,8 +1,9 @@
-"""A worker for the goodput ledger's test: ``goodput_worker.py OUT FAIL_AT``.
+"""A worker for the goodput ledger's test: ``goodput_worker.py OUT FAIL_AT [quiet]``.
 
-Steps of 0.3 s, reported with ``report_progress``, state saved every 5 steps. In attempt 0, at
-the start of step FAIL_AT, rank 1 writes ``OUT/failed`` (the time) and exits 4, and the other
-ranks wait there, as a collective would hold them. In attempt 1, each rank writes
+Steps of 0.3 s, reported with ``report_progress``, state saved every 5 steps; ``quiet``: no
+progress reported, state saved every step. In attempt 0, at the start of step FAIL_AT, once
+rank 0 is there too, rank 1 writes ``OUT/failed`` (the time) and exits 4, and the other ranks
+wait there, as a collective would hold them. In attempt 1, each rank writes
 ``OUT/back.{rank}`` when it completes step FAIL_AT again: the job is then where it would have
 been one step after the failure, had there been none."""
 
@@ -17,17 +18,24 @@ import relaunch
 
 STEP_SECONDS = 0.3
 out, fail_at = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+quiet = sys.argv[3:] == ["quiet"]
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 got = relaunch.load_state()
 for step in range(0 if got is None else got[0] + 1, fail_at + 2):
     if attempt == 0 and step == fail_at:
+        (out / f"at.{rank}").touch()
         if rank == 1:
+            # Both ranks at the failing step (their saves the same): as a collective holds them.
+            deadline = time.monotonic() + 30
+            while not (out / "at.0").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             (out / "failed").write_text(repr(time.time()))
             os._exit(4)
         time.sleep(60)  # stopped by relaunch
     time.sleep(STEP_SECONDS)
-    if step % 5 == 0:
+    if quiet or step % 5 == 0:
         relaunch.save_state({"step": step}, step)
-    relaunch.report_progress(step)
+    if not quiet:
+        relaunch.report_progress(step)
     if attempt == 1 and step == fail_at:
         (out / f"back.{rank}").write_text(repr(time.time()))

@@ -16,6 +16,7 @@ from conftest import LeakCheck, wait_until
 
 import relaunch
 from relaunch.core import state as layout
+from relaunch.state import api as state_api
 
 SAVER = textwrap.dedent(
     """
@@ -73,3 +74,41 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
         assert loaded is not None
         assert loaded[0] == step and loaded[1]["step"] == step
         assert loaded[1]["data"] == bytes([step % 251]) * (8 << 20)
+
+
+@pytest.mark.timeout(60)
+def test_a_loaded_state_is_the_workers_own_memory(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor ``load_state`` gives is in memory of the worker's own, filled when loaded:
+    saving over both slots afterwards does not change it, and writing it does not change the
+    kept state."""
+    torch = pytest.importorskip("torch")
+    directory = tmp_path / "state"
+    directory.mkdir()
+    for name, value in {
+        layout.STATE_DIR_ENV: str(directory),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        layout.STATE_STEP_ENV: "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    large = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: a part mapped of its own
+    try:
+        relaunch.save_state({"weight": large, "small": torch.ones(4)}, 1)
+        loaded = relaunch.load_state()
+        assert loaded is not None
+        weight = loaded[1]["weight"]
+        assert torch.equal(weight, large) and torch.equal(loaded[1]["small"], torch.ones(4))
+        for step in (2, 3):  # both slots written again, one of them the one just loaded
+            relaunch.save_state({"weight": torch.full((1 << 20,), float(step))}, step)
+        assert torch.equal(weight, large)
+        weight.add_(1)  # writable, and the worker's alone
+        monkeypatch.setenv(layout.STATE_STEP_ENV, "3")
+        again = relaunch.load_state()
+        assert again is not None and bool((again[1]["weight"] == 3).all())
+    finally:  # this test process is the worker: its slot files closed, as at a worker's exit
+        for writer in state_api._slots.values():
+            writer.close()
+            os.close(writer.fd)
+        state_api._forget()

@@ -36,10 +36,12 @@ class GoodputMarks:
         failed: Mapping[int, object],
         last_progress: Mapping[int, Progress | None],
         step_seconds: float,
+        saved_step: int | None = None,
     ) -> None:
         """The attempt is over and the node is about to join the next round: ``exit_times``
         by local rank, ``failed`` its failed local ranks, ``last_progress`` what they reported
-        last, ``step_seconds`` the time a step took."""
+        last, ``step_seconds`` the time a step took, ``saved_step`` the newest step they kept
+        with ``save_state`` (the furthest step reached, when they report no progress)."""
         now = self._clock.time()
         failed_at = min((exit_times[rank] for rank in failed if exit_times.get(rank)), default=0)
         noticed = failed_at or self._seen_at or now
@@ -49,7 +51,7 @@ class GoodputMarks:
             failed_at=failed_at or noticed,
             noticed_at=noticed,
             stopped_at=max([noticed, *exit_times.values()]),
-            last_step=max(steps) if steps else None,
+            last_step=max(steps) if steps else saved_step,
             step_seconds=step_seconds,
         )
         self._seen_at = 0.0
@@ -67,7 +69,7 @@ class GoodputMarks:
         pending = self._pending
         if pending is not None:
             self._started = True
-            if pending.last_step is None:  # no progress reported: no way to see them back
+            if pending.last_step is None:  # no progress, no state: no way to see them back
                 now = self._clock.time()
                 self._close(Restored(now, now, None), now)
 

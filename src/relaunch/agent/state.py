@@ -278,6 +278,15 @@ class StateKeeper:
         with self._changed:
             return dict(self._saves)
 
+    def newest_saved_step(self) -> int | None:
+        """The newest step this attempt's ranks have committed here (None: none kept)."""
+        steps = [
+            head.step
+            for rank in self._ranks.values()
+            for head in committed(self.directory, rank).values()
+        ]
+        return max(steps, default=None)
+
     def expect_saves(self, ranks: Collection[int], then: Callable[[], None]) -> None:
         """Call ``then()`` (from the saves' thread) once each local rank of ``ranks`` has
         saved from now on, or is counted out (``not_expected``)."""

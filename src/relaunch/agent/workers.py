@@ -371,7 +371,8 @@ class Workers:
         seconds_a_step = max((channel.step_seconds(rank) for rank in ranks), default=0.0)
         # A start_processes given by the user (torch's, say) has no exit_times.
         exit_times: dict[int, float] = getattr(pcontext, "exit_times", dict)()
-        goodput.leaving(exit_times, failed, self._report.last_progress, seconds_a_step)
+        saved = None if self.state is None else self.state.newest_saved_step()
+        goodput.leaving(exit_times, failed, self._report.last_progress, seconds_a_step, saved)
 
     def look_back(self, goodput: GoodputMarks) -> None:
         """Whether the workers of a restart are back (``goodput.look``)."""

@@ -23,6 +23,10 @@ from relaunch.core.state import (
 PEERS = "peers"
 
 
+#: Parts this large are read into memory mapped for them alone (``_part_memory``).
+MAPPED_PART = 1 << 20
+
+
 class StateCorrupt(Exception):
     """A committed slot whose bytes do not match its header (changed while read, or damaged)."""
 
@@ -32,6 +36,19 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> Non
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
+
+
+def _part_memory(length: int) -> bytearray | memoryview:
+    """Writable memory for a part of ``length`` bytes that a load reads into. A large part gets
+    an anonymous mapping of its own whose pages the kernel provides at once (``MAP_POPULATE``):
+    a ``bytearray`` would fault them in one by one and zero them first, which costs a 4-rank
+    load on two cores as much as the copy itself. One mapping a part, so that a tensor the
+    worker drops (a model's, once copied into its parameters) frees its memory while one it
+    keeps (an optimizer's) holds only its own."""
+    if length < MAPPED_PART:
+        return bytearray(length)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(-1, length, flags=flags))
 
 
 def _read_into(fd: int, part: bytearray | memoryview, offset: int) -> None:
@@ -95,17 +112,17 @@ def slot_header(fd: int) -> Header | None:
     return read_header(os.pread(fd, HEADER_SIZE, 0))
 
 
-def read_slot(fd: int, expected: Header) -> list[bytearray]:
+def read_slot(fd: int, expected: Header) -> list[bytearray | memoryview]:
     """The parts of the committed slot ``fd`` whose header was ``expected``: the pickle, then
-    its buffers, each in memory of its own. ``StateCorrupt`` when the slot changed meanwhile
-    or does not match its header."""
+    its buffers, each in writable memory of its own (``_part_memory``). ``StateCorrupt`` when
+    the slot changed meanwhile or does not match its header."""
     table = os.pread(fd, LENGTH.size * expected.parts, HEADER_SIZE)
     if len(table) != LENGTH.size * expected.parts:
         raise StateCorrupt("the slot ends inside its length table")
     lengths = [LENGTH.unpack_from(table, at)[0] for at in range(0, len(table), LENGTH.size)]
     if len(table) + sum(lengths) != expected.payload:
         raise StateCorrupt("the slot's lengths do not add up to its header's")
-    parts = [bytearray(length) for length in lengths]
+    parts = [_part_memory(length) for length in lengths]
     offset = HEADER_SIZE + len(table)
     for part in parts:
         _read_into(fd, part, offset)
