@@ -10,6 +10,9 @@ from, -1: none) and ``OUT/final.{rank}`` (the state at the end). MODE:
   nothing but asks ``failure_pending()`` each step, and once told saves its last step
   (``replicated``), which both resume from;
 - ``callback``: as ``jit``, but rank 0 saves from ``on_failure_pending``'s callback;
+- ``section``, ``silent``: as ``callback``, but at step ``KILL_AT`` rank 1 hangs instead of
+  exiting: in a ``relaunch.section`` of 0.5 s, or silent (no output, progress or timer) while
+  rank 0 reports progress each step (for ``--hang-timeout``);
 - ``exit``: runs to ``KILL_AT`` and, once every rank saved it, exits 1 (a job that fails, to
   be requeued);
 - ``big``: saves ``KILL_AT`` MiB once.
@@ -33,10 +36,11 @@ if mode == "big":
     relaunch.save_state(bytes(kill_at << 20), 0)
     sys.exit(0)
 
+hang = mode if mode in ("section", "silent") else None
 got = relaunch.load_state()
 start, state = (0, {"rank": rank, "sum": 0}) if got is None else (got[0] + 1, got[1])
 (out / f"resumed.{attempt}.{rank}").write_text(str(-1 if got is None else got[0]))
-if mode == "callback" and attempt == 0 and rank == 0:
+if mode in ("callback", "section", "silent") and attempt == 0 and rank == 0:
     # Saved from relaunch's thread when told, while the main thread goes on stepping.
     kept = {"now": (state, start - 1)}  # one value: the thread reads a whole pair
 
@@ -46,7 +50,7 @@ if mode == "callback" and attempt == 0 and rank == 0:
         relaunch.save_state(now, at, replicated=True)
 
     relaunch.on_failure_pending(save_now)
-mode = "jit" if mode == "callback" else mode
+mode = "jit" if mode in ("callback", "section", "silent") else mode
 for step in range(start, steps):
     if mode == "jit" and attempt == 0:
         if rank == 0 and step == kill_at:
@@ -54,7 +58,14 @@ for step in range(start, steps):
         if rank == 1 and step == kill_at:
             while not (out / "ready").exists():
                 time.sleep(0.005)
+            if hang == "section":
+                with relaunch.section("step", timeout=0.5):
+                    time.sleep(60)  # hung past its section's deadline
+            elif hang == "silent":
+                time.sleep(60)  # hung, without a sign of life
             sys.exit(3)
+        if rank == 0 and hang == "silent":
+            relaunch.report_progress(step)  # alive
         if rank == 0 and "kept" not in globals() and relaunch.failure_pending():
             (out / "jit").write_text(str(step - 1))  # first: the save ends this worker's time
             relaunch.save_state(state, step - 1, replicated=True)

@@ -136,6 +136,32 @@ def test_a_failure_lets_the_listening_workers_save_just_in_time(
     assert read(tmp_path, "final.0") == read(tmp_path, "final.1").replace("'rank': 1", "'rank': 0")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mode", "flags"), [("section", ()), ("silent", ("--hang-timeout", "1"))], ids=str
+)
+def test_a_hang_lets_the_listening_workers_save_just_in_time(
+    tmp_path: pathlib.Path, leaks: LeakCheck, mode: str, flags: tuple[str, ...]
+) -> None:
+    """Rank 1 hangs (past its section's deadline, or silent beyond ``--hang-timeout``): rank 0
+    is told before its stack is taken, and its save is what both ranks resume from."""
+    done = relaunch_cli(
+        leaks,
+        *("--nproc-per-node", "2", "--max-restarts", "1", *flags),
+        WORKER,
+        str(tmp_path),
+        mode,
+        "3000",  # rank 0 steps every 10 ms until it is stopped
+        "5",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "hung" in done.stderr and "most recent call first" in done.stderr  # the stacks
+    resumed = {read(tmp_path, f"resumed.1.{rank}") for rank in range(2)}
+    assert resumed == {read(tmp_path, "jit")}, resumed  # the just-in-time save
+    assert int(resumed.pop()) >= 4
+    assert read(tmp_path, "final.0") == read(tmp_path, "final.1").replace("'rank': 1", "'rank': 0")
+
+
 @pytest.mark.timeout(90)
 def test_another_nodes_failure_lets_the_listening_workers_save_just_in_time(
     tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest

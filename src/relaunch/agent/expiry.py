@@ -24,7 +24,7 @@ import resource
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.core import timers as core_timers
@@ -82,6 +82,7 @@ class ExpiryWatch:
         self._snapshot: Callable[[], NodeSnapshot] = lambda: NodeSnapshot(0.0)
         self._lives_used = False
         self._hold: Callable[[], None] = lambda: None
+        self._before_stacks: Callable[[Collection[int]], None] = lambda hung: None
         self._hung_at: dict[int, float] = {}  # pid -> the deadline it missed
         #: Why this group's ranks were asked for their stacks (an overdue section here, or
         #: another node's request); None while nobody asked.
@@ -136,13 +137,17 @@ class ExpiryWatch:
         log_files: Mapping[int, list[str]],
         snapshot: Callable[[], NodeSnapshot],
         hold: Callable[[], None] = lambda: None,
+        before_stacks: Callable[[Collection[int]], None] = lambda hung: None,
     ) -> None:
         """A new group started: ``pids`` and ``log_files`` by local rank; ``snapshot()`` reads
         the ranks now (``agent.sampler.Sampler.take``): which have not exited (a finished worker
         is not hung), their last ``report_progress``, heartbeats and sections; ``hold()`` keeps
-        one worker's death from stopping the others while stacks are taken."""
+        one worker's death from stopping the others while stacks are taken;
+        ``before_stacks(hung)`` is called before every rank is asked for its stack, ``hung``
+        the local ranks found hung here (the agent's just-in-time save: SIGABRT ends them)."""
         self._snapshot = snapshot
         self._hold = hold
+        self._before_stacks = before_stacks
         self._hung_at.clear()
         self._lives_used = False
         self.hang = self._asked = None
@@ -232,7 +237,7 @@ class ExpiryWatch:
             self._causes[self._pids[o.rank]] = (
                 f"hung: {o.describe(now)}; relaunch sent SIGABRT to every local rank for its stack"
             )
-        self._dump_running(f"its stack was taken because {self.hang}")
+        self._dump_running(f"its stack was taken because {self.hang}", {o.rank for o in late})
 
     def dump_stacks(self, why: str) -> bool:
         """Another node found a hang (``why``): ask every running local rank for its stack;
@@ -243,8 +248,9 @@ class ExpiryWatch:
         self._dump_running(f"its stack was taken because {why}")
         return True
 
-    def _dump_running(self, cause: str) -> None:
+    def _dump_running(self, cause: str, hung: Collection[int] = ()) -> None:
         self._hold()
+        self._before_stacks(hung)
         for rank in sorted(self._snapshot().running()):
             pid = self._pids.get(rank)
             if pid is not None and pid not in self._causes:

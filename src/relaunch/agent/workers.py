@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from relaunch.agent.channel import Channel
@@ -108,6 +108,7 @@ class Workers:
         self._pcontext: PContext | None = None
         self._explained: RunProcsResult | None = None
         self._outcome: RunProcsResult | None = None  # how the attempt ended, as last looked
+        self._failure_told = False  # this attempt's workers were told of a failure
 
     def open(self, wakeups: EventQueue[str]) -> None:
         """A run begins: its workers' channel, and the queue their end (and a first use of the
@@ -141,6 +142,7 @@ class Workers:
         channel, wakeups = self._channel, self._wakeups
         assert channel is not None and wakeups is not None, "start before open"
         channel.reset()
+        self._failure_told = False
         extra_env = {} if self.state is None else self.state.env(self._resume_step())
         # What the job's workers learned of their bounds: these are watched from the start.
         self._learned = self._job.share_learned(self._learned)
@@ -189,6 +191,7 @@ class Workers:
             self._sampler.take,
             # A start_processes given by the user (torch's, say) has no such method.
             getattr(pcontext, "hold_group_stop", lambda: None),
+            self._save_just_in_time,
         )
         spec = group.spec
         assert group.group_rank is not None and group.group_world_size is not None
@@ -339,15 +342,23 @@ class Workers:
                 self._report.last_progress = self._sampler.take().progresses()
             self._console.remove_source(self._node_bar)  # prints the bar's final state
 
-    def _save_just_in_time(self) -> None:
-        """Before running workers are stopped because another node's failed: tell them
-        (``failure_pending``) and give those that listen up to ``--jit-save-timeout`` seconds
-        to ``save_state``. (A failure of this node's own workers is told from the monitor:
-        ``agent.state.JustInTime``.)"""
+    def _save_just_in_time(self, hung: Collection[int] = ()) -> None:
+        """Before running workers are stopped because another node's failed, or asked for
+        their stacks because a rank (``hung``, here) is hung: tell them (``failure_pending``)
+        and give those that listen, ``hung`` aside, up to ``--jit-save-timeout`` seconds to
+        ``save_state``; once an attempt. (A failure of this node's own workers is told from
+        the monitor: ``agent.state.JustInTime``.)"""
         channel, pcontext, state = self._channel, self._pcontext, self.state
         if channel is None or pcontext is None or state is None or not state.jit_save_timeout:
             return
-        listening = [rank for rank in pcontext.running() if channel.failure_listening(rank)]
+        if self._failure_told:
+            return
+        self._failure_told = True
+        listening = [
+            rank
+            for rank in pcontext.running()
+            if rank not in hung and channel.failure_listening(rank)
+        ]
         if not listening:
             return
         channel.announce_failure()
