@@ -28,9 +28,11 @@ Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from `
 
 - ``start T RANK PID ATTEMPT NODE STATE_DIR CHANNEL``: first thing (the last two: relaunch's
   shared-memory files, or -);
-- ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed;
-- ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step, in the step's padding: one
-  100 MB ``bytearray`` copy;
+- ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed; ``built T
+  RANK``: the model and optimizer made;
+- ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step from an attempt's second, in
+  the step's padding: one 100 MB ``bytearray`` copy (its buffers, 200 MB, are made after the
+  first step, not on the way back from a kill);
 - ``resume T RANK STEP CHECKSUM SOURCE LOAD_S``: the state in place (SOURCE ``own``,
   ``received`` or ``none``; LOAD_S the rank's own load);
 - ``step T RANK STEP CHECKSUM LOSS SAVE_S``: the step done, its save (SAVE_S s) included;
@@ -102,7 +104,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     event(fd, "joined", repr(time.time()), rank)
-    copy = Copy() if rank == 0 and mode == "memory" else None
+    copy: Copy | None = None  # made after the attempt's first step: not on the way back
 
     class Net(nn.Module):  # type: ignore[misc]
         """Six layers; the forward trains layer ``k`` (the others run on detached weights)."""
@@ -126,6 +128,7 @@ def main() -> int:
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
     for p in params:  # the momentum exists from the start: every state has the same shape
         opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    event(fd, "built", repr(time.time()), rank)
 
     def state(step: int) -> dict[str, object]:
         return {"step": step, "model": model.state_dict(), "optim": opt.state_dict()}
@@ -250,6 +253,8 @@ def main() -> int:
         event(
             fd, "step", repr(time.time()), rank, step, checksum(), f"{loss.item():.6f}", repr(saved)
         )
+        if copy is None and rank == 0 and mode == "memory":
+            copy = Copy()
         flag.fill_(1.0 if os.path.exists(stop) else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():

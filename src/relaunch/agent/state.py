@@ -118,6 +118,7 @@ class StateKeeper:
         self._on_expected: Callable[[], None] | None = None
         self._persist_wanted = threading.Event()
         self._peers: PeerLink | None = None
+        self._agreed: int | None = None  # the step the last attempt's nodes agreed on
         if peer_host is not None:
             from relaunch.agent.state_peers import PeerLink  # sockets: a job of several nodes
 
@@ -156,6 +157,7 @@ class StateKeeper:
         if group_world_size == 1 or self._peers is None:
             step = layout.common_step(held, world_size)
             self._fetch(step, ranks.values(), {})
+            self._agreed = step
             return step
         mine = {
             "address": self._peers.address,
@@ -196,9 +198,14 @@ class StateKeeper:
         self._peers.follow(None if successor is None else successor[0])
         step = layout.common_step(anywhere, world_size)
         self._fetch(step, ranks.values(), holders)
-        if step is not None:
-            prune_peers(self.directory, step)
+        self._agreed = step
         return step
+
+    def prune(self) -> None:
+        """Forget the other nodes' copies older than the step last agreed (once the workers
+        started: freeing their memory takes time the restart need not wait for)."""
+        if self._agreed is not None:
+            prune_peers(self.directory, self._agreed)
 
     def _fetch(
         self,

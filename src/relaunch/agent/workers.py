@@ -172,6 +172,8 @@ class Workers:
             except PreloadError as exc:
                 raise ConfigError(str(exc)) from None
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
+        if self.state is not None:
+            self.state.prune()
         if self.state is not None and hasattr(pcontext, "set_failure_grace"):
             pcontext.set_failure_grace(JustInTime(self.state, channel, self.state.jit_save_timeout))
         self._sampler.watch(channel, pcontext)

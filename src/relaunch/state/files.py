@@ -3,6 +3,7 @@ copied once, from the worker's memory into the shared-memory file, and once back
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections.abc import Sequence
@@ -198,13 +199,24 @@ def copy_committed(source: str, target: str, fsync: bool) -> Header | None:
 
 def _copy(fd: int, out: int, head: Header, fsync: bool) -> None:
     """The ``head.size`` bytes of slot ``fd`` into ``out``; ``StateCorrupt`` when the slot was
-    rewritten meanwhile."""
-    offset, chunk = 0, bytearray(min(head.size, 8 << 20))
-    while offset < head.size:
-        view = memoryview(chunk)[: min(len(chunk), head.size - offset)]
-        _read_into(fd, view, offset)
-        write_all(out, view, offset)
-        offset += len(view)
+    rewritten meanwhile. Kernel to kernel (``sendfile``: one copy, where reading and writing
+    through a buffer makes two), or through a buffer where ``sendfile`` cannot."""
+    offset = 0
+    try:
+        while offset < head.size:
+            sent = os.sendfile(out, fd, offset, head.size - offset)
+            if sent == 0:
+                raise StateCorrupt("the slot ends before its header says")
+            offset += sent
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS) or offset:
+            raise
+        chunk = bytearray(min(head.size, 8 << 20))
+        while offset < head.size:
+            view = memoryview(chunk)[: min(len(chunk), head.size - offset)]
+            _read_into(fd, view, offset)
+            write_all(out, view, offset)
+            offset += len(view)
     again = slot_header(fd)
     if again is None or again.generation != head.generation:
         raise StateCorrupt("the slot was rewritten while it was copied")
