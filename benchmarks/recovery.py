@@ -868,7 +868,7 @@ def peer_copy_check(ctx: harness.Context) -> Check:
             pushes, pulls = [], []
             for rep in range(5):
                 began = time.perf_counter()
-                sender._push(0, peer)
+                sender._push(0, peer, 0)  # never held
                 pushes.append(time.perf_counter() - began)
                 head = file_header(os.path.join(b_dir, PEERS, layout.slot_name(0, 0)))
                 assert head is not None and head.step == 1, "the copy was not committed"

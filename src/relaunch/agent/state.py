@@ -201,6 +201,12 @@ class StateKeeper:
         self._agreed = step
         return step
 
+    def hold_copies(self) -> None:
+        """The workers stop: copy no state to the successor until they save again
+        (``PeerLink.hold``)."""
+        if self._peers is not None:
+            self._peers.hold()
+
     def prune(self) -> None:
         """Forget the other nodes' copies older than the step last agreed (once the workers
         started: freeing their memory takes time the restart need not wait for)."""

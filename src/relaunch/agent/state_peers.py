@@ -56,6 +56,8 @@ class PeerLink:
         self._successor: tuple[str, str] | None = None  # (address, token)
         self._dirty: set[int] = set()  # global ranks with a save not pushed yet
         self._wanted = threading.Condition()
+        self._pushing: socket.socket | None = None  # the push under way
+        self._holds = 0  # calls of ``hold`` so far
         self._accepter = start_thread(self._accept, "relaunch-state-peers")
         self._pusher = start_thread(self._push_loop, "relaunch-state-push")
 
@@ -139,6 +141,19 @@ class PeerLink:
                 self._dirty.add(rank)
                 self._wanted.notify()
 
+    def hold(self) -> None:
+        """Push nothing more until the next save, and cut the push under way short (its
+        receiver keeps its previous copy): the workers stop to restart, and a copy of a state
+        already held would only take the machine's time from their start."""
+        with self._wanted:
+            self._holds += 1
+            self._dirty.clear()
+            if self._pushing is not None:
+                try:
+                    self._pushing.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def _push_loop(self) -> None:
         while True:
             with self._wanted:
@@ -147,14 +162,14 @@ class PeerLink:
                 if self._closing:
                     return
                 rank = self._dirty.pop()
-                successor = self._successor
+                successor, holds = self._successor, self._holds
             if successor is not None:
                 try:
-                    self._push(rank, successor)
+                    self._push(rank, successor, holds)
                 except (OSError, ValueError) as exc:
                     log.debug("could not copy rank %d's state to %s: %s", rank, successor[0], exc)
 
-    def _push(self, rank: int, successor: tuple[str, str]) -> None:
+    def _push(self, rank: int, successor: tuple[str, str], holds: int) -> None:
         newest = None
         for slot in layout.SLOTS:
             path = os.path.join(self.directory, layout.slot_name(rank, slot))
@@ -167,6 +182,10 @@ class PeerLink:
         fd = os.open(path, os.O_RDONLY)
         try:
             with _connect(successor) as connection:
+                with self._wanted:
+                    if self._holds != holds:
+                        return  # held since this push was chosen
+                    self._pushing = connection
                 connection.sendall(_PUSH.pack(b"P", rank, slot, head.size))
                 _send_file(connection, fd, head.size)
                 again = slot_header(fd)
@@ -175,6 +194,8 @@ class PeerLink:
                 connection.shutdown(socket.SHUT_WR)
                 connection.recv(1)  # the receiver's close: the copy is committed there
         finally:
+            with self._wanted:
+                self._pushing = None
             os.close(fd)
 
     def pull(self, holder: tuple[str, str], rank: int, step: int, target: str) -> bool:

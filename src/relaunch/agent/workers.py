@@ -336,6 +336,8 @@ class Workers:
             if dumping:  # ranks asked for their stacks: let them write them before the signal
                 self._pcontext.wait(dumping)
             self._pcontext.close(death_sig, self._group.spec.shutdown_timeout)
+            if self.state is not None:
+                self.state.hold_copies()
             if self.zygote is not None:
                 self.zygote.revive()  # one that died imports again while the agent rejoins
             self._report.last_outcome = self._pcontext.wait(0)

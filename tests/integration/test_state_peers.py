@@ -1,0 +1,109 @@
+"""A node's pushes of its kept state to its successor (``agent.state_peers``): held while the
+workers restart, and going on at the next save."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import queue
+import socket
+import struct
+import threading
+
+import pytest
+from conftest import wait_until
+
+from relaunch.agent.state_peers import PeerLink
+from relaunch.core import state as layout
+from relaunch.state.files import SlotWriter
+from relaunch.store import auth
+
+PUSH = struct.Struct("!IBQ")  # after the request's kind: rank, slot, size
+
+
+def commit(directory: pathlib.Path, rank: int, slot: int, step: int, size: int) -> int:
+    """Commit ``size`` bytes as ``rank``'s ``step`` in ``slot`` of ``directory``; the slot's
+    size in bytes."""
+    fd = os.open(directory / layout.slot_name(rank, slot), os.O_RDWR | os.O_CREAT, 0o600)
+    writer = SlotWriter(fd)
+    try:
+        return writer.write(step, step + 1, [memoryview(bytes([step]) * size)])
+    finally:
+        writer.close()
+        os.close(fd)
+
+
+class Successor:
+    """A successor that takes pushes as the real one does, and can stop reading one."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.pushes: queue.Queue[tuple[int, int, int, int]] = queue.Queue()
+        self.stall = threading.Event()  # the next push stops being read after its header
+        self.stalled = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            with connection:
+                connection.settimeout(30)
+                challenge = auth.nonce()
+                connection.sendall(challenge)
+                assert auth.verify(self.token, b"client", challenge, self._read(connection, 32))
+                assert self._read(connection, 1) == b"P"
+                rank, slot, size = PUSH.unpack(self._read(connection, PUSH.size))
+                if self.stall.is_set():
+                    self.stall.clear()
+                    self.stalled.set()
+                    got = len(connection.recv(1 << 16))
+                    while chunk := connection.recv(1 << 16):  # once the sender gives up
+                        got += len(chunk)
+                    self.pushes.put((rank, slot, size, got))
+                    continue
+                head = self._read(connection, size)
+                whole = self._read(connection, 1) == b"\1"
+                found = layout.read_header(head[: layout.HEADER_SIZE]) if whole else None
+                self.pushes.put((rank, slot, size, -1 if found is None else found.step))
+
+    @staticmethod
+    def _read(connection: socket.socket, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            chunk = connection.recv(min(size - len(data), 1 << 20))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return bytes(data)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(tmp_path: pathlib.Path) -> None:
+    """``hold`` (the workers stop) ends the push under way, though its receiver reads nothing
+    more; the next save is pushed whole."""
+    link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30)
+    successor = Successor("secret")
+    try:
+        link.follow((successor.address, successor.token))
+        size = commit(tmp_path, 3, 0, 7, 64 << 20)  # more than the socket buffers hold
+        successor.stall.set()
+        link.saved(3)
+        wait_until(successor.stalled.is_set, 30, "the push to start")
+        link.hold()
+        rank, slot, sent, got = successor.pushes.get(timeout=30)  # the sender gave up
+        assert (rank, slot, sent) == (3, 0, size) and got < size
+        small = commit(tmp_path, 3, 1, 8, 1 << 10)
+        link.saved(3)
+        assert successor.pushes.get(timeout=30) == (3, 1, small, 8)
+    finally:
+        link.close()
+        successor.close()
