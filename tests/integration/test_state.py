@@ -84,8 +84,11 @@ def run_two_nodes(
     backend: str,
     run_id: str,
     command: list[str],
+    flags: tuple[str, ...] = (),
+    codes: tuple[int, int] = (0, 0),
 ) -> None:
-    """Two agents of one worker each on ``backend``, run to their end (both exit 0)."""
+    """Two agents of one worker each on ``backend`` (and ``flags``), run to their end (they
+    exit with ``codes``)."""
     endpoint = endpoint_of(backend, request)
     agents = [
         subprocess.Popen(
@@ -96,6 +99,7 @@ def run_two_nodes(
                 *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1"),
                 *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
                 *("--tee", "2"),  # the workers' stderr too, should the run fail
+                *flags,
                 *command,
             ],
             stdout=subprocess.DEVNULL,
@@ -106,8 +110,8 @@ def run_two_nodes(
         for _ in range(2)
     ]
     errors = [agent.communicate(timeout=120)[1] for agent in agents]
-    codes = [agent.returncode for agent in agents]
-    assert codes == [0, 0], f"exit statuses {codes}:\n" + "\n---\n".join(errors)
+    got = tuple(agent.returncode for agent in agents)
+    assert got == codes, f"exit statuses {got}:\n" + "\n---\n".join(errors)
 
 
 @pytest.mark.timeout(60)
@@ -192,6 +196,27 @@ def test_a_requeued_job_resumes_from_the_state_dir(
     assert sorted(os.listdir(state_dir)) == ["rank0.state", "rank1.state"]
     again = relaunch_cli(leaks, *flags, WORKER, str(out), "exit", "10", "-1")
     assert again.returncode == 0, again.stderr
+    assert [read(out, f"resumed.0.{rank}") for rank in range(2)] == ["6", "6"]
+    for rank in range(2):
+        assert read(out, f"final.{rank}") == repr({"rank": rank, "sum": 45, "step": 9})
+
+
+@pytest.mark.timeout(120)
+def test_a_requeued_job_of_two_nodes_resumes_from_the_state_dir(
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest
+) -> None:
+    """Each node tells the others the steps its ranks have on disk before it copies them into
+    memory (no node waits on another's disk), and the requeued job resumes from them."""
+    state_dir, out = tmp_path / "state", tmp_path / "out"
+    out.mkdir()
+    flags = ("--state-dir", str(state_dir), "--state-persist-every", "3")
+    run_id = f"requeue-{os.getpid()}"
+    failing = [WORKER, str(out), "exit", "10", "6"]
+    run_two_nodes(leaks, request, "c10d", run_id, failing, (*flags, "--max-restarts", "0"), (1, 1))
+    assert sorted(os.listdir(state_dir)) == ["rank0.state", "rank1.state"]
+    run_two_nodes(
+        leaks, request, "c10d", f"{run_id}-again", [WORKER, str(out), "exit", "10", "-1"], flags
+    )
     assert [read(out, f"resumed.0.{rank}") for rank in range(2)] == ["6", "6"]
     for rank in range(2):
         assert read(out, f"final.{rank}") == repr({"rank": rank, "sum": 45, "step": 9})

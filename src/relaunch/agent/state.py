@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from relaunch.agent.channel import Channel
 from relaunch.core import state as layout
 from relaunch.core.durations import seconds
+from relaunch.core.state import Header
 from relaunch.core.state_settings import StateSettings, default_memory
 from relaunch.procs.guardian import guardian
 from relaunch.procs.monitor import FailureGrace
@@ -152,22 +153,28 @@ class StateKeeper:
         ranks."""
         with self._changed:
             self._ranks = dict(ranks)
-        self._seed(ranks.values())
-        held = held_steps(self.directory)
+        # What a requeued job has on disk counts at once; it is copied here after the nodes
+        # agreed, so that no node waits on another's disk.
+        coming = self._on_disk(ranks.values())
+        held = held_steps(self.directory, coming)
         if group_world_size == 1 or self._peers is None:
+            self._seed(coming)
             step = layout.common_step(held, world_size)
             self._fetch(step, ranks.values(), {})
             self._agreed = step
             return step
+        replicated_here = set(replicated_steps(held, self.directory))
+        replicated_here.update(head.step for head in coming.values() if head.replicated)
         mine = {
             "address": self._peers.address,
             "token": self._peers.token,
             "held": held,
-            "replicated": replicated_steps(held, self.directory),
+            "replicated": sorted(replicated_here),
         }
         parts = job.gather(
             "state", group_rank, group_world_size, json.dumps(mine).encode(), AGREE_TIMEOUT
         )
+        self._seed(coming)
         if parts is None:
             log.warning(
                 "the nodes could not agree on a step to resume from within %s: the workers "
@@ -248,13 +255,24 @@ class StateKeeper:
                     step,
                 )
 
-    def _seed(self, ranks: Collection[int]) -> None:
-        """Ranks with nothing in memory get their copy on disk (a requeued job)."""
+    def _on_disk(self, ranks: Collection[int]) -> dict[int, Header]:
+        """The saves on disk (``--state-dir``: a requeued job) of the ranks of ``ranks`` with
+        nothing in memory here, by rank."""
+        if self.state_dir is None:
+            return {}
+        found = {}
+        for rank in ranks:
+            if not committed(self.directory, rank):
+                head = file_header(os.path.join(self.state_dir, layout.persisted_name(rank)))
+                if head is not None:
+                    found[rank] = head
+        return found
+
+    def _seed(self, saves: Mapping[int, Header]) -> None:
+        """Copy the saves on disk ``saves`` (``_on_disk``) into memory."""
         if self.state_dir is None:
             return
-        for rank in ranks:
-            if committed(self.directory, rank):
-                continue
+        for rank in saves:
             source = os.path.join(self.state_dir, layout.persisted_name(rank))
             try:
                 copy_committed(source, self._slot(rank, 0), fsync=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from relaunch.core.state import (
     COMMITTED,
@@ -239,10 +239,11 @@ def find_slot(directory: str, rank: int, step: int) -> str | None:
     return find_replica(directory, step)
 
 
-def held_steps(directory: str) -> dict[int, list[int]]:
-    """Every rank's steps this node holds: its own ranks' and the peer copies; a replicated
-    save stands for every rank listed (``replicated_steps`` for the others)."""
-    own: dict[int, list[Header]] = {}
+def held_steps(directory: str, coming: Mapping[int, Header] | None = None) -> dict[int, list[int]]:
+    """Every rank's steps this node holds: its own ranks' and the peer copies, and ``coming``
+    (by rank: saves on their way from disk); a replicated save stands for every rank listed
+    (``replicated_steps`` for the others)."""
+    own: dict[int, list[Header]] = {rank: [head] for rank, head in (coming or {}).items()}
     for where in (directory, os.path.join(directory, PEERS)):
         try:
             names = os.listdir(where)
