@@ -64,13 +64,13 @@ for step in range(start, steps):
             elif hang == "silent":
                 time.sleep(60)  # hung, without a sign of life
             sys.exit(3)
-        if rank == 0 and hang == "silent":
-            relaunch.report_progress(step)  # alive
         if rank == 0 and "kept" not in globals() and relaunch.failure_pending():
             (out / "jit").write_text(str(step - 1))  # first: the save ends this worker's time
             relaunch.save_state(state, step - 1, replicated=True)
             time.sleep(60)  # stopped by the agent
         time.sleep(0.01)
+    if hang == "silent" and (rank == 0 or attempt > 0):
+        relaunch.report_progress(step)  # alive (rank 1 is silent in attempt 0)
     state = {"rank": state["rank"], "sum": state["sum"] + step, "step": step}
     if "kept" in globals():
         kept["now"] = (state, step)

@@ -142,7 +142,7 @@ def test_a_failure_lets_the_listening_workers_save_just_in_time(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("mode", "flags"), [("section", ()), ("silent", ("--hang-timeout", "1"))], ids=str
+    ("mode", "flags"), [("section", ()), ("silent", ("--hang-timeout", "2"))], ids=str
 )
 def test_a_hang_lets_the_listening_workers_save_just_in_time(
     tmp_path: pathlib.Path, leaks: LeakCheck, mode: str, flags: tuple[str, ...]

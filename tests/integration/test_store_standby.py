@@ -163,6 +163,8 @@ def test_a_standby_told_to_follow_another_primary_starts_afresh_from_it() -> Non
         wait_until(lambda: standby.snapshots == 2, what="the new primary's snapshot")
         with TcpStore("127.0.0.3", new.port, TOKEN) as client:
             client.set("later", b"3")
+        # The stream is asynchronous: a write the primary acknowledged reaches the standby after.
+        wait_until(lambda: standby._state.get("later").value == b"3", what="the write streamed")
         with TcpStore("127.0.0.2", standby.port, TOKEN) as voter:
             wait_until(lambda: voter.promote("node-a", 1, timeout=1), what="the promotion")
             assert voter.get("new").value == b"2" and voter.get("later").value == b"3"
