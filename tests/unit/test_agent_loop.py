@@ -18,6 +18,7 @@ import pytest
 from conftest import wait_until
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
+from relaunch.agent.state import AGREE_TRIES
 from relaunch.core.membership import MembershipChange
 from relaunch.core.sections import Learned
 from relaunch.events import Event, EventHandler
@@ -478,3 +479,45 @@ def test_a_worker_killed_by_a_signal_has_its_meaning_in_its_event(tmp_path) -> N
     raw = worker.metadata["raw_error"]
     assert isinstance(raw, str)
     assert json.loads(raw)["message"].startswith("SIGKILL: killed from outside")
+
+
+class Disagreeing(ListeningHandler):
+    """Group rank 0 of two nodes whose first ``fails`` state agreements fail (the other node's
+    record never came); then both records come."""
+
+    local_addr = "127.0.0.1"  # a node of several: its state is agreed with the others
+
+    def __init__(self, fails: int) -> None:
+        super().__init__(nodes=2)
+        self.fails = fails
+        self.gathers = 0
+
+    def gather(
+        self, name: str, rank: int, count: int, value: bytes, timeout: float
+    ) -> dict[int, bytes] | None:
+        self.gathers += 1
+        return None if self.gathers <= self.fails else dict.fromkeys(range(count), value)
+
+
+def test_nodes_that_cannot_agree_on_the_state_start_nothing_and_join_again(
+    tmp_path, caplog
+) -> None:
+    handler = Disagreeing(fails=1)
+    starter = Starter(ends_with(succeeded))
+    agent = agent_for(tmp_path, handler, starter)
+    assert agent.run().state is WorkerState.SUCCEEDED
+    assert handler.gathers == 2 and handler.rounds == 2
+    assert len(starter.calls) == 1  # no worker started before the nodes agreed
+    assert agent.restart_count == 0  # the second join is free
+    assert "could not agree on a step to resume from" in caplog.text
+    assert "joining the rendezvous again" in caplog.text
+
+
+def test_nodes_that_never_agree_start_without_state_after_their_tries(tmp_path, caplog) -> None:
+    handler = Disagreeing(fails=100)
+    starter = Starter(ends_with(succeeded))
+    agent = agent_for(tmp_path, handler, starter)
+    assert agent.run().state is WorkerState.SUCCEEDED
+    assert handler.gathers == AGREE_TRIES and handler.rounds == AGREE_TRIES
+    assert len(starter.calls) == 1
+    assert "the workers start without state" in caplog.text

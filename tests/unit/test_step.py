@@ -29,6 +29,7 @@ from relaunch.core.step_types import (
     HangsChecked,
     JobClosed,
     Looked,
+    NotAgreed,
     NoteRestart,
     Observation,
     PeersAnswered,
@@ -183,6 +184,28 @@ def test_a_membership_change_restarts_the_group_for_free() -> None:
         ]
     ]
     assert state.spent == 0
+
+
+def test_nodes_that_cannot_agree_on_the_state_start_nothing_and_join_again_for_free() -> None:
+    state = started(rules(watches_membership=True), nodes=2)
+    reason = "the nodes could not agree on a step to resume from within 1m"
+    state, said = run(
+        state,
+        [
+            (2.0, Looked(failed(), used=0)),
+            (3.0, Placed(2, 1)),
+            (3.5, NotAgreed(reason)),
+            (4.0, Placed(2, 1)),
+        ],
+    )
+    assert said[1] == [StartWorkers()]
+    assert said[2] == [
+        Say(f"[trainer] {reason}: joining the rendezvous again"),
+        CheckStore(),
+        Rendezvous(0.0),
+    ]
+    assert said[3] == [StartWorkers()]
+    assert state.spent == 1  # the failure's restart; the second join spent none
 
 
 def test_a_failure_caused_by_a_lost_node_is_free_too() -> None:

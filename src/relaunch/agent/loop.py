@@ -24,6 +24,7 @@ from relaunch.agent.metrics import AgentMetrics
 from relaunch.agent.report import RunReport, finished
 from relaunch.agent.sinks import LogSink, MetricPuts, Sinks
 from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
+from relaunch.agent.state import StateNotAgreed
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
 from relaunch.core import step_types as do
@@ -278,7 +279,10 @@ class LocalElasticAgent:
             case do.Rendezvous(backoff=backoff):
                 return self._rendezvous(backoff)
             case do.StartWorkers():
-                workers.start(self.restart_count)
+                try:
+                    workers.start(self.restart_count)
+                except StateNotAgreed as exc:
+                    return do.NotAgreed(str(exc))
                 self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
                 self._goodput.started()
                 self._started_once = True

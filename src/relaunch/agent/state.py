@@ -43,6 +43,14 @@ log = logging.getLogger(__name__)
 EXIT_CHECK = 0.05
 #: How long the nodes wait for each other's steps before an attempt (a lost node ends it).
 AGREE_TIMEOUT = 60.0
+#: Failed agreements in a row after which the workers start without state after all (a job
+#: that cannot agree at all still runs, from the start; it says so).
+AGREE_TRIES = 3
+
+
+class StateNotAgreed(Exception):
+    """The nodes could not agree on a step to resume from: the workers must not start (their
+    fresh saves would overwrite the state kept); the node joins again."""
 
 
 def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]], list[int]]:
@@ -120,6 +128,7 @@ class StateKeeper:
         self._persist_wanted = threading.Event()
         self._peers: PeerLink | None = None
         self._agreed: int | None = None  # the step the last attempt's nodes agreed on
+        self._not_agreed = 0  # failed agreements in a row
         if peer_host is not None:
             from relaunch.agent.state_peers import PeerLink  # sockets: a job of several nodes
 
@@ -148,7 +157,8 @@ class StateKeeper:
         world_size: int,
     ) -> int | None:
         """The newest step every rank of the new world (``world_size`` ranks) has, on any
-        node, agreed with every node (None: start afresh); what this node's new ranks need of
+        node, agreed with every node (None: start afresh; ``StateNotAgreed`` when the nodes
+        could not agree, ``AGREE_TRIES`` - 1 times in a row); what this node's new ranks need of
         it and lack is copied here first. ``ranks``: this node's local ranks -> their global
         ranks."""
         with self._changed:
@@ -176,12 +186,20 @@ class StateKeeper:
         )
         self._seed(coming)
         if parts is None:
+            self._not_agreed += 1
+            within = seconds(AGREE_TIMEOUT)
+            why = f"the nodes could not agree on a step to resume from within {within}"
+            if self._not_agreed < AGREE_TRIES:
+                raise StateNotAgreed(why)
             log.warning(
-                "the nodes could not agree on a step to resume from within %s: the workers "
-                "start without state (load_state() returns None)",
-                seconds(AGREE_TIMEOUT),
+                "%s, %d times in a row: the workers start without state (load_state() returns "
+                "None), and their saves replace what was kept",
+                why,
+                self._not_agreed,
             )
+            self._not_agreed = 0
             return None
+        self._not_agreed = 0
         nodes = {}
         for member, raw in parts.items():
             try:

@@ -8,7 +8,8 @@ history of observations in and actions out (``tests/unit/test_step.py`` tests it
 An attempt goes ``Began`` (or a restart) -> ``Rendezvous`` -> ``Placed`` -> ``StartWorkers`` ->
 ``WorkersStarted``; then the agent looks (``Looked``) and sleeps (``CheckHangs`` ->
 ``HangsChecked`` -> ``Wait``) until the workers end or the membership changes; then ``Succeed``,
-``Fail``, ``CutShort``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again.
+``Fail``, ``CutShort``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again. Nodes that
+cannot agree on the state to resume from (``NotAgreed``) start nothing and join again.
 
 The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
@@ -42,6 +43,7 @@ from relaunch.core.step_types import (
     HangsChecked,
     JobClosed,
     Looked,
+    NotAgreed,
     NoteRestart,
     Observation,
     PeersAnswered,
@@ -149,6 +151,13 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
         return state._replace(
             attempt_started=now, hang=None, hang_told=False, stacks_taken=False
         ), []
+    if isinstance(observation, NotAgreed):  # join again, for free: nothing ran
+        reason = f"[{state.rules.role}] {observation.reason}: joining the rendezvous again"
+        return state._replace(reforming=Reform(False, observation.reason)), [
+            Say(reason),
+            CheckStore(),
+            Rendezvous(),
+        ]
     if isinstance(observation, StacksPending):
         return state, [CheckHangs(now + observation.seconds)]  # let every stack be written
     if isinstance(observation, HangsChecked):

@@ -76,6 +76,17 @@ class WorkersStarted(Value):
     """The workers of a new attempt started."""
 
 
+class NotAgreed(Value):
+    """The nodes could not agree on the step their workers resume from (``reason``): none was
+    started, since workers started without their state would save over it."""
+
+    __slots__ = ("reason",)
+    reason: str
+
+    def __init__(self, reason: str) -> None:
+        self._set(reason=reason)
+
+
 class StacksPending(Value):
     """Ranks asked for their stacks still run: their stacks are due within ``seconds``."""
 
@@ -156,6 +167,7 @@ Observation = (
     | Placed
     | JobClosed
     | WorkersStarted
+    | NotAgreed
     | StacksPending
     | Looked
     | PeersAnswered
@@ -177,7 +189,8 @@ class Rendezvous(Value):
 
 
 class StartWorkers(Value):
-    """Start the workers of the group just joined (answered by ``WorkersStarted``)."""
+    """Start the workers of the group just joined (answered by ``WorkersStarted``, or
+    ``NotAgreed``)."""
 
 
 class StopWorkers(Value):
