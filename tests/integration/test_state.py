@@ -264,11 +264,14 @@ def test_nothing_is_left_in_dev_shm_after_any_end(
             import os, pathlib, sys, time
             import relaunch
             relaunch.save_state(bytes(1 << 20), 1)
+            marker = pathlib.Path({str(tmp_path)!r}, "dir")
             if os.environ["RANK"] == "0":  # one writer, and a rename: the test reads it whole
-                marker = pathlib.Path({str(tmp_path)!r}, "dir")
                 marker.with_suffix(".tmp").write_text(os.environ["RELAUNCH_STATE_DIR"])
                 os.replace(marker.with_suffix(".tmp"), marker)
             if {ending!r} == "failure":
+                deadline = time.monotonic() + 20
+                while not marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)  # rank 0 told the test first: a failure stops it
                 sys.exit(1)
             if {ending!r} in ("sigterm", "sigkill"):
                 time.sleep(60)
@@ -283,7 +286,12 @@ def test_nothing_is_left_in_dev_shm_after_any_end(
         env=leaks.process_env(),
     )
     marker = tmp_path / "dir"
-    wait_until(marker.exists, 20)
+    try:
+        wait_until(marker.exists, 20)
+    except BaseException:
+        agent.kill()
+        print(agent.communicate(timeout=30)[1])  # what the agent said, for the report
+        raise
     directory = marker.read_text()
     assert directory.startswith("/dev/shm/relaunch_state_")
     if ending in ("sigterm", "sigkill"):
