@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from relaunch.core import channel
 from relaunch.core.liveness import Liveness, read_liveness
@@ -81,10 +81,10 @@ class Channel:
             finally:
                 os.close(fd)
 
-    def failure_listening(self, rank: int) -> bool:
-        """Whether ``rank`` will hear of a pending failure (``failure_pending()``)."""
+    def failure_listeners(self, ranks: Iterable[int]) -> list[int]:
+        """The ranks of ``ranks`` that will hear of a pending failure (``failure_pending()``)."""
         with memoryview(self._map) as view:
-            return channel.failure_listening(view, rank)
+            return [rank for rank in ranks if channel.failure_listening(view, rank)]
 
     @property
     def stop_requested(self) -> bool:

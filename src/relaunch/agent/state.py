@@ -360,13 +360,19 @@ class StateKeeper:
             then()
 
     def wait_for_saves(
-        self, ranks: Collection[int], running: Callable[[], Collection[int]], timeout: float
+        self,
+        ranks: Collection[int],
+        running: Callable[[], Collection[int]],
+        timeout: float,
+        tell: Callable[[], None],
     ) -> set[int]:
-        """Wait up to ``timeout`` seconds until every local rank of ``ranks`` has saved from
-        now on or ended (``running()``, asked every ``EXIT_CHECK`` seconds: a worker's end
-        has no event here); the ranks that did neither."""
+        """``tell()`` the local ranks ``ranks`` to save (once their saves are expected: none
+        is missed), then wait up to ``timeout`` seconds until each has saved or ended
+        (``running()``, asked every ``EXIT_CHECK`` seconds: a worker's end has no event here);
+        the ranks that did neither."""
         saved = threading.Event()
         self.expect_saves(ranks, saved.set)
+        tell()
         deadline = time.monotonic() + timeout
         while not saved.wait(min(EXIT_CHECK, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
@@ -431,7 +437,7 @@ class JustInTime(FailureGrace):
         self._keeper, self._channel, self._timeout = keeper, channel, timeout
 
     def begin(self, running: set[int], release: Callable[[], None]) -> float:
-        listening = [rank for rank in running if self._channel.failure_listening(rank)]
+        listening = self._channel.failure_listeners(running)
         if not listening or self._timeout <= 0:
             return 0.0
         self._keeper.expect_saves(listening, release)

@@ -174,8 +174,9 @@ class Workers:
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
         if self.state is not None:
             self.state.prune()
-        if self.state is not None and hasattr(pcontext, "set_failure_grace"):
-            pcontext.set_failure_grace(JustInTime(self.state, channel, self.state.jit_save_timeout))
+            if hasattr(pcontext, "set_failure_grace"):
+                grace = JustInTime(self.state, channel, self.state.jit_save_timeout)
+                pcontext.set_failure_grace(grace)
         self._sampler.watch(channel, pcontext)
         self._node_bar.restart()
         if plan.draws_console:
@@ -358,15 +359,12 @@ class Workers:
         if self._failure_told:
             return
         self._failure_told = True
-        listening = [
-            rank
-            for rank in pcontext.running()
-            if rank not in hung and channel.failure_listening(rank)
-        ]
+        listening = channel.failure_listeners(set(pcontext.running()) - set(hung))
         if not listening:
             return
-        channel.announce_failure()
-        missing = state.wait_for_saves(listening, pcontext.running, state.jit_save_timeout)
+        missing = state.wait_for_saves(
+            listening, pcontext.running, state.jit_save_timeout, channel.announce_failure
+        )
         if missing:
             log.warning(
                 "local rank(s) %s did not save within --jit-save-timeout %s of the failure notice",
