@@ -23,6 +23,7 @@ import pytest
 from conftest import LeakCheck, marked_pids, relaunch_cli, wait_until
 
 from relaunch.config import ConfigError, LaunchConfig
+from relaunch.endpoints import find_free_port
 from relaunch.procs.zygote import Zygote, python_command, startup_variables
 
 pytestmark = pytest.mark.timeout(120)
@@ -372,3 +373,68 @@ def test_torch_preloaded_workers_all_reduce(leaks: LeakCheck, tmp_path: pathlib.
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
         assert f"rank {rank}: preloaded=True sum=3" in result.stdout
+
+
+AGENT_STORE_WORKER = """
+import os, pathlib, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+
+rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+# A client of torch's store before init_process_group, on every rank: only a store that no
+# worker serves answers it.
+store = dist.TCPStore(
+    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timedelta(seconds=30)
+)
+store.add("ranks", 1)
+dist.init_process_group("gloo")
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+dist.barrier()
+seen = f"{os.environ['TORCHELASTIC_USE_AGENT_STORE']} {store.add('ranks', 0)} {value.item():g}"
+pathlib.Path(sys.argv[1], f"{attempt}.{rank}").write_text(seen)
+if (attempt, rank) == ("0", 1):
+    os._exit(3)  # before the barrier: rank 0 cannot end the attempt as a success
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.xdist_group("torch")
+@pytest.mark.parametrize("layout", ["static", "two-nodes"])
+def test_with_torch_preloaded_the_agent_serves_torchs_store(
+    leaks: LeakCheck, tmp_path: pathlib.Path, request: pytest.FixtureRequest, layout: str
+) -> None:
+    """Every rank reaches torch's store as a client before any worker serves one
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), through a restart on the same port (static) or
+    with the other node's rank (two nodes); each attempt has a store of its own."""
+    pytest.importorskip("torch")
+    from test_state import run_two_nodes
+
+    script = tmp_path / "agent_store.py"
+    script.write_text(AGENT_STORE_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    if layout == "static":
+        result = relaunch_cli(
+            leaks,
+            *("--nproc-per-node", "2", "--max-restarts", "1", "--preload", "torch"),
+            *("--rdzv-backend", "static", "--master-port", str(find_free_port())),
+            *("--tee", "2", str(script), str(out)),
+            cwd=str(tmp_path),
+            timeout=200,
+        )
+        assert result.returncode == 0, result.stderr
+    else:
+        run_two_nodes(
+            leaks,
+            request,
+            "c10d",
+            f"agent-store-{os.getpid()}",
+            [str(script), str(out)],
+            ("--preload", "torch"),
+        )
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            assert (out / f"{attempt}.{rank}").read_text() == "True 2 3", (attempt, rank)

@@ -41,6 +41,7 @@ from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
 
 if TYPE_CHECKING:
+    from relaunch.agent.torch_store import TorchStoreServer
     from relaunch.core.placement import Placement
     from relaunch.procs.zygote import Zygote
 
@@ -104,6 +105,8 @@ class Workers:
         #: ``--preload``: the modules, and the zygote that forks the workers (``open`` starts it).
         self._preload = preload
         self.zygote: Zygote | None = None
+        #: torch's store, served while this node is group rank 0 (``--preload torch``).
+        self._torch_store: TorchStoreServer | None = None
         self._wakeups: EventQueue[str] | None = None
         self._pcontext: PContext | None = None
         self._explained: RunProcsResult | None = None
@@ -124,6 +127,11 @@ class Workers:
             self.state = StateKeeper(self._state_settings, self._job.local_addr)
         if self._preload:
             self.zygote = self._start_zygote(self._channel.env())
+        if self.zygote is not None:
+            from relaunch.agent.torch_store import TorchStoreServer, serves_torch_store
+
+            if serves_torch_store(self._preload):
+                self._torch_store = TorchStoreServer(self.zygote)
 
     def close(self) -> None:
         """The run is over: the node bar's final state, the channel gone, the kept state on
@@ -133,6 +141,8 @@ class Workers:
             self._channel.close()
         if self.state is not None:
             self.state.close()
+        if self._torch_store is not None:
+            self._torch_store.stop()
         if self.zygote is not None:
             self.zygote.close()
 
@@ -143,14 +153,21 @@ class Workers:
         assert channel is not None and wakeups is not None, "start before open"
         channel.reset()
         self._failure_told = False
+        store_server = self._torch_store if group.group_rank == 0 else None
+        if store_server is not None:  # before the state record lets other nodes start theirs
+            assert group.master_port is not None
+            store_server.bind(group.master_port)
         extra_env = {} if self.state is None else self.state.env(self._resume_step())
+        agent_store = self._torch_store is not None
+        if store_server is not None:
+            agent_store = self._serve_torch_store(store_server)
         # What the job's workers learned of their bounds: these are watched from the start.
         self._learned = self._job.share_learned(self._learned)
         if self._learned:
             extra_env[BOUNDS_ENV] = encode_learned(self._learned)
         plan = plan_attempt(
             command,
-            self._context(restart_count),
+            self._context(restart_count, agent_store),
             group.ranks,
             os.environ,
             new_attempt_dir(self._report.log_dir, restart_count)
@@ -251,8 +268,21 @@ class Workers:
             group.workers[0].world_size if group.workers else 0,
         )
 
-    def _context(self, restart_count: int) -> GroupContext:
-        """What every worker of the group just joined shares."""
+    def _serve_torch_store(self, server: TorchStoreServer) -> bool:
+        """Serve torch's store for the attempt; whether the workers use it (where it cannot
+        be served, worker rank 0 serves it, as it would without ``--preload torch``)."""
+        from relaunch.procs.zygote import PreloadError
+
+        group = self._group
+        assert group.master_addr is not None and group.master_port is not None
+        try:
+            return server.serve(group.master_addr, group.master_port)
+        except PreloadError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _context(self, restart_count: int, agent_store: bool) -> GroupContext:
+        """What every worker of the group just joined shares (``agent_store``: torch's store
+        is served by an agent, not by worker rank 0)."""
         group, spec = self._group, self._group.spec
         assert group.group_rank is not None and group.group_world_size is not None
         assert group.master_addr is not None and group.master_port is not None
@@ -266,6 +296,7 @@ class Workers:
             master_port=group.master_port,
             restart_count=restart_count,
             max_restarts=spec.max_restarts,
+            use_agent_store=agent_store,
         )
 
     def poll(self) -> RunProcsResult | None:
@@ -337,6 +368,8 @@ class Workers:
             if dumping:  # ranks asked for their stacks: let them write them before the signal
                 self._pcontext.wait(dumping)
             self._pcontext.close(death_sig, self._group.spec.shutdown_timeout)
+            if self._torch_store is not None:
+                self._torch_store.stop()
             if self.state is not None:
                 self.state.hold_copies()
             if self.zygote is not None:

@@ -24,7 +24,9 @@ and runs under any Python the workers use. Its life, in order (``main``):
    then returns to the top level of the interpreter, so that its end is a normal interpreter
    exit: ``SystemExit``'s code, atexit handlers, non-daemon threads joined, streams flushed;
    an uncaught exception is printed by ``sys.excepthook`` without the zygote's frames (exit
-   status 1, or death by SIGINT for ``KeyboardInterrupt``, as CPython does).
+   status 1, or death by SIGINT for ``KeyboardInterrupt``, as CPython does). A request for
+   torch's store instead (``torch_store``: with a listening socket, no streams) makes the
+   child serve torch's ``TCPStore`` on that socket until it is killed.
 
 The zygote leaves at the end of its socket (the agent closed it, or died however it died), and
 with its parent (``PR_SET_PDEATHSIG``); its children die with it (the same), so that a worker
@@ -393,6 +395,8 @@ def _become(zygote: _Zygote, request: "dict[str, Any]", fds: list[int]) -> None:
     zygote.prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
     if os.getppid() != zygote.pid:
         os.kill(os.getpid(), _signal.SIGKILL)  # the zygote died already: so does its worker
+    if "torch_store" in request:
+        _serve_torch_store(request["torch_store"], fds)
     try:
         os.setsid()
         _reset_signals(zygote, request["ignored"])
@@ -425,6 +429,39 @@ def _become(zygote: _Zygote, request: "dict[str, Any]", fds: list[int]) -> None:
         _run_module(request["module"], own)
     else:
         _run_script(request["script"], request["argv"][0], own)
+
+
+def _serve_torch_store(where: "dict[str, Any]", fds: list[int]) -> None:
+    """In a forked child: serve torch's ``TCPStore`` on the socket ``fds[0]``, which the agent
+    bound and listens on (workers that came early wait in its backlog), until killed; errors
+    go to the zygote's stderr, the agent's (``relaunch.agent.torch_store``)."""
+    port = where["port"]
+    try:
+        (listener,) = fds
+        os.setsid()
+        os.chdir("/")
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            where["host"],
+            port,
+            None,
+            True,
+            timedelta(seconds=where["timeout"]),
+            wait_for_workers=False,
+            master_listen_fd=listener,
+        )
+    except BaseException as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        os.write(2, f"relaunch: cannot serve torch's store on port {port}: {text}\n".encode())
+        os._exit(1)
+    for number in _BLOCKED:
+        _signal.signal(number, _signal.SIG_DFL)
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+    while store is not None:  # its threads serve; this one waits for the end
+        _signal.pause()
 
 
 def _signals_of(mask: int) -> set[int]:

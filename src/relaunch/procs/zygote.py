@@ -189,6 +189,19 @@ class ZygoteHandle(PopenHandle):
                 time.sleep(min(left, 0.01))
         return self._code
 
+    def kill(self) -> None:
+        """SIGKILL it, unless it is known to have exited (through its pidfd where there is one:
+        its pid may be another process's once the zygote reaped it)."""
+        if self.poll() is not None:
+            return
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def abandon(self) -> None:
         """Nothing to do: the zygote reaps it whenever it dies."""
 
@@ -453,6 +466,20 @@ class Zygote:
             "umask": caller.umask,
             "streams": sent,
         }
+        return self._ask(request, [fd for fd in fds if fd is not None])
+
+    def serve_torch_store(
+        self, listener: int, host: str, port: int, timeout: float
+    ) -> ZygoteHandle | None:
+        """Fork a process that serves torch's ``TCPStore`` on ``listener``, a socket the agent
+        bound to ``port`` and listens on (``host``: where its clients find it); None when the
+        workers start cold, as no zygote can fork it then. PreloadError as for ``spawn``."""
+        request = {"torch_store": {"host": host, "port": port, "timeout": timeout}}
+        return self._ask(request, [listener])
+
+    def _ask(self, request: dict[str, Any], fds: list[int]) -> ZygoteHandle | None:
+        """Have the zygote fork for ``request``, waiting for it to be ready; None when the
+        workers start cold (``_cold_reason``) or the zygote is closed."""
         with self._lock:
             for _ in range(2):  # a zygote found dead is started again, once
                 if self._cold_reason or self._closed:
@@ -464,12 +491,12 @@ class Zygote:
                 try:
                     if not self._wait_ready():
                         return None
-                    return self._request(request, [fd for fd in fds if fd is not None])
+                    return self._request(request, fds)
                 except ZygoteGone as gone:
                     log.warning("--preload: %s; starting a new one", gone)
             raise PreloadError(
                 f"--preload {','.join(self.preload)}: the zygote died twice in a row before it "
-                "could fork a worker"
+                "could fork a process"
             )
 
     def _fits(self, command: PythonCommand, env: Mapping[str, str]) -> bool:
