@@ -87,3 +87,17 @@ def test_virtual_local_rank_gives_each_worker_local_rank_0_and_its_own_gpu(
     assert len(ranks) == 2, done.stdout
     assert "    LOCAL_RANK=0\n" in ranks[0] and "    CUDA_VISIBLE_DEVICES=3\n" in ranks[0]
     assert "    LOCAL_RANK=0\n" in ranks[1] and "    CUDA_VISIBLE_DEVICES=5\n" in ranks[1]
+
+
+@pytest.mark.parametrize("preload", ["torch", "json"])
+def test_the_store_is_the_agents_where_preload_imports_torch(
+    leaks: LeakCheck, tmp_path, preload: str
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('a dry run must not start the worker')\n")
+    done = relaunch_cli(
+        leaks, "--dry-run", "--standalone", "--preload", preload, str(script), cwd=str(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    expected = "True" if preload == "torch" else "False"
+    assert f"    TORCHELASTIC_USE_AGENT_STORE={expected}\n" in done.stdout

@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 from conftest import LeakCheck, marked_pids, relaunch_cli, wait_until
 
+from relaunch.agent.torch_store import listen
 from relaunch.config import ConfigError, LaunchConfig
 from relaunch.endpoints import find_free_port
 from relaunch.procs.zygote import Zygote, python_command, startup_variables
@@ -438,3 +440,15 @@ def test_with_torch_preloaded_the_agent_serves_torchs_store(
     for attempt in (0, 1):
         for rank in (0, 1):
             assert (out / f"{attempt}.{rank}").read_text() == "True 2 3", (attempt, rank)
+
+
+def test_torchs_store_port_is_bound_on_every_address_or_left_to_rank_0() -> None:
+    """The agent listens where torch's ``TCPStore`` would (IPv4 reaches it); a port already
+    taken is left alone (``None``: worker rank 0 then serves the store, and says why not)."""
+    first = listen(0)
+    assert first is not None
+    with first:
+        port = first.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # in the backlog: accepted once a server takes the socket
+        assert listen(port) is None
