@@ -26,8 +26,8 @@ the model and the momentum from one that has it (those of a replacement node, in
 
 Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from ``time.time()``:
 
-- ``start T RANK PID ATTEMPT NODE STATE_DIR CHANNEL``: first thing (the last two: relaunch's
-  shared-memory files, or -);
+- ``start T RANK PID ATTEMPT NODE STATE_DIR CHANNEL AGE``: first thing (STATE_DIR, CHANNEL:
+  relaunch's shared-memory files, or -; AGE: seconds since the process was created);
 - ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed; ``built T
   RANK``: the model and optimizer made;
 - ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step from an attempt's second, in
@@ -50,6 +50,17 @@ import sys
 import time
 
 STARTED = time.time()
+
+
+def _age() -> float:
+    """Seconds since this process was created (its fork): the start time in /proc/self/stat,
+    in clock ticks since boot (10 ms here)."""
+    with open("/proc/self/stat") as file:
+        fields = file.read().rpartition(")")[2].split()  # from the 3rd field on
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+AGE = _age()
 LAYERS = 6
 WIDTH = 2048
 BATCH = 1
@@ -92,7 +103,7 @@ def main() -> int:
     fd = os.open(os.path.join(out, "events"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     node = os.environ.get("RECOVERY_NODE", "-")
     shm = [os.environ.get(name) or "-" for name in ("RELAUNCH_STATE_DIR", "RELAUNCH_CHANNEL")]
-    event(fd, "start", repr(STARTED), rank, os.getpid(), attempt, node, *shm)
+    event(fd, "start", repr(STARTED), rank, os.getpid(), attempt, node, *shm, repr(AGE))
 
     import torch
     import torch.distributed as dist
