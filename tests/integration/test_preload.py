@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import LeakCheck, marked_pids, relaunch_cli, wait_until
 
-from relaunch.agent.torch_store import listen
+from relaunch.agent.torch_store import TorchStoreServer, listen
 from relaunch.config import ConfigError, LaunchConfig
 from relaunch.endpoints import find_free_port
 from relaunch.procs.zygote import Zygote, python_command, startup_variables
@@ -452,3 +452,30 @@ def test_torchs_store_port_is_bound_on_every_address_or_left_to_rank_0() -> None
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # in the backlog: accepted once a server takes the socket
         assert listen(port) is None
+
+
+def test_a_store_the_agent_cannot_serve_is_left_to_worker_rank_0(
+    leaks: LeakCheck, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str], caplog: Any
+) -> None:
+    """A ``torch`` without ``TCPStore`` (a stand-in next to the script, which the zygote
+    imports): the server says why and ends, the agent says so and lets the port go."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (tmp_path / "torch" / "distributed.py").write_text("")
+    script = tmp_path / "job.py"
+    script.write_text("")
+    command = python_command([sys.executable, str(script)])
+    assert command is not None
+    zygote = Zygote(["torch"], command, leaks.process_env())
+    server = TorchStoreServer(zygote)
+    try:
+        port = find_free_port()
+        server.bind(port)
+        assert not server.serve("127.0.0.1", port)
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", port))  # worker rank 0 can serve it there
+    finally:
+        server.stop()
+        zygote.close()
+    assert f"relaunch: cannot serve torch's store on port {port}: " in capfd.readouterr().err
+    assert "could not be served by the agent (its error above)" in caplog.text

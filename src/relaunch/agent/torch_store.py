@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import select
 import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds the server's own client waits on it (it asks nothing: torch's constructor needs one).
 CLIENT_TIMEOUT = 60.0
+#: Seconds a new server may take to serve (a fork and a ``TCPStore``: milliseconds).
+READY_TIMEOUT = 30.0
 #: Seconds to wait for a killed server to be gone (a SIGKILLed process ends at once).
 STOP_TIMEOUT = 10.0
 #: Connections the kernel holds for the server before it accepts them: every rank's at once.
@@ -79,17 +83,34 @@ class TorchStoreServer:
 
     def serve(self, host: str, port: int) -> bool:
         """Have a process forked from the zygote serve the store on the socket ``bind`` made
-        (``host``: where its clients find it); whether one does. When none does, the socket
-        is closed: a rank waiting on it is refused and tries again, and worker rank 0 serves
-        the store, as without ``--preload torch``."""
+        (``host``: where its clients find it), and wait until it does; whether it does. When
+        it does not, the socket is closed: a rank waiting on it is refused and tries again, and
+        worker rank 0 serves the store, as without ``--preload torch``."""
         listener, self._listener = self._listener, None
         if listener is None:
             return False
-        with listener:
-            self._server = self._zygote.serve_torch_store(
-                listener.fileno(), host, port, CLIENT_TIMEOUT
-            )
-        return self._server is not None
+        ready_r, ready_w = os.pipe()
+        try:
+            with listener:
+                try:
+                    self._server = self._zygote.serve_torch_store(
+                        listener.fileno(), ready_w, host, port, CLIENT_TIMEOUT
+                    )
+                finally:
+                    os.close(ready_w)
+            if self._server is None:
+                return False
+            readable, _, _ = select.select([ready_r], [], [], READY_TIMEOUT)
+            if readable and os.read(ready_r, 1):
+                return True
+        finally:
+            os.close(ready_r)
+        log.warning(
+            "torch's store could not be served by the agent (%s): worker rank 0 serves it",
+            "its error above" if readable else f"not serving after {READY_TIMEOUT:g}s",
+        )
+        self.stop()
+        return False
 
     def stop(self) -> None:
         """The attempt's workers are gone: stop serving (the port is free again when this

@@ -25,8 +25,8 @@ and runs under any Python the workers use. Its life, in order (``main``):
    exit: ``SystemExit``'s code, atexit handlers, non-daemon threads joined, streams flushed;
    an uncaught exception is printed by ``sys.excepthook`` without the zygote's frames (exit
    status 1, or death by SIGINT for ``KeyboardInterrupt``, as CPython does). A request for
-   torch's store instead (``torch_store``: with a listening socket, no streams) makes the
-   child serve torch's ``TCPStore`` on that socket until it is killed.
+   torch's store instead (``torch_store``: with a listening socket and a pipe, no streams)
+   makes the child serve torch's ``TCPStore`` on that socket until it is killed.
 
 The zygote leaves at the end of its socket (the agent closed it, or died however it died), and
 with its parent (``PR_SET_PDEATHSIG``); its children die with it (the same), so that a worker
@@ -433,11 +433,12 @@ def _become(zygote: _Zygote, request: "dict[str, Any]", fds: list[int]) -> None:
 
 def _serve_torch_store(where: "dict[str, Any]", fds: list[int]) -> None:
     """In a forked child: serve torch's ``TCPStore`` on the socket ``fds[0]``, which the agent
-    bound and listens on (workers that came early wait in its backlog), until killed; errors
-    go to the zygote's stderr, the agent's (``relaunch.agent.torch_store``)."""
+    bound and listens on (workers that came early wait in its backlog), until killed; a byte
+    on the pipe ``fds[1]`` says it serves, its end without one that it could not (why: on the
+    zygote's stderr, the agent's; ``relaunch.agent.torch_store``)."""
     port = where["port"]
     try:
-        (listener,) = fds
+        listener, ready = fds
         os.setsid()
         os.chdir("/")
         from datetime import timedelta
@@ -457,6 +458,8 @@ def _serve_torch_store(where: "dict[str, Any]", fds: list[int]) -> None:
         text = " ".join(str(exc).split()) or type(exc).__name__
         os.write(2, f"relaunch: cannot serve torch's store on port {port}: {text}\n".encode())
         os._exit(1)
+    os.write(ready, b"1")
+    os.close(ready)
     for number in _BLOCKED:
         _signal.signal(number, _signal.SIG_DFL)
     _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
