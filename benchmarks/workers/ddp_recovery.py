@@ -21,15 +21,18 @@ The state (``{"step", "model", "optim"}``) is saved after every ``EVERY``-th ste
   state, path, storage_type=StorageType.MEMORY)``; ``load_checkpoint()`` at the start, its
   tensors copied (they are views of shared memory that the next save overwrites).
 
-At the start the ranks agree on the newest step any of them loaded; the ranks without it receive
-the model and the momentum from one that has it (those of a replacement node, in memory mode).
+At the start the ranks agree on the newest step any of them loaded. A rank that has it makes
+its model on the meta device and assigns it the loaded tensors (no initialisation overwritten,
+no copy: the resume a user wants, in every mode alike); the others build one and receive the
+model and the momentum from a rank that has it (those of a replacement node, in memory mode).
+DDP keeps the gradients in its bucket (``gradient_as_bucket_view``).
 
 Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from ``time.time()``:
 
 - ``start T RANK PID ATTEMPT NODE STATE_DIR CHANNEL AGE``: first thing (STATE_DIR, CHANNEL:
   relaunch's shared-memory files, or -; AGE: seconds since the process was created);
 - ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed; ``built T
-  RANK``: the model and optimizer made;
+  RANK``: the model and optimizer made, from the loaded state where there is one;
 - ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step from an attempt's second, in
   the step's padding: one 100 MB ``bytearray`` copy (its buffers, 200 MB, are made after the
   first step, not on the way back from a kill);
@@ -130,17 +133,6 @@ def main() -> int:
                 x = F.relu(x) if i < LAYERS - 1 else x
             return x
 
-    torch.manual_seed(0)
-    model = Net()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5)
-    params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    for p in params:  # the momentum exists from the start: every state has the same shape
-        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    event(fd, "built", repr(time.time()), rank)
-
     def state(step: int) -> dict[str, object]:
         return {"step": step, "model": model.state_dict(), "optim": opt.state_dict()}
 
@@ -191,20 +183,37 @@ def main() -> int:
     steps[rank] = own
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     best = int(steps.max())
-    source = "none"
-    if best >= 0:
-        if own == best:
-            assert loaded is not None
-            model.load_state_dict(loaded["model"])
-            opt.load_state_dict(loaded["optim"])
-            source = "own"
-        if bool((steps != best).any()):
-            src = int((steps == best).nonzero()[0])
-            with torch.no_grad():
-                for p in params:
-                    dist.broadcast(p.data, src)
-                    dist.broadcast(opt.state[p]["momentum_buffer"], src)
-            source = source if own == best else "received"
+    # A rank that holds the step resumed from makes its model of the loaded tensors (on the
+    # meta device, then assigned: no initialisation to overwrite, no copy); the others build
+    # one and receive the state from a rank that has it.
+    if best >= 0 and own == best:
+        assert loaded is not None
+        with torch.device("meta"):
+            model = Net()
+        model.load_state_dict(loaded["model"], assign=True)
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        opt.load_state_dict(loaded["optim"])
+        source = "own"
+    else:
+        torch.manual_seed(0)
+        model = Net()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        for p in params:  # the momentum exists from the start: every state has the same shape
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        source = "none"
+    event(fd, "built", repr(time.time()), rank)
+    if best >= 0 and bool((steps != best).any()):
+        src = int((steps == best).nonzero()[0])
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src)
+                dist.broadcast(opt.state[p]["momentum_buffer"], src)
+        source = source if own == best else "received"
     del loaded
     step = max(best, 0)
     event(
@@ -229,6 +238,7 @@ def main() -> int:
         find_unused_parameters=True,  # the layers not trained this step
         bucket_cap_mb=512,  # one bucket: one collective a step
         init_sync=False,  # the replicas are equal already (the resume above)
+        gradient_as_bucket_view=True,  # the gradients live in the bucket: no copy into it
     )
     ddp.register_comm_hook(None, lockstep)
     stop = os.path.join(out, "stop")
