@@ -25,7 +25,6 @@ At the start the ranks agree on the newest step any of them loaded. A rank that 
 its model on the meta device and assigns it the loaded tensors (no initialisation overwritten,
 no copy: the resume a user wants, in every mode alike); the others build one and receive the
 model and the momentum from a rank that has it (those of a replacement node, in memory mode).
-DDP keeps the gradients in its bucket (``gradient_as_bucket_view``).
 
 Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from ``time.time()``:
 
@@ -238,7 +237,6 @@ def main() -> int:
         find_unused_parameters=True,  # the layers not trained this step
         bucket_cap_mb=512,  # one bucket: one collective a step
         init_sync=False,  # the replicas are equal already (the resume above)
-        gradient_as_bucket_view=True,  # the gradients live in the bucket: no copy into it
     )
     ddp.register_comm_hook(None, lockstep)
     stop = os.path.join(out, "stop")
