@@ -8,11 +8,12 @@ stop request, after the workers had their chance to stop themselves.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
 
 from relaunch.agent.channel import Channel
@@ -160,7 +161,10 @@ class Workers:
         extra_env = {} if self.state is None else self.state.env(self._resume_step())
         agent_store = self._torch_store is not None
         if store_server is not None:
-            agent_store = self._serve_torch_store(store_server)
+            # Where it cannot be served, worker rank 0 serves it (as without --preload torch).
+            assert group.master_addr is not None and group.master_port is not None
+            with _bad_preload_is_bad_input():
+                agent_store = store_server.serve(group.master_addr, group.master_port)
         # What the job's workers learned of their bounds: these are watched from the start.
         self._learned = self._job.share_learned(self._learned)
         if self._learned:
@@ -182,12 +186,8 @@ class Workers:
         if self.zygote is None:
             self._pcontext = pcontext = self._start_processes(**arguments)
         else:
-            from relaunch.procs.zygote import PreloadError
-
-            try:
+            with _bad_preload_is_bad_input():
                 self._pcontext = pcontext = self._start_processes(**arguments, zygote=self.zygote)
-            except PreloadError as exc:
-                raise ConfigError(str(exc)) from None
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
         if self.state is not None:
             self.state.prune()
@@ -267,18 +267,6 @@ class Workers:
             {worker.local_rank: worker.global_rank for worker in group.workers},
             group.workers[0].world_size if group.workers else 0,
         )
-
-    def _serve_torch_store(self, server: TorchStoreServer) -> bool:
-        """Serve torch's store for the attempt; whether the workers use it (where it cannot
-        be served, worker rank 0 serves it, as it would without ``--preload torch``)."""
-        from relaunch.procs.zygote import PreloadError
-
-        group = self._group
-        assert group.master_addr is not None and group.master_port is not None
-        try:
-            return server.serve(group.master_addr, group.master_port)
-        except PreloadError as exc:
-            raise ConfigError(str(exc)) from None
 
     def _context(self, restart_count: int, agent_store: bool) -> GroupContext:
         """What every worker of the group just joined shares (``agent_store``: torch's store
@@ -464,3 +452,14 @@ class Workers:
             )
         self._report.stop_note = note
         return request
+
+
+@contextlib.contextmanager
+def _bad_preload_is_bad_input() -> Iterator[None]:
+    """What the zygote cannot import (``PreloadError``) is the user's mistake: ``ConfigError``."""
+    from relaunch.procs.zygote import PreloadError  # sockets: only with --preload
+
+    try:
+        yield
+    except PreloadError as exc:
+        raise ConfigError(str(exc)) from None
