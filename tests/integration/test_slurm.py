@@ -43,8 +43,10 @@ UNTIL_STOPPED = (
 import signal, time
 import relaunch
 relaunch.stop_requested()  # listen from the start
-with open(os.path.join(out, "usr1.%s" % os.environ["RANK"]), "w") as file:
+partial = os.path.join(out, "partial.%s" % os.environ["RANK"])
+with open(partial, "w") as file:  # whole or not there: the test reads it once it is there
     file.write(str(signal.getsignal(signal.SIGUSR1)))
+os.replace(partial, os.path.join(out, "usr1.%s" % os.environ["RANK"]))
 deadline = time.monotonic() + 60
 while not relaunch.stop_requested():
     if time.monotonic() > deadline:
