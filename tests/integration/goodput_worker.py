@@ -4,8 +4,10 @@ Steps of 0.3 s, reported with ``report_progress``, state saved every 5 steps; ``
 progress reported, state saved every step. In attempt 0, at the start of step FAIL_AT, once
 rank 0 is there too, rank 1 writes ``OUT/failed`` (the time) and exits 4, and the other ranks
 wait there, as a collective would hold them. In attempt 1, each rank writes
-``OUT/back.{rank}`` when it completes step FAIL_AT again: the job is then where it would have
-been one step after the failure, had there been none."""
+``OUT/back.{rank}`` when it begins step FAIL_AT again: the job is then where it was when it
+failed. (Not when it completes that step: the step's own time, a sleep that overshoots and a
+save under load, is no part of what the restart lost, and made the sum uncertain by tens of
+ms.)"""
 
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ for step in range(0 if got is None else got[0] + 1, fail_at + 2):
             (out / "failed").write_text(repr(time.time()))
             os._exit(4)
         time.sleep(60)  # stopped by relaunch
+    if attempt == 1 and step == fail_at:
+        (out / f"back.{rank}").write_text(repr(time.time()))
     time.sleep(STEP_SECONDS)
     if quiet or step % 5 == 0:
         relaunch.save_state({"step": step}, step)
     if not quiet:
         relaunch.report_progress(step)
-    if attempt == 1 and step == fail_at:
-        (out / f"back.{rank}").write_text(repr(time.time()))
