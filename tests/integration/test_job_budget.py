@@ -171,6 +171,61 @@ def test_restarts_caused_by_different_nodes_exhaust_the_jobs_budget_for_all(
     assert "Traceback" not in a.said() + b.said()
 
 
+SLOW_TO_STOP = (
+    MARKS
+    + """
+    import signal
+    node, local = os.environ["NODE"], os.environ["LOCAL_RANK"]
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        sys.exit(0)
+    def stopped(*_):
+        with open(os.path.join(os.environ["MARKS"], f"term.{node}.{local}"), "w") as file:
+            file.write(repr(time.time()))
+        if (node, local) == ("a", "1"):
+            time.sleep(2)  # slow to stop: its node's group ends 2 s after the failure
+        os._exit(143)
+    signal.signal(signal.SIGTERM, stopped)
+    mark(f"up.{node}.{local}")
+    for other in ("a.0", "a.1", "b.0", "b.1"):
+        await_mark(f"up.{other}")
+    if (node, local) == ("a", "0"):
+        mark("failed")
+        sys.exit("a genuine error")
+    time.sleep(100)  # until the failure stops it
+"""
+)
+
+
+def test_the_other_nodes_stop_their_workers_as_a_failure_is_seen_not_after_its_node_stopped(
+    tmp_path, leaks: LeakCheck, rdzv: Rendezvous
+) -> None:
+    """A rank of node a fails while its sibling takes 2 s to stop: node b is told at once
+    (its workers are stopped meanwhile), not once node a's workers are all gone; the group
+    restarts once, spending one restart."""
+    job = script(tmp_path, SLOW_TO_STOP)
+    marks = {"MARKS": str(tmp_path)}
+    nodes = start_pair(
+        rdzv,
+        leaks,
+        job,
+        *("--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1"),
+        *("--rdzv-conf", FORM_TWO),
+        envs=({"NODE": "a", **marks}, {"NODE": "b", **marks}),
+    )
+    try:
+        codes = [node.wait(90) for node in nodes]
+    finally:
+        stop_all(nodes)
+    a, b = nodes
+    assert codes == [0, 0], a.said() + "\n---\n" + b.said()
+    slow = float((tmp_path / "term.a.1").read_text())
+    told = [float((tmp_path / f"term.b.{local}").read_text()) for local in (0, 1)]
+    assert max(told) < slow + 1.0, (told, slow)  # b stopped before a's slow rank was gone
+    assert "a genuine error" in b.said()  # the reason it was told
+    restarts = [line for line in a.said().splitlines() if "restarting the worker group" in line]
+    assert len(restarts) == 1, a.said()
+
+
 GROW_THEN_FAIL_ONCE = (
     MARKS
     + """

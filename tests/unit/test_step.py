@@ -28,6 +28,7 @@ from relaunch.core.step_types import (
     FailJob,
     HangsChecked,
     JobClosed,
+    LeaveRound,
     Looked,
     NotAgreed,
     NoteRestart,
@@ -167,6 +168,53 @@ def test_the_budget_is_the_jobs_as_it_counts_it() -> None:
     state = started(rules(max_restarts=2), nodes=2)
     _, said = run(state, [(5.0, Looked(failed(), used=1))])  # another node spent one
     assert restarted("worker_failed", BOOM, "a worker failed", 1, 0) in said[0]
+
+
+def test_a_failure_among_several_nodes_is_told_as_it_is_seen_not_once_its_group_stopped() -> None:
+    """The monitor stops the failed rank's group; the others hear of it at once (they stop
+    their workers meanwhile), and the restart, spent once, is not told a second time."""
+    failing = Ended({1: Failed()}, {0: 0, 1: 1})
+    state = started(rules(watches_membership=True, max_restarts=2), nodes=2)
+    state, said = run(
+        state,
+        [
+            (5.0, Looked(None, None, used=0, failing=failing)),
+            (5.0, HangsChecked(None, None, None)),
+            (5.1, Looked(None, None, used=1, failing=failing)),  # woken again meanwhile
+            (5.1, HangsChecked(None, None, None)),
+            (5.3, Looked(failed(), used=1)),  # the job's count has this node's restart
+        ],
+    )
+    assert said[0] == [NoteRestart(f"n1: {BOOM}"), LeaveRound(), CheckHangs(None)]
+    assert said[1:4] == [[Wait(None)], [CheckHangs(None)], [Wait(None)]]
+    assert said[4] == [
+        ended("FAILED", 2),
+        ReportFailure(),
+        StopWorkers(),
+        CheckStore(),
+        restarted("worker_failed", BOOM, "a worker failed", 0, 1),
+        Rendezvous(0.0),
+    ]
+    assert state.spent == 1 and state.used == 0
+    state, said = run(state, [(6.0, Placed(2, used=1)), (6.0, WorkersStarted())])
+    assert state.restarts_left == 1 and not state.left_early
+
+
+@pytest.mark.parametrize(
+    ("nodes", "max_restarts", "change"),
+    [
+        (1, 2, None),  # nobody to tell
+        (2, 0, None),  # no restart left: a roll call decides, once the group stopped
+        (2, 2, MembershipChange.member_lost(1, "no heartbeat", detected_by=0)),  # free, theirs
+    ],
+)
+def test_a_failure_is_told_early_only_where_a_restart_of_its_own_follows_whatever_comes(
+    nodes: int, max_restarts: int, change: MembershipChange | None
+) -> None:
+    failing = Ended({1: Failed()}, {0: 0, 1: 1})
+    state = started(rules(watches_membership=True, max_restarts=max_restarts), nodes=nodes)
+    _, said = run(state, [(5.0, Looked(None, change, used=0, failing=failing))])
+    assert not any(isinstance(action, (LeaveRound, NoteRestart)) for action in said[0])
 
 
 def test_a_membership_change_restarts_the_group_for_free() -> None:

@@ -261,14 +261,15 @@ class LocalElasticAgent:
         # failed killed the workers and ended the group, and that end is not theirs to judge.
         failures.check()
         ended = self._workers.ended()
+        failing = self._workers.failing() if outcome is None else None
         job = self._job
-        failed = outcome is not None and outcome.is_failed()
+        failed = (outcome is not None and outcome.is_failed()) or failing is not None
         used = job.restarts_used(self._state.spent) if failed else None
         change = job.membership_change() if job.watches_membership else None
         if failed or change is not None:
             self._goodput.seen()
         self._workers.look_back(self._goodput)
-        return do.Looked(ended, change, used)
+        return do.Looked(ended, change, used, failing)
 
     def _act(
         self, action: do.Action, wakeups: EventQueue[str]
@@ -307,6 +308,8 @@ class LocalElasticAgent:
                 job.fail_job(reason, stacks=stacks, requeue=requeue)
             case do.NoteRestart(reason=reason):
                 job.note_restart(reason)
+            case do.LeaveRound():
+                job.leave_early()
             case do.ReportFailure():
                 log.warning("%s", workers.failure_report())
             case do.Say(text=text, error=error):

@@ -189,6 +189,8 @@ class Workers:
             with _bad_preload_is_bad_input():
                 self._pcontext = pcontext = self._start_processes(**arguments, zygote=self.zygote)
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
+        if hasattr(pcontext, "add_failure_callback"):  # not a start_processes of the user's
+            pcontext.add_failure_callback(lambda: wakeups.put("a worker failed"))
         if self.state is not None:
             self.state.prune()
             if hasattr(pcontext, "set_failure_grace"):
@@ -315,6 +317,21 @@ class Workers:
             group.by_global_rank(outcome.failures),
             {worker.global_rank: worker.local_rank for worker in group.workers},
             snapshot,
+        )
+
+    def failing(self) -> Ended | None:
+        """The failures of an attempt whose workers are still being stopped because of them
+        (None: none failed, or the attempt has ended: ``ended``)."""
+        pcontext = self._pcontext
+        if self._outcome is not None or pcontext is None or not hasattr(pcontext, "failures"):
+            return None
+        failures = pcontext.failures()
+        if not failures:
+            return None
+        group = self._group
+        return Ended(
+            group.by_global_rank(failures),
+            {worker.global_rank: worker.local_rank for worker in group.workers},
         )
 
     def failure_report(self) -> str:

@@ -9,7 +9,10 @@ An attempt goes ``Began`` (or a restart) -> ``Rendezvous`` -> ``Placed`` -> ``St
 ``WorkersStarted``; then the agent looks (``Looked``) and sleeps (``CheckHangs`` ->
 ``HangsChecked`` -> ``Wait``) until the workers end or the membership changes; then ``Succeed``,
 ``Fail``, ``CutShort``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again. Nodes that
-cannot agree on the state to resume from (``NotAgreed``) start nothing and join again.
+cannot agree on the state to resume from (``NotAgreed``) start nothing and join again. A failure
+that restarts a group of several nodes whatever else comes is told as soon as it is seen
+(``Looked.failing``: ``NoteRestart``, ``LeaveRound``), while this node's other workers are still
+being stopped, so that every node's workers stop at once.
 
 The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
@@ -42,6 +45,7 @@ from relaunch.core.step_types import (
     FailJob,
     HangsChecked,
     JobClosed,
+    LeaveRound,
     Looked,
     NotAgreed,
     NoteRestart,
@@ -122,6 +126,9 @@ class RunState(NamedTuple):
     #: A failure waiting for the roll call's answer.
     roll_call_for: Looked | None = None
     reforming: Reform | None = None
+    #: This attempt's failure left the round while its workers were still being stopped
+    #: (``LeaveRound``): its restart is decided, counted in the job, and told.
+    left_early: bool = False
 
     @property
     def restarts_left(self) -> int:
@@ -149,7 +156,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
         return _closed(state)
     if isinstance(observation, WorkersStarted):
         return state._replace(
-            attempt_started=now, hang=None, hang_told=False, stacks_taken=False
+            attempt_started=now, hang=None, hang_told=False, stacks_taken=False, left_early=False
         ), []
     if isinstance(observation, NotAgreed):  # join again, for free: nothing ran
         reason = f"[{state.rules.role}] {observation.reason}: joining the rendezvous again"
@@ -175,9 +182,17 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
 def _looked(state: RunState, look: Looked, now: float) -> Decided:
     """The workers and the job were looked at: decide, after a roll call where it tells."""
     failed = look.ended is not None and look.ended.failed
-    if failed and look.used is not None:
+    if state.left_early:  # the job's count has this node's restart in it; the change is its own
+        look = Looked(look.ended, None, None)
+    if (failed or look.failing is not None) and look.used is not None:
         state = state._replace(used=look.used)
     rules = state.rules
+    if look.ended is None and look.failing is not None and _leaves_early(state, look):
+        failing = look.failing
+        rank = root_cause_rank(failing.failures)
+        note = NoteRestart(f"{rules.node}: {one_line(rank, failing.failures[rank])}")
+        state, actions = _decide(state._replace(left_early=True), look, None, now)
+        return state, [note, LeaveRound(), *actions]
     if (
         failed
         and look.change is None
@@ -188,6 +203,21 @@ def _looked(state: RunState, look: Looked, now: float) -> Decided:
     ):
         return state._replace(roll_call_for=look), [AskRollCall(rules.roll_call_timeout)]
     return _decide(state, look, look.change, now)
+
+
+def _leaves_early(state: RunState, look: Looked) -> bool:
+    """A worker failed and the others are being stopped: the group restarts whatever else comes
+    (a restart is left, no change or hang decides otherwise), so the other nodes are told now,
+    to stop their workers while this node's stop, rather than after it."""
+    rules = state.rules
+    return (
+        not state.left_early
+        and look.change is None
+        and rules.watches_membership
+        and not state.alone
+        and state.restarts_left > 0
+        and state.hang is None
+    )
 
 
 def _decide(state: RunState, look: Looked, change: MembershipChange | None, now: float) -> Decided:
@@ -287,7 +317,7 @@ def _restart(
     actions.append(
         Tell(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
     )
-    if decision.uses_restart:  # the other nodes restart because of this: say why
+    if decision.uses_restart and not state.left_early:  # the others restart for it: say why
         actions.append(NoteRestart(f"{rules.node}: {reason}"))
     if delay:
         backoff = rules.backoff

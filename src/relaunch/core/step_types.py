@@ -122,20 +122,23 @@ class Ended(Value):
 
 class Looked(Value):
     """How the workers stand (``ended`` None: they run) and the membership change, if any;
-    ``used``: the job's restart count, read when the workers failed."""
+    ``used``: the job's restart count, read when the workers failed; ``failing``: the failures
+    of workers whose group is still being stopped because of them (``ended`` is None)."""
 
-    __slots__ = ("change", "ended", "used")
+    __slots__ = ("change", "ended", "failing", "used")
     ended: Ended | None
     change: MembershipChange | None
     used: int | None
+    failing: Ended | None
 
     def __init__(
         self,
         ended: Ended | None = None,
         change: MembershipChange | None = None,
         used: int | None = None,
+        failing: Ended | None = None,
     ) -> None:
-        self._set(ended=ended, change=change, used=used)
+        self._set(ended=ended, change=change, used=used, failing=failing)
 
 
 class PeersAnswered(Value):
@@ -276,6 +279,11 @@ class NoteRestart(Value):
         self._set(reason=reason)
 
 
+class LeaveRound(Value):
+    """Leave the running round now, so that the other nodes stop their workers and re-form
+    while this node's are still being stopped (after ``NoteRestart``: the restart it spends)."""
+
+
 class ReportFailure(Value):
     """Log the failure report of the workers that just failed."""
 
@@ -350,6 +358,7 @@ Action = (
     | StopForStacks
     | FailJob
     | NoteRestart
+    | LeaveRound
     | ReportFailure
     | Say
     | StopNote

@@ -383,6 +383,28 @@ class PContext(abc.ABC):
             raise RuntimeError(f"{type(self).__name__} {self.name!r} was not started")
         self._monitor.add_done_callback(fn)
 
+    def add_failure_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once, at the first failure, as the other workers' stop begins (then
+        ``failures()`` has it): from the monitor thread, so it must be quick; at once if a
+        worker failed already. The agent tells the other nodes then, not once its own
+        workers are gone."""
+        if self._monitor is None:
+            raise RuntimeError(f"{type(self).__name__} {self.name!r} was not started")
+        self._monitor.add_failure_callback(fn)
+
+    def failures(self) -> dict[int, ProcessFailure]:
+        """The workers that failed so far, by local rank (those stopped because of a failure
+        are not among them): the group's failures before it has ended."""
+        monitor = self._monitor
+        if monitor is None:
+            return {}
+        with monitor.lock:
+            return {
+                rank: _failure(rank, worker, self.rank_io[rank])
+                for rank, worker in monitor.workers.items()
+                if worker.exitcode and rank not in monitor.stopped_ranks
+            }
+
     def close(
         self, death_sig: signal.Signals | None = None, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     ) -> None:
@@ -424,11 +446,7 @@ class PContext(abc.ABC):
         assert self._monitor is not None
         monitor = self._monitor
         workers = monitor.workers
-        failures = {
-            rank: _failure(rank, worker, self.rank_io[rank])
-            for rank, worker in workers.items()
-            if worker.exitcode and rank not in monitor.stopped_ranks
-        }
+        failures = self.failures()  # the monitor's lock is re-entrant
         stopped = {rank: workers[rank].exitcode or 0 for rank in monitor.stopped_ranks}
         # Loaded by ``wait`` in the caller's thread: unpickling runs the user's code.
         self._unloaded = {} if failures else dict(workers)

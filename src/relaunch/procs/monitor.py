@@ -126,6 +126,7 @@ class GroupMonitor:
         self._on_done = on_done
         self._done = False
         self._ended = Latch()
+        self._failed = Latch()
         self._kill_at: float | None = None
         self._give_up_at: float | None = None
         self._unreaped: dict[int, WorkerProcess] = {}
@@ -167,6 +168,11 @@ class GroupMonitor:
     def add_done_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once every worker has exited (at once if they have)."""
         self._ended.add_callback(callback)
+
+    def add_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, at the group's first failure, as the others' stop begins
+        (at once if one failed already)."""
+        self._failed.add_callback(callback)
 
     def stop(self, sig: int, timeout: float) -> None:
         """Send ``sig`` to every worker tree; SIGKILL whatever still runs ``timeout`` s later."""
@@ -429,6 +435,8 @@ class GroupMonitor:
                     self._grace_until = self._clock.monotonic() + hold
                 else:
                     self._stop_locked(signal.SIGTERM, self.stop_timeout)
+            if state is GroupState.FAILED:
+                self._failed.set()
             if all(code is not None for code in codes.values()):
                 self._kill_at = self._give_up_at = self._recheck_at = None
                 self._on_done()

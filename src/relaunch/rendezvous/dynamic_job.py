@@ -120,10 +120,7 @@ class DynamicJob:
         """Leave the running round (the others re-form at once), then say until when this node
         is excluded from the job (``clock.time()``), or None when it may join."""
         self.check_store()
-        try:
-            self.leave_round()
-        except StoreError as exc:
-            log.warning("could not mark round %s for re-forming (%s)", self._standing.round, exc)
+        self._leave_or_warn()
         if self._exclusion is None:
             return None
         try:
@@ -133,6 +130,20 @@ class DynamicJob:
             log.debug("could not read this node's record: %s", exc)
             return None  # joining reports an unreachable store
         return exclusion.excluded_until(record, self._clock.time())
+
+    def leave_early(self) -> None:
+        if self._standing.store_lost_at is not None:
+            return
+        try:
+            self._leave_or_warn()
+        except RendezvousClosedError:
+            pass  # the join says so
+
+    def _leave_or_warn(self) -> None:
+        try:
+            self.leave_round()
+        except StoreError as exc:
+            log.warning("could not mark round %s for re-forming (%s)", self._standing.round, exc)
 
     def leave_round(self) -> None:
         """Before joining again: mark the current round as re-formed, so others follow. When

@@ -78,6 +78,11 @@ class JobServices(Protocol):
     def note_restart(self, reason: str) -> None:
         """This node spends one of the job's restarts because of ``reason``: tell the others."""
 
+    def leave_early(self) -> None:
+        """Leave the running round now, as ``prepare_join`` would (the others re-form at once),
+        while this node's failed workers are still being stopped; nothing when the store was
+        lost (the join's checks come first) or cannot be reached."""
+
     def peers_alive(self, timeout: float) -> bool | None:
         """Whether every other member answers within ``timeout``; None: cannot tell."""
 
@@ -167,6 +172,9 @@ class SoloJob:
         return spent_here
 
     def note_restart(self, reason: str) -> None:
+        pass
+
+    def leave_early(self) -> None:
         pass
 
     def peers_alive(self, timeout: float) -> bool | None:
