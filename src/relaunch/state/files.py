@@ -63,7 +63,8 @@ def _read_into(fd: int, part: bytearray | memoryview, offset: int) -> None:
 
 class SlotWriter:
     """A worker's slot file, mapped: a save is a ``memcpy`` into pages the file already has
-    (after its first save of that size), with no system call per part. Its memory is reserved
+    (after its first save of that size) and the mapping already shows, with no system call
+    or page fault per part. Its memory is reserved
     (``posix_fallocate``) before it is written, so a full ``/dev/shm`` is an ``OSError`` here,
     never a SIGBUS in the middle of a save."""
 
@@ -99,7 +100,11 @@ class SlotWriter:
             os.posix_fallocate(self.fd, 0, used)
             size = used
         if self._map is None:
-            self._map = mmap.mmap(self.fd, size)
+            # Its page tables made at once (``MAP_POPULATE``): the first save of a process
+            # (every restarted worker's) would otherwise fault in each of the slot's pages one
+            # by one, 0.11 s for 201 MB against 0.02 s here, and then copy.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(self.fd, size, flags=flags)
         return self._map
 
     def close(self) -> None:
