@@ -162,6 +162,31 @@ def test_headline_skips_a_heading(message: str, line: str) -> None:
     assert headline(message) == line
 
 
+WARNED = (
+    "/w/train.py:234: FutureWarning: `broadcast_buffers` is deprecated.\n"
+    "  ddp = nn.parallel.DistributedDataParallel(\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("tail", "line"),
+    [
+        (WARNED, ""),  # killed after a warning: the warning is not why
+        ("step 7\n" + WARNED, "step 7"),
+        (
+            WARNED + "Traceback (most recent call last):\n  File x\nValueError: boom",
+            "ValueError: boom",
+        ),
+        ("/w/x.py:1: UserWarning: careful\n  x()\n  y()\nsaving", "saving"),
+    ],
+)
+def test_a_python_warning_in_the_stderr_tail_is_never_the_headline(tail: str, line: str) -> None:
+    assert headline(stderr_tail_message("/l/stderr.log", tail)) == line
+    assert one_line(3, F(0, 1, -9, details=stderr_tail_message("/l/stderr.log", tail))) == (
+        "rank 3 killed by SIGKILL (signal 9)" + (f": {line}" if line else "")
+    )
+
+
 def test_one_line_never_ends_with_a_heading() -> None:
     tail = stderr_tail_message("/l/stderr.log", "Traceback: boom")
     assert one_line(0, F(0, 1, 3, details=tail)) == "rank 0 exited with code 3: Traceback: boom"

@@ -108,19 +108,40 @@ def stderr_tail_message(path: str, tail: str, log_error: str = "") -> str:
     return f"{STDERR_TAIL_HEADING} ({where}):\n{tail}"
 
 
+#: A Python warning as ``warnings`` prints it: ``path:line: CategoryWarning: text``, then the
+#: line of source it names, indented.
+_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+
+
 def headline(message: str) -> str:
     """The line of a failure message that says most on its own, for a one-line reason.
 
     That is the first line, unless it is a heading (it ends with ``:``) such as
     ``last lines of stderr (...):`` or ``Traceback (most recent call last):``: then the last
-    non-empty line (where a Python traceback names its exception); "" for a bare heading.
+    non-empty line (where a Python traceback names its exception) that is not part of a
+    Python warning (a worker killed by a signal after a ``FutureWarning`` did not die of it);
+    "" for a bare heading.
     """
     lines = [line for line in message.splitlines() if line.strip()]
     if not lines:
         return ""
     if not lines[0].rstrip().endswith(":"):
         return lines[0]
-    return lines[-1].strip() if len(lines) > 1 else ""
+    said = _without_warnings(lines[1:])
+    return said[-1].strip() if said else ""
+
+
+def _without_warnings(lines: list[str]) -> list[str]:
+    """``lines`` less the Python warnings among them (each with its indented source lines)."""
+    kept: list[str] = []
+    in_warning = False
+    for line in lines:
+        if _WARNING.match(line):
+            in_warning = True
+        elif not (in_warning and line.startswith(" ")):
+            in_warning = False
+            kept.append(line)
+    return kept
 
 
 def failure_signature(failure: Failure) -> str:
