@@ -233,7 +233,6 @@ def main() -> int:
 
     ddp = nn.parallel.DistributedDataParallel(
         model,
-        broadcast_buffers=False,
         find_unused_parameters=True,  # the layers not trained this step
         bucket_cap_mb=512,  # one bucket: one collective a step
         init_sync=False,  # the replicas are equal already (the resume above)
