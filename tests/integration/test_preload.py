@@ -479,3 +479,40 @@ def test_a_store_the_agent_cannot_serve_is_left_to_worker_rank_0(
         zygote.close()
     assert f"relaunch: cannot serve torch's store on port {port}: " in capfd.readouterr().err
     assert "could not be served by the agent (its error above)" in caplog.text
+
+
+def test_a_store_server_that_dies_during_the_attempt_is_named(
+    leaks: LeakCheck, tmp_path: pathlib.Path
+) -> None:
+    """The server (a stand-in ``TCPStore`` that serves nothing, next to the script) is killed
+    during the attempt, as by the out-of-memory killer: the failure report can say why the
+    ranks lost torch's store; while it serves, and once stopped, there is nothing to say."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (tmp_path / "torch" / "distributed.py").write_text(
+        "class TCPStore:\n    def __init__(self, *args, **kwargs):\n        pass\n"
+    )
+    script = tmp_path / "job.py"
+    script.write_text("")
+    command = python_command([sys.executable, str(script)])
+    assert command is not None
+    zygote = Zygote(["torch"], command, leaks.process_env())
+    server = TorchStoreServer(zygote)
+    try:
+        port = find_free_port()
+        server.bind(port)
+        assert server.serve("127.0.0.1", port)
+        assert server.ended() is None
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: server.ended() is not None, 10, "the server's end to be seen")
+        assert server.ended() == (
+            f"torch's store, served by this agent (pid {pid}), killed by SIGKILL (signal 9) "
+            "during the attempt: every rank's call to the store failed from then on "
+            "(the next attempt has a new one)"
+        )
+    finally:
+        server.stop()
+        zygote.close()
+    assert server.ended() is None

@@ -22,6 +22,8 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from relaunch.core.failures import describe_exit
+
 if TYPE_CHECKING:
     from relaunch.procs.zygote import Zygote, ZygoteHandle
 
@@ -111,6 +113,25 @@ class TorchStoreServer:
         )
         self.stop()
         return False
+
+    @property
+    def pid(self) -> int | None:
+        """The attempt's server process (None: none serves)."""
+        return None if self._server is None else self._server.pid
+
+    def ended(self) -> str | None:
+        """What a failure report adds when the attempt's server ended before the attempt did
+        (killed, say, by the out-of-memory killer): from then on, every rank's call to torch's
+        store failed. None while it serves (or none was started)."""
+        server = self._server
+        code = None if server is None else server.poll()
+        if server is None or code is None:
+            return None
+        return (
+            f"torch's store, served by this agent (pid {server.pid}), {describe_exit(code)} "
+            "during the attempt: every rank's call to the store failed from then on "
+            "(the next attempt has a new one)"
+        )
 
     def stop(self) -> None:
         """The attempt's workers are gone: stop serving (the port is free again when this

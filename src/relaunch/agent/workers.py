@@ -335,15 +335,18 @@ class Workers:
         )
 
     def failure_report(self) -> str:
-        """The failure report of the attempt that failed, for this agent's log."""
+        """The failure report of the attempt that failed, for this agent's log (and why the
+        ranks lost torch's store, when the agent's server of it ended first)."""
         group, outcome = self._group, self._outcome
         assert outcome is not None
-        return format_report(
+        report = format_report(
             group.spec.role,
             group.by_global_rank(outcome.failures),
             os.uname().nodename,
             group.by_global_rank(outcome.stopped),
         )
+        store_lost = None if self._torch_store is None else self._torch_store.ended()
+        return report if store_lost is None else f"{report}\n  {store_lost}"
 
     def succeeded(self) -> RunResult:
         group, outcome = self._group, self._outcome
