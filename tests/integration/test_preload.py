@@ -454,19 +454,25 @@ def test_torchs_store_port_is_bound_on_every_address_or_left_to_rank_0() -> None
         assert listen(port) is None
 
 
+def stand_in_torch_zygote(tmp_path: pathlib.Path, leaks: LeakCheck, distributed: str) -> Zygote:
+    """A zygote that preloads a stand-in ``torch`` next to its script, whose
+    ``torch.distributed`` is ``distributed`` (source)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (tmp_path / "torch" / "distributed.py").write_text(distributed)
+    script = tmp_path / "job.py"
+    script.write_text("")
+    command = python_command([sys.executable, str(script)])
+    assert command is not None
+    return Zygote(["torch"], command, leaks.process_env())
+
+
 def test_a_store_the_agent_cannot_serve_is_left_to_worker_rank_0(
     leaks: LeakCheck, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str], caplog: Any
 ) -> None:
     """A ``torch`` without ``TCPStore`` (a stand-in next to the script, which the zygote
     imports): the server says why and ends, the agent says so and lets the port go."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")
-    (tmp_path / "torch" / "distributed.py").write_text("")
-    script = tmp_path / "job.py"
-    script.write_text("")
-    command = python_command([sys.executable, str(script)])
-    assert command is not None
-    zygote = Zygote(["torch"], command, leaks.process_env())
+    zygote = stand_in_torch_zygote(tmp_path, leaks, "")
     server = TorchStoreServer(zygote)
     try:
         port = find_free_port()
@@ -487,16 +493,8 @@ def test_a_store_server_that_dies_during_the_attempt_is_named(
     """The server (a stand-in ``TCPStore`` that serves nothing, next to the script) is killed
     during the attempt, as by the out-of-memory killer: the failure report can say why the
     ranks lost torch's store; while it serves, and once stopped, there is nothing to say."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")
-    (tmp_path / "torch" / "distributed.py").write_text(
-        "class TCPStore:\n    def __init__(self, *args, **kwargs):\n        pass\n"
-    )
-    script = tmp_path / "job.py"
-    script.write_text("")
-    command = python_command([sys.executable, str(script)])
-    assert command is not None
-    zygote = Zygote(["torch"], command, leaks.process_env())
+    stand_in = "class TCPStore:\n    def __init__(self, *args, **kwargs):\n        pass\n"
+    zygote = stand_in_torch_zygote(tmp_path, leaks, stand_in)
     server = TorchStoreServer(zygote)
     try:
         port = find_free_port()
