@@ -81,7 +81,7 @@ class JobServices(Protocol):
     def leave_early(self) -> None:
         """Leave the running round now, as ``prepare_join`` would (the others re-form at once),
         while this node's failed workers are still being stopped; nothing when the store was
-        lost (the join's checks come first) or cannot be reached."""
+        lost (the join's checks come first), a warning when it cannot be reached."""
 
     def peers_alive(self, timeout: float) -> bool | None:
         """Whether every other member answers within ``timeout``; None: cannot tell."""
