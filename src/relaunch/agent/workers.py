@@ -190,7 +190,14 @@ class Workers:
                 self._pcontext = pcontext = self._start_processes(**arguments, zygote=self.zygote)
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
         if hasattr(pcontext, "add_failure_callback"):  # not a start_processes of the user's
-            pcontext.add_failure_callback(lambda: wakeups.put("a worker failed"))
+            state = self.state
+
+            def a_worker_failed() -> None:  # from the monitor's thread: quick
+                if state is not None:  # the CPU is the restart's now, not a copy's
+                    state.hold_copies()
+                wakeups.put("a worker failed")
+
+            pcontext.add_failure_callback(a_worker_failed)
         if self.state is not None:
             self.state.prune()
             if hasattr(pcontext, "set_failure_grace"):
