@@ -408,6 +408,27 @@ def test_workers_that_say_nothing_stop_once_they_fail_the_same_way_again_and_aga
     ]
 
 
+def test_a_failure_that_may_stop_a_crash_loop_is_not_told_before_its_group_stopped() -> None:
+    """Among several nodes: the failures that may restart are told as they are seen; the one
+    that could stop the job for good (the same failure again, ``max_stalled`` 2) waits for its
+    group's end, and stops every node with "do not requeue", never re-forming them first."""
+    rule = rules(max_restarts=10, watches_membership=True, max_stalled=2)
+    state = started(rule, nodes=2)
+    failing = Ended({1: Failed()}, {0: 0, 1: 1})
+    early = []
+    for attempt in range(3):
+        now = 10.0 * attempt
+        state, said = run(state, [(now, Looked(None, None, used=attempt, failing=failing))])
+        early.append(LeaveRound() in said[0])
+        state, said = run(state, [(now + 1, Looked(failed(), used=attempt + early[-1]))])
+        if attempt < 2:
+            assert said[0][-1] == Rendezvous(0.0)
+            state, _ = run(state, [(now + 2, Placed(2, attempt + 1)), (now + 2, WorkersStarted())])
+    assert early == [True, True, False]
+    assert said[0][-2:] == [said[0][-2], Fail(requeue=False)]
+    assert isinstance(said[0][-2], FailJob) and not said[0][-2].requeue
+
+
 def test_a_job_stopped_elsewhere_for_good_cuts_this_node_short_for_good() -> None:
     change = MembershipChange.failed("n2: no progress", requeue=False)
     _, said = run(started(rules(watches_membership=True), nodes=2), [(1.0, Looked(None, change))])

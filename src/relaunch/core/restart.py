@@ -174,6 +174,12 @@ def made_progress(best_step: int | None, mark: Mark) -> bool | None:
     return True if mark.signs > 0 else None
 
 
+def may_stall_out(loop: CrashLoop, limit: int) -> bool:
+    """Whether the next failure could stop the job (``stalled_out``), whatever it turns out to
+    be: with no progress and the same failure again, each count is one higher."""
+    return limit > 0 and (loop.stalled + 1 >= limit or loop.repeated + 1 > limit)
+
+
 def stalled_out(loop: CrashLoop, limit: int) -> str | None:
     """Why restarting cannot help, so the job stops and is not to be requeued: ``limit``
     restarts in a row made no progress, or ``limit`` attempts in a row failed the same way

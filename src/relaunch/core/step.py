@@ -32,7 +32,14 @@ from relaunch.core.failures import failure_signature, one_line, root_cause_rank
 from relaunch.core.group import GroupState
 from relaunch.core.happenings import AttemptEnded, Hung, Restarted
 from relaunch.core.membership import MembershipChange
-from relaunch.core.restart import Backoff, CrashLoop, Mark, stalled_out, startup_failure
+from relaunch.core.restart import (
+    Backoff,
+    CrashLoop,
+    Mark,
+    may_stall_out,
+    stalled_out,
+    startup_failure,
+)
 from relaunch.core.step_types import (
     Action,
     AskRollCall,
@@ -207,8 +214,9 @@ def _looked(state: RunState, look: Looked, now: float) -> Decided:
 
 def _leaves_early(state: RunState, look: Looked) -> bool:
     """A worker failed and the others are being stopped: the group restarts whatever else comes
-    (a restart is left, no change or hang decides otherwise), so the other nodes are told now,
-    to stop their workers while this node's stop, rather than after it."""
+    (a restart is left, no change or hang decides otherwise, and no failure could make the
+    crash loop stop the job), so the other nodes are told now, to stop their workers while this
+    node's stop, rather than after it."""
     rules = state.rules
     return (
         not state.left_early
@@ -217,6 +225,7 @@ def _leaves_early(state: RunState, look: Looked) -> bool:
         and not state.alone
         and state.restarts_left > 0
         and state.hang is None
+        and not may_stall_out(state.crash_loop, rules.max_stalled)
     )
 
 
