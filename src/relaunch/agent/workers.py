@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.agent.channel import Channel
@@ -35,7 +35,7 @@ from relaunch.core.state_settings import StateSettings
 from relaunch.core.step_types import Ended
 from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult, start_processes
-from relaunch.procs.errors import SignalException, StopRequested
+from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.job import JobServices
@@ -312,7 +312,6 @@ class Workers:
         self._sampler.observed(outcome)
         if outcome is None:
             return None
-        group = self._group
         snapshot = NodeSnapshot(0.0)
         if outcome.is_failed():
             if outcome is not self._explained:
@@ -320,11 +319,7 @@ class Workers:
                 assert self._pcontext is not None
                 self._expiry.explain(outcome.failures, self._pcontext.stderrs)
             snapshot = self._sampler.take()
-        return Ended(
-            group.by_global_rank(outcome.failures),
-            {worker.global_rank: worker.local_rank for worker in group.workers},
-            snapshot,
-        )
+        return self._by_global_rank(outcome.failures, snapshot)
 
     def failing(self) -> Ended | None:
         """The failures of an attempt whose workers are still being stopped because of them
@@ -333,12 +328,17 @@ class Workers:
         if self._outcome is not None or pcontext is None or not hasattr(pcontext, "failures"):
             return None
         failures = pcontext.failures()
-        if not failures:
-            return None
+        return self._by_global_rank(failures, NodeSnapshot(0.0)) if failures else None
+
+    def _by_global_rank(
+        self, failures: Mapping[int, ProcessFailure], snapshot: NodeSnapshot
+    ) -> Ended:
+        """``failures`` (by local rank) as the step reads them: by global rank."""
         group = self._group
         return Ended(
             group.by_global_rank(failures),
             {worker.global_rank: worker.local_rank for worker in group.workers},
+            snapshot,
         )
 
     def failure_report(self) -> str:
