@@ -45,6 +45,7 @@ from relaunch.core.rdzv_conf import (
 from relaunch.core.state_settings import (
     DEFAULT_JIT_SAVE_TIMEOUT,
     DEFAULT_PERSIST_EVERY,
+    DEFAULT_REPLICAS,
     StateSettings,
 )
 from relaunch.core.streams import Std, per_rank
@@ -147,17 +148,23 @@ class LaunchConfig:
     #: ``relaunch.save_state``: at most this many bytes of shared memory for the node's kept
     #: state (None: a quarter of the machine's memory); a copy in ``state_dir`` every
     #: ``state_persist_every`` saves of each rank and at the end (None: none); and how long a
-    #: failure waits for the saves of workers that listen (``failure_pending``; 0: no wait).
+    #: failure waits for the saves of workers that listen (``failure_pending``; 0: no wait);
+    #: the nodes next in ring order that keep a copy of the node's state (0: none).
     state_memory: int | None = None
     state_dir: str | None = None
     state_persist_every: int = DEFAULT_PERSIST_EVERY
     jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
+    state_replicas: int = DEFAULT_REPLICAS
 
     @property
     def state(self) -> StateSettings:
         """How the agent keeps its workers' state (``core.state``)."""
         return StateSettings(
-            self.state_memory, self.state_dir, self.state_persist_every, self.jit_save_timeout
+            self.state_memory,
+            self.state_dir,
+            self.state_persist_every,
+            self.jit_save_timeout,
+            self.state_replicas,
         )
 
     def __post_init__(self) -> None:

@@ -17,10 +17,12 @@ from test_rendezvous import serving
 from test_resilience import endpoint_of
 
 from relaunch.core.goodput import CAUSES
+from relaunch.state.files import PEERS, committed
 
 HERE = pathlib.Path(__file__).parent
 WORKER = str(HERE / "state_worker.py")
 DDP = str(HERE / "state_ddp.py")
+RING = str(HERE / "state_ring_worker.py")
 
 
 def read(out: pathlib.Path, name: str) -> str:
@@ -357,6 +359,99 @@ def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_los
     assert {read(out, f"weights.{rank}") for rank in range(2)} == {
         read(reference, f"weights.{rank}") for rank in range(2)
     }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("backend", "replicas"), [("c10d", 2), ("etcd", 2), ("c10d", 1)])
+def test_two_nodes_lost_at_once_leave_every_ranks_state_with_two_replicas(
+    tmp_path: pathlib.Path,
+    leaks: LeakCheck,
+    request: pytest.FixtureRequest,
+    backend: str,
+    replicas: int,
+) -> None:
+    """Three nodes of one rank, each saving its own state (not replicated); two agents are
+    SIGKILLed at once and two new nodes take their places. With ``--state-replicas 2`` each
+    node's state was on both others, so the job resumes where it was; with 1, one lost node's
+    only copy was on the other lost node, and the job starts afresh. The kills come once the
+    copies caught up with the saves (the ranks paused): a copy that trails its save while the
+    survivor saved one step more leaves no step every rank has (docs/recovery.md)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    endpoint = endpoint_of(backend, request)
+    run_id = f"two-lost-{backend}-{replicas}-{os.getpid()}"
+    argv = [
+        sys.executable,
+        "-m",
+        "relaunch",
+        *("--nnodes", "3", "--nproc-per-node", "1", "--state-replicas", str(replicas)),
+        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+        *("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2"),
+        *(RING, str(out)),
+    ]
+
+    def agent() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=leaks.process_env(),
+        )
+
+    def step(rank: int) -> int:
+        path = out / f"step.{rank}"
+        return int(path.read_text()) if path.exists() else -1
+
+    host = agent()  # first: it hosts the built-in store, which must outlive this test's kills
+    if backend == "c10d":
+        port = int(endpoint.rpartition(":")[2])
+        wait_until(lambda: serving(port), 30, "the store to listen")
+    victims = [agent(), agent()]
+    wait_until(lambda: min(step(rank) for rank in range(3)) >= 10, 60, "every rank's step 10")
+    (out / "pause").write_text("")
+    directories = [read(out, f"dir.{rank}") for rank in range(3)]
+
+    def copied() -> bool:  # each rank's newest save on both other nodes
+        for rank, own in enumerate(directories):
+            newest = max((head.step for head in committed(own, rank).values()), default=None)
+            for other in directories:
+                peers = os.path.join(other, PEERS)
+                if other != own and newest not in {
+                    head.step for head in committed(peers, rank).values()
+                }:
+                    return False
+        return True
+
+    if replicas == 2:
+        wait_until(copied, 30, "the copies of the newest saves")
+    paused_at = min(step(rank) for rank in range(3))  # each rank saves one more at most
+    for victim in victims:
+        victim.kill()
+    for victim in victims:
+        victim.communicate(timeout=10)
+    pids = {victim.pid for victim in victims}
+    assert sum(int(read(out, f"agent.{rank}")) in pids for rank in range(3)) == 2
+    newcomers = [agent(), agent()]
+
+    def resumed() -> list[list[str]]:
+        return [
+            read(out, f"resumed.{rank}").split() if (out / f"resumed.{rank}").exists() else []
+            for rank in range(3)
+        ]
+
+    wait_until(lambda: all(len(lines) == 2 for lines in resumed()), 60, "the re-formed job")
+    os.unlink(out / "pause")
+    (out / "stop.tmp").write_text(str(max(step(rank) for rank in range(3)) + 10))
+    os.replace(out / "stop.tmp", out / "stop")  # read whole: the step every rank ends at
+    errors = [process.communicate(timeout=60)[1] for process in (host, *newcomers)]
+    assert [process.returncode for process in (host, *newcomers)] == [0, 0, 0], errors
+    after = {int(lines[-1]) for lines in resumed()}
+    assert len(after) == 1, after  # every rank from the same step
+    if replicas == 2:
+        assert paused_at <= after.pop() <= paused_at + 1
+    else:
+        assert after == {-1}
 
 
 @pytest.mark.timeout(60)

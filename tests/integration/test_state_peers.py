@@ -1,5 +1,5 @@
-"""A node's pushes of its kept state to its successor (``agent.state_peers``): held while the
-workers restart, and going on at the next save."""
+"""A node's pushes of its kept state to its successors (``agent.state_peers``): held while the
+workers restart, going on at the next save, and to every successor though one is gone."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(tmp_path: pathlib.
     link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30)
     successor = Successor("secret")
     try:
-        link.follow((successor.address, successor.token))
+        link.follow([(successor.address, successor.token)])
         size = commit(tmp_path, 3, 0, 7, 64 << 20)  # more than the socket buffers hold
         successor.stall.set()
         link.saved(3)
@@ -107,3 +107,36 @@ def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(tmp_path: pathlib.
     finally:
         link.close()
         successor.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_save_is_pushed_to_every_successor_though_one_of_them_is_gone(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``--state-replicas 3``: each save goes to the three next nodes; one of them no longer
+    listening (lost with the node being lost too) keeps the copy from none of the others."""
+    link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30)
+    first, third = Successor("one"), Successor("three")
+    gone = socket.create_server(("127.0.0.1", 0))
+    gone_address = f"127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()  # its port refuses connections, as a lost node's does
+    try:
+        link.follow(
+            [(first.address, first.token), (gone_address, "two"), (third.address, third.token)]
+        )
+        size = commit(tmp_path, 5, 0, 11, 1 << 20)
+        link.saved(5)
+        assert first.pushes.get(timeout=30) == (5, 0, size, 11)
+        assert third.pushes.get(timeout=30) == (5, 0, size, 11)
+        link.follow([])  # nobody to push to: a save is not pushed
+        commit(tmp_path, 5, 1, 12, 1 << 10)
+        link.saved(5)
+        link.follow([(first.address, first.token)])
+        small = commit(tmp_path, 5, 0, 13, 1 << 10)
+        link.saved(5)
+        assert first.pushes.get(timeout=30) == (5, 0, small, 13)  # not 12: it was never sent
+        assert third.pushes.empty()
+    finally:
+        link.close()
+        first.close()
+        third.close()

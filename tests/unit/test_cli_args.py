@@ -105,6 +105,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "duplicate_stderr_filters": "d",
                 "state_memory": "8G",
                 "state_persist_every": "3",
+                "state_replicas": "2",
                 "jit_save_timeout": "2.5",
             }.get(dest, "x")
         )

@@ -63,7 +63,18 @@ def test_settings_are_checked_once() -> None:
         state_settings.StateSettings(jit_save_timeout=-1)
     with pytest.raises(ValueError, match="state memory"):
         state_settings.StateSettings(memory=0)
+    for replicas in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="state_replicas"):
+            state_settings.StateSettings(replicas=replicas)  # type: ignore[arg-type]
     assert state_settings.default_memory(16 << 30) == 4 << 30
+
+
+def test_a_node_copies_its_state_to_the_next_nodes_in_ring_order_never_to_itself() -> None:
+    assert state.successors(0, 4, 1) == [1]
+    assert state.successors(3, 4, 2) == [0, 1]
+    assert state.successors(1, 3, 5) == [2, 0]  # as many as there are other nodes
+    assert state.successors(0, 1, 1) == []  # alone
+    assert state.successors(2, 4, 0) == []  # --state-replicas 0: no copies
 
 
 @pytest.mark.parametrize(

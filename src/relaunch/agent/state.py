@@ -112,6 +112,7 @@ class StateKeeper:
         self.state_dir = state_dir = settings.directory
         self.persist_every = settings.persist_every
         self.jit_save_timeout = settings.jit_save_timeout
+        self.replicas = settings.replicas
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.directory = tempfile.mkdtemp(prefix="relaunch_state_", dir=shm)
         guardian().register_file(self.directory)  # removed even if this process is SIGKILLed
@@ -219,15 +220,20 @@ class StateKeeper:
                 anywhere.setdefault(rank, set()).update(replicated)
                 for kept in replicated:
                     holders.setdefault((rank, kept), peer)
-        successor = nodes.get((group_rank + 1) % group_world_size)
-        self._peers.follow(None if successor is None else successor[0])
+        self._peers.follow(
+            [
+                nodes[member][0]
+                for member in layout.successors(group_rank, group_world_size, self.replicas)
+                if member in nodes
+            ]
+        )
         step = layout.common_step(anywhere, world_size)
         self._fetch(step, ranks.values(), holders)
         self._agreed = step
         return step
 
     def hold_copies(self) -> None:
-        """The workers stop: copy no state to the successor until they save again
+        """The workers stop: copy no state to the successors until they save again
         (``PeerLink.hold``)."""
         if self._peers is not None:
             self._peers.hold()

@@ -1,14 +1,14 @@
-"""Each node's kept state, also on another node: a survivor of a node's loss, or the node its
+"""Each node's kept state, also on other nodes: a survivor of a node's loss, or the node its
 ranks moved to, resumes from it (``agent.state``).
 
 Every agent serves its shared-memory state directory on a TCP port of its own. After each
-committed save, in the background, it pushes the rank's newest slot to its successor in ring
-order over the round's members, which keeps it under ``peers/`` (two slots a rank, committed
-as a worker commits: the header last). Before an attempt, a node whose new ranks' agreed step
-is not on it pulls it from a node that has it. A connection proves it knows the job's token
-(posted through the store, which only members reach) by HMAC over a fresh nonce, as the
-built-in store's clients do; every read and write has a deadline; sizes are bounded by the
-state memory.
+committed save, in the background, it pushes the rank's newest slot to its successors in ring
+order over the round's members (``--state-replicas``: the next one by default), which keep it
+under ``peers/`` (two slots a rank, committed as a worker commits: the header last). Before an
+attempt, a node whose new ranks' agreed step is not on it pulls it from a node that has it. A
+connection proves it knows the job's token (posted through the store, which only members reach)
+by HMAC over a fresh nonce, as the built-in store's clients do; every read and write has a
+deadline; sizes are bounded by the state memory.
 
 Wire (big-endian): the server sends a nonce; the client answers its proof, then one request:
 
@@ -44,7 +44,7 @@ _CHUNK = 1 << 20
 
 
 class PeerLink:
-    """This node's state server, and its pushes to its successor."""
+    """This node's state server, and its pushes to its successors."""
 
     def __init__(self, directory: str, host: str, limit: int) -> None:
         self.directory, self.limit = directory, limit
@@ -53,7 +53,7 @@ class PeerLink:
         self._server = socket.create_server((host, 0))
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._closing = False
-        self._successor: tuple[str, str] | None = None  # (address, token)
+        self._successors: list[tuple[str, str]] = []  # (address, token) each
         self._dirty: set[int] = set()  # global ranks with a save not pushed yet
         self._wanted = threading.Condition()
         self._pushing: socket.socket | None = None  # the push under way
@@ -128,16 +128,16 @@ class PeerLink:
 
     # -- the client -----------------------------------------------------------------------
 
-    def follow(self, successor: tuple[str, str] | None) -> None:
-        """Push to ``successor`` (its address and token) from now on; None: to nobody."""
+    def follow(self, successors: list[tuple[str, str]]) -> None:
+        """Push to ``successors`` (their addresses and tokens) from now on."""
         with self._wanted:
-            self._successor = successor
+            self._successors = list(successors)
 
     def saved(self, rank: int) -> None:
         """Global rank ``rank`` committed a save: push it (its newest, when the pusher gets to
         it: saves that come faster than the network are skipped, never queued)."""
         with self._wanted:
-            if self._successor is not None:
+            if self._successors:
                 self._dirty.add(rank)
                 self._wanted.notify()
 
@@ -162,8 +162,8 @@ class PeerLink:
                 if self._closing:
                     return
                 rank = self._dirty.pop()
-                successor, holds = self._successor, self._holds
-            if successor is not None:
+                successors, holds = self._successors, self._holds
+            for successor in successors:  # one lost does not keep the copy from the others
                 try:
                     self._push(rank, successor, holds)
                 except (OSError, ValueError) as exc:

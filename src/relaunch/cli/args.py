@@ -210,6 +210,7 @@ def config_from_args(
         state_memory=args.state_memory,
         state_dir=args.state_dir,
         state_persist_every=args.state_persist_every,
+        state_replicas=args.state_replicas,
         jit_save_timeout=args.jit_save_timeout,
     )
     validate(config)

@@ -400,6 +400,15 @@ FLAGS = [
     ),
     _Flag(
         "state",
+        ("--state-replicas",),
+        "copy each node's state to the next N nodes in ring order, so that a job that loses "
+        "up to N nodes at once keeps every rank's state (0: no copies)",
+        1,
+        _checked("parse_count", 0),
+        metavar="N",
+    ),
+    _Flag(
+        "state",
         ("--jit-save-timeout",),
         "when a rank fails, seconds the others that ask relaunch.failure_pending() get to "
         "save_state before they are stopped (0: none)",

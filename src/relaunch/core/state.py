@@ -109,6 +109,14 @@ def steps_held(own: Mapping[int, Collection[Header]]) -> dict[int, list[int]]:
     return {rank: sorted({head.step for head in heads} | shared) for rank, heads in own.items()}
 
 
+def successors(group_rank: int, group_world_size: int, replicas: int) -> list[int]:
+    """The group ranks a node copies its state to: the next ``replicas`` in ring order over
+    the round's members, itself never (so that losing up to ``replicas`` nodes at once, the
+    node among them, leaves a copy of its state)."""
+    count = min(replicas, group_world_size - 1)
+    return [(group_rank + k) % group_world_size for k in range(1, count + 1)]
+
+
 def common_step(steps: Mapping[int, Collection[int]], world_size: int) -> int | None:
     """The newest step every rank ``0 .. world_size-1`` has (None: a rank has none, or no step
     is common): the step a re-formed world resumes from."""

@@ -1,6 +1,6 @@
 """How an agent keeps its workers' state (``--state-memory``, ``--state-dir``,
-``--state-persist-every``, ``--jit-save-timeout``): the typed settings, checked once, and the
-sizes people write (``8G``)."""
+``--state-persist-every``, ``--jit-save-timeout``, ``--state-replicas``): the typed settings,
+checked once, and the sizes people write (``8G``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 DEFAULT_MEMORY_SHARE = 0.25
 DEFAULT_PERSIST_EVERY = 10
 DEFAULT_JIT_SAVE_TIMEOUT = 10.0
+DEFAULT_REPLICAS = 1
 
 
 @dataclass(frozen=True)
@@ -18,12 +19,14 @@ class StateSettings:
     """How an agent keeps its workers' state: ``memory`` bytes of shared memory at most (None:
     ``default_memory``); a copy in ``directory`` every ``persist_every`` saves of each rank and
     at the job's end (None: none); ``jit_save_timeout`` seconds for the listening workers'
-    saves when a failure is pending (0: none)."""
+    saves when a failure is pending (0: none); a copy on each of the ``replicas`` next nodes
+    in ring order (0: none)."""
 
     memory: int | None = None
     directory: str | None = None
     persist_every: int = DEFAULT_PERSIST_EVERY
     jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
+    replicas: int = DEFAULT_REPLICAS
 
     def __post_init__(self) -> None:
         if self.memory is not None and (isinstance(self.memory, bool) or self.memory <= 0):
@@ -38,6 +41,10 @@ class StateSettings:
             raise ValueError(
                 f"jit_save_timeout must be seconds >= 0, got {self.jit_save_timeout!r}"
             )
+        if isinstance(self.replicas, bool) or not (
+            isinstance(self.replicas, int) and self.replicas >= 0
+        ):
+            raise ValueError(f"state_replicas must be a whole number >= 0, got {self.replicas!r}")
 
 
 def default_memory(machine_bytes: int) -> int:
