@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 from conftest import LeakCheck, relaunch_cli, wait_until
@@ -304,6 +305,47 @@ def test_nothing_is_left_in_dev_shm_after_any_end(
     wait_until(lambda: not os.path.exists(directory), 10, f"{directory} to be removed")
 
 
+def one_rank_nodes(
+    leaks: LeakCheck,
+    request: pytest.FixtureRequest,
+    backend: str,
+    run_id: str,
+    nodes: int,
+    *argv: str,
+    **env: str,
+) -> Callable[[], subprocess.Popen[str]]:
+    """What starts one more agent of a job of ``nodes`` nodes of one worker each, on
+    ``backend``, whose lost nodes are seen within about a second. The first one started hosts
+    the built-in store: it returns once the store listens."""
+    endpoint = endpoint_of(backend, request)
+    command = [
+        sys.executable,
+        "-m",
+        "relaunch",
+        *("--nnodes", str(nodes), "--nproc-per-node", "1"),
+        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+        *("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2"),
+        *argv,
+    ]
+    started: list[subprocess.Popen[str]] = []
+
+    def agent() -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**leaks.process_env(), **env},
+        )
+        if not started and backend == "c10d":
+            port = int(endpoint.rpartition(":")[2])
+            wait_until(lambda: serving(port), 30, "the store to listen")
+        started.append(process)
+        return process
+
+    return agent
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_lost(
@@ -320,28 +362,16 @@ def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_los
     )
     out = tmp_path / "out"
     out.mkdir()
-    endpoint = endpoint_of(backend, request)
-    run_id = f"node-kill-{backend}-{os.getpid()}"
-    argv = [
-        sys.executable,
-        "-m",
-        "relaunch",
-        *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2"),
-        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
-        *("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2"),
-        *(DDP, str(out), "30", "-1"),
-    ]
-    env = {**leaks.process_env(), "STATE_DDP_STEP_SECONDS": "0.1"}
-
-    def agent() -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-        )
-
+    agent = one_rank_nodes(
+        leaks,
+        request,
+        backend,
+        f"node-kill-{backend}-{os.getpid()}",
+        2,
+        *("--max-restarts", "2", DDP, str(out), "30", "-1"),
+        STATE_DDP_STEP_SECONDS="0.1",
+    )
     host = agent()  # first: it hosts the built-in store, which must outlive this test's kill
-    if backend == "c10d":
-        port = int(endpoint.rpartition(":")[2])
-        wait_until(lambda: serving(port), 30, "the store to listen")
     victim = agent()
     wait_until(lambda: (out / "step.0").exists() and int(read(out, "step.0") or 0) >= 10, 60)
     rank = next(r for r in range(2) if int(read(out, f"agent.{r}")) == victim.pid)
@@ -378,35 +408,20 @@ def test_two_nodes_lost_at_once_leave_every_ranks_state_with_two_replicas(
     survivor saved one step more leaves no step every rank has (docs/recovery.md)."""
     out = tmp_path / "out"
     out.mkdir()
-    endpoint = endpoint_of(backend, request)
-    run_id = f"two-lost-{backend}-{replicas}-{os.getpid()}"
-    argv = [
-        sys.executable,
-        "-m",
-        "relaunch",
-        *("--nnodes", "3", "--nproc-per-node", "1", "--state-replicas", str(replicas)),
-        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
-        *("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2"),
-        *(RING, str(out)),
-    ]
-
-    def agent() -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            argv,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=leaks.process_env(),
-        )
+    agent = one_rank_nodes(
+        leaks,
+        request,
+        backend,
+        f"two-lost-{backend}-{replicas}-{os.getpid()}",
+        3,
+        *("--state-replicas", str(replicas), RING, str(out)),
+    )
 
     def step(rank: int) -> int:
         path = out / f"step.{rank}"
         return int(path.read_text()) if path.exists() else -1
 
     host = agent()  # first: it hosts the built-in store, which must outlive this test's kills
-    if backend == "c10d":
-        port = int(endpoint.rpartition(":")[2])
-        wait_until(lambda: serving(port), 30, "the store to listen")
     victims = [agent(), agent()]
     wait_until(lambda: min(step(rank) for rank in range(3)) >= 10, 60, "every rank's step 10")
     (out / "pause").write_text("")
