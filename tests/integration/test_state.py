@@ -24,6 +24,8 @@ HERE = pathlib.Path(__file__).parent
 WORKER = str(HERE / "state_worker.py")
 DDP = str(HERE / "state_ddp.py")
 RING = str(HERE / "state_ring_worker.py")
+#: A lost node seen within about a second.
+LOST_FAST = ("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2")
 
 
 def read(out: pathlib.Path, name: str) -> str:
@@ -81,6 +83,46 @@ def test_weights_after_a_worker_kill_are_bit_identical_to_an_uninterrupted_run(
     assert digests["5"] == digests["-1"]
 
 
+def one_rank_nodes(
+    leaks: LeakCheck,
+    request: pytest.FixtureRequest,
+    backend: str,
+    run_id: str,
+    nodes: int,
+    *argv: str,
+    **env: str,
+) -> Callable[[], subprocess.Popen[str]]:
+    """What starts one more agent of a job of ``nodes`` nodes of one worker each, on
+    ``backend`` (and ``argv``: flags, then the command). The first one started hosts the
+    built-in store: it returns once the store listens."""
+    endpoint = endpoint_of(backend, request)
+    command = [
+        sys.executable,
+        "-m",
+        "relaunch",
+        *("--nnodes", str(nodes), "--nproc-per-node", "1"),
+        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
+        *argv,
+    ]
+    started: list[subprocess.Popen[str]] = []
+
+    def agent() -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**leaks.process_env(), **env},
+        )
+        if not started and backend == "c10d":
+            port = int(endpoint.rpartition(":")[2])
+            wait_until(lambda: serving(port), 30, "the store to listen")
+        started.append(process)
+        return process
+
+    return agent
+
+
 def run_two_nodes(
     leaks: LeakCheck,
     request: pytest.FixtureRequest,
@@ -92,26 +134,17 @@ def run_two_nodes(
 ) -> None:
     """Two agents of one worker each on ``backend`` (and ``flags``), run to their end (they
     exit with ``codes``)."""
-    endpoint = endpoint_of(backend, request)
-    agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaunch",
-                *("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1"),
-                *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
-                *("--tee", "2"),  # the workers' stderr too, should the run fail
-                *flags,
-                *command,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=leaks.process_env(),
-        )
-        for _ in range(2)
-    ]
+    start = one_rank_nodes(
+        leaks,
+        request,
+        backend,
+        run_id,
+        2,
+        *("--max-restarts", "1", "--tee", "2"),  # the workers' stderr too, should the run fail
+        *flags,
+        *command,
+    )
+    agents = [start(), start()]
     errors = [agent.communicate(timeout=120)[1] for agent in agents]
     got = tuple(agent.returncode for agent in agents)
     assert got == codes, f"exit statuses {got}:\n" + "\n---\n".join(errors)
@@ -305,47 +338,6 @@ def test_nothing_is_left_in_dev_shm_after_any_end(
     wait_until(lambda: not os.path.exists(directory), 10, f"{directory} to be removed")
 
 
-def one_rank_nodes(
-    leaks: LeakCheck,
-    request: pytest.FixtureRequest,
-    backend: str,
-    run_id: str,
-    nodes: int,
-    *argv: str,
-    **env: str,
-) -> Callable[[], subprocess.Popen[str]]:
-    """What starts one more agent of a job of ``nodes`` nodes of one worker each, on
-    ``backend``, whose lost nodes are seen within about a second. The first one started hosts
-    the built-in store: it returns once the store listens."""
-    endpoint = endpoint_of(backend, request)
-    command = [
-        sys.executable,
-        "-m",
-        "relaunch",
-        *("--nnodes", str(nodes), "--nproc-per-node", "1"),
-        *("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
-        *("--rdzv-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2"),
-        *argv,
-    ]
-    started: list[subprocess.Popen[str]] = []
-
-    def agent() -> subprocess.Popen[str]:
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**leaks.process_env(), **env},
-        )
-        if not started and backend == "c10d":
-            port = int(endpoint.rpartition(":")[2])
-            wait_until(lambda: serving(port), 30, "the store to listen")
-        started.append(process)
-        return process
-
-    return agent
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_lost(
@@ -368,7 +360,7 @@ def test_weights_after_a_node_kill_are_bit_identical_and_at_most_one_step_is_los
         backend,
         f"node-kill-{backend}-{os.getpid()}",
         2,
-        *("--max-restarts", "2", DDP, str(out), "30", "-1"),
+        *(*LOST_FAST, "--max-restarts", "2", DDP, str(out), "30", "-1"),
         STATE_DDP_STEP_SECONDS="0.1",
     )
     host = agent()  # first: it hosts the built-in store, which must outlive this test's kill
@@ -414,7 +406,7 @@ def test_two_nodes_lost_at_once_leave_every_ranks_state_with_two_replicas(
         backend,
         f"two-lost-{backend}-{replicas}-{os.getpid()}",
         3,
-        *("--state-replicas", str(replicas), RING, str(out)),
+        *(*LOST_FAST, "--state-replicas", str(replicas), RING, str(out)),
     )
 
     def step(rank: int) -> int:

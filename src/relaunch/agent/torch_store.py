@@ -124,8 +124,7 @@ class TorchStoreServer:
         (killed, say, by the out-of-memory killer): from then on, every rank's call to torch's
         store failed. None while it serves (or none was started)."""
         server = self._server
-        code = None if server is None else server.poll()
-        if server is None or code is None:
+        if server is None or (code := server.poll()) is None:
             return None
         return (
             f"torch's store, served by this agent (pid {server.pid}), {describe_exit(code)} "
