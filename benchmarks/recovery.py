@@ -859,7 +859,7 @@ def peer_copy_check(ctx: harness.Context) -> Check:
 
     from relaunch.agent.state_peers import PeerLink
     from relaunch.core import state as layout
-    from relaunch.state.files import PEERS, SlotWriter, file_header
+    from relaunch.state.files import PEERS, SlotWriter, committed
 
     size = 100 << 20
     with (
@@ -873,20 +873,21 @@ def peer_copy_check(ctx: harness.Context) -> Check:
         try:
             fd = os.open(os.path.join(a_dir, layout.slot_name(0, 0)), os.O_RDWR | os.O_CREAT, 0o600)
             writer = SlotWriter(fd)
-            writer.write(1, 1, [memoryview(bytearray(os.urandom(1 << 20)) * 100)])
-            writer.close()
-            os.close(fd)
+            data = memoryview(bytearray(os.urandom(1 << 20)) * 100)
             peer = (receiver.address, receiver.token)
             pushes, pulls = [], []
-            for rep in range(5):
+            for step in range(1, 6):
+                writer.write(step, step, [data])  # a save not copied yet
                 began = time.perf_counter()
                 sender._push(0, peer, 0)  # never held
                 pushes.append(time.perf_counter() - began)
-                head = file_header(os.path.join(b_dir, PEERS, layout.slot_name(0, 0)))
-                assert head is not None and head.step == 1, "the copy was not committed"
+                copies = committed(os.path.join(b_dir, PEERS), 0).values()
+                assert step in {head.step for head in copies}, "the copy was not committed"
                 began = time.perf_counter()
-                assert sender.pull(peer, 0, 1, os.path.join(a_dir, f"pulled{rep}"))
+                assert sender.pull(peer, 0, step, os.path.join(a_dir, f"pulled{step}"))
                 pulls.append(time.perf_counter() - began)
+            writer.close()
+            os.close(fd)
         finally:
             sender.close()
             receiver.close()

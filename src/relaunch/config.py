@@ -43,6 +43,7 @@ from relaunch.core.rdzv_conf import (
     redacted,
 )
 from relaunch.core.state_settings import (
+    DEFAULT_COPY_EVERY,
     DEFAULT_JIT_SAVE_TIMEOUT,
     DEFAULT_PERSIST_EVERY,
     DEFAULT_REPLICAS,
@@ -149,12 +150,14 @@ class LaunchConfig:
     #: state (None: a quarter of the machine's memory); a copy in ``state_dir`` every
     #: ``state_persist_every`` saves of each rank and at the end (None: none); and how long a
     #: failure waits for the saves of workers that listen (``failure_pending``; 0: no wait);
-    #: the nodes next in ring order that keep a copy of the node's state (0: none).
+    #: the nodes next in ring order that keep a copy of the node's state (0: none), and every
+    #: how many steps they get one (every node copies the same steps: ``core.state``).
     state_memory: int | None = None
     state_dir: str | None = None
     state_persist_every: int = DEFAULT_PERSIST_EVERY
     jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
     state_replicas: int = DEFAULT_REPLICAS
+    state_copy_every: int = DEFAULT_COPY_EVERY
 
     @property
     def state(self) -> StateSettings:
@@ -165,6 +168,7 @@ class LaunchConfig:
             self.state_persist_every,
             self.jit_save_timeout,
             self.state_replicas,
+            self.state_copy_every,
         )
 
     def __post_init__(self) -> None:

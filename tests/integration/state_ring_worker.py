@@ -1,7 +1,8 @@
 """A worker for test_state's loss of nodes at once: ``state_ring_worker.py OUT``.
 
-Each rank keeps ``{"rank", "step"}`` with ``save_state`` (its own: not replicated) every 0.05 s
-and publishes ``OUT/agent.{rank}`` (its agent's pid) and ``OUT/step.{rank}`` (its newest saved
+Each rank keeps ``{"rank", "step", "pad"}`` with ``save_state`` (its own: not replicated)
+every ``RING_STEP_S`` s (default 0.05; ``pad``: ``RING_PAD_MB`` MiB, default none) and
+publishes ``OUT/agent.{rank}`` (its agent's pid) and ``OUT/step.{rank}`` (its newest saved
 step); each start appends the step it resumed from (-1: none) to ``OUT/resumed.{rank}``. The
 ranks move in lockstep, as a collective would hold them: a rank begins step ``s`` once every
 rank saved ``s - 1`` (so a rank whose peers died waits), and none saves while ``OUT/pause``
@@ -20,6 +21,8 @@ import relaunch
 
 out, rank = pathlib.Path(sys.argv[1]), int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
+pause = float(os.environ.get("RING_STEP_S", "0.05"))
+pad = bytes(int(float(os.environ.get("RING_PAD_MB", "0")) * (1 << 20)))
 
 
 def publish(name: str, text: str) -> None:
@@ -36,7 +39,7 @@ def saved(other: int) -> int:
 
 
 got = relaunch.load_state()
-if got is not None and got[1] != {"rank": rank, "step": got[0]}:
+if got is not None and (got[1]["rank"], got[1]["step"]) != (rank, got[0]):
     sys.exit(f"rank {rank} loaded another rank's state: {got}")
 start = 0 if got is None else got[0] + 1
 with open(out / f"resumed.{rank}", "a") as resumed:
@@ -47,7 +50,7 @@ step = start
 while not (out / "stop").exists() or step < int(read("stop")):
     while min(saved(other) for other in range(world)) < step - 1 or (out / "pause").exists():
         time.sleep(0.005)  # the step's collective, waiting for the others; or paused
-    relaunch.save_state({"rank": rank, "step": step}, step)
+    relaunch.save_state({"rank": rank, "step": step, "pad": pad}, step)
     publish(f"step.{rank}", str(step))
     step += 1
-    time.sleep(0.05)
+    time.sleep(pause)

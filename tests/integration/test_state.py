@@ -499,3 +499,60 @@ def test_the_goodput_ledger_adds_up_to_the_time_the_restart_lost(
     assert sum(seconds.values()) == pytest.approx(lost, rel=0.05, abs=0.02)
     (line,) = [line for line in done.stderr.splitlines() if "goodput:" in line]
     assert "lost over 1 restart" in line and "recomputation" in line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_node_lost_while_its_copies_trail_resumes_from_a_copy_step_every_rank_kept(
+    tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, backend: str
+) -> None:
+    """Two nodes of one rank, each saving 16 MiB of its own (not replicated) every 10 ms, so
+    that a copy to the other node takes steps; with ``--state-copy-every 8`` both copy steps
+    8, 16, ... and keep their own two newest. The node that does not host the store is
+    SIGKILLed while both train; the node that takes its place resumes from the lost node's
+    copy, and the survivor from its own save of the same step (not from the start)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = one_rank_nodes(
+        leaks,
+        request,
+        backend,
+        f"trailing-{backend}-{os.getpid()}",
+        2,
+        *(*LOST_FAST, "--state-copy-every", "8", RING, str(out)),
+        RING_PAD_MB="16",
+        RING_STEP_S="0.01",
+    )
+
+    def step(rank: int) -> int:
+        path = out / f"step.{rank}"
+        return int(path.read_text()) if path.exists() else -1
+
+    host = agent()  # first: it hosts the built-in store, which must outlive this test's kill
+    victim = agent()
+    wait_until(lambda: (out / "agent.1").exists() and (out / "agent.0").exists(), 60)
+    lost = next(rank for rank in range(2) if int(read(out, f"agent.{rank}")) == victim.pid)
+    peers = os.path.join(read(out, f"dir.{1 - lost}"), PEERS)  # the survivor's copies
+
+    def copied() -> int:  # the newest copy of the lost rank's state on the survivor
+        return max((head.step for head in committed(peers, lost).values()), default=-1)
+
+    wait_until(lambda: copied() >= 16, 60, "a copy of step 16 or later")
+    copied_before = copied()
+    victim.kill()
+    victim.communicate(timeout=10)
+    reached = max(step(rank) for rank in range(2))
+    newcomer = agent()
+    wait_until(lambda: len(read(out, f"resumed.{lost}").split()) == 2, 60, "the re-formed job")
+    (out / "stop.tmp").write_text(str(reached + 10))
+    os.replace(out / "stop.tmp", out / "stop")
+    errors = [process.communicate(timeout=60)[1] for process in (host, newcomer)]
+    assert [host.returncode, newcomer.returncode] == [0, 0], errors
+    resumed = {int(read(out, f"resumed.{rank}").split()[-1]) for rank in range(2)}
+    assert len(resumed) == 1, resumed  # every rank from the same step
+    (step_resumed,) = resumed
+    assert step_resumed % 8 == 0 and copied_before <= step_resumed <= reached, (
+        step_resumed,
+        copied_before,
+        reached,
+    )

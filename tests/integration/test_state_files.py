@@ -17,6 +17,7 @@ from conftest import LeakCheck, wait_until
 import relaunch
 from relaunch.core import state as layout
 from relaunch.state import api as state_api
+from relaunch.state.files import committed
 
 SAVER = textwrap.dedent(
     """
@@ -34,10 +35,15 @@ SAVER = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("delay", [0.0, 0.003, 0.011, 0.023, 0.037])
+@pytest.mark.parametrize(
+    ("delay", "copy_every"),
+    [(0.0, 1), (0.003, 1), (0.011, 1), (0.023, 1), (0.037, 1), (0.005, 4), (0.029, 4)],
+)
 def test_a_save_killed_midway_leaves_the_previous_state_whole(
-    tmp_path: pathlib.Path, leaks: LeakCheck, delay: float
+    tmp_path: pathlib.Path, leaks: LeakCheck, delay: float, copy_every: int
 ) -> None:
+    """A saver SIGKILLed at varied moments: every slot still committed loads whole; with
+    ``--state-copy-every 4`` (four slots), its two newest saves of copy steps are among them."""
     directory = tmp_path / "state"
     directory.mkdir()
     os.mkfifo(directory / layout.SAVED_FIFO)
@@ -48,6 +54,7 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
         layout.STATE_DIR_ENV: str(directory),
         "RANK": "0",
         "LOCAL_RANK": "0",
+        layout.COPY_EVERY_ENV: str(copy_every),
     }
     saver = subprocess.Popen([sys.executable, "-c", SAVER, str(ready)], env=env)
     try:
@@ -57,19 +64,25 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
         saver.wait(10)
     finally:
         os.close(reader)
-    heads = {
-        slot: layout.read_header((directory / layout.slot_name(0, slot)).read_bytes()[:64])
-        for slot in layout.SLOTS
-    }
-    steps = sorted(head.step for head in heads.values() if head is not None)
+    steps = sorted(head.step for head in committed(str(directory), 0).values())
     assert steps and steps[-1] >= 3
+    if copy_every > 1:
+        assert [step for step in steps if step % copy_every == 0][-2:] == [
+            step for step in range(steps[-1], -1, -1) if step % copy_every == 0
+        ][:2][::-1]
     for step in steps:  # every committed slot loads whole, with its own step's bytes
         os.environ.update({k: v for k, v in env.items() if k != "PATH"})
         os.environ[layout.STATE_STEP_ENV] = str(step)
         try:
             loaded = relaunch.load_state()
         finally:
-            for name in (layout.STATE_DIR_ENV, layout.STATE_STEP_ENV, "RANK", "LOCAL_RANK"):
+            for name in (
+                layout.STATE_DIR_ENV,
+                layout.STATE_STEP_ENV,
+                layout.COPY_EVERY_ENV,
+                "RANK",
+                "LOCAL_RANK",
+            ):
                 os.environ.pop(name, None)
         assert loaded is not None
         assert loaded[0] == step and loaded[1]["step"] == step
@@ -112,3 +125,32 @@ def test_a_loaded_state_is_the_workers_own_memory(
             writer.close()
             os.close(writer.fd)
         state_api._forget()
+
+
+def test_an_agreed_step_uncommits_every_later_save_and_copy(tmp_path: pathlib.Path) -> None:
+    """Once the nodes agreed on a step, the saves and copies of later steps belong to a history
+    the world left: none of them may ever be taken for one of the new history's."""
+    from relaunch.agent.state import forget_after
+    from relaunch.state.files import PEERS, SlotWriter
+
+    (tmp_path / PEERS).mkdir()
+    for where, rank, slot, step in [
+        ("", 0, 0, 5),
+        ("", 0, 1, 6),
+        ("", 3, 2, 8),
+        (PEERS, 1, 0, 5),
+        (PEERS, 1, 1, 7),
+    ]:
+        fd = os.open(tmp_path / where / layout.slot_name(rank, slot), os.O_RDWR | os.O_CREAT)
+        writer = SlotWriter(fd)
+        writer.write(step, step, [memoryview(b"x" * 10)])
+        writer.close()
+        os.close(fd)
+
+    def steps(where: str, rank: int) -> list[int]:
+        return sorted(head.step for head in committed(str(tmp_path / where), rank).values())
+
+    forget_after(str(tmp_path), 5)
+    assert (steps("", 0), steps("", 3), steps(PEERS, 1)) == ([5], [], [5])
+    forget_after(str(tmp_path), None)  # the world starts afresh
+    assert (steps("", 0), steps(PEERS, 1)) == ([], [])

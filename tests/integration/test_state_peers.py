@@ -15,7 +15,7 @@ from conftest import wait_until
 
 from relaunch.agent.state_peers import PeerLink
 from relaunch.core import state as layout
-from relaunch.state.files import SlotWriter
+from relaunch.state.files import PEERS, SlotWriter, committed
 from relaunch.store import auth
 
 PUSH = struct.Struct("!IBQ")  # after the request's kind: rank, slot, size
@@ -140,3 +140,41 @@ def test_a_save_is_pushed_to_every_successor_though_one_of_them_is_gone(
         link.close()
         first.close()
         third.close()
+
+
+@pytest.mark.timeout(60)
+def test_only_copy_steps_are_pushed_once_each_and_the_receiver_keeps_its_two_newest(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``--state-copy-every 4``: of saves 7 to 16, the pusher copies 8, 12 and 16, each once
+    (a save between copy steps pushes nothing: the next push after 8 is 12), and the
+    receiving node keeps the two newest, in its own two slots whatever the sender's."""
+    sender_dir, receiver_dir = tmp_path / "a", tmp_path / "b"
+    sender_dir.mkdir()
+    receiver_dir.mkdir()
+    sender = PeerLink(str(sender_dir), "127.0.0.1", 1 << 30, copy_every=4)
+    receiver = PeerLink(str(receiver_dir), "127.0.0.1", 1 << 30)
+    counted = Successor("counted")  # a second successor: what is sent, push by push
+    peers = str(receiver_dir / PEERS)
+
+    def copies() -> list[int]:
+        return sorted(head.step for head in committed(peers, 2).values())
+
+    try:
+        sender.follow([(receiver.address, receiver.token), (counted.address, counted.token)])
+        slots: dict[int, layout.Header] = {}
+        for step in range(7, 17):
+            slot = layout.slot_to_write(slots, 4)
+            commit(sender_dir, 2, slot, step, 1 << 10)
+            slots[slot] = layout.Header(step, step + 1, 1, 0, 0)
+            sender.saved(2)
+            if step in (8, 12, 16):
+                wait_until(lambda step=step: step in copies(), 30, f"the copy of step {step}")
+                assert counted.pushes.get(timeout=30)[3] == step
+        assert copies() == [12, 16]
+        assert set(committed(peers, 2)) == {0, 1}
+        assert counted.pushes.empty()
+    finally:
+        sender.close()
+        receiver.close()
+        counted.close()

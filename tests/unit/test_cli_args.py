@@ -106,6 +106,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "state_memory": "8G",
                 "state_persist_every": "3",
                 "state_replicas": "2",
+                "state_copy_every": "4",
                 "jit_save_timeout": "2.5",
             }.get(dest, "x")
         )

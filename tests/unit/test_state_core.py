@@ -66,6 +66,9 @@ def test_settings_are_checked_once() -> None:
     for replicas in (-1, True, 1.5):
         with pytest.raises(ValueError, match="state_replicas"):
             state_settings.StateSettings(replicas=replicas)  # type: ignore[arg-type]
+    for every in (0, True, 1.5):
+        with pytest.raises(ValueError, match="state_copy_every"):
+            state_settings.StateSettings(copy_every=every)  # type: ignore[arg-type]
     assert state_settings.default_memory(16 << 30) == 4 << 30
 
 
@@ -101,3 +104,51 @@ def test_a_state_record_reads_as_its_peer_and_steps() -> None:
 
     raw = b'{"address": "10.0.0.2:4000", "token": "ab", "held": {"3": [7, 8]}, "replicated": [8]}'
     assert node_held(raw) == (("10.0.0.2:4000", "ab"), {3: [7, 8]}, [8])
+
+
+def saves_kept(copy_every: int, steps: range) -> list[dict[int, state.Header]]:
+    """A rank's committed slots after each save of ``steps``, slots chosen by
+    ``slot_to_write``."""
+    slots: dict[int, state.Header] = {}
+    after = []
+    for generation, step in enumerate(steps, start=1):
+        slot = state.slot_to_write(slots, copy_every)
+        slots.pop(slot, None)  # uncommitted while it is written
+        slots[slot] = state.Header(step, generation, 1, 8, 0)
+        after.append(dict(slots))
+    return after
+
+
+def test_a_save_goes_to_the_other_of_two_slots_when_every_step_is_copied() -> None:
+    kept = saves_kept(1, range(1, 8))
+    assert [sorted(slots) for slots in kept][-1] == [0, 1]
+    for step, slots in enumerate(kept, start=1):
+        assert {head.step for head in slots.values()} == {step, step - 1} - {0}
+
+
+def test_with_copy_steps_a_rank_keeps_its_newest_save_and_its_two_newest_copy_steps() -> None:
+    """``--state-copy-every 4``: besides the newest save and the one before it (a save cut
+    short leaves it), the two newest saves of multiples of 4, which other nodes copy: what a
+    node's loss resumes from, whoever's copy trailed. Never more than four slots."""
+    for step, slots in enumerate(saves_kept(4, range(1, 30)), start=1):
+        steps = {head.step for head in slots.values()}
+        copies = [s for s in range(step, 0, -1) if s % 4 == 0][:2]
+        assert {step, step - 1} - {0} <= steps, (step, steps)
+        assert set(copies) <= steps, (step, steps)
+        assert len(slots) <= 4 and set(slots) <= set(state.SLOTS)
+
+
+def test_copy_steps_are_the_multiples_of_the_cadence() -> None:
+    assert [s for s in range(10) if state.is_copy_step(s, 3)] == [0, 3, 6, 9]
+    assert all(state.is_copy_step(s, 1) for s in range(5))
+
+
+def test_a_world_that_starts_afresh_though_state_was_kept_says_why_in_one_line() -> None:
+    from relaunch.agent.state import no_common_step
+
+    line = no_common_step({0: [12, 13], 1: [10, 11]}, 2)
+    assert "rank 1 holds steps 10-11, rank 0 holds steps 12-13" in line
+    assert "--state-copy-every" in line and "\n" not in line
+    assert no_common_step({0: [3]}, 3) == (
+        "rank 1 has no kept state (nor 1 more): the workers start afresh"
+    )

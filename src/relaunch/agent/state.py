@@ -32,6 +32,7 @@ from relaunch.state.files import (
     find_slot,
     held_steps,
     replicated_steps,
+    uncommit,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +47,27 @@ AGREE_TIMEOUT = 60.0
 #: Failed agreements in a row after which the workers start without state after all (a job
 #: that cannot agree at all still runs, from the start; it says so).
 AGREE_TRIES = 3
+
+
+def no_common_step(held: Mapping[int, Collection[int]], world_size: int) -> str:
+    """The line that says why a world of ``world_size`` ranks starts afresh though state was
+    kept (``held``: the steps each rank has, on any node)."""
+    empty = [rank for rank in range(world_size) if not held.get(rank)]
+    if empty:
+        more = f" (nor {len(empty) - 1} more)" if len(empty) > 1 else ""
+        return f"rank {empty[0]} has no kept state{more}: the workers start afresh"
+    behind = min(range(world_size), key=lambda rank: max(held[rank]))
+    ahead = max(range(world_size), key=lambda rank: min(held[rank]))
+    return (
+        f"no step of the kept state is held for every rank (rank {behind} holds "
+        f"{_span(held[behind])}, rank {ahead} holds {_span(held[ahead])}): the workers start "
+        "afresh. Where each rank saves its own state, --state-copy-every K has every node "
+        "copy and keep the same steps (docs/recovery.md)"
+    )
+
+
+def _span(steps: Collection[int]) -> str:
+    return f"steps {min(steps)}-{max(steps)}" if len(steps) > 1 else f"step {min(steps)}"
 
 
 class StateNotAgreed(Exception):
@@ -82,7 +104,8 @@ def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]], list[i
 
 
 def prune_peers(directory: str, step: int) -> None:
-    """Forget the other nodes' copies older than ``step``: no world resumes from them again."""
+    """Forget the other nodes' copies older than ``step``: no world resumes from them again
+    (those newer are forgotten as the nodes agree: ``forget_after``)."""
     peers = os.path.join(directory, PEERS)
     try:
         names = os.listdir(peers)
@@ -95,6 +118,24 @@ def prune_peers(directory: str, step: int) -> None:
                 os.unlink(os.path.join(peers, name))
             except FileNotFoundError:
                 pass
+
+
+def forget_after(directory: str, step: int | None) -> None:
+    """Uncommit every save and copy in ``directory`` of a step after ``step`` (None: of any
+    step): every node resumes from ``step``, and what came after it is another history, which
+    a later agreement must never take for this one's."""
+    for where in (directory, os.path.join(directory, PEERS)):
+        try:
+            names = os.listdir(where)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            rank, _, slot = name.removeprefix("rank").partition(".")
+            if not (name.startswith("rank") and rank.isdigit() and slot.isdigit()):
+                continue
+            head = file_header(os.path.join(where, name))
+            if head is not None and (step is None or head.step > step):
+                uncommit(os.path.join(where, name))
 
 
 def machine_memory() -> int:
@@ -113,6 +154,8 @@ class StateKeeper:
         self.persist_every = settings.persist_every
         self.jit_save_timeout = settings.jit_save_timeout
         self.replicas = settings.replicas
+        self.copy_every = settings.copy_every
+        self._copying = False  # this attempt's saves are copied to other nodes
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.directory = tempfile.mkdtemp(prefix="relaunch_state_", dir=shm)
         guardian().register_file(self.directory)  # removed even if this process is SIGKILLed
@@ -133,7 +176,7 @@ class StateKeeper:
         if peer_host is not None:
             from relaunch.agent.state_peers import PeerLink  # sockets: a job of several nodes
 
-            self._peers = PeerLink(self.directory, peer_host, self.memory)
+            self._peers = PeerLink(self.directory, peer_host, self.memory, self.copy_every)
         self._reader = start_thread(self._read_saves, "relaunch-state-saves")
         self._persister = (
             None if state_dir is None else start_thread(self._persist_loop, "relaunch-state-disk")
@@ -145,7 +188,13 @@ class StateKeeper:
             layout.STATE_DIR_ENV: self.directory,
             layout.STATE_MEMORY_ENV: str(self.memory),
             layout.STATE_STEP_ENV: "" if step is None else str(step),
+            layout.COPY_EVERY_ENV: str(self._kept_every),
         }
+
+    @property
+    def _kept_every(self) -> int:
+        """Every how many steps this attempt's saves are copied to other nodes (and kept)."""
+        return self.copy_every if self._copying else 1
 
     # -- before an attempt ---------------------------------------------------------------
 
@@ -170,10 +219,9 @@ class StateKeeper:
         held = held_steps(self.directory, coming)
         if group_world_size == 1 or self._peers is None:
             self._seed(coming)
+            self._copying = False
             step = layout.common_step(held, world_size)
-            self._fetch(step, ranks.values(), {})
-            self._agreed = step
-            return step
+            return self._resume(step, held, world_size, ranks.values(), {})
         replicated_here = set(replicated_steps(held, self.directory))
         replicated_here.update(head.step for head in coming.values() if head.replicated)
         mine = {
@@ -199,6 +247,7 @@ class StateKeeper:
                 self._not_agreed,
             )
             self._not_agreed = 0
+            forget_after(self.directory, None)
             return None
         self._not_agreed = 0
         nodes = {}
@@ -220,15 +269,32 @@ class StateKeeper:
                 anywhere.setdefault(rank, set()).update(replicated)
                 for kept in replicated:
                     holders.setdefault((rank, kept), peer)
-        self._peers.follow(
-            [
-                nodes[member][0]
-                for member in layout.successors(group_rank, group_world_size, self.replicas)
-                if member in nodes
-            ]
-        )
+        successors = [
+            nodes[member][0]
+            for member in layout.successors(group_rank, group_world_size, self.replicas)
+            if member in nodes
+        ]
+        self._peers.follow(successors)
+        self._copying = bool(successors)
         step = layout.common_step(anywhere, world_size)
-        self._fetch(step, ranks.values(), holders)
+        held_anywhere = {rank: sorted(steps) for rank, steps in anywhere.items()}
+        return self._resume(step, held_anywhere, world_size, ranks.values(), holders)
+
+    def _resume(
+        self,
+        step: int | None,
+        held: Mapping[int, list[int]],
+        world_size: int,
+        ranks: Collection[int],
+        holders: Mapping[tuple[int, int], tuple[str, str]],
+    ) -> int | None:
+        """The world resumes from ``step`` (None: afresh, said when state was kept but no step
+        is every rank's): what came after it is forgotten, and it is brought here for
+        ``ranks``."""
+        if step is None and any(held.values()):
+            log.warning("%s", no_common_step(held, world_size))
+        forget_after(self.directory, step)
+        self._fetch(step, ranks, holders)
         self._agreed = step
         return step
 
@@ -259,9 +325,7 @@ class StateKeeper:
             own = committed(self.directory, rank)
             if any(head.step == step for head in own.values()):
                 continue
-            # The slot to give it: an empty one, else the older.
-            slot = min(layout.SLOTS, key=lambda n: own[n].generation if n in own else -1)
-            target = self._slot(rank, slot)
+            target = self._slot(rank, layout.slot_to_write(own, self._kept_every))
             source = find_slot(self.directory, rank, step)
             try:
                 if source is not None:

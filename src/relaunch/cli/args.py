@@ -211,6 +211,7 @@ def config_from_args(
         state_dir=args.state_dir,
         state_persist_every=args.state_persist_every,
         state_replicas=args.state_replicas,
+        state_copy_every=args.state_copy_every,
         jit_save_timeout=args.jit_save_timeout,
     )
     validate(config)

@@ -409,6 +409,16 @@ FLAGS = [
     ),
     _Flag(
         "state",
+        ("--state-copy-every",),
+        "copy the saves of every K-th step to the other nodes, and keep each rank's two "
+        "newest of them: where each rank saves its own state and a copy takes longer than a "
+        "step, a node's loss still finds a step every rank has (then at most 2K-1 steps redone)",
+        1,
+        _checked("parse_count", 1),
+        metavar="K",
+    ),
+    _Flag(
+        "state",
         ("--jit-save-timeout",),
         "when a rank fails, seconds the others that ask relaunch.failure_pending() get to "
         "save_state before they are stopped (0: none)",

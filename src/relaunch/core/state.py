@@ -1,10 +1,13 @@
 """Worker state kept by the agent (``relaunch.save_state``): the slot files' layout, which step
 a restarted world resumes from, and the memory bound's arithmetic.
 
-Each global rank has two slot files in the agent's shared-memory directory, ``rank{R}.0`` and
-``rank{R}.1``; a save writes the slot that does not hold the rank's newest step, and commits
-it by rewriting its header last (one ``pwrite``: a worker killed in the middle of a save leaves
-the slot uncommitted and the other one, the previous save, intact).
+Each global rank has slot files in the agent's shared-memory directory, ``rank{R}.0``,
+``rank{R}.1`` and so on; a save writes a slot that does not hold the rank's newest step, and
+commits it by rewriting its header last (one ``pwrite``: a worker killed in the middle of a
+save leaves the slot uncommitted and the previous save intact). Where the node's state is
+copied to other nodes every ``K`` steps (``--state-copy-every K``, K > 1), a rank also keeps its
+two newest saves of steps that are multiples of K, the steps every node copies
+(``slot_to_write``): so two slots, or four.
 
 Slot layout (little-endian)::
 
@@ -40,7 +43,11 @@ COMMITTED = 8
 LENGTH = struct.Struct("<Q")
 #: A header with more parts than this is not one relaunch wrote.
 MAX_PARTS = 1 << 24
-SLOTS = (0, 1)
+#: The slots a rank may have (``slot_to_write`` uses the first two, or all four).
+SLOTS = (0, 1, 2, 3)
+#: Every how many steps the node's state is copied to other nodes (``--state-copy-every``):
+#: the saves to keep for them. Unset or 1: every save is copied, the two slots suffice.
+COPY_EVERY_ENV = "RELAUNCH_STATE_COPY_EVERY"
 #: The FIFO in the state directory a worker writes its local rank to (``SAVED``) after each
 #: committed save: the agent counts saves (``--state-persist-every``) and waits for the
 #: just-in-time saves on it.
@@ -107,6 +114,32 @@ def steps_held(own: Mapping[int, Collection[Header]]) -> dict[int, list[int]]:
     saves of any rank of the node (``REPLICATED``)."""
     shared = {head.step for heads in own.values() for head in heads if head.replicated}
     return {rank: sorted({head.step for head in heads} | shared) for rank, heads in own.items()}
+
+
+def is_copy_step(step: int, copy_every: int) -> bool:
+    """Whether the saves of ``step`` are the ones copied to other nodes (every node copies the
+    same steps, so a node's loss finds its ranks' copies at a step the survivors kept)."""
+    return copy_every <= 1 or step % copy_every == 0
+
+
+def slot_to_write(committed: Mapping[int, Header], copy_every: int) -> int:
+    """The slot a rank's next save goes to, given its committed slots (by slot number): never
+    the newest (a death in the middle of the save leaves it), nor, with ``copy_every`` > 1, one
+    of the two newest saves of copy steps (``is_copy_step``: another node may be copying it,
+    or hold the copy a node's loss resumes from). An empty slot first, else the oldest."""
+    usable = SLOTS[:2] if copy_every <= 1 else SLOTS
+    by_age = sorted(committed.items(), key=lambda item: item[1].generation, reverse=True)
+    kept = {slot for slot, _ in by_age[:1]}
+    if copy_every > 1:
+        copies = [slot for slot, head in by_age if is_copy_step(head.step, copy_every)]
+        kept.update(copies[:2])
+    free = [slot for slot in usable if slot not in committed]
+    if free:
+        return free[0]
+    return min(
+        (slot for slot in usable if slot not in kept),
+        key=lambda slot: committed[slot].generation,
+    )
 
 
 def successors(group_rank: int, group_world_size: int, replicas: int) -> list[int]:

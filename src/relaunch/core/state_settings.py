@@ -1,5 +1,6 @@
 """How an agent keeps its workers' state (``--state-memory``, ``--state-dir``,
-``--state-persist-every``, ``--jit-save-timeout``, ``--state-replicas``): the typed settings,
+``--state-persist-every``, ``--jit-save-timeout``, ``--state-replicas``,
+``--state-copy-every``): the typed settings,
 checked once, and the sizes people write (``8G``)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ DEFAULT_MEMORY_SHARE = 0.25
 DEFAULT_PERSIST_EVERY = 10
 DEFAULT_JIT_SAVE_TIMEOUT = 10.0
 DEFAULT_REPLICAS = 1
+DEFAULT_COPY_EVERY = 1
 
 
 @dataclass(frozen=True)
@@ -20,13 +22,15 @@ class StateSettings:
     ``default_memory``); a copy in ``directory`` every ``persist_every`` saves of each rank and
     at the job's end (None: none); ``jit_save_timeout`` seconds for the listening workers'
     saves when a failure is pending (0: none); a copy on each of the ``replicas`` next nodes
-    in ring order (0: none)."""
+    in ring order (0: none), of the saves of every ``copy_every``-th step (every node copies
+    the same steps, and keeps its own two newest of them)."""
 
     memory: int | None = None
     directory: str | None = None
     persist_every: int = DEFAULT_PERSIST_EVERY
     jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
     replicas: int = DEFAULT_REPLICAS
+    copy_every: int = DEFAULT_COPY_EVERY
 
     def __post_init__(self) -> None:
         if self.memory is not None and (isinstance(self.memory, bool) or self.memory <= 0):
@@ -45,6 +49,12 @@ class StateSettings:
             isinstance(self.replicas, int) and self.replicas >= 0
         ):
             raise ValueError(f"state_replicas must be a whole number >= 0, got {self.replicas!r}")
+        if isinstance(self.copy_every, bool) or not (
+            isinstance(self.copy_every, int) and self.copy_every >= 1
+        ):
+            raise ValueError(
+                f"state_copy_every must be a whole number >= 1, got {self.copy_every!r}"
+            )
 
 
 def default_memory(machine_bytes: int) -> int:

@@ -18,19 +18,21 @@ TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseco
 if TYPE_CHECKING:
     from typing import Any
 
+    from relaunch.core.state import Header
     from relaunch.state.files import SlotWriter
 
 _slots: dict[int, SlotWriter] = {}  # slot -> the mapped slot file of this process' rank
-_newest: tuple[int, int, int] | None = None  # (slot, step, generation) of the last commit
+_committed: dict[int, Header] = {}  # slot -> its committed save, as this process knows it
 _opened_for: tuple[str, int] | None = None  # the directory and rank the slots belong to
 _saved_fd = -1
 
 
 def _forget() -> None:
     """In a forked child: its own slots, looked at afresh."""
-    global _newest, _opened_for, _saved_fd
+    global _opened_for, _saved_fd
     _slots.clear()  # the parent's maps: left to it
-    _newest, _opened_for, _saved_fd = None, None, -1
+    _committed.clear()
+    _opened_for, _saved_fd = None, -1
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -52,23 +54,27 @@ def _where() -> tuple[str, int, int] | None:
 
 
 def _open_slots(directory: str, rank: int) -> None:
-    """Open this rank's two slots (once per process) and find its newest commit."""
-    global _newest, _opened_for
-    from relaunch.state.files import SlotWriter, slot_header
+    """Look at this rank's slots afresh (once per process): which hold which save."""
+    global _opened_for
+    from relaunch.state.files import committed
 
     for writer in _slots.values():
         writer.close()
         os.close(writer.fd)
     _slots.clear()
-    _newest = None
-    for slot in layout.SLOTS:
-        path = os.path.join(directory, layout.slot_name(rank, slot))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        _slots[slot] = SlotWriter(fd)
-        head = slot_header(fd)
-        if head is not None and (_newest is None or head.generation > _newest[2]):
-            _newest = (slot, head.step, head.generation)
+    _committed.clear()
+    _committed.update(committed(directory, rank))
     _opened_for = (directory, rank)
+
+
+def _writer(directory: str, rank: int, slot: int) -> SlotWriter:
+    """The slot file ``slot`` of ``rank``, opened (and later mapped) once per process."""
+    if slot not in _slots:
+        from relaunch.state.files import SlotWriter
+
+        path = os.path.join(directory, layout.slot_name(rank, slot))
+        _slots[slot] = SlotWriter(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    return _slots[slot]
 
 
 def _others_in_use(directory: str, mine: str) -> int:
@@ -93,7 +99,6 @@ def save_state(state: Any, step: int, *, replicated: bool = False) -> None:
     that lacks its own save of ``step`` (it failed first) may resume from this one: what a
     just-in-time save (``failure_pending``) should say. ``StateError`` when it does not fit
     ``--state-memory``. Outside relaunch it does nothing."""
-    global _newest
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"save_state's step must be a whole number >= 0, got {step!r}")
     where = _where()
@@ -105,24 +110,28 @@ def save_state(state: Any, step: int, *, replicated: bool = False) -> None:
     from relaunch.pickling import dump_parts
 
     parts = dump_parts(state)
-    needed = layout.HEADER_SIZE + layout.payload([part.nbytes for part in parts])
-    slot = 0 if _newest is None or _newest[0] == 1 else 1
+    lengths = [part.nbytes for part in parts]
+    needed = layout.HEADER_SIZE + layout.payload(lengths)
+    copy_every = os.environ.get(layout.COPY_EVERY_ENV, "")
+    slot = layout.slot_to_write(_committed, int(copy_every) if copy_every.isdigit() else 1)
     name = layout.slot_name(rank, slot)
     limit = int(os.environ.get(layout.STATE_MEMORY_ENV) or 0)
     if limit:
         problem = layout.too_large(needed, _others_in_use(directory, name), limit)
         if problem is not None:
             raise StateError(problem)
-    generation = 1 if _newest is None else _newest[2] + 1
+    generation = 1 + max((head.generation for head in _committed.values()), default=0)
+    flags = layout.REPLICATED if replicated else 0
+    _committed.pop(slot, None)  # uncommitted from here until the write's end
     try:
-        _slots[slot].write(step, generation, parts, layout.REPLICATED if replicated else 0)
+        _writer(directory, rank, slot).write(step, generation, parts, flags)
     except OSError as exc:
         raise StateError(
             f"save_state could not keep {layout.format_bytes(needed)} in {directory}: "
             f"{exc.strerror or exc}; lower --state-memory below what the machine's /dev/shm "
             "holds, or save less"
         ) from None
-    _newest = (slot, step, generation)
+    _committed[slot] = layout.Header(step, generation, len(parts), layout.payload(lengths), flags)
     _tell_agent(directory, local)
 
 

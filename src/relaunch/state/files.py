@@ -113,6 +113,18 @@ class SlotWriter:
             self._map = None
 
 
+def uncommit(path: str) -> None:
+    """Clear the commit flag of the slot file ``path``: no load takes it from now on."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return
+    try:
+        write_all(fd, bytes(4), COMMITTED)
+    finally:
+        os.close(fd)
+
+
 def slot_header(fd: int) -> Header | None:
     """The header of the slot ``fd`` when it is committed."""
     return read_header(os.pread(fd, HEADER_SIZE, 0))
