@@ -3,7 +3,9 @@ prefix, and resized with it."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import signal
 import struct
@@ -11,6 +13,8 @@ import termios
 import threading
 from collections.abc import Callable
 from types import FrameType
+
+log = logging.getLogger(__name__)
 
 
 def pty_size(size: os.terminal_size, prefix_width: int) -> tuple[int, int]:
@@ -65,8 +69,9 @@ class WorkerTerminals:
                 try:
                     _set_size(fd, *pty_size(size, prefix_width))
                     os.killpg(pid, signal.SIGWINCH)
-                except OSError:
-                    pass  # the worker is gone
+                except OSError as exc:
+                    if exc.errno not in (errno.ESRCH, errno.EIO, errno.EBADF):  # it is gone
+                        log.warning("could not resize the terminal of pid %d: %s", pid, exc)
 
 
 def on_resize(callback: Callable[[], None]) -> None:
