@@ -17,6 +17,7 @@ from conftest import LeakCheck, wait_until
 import relaunch
 from relaunch.core import state as layout
 from relaunch.state import api as state_api
+from relaunch.state import files as state_files
 from relaunch.state.files import committed
 
 SAVER = textwrap.dedent(
@@ -90,13 +91,25 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kernel", ["populate-write", "older"])
 def test_a_loaded_state_is_the_workers_own_memory(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
     """A tensor ``load_state`` gives is in memory of the worker's own, filled when loaded:
     saving over both slots afterwards does not change it, and writing it does not change the
-    kept state."""
+    kept state; so too where the kernel cannot copy a mapping's pages at once (``older``:
+    the part is read instead)."""
     torch = pytest.importorskip("torch")
+    if kernel == "older":
+        monkeypatch.setattr(state_files, "_POPULATE_WRITE", -1)  # madvise: EINVAL
+    copied: list[memoryview | None] = []  # what each large part's copy-on-write mapping gave
+    real = state_files._copied_pages
+
+    def copied_pages(fd: int, offset: int, length: int) -> memoryview | None:
+        copied.append(real(fd, offset, length))
+        return copied[-1]
+
+    monkeypatch.setattr(state_files, "_copied_pages", copied_pages)
     directory = tmp_path / "state"
     directory.mkdir()
     for name, value in {
@@ -112,6 +125,7 @@ def test_a_loaded_state_is_the_workers_own_memory(
         loaded = relaunch.load_state()
         assert loaded is not None
         weight = loaded[1]["weight"]
+        assert copied and all((part is not None) == (kernel != "older") for part in copied)
         assert torch.equal(weight, large) and torch.equal(loaded[1]["small"], torch.ones(4))
         for step in (2, 3):  # both slots written again, one of them the one just loaded
             relaunch.save_state({"weight": torch.full((1 << 20,), float(step))}, step)
