@@ -141,6 +141,55 @@ def test_a_loaded_state_is_the_workers_own_memory(
         state_api._forget()
 
 
+LOADER = textwrap.dedent(
+    """
+    import sys, torch, relaunch
+    from relaunch.state import files
+    if sys.argv[1] in ("own", "save"):
+        weight = torch.arange(1 << 22, dtype=torch.float32)
+        relaunch.save_state({"w": weight}, 1, replicated=True)
+    if sys.argv[1] in ("own", "replica"):
+        weight = relaunch.load_state()[1]["w"]
+        for step in (2, 3):  # the 2nd to the slot loaded from, and 100000 times smaller
+            relaunch.save_state({"tiny": step}, step)
+        print(torch.equal(weight, torch.arange(1 << 22, dtype=torch.float32)), len(files._mapped))
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_smaller_save_over_the_slot_loaded_from_leaves_the_loaded_tensors(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    """A tensor loaded from the rank's own slot is that slot's pages, copied on write: a save
+    of a much smaller state over that slot must not shorten its file (which would take the
+    pages from under the tensor: a SIGBUS). A rank that loads another rank's replicated save
+    reads it instead (that rank's process may shorten its own file)."""
+    pytest.importorskip("torch")
+
+    def run(directory: pathlib.Path, rank: int, what: str) -> list[str]:
+        directory.mkdir(exist_ok=True)
+        env = {
+            layout.STATE_DIR_ENV: str(directory),
+            layout.STATE_STEP_ENV: "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", LOADER, what],
+            env=leaks.process_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert run(tmp_path / "own", 0, "own") == ["True", "1"]  # mapped, and never shortened
+    run(tmp_path / "replica", 0, "save")
+    assert run(tmp_path / "replica", 1, "replica") == ["True", "0"]  # rank 0's: read
+
+
 def test_an_agreed_step_uncommits_every_later_save_and_copy(tmp_path: pathlib.Path) -> None:
     """Once the nodes agreed on a step, the saves and copies of later steps belong to a history
     the world left: none of them may ever be taken for one of the new history's."""

@@ -178,9 +178,12 @@ def _load() -> tuple[int, Any] | None:
     path = find_slot(directory, rank, step)
     head = None if path is None else file_header(path)
     if path is not None and head is not None and head.step == step:
+        own = os.path.dirname(path) == directory and os.path.basename(path).startswith(
+            f"rank{rank}."
+        )
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            parts = read_slot(fd, head)
+            parts = read_slot(fd, head, own)
         except StateCorrupt as exc:
             raise StateError(f"load_state: rank {rank}'s state of step {step}: {exc}") from None
         finally:

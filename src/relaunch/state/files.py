@@ -41,9 +41,10 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> Non
 
 def _part_memory(length: int) -> bytearray | memoryview:
     """Writable memory for a part of ``length`` bytes that a load reads into (where
-    ``_copied_pages`` does not give it). A large part gets an anonymous mapping of its own whose pages the kernel provides at once (``MAP_POPULATE``):
-    a ``bytearray`` would fault them in one by one and zero them first, which costs a 4-rank
-    load on two cores as much as the copy itself. One mapping a part, so that a tensor the
+    ``_copied_pages`` does not give it). A large part gets an anonymous mapping of its own
+    whose pages the kernel provides at once (``MAP_POPULATE``): a ``bytearray`` would fault
+    them in one by one and zero them first, which costs a 4-rank load on two cores as much as
+    the copy itself. One mapping a part, so that a tensor the
     worker drops (a model's, once copied into its parameters) frees its memory while one it
     keeps (an optimizer's) holds only its own."""
     if length < MAPPED_PART:
@@ -54,6 +55,10 @@ def _part_memory(length: int) -> bytearray | memoryview:
 
 #: ``madvise``'s ``MADV_POPULATE_WRITE`` (Linux 5.14): every page of a mapping written now.
 _POPULATE_WRITE = 23
+#: The slot files (device, inode) this process loaded parts of copy-on-write. Truncating a
+#: file takes even the copied pages of its private mappings past the new end (touching them
+#: then is a SIGBUS): these files are never made shorter (``SlotWriter``).
+_mapped: set[tuple[int, int]] = set()
 
 
 def _copied_pages(fd: int, offset: int, length: int) -> memoryview | None:
@@ -74,6 +79,8 @@ def _copied_pages(fd: int, offset: int, length: int) -> memoryview | None:
         )
     except (OSError, ValueError):
         return None
+    stat = os.fstat(fd)
+    _mapped.add((stat.st_dev, stat.st_ino))
     try:
         mapped.madvise(_POPULATE_WRITE)
     except OSError:  # an older kernel, or the slot shrank meanwhile
@@ -122,8 +129,10 @@ class SlotWriter:
         return used
 
     def _reserve(self, used: int) -> mmap.mmap:
-        size = os.fstat(self.fd).st_size
-        if size < used or size > 2 * used:  # grow, or give back what a larger state took
+        stat = os.fstat(self.fd)
+        size = stat.st_size
+        shrinks = size > 2 * used and (stat.st_dev, stat.st_ino) not in _mapped
+        if size < used or shrinks:  # grow, or give back what a larger state took
             self.close()
             os.ftruncate(self.fd, used)
             os.posix_fallocate(self.fd, 0, used)
@@ -160,10 +169,11 @@ def slot_header(fd: int) -> Header | None:
     return read_header(os.pread(fd, HEADER_SIZE, 0))
 
 
-def read_slot(fd: int, expected: Header) -> list[bytearray | memoryview]:
+def read_slot(fd: int, expected: Header, own: bool = False) -> list[bytearray | memoryview]:
     """The parts of the committed slot ``fd`` whose header was ``expected``: the pickle, then
-    its buffers, each in writable memory of its own (``_copied_pages``, ``_part_memory``).
-    ``StateCorrupt`` when
+    its buffers, each in writable memory of its own: mapped copy-on-write (``_copied_pages``)
+    from a slot of the rank's ``own``, which only this process writes to, else read
+    (``_part_memory``: another process may shorten its file). ``StateCorrupt`` when
     the slot changed meanwhile or does not match its header."""
     table = os.pread(fd, LENGTH.size * expected.parts, HEADER_SIZE)
     if len(table) != LENGTH.size * expected.parts:
@@ -174,7 +184,7 @@ def read_slot(fd: int, expected: Header) -> list[bytearray | memoryview]:
     parts: list[bytearray | memoryview] = []
     offset = HEADER_SIZE + len(table)
     for length in lengths:
-        copied = _copied_pages(fd, offset, length) if length >= MAPPED_PART else None
+        copied = _copied_pages(fd, offset, length) if own and length >= MAPPED_PART else None
         if copied is not None:
             parts.append(copied)
         else:
