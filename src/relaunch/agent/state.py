@@ -183,13 +183,16 @@ class StateKeeper:
         )
 
     def env(self, step: int | None) -> dict[str, str]:
-        """What every worker of an attempt that resumes from ``step`` is given."""
-        return {
+        """What every worker of an attempt that resumes from ``step`` is given (the copy steps'
+        cadence only where it is not every step)."""
+        env = {
             layout.STATE_DIR_ENV: self.directory,
             layout.STATE_MEMORY_ENV: str(self.memory),
             layout.STATE_STEP_ENV: "" if step is None else str(step),
-            layout.COPY_EVERY_ENV: str(self._kept_every),
         }
+        if self._kept_every > 1:
+            env[layout.COPY_EVERY_ENV] = str(self._kept_every)
+        return env
 
     @property
     def _kept_every(self) -> int:
