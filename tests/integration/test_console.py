@@ -439,16 +439,18 @@ def test_real_rich_and_tqdm_bars_draw_under_their_prefix_at_the_terminals_width(
 
 
 RESIZED = r"""
-    import os, signal, sys, threading
-    changed = threading.Event()
-    signal.signal(signal.SIGWINCH, lambda *_: changed.set())
+    import os, signal, sys
+    # Blocked, then waited for: one that comes before the wait stays pending. (A handler that
+    # sets a threading.Event can deadlock: run between the wait's taking the Event's lock and
+    # its letting go, it waits for that lock forever.)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH})
 
     def size():
         columns, lines = os.get_terminal_size(sys.stdout.fileno())
         return f"{columns}x{lines}"
 
     print("size", size(), flush=True)
-    if not changed.wait(30):
+    if signal.sigtimedwait({signal.SIGWINCH}, 30) is None:
         sys.exit("no SIGWINCH came")
     print("resized", size(), flush=True)
 """
