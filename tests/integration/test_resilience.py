@@ -276,7 +276,9 @@ def test_the_same_failure_again_and_again_stops_every_node_with_do_not_requeue(
             if node.poll() is None:
                 node.kill()
                 node.wait()
-    assert [node.returncode for node in nodes] == [93, 93], errs
+    # Each node's own lines, whole (a list's repr would be cut in the middle).
+    told = "\n".join(f"--- node {n} ---\n{err[-3000:]}" for n, err in enumerate(errs))
+    assert [node.returncode for node in nodes] == [93, 93], told
     said = "3 attempts in a row failed the same way: restarting again would repeat it"
     assert any(said in err for err in errs), errs
     assert any("RuntimeError: the data shard is corrupt" in err for err in errs), errs
