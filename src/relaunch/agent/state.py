@@ -32,6 +32,7 @@ from relaunch.state.files import (
     find_slot,
     held_steps,
     replicated_steps,
+    slot_files,
     uncommit,
 )
 
@@ -124,18 +125,9 @@ def forget_after(directory: str, step: int | None) -> None:
     """Uncommit every save and copy in ``directory`` of a step after ``step`` (None: of any
     step): every node resumes from ``step``, and what came after it is another history, which
     a later agreement must never take for this one's."""
-    for where in (directory, os.path.join(directory, PEERS)):
-        try:
-            names = os.listdir(where)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            rank, _, slot = name.removeprefix("rank").partition(".")
-            if not (name.startswith("rank") and rank.isdigit() and slot.isdigit()):
-                continue
-            head = file_header(os.path.join(where, name))
-            if head is not None and (step is None or head.step > step):
-                uncommit(os.path.join(where, name))
+    for _, path, head in list(slot_files(directory)):
+        if step is None or head.step > step:
+            uncommit(path)
 
 
 def machine_memory() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from relaunch.core.state import (
     COMMITTED,
@@ -302,23 +302,31 @@ def find_slot(directory: str, rank: int, step: int) -> str | None:
     return find_replica(directory, step)
 
 
-def held_steps(directory: str, coming: Mapping[int, Header] | None = None) -> dict[int, list[int]]:
-    """Every rank's steps this node holds: its own ranks' and the peer copies, and ``coming``
-    (by rank: saves on their way from disk); a replicated save stands for every rank listed
-    (``replicated_steps`` for the others)."""
-    own: dict[int, list[Header]] = {rank: [head] for rank, head in (coming or {}).items()}
+def slot_files(directory: str) -> Iterator[tuple[int, str, Header]]:
+    """Every committed slot file of the state directory ``directory``, the ranks' own and the
+    peer copies: (its rank, its path, its header)."""
     for where in (directory, os.path.join(directory, PEERS)):
         try:
             names = os.listdir(where)
         except FileNotFoundError:
             continue
         for name in names:
-            rank_text, _, slot = name.removeprefix("rank").partition(".")
-            if not name.startswith("rank") or not rank_text.isdigit() or not slot.isdigit():
+            rank, _, slot = name.removeprefix("rank").partition(".")
+            if not name.startswith("rank") or not rank.isdigit() or not slot.isdigit():
                 continue
-            head = file_header(os.path.join(where, name))
+            path = os.path.join(where, name)
+            head = file_header(path)
             if head is not None:
-                own.setdefault(int(rank_text), []).append(head)
+                yield int(rank), path, head
+
+
+def held_steps(directory: str, coming: Mapping[int, Header] | None = None) -> dict[int, list[int]]:
+    """Every rank's steps this node holds: its own ranks' and the peer copies, and ``coming``
+    (by rank: saves on their way from disk); a replicated save stands for every rank listed
+    (``replicated_steps`` for the others)."""
+    own: dict[int, list[Header]] = {rank: [head] for rank, head in (coming or {}).items()}
+    for rank, _, head in slot_files(directory):
+        own.setdefault(rank, []).append(head)
     return steps_held(own)
 
 
