@@ -509,9 +509,9 @@ def test_a_node_lost_while_its_copies_trail_resumes_from_a_copy_step_every_rank_
     """Two nodes of one rank, each saving 16 MiB of its own (not replicated) every 10 ms, so
     that a copy to the other node takes steps; with ``--state-copy-every 16`` both copy steps
     16, 32, ... and keep their own two newest (a copy may take up to 16 steps: a loaded
-    machine's margin). The node that does not host the store is
-    SIGKILLed while both train; the node that takes its place resumes from the lost node's
-    copy, and the survivor from its own save of the same step (not from the start)."""
+    machine's margin). The node that does not host the store is SIGKILLed while both train;
+    the node that takes its place resumes from the lost node's copy, and the survivor from its
+    own save of the same step (not from the start)."""
     out = tmp_path / "out"
     out.mkdir()
     agent = one_rank_nodes(
