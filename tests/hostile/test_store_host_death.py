@@ -8,9 +8,12 @@ seconds, says in one line that the store's host is gone and what to do, and its 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -18,6 +21,7 @@ import pytest
 from conftest import LeakCheck, pid_alive, wait_until
 
 from relaunch.endpoints import find_free_port
+from relaunch.store.api import StoreRefused
 from relaunch.store.client import TcpStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -108,3 +112,26 @@ def test_the_survivor_of_the_store_hosts_death_says_so_within_the_keep_alive(
     assert "restart" not in summary, err
     for pid in os.listdir(pids):  # the workers of both nodes
         wait_until(lambda pid=pid: not pid_alive(int(pid)), 5, f"worker {pid} to be gone")
+
+
+def test_a_connection_reset_before_the_hello_is_tried_again_and_found_refused() -> None:
+    """A store's host being killed may still take a connection into its listener's backlog,
+    then reset it: the client tries again within its connect timeout, and the refusal that
+    follows says the store is gone (``StoreRefused``), not merely out of reach (CI once saw
+    the survivor call a restart for that reset before it found the host gone)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def reset_the_first_and_stop_listening() -> None:
+        connection, _ = listener.accept()
+        listener.close()
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.close()  # a reset, before any hello
+
+    thread = threading.Thread(target=reset_the_first_and_stop_listening)
+    thread.start()
+    try:
+        with pytest.raises(StoreRefused):
+            TcpStore("127.0.0.1", port, timeout=1, connect_timeout=1).close()
+    finally:
+        thread.join(10)

@@ -128,12 +128,15 @@ class TcpStore:
     # -- connection -----------------------------------------------------------------------------
 
     def _connect(self, on_wait: Callable[[str, float, str], None] | None = None) -> None:
+        """Connect and shake hands within the connect timeout. A connection reset or closed
+        before the handshake ends is tried again, as a refused one is: a store whose host is
+        dying may still take a connection into its backlog, then reset it, and the next try is
+        refused (``StoreRefused``: the store is gone, not merely out of reach)."""
         deadline = Deadline(self._connect_timeout, self._clock)
         backoff = Backoff(deadline.at, self._clock)
         while True:
             try:
                 sock = socket.create_connection(self._address, timeout=max(0.01, deadline.left()))
-                break
             except OSError as exc:
                 # A name that does not resolve is waited for like a store that does not answer:
                 # a cluster's DNS may publish the store's host after this node starts.
@@ -151,13 +154,22 @@ class TcpStore:
                         f"cannot {problem} the store at {self.endpoint} within "
                         f"{seconds(self._connect_timeout)}: {exc.strerror or exc}"
                     ) from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._reader, self._pending = sock, wire.FrameReader(), []
-        try:
-            self._handshake(deadline)
-        except BaseException:
-            self._drop()
-            raise
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock, self._reader, self._pending = sock, wire.FrameReader(), []
+            try:
+                self._handshake(deadline)
+                return
+            except StoreAuthError:
+                self._drop()
+                raise
+            except StoreConnectionError:  # reset or closed before the hello: try again
+                self._drop()
+                if not backoff.pause():
+                    raise
+            except BaseException:
+                self._drop()
+                raise
 
     def _handshake(self, deadline: Deadline) -> None:
         code, hello = self._receive(deadline)
