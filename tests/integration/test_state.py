@@ -32,6 +32,24 @@ def read(out: pathlib.Path, name: str) -> str:
     return (out / name).read_text()
 
 
+def ring_step(out: pathlib.Path, rank: int) -> int:
+    """The newest step ``state_ring_worker`` rank ``rank`` saved (-1: none yet)."""
+    path = out / f"step.{rank}"
+    return int(path.read_text()) if path.exists() else -1
+
+
+def ring_resumed(out: pathlib.Path, rank: int) -> list[str]:
+    """The step each start of ``state_ring_worker`` rank ``rank`` resumed from (-1: none)."""
+    path = out / f"resumed.{rank}"
+    return path.read_text().split() if path.exists() else []
+
+
+def stop_ring_at(out: pathlib.Path, step: int) -> None:
+    """Have every ``state_ring_worker`` rank end at ``step`` (the file read whole)."""
+    (out / "stop.tmp").write_text(str(step))
+    os.replace(out / "stop.tmp", out / "stop")
+
+
 @pytest.mark.timeout(60)
 def test_a_killed_worker_resumes_every_rank_from_the_same_step(
     tmp_path: pathlib.Path, leaks: LeakCheck
@@ -409,13 +427,9 @@ def test_two_nodes_lost_at_once_leave_every_ranks_state_with_two_replicas(
         *(*LOST_FAST, "--state-replicas", str(replicas), RING, str(out)),
     )
 
-    def step(rank: int) -> int:
-        path = out / f"step.{rank}"
-        return int(path.read_text()) if path.exists() else -1
-
     host = agent()  # first: it hosts the built-in store, which must outlive this test's kills
     victims = [agent(), agent()]
-    wait_until(lambda: min(step(rank) for rank in range(3)) >= 10, 60, "every rank's step 10")
+    wait_until(lambda: min(ring_step(out, r) for r in range(3)) >= 10, 60, "every rank's step 10")
     (out / "pause").write_text("")
     directories = [read(out, f"dir.{rank}") for rank in range(3)]
 
@@ -432,7 +446,7 @@ def test_two_nodes_lost_at_once_leave_every_ranks_state_with_two_replicas(
 
     if replicas == 2:
         wait_until(copied, 30, "the copies of the newest saves")
-    paused_at = min(step(rank) for rank in range(3))  # each rank saves one more at most
+    paused_at = min(ring_step(out, rank) for rank in range(3))  # each saves one more at most
     for victim in victims:
         victim.kill()
     for victim in victims:
@@ -440,20 +454,16 @@ def test_two_nodes_lost_at_once_leave_every_ranks_state_with_two_replicas(
     pids = {victim.pid for victim in victims}
     assert sum(int(read(out, f"agent.{rank}")) in pids for rank in range(3)) == 2
     newcomers = [agent(), agent()]
-
-    def resumed() -> list[list[str]]:
-        return [
-            read(out, f"resumed.{rank}").split() if (out / f"resumed.{rank}").exists() else []
-            for rank in range(3)
-        ]
-
-    wait_until(lambda: all(len(lines) == 2 for lines in resumed()), 60, "the re-formed job")
+    wait_until(
+        lambda: all(len(ring_resumed(out, rank)) == 2 for rank in range(3)),
+        60,
+        "the re-formed job",
+    )
     os.unlink(out / "pause")
-    (out / "stop.tmp").write_text(str(max(step(rank) for rank in range(3)) + 10))
-    os.replace(out / "stop.tmp", out / "stop")  # read whole: the step every rank ends at
+    stop_ring_at(out, max(ring_step(out, rank) for rank in range(3)) + 10)
     errors = [process.communicate(timeout=60)[1] for process in (host, *newcomers)]
     assert [process.returncode for process in (host, *newcomers)] == [0, 0, 0], errors
-    after = {int(lines[-1]) for lines in resumed()}
+    after = {int(ring_resumed(out, rank)[-1]) for rank in range(3)}
     assert len(after) == 1, after  # every rank from the same step
     if replicas == 2:
         assert paused_at <= after.pop() <= paused_at + 1
@@ -525,10 +535,6 @@ def test_a_node_lost_while_its_copies_trail_resumes_from_a_copy_step_every_rank_
         RING_STEP_S="0.01",
     )
 
-    def step(rank: int) -> int:
-        path = out / f"step.{rank}"
-        return int(path.read_text()) if path.exists() else -1
-
     host = agent()  # first: it hosts the built-in store, which must outlive this test's kill
     victim = agent()
     wait_until(lambda: (out / "agent.1").exists() and (out / "agent.0").exists(), 60)
@@ -542,14 +548,13 @@ def test_a_node_lost_while_its_copies_trail_resumes_from_a_copy_step_every_rank_
     copied_before = copied()
     victim.kill()
     victim.communicate(timeout=10)
-    reached = max(step(rank) for rank in range(2))
+    reached = max(ring_step(out, rank) for rank in range(2))
     newcomer = agent()
-    wait_until(lambda: len(read(out, f"resumed.{lost}").split()) == 2, 60, "the re-formed job")
-    (out / "stop.tmp").write_text(str(reached + 10))
-    os.replace(out / "stop.tmp", out / "stop")
+    wait_until(lambda: len(ring_resumed(out, lost)) == 2, 60, "the re-formed job")
+    stop_ring_at(out, reached + 10)
     errors = [process.communicate(timeout=60)[1] for process in (host, newcomer)]
     assert [host.returncode, newcomer.returncode] == [0, 0], errors
-    resumed = {int(read(out, f"resumed.{rank}").split()[-1]) for rank in range(2)}
+    resumed = {int(ring_resumed(out, rank)[-1]) for rank in range(2)}
     assert len(resumed) == 1, resumed  # every rank from the same step
     (step_resumed,) = resumed
     assert step_resumed % 16 == 0 and copied_before <= step_resumed <= reached, (
