@@ -144,11 +144,9 @@ def test_copy_steps_are_the_multiples_of_the_cadence() -> None:
 
 
 def test_a_world_that_starts_afresh_though_state_was_kept_says_why_in_one_line() -> None:
-    from relaunch.agent.state import no_common_step
-
-    line = no_common_step({0: [12, 13], 1: [10, 11]}, 2)
+    line = state.no_common_step({0: [12, 13], 1: [10, 11]}, 2)
     assert "rank 1 holds steps 10-11, rank 0 holds steps 12-13" in line
     assert "--state-copy-every" in line and "\n" not in line
-    assert no_common_step({0: [3]}, 3) == (
+    assert state.no_common_step({0: [3]}, 3) == (
         "rank 1 has no kept state (nor 1 more): the workers start afresh"
     )

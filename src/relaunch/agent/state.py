@@ -50,27 +50,6 @@ AGREE_TIMEOUT = 60.0
 AGREE_TRIES = 3
 
 
-def no_common_step(held: Mapping[int, Collection[int]], world_size: int) -> str:
-    """The line that says why a world of ``world_size`` ranks starts afresh though state was
-    kept (``held``: the steps each rank has, on any node)."""
-    empty = [rank for rank in range(world_size) if not held.get(rank)]
-    if empty:
-        more = f" (nor {len(empty) - 1} more)" if len(empty) > 1 else ""
-        return f"rank {empty[0]} has no kept state{more}: the workers start afresh"
-    behind = min(range(world_size), key=lambda rank: max(held[rank]))
-    ahead = max(range(world_size), key=lambda rank: min(held[rank]))
-    return (
-        f"no step of the kept state is held for every rank (rank {behind} holds "
-        f"{_span(held[behind])}, rank {ahead} holds {_span(held[ahead])}): the workers start "
-        "afresh. Where each rank saves its own state, --state-copy-every K has every node "
-        "copy and keep the same steps (docs/recovery.md)"
-    )
-
-
-def _span(steps: Collection[int]) -> str:
-    return f"steps {min(steps)}-{max(steps)}" if len(steps) > 1 else f"step {min(steps)}"
-
-
 class StateNotAgreed(Exception):
     """The nodes could not agree on a step to resume from: the workers must not start (their
     fresh saves would overwrite the state kept); the node joins again."""
@@ -287,7 +266,7 @@ class StateKeeper:
         is every rank's): what came after it is forgotten, and it is brought here for
         ``ranks``."""
         if step is None and any(held.values()):
-            log.warning("%s", no_common_step(held, world_size))
+            log.warning("%s", layout.no_common_step(held, world_size))
         forget_after(self.directory, step)
         self._fetch(step, ranks, holders)
         self._agreed = step

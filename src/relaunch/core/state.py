@@ -161,6 +161,27 @@ def common_step(steps: Mapping[int, Collection[int]], world_size: int) -> int | 
     return max(shared) if shared else None
 
 
+def no_common_step(held: Mapping[int, Collection[int]], world_size: int) -> str:
+    """The line that says why a world of ``world_size`` ranks starts afresh though state was
+    kept (``held``: the steps each rank has, on any node)."""
+    empty = [rank for rank in range(world_size) if not held.get(rank)]
+    if empty:
+        more = f" (nor {len(empty) - 1} more)" if len(empty) > 1 else ""
+        return f"rank {empty[0]} has no kept state{more}: the workers start afresh"
+    behind = min(range(world_size), key=lambda rank: max(held[rank]))
+    ahead = max(range(world_size), key=lambda rank: min(held[rank]))
+    return (
+        f"no step of the kept state is held for every rank (rank {behind} holds "
+        f"{_span(held[behind])}, rank {ahead} holds {_span(held[ahead])}): the workers start "
+        "afresh. Where each rank saves its own state, --state-copy-every K has every node "
+        "copy and keep the same steps (docs/recovery.md)"
+    )
+
+
+def _span(steps: Collection[int]) -> str:
+    return f"steps {min(steps)}-{max(steps)}" if len(steps) > 1 else f"step {min(steps)}"
+
+
 def format_bytes(size: int) -> str:
     """``size`` as people read it: ``100 MiB``, ``1.5 GiB``, ``512 B``."""
     value = float(size)
