@@ -160,16 +160,12 @@ class TcpStore:
             try:
                 self._handshake(deadline)
                 return
-            except StoreAuthError:
+            except BaseException as exc:
                 self._drop()
-                raise
-            except StoreConnectionError:  # reset or closed before the hello: try again
-                self._drop()
-                if not backoff.pause():
+                # Reset or closed before the hello ended: tried again (a wrong token is not).
+                cut = isinstance(exc, StoreConnectionError) and not isinstance(exc, StoreAuthError)
+                if not (cut and backoff.pause()):
                     raise
-            except BaseException:
-                self._drop()
-                raise
 
     def _handshake(self, deadline: Deadline) -> None:
         code, hello = self._receive(deadline)
