@@ -14,8 +14,8 @@ Slot layout (little-endian)::
     0: magic 8s | 8: committed u32 | 12: parts u32 | 16: step i64 | 24: generation u64
    32: payload bytes u64 | 40: flags u32 (``REPLICATED``: the same on every rank) | 44..64
    reserved
-   64: the parts' lengths, u64 each | then the parts back to back: the pickle (protocol 5),
-       then its out-of-band buffers
+   64: the parts' lengths, u64 each | then the parts, each at a multiple of ``PART_ALIGN``:
+       the pickle (protocol 5), then its out-of-band buffers
 
 A persisted state (``--state-dir``) is a slot's bytes as they were when committed. How an agent
 keeps state (its flags) is ``core.state_settings``: this module loads in every worker that
@@ -32,7 +32,7 @@ STATE_MEMORY_ENV = "RELAUNCH_STATE_MEMORY"
 #: The step every rank of this attempt resumes from ("": none, start afresh).
 STATE_STEP_ENV = "RELAUNCH_STATE_STEP"
 
-MAGIC = b"RLSTATE1"
+MAGIC = b"RLSTATE2"
 HEADER = struct.Struct("<8sIIqQQI")
 #: A flag of a slot: its state is every rank's (data parallel), so a rank that lacks its own
 #: save of the step may resume from it.
@@ -41,6 +41,11 @@ HEADER_SIZE = 64
 #: The offset of the commit flag (a u32): cleared first and set last by a save.
 COMMITTED = 8
 LENGTH = struct.Struct("<Q")
+#: Each part starts at a multiple of this many bytes of the slot (a cache line, as torch's
+#: allocator aligns a tensor): a buffer that a load maps in place is aligned as the one saved
+#: was, so its tensors compute at full speed and round as the saved ones did (a vectorised sum
+#: over other addresses may round otherwise).
+PART_ALIGN = 64
 #: A header with more parts than this is not one relaunch wrote.
 MAX_PARTS = 1 << 24
 #: The slots a rank may have (``slot_to_write`` uses the first two, or all four).
@@ -73,9 +78,23 @@ def header(
     return head.ljust(HEADER_SIZE, b"\0")
 
 
+def part_offsets(lengths: Collection[int]) -> list[int]:
+    """Where each part of ``lengths`` starts in the slot: after the length table, each at a
+    multiple of ``PART_ALIGN``."""
+    offsets = []
+    offset = HEADER_SIZE + LENGTH.size * len(lengths)
+    for length in lengths:
+        offset += -offset % PART_ALIGN
+        offsets.append(offset)
+        offset += length
+    return offsets
+
+
 def payload(lengths: Collection[int]) -> int:
-    """Bytes after the header: the length table and the parts."""
-    return LENGTH.size * len(lengths) + sum(lengths)
+    """Bytes after the header: the length table and the parts (with their alignment)."""
+    offsets = part_offsets(lengths)
+    end = offsets[-1] + list(lengths)[-1] if offsets else HEADER_SIZE
+    return end - HEADER_SIZE
 
 
 class Header:

@@ -15,6 +15,8 @@ from relaunch.core.state import (
     SLOTS,
     Header,
     header,
+    part_offsets,
+    payload,
     read_header,
     slot_name,
     steps_held,
@@ -113,7 +115,7 @@ class SlotWriter:
         set last, each one aligned 4-byte store, so a death in between leaves an uncommitted
         slot. Returns the slot's bytes in use."""
         lengths = [part.nbytes for part in parts]
-        used = HEADER_SIZE + LENGTH.size * len(lengths) + sum(lengths)
+        used = HEADER_SIZE + payload(lengths)
         mapped = self._reserve(used)
         with memoryview(mapped) as view:
             view[COMMITTED : COMMITTED + 4] = b"\0\0\0\0"
@@ -122,9 +124,8 @@ class SlotWriter:
             for length in lengths:
                 LENGTH.pack_into(view, offset, length)
                 offset += LENGTH.size
-            for part in parts:
+            for part, offset in zip(parts, part_offsets(lengths), strict=True):
                 view[offset : offset + part.nbytes] = part.cast("B")
-                offset += part.nbytes
             view[COMMITTED : COMMITTED + 4] = b"\1\0\0\0"
         return used
 
@@ -179,18 +180,16 @@ def read_slot(fd: int, expected: Header, own: bool = False) -> list[bytearray | 
     if len(table) != LENGTH.size * expected.parts:
         raise StateCorrupt("the slot ends inside its length table")
     lengths = [LENGTH.unpack_from(table, at)[0] for at in range(0, len(table), LENGTH.size)]
-    if len(table) + sum(lengths) != expected.payload:
+    if payload(lengths) != expected.payload:
         raise StateCorrupt("the slot's lengths do not add up to its header's")
     parts: list[bytearray | memoryview] = []
-    offset = HEADER_SIZE + len(table)
-    for length in lengths:
+    for length, offset in zip(lengths, part_offsets(lengths), strict=True):
         copied = _copied_pages(fd, offset, length) if own and length >= MAPPED_PART else None
         if copied is not None:
             parts.append(copied)
         else:
             parts.append(_part_memory(length))
             _read_into(fd, parts[-1], offset)
-        offset += length
     again = slot_header(fd)
     if again is None or again.generation != expected.generation:
         raise StateCorrupt("the slot was rewritten while it was read")
