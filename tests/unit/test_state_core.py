@@ -28,8 +28,9 @@ def test_only_a_committed_header_is_read() -> None:
     head = state.read_header(written)
     assert head is not None
     assert (head.step, head.generation, head.parts) == (12, 3, 3)
-    # The table ends at 88; the parts start at 128, 256 and 320 (each at a multiple of 64).
-    assert state.part_offsets([100, 5, 7]) == [128, 256, 320]
+    # The table ends at 88; the parts start at 128, 256 and 320 (each at a multiple of 64),
+    # and the slot ends at 327.
+    assert state.part_offsets([100, 5, 7]) == [128, 256, 320, 327]
     assert head.size == 327
     assert state.read_header(state.header(12, 3, [100], committed=False)) is None
     assert state.read_header(bytes(64)) is None

@@ -79,22 +79,20 @@ def header(
 
 
 def part_offsets(lengths: Collection[int]) -> list[int]:
-    """Where each part of ``lengths`` starts in the slot: after the length table, each at a
-    multiple of ``PART_ALIGN``."""
+    """Where each part of ``lengths`` starts in the slot (after the length table, each at a
+    multiple of ``PART_ALIGN``), then where the slot's bytes end."""
     offsets = []
     offset = HEADER_SIZE + LENGTH.size * len(lengths)
     for length in lengths:
         offset += -offset % PART_ALIGN
         offsets.append(offset)
         offset += length
-    return offsets
+    return [*offsets, offset]
 
 
 def payload(lengths: Collection[int]) -> int:
     """Bytes after the header: the length table and the parts (with their alignment)."""
-    offsets = part_offsets(lengths)
-    end = offsets[-1] + list(lengths)[-1] if offsets else HEADER_SIZE
-    return end - HEADER_SIZE
+    return part_offsets(lengths)[-1] - HEADER_SIZE
 
 
 class Header:

@@ -16,7 +16,6 @@ from relaunch.core.state import (
     Header,
     header,
     part_offsets,
-    payload,
     read_header,
     slot_name,
     steps_held,
@@ -115,7 +114,7 @@ class SlotWriter:
         set last, each one aligned 4-byte store, so a death in between leaves an uncommitted
         slot. Returns the slot's bytes in use."""
         lengths = [part.nbytes for part in parts]
-        used = HEADER_SIZE + payload(lengths)
+        *starts, used = part_offsets(lengths)
         mapped = self._reserve(used)
         with memoryview(mapped) as view:
             view[COMMITTED : COMMITTED + 4] = b"\0\0\0\0"
@@ -124,7 +123,7 @@ class SlotWriter:
             for length in lengths:
                 LENGTH.pack_into(view, offset, length)
                 offset += LENGTH.size
-            for part, offset in zip(parts, part_offsets(lengths), strict=True):
+            for part, offset in zip(parts, starts, strict=True):
                 view[offset : offset + part.nbytes] = part.cast("B")
             view[COMMITTED : COMMITTED + 4] = b"\1\0\0\0"
         return used
@@ -180,10 +179,11 @@ def read_slot(fd: int, expected: Header, own: bool = False) -> list[bytearray | 
     if len(table) != LENGTH.size * expected.parts:
         raise StateCorrupt("the slot ends inside its length table")
     lengths = [LENGTH.unpack_from(table, at)[0] for at in range(0, len(table), LENGTH.size)]
-    if payload(lengths) != expected.payload:
+    *starts, end = part_offsets(lengths)
+    if end - HEADER_SIZE != expected.payload:
         raise StateCorrupt("the slot's lengths do not add up to its header's")
     parts: list[bytearray | memoryview] = []
-    for length, offset in zip(lengths, part_offsets(lengths), strict=True):
+    for length, offset in zip(lengths, starts, strict=True):
         copied = _copied_pages(fd, offset, length) if own and length >= MAPPED_PART else None
         if copied is not None:
             parts.append(copied)
