@@ -194,7 +194,7 @@ def test_status_shows_every_rank_the_straggler_and_the_restart(
             }
             assert sorted(rows) == list(range(2 * nodes)), table
             assert [r for r, line in rows.items() if line.endswith("straggler")] == [slow]
-            assert all("/s" in line and "s ago" in line for line in rows.values())
+            assert all("/s" in line and "s ago" in line for line in rows.values()), table
             assert table.count("(HEALTHY, posted ") == nodes
             assert "  restart 1: " in table and "rank 1 exited with code 3" in table
     finally:
