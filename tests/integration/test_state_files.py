@@ -95,10 +95,9 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
 def test_a_loaded_state_is_the_workers_own_memory(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """A tensor ``load_state`` gives is in memory of the worker's own, filled when loaded:
-    saving over both slots afterwards does not change it, and writing it does not change the
-    kept state; so too where the kernel cannot copy a mapping's pages at once (``older``:
-    the part is read instead)."""
+    """A tensor ``load_state`` gives is the worker's own: saving over both slots afterwards
+    does not change it, and writing it does not change the kept state; so too where the
+    kernel cannot copy a mapping's pages on demand (``older``: the part is read instead)."""
     torch = pytest.importorskip("torch")
     if kernel == "older":
         monkeypatch.setattr(state_files, "_POPULATE_WRITE", -1)  # madvise: EINVAL
@@ -188,6 +187,86 @@ def test_a_smaller_save_over_the_slot_loaded_from_leaves_the_loaded_tensors(
     assert run(tmp_path / "own", 0, "own") == ["True", "1"]  # mapped, and never shortened
     run(tmp_path / "replica", 0, "save")
     assert run(tmp_path / "replica", 1, "replica") == ["True", "0"]  # rank 0's: read
+
+
+LAZY = textwrap.dedent(
+    """
+    import os, sys, torch, relaunch
+
+    torch.set_num_threads(1)  # no thread pool for the forked child to inherit mid-use
+
+    def load(step):
+        os.environ["RELAUNCH_STATE_STEP"] = str(step)
+        return relaunch.load_state()[1]["w"]
+
+    def copied_kib(tensor):  # the worker's own pages (copies) of the mapping holding tensor
+        at = tensor.data_ptr()
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    low, high = (int(bound, 16) for bound in head.split("-"))
+                    inside = low <= at < high
+                elif inside and head == "Anonymous:":
+                    return int(line.split()[1])
+        raise AssertionError("no mapping holds the tensor")
+
+    first = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB
+    relaunch.save_state({"w": first}, 1)
+    weight = load(1)
+    seen = [copied_kib(weight)]
+    weight[: 1 << 20].add_(0)  # its first 4 MiB written
+    seen.append(copied_kib(weight))
+    relaunch.save_state({"w": torch.zeros(1 << 22)}, 2)  # the other slot
+    seen.append(copied_kib(weight))
+    relaunch.save_state({"w": torch.ones(1 << 22)}, 3)  # over the slot loaded from
+    print(*seen, torch.equal(weight, first))
+
+    weight = load(3)  # mapped afresh, nothing copied: then a fork, and two saves
+    reading, writing = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(writing)
+        os.read(reading, 1)  # the parent saved over the slot
+        os._exit(0 if torch.equal(weight, torch.ones(1 << 22)) else 1)
+    os.close(reading)
+    for step in (4, 5):
+        relaunch.save_state({"w": torch.full((1 << 22,), float(step))}, step)
+    os.write(writing, b"x")
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    print(status, torch.equal(weight, torch.ones(1 << 22)))
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_load_copies_a_page_only_when_written_or_before_the_next_save_or_fork(
+    tmp_path: pathlib.Path, leaks: LeakCheck
+) -> None:
+    """``load_state`` maps the rank's own slot and copies nothing on the way back from a
+    failure: a page becomes the worker's own when written, or every one at once before this
+    process saves (a save over the slot loaded from would change them) or forks (whose child
+    would share them with the slot). The loaded tensors keep their values through both, in
+    the parent and in the child."""
+    pytest.importorskip("torch")
+    directory = tmp_path / "state"
+    directory.mkdir()
+    env = {layout.STATE_DIR_ENV: str(directory), "RANK": "0", "LOCAL_RANK": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", LAZY],
+        env=leaks.process_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, written, saved, kept, child, kept_again = done.stdout.split()
+    assert int(loaded) <= 8, done.stdout  # a page of the header's
+    assert 4 << 10 <= int(written) <= (4 << 10) + 8, done.stdout  # the pages written
+    assert int(saved) >= 16 << 10, done.stdout  # all 16 MiB copied before the save
+    assert kept == "True"
+    assert (child, kept_again) == ("0", "True")
 
 
 def test_an_agreed_step_uncommits_every_later_save_and_copy(tmp_path: pathlib.Path) -> None:
