@@ -26,6 +26,7 @@ from relaunch.core.rendezvous import Settings
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.kinds_etcd import EtcdKind
+from relaunch.rendezvous.reader import EtcdJobReader
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.store.etcd import EtcdStore
 
@@ -297,6 +298,53 @@ def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
         assert world_size == 5 and len(runs) == 2
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_failure_that_closed_a_job_is_read_after_its_rounds_are_gone(
+    etcd: EtcdCluster,
+) -> None:
+    """Closing a job deletes its keys on etcd, the round's record of the failure with them: a
+    node that was re-forming then reads the failure (and its "do not requeue") from the one
+    record left, ``closed``."""
+    fast = Settings(2, 2, join_timeout=30, last_call_timeout=1, keep_alive_interval=0.3)
+    run_id = uuid.uuid4().hex
+    handlers = [
+        DynamicRendezvousHandler.on_etcd(
+            run_id,
+            EtcdStore(etcd.endpoints),
+            fast,
+            "127.0.0.1",
+            EtcdStore(etcd.endpoints),
+            backend="etcd",
+            watch_store=EtcdStore(etcd.endpoints),
+        )
+        for _ in range(2)
+    ]
+    try:
+        threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        handlers[0].job.fail_job("node 0: the same failure 3 times in a row", requeue=False)
+        assert set(job_keys(etcd, run_id)) == {
+            f"relaunch/{run_id}/news/closed",
+            f"relaunch/{run_id}/news/r1/final",
+        }
+        failure = handlers[1].job.closing_failure()
+        assert failure is not None and not failure.requeue
+        assert failure.reason == "the job failed: node 0: the same failure 3 times in a row"
+        store = EtcdStore(etcd.endpoints)  # relaunch status says it too
+        try:
+            snapshot = EtcdJobReader(store, run_id).read()
+        finally:
+            store.close()
+        assert snapshot.phase == "finished"
+        assert snapshot.why == f"{failure.reason}; do not requeue it"
+    finally:
+        for handler in handlers:
+            handler.shutdown()
 
 
 @pytest.mark.timeout(60)

@@ -105,3 +105,23 @@ def test_a_failed_job_stops_the_other_members_through_the_bell(job) -> None:
             change.reason == "the job failed: node 0: rank 0 exited with code 1 (no restart left)"
         )
     assert job[1].is_closed()
+
+
+def test_the_failure_that_closed_the_job_outlives_a_change_that_came_first(job) -> None:
+    """A round re-formed by one node's restart keeps that change (the first wins), so a
+    crash loop's stop decided just after it is told only by the job's ``closed`` record: a
+    node that was re-forming reads from it why the job ended, and that it must not requeue."""
+    job[1].job.note_restart("node 1: rank 1 failed")
+    job[1].job.leave_round()  # the round re-forms for node 1's restart
+    job[0].job.fail_job("node 0: the same failure 3 times in a row", requeue=False)
+    assert job[2].is_closed()
+    change = job[2].job.wait_membership_change(5.0)
+    assert change is not None and change.kind is ChangeKind.RESTARTING  # not the failure
+    failure = job[2].job.closing_failure()
+    assert failure is not None and failure.kind is ChangeKind.FAILED and not failure.requeue
+    assert failure.reason == "the job failed: node 0: the same failure 3 times in a row"
+
+
+def test_a_job_closed_without_a_failure_tells_none(job) -> None:
+    job[0].set_closed()
+    assert job[1].is_closed() and job[1].job.closing_failure() is None

@@ -564,3 +564,18 @@ def test_the_job_closing_while_this_node_re_forms() -> None:
     after_failure, _ = run(state, [(1.0, Looked(failed(), used=0))])
     _, said = run(after_failure, [(2.0, JobClosed())])
     assert said == [[Fail()]]  # the other nodes finished the job meanwhile: the failure stands
+
+
+def test_the_job_failing_for_good_while_this_node_re_forms() -> None:
+    """The closing node's failure, and its "do not requeue", are this node's end too."""
+    state = started(rules(watches_membership=True), nodes=2)
+    reforming, _ = run(state, [(1.0, Looked(None, MembershipChange.nodes_waiting(1)))])
+    closed = JobClosed("the job failed: node 1: the same failure 3 times", requeue=False)
+    _, said = run(reforming, [(2.0, closed)])
+    why = "the job failed: node 1: the same failure 3 times"
+    assert said == [
+        [CutShort(f"the job ended while this node re-formed ({why}); {CUT}", requeue=False)]
+    ]
+    after_failure, _ = run(state, [(1.0, Looked(failed(), used=0))])
+    _, said = run(after_failure, [(2.0, closed)])
+    assert said == [[Fail(requeue=False)]]

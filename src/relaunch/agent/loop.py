@@ -348,5 +348,8 @@ class LocalElasticAgent:
         except RendezvousClosedError:
             if self._state.reforming is None:
                 raise  # the job had finished before this node joined
-            return do.JobClosed()
+            failure = job.closing_failure()
+            if failure is None:
+                return do.JobClosed()
+            return do.JobClosed(failure.reason, failure.requeue)
         return do.Placed(group.group_world_size or 1, used)

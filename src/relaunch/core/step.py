@@ -160,7 +160,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
         )
         return placed, [StartWorkers()]
     if isinstance(observation, JobClosed):
-        return _closed(state)
+        return _closed(state, observation)
     if isinstance(observation, WorkersStarted):
         return state._replace(
             attempt_started=now, hang=None, hang_told=False, stacks_taken=False, left_early=False
@@ -341,15 +341,17 @@ def _restart(
     return state, [*actions, Rendezvous(delay)]
 
 
-def _closed(state: RunState) -> Decided:
-    """The job ended while this node re-formed."""
+def _closed(state: RunState, closed: JobClosed) -> Decided:
+    """The job ended while this node re-formed: for the failure that ``closed`` tells, if one
+    did (its requeue holds here too)."""
     assert state.reforming is not None, "the job closed with no restart under way"
     if state.reforming.failed:  # the other nodes finished the job meanwhile: the failure stands
-        return state, [Fail()]
+        return state, [Fail(requeue=closed.requeue)]
     # Its workers were stopped mid-run to re-form, and the job ended without them (another node
     # failed, or its exit barrier timed out).
-    why = state.reforming.reason
-    return state, [CutShort(f"the job ended while this node re-formed ({why}); {CUT_SHORT}")]
+    why = closed.failure or state.reforming.reason
+    message = f"the job ended while this node re-formed ({why}); {CUT_SHORT}"
+    return state, [CutShort(message, closed.requeue)]
 
 
 def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:

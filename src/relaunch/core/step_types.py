@@ -69,7 +69,16 @@ class Placed(Value):
 
 
 class JobClosed(Value):
-    """The job finished (or failed) while this node re-formed."""
+    """The job finished (or failed) while this node re-formed; ``failure``: the failure that
+    ended it, if the closing node told one (``requeue`` False: running it again cannot mend
+    it)."""
+
+    __slots__ = ("failure", "requeue")
+    failure: str
+    requeue: bool
+
+    def __init__(self, failure: str = "", requeue: bool = True) -> None:
+        self._set(failure=failure, requeue=requeue)
 
 
 class WorkersStarted(Value):

@@ -30,7 +30,7 @@ from relaunch.rendezvous.heartbeat import RoundWatch
 from relaunch.rendezvous.kinds import CounterKind, StoreKind
 from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.roster import new_node_id
-from relaunch.rendezvous.rounds import Rounds
+from relaunch.rendezvous.rounds import Rounds, closed_record
 from relaunch.rendezvous.standing import Standing
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, StoreError
@@ -242,9 +242,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             role_world_size=role_world_size,
         )
 
-    def set_closed(self) -> None:
+    def set_closed(self, failure: MembershipChange | None = None) -> None:
         """Mark the job finished, so late nodes exit rather than wait (``StoreKind.close_job``:
-        on etcd the job's keys go then)."""
+        on etcd the job's keys go then); ``failure``: the one that ended it, kept in the
+        ``closed`` record (``rounds.closed_record``)."""
         standing = self._standing
         if standing.finished:
             return
@@ -254,7 +255,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if self._rounds.is_closed():
                 return  # another node closed it (and cleaned up)
             self._stores.close_job(
-                self._rounds.key, round_ + 1, self.settings.join_timeout, self._mark_finished
+                self._rounds.key,
+                round_ + 1,
+                self.settings.join_timeout,
+                self._mark_finished,
+                closed_record(failure),
             )
         except StoreError as exc:
             log.debug("could not mark the rendezvous closed: %s", exc)

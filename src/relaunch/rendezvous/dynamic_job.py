@@ -32,7 +32,7 @@ from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
 from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.rollcall import roll_call
-from relaunch.rendezvous.rounds import Rounds
+from relaunch.rendezvous.rounds import Rounds, closing_failure
 from relaunch.rendezvous.standing import Standing
 from relaunch.rendezvous.store_loss import StoreLoss
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 class DynamicJob:
     """The job services of one node of job ``run_id``, over its ``rounds`` on ``stores``.
-    ``close`` closes the job (the handler's ``set_closed``). ``identity`` is how the job knows
-    this node across restarts, and ``exclusion_policy`` when it excludes it (None: never).
+    ``close`` closes the job (the handler's ``set_closed``, given the failure that ends it).
+    ``identity`` is how the job knows this node across restarts, and ``exclusion_policy`` when
+    it excludes it (None: never).
     ``store_host_probe`` (c10d, the store hosted by another node) reaches the store within the
     seconds given, or raises ``StoreError``: once the store is lost, a store that cannot be
     reached within the keep-alive detection time is judged dead with its host, as a member
@@ -63,7 +64,7 @@ class DynamicJob:
         settings: plan.Settings,
         rounds: Rounds,
         standing: Standing,
-        close: Callable[[], None],
+        close: Callable[[MembershipChange | None], None],
         identity: str = "",
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
@@ -286,8 +287,8 @@ class DynamicJob:
         """Mark the round failed (its members stop and report it, rather than re-form), then
         close the job."""
         standing = self._standing
+        failed = MembershipChange.failed(reason, stacks, requeue)
         if standing.round is not None and standing.final is not None and not standing.finished:
-            failed = MembershipChange.failed(reason, stacks, requeue)
             try:
                 self._rounds.supersede(
                     standing.round, failed, expected_size(standing.final.count, failed)
@@ -300,7 +301,17 @@ class DynamicJob:
                 standing.store_lost = standing.finished = True
             except StoreError as exc:
                 log.warning("could not tell the other nodes that the job failed: %s", exc)
-        self._close()
+        self._close(failed)
+
+    def closing_failure(self) -> MembershipChange | None:
+        """The failure that closed the job, if one did: what a node that re-formed meanwhile
+        ends with (the round's own record of it may be gone, or superseded before it)."""
+        key = self._key("closed", None)
+        try:
+            return closing_failure(self._store.get(key).value)
+        except (StoreError, ValueError) as exc:
+            log.warning("could not read why the job ended from %s: %s", key, exc)
+            return None
 
     # -- notes, and the exit barrier ----------------------------------------------------------
 

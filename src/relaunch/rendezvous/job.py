@@ -90,6 +90,10 @@ class JobServices(Protocol):
         """End the job for every node (``stacks``: a worker hung; take stacks first;
         ``requeue`` False: restarting cannot help, and every node says so)."""
 
+    def closing_failure(self) -> MembershipChange | None:
+        """The failure that closed the job, if one did (read when the job closed while this
+        node re-formed)."""
+
     def stop_for_stacks(self, reason: str) -> None:
         """A worker of this node hung: ask every other node for its workers' stacks."""
 
@@ -182,6 +186,9 @@ class SoloJob:
 
     def fail_job(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
         pass
+
+    def closing_failure(self) -> MembershipChange | None:
+        return None
 
     def stop_for_stacks(self, reason: str) -> None:
         pass

@@ -29,7 +29,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import KeyOf
 from relaunch.rendezvous.heartbeat import CounterPulse, Pulse
 from relaunch.rendezvous.roster import CounterRoster, Roster
-from relaunch.rendezvous.rounds import CLOSED
+from relaunch.rendezvous.rounds import CLOSED, CLOSED_RECORD
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, Watchable
 
@@ -81,11 +81,18 @@ class StoreKind(Protocol):
         """Seconds a lost node may take to be noticed."""
 
     def close_job(
-        self, key: KeyOf, next_round: int, join_timeout: float, mark_finished: Callable[[], None]
+        self,
+        key: KeyOf,
+        next_round: int,
+        join_timeout: float,
+        mark_finished: Callable[[], None],
+        record: bytes = CLOSED_RECORD,
     ) -> None:
         """Close the job: late nodes (those waiting for round ``next_round``) are dismissed and
         the members in the exit barrier hear it; ``mark_finished`` marks the running round
-        finished, where this kind needs it (its records outlive the job)."""
+        finished, where this kind needs it (its records outlive the job). ``record`` is the
+        ``closed`` key's value: the failure that ended the job (``closed_record``), if one
+        did."""
 
     def release(self) -> None:
         """Shutting down: let go at once of what keeps this node's keys alive."""
@@ -151,9 +158,14 @@ class CounterKind:
         return settings.dead_after + settings.keep_alive_interval
 
     def close_job(
-        self, key: KeyOf, next_round: int, join_timeout: float, mark_finished: Callable[[], None]
+        self,
+        key: KeyOf,
+        next_round: int,
+        join_timeout: float,
+        mark_finished: Callable[[], None],
+        record: bytes = CLOSED_RECORD,
     ) -> None:
-        self.store.set(key("closed", None), b"1")
+        self.store.set(key("closed", None), record)
         mark_finished()
         # Wake and dismiss anyone waiting to join the next round.
         self.store.compare_set(key("final", next_round), 0, CLOSED)

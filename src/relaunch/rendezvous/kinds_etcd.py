@@ -11,7 +11,7 @@ from relaunch.rendezvous.heartbeat import LeasePulse, NodeLease, Pulse
 from relaunch.rendezvous.kinds import read_each
 from relaunch.rendezvous.roster import Roster
 from relaunch.rendezvous.roster_etcd import KeyRoster
-from relaunch.rendezvous.rounds import CLOSED, news_prefix
+from relaunch.rendezvous.rounds import CLOSED, CLOSED_RECORD, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.etcd_feed import PrefixFeed
@@ -89,7 +89,12 @@ class EtcdKind:
         return math.ceil(settings.dead_after) + 1.0 + settings.keep_alive_interval
 
     def close_job(
-        self, key: KeyOf, next_round: int, join_timeout: float, mark_finished: Callable[[], None]
+        self,
+        key: KeyOf,
+        next_round: int,
+        join_timeout: float,
+        mark_finished: Callable[[], None],
+        record: bytes = CLOSED_RECORD,
     ) -> None:
         """Delete the job's keys, then write ``closed`` on a lease of ``join_timeout``: the
         members in the exit barrier wait for it, and nodes waiting to join the next round are
@@ -97,7 +102,7 @@ class EtcdKind:
         self.store.delete_prefix(key("", None))
         lease = self.store.grant_lease(join_timeout)
         self.store.set(key("final", next_round), CLOSED, lease=lease)
-        self.store.set(key("closed", None), b"1", lease=lease)
+        self.store.set(key("closed", None), record, lease=lease)
 
     def release(self) -> None:
         """This node's heartbeat keys go at once."""

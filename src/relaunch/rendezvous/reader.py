@@ -34,7 +34,7 @@ from relaunch.core import status as core
 from relaunch.core.membership import ChangeKind, MembershipChange, decode_change
 from relaunch.core.rendezvous import JOIN_TOTAL_DIGITS, unpack_join
 from relaunch.rendezvous.api import RendezvousError
-from relaunch.rendezvous.rounds import CLOSED, NEWS, news_prefix
+from relaunch.rendezvous.rounds import CLOSED, NEWS, closing_failure, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import StoreProtocolError, Versioned
 
@@ -211,12 +211,20 @@ class JobReader:
         except _SHAPE_ERRORS as exc:
             raise self._malformed(self.key("changed", round_), str(exc)) from None
 
+    def _closing_failure(self, record: bytes | None) -> MembershipChange | None:
+        """The failure the job's ``closed`` record holds, if any."""
+        try:
+            return closing_failure(record)
+        except _SHAPE_ERRORS as exc:
+            raise self._malformed(self.key("closed"), str(exc)) from None
+
     def read(self) -> Snapshot:
         """The job now; ``JobNotFound`` when the store holds nothing of it; ``MalformedJob``
         when a key holds what no agent writes."""
         self._read = 0
         restarts = self._integer(self.key("restarts"), self._get("restarts"))
-        closed = self._get("closed") is not None
+        closed_record = self._get("closed")
+        closed = closed_record is not None
         round_ = self._integer(self.key("round"), self._get("round"), _MAX_INT - LOOK_AHEAD)
         members = self._members(round_)
         for _ in range(LOOK_AHEAD):  # the lead writes the final record, then ``round``
@@ -236,7 +244,9 @@ class JobReader:
             else:
                 members = None if members == CLOSED else members
             change = self._change(round_)
-            if change is not None and change.kind is ChangeKind.FAILED:
+            if change is None or change.kind is not ChangeKind.FAILED:
+                change = self._closing_failure(closed_record)  # on etcd, the one record left
+            if change is not None:
                 why = change.reason + ("" if change.requeue else "; do not requeue it")
         elif members is None:
             joined = self._joined(round_)

@@ -11,7 +11,8 @@ Keys, under ``relaunch/{run_id}/``::
                             to its lease, which etcd deletes when the member stops renewing it
     r{n}/done               members whose workers finished (the exit barrier), a tally
     news/closed             set once the job finished: late nodes exit cleanly (on etcd the
-                            job's other keys are deleted then, and this one lives on a lease)
+                            job's other keys are deleted then, and this one lives on a lease);
+                            the failure that ended the job, if one did (``closed_record``)
     news/r{n}/final         the completed round: members, world size, master address, on
                             etcd the runs of create revisions that place the members, the
                             members' roles when they differ, and their group-rank order
@@ -35,6 +36,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.membership import (
     ChangeKind,
     MembershipChange,
+    decode_change,
     encode_change,
     expected_size,
 )
@@ -60,8 +62,28 @@ log = logging.getLogger(__name__)
 
 #: The final record of the round after the last one, once the job finished.
 CLOSED = b"closed"
+#: The ``closed`` record of a job that ended without a failure.
+CLOSED_RECORD = b"1"
 #: The keys every node waits for, kept under ``news/`` (``rollcall``'s ``call`` too).
 NEWS = frozenset({"closed", "final", "changed", "bell", "call"})
+
+
+def closed_record(failure: MembershipChange | None) -> bytes:
+    """The ``closed`` record of a job ended by ``failure`` (a ``FAILED`` change), or by none.
+    It outlives the rounds' records (on etcd the only key left): a node that re-forms when the
+    job closes learns from it why, and whether the job may be run again."""
+    return CLOSED_RECORD if failure is None else encode_change(failure, 0)
+
+
+def closing_failure(record: bytes | None) -> MembershipChange | None:
+    """The failure a ``closed`` record holds, if any; ``ValueError`` (saying what is wrong)
+    for a record no relaunch wrote."""
+    if record is None or record == CLOSED_RECORD:
+        return None
+    change = decode_change(record)[0]
+    if change.kind is not ChangeKind.FAILED:
+        raise ValueError(f"a {change.kind.value} change, where only a failure closes a job")
+    return change
 
 
 def news_prefix(run_id: str, round_: int | None = None) -> str:
