@@ -44,6 +44,9 @@ it (connection refused), the nodes' restart counts drift apart, and an agent giv
   (*joined*), with its state in place (*loaded*); *fork*, the slowest resumed worker's own
   start, from its process's creation (``/proc``'s start time, in 10 ms ticks) to torch
   imported: the warm start that ``--preload torch`` buys; *load*, the longest rank's own load;
+- *3rd step*: from the kill to the resumed job's third step done by every rank: back to
+  speed, the cost of a restart that the first step does not show (work a load put off, as
+  copying the kept state's pages, is paid by then);
 - *steps lost*: the highest step the killed job's workers completed (before the kill, or while
   it was in flight) minus the step the job resumed from, each run's;
 - *resumed from*: where the ranks' state came from (their own load, received from a rank that
@@ -331,6 +334,7 @@ class Job:
 class Run:
     killed: str  # what was killed: "rank R" or "node (ranks R, S)"
     next_s: float  # kill -> the resumed job's first completed step
+    third_s: float | None  # kill -> the resumed job's third step, done by every rank
     last: int  # the highest step the first job completed
     resumed: int  # the step the resumed job started from
     started_s: float  # kill -> the resumed job's last worker started (its first line)
@@ -439,7 +443,11 @@ def one_job(ctx: harness.Context, variant: Variant, rep: int, launch: Launch) ->
             resumed = min(int(e.fields[0]) for e in job.of("resume", new))
 
             def done(resumed: int = resumed, new: Callable[[int], bool] = new) -> bool:
-                return max(int(e.fields[0]) for e in job.of("step", new)) >= resumed + AFTER_STEPS
+                """Every rank of the resumed job did its third step."""
+                there = resumed + AFTER_STEPS
+                return (
+                    len({e.rank for e in job.of("step", new) if int(e.fields[0]) >= there}) == RANKS
+                )
 
             await_events(job, done, deadline, "the resumed job's steps", gone)
             results[kill] = measure(job, variant, old, killed, killed_at, step_s, current)
@@ -511,6 +519,8 @@ def measure(
     resumed = min(int(e.fields[0]) for e in resumes)
     later = job.of("step", new)
     next_s = min(e.at for e in later) - killed_at
+    third = [e.at for e in later if int(e.fields[0]) == resumed + AFTER_STEPS]
+    third_s = max(third) - killed_at if len(third) == RANKS else None
     resumed_pids = {job.pid_of(e) for e in resumes}
     imported = [e.at for e in job.of("torch") if job.pid_of(e) in resumed_pids]
     restarted_s = max(imported) - killed_at if imported else None
@@ -547,6 +557,7 @@ def measure(
     return Run(
         killed=killed,
         next_s=next_s,
+        third_s=third_s,
         last=last,
         resumed=resumed,
         started_s=max(started) - killed_at,
@@ -757,7 +768,9 @@ def row(variant: Variant, runs: list[Run], reps: int, error: str | None) -> str:
         f" {mid(warm, '.3f'):>6}"
         f" {mid([r.joined_s for r in runs]):>6} {mid([r.load_s for r in runs]):>5}"
         f" {mid([r.loaded_s for r in runs]):>6}"
-        f" {spread([r.next_s for r in runs]):>18} {','.join(str(r.lost) for r in runs):>6}"
+        f" {spread([r.next_s for r in runs]):>18}"
+        f" {mid([r.third_s for r in runs if r.third_s is not None]):>8}"
+        f" {','.join(str(r.lost) for r in runs):>6}"
         f" {'+'.join(sorted({r.sources for r in runs})):>13}"
         f" {','.join(str(r.moved) for r in runs):>5}"
         f" {sum(r.consistent for r in runs)} of {len(runs)}  {mid(losses, '.4f'):>6}{note}"
@@ -766,7 +779,8 @@ def row(variant: Variant, runs: list[Run], reps: int, error: str | None) -> str:
 
 HEADER = (
     f"  {'':1}  {'variant':<44} {'step':>5} {'save':>6} {'started':>7} {'torch':>6} {'fork':>6}"
-    f" {'joined':>6} {'load':>5} {'loaded':>6} {'kill -> next step':>18} {'lost':>6}"
+    f" {'joined':>6} {'load':>5} {'loaded':>6} {'kill -> next step':>18} {'3rd step':>8}"
+    f" {'lost':>6}"
     f" {'resumed from':>13} {'moved':>5} {'consistent':>6}  {'loss':>6}"
 )
 
@@ -824,8 +838,9 @@ def run(ctx: harness.Context) -> list[Check]:
             "(started, torch, joined, loaded: kill -> the resumed job's last worker started, with"
             "\ntorch imported, in the process group, with its state in place; fork: the slowest"
             "\nresumed worker's own start, its fork -> torch imported; load: the longest rank's"
-            "\nown load; step, save: the killed job's step interval and save, rank 0; moved:"
-            "\nranks that resumed on another node)"
+            "\nown load; 3rd step: kill -> the resumed job's third step, every rank; step, save:"
+            "\nthe killed job's step interval and save, rank 0; moved: ranks that resumed on"
+            "\nanother node)"
         )
         print(HEADER)
         samples: dict[str, list[Run]] = {}
