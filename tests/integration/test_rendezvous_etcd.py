@@ -300,6 +300,24 @@ def test_a_join_written_again_counts_once(etcd: EtcdCluster) -> None:
         store.close()
 
 
+def etcd_nodes(
+    etcd: EtcdCluster, run_id: str, settings: Settings, count: int
+) -> list[DynamicRendezvousHandler]:
+    """``count`` nodes' handlers of job ``run_id`` on ``etcd``, each with its own connections."""
+    return [
+        DynamicRendezvousHandler.on_etcd(
+            run_id,
+            EtcdStore(etcd.endpoints),
+            settings,
+            "127.0.0.1",
+            EtcdStore(etcd.endpoints),
+            backend="etcd",
+            watch_store=EtcdStore(etcd.endpoints),
+        )
+        for _ in range(count)
+    ]
+
+
 @pytest.mark.timeout(60)
 def test_the_failure_that_closed_a_job_is_read_after_its_rounds_are_gone(
     etcd: EtcdCluster,
@@ -309,18 +327,7 @@ def test_the_failure_that_closed_a_job_is_read_after_its_rounds_are_gone(
     record left, ``closed``."""
     fast = Settings(2, 2, join_timeout=30, last_call_timeout=1, keep_alive_interval=0.3)
     run_id = uuid.uuid4().hex
-    handlers = [
-        DynamicRendezvousHandler.on_etcd(
-            run_id,
-            EtcdStore(etcd.endpoints),
-            fast,
-            "127.0.0.1",
-            EtcdStore(etcd.endpoints),
-            backend="etcd",
-            watch_store=EtcdStore(etcd.endpoints),
-        )
-        for _ in range(2)
-    ]
+    handlers = etcd_nodes(etcd, run_id, fast, 2)
     try:
         threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
         for thread in threads:
@@ -353,18 +360,7 @@ def test_a_re_form_slower_than_the_lease_leaves_the_new_round_alone(etcd: EtcdCl
     first beat in the new round takes a new lease, rather than the store counting as lost."""
     fast = Settings(3, 3, join_timeout=30, last_call_timeout=1, keep_alive_interval=0.3)
     run_id = uuid.uuid4().hex
-    handlers = [
-        DynamicRendezvousHandler.on_etcd(
-            run_id,
-            EtcdStore(etcd.endpoints),
-            fast,
-            "127.0.0.1",
-            EtcdStore(etcd.endpoints),
-            backend="etcd",
-            watch_store=EtcdStore(etcd.endpoints),
-        )
-        for _ in range(3)
-    ]
+    handlers = etcd_nodes(etcd, run_id, fast, 3)
     try:
 
         def form(late_by: float = 0.0) -> list[int]:
