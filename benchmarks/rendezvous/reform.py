@@ -249,7 +249,7 @@ def reform_run(
                 return ReformResult(store, event, nodes, detection, None, None, problems)
             log(f"    first round of {nodes} back in {formed_s:.2f} s (connections included)")
             wanted = {v.index: len(v.backs) + 1 for v in views}
-            seen = job.observe_changed(job.current_round(), detection + REFORM_TIMEOUT_S)
+            seen, observer = job.observe_changed(job.current_round(), detection + REFORM_TIMEOUT_S)
             cpu_before = (server_cpu(), workers.cpu())
             if event == "lost":
                 victim = next(v for v in views if v.backs[0].info.group_rank == nodes // 2)
@@ -273,6 +273,7 @@ def reform_run(
             members = [v for v in views if v.index in wanted]
             if event == "joined":
                 t0 = next(v for v in views if v.index == late).called[0]
+            observer.join(REFORM_TIMEOUT_S)  # written before anyone re-formed; seen by now
             reform = summarize(event, t0, members, wanted, seen, errors, SIM_LOCAL_WORLD_SIZE)
             return ReformResult(
                 store,

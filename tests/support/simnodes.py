@@ -240,9 +240,10 @@ class SimJob:
             store.close()
         return int(value) if value else 0
 
-    def observe_changed(self, round_: int, timeout: float) -> list[float]:
+    def observe_changed(self, round_: int, timeout: float) -> tuple[list[float], threading.Thread]:
         """Watch round ``round_``'s ``changed`` record from a store of our own: the returned
-        list gets the ``perf_counter()`` at which it was seen written."""
+        list gets the ``perf_counter()`` at which it was seen written, and the returned thread
+        ends then (or after ``timeout``)."""
         seen: list[float] = []
         store = self.make_store()
         self._observer_stores.append(store)
@@ -261,7 +262,7 @@ class SimJob:
         thread = threading.Thread(target=observe, name="sim-observer", daemon=True)
         thread.start()
         self._observers.append(thread)
-        return seen
+        return seen, thread
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -423,13 +424,16 @@ def _reform(
     members: list[SimNode],
     wanted: dict[int, int],
     target: int,
-    seen: list[float],
+    observed: tuple[list[float], threading.Thread],
     timeout: float,
 ) -> Reform:
     """Wait until every one of ``members`` has returned ``wanted[index]`` times from
-    ``next_rendezvous()`` (``target``: the job's ``total_backs`` by then, at least); then
-    ``summarize``."""
+    ``next_rendezvous()`` (``target``: the job's ``total_backs`` by then, at least), and for
+    the observer of the ``changed`` record, which was written by then (its own watch may
+    report it later, on a loaded machine); then ``summarize``."""
     job.wait_for(lambda: all(len(n.backs) >= wanted[n.index] for n in members), timeout, target)
+    seen, observer = observed
+    observer.join(timeout)
     return summarize(event, t0, members, wanted, seen, job.errors(), job.local_world_size)
 
 
@@ -438,19 +442,19 @@ def lose_one(job: SimJob, members: list[SimNode], victim: SimNode, timeout: floa
     survivors = [n for n in members if n is not victim]
     wanted = {n.index: len(n.backs) + 1 for n in survivors}
     target = job.total_backs + len(survivors)
-    seen = job.observe_changed(job.current_round(), timeout)
+    observed = job.observe_changed(job.current_round(), timeout)
     t0 = job.kill(victim)
-    return _reform(job, "lost", t0, survivors, wanted, target, seen, timeout)
+    return _reform(job, "lost", t0, survivors, wanted, target, observed, timeout)
 
 
 def join_one(job: SimJob, members: list[SimNode], timeout: float) -> Reform:
     """A new node joins the running round of ``members`` (room left): all re-form with it."""
     wanted = {n.index: len(n.backs) + 1 for n in members}
     target = job.total_backs + len(members) + 1
-    seen = job.observe_changed(job.current_round(), timeout)
+    observed = job.observe_changed(job.current_round(), timeout)
     (late,) = job.add(1)
     wanted[late.index] = 1
     job.start([late], barrier=False)
     job.wait_for(lambda: bool(late.called), timeout)
     members = [*members, late]
-    return _reform(job, "joined", late.called[0], members, wanted, target, seen, timeout)
+    return _reform(job, "joined", late.called[0], members, wanted, target, observed, timeout)
