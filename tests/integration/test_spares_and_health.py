@@ -61,7 +61,14 @@ class Node:
         return self.err.read_text()
 
     def wait(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
+        """The agent's exit status; an ``AssertionError`` with what it said when it has not
+        ended within ``timeout`` seconds."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the agent did not end within {timeout:g}s; its stderr:\n{self.stderr()}"
+            ) from None
 
 
 def start(
@@ -150,7 +157,7 @@ def test_a_spare_waits_past_join_timeout_and_exits_cleanly_when_the_job_ends(
         nodes.append(spare)
         wait_until(lambda: "waiting as a spare" in spare.stderr(), 60, "the spare to wait")
         with pytest.raises(subprocess.TimeoutExpired):
-            spare.wait(timeout=3)  # three times its join_timeout: it still waits
+            spare.proc.wait(timeout=3)  # three times its join_timeout: it still waits
         (tmp_path / "go").touch()
         assert member.wait() == 0, member.stderr()
         assert spare.wait() == 0, spare.stderr()
