@@ -29,7 +29,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import KeyOf
 from relaunch.rendezvous.heartbeat import CounterPulse, Pulse
 from relaunch.rendezvous.roster import CounterRoster, Roster
-from relaunch.rendezvous.rounds import CLOSED, CLOSED_RECORD
+from relaunch.rendezvous.rounds import CLOSED
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, Watchable
 
@@ -86,7 +86,7 @@ class StoreKind(Protocol):
         next_round: int,
         join_timeout: float,
         mark_finished: Callable[[], None],
-        record: bytes = CLOSED_RECORD,
+        record: bytes,
     ) -> None:
         """Close the job: late nodes (those waiting for round ``next_round``) are dismissed and
         the members in the exit barrier hear it; ``mark_finished`` marks the running round
@@ -163,7 +163,7 @@ class CounterKind:
         next_round: int,
         join_timeout: float,
         mark_finished: Callable[[], None],
-        record: bytes = CLOSED_RECORD,
+        record: bytes,
     ) -> None:
         self.store.set(key("closed", None), record)
         mark_finished()

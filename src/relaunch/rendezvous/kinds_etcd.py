@@ -11,7 +11,7 @@ from relaunch.rendezvous.heartbeat import LeasePulse, NodeLease, Pulse
 from relaunch.rendezvous.kinds import read_each
 from relaunch.rendezvous.roster import Roster
 from relaunch.rendezvous.roster_etcd import KeyRoster
-from relaunch.rendezvous.rounds import CLOSED, CLOSED_RECORD, news_prefix
+from relaunch.rendezvous.rounds import CLOSED, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.etcd_feed import PrefixFeed
@@ -94,7 +94,7 @@ class EtcdKind:
         next_round: int,
         join_timeout: float,
         mark_finished: Callable[[], None],
-        record: bytes = CLOSED_RECORD,
+        record: bytes,
     ) -> None:
         """Delete the job's keys, then write ``closed`` on a lease of ``join_timeout``: the
         members in the exit barrier wait for it, and nodes waiting to join the next round are
