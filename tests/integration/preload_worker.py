@@ -7,6 +7,7 @@ FIRST = (__import__("time").time(), sorted(sys.modules), list(globals()))
 # what its argument says. (No imports above the first line: sys.modules is read as it starts.)
 
 import ctypes  # noqa: E402
+import gc  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -71,6 +72,12 @@ def fd_kind(fd):
     return oct(mode >> 12)
 
 
+def private_dirty():
+    with open("/proc/self/smaps_rollup") as file:
+        fields = dict(line.split(":", 1) for line in file if ":" in line)
+    return int(fields["Private_Dirty"].split()[0])
+
+
 def parent_cmdline():
     with open(f"/proc/{os.getppid()}/cmdline", "rb") as file:
         return file.read().replace(b"\0", b" ").decode(errors="replace")
@@ -116,6 +123,8 @@ def main():
         "parent": parent_cmdline(),
         "pid": os.getpid(),
         "hash_randomized": sys.flags.hash_randomization,
+        "gc": [gc.isenabled(), gc.get_threshold()],
+        "gc_frozen": gc.get_freeze_count(),
     }
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
     rank = os.environ["RANK"]
@@ -138,6 +147,10 @@ def main():
         if rank == "0":
             os.kill(os.getppid(), signal.SIGKILL)  # this worker dies with its zygote
         time.sleep(60)
+    if action == "collect":  # the KiB of pages a full collection made this process's own
+        before = private_dirty()
+        gc.collect()
+        print(f"copied {private_dirty() - before}", flush=True)
     if action == "hang":
         print("ready", flush=True)
         time.sleep(120)

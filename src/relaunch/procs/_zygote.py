@@ -11,7 +11,8 @@ and runs under any Python the workers use. Its life, in order (``main``):
 2. import the modules, note which signals the imports took over, fork once and reap at once
    (so that libraries that stop their threads at fork, as OpenBLAS does, have done so), count
    the threads left (a Python thread would be missing in every worker: the agent then starts
-   the workers cold), and say "ready" (or why not) on the socket;
+   the workers cold), put every object left in the collector's permanent generation
+   (``_freeze_objects``), and say "ready" (or why not) on the socket;
 3. serve: each request carries a worker's command line, environment, working directory, CPUs,
    signal state and its stdin, stdout and stderr (``SCM_RIGHTS``); the zygote forks, replies
    with the pid, the read end of a pipe where the 4-byte wait status will be written once the
@@ -212,6 +213,7 @@ def main() -> None:
         for name in set(sys.modules) - before
         if str(getattr(sys.modules[name], "__file__", "")).endswith(".py")
     ]
+    _freeze_objects()
     libc.prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
     if os.getppid() != setup["agent"]:
         os._exit(0)  # the agent died before the zygote could die with it
@@ -255,6 +257,18 @@ def _preload(names: list[str]) -> str | None:
             text = " ".join(str(exc).split()) or "(no message)"
             return f"cannot import {name}: {type(exc).__name__}: {text}"
     return None
+
+
+def _freeze_objects() -> None:
+    """Collect the imports' garbage, then freeze what is left (``gc.freeze``): a collection in a
+    worker never walks the zygote's objects. Walking them writes to each one's header, so
+    every worker would copy the pages that hold them: with torch and torch._dynamo preloaded,
+    a worker's first full collection copied 72 MB and took 0.16-0.21 s, and 4 restarted ranks
+    on 2 cores stalled 0.50-0.66 s each about 2 s into their training; frozen, 0.4-4.6 ms."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _status_fields() -> dict[str, str]:
