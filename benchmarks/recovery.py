@@ -69,8 +69,9 @@ benchmarks/workers/dlrover_run.py gives torch 2.13's ``SubprocessHandler`` the `
 **Budgets** (variant a): worker kill -> next step <= 1.0 s, a restarted rank's warm start (its
 fork -> its first line, torch imported: *fork*) <= 0.2 s, steps lost 0 after a worker kill and
 <= 1 after a node kill (worst run), ``save_state`` of the 201 MB state <= 2 x copying as many
-bytes (a 100 MB ``bytearray`` copy timed in the same worker, scaled), and every run of every
-relaunch variant recovered with consistent state. The others' figures are for comparison.
+bytes (a 100 MB ``bytearray`` copy timed in the same worker beside its saves, scaled), and every
+run of every relaunch variant recovered with consistent state. The others' figures are for
+comparison.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from `
   relaunch's shared-memory files, or -; AGE: seconds since the process was created);
 - ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed; ``built T
   RANK``: the model and optimizer made, from the loaded state where there is one;
-- ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step from an attempt's second, in
-  the step's padding: one 100 MB ``bytearray`` copy (its buffers, 200 MB, are made after the
-  first step, not on the way back from a kill);
+- ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step of the first attempt from its
+  second, just before its save on odd steps and just after it on even ones (the saves' load
+  either way, as often first as second): one 100 MB ``bytearray`` copy (its buffers, 200 MB,
+  are made after the first step; never in a resumed job, whose steps they would slow);
 - ``resume T RANK STEP CHECKSUM SOURCE LOAD_S``: the state in place (SOURCE ``own``,
   ``received`` or ``none``; LOAD_S the rank's own load);
 - ``step T RANK STEP CHECKSUM LOSS SAVE_S``: the step done, its save (SAVE_S s) included;
@@ -117,7 +118,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     event(fd, "joined", repr(time.time()), rank)
-    copy: Copy | None = None  # made after the attempt's first step: not on the way back
+    copy: Copy | None = None  # made after the first attempt's first step: never on the way back
 
     class Net(nn.Module):  # type: ignore[misc]
         """Six layers; the forward trains layer ``k`` (the others run on detached weights)."""
@@ -250,11 +251,12 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if copy is not None:  # in the step's padding, under the same load as the saves
-            event(fd, "memcpy", repr(time.time()), rank, repr(copy.seconds()))
         pad = STEP_S - (time.perf_counter() - began)
         if pad > 0:
             time.sleep(pad)
+        # Where the saves are, and as often just before rank 0's as just after: under their load.
+        if copy is not None and step % 2:
+            event(fd, "memcpy", repr(time.time()), rank, repr(copy.seconds()))
         began = time.perf_counter()
         if step % every == 0:
             if mode == "memory":
@@ -268,10 +270,12 @@ def main() -> int:
                 path = os.path.join(ckpt_dir, f"{step}.pt")
                 checkpointer.save_checkpoint(step, state(step), path, storage_type=storage_type)
         saved = time.perf_counter() - began
+        if copy is not None and not step % 2:
+            event(fd, "memcpy", repr(time.time()), rank, repr(copy.seconds()))
         event(
             fd, "step", repr(time.time()), rank, step, checksum(), f"{loss.item():.6f}", repr(saved)
         )
-        if copy is None and rank == 0 and mode == "memory":
+        if copy is None and rank == 0 and mode == "memory" and attempt == 0:
             copy = Copy()
         flag.fill_(1.0 if os.path.exists(stop) else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
