@@ -39,6 +39,8 @@ FAST = (
 )
 PORT = 29400  # a fresh namespace: nothing else listens there
 ROUND = re.compile(r"rendezvous round (\d+) complete: group rank (\d+) of (\d+)")
+#: A worker's report of its world (``WORKER``), as the agent relays it: ``[default0]:world 3 ...``.
+WORLD = re.compile(r":world (\d+) group_rank \d+$")
 
 WORKER = """
     import os, sys, time
@@ -87,8 +89,9 @@ class Agent:
             into.append(line.rstrip("\n"))
 
     def worlds(self) -> list[str]:
-        """The world sizes this node's workers reported, one per round they ran in."""
-        return [line.split()[1] for line in self.out if line.partition(":")[2].startswith("world")]
+        """The world sizes this node's workers reported, one per round they ran in (a worker
+        stopped in the middle of its line leaves a part of it, which reports nothing)."""
+        return [m[1] for m in map(WORLD.search, self.out) if m]
 
     def rounds(self) -> list[tuple[int, int, int]]:
         """(round, group rank, node count) of each rendezvous round this node completed."""
