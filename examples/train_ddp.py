@@ -74,8 +74,6 @@ def save_atomically(obj: object, path: str) -> None:
 def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -83,7 +81,12 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
+    # Before the process group: building an optimizer imports torch._dynamo, which in torch
+    # 2.13 binds a group that exists by then into torch.distributed.nn's default arguments,
+    # so that destroy_process_group could never free it (its threads would run to the exit).
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     checkpoint = os.path.join(args.checkpoint_dir, "checkpoint.pt")
     start = 0
