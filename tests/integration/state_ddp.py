@@ -30,11 +30,12 @@ def publish(name: str, text: str) -> None:
 
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 world = int(os.environ["WORLD_SIZE"])
-dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-ddp = torch.nn.parallel.DistributedDataParallel(model)
+# Before the group, which destroy_process_group could otherwise never free (examples/train_ddp.py).
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+dist.init_process_group("gloo")
+ddp = torch.nn.parallel.DistributedDataParallel(model)
 got = relaunch.load_state()
 start = 0
 if got is not None:
