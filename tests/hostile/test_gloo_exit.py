@@ -10,7 +10,10 @@ with any gloo thread that still has a Python tensor to free. torch's own handles
 while they destroy the group, so an example must let its DDP wrapper go before it destroys the
 group. The race needs a starved gloo thread, so it is not reproduced here; what makes it
 possible is checked instead, deterministically: each example is run as relaunch runs it, with
-``destroy_process_group`` wrapped to fail the rank if a DDP wrapper is still alive.
+``destroy_process_group`` wrapped to fail the rank if a DDP wrapper is still alive, or if the
+group outlives it (its gloo threads still run: in torch 2.13, ``torch.distributed.nn`` binds the
+default group into its functions' default arguments when imported after the group was made,
+as building an optimizer does; those threads then run into the interpreter's exit).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ RUN_TIMEOUT = 180
 
 # Runs the example as __main__, with destroy_process_group checked first.
 DRIVER = """\
-import gc, runpy, sys
+import gc, os, runpy, sys
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +45,14 @@ def checked_destroy(*args, **kwargs):
     if alive:
         raise SystemExit(f"DDP wrapper alive at destroy_process_group: {alive}")
     print("no DDP wrapper at destroy_process_group", flush=True)
-    return destroy(*args, **kwargs)
+    destroy(*args, **kwargs)
+    left = []
+    for thread in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{thread}/comm") as comm:
+            left += [name for name in [comm.read().strip()] if "gloo" in name]
+    if left:
+        raise SystemExit(f"the group outlived destroy_process_group: {sorted(left)} still run")
+    print("the group freed by destroy_process_group", flush=True)
 
 dist.destroy_process_group = checked_destroy
 script = sys.argv[1]
@@ -54,9 +64,16 @@ runpy.run_path(script, run_name="__main__")
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 # Only the transformers example was seen hanging: Lightning's own teardown drops its DDP wrapper
 # (its example has the same shape, for consistency); one run of it would cost CI 20 s.
-@pytest.mark.parametrize(("library", "script"), [("transformers", "transformers_trainer.py")])
-def test_a_gloo_example_lets_its_ddp_wrapper_go_before_it_destroys_its_group(
-    library: str, script: str, leaks: LeakCheck, tmp_path: pathlib.Path
+# train_ddp.py builds its optimizer before its group, which would otherwise outlive it.
+@pytest.mark.parametrize(
+    ("library", "script", "args"),
+    [
+        ("transformers", "transformers_trainer.py", ["{out}"]),
+        ("torch", "train_ddp.py", ["--steps", "3"]),
+    ],
+)
+def test_a_gloo_example_frees_its_group_at_destroy_process_group(
+    library: str, script: str, args: list[str], leaks: LeakCheck, tmp_path: pathlib.Path
 ) -> None:
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed")
@@ -77,7 +94,7 @@ def test_a_gloo_example_lets_its_ddp_wrapper_go_before_it_destroys_its_group(
             "3",
             str(driver),
             str(EXAMPLES / script),
-            str(outdir),
+            *(arg.format(out=outdir) for arg in args),
         ],
         capture_output=True,
         cwd=outdir,
@@ -88,3 +105,4 @@ def test_a_gloo_example_lets_its_ddp_wrapper_go_before_it_destroys_its_group(
     assert "DDP wrapper alive" not in console, console
     assert done.returncode == 0, console
     assert console.count("no DDP wrapper at destroy_process_group") == 2, console
+    assert console.count("the group freed by destroy_process_group") == 2, console
