@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import argparse
+import gc
 import hashlib
 import signal
 
@@ -82,6 +83,12 @@ def weights_digest(state_dict):
 
 def main():
     args = parse_args()
+    set_seed(args.seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    # Before the accelerator makes the process group: building an optimizer imports
+    # torch._dynamo, which in torch 2.13 would otherwise hold that group for good (see
+    # examples/train_ddp.py).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # cpu=True: without it, on a machine with no GPU, accelerate ignores the launcher's ranks
     # and every worker trains alone as "rank 0 of 1".
     accelerator = Accelerator(
@@ -89,9 +96,6 @@ def main():
     )
     rank, world_size = accelerator.process_index, accelerator.num_processes
     print(f"rank {rank}/{world_size} local {accelerator.local_process_index}", flush=True)
-    set_seed(args.seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = DataLoader(synthetic_data(args.seed, args.samples), args.batch_size, shuffle=True)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     progress = Progress()
@@ -139,6 +143,12 @@ def main():
         torch.save(state, os.path.join(args.outdir, "weights.pt"))
         print(f"final weights sha256 {weights_digest(state)}", flush=True)
         print("finished", flush=True)
+    # The DDP wrapper goes before the process group: freed after it, it would be the group's
+    # last holder, and the group's destructor can deadlock with a gloo thread that waits for
+    # the GIL (tests/hostile/test_gloo_exit.py). The accelerator holds it too.
+    del model, optimizer, data
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
 
 

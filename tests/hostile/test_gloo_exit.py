@@ -64,12 +64,14 @@ runpy.run_path(script, run_name="__main__")
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 # Only the transformers example was seen hanging: Lightning's own teardown drops its DDP wrapper
 # (its example has the same shape, for consistency); one run of it would cost CI 20 s.
-# train_ddp.py builds its optimizer before its group, which would otherwise outlive it.
+# train_ddp.py and accelerate_loop.py build their optimizers before their groups, which would
+# otherwise outlive them; accelerate_loop.py lets its DDP wrapper go before end_training.
 @pytest.mark.parametrize(
     ("library", "script", "args"),
     [
         ("transformers", "transformers_trainer.py", ["{out}"]),
         ("torch", "train_ddp.py", ["--steps", "3"]),
+        ("accelerate", "accelerate_loop.py", ["{out}"]),
     ],
 )
 def test_a_gloo_example_frees_its_group_at_destroy_process_group(
