@@ -49,7 +49,9 @@ def checked_destroy(*args, **kwargs):
     left = []
     for thread in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{thread}/comm") as comm:
-            left += [name for name in [comm.read().strip()] if "gloo" in name]
+            name = comm.read().strip()
+        if "gloo" in name:
+            left.append(name)
     if left:
         raise SystemExit(f"the group outlived destroy_process_group: {sorted(left)} still run")
     print("the group freed by destroy_process_group", flush=True)
