@@ -1,4 +1,5 @@
-"""A DDP training job for the recovery benchmark: python ddp_recovery.py OUT MODE EVERY.
+"""A DDP training job for the recovery benchmark: python ddp_recovery.py OUT MODE EVERY
+[in-place].
 
 A gloo DDP job of 2 x 2 (or any number of) ranks: six ``nn.Linear(2048, 2048)`` layers (100.7 MB
 of parameters) and SGD with momentum (a buffer as large), so a rank's state is 201 MB. A step
@@ -21,6 +22,10 @@ The state (``{"step", "model", "optim"}``) is saved after every ``EVERY``-th ste
   state, path, storage_type=StorageType.MEMORY)``; ``load_checkpoint()`` at the start, its
   tensors copied (they are views of shared memory that the next save overwrites).
 
+With ``in-place``, the training runs in a ``@relaunch.restart_in_place`` function, whose model
+and optimizer outlive it: a rank kept across a restart goes on from them when
+``relaunch.resumes_from`` says they hold the step resumed from (SOURCE ``kept``: nothing loaded).
+
 At the start the ranks agree on the newest step any of them loaded. A rank that has it makes
 its model on the meta device and assigns it the loaded tensors (no initialisation overwritten,
 no copy: the resume a user wants, in every mode alike); the others build one and receive the
@@ -28,8 +33,10 @@ model and the momentum from a rank that has it (those of a replacement node, in 
 
 Every line of OUT/events (appended whole) is ``KIND TIME RANK ...``, TIME from ``time.time()``:
 
-- ``start T RANK PID ATTEMPT NODE STATE_DIR CHANNEL AGE``: first thing (STATE_DIR, CHANNEL:
-  relaunch's shared-memory files, or -; AGE: seconds since the process was created);
+- ``start T RANK ID ATTEMPT NODE STATE_DIR CHANNEL AGE``: first thing (STATE_DIR, CHANNEL:
+  relaunch's shared-memory files, or -; AGE: seconds since the process was created, 0 in a
+  process restarted in place). ID names the worker: its pid, plus ``PID_SPAN`` times the calls
+  before this one of a process restarted in place (``ID % PID_SPAN`` is the pid);
 - ``torch T RANK``: torch imported; ``joined T RANK``: the process group formed; ``built T
   RANK``: the model and optimizer made, from the loaded state where there is one;
 - ``memcpy T RANK SECONDS``: in memory mode, rank 0, every step of the first attempt from its
@@ -51,6 +58,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 STARTED = time.time()
 
@@ -69,6 +77,7 @@ WIDTH = 2048
 BATCH = 1
 STEP_S = 0.1
 MB = 100_000_000
+PID_SPAN = 1 << 22  # Linux's largest pid_max: an ID above it is a pid's later call
 
 
 def event(fd: int, *fields: object) -> None:
@@ -99,14 +108,24 @@ class Copy:
         return time.perf_counter() - began
 
 
+#: What outlives a call restarted in place: the model, its optimizer, and the step they hold
+#: (None: none to go on from); the calls this process made.
+held: dict[str, Any] = {"step": None, "calls": 0}
+
+
 def main() -> int:
     out, mode, every = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    in_place = sys.argv[4:] == ["in-place"]
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fd = os.open(os.path.join(out, "events"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     node = os.environ.get("RECOVERY_NODE", "-")
     shm = [os.environ.get(name) or "-" for name in ("RELAUNCH_STATE_DIR", "RELAUNCH_CHANNEL")]
-    event(fd, "start", repr(STARTED), rank, os.getpid(), attempt, node, *shm, repr(AGE))
+    calls = held["calls"]
+    held["calls"] = calls + 1
+    began, age = (STARTED, AGE) if not calls else (time.time(), 0.0)
+    ident = os.getpid() + PID_SPAN * calls
+    event(fd, "start", repr(began), rank, ident, attempt, node, *shm, repr(age))
 
     import torch
     import torch.distributed as dist
@@ -164,7 +183,10 @@ def main() -> int:
     # -- resume: every rank loads what it has; all agree on the newest step ------------------
     began = time.perf_counter()
     loaded = None
-    if mode == "memory":
+    kept = in_place and relaunch.resumes_from(held["step"])
+    if kept:
+        loaded = {"step": held["step"]}  # in memory already: the model and optimizer held
+    elif mode == "memory":
         got = relaunch.load_state()
         if got is not None:
             loaded = got[1]
@@ -186,7 +208,11 @@ def main() -> int:
     # A rank that holds the step resumed from makes its model of the loaded tensors (on the
     # meta device, then assigned: no initialisation to overwrite, no copy); the others build
     # one and receive the state from a rank that has it.
-    if best >= 0 and own == best:
+    if kept and own == best:
+        model, opt = held["model"], held["opt"]
+        params = list(model.parameters())
+        source = "kept"
+    elif best >= 0 and own == best:
         assert loaded is not None
         with torch.device("meta"):
             model = Net()
@@ -206,6 +232,8 @@ def main() -> int:
         for p in params:  # the momentum exists from the start: every state has the same shape
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
         source = "none"
+    if in_place:
+        held.update(model=model, opt=opt)
     event(fd, "built", repr(time.time()), rank)
     if best >= 0 and bool((steps != best).any()):
         src = int((steps == best).nonzero()[0])
@@ -250,6 +278,7 @@ def main() -> int:
         loss = F.mse_loss(ddp(x, step % LAYERS), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        held["step"] = None  # the update changes what the model holds
         opt.step()
         pad = STEP_S - (time.perf_counter() - began)
         if pad > 0:
@@ -272,6 +301,8 @@ def main() -> int:
         saved = time.perf_counter() - began
         if copy is not None and not step % 2:
             event(fd, "memcpy", repr(time.time()), rank, repr(copy.seconds()))
+        if step % every == 0:
+            held["step"] = step  # as saved: what a kept rank may go on from
         event(
             fd, "step", repr(time.time()), rank, step, checksum(), f"{loss.item():.6f}", repr(saved)
         )
@@ -287,4 +318,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[4:] == ["in-place"]:
+        import relaunch
+
+        main = relaunch.restart_in_place(main)
     sys.exit(main())

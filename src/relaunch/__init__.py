@@ -40,6 +40,7 @@ _HOMES = {
             "record",
             "start_processes",
         ),
+        "relaunch.in_place": ("restart_in_place", "resumes_from"),
         "relaunch.state.api": ("StateError", "load_state", "save_state"),
         "relaunch.worker": (
             "failure_pending",
@@ -83,6 +84,10 @@ if TYPE_CHECKING:
         TailLog as TailLog,
         record as record,
         start_processes as start_processes,
+    )
+    from relaunch.in_place import (
+        restart_in_place as restart_in_place,
+        resumes_from as resumes_from,
     )
     from relaunch.state.api import (
         StateError as StateError,

@@ -39,6 +39,8 @@ def test_public_names_are_pinned() -> None:
         "on_failure_pending",
         "record",
         "report_progress",
+        "restart_in_place",
+        "resumes_from",
         "save_state",
         "section",
         "start_processes",

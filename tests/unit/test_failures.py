@@ -111,6 +111,18 @@ def test_one_stopped_rank_reads_as_a_sentence() -> None:
     )
 
 
+def test_ranks_kept_to_restart_in_place_are_told_apart_from_the_stopped() -> None:
+    report = format_report(
+        "train", {1: F(1, 100, 2, details="boom")}, "hostA", stopped=[0, 2, 3], kept=[2, 3]
+    )
+    lines = report.splitlines()
+    assert lines[0] == "train failed: 1 worker failed, 3 stopped because of it"
+    assert lines[-2:] == [
+        "Rank 0 did not fail: relaunch stopped it because of the failure above",
+        "Ranks 2, 3 did not fail: they wait to restart in place",
+    ]
+
+
 def test_a_signal_is_explained_not_answered_with_record_or_redirects() -> None:
     assert signal_meaning(-9) == (
         "SIGKILL: killed from outside, most often by the out-of-memory killer (see dmesg) "

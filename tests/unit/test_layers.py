@@ -59,6 +59,7 @@ MAY_IMPORT = {
         "relaunch.timer",
         "relaunch.store",
         "relaunch.state",  # the slot files of the state its workers keep
+        "relaunch.in_place",  # what the parking lot and its ranks say
     ),
     "relaunch.rendezvous": (*FOUNDATIONS, "relaunch.store"),
     "relaunch.events": (*FOUNDATIONS, "relaunch.jsonl_file"),
@@ -71,6 +72,8 @@ MAY_IMPORT = {
     "relaunch.config": FOUNDATIONS,
     "relaunch._run_path": (),
     "relaunch.worker": ("relaunch.core",),
+    # what a worker imports to restart in place (relaunch.restart_in_place)
+    "relaunch.in_place": ("relaunch.core", "relaunch.worker"),
     # what a worker imports to keep its state in the agent (relaunch.save_state)
     "relaunch.state": ("relaunch.core", "relaunch.pickling", "relaunch.worker"),
     "relaunch.pickling": (),

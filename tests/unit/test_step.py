@@ -151,7 +151,7 @@ def test_a_failure_uses_a_restart_and_tells_the_other_nodes_why() -> None:
         [
             ended("FAILED", 2),
             ReportFailure(),
-            StopWorkers(),
+            StopWorkers(park=True),
             CheckStore(),
             restarted("worker_failed", BOOM, "a worker failed", 0, 1),
             NoteRestart(f"n1: {BOOM}"),
@@ -190,7 +190,7 @@ def test_a_failure_among_several_nodes_is_told_as_it_is_seen_not_once_its_group_
     assert said[4] == [
         ended("FAILED", 2),
         ReportFailure(),
-        StopWorkers(),
+        StopWorkers(park=True),
         CheckStore(),
         restarted("worker_failed", BOOM, "a worker failed", 0, 1),
         Rendezvous(0.0),
@@ -215,6 +215,24 @@ def test_a_failure_is_told_early_only_where_a_restart_of_its_own_follows_whateve
     state = started(rules(watches_membership=True, max_restarts=max_restarts), nodes=nodes)
     _, said = run(state, [(5.0, Looked(None, change, used=0, failing=failing))])
     assert not any(isinstance(action, (LeaveRound, NoteRestart)) for action in said[0])
+
+
+@pytest.mark.parametrize(
+    ("change", "park"),
+    [
+        (MembershipChange.nodes_waiting(1), False),  # the workers run on: stopped
+        (MembershipChange.member_lost(1, "no heartbeat", detected_by=0), True),
+        (MembershipChange.restarting("n2: rank 3 exited with code 1"), True),
+    ],
+)
+def test_ranks_may_park_only_where_a_restart_broke_the_groups_collectives(
+    change: MembershipChange, park: bool
+) -> None:
+    """Ranks that restart in place wait for the next attempt when a peer died or stopped;
+    nothing breaks a collective when nodes come (nor when a rank hangs: the test of a hang
+    elsewhere below), so those ranks are stopped."""
+    _, said = run(started(rules(watches_membership=True)), [(2.0, Looked(None, change))])
+    assert said[0][1] == StopWorkers(park=park)
 
 
 def test_a_membership_change_restarts_the_group_for_free() -> None:
@@ -260,7 +278,7 @@ def test_a_failure_caused_by_a_lost_node_is_free_too() -> None:
     lost = MembershipChange.member_lost(1, "no heartbeat", detected_by=0)
     state = started(rules(watches_membership=True, max_restarts=0), nodes=2)
     state, said = run(state, [(2.0, Looked(failed(), lost, used=0))])
-    assert said[0][:3] == [ended("FAILED", 0), ReportFailure(), StopWorkers()]
+    assert said[0][:3] == [ended("FAILED", 0), ReportFailure(), StopWorkers(park=True)]
     assert told(said[0])[1] == Restarted("trainer", "member_lost", BOOM, lost.reason, 0, 0)
     assert state.spent == 0
     assert not any(isinstance(action, NoteRestart) for action in said[0])

@@ -288,8 +288,8 @@ class LocalElasticAgent:
                 self._goodput.started()
                 self._started_once = True
                 return do.WorkersStarted()
-            case do.StopWorkers():
-                workers.stop(signal.SIGTERM)
+            case do.StopWorkers(park=park):
+                workers.stop(signal.SIGTERM, park=park)
             case do.CheckStore():
                 job.check_store()
             case do.AskRollCall(timeout=timeout):

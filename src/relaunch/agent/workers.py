@@ -36,12 +36,14 @@ from relaunch.core.step_types import Ended
 from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
+from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
 
 if TYPE_CHECKING:
+    from relaunch.agent.parking import ParkingLot
     from relaunch.agent.torch_store import TorchStoreServer
     from relaunch.core.placement import Placement
     from relaunch.procs.zygote import Zygote
@@ -109,6 +111,10 @@ class Workers:
         #: torch's store, served while this node is group rank 0 (``--preload torch``).
         self._torch_store: TorchStoreServer | None = None
         self._wakeups: EventQueue[str] | None = None
+        #: Where ranks that restart in place wait (``agent.parking``), and those kept, by
+        #: local rank, for the next attempt.
+        self._lot: ParkingLot | None = None
+        self._kept: dict[int, PopenHandle | ProcessHandle] = {}
         self._pcontext: PContext | None = None
         self._explained: RunProcsResult | None = None
         self._outcome: RunProcsResult | None = None  # how the attempt ended, as last looked
@@ -124,10 +130,13 @@ class Workers:
 
         self._wakeups = wakeups
         self._channel = Channel(self._group.spec.local_world_size, on_first_use=workers_speak)
+        from relaunch.agent.parking import ParkingLot, parking_path  # sockets: not at import
+
+        self._lot = ParkingLot(parking_path(self._channel.path), self._keep, self._park_wait)
         if self._state_settings is not None:
             self.state = StateKeeper(self._state_settings, self._job.local_addr)
         if self._preload:
-            self.zygote = self._start_zygote(self._channel.env())
+            self.zygote = self._start_zygote({**self._channel.env(), **self._lot.env()})
         if self.zygote is not None:
             from relaunch.agent.torch_store import TorchStoreServer, serves_torch_store
 
@@ -138,6 +147,14 @@ class Workers:
         """The run is over: the node bar's final state, the channel gone, the kept state on
         disk (``--state-dir``) and out of memory."""
         self._console.remove_source(self._node_bar)
+        if self._kept:
+            from relaunch.agent.parking import let_go
+
+            for handle in self._kept.values():
+                let_go(handle)
+            self._kept.clear()
+        if self._lot is not None:
+            self._lot.close()
         if self._channel is not None:
             self._channel.close()
         if self.state is not None:
@@ -150,8 +167,8 @@ class Workers:
     def start(self, restart_count: int) -> None:
         """Start the attempt of the group just joined (``restart_count`` restarts used)."""
         group, command = self._group, self._command
-        channel, wakeups = self._channel, self._wakeups
-        assert channel is not None and wakeups is not None, "start before open"
+        channel, wakeups, lot = self._channel, self._wakeups, self._lot
+        assert channel is not None and wakeups is not None and lot is not None, "start before open"
         channel.reset()
         self._failure_told = False
         store_server = self._torch_store if group.group_rank == 0 else None
@@ -177,17 +194,28 @@ class Workers:
             new_attempt_dir(self._report.log_dir, restart_count)
             if command.logs_specs is None
             else "",
-            extra_env={**self._expiry.worker_env(), **channel.env(), **extra_env},
+            extra_env={
+                **self._expiry.worker_env(),
+                **channel.env(),
+                **lot.env(),
+                **extra_env,
+            },
             placement=self._placement,
             terminals=self._console.terminals(),
             hang_detection=self._expiry.hang_timeout is not None,
         )
         arguments = plan.start_arguments()
+        if self._kept:
+            from relaunch.agent.parking import Parked
+
+            kept, self._kept = self._kept, {}
+            arguments["resumes"] = {rank: Parked(handle, lot) for rank, handle in kept.items()}
         if self.zygote is None:
             self._pcontext = pcontext = self._start_processes(**arguments)
         else:
             with _bad_preload_is_bad_input():
                 self._pcontext = pcontext = self._start_processes(**arguments, zygote=self.zygote)
+        lot.new_attempt()  # the kept ranks have their attempt: a park must be explained again
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
         if hasattr(pcontext, "add_failure_callback"):  # not a start_processes of the user's
             state = self.state
@@ -200,9 +228,15 @@ class Workers:
             pcontext.add_failure_callback(a_worker_failed)
         if self.state is not None:
             self.state.prune()
-            if hasattr(pcontext, "set_failure_grace"):
-                grace = JustInTime(self.state, channel, self.state.jit_save_timeout)
-                pcontext.set_failure_grace(grace)
+        if hasattr(pcontext, "set_failure_grace"):
+            from relaunch.agent.parking import Graces, ParkGrace
+
+            parking = ParkGrace(lot, pcontext.pids)
+            if self.state is None:
+                pcontext.set_failure_grace(parking)
+            else:
+                saves = JustInTime(self.state, channel, self.state.jit_save_timeout)
+                pcontext.set_failure_grace(Graces(saves, parking))
         self._sampler.watch(channel, pcontext)
         self._node_bar.restart()
         if plan.draws_console:
@@ -346,11 +380,14 @@ class Workers:
         ranks lost torch's store, when the agent's server of it ended first)."""
         group, outcome = self._group, self._outcome
         assert outcome is not None
+        pcontext = self._pcontext
+        kept = pcontext.kept() if pcontext is not None and hasattr(pcontext, "kept") else {}
         report = format_report(
             group.spec.role,
             group.by_global_rank(outcome.failures),
             os.uname().nodename,
             group.by_global_rank(outcome.stopped),
+            group.by_global_rank(kept),
         )
         store_lost = None if self._torch_store is None else self._torch_store.ended()
         return report if store_lost is None else f"{report}\n  {store_lost}"
@@ -373,16 +410,22 @@ class Workers:
             stopped=sorted(group.by_global_rank(outcome.stopped)),
         )
 
-    def stop(self, death_sig: signal.Signals) -> None:
+    def stop(self, death_sig: signal.Signals, *, park: bool = False) -> None:
         """Stop the workers with ``death_sig`` (then SIGKILL after the shutdown timeout),
-        letting ranks asked for their stacks write them first."""
+        letting ranks asked for their stacks write them first. ``park``: the stop is for a
+        failure that broke the group's collectives, and ranks that restart in place are
+        given time to park (``_park_wait``), and kept for the next attempt."""
         self._reporter.stop()
         if self._pcontext is not None:
             self._save_just_in_time()
             dumping = self._expiry.dumping()
             if dumping:  # ranks asked for their stacks: let them write them before the signal
                 self._pcontext.wait(dumping)
+            if park:
+                self._wait_for_parks()
             self._pcontext.close(death_sig, self._group.spec.shutdown_timeout)
+            if hasattr(self._pcontext, "kept"):
+                self._kept = self._pcontext.kept()
             if self._torch_store is not None:
                 self._torch_store.stop()
             if self.state is not None:
@@ -394,6 +437,36 @@ class Workers:
             if self._channel is not None:
                 self._report.last_progress = self._sampler.take().progresses()
             self._console.remove_source(self._node_bar)  # prints the bar's final state
+
+    def _keep(self, pid: int) -> None:
+        """The rank of ``pid`` parked, and a stop for a failure is under way: keep it."""
+        pcontext = self._pcontext
+        if pcontext is None or not hasattr(pcontext, "keep"):
+            return
+        for rank, rank_pid in pcontext.pids().items():
+            if rank_pid == pid:
+                pcontext.keep(rank)
+
+    def _park_wait(self) -> float:
+        """How long parks are waited for (``agent.parking.park_wait``): by this attempt's
+        slowest rank's step."""
+        from relaunch.agent.parking import park_wait
+
+        channel = self._channel
+        ranks = range(self._group.spec.local_world_size)
+        slowest = 0.0 if channel is None else max(channel.step_seconds(r) for r in ranks)
+        return park_wait(slowest)
+
+    def _wait_for_parks(self) -> None:
+        """The job restarts for a failure: keep the ranks that park within ``_park_wait``."""
+        pcontext, lot = self._pcontext, self._lot
+        if pcontext is None or lot is None or not hasattr(pcontext, "keep"):
+            return
+        pids = pcontext.pids()
+        parkable = lot.can_park([pids[rank] for rank in pcontext.running()])
+        if parkable:
+            lot.explain()
+            lot.wait_parked(parkable, lot.wait())
 
     def _save_just_in_time(self, hung: Collection[int] = ()) -> None:
         """Before running workers are stopped because another node's failed, or asked for

@@ -273,16 +273,19 @@ def format_report(
     failures: Mapping[int, Failure],
     host: str,
     stopped: Iterable[int] = (),
+    kept: Iterable[int] = (),
 ) -> str:
-    """A failure report: the root cause first, then any other failures, then the stopped ranks."""
-    stopped = sorted(stopped)
+    """A failure report: the root cause first, then any other failures, then the stopped ranks
+    (``kept``: those of them that wait to restart in place, ``relaunch.restart_in_place``)."""
+    waiting = sorted(kept)
+    stopped = sorted(set(stopped) - set(waiting))
     if not failures:
         return f"{name} failed, but no failure was recorded"
     first = root_cause_rank(failures)
     count = len(failures)
     summary = f"{name} failed: {count} worker{'s' if count != 1 else ''} failed"
-    if stopped:
-        summary += f", {len(stopped)} stopped because of it"
+    if stopped or waiting:
+        summary += f", {len(stopped) + len(waiting)} stopped because of it"
     sections = [summary, "Root cause (first failure):", _describe(first, failures[first], host)]
     others = sorted(rank for rank in failures if rank != first)
     if others:
@@ -294,6 +297,11 @@ def format_report(
         sections.append(
             f"{_ranks(stopped).capitalize()} did not fail: relaunch stopped {they} "
             f"because of {cause} above"
+        )
+    if waiting:
+        sections.append(
+            f"{_ranks(waiting).capitalize()} did not fail: "
+            f"{'it waits' if len(waiting) == 1 else 'they wait'} to restart in place"
         )
     return "\n".join(sections)
 

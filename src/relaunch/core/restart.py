@@ -96,6 +96,14 @@ def decide(
     return RestartDecision(Action.CONTINUE)
 
 
+#: The causes of a restart that break the workers' collectives (a peer died, or stopped): ranks
+#: that restart in place wait in them rather than exit. A hang, nodes waiting to join or a
+#: lost store break nothing: those workers are stopped.
+BREAKS_COLLECTIVES = frozenset(
+    {"worker_failed", "restarting", "member_lost", "member_left", "member_excluded"}
+)
+
+
 # -- crash loops ------------------------------------------------------------------------------
 
 

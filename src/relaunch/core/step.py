@@ -317,12 +317,12 @@ def _restart(
         delay = rules.backoff.delay(loop.in_a_row)
     # The workers stop before anything is told: if the store's host is gone with the store,
     # the job ends there, and no restart was told or counted.
-    actions += [StopWorkers(), CheckStore()]
+    cause = "hang" if state.hang is not None else decision.cause
+    actions += [StopWorkers(park=cause in restart.BREAKS_COLLECTIVES), CheckStore()]
     restarts_left = state.restarts_left
     if decision.uses_restart:
         state = state._replace(spent=state.spent + 1)
         restarts_left -= 1
-    cause = "hang" if state.hang is not None else decision.cause
     actions.append(
         Tell(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
     )

@@ -206,7 +206,15 @@ class StartWorkers(Value):
 
 
 class StopWorkers(Value):
-    """Stop the workers (SIGTERM, then SIGKILL after the shutdown timeout)."""
+    """Stop the workers (SIGTERM, then SIGKILL after the shutdown timeout). ``park``: the stop
+    is for a failure that broke the group's collectives: ranks that restart in place
+    (``relaunch.restart_in_place``) are let park and kept for the next attempt."""
+
+    __slots__ = ("park",)
+    park: bool
+
+    def __init__(self, park: bool = False) -> None:
+        self._set(park=park)
 
 
 class CheckStore(Value):

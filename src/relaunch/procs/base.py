@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import atexit
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,7 +18,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rank_io import RankIO
@@ -136,6 +137,10 @@ class PContext(abc.ABC):
         #: In the environment of every worker, hence of every descendant (procs.descendants).
         self._tree = new_token()
 
+    #: Workers of the group before, kept to run this group in their own process (restarting
+    #: in place), by local rank: ``start`` hands them their attempt rather than starting one.
+    resumes: Mapping[int, Resume] = MappingProxyType({})
+
     #: torch's duplicate filters (``start_processes``): the files of the filtered copies of
     #: the tee'd stdouts and stderrs (None: none), and the copies by stream (True: stderr).
     filtered_stdout: str | None = None
@@ -206,10 +211,18 @@ class PContext(abc.ABC):
                     env = with_token(
                         {**self.envs[rank], ERROR_FILE_ENV: streams.io.error_file}, self._tree
                     )
-                    with notices_ignored():  # Slurm's warning is for the agent alone
-                        handle, result = self._start_worker(
-                            rank, env, streams.stdout.child_fd, streams.stderr.child_fd
-                        )
+                    resume = self.resumes.get(rank)
+                    resumed = resume is not None and resume.resume(
+                        {**os.environ, **env}, streams.stdout.child_fd, streams.stderr.child_fd
+                    )
+                    if resumed:
+                        assert resume is not None
+                        handle, result = resume.handle, None
+                    else:
+                        with notices_ignored():  # Slurm's warning is for the agent alone
+                            handle, result = self._start_worker(
+                                rank, env, streams.stdout.child_fd, streams.stderr.child_fd
+                            )
                     orphans.register(handle.pid)
                 finally:
                     streams.close_child_ends()
@@ -257,6 +270,19 @@ class PContext(abc.ABC):
         if self._monitor is None:
             return {}
         return {rank: worker.pid for rank, worker in self._monitor.workers.items()}
+
+    def keep(self, local_rank: int) -> bool:
+        """``local_rank`` waits to restart in place (``relaunch.restart_in_place``): it ends for
+        this group, stopped, but its process is neither signalled nor released here; ``kept``
+        hands it to the next group. False when it had ended."""
+        return self._monitor is not None and self._monitor.keep(local_rank)
+
+    def kept(self) -> dict[int, PopenHandle | ProcessHandle]:
+        """The handles of the workers kept to restart in place, by local rank."""
+        if self._monitor is None:
+            return {}
+        with self._monitor.lock:
+            return {rank: w.handle for rank, w in self._monitor.workers.items() if w.kept}
 
     def stuck(self) -> dict[int, StuckWorker]:
         """The workers given up on, by local rank: alive ``KILL_DEADLINE`` s after SIGKILL."""
@@ -429,14 +455,16 @@ class PContext(abc.ABC):
         # Descendants of workers that already exited may linger in their process groups: once
         # close returns, they are gone too (unless stuck in the kernel past TREE_KILL_WAIT).
         monitor.kill_all_trees()
-        groups = [worker.pid for worker in monitor.workers.values()]
+        gone = [worker for worker in monitor.workers.values() if not worker.kept]
+        groups = [worker.pid for worker in gone]
+        kept_pids = {worker.pid for worker in monitor.workers.values() if worker.kept}
         stuck_pids = {stuck.pid for stuck in monitor.stuck.values()}
         wait_groups_gone(groups, TREE_KILL_WAIT, ignore=stuck_pids)
         # And those that left their groups (a setsid daemon): they carry the group's token.
-        kill_marked(self._tree, TREE_KILL_WAIT, skip=stuck_pids)
+        kill_marked(self._tree, TREE_KILL_WAIT, skip=stuck_pids | kept_pids)
         guardian().unregister_tree(self._tree)
         monitor.finish()
-        for worker in monitor.workers.values():
+        for worker in gone:
             guardian().unregister(worker.pid)
             worker.handle.release()
 
@@ -463,6 +491,16 @@ class PContext(abc.ABC):
             },
             stuck=dict(monitor.stuck),
         )
+
+
+class Resume(Protocol):
+    """A worker kept from the group before (``PContext.kept``), to run its rank of the next."""
+
+    handle: PopenHandle | ProcessHandle
+
+    def resume(self, env: dict[str, str], stdout: int | None, stderr: int | None) -> bool:
+        """Hand the worker its attempt: ``env`` (all of it), writing to ``stdout``/``stderr``
+        (None: the launcher's); False when it cannot take it (it is started afresh)."""
 
 
 def _failure(rank: int, worker: WorkerProcess, io: RankIO) -> ProcessFailure:

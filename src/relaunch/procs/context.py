@@ -26,7 +26,7 @@ from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
 from relaunch.procs.affinity import starting_on
-from relaunch.procs.base import PContext, RunProcsResult
+from relaunch.procs.base import PContext, Resume, RunProcsResult
 from relaunch.procs.checks import (
     check_entrypoint,
     check_log_dir,
@@ -207,6 +207,7 @@ def start_processes(
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
     zygote: Zygote | None = None,
+    resumes: Mapping[int, Resume] | None = None,
 ) -> PContext: ...
 
 
@@ -227,6 +228,7 @@ def start_processes(
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
     zygote: Zygote | None = None,
+    resumes: Mapping[int, Resume] | None = None,
     local_ranks_filter: Collection[int] | None = None,
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
@@ -243,6 +245,7 @@ def start_processes(
     relay: Std | Mapping[int, Std] = Std.NONE,
     cpu_affinity: Mapping[int, frozenset[int]] | None = None,
     zygote: Zygote | None = None,
+    resumes: Mapping[int, Resume] | None = None,
     **keywords: Any,
 ) -> PContext:
     """Start one copy of ``entrypoint`` per local rank and return the running context.
@@ -273,7 +276,8 @@ def start_processes(
     to its console as whole lines rather than letting the workers inherit the console.
     ``cpu_affinity`` (relaunch's own) binds some ranks to CPUs (``procs.affinity``).
     ``zygote`` (relaunch's own, ``--preload``) forks the Python workers it can
-    (``procs.zygote``).
+    (``procs.zygote``). ``resumes`` (relaunch's own) hands some ranks to workers kept from the
+    group before, which restart in place (``relaunch.restart_in_place``).
     """
     form, given = choose(
         "start_processes",
@@ -360,6 +364,8 @@ def start_processes(
             copies[err] = FilteredCopy(path, needles)
             setattr(context, f"filtered_{stream}", path)
     context.copies = copies
+    if resumes:
+        context.resumes = dict(resumes)
     try:
         context.start()
     finally:

@@ -84,6 +84,9 @@ class WorkerProcess:
     result: ReturnReader | None = None
     exitcode: int | None = None
     exit_time: float = 0.0
+    #: It waits to restart in place (``GroupMonitor.keep``): ended for this group, still alive,
+    #: and neither signalled nor released by it.
+    kept: bool = False
 
     @property
     def pid(self) -> int:
@@ -135,6 +138,7 @@ class GroupMonitor:
         self._finishing = False
         self._drain_until: float | None = None
         self._dirty: list[TeeStream] = []
+        self._keeping: list[WorkerProcess] = []
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -181,9 +185,25 @@ class GroupMonitor:
         self._wake()
 
     def kill_all_trees(self) -> None:
-        """SIGKILL every worker's process group, including descendants of workers that exited."""
+        """SIGKILL every worker's process group, including descendants of workers that exited
+        (not those kept to restart in place)."""
         for worker in self.workers.values():
-            signal_tree(worker.pid, signal.SIGKILL)
+            if not worker.kept:
+                signal_tree(worker.pid, signal.SIGKILL)
+
+    def keep(self, local_rank: int) -> bool:
+        """The worker waits to restart in place: it ends for this group as a stopped worker
+        (exit code 0) but lives on, never signalled by it; what it wrote is read, and its
+        streams are let go (the next attempt gives it new ones). False when it had ended."""
+        with signals_deferred(), self.lock:
+            worker = self.workers.get(local_rank)
+            if worker is None or worker.exitcode is not None or worker.kept:
+                return False
+            worker.kept = True
+            self.stopped_ranks.add(local_rank)
+            self._keeping.append(worker)
+        self._wake()
+        return True
 
     def finish(self) -> None:
         """Drain the streams (bounded), then end the monitor thread and release everything."""
@@ -213,7 +233,8 @@ class GroupMonitor:
         # A second stop (a Ctrl-C during a stop) may only bring the SIGKILL closer.
         self._kill_at = deadline if self._kill_at is None else min(self._kill_at, deadline)
         for worker in self.workers.values():
-            signal_tree(worker.pid, sig)
+            if not worker.kept:
+                signal_tree(worker.pid, sig)
         if sig == signal.SIGKILL:
             self._give_up_after_kill()
         if not self._done:
@@ -276,6 +297,7 @@ class GroupMonitor:
                     self._read_result(item, RESULT_READ_LIMIT)
                 else:
                     self._drain_wake()
+            self._record_kept()
             copied = self._flush_consoles()
             if self._console is not None:
                 self._console.tick()
@@ -283,6 +305,24 @@ class GroupMonitor:
                 return
             if copied:
                 time.sleep(COALESCE_SECONDS)
+
+    def _record_kept(self) -> None:
+        with self.lock:
+            keeping, self._keeping = self._keeping, []
+        for worker in keeping:
+            if worker.exitcode is not None:
+                continue
+            self._unwatch(worker.handle.exit_fd)
+            self._unreaped.pop(worker.local_rank, None)
+            for stream in worker.streams:
+                self._pump(stream, until_empty=True)
+                if stream.open:
+                    self._unwatch(stream.read_fd)
+                    stream.finish()
+            if worker.result is not None:
+                self._unwatch(worker.result.fd)
+                worker.result.close()
+            self._record_exit(worker, 0)
 
     def _fail(self, error: BaseException) -> None:
         """The monitor thread fails with ``error``: report it (the agent ends with one line),
@@ -300,6 +340,9 @@ class GroupMonitor:
             report_failure(threading.current_thread().name, error)
         except Exception:
             log.error("the worker monitor failed: %r", error)
+        with self.lock:
+            for worker in self.workers.values():
+                worker.kept = False  # nobody is left to hand them an attempt
         try:
             self.kill_all_trees()
         finally:
@@ -495,7 +538,8 @@ class GroupMonitor:
                 self._kill_at = None
                 log.warning("workers did not exit in time after the stop signal: sending SIGKILL")
                 for worker in self.workers.values():
-                    signal_tree(worker.pid, signal.SIGKILL)
+                    if not worker.kept:
+                        signal_tree(worker.pid, signal.SIGKILL)
                 self._give_up_after_kill()
             give_up = self._give_up_at is not None and now >= self._give_up_at
         if give_up:

@@ -38,6 +38,13 @@ def _forget() -> None:
 os.register_at_fork(after_in_child=_forget)
 
 
+def _reopen() -> None:
+    """This process runs a new attempt (restarted in place): its slots are looked at afresh at
+    the next save, and the ones it mapped are let go then."""
+    global _opened_for
+    _opened_for = None
+
+
 class StateError(RuntimeError):
     """A save that cannot be kept (too large for ``--state-memory``, the memory full) or a
     load that cannot be read; the message says what to do."""

@@ -1,0 +1,370 @@
+"""The agent's parking lot: where ranks restarting in place (``relaunch.in_place``) wait.
+
+A Unix ``SOCK_SEQPACKET`` socket beside the workers' channel, mode 0600. A worker running a
+``@relaunch.restart_in_place`` function connects once; the connection says it can wait. Peers
+are known by their pid (``SO_PEERCRED``); the only thing a worker may say is ``parked``, and
+anything else closes its connection with one line in the agent's log.
+
+A rank parks when its function raised. The agent keeps it while a stop for a failure is under
+way (``explain``: a worker of this node failed, or the job restarts for a failure elsewhere) and
+hands it the next attempt (``resume``). A park that nothing explains within ``PARK_WAIT``
+seconds is the rank's own exception: the first rank parked is told ``go on`` and fails with it
+(which explains the others' parks). One thread serves the lot; it waits on the listener, the
+connections and a wake-up pipe, with the unexplained park's deadline as its timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import threading
+from collections.abc import Callable, Collection, Mapping
+
+from relaunch.in_place import GO_ON, MAX_MESSAGE, PARKED, PARKING_ENV, RESUME
+from relaunch.procs.guardian import guardian
+from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
+from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace
+from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
+
+log = logging.getLogger(__name__)
+
+#: Seconds, at least, that a park waits for a failure or a restart to explain it before the rank
+#: is told to go on (its exception was its own), and that a stop for a failure waits for the
+#: ranks to park: two of their steps where these are longer (``park_wait``). A peer's death
+#: breaks a collective at once, or at the next one; the agents hear of it within a tick.
+PARK_WAIT = 2.0
+
+
+def park_wait(step_seconds: float) -> float:
+    """How long parks are waited for, in a job whose slowest rank steps every
+    ``step_seconds`` (0: not known)."""
+    return max(PARK_WAIT, 2 * step_seconds)
+
+
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def parking_path(channel_path: str) -> str:
+    """Where the lot of the workers whose channel is ``channel_path`` listens: beside it."""
+    return f"{channel_path}.park"
+
+
+class ParkingLot:
+    """Serves the ranks of one agent that can restart in place; ``on_park(pid)`` is called
+    when one parks while a stop for a failure is under way (from the lot's thread), or for
+    every one parked when it begins (``explain``, from its caller's)."""
+
+    def __init__(
+        self,
+        path: str,
+        on_park: Callable[[int], None],
+        wait: Callable[[], float] = lambda: PARK_WAIT,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.path = path
+        self._on_park = on_park
+        self.wait = wait
+        self._clock = clock
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        previous = os.umask(0o177)
+        try:
+            self._listener.bind(path)
+        finally:
+            os.umask(previous)
+        guardian().register_file(path)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._lock = threading.Condition()
+        self._connections: dict[int, socket.socket] = {}  # pid -> its connection
+        self._parked: dict[int, float] = {}  # pid -> when it parked
+        self._explained = False
+        self._closing = False
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = start_thread(self._serve, "relaunch-parking")
+
+    def env(self) -> dict[str, str]:
+        return {PARKING_ENV: self.path}
+
+    # -- the agent's side ------------------------------------------------------------------
+
+    def can_park(self, pids: Collection[int]) -> set[int]:
+        """Those of ``pids`` connected to the lot: they park rather than exit when they fail."""
+        with self._lock:
+            return {pid for pid in pids if pid in self._connections}
+
+    def parked(self) -> set[int]:
+        with self._lock:
+            return set(self._parked)
+
+    def explain(self) -> None:
+        """A stop for a failure is under way: parks are kept (``on_park``, for those parked
+        already too), not told to go on."""
+        with self._lock:
+            self._explained = True
+            parked = sorted(self._parked, key=self._parked.__getitem__)
+        for pid in parked:
+            self._on_park(pid)
+
+    def new_attempt(self) -> None:
+        """An attempt started (its kept ranks resumed): a park must be explained afresh."""
+        with self._lock:
+            self._explained = False
+
+    def wait_parked(self, pids: Collection[int], timeout: float) -> set[int]:
+        """Wait up to ``timeout`` seconds for every one of ``pids`` still connected to park;
+        those parked."""
+        deadline = self._clock.monotonic() + timeout
+        with self._lock:
+            while True:
+                waiting = [pid for pid in pids if pid in self._connections]
+                if all(pid in self._parked for pid in waiting):
+                    break
+                left = deadline - self._clock.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            return {pid for pid in pids if pid in self._parked}
+
+    def resume(
+        self, pid: int, env: Mapping[str, str], stdout: int | None, stderr: int | None
+    ) -> bool:
+        """Hand the parked ``pid`` its next attempt: ``env`` (all of it), writing to
+        ``stdout``/``stderr`` (None: the agent's own). False when it is no longer there."""
+        with self._lock:
+            connection = self._connections.get(pid)
+            if connection is None or self._parked.pop(pid, None) is None:
+                return False
+        text = "\0".join(f"{key}={value}" for key, value in env.items())
+        message = RESUME + text.encode("utf-8", "surrogateescape")
+        if len(message) > MAX_MESSAGE:
+            raise ValueError(f"the environment is over {MAX_MESSAGE} bytes: cannot pass it on")
+        fds = [1 if stdout is None else stdout, 2 if stderr is None else stderr]
+        try:
+            socket.send_fds(connection, [message], fds)
+        except OSError:
+            return False
+        return True
+
+    def dismiss(self, pid: int) -> None:
+        """Let ``pid`` go: its connection shut (a parked rank raises its exception; the lot's
+        thread then forgets the connection)."""
+        with self._lock:
+            connection = self._connections.get(pid)
+            self._parked.pop(pid, None)
+        if connection is not None:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            connections = list(self._connections.values())
+            self._connections.clear()
+            self._parked.clear()
+        self._wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        for connection in connections:
+            connection.close()
+        self._listener.close()
+        self._selector.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        guardian().unregister_file(self.path)
+
+    # -- the lot's thread ------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                timeout = self._go_on_due()
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 512)
+                    except BlockingIOError:
+                        pass
+                else:
+                    assert isinstance(key.fileobj, socket.socket)
+                    self._read(key.fileobj, key.data)
+
+    def _go_on_due(self) -> float | None:
+        """Tell the first unexplained park to go on once ``PARK_WAIT`` has passed; the seconds
+        until the next such deadline (None: none)."""
+        if self._explained or not self._parked:
+            return None
+        pid, parked_at = min(self._parked.items(), key=lambda item: item[1])
+        left = parked_at + self.wait() - self._clock.monotonic()
+        if left > 0:
+            return left
+        del self._parked[pid]
+        self._explained = True  # its failure, once seen, explains the others'
+        connection = self._connections.get(pid)
+        if connection is not None:
+            log.warning("pid %d parked with no failure to explain it: its exception stands", pid)
+            try:
+                connection.send(GO_ON)
+            except OSError:
+                pass
+        return None
+
+    def _accept(self) -> None:
+        try:
+            connection, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        credentials = connection.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size
+        )
+        pid, uid, _ = _CREDENTIALS.unpack(credentials)
+        if uid != os.getuid():
+            log.warning("the parking lot refused pid %d of another user (uid %d)", pid, uid)
+            connection.close()
+            return
+        connection.setblocking(False)
+        with self._lock:
+            old = self._connections.pop(pid, None)
+            self._connections[pid] = connection
+        if old is not None:
+            self._forget(old)
+        self._selector.register(connection, selectors.EVENT_READ, pid)
+
+    def _read(self, connection: socket.socket, pid: int) -> None:
+        try:
+            message = connection.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            message = b""
+        if message == PARKED:
+            with self._lock:
+                if self._connections.get(pid) is not connection:
+                    return
+                self._parked[pid] = self._clock.monotonic()
+                self._lock.notify_all()
+                explained = self._explained
+            if explained:
+                self._on_park(pid)
+            return
+        if message:
+            log.warning("the parking lot closed pid %d's connection: it said %r", pid, message[:32])
+        with self._lock:
+            if self._connections.get(pid) is connection:
+                del self._connections[pid]
+                self._parked.pop(pid, None)
+                self._lock.notify_all()
+        self._forget(connection)
+
+    def _forget(self, connection: socket.socket) -> None:
+        try:
+            self._selector.unregister(connection)
+        except (KeyError, ValueError):
+            pass
+        connection.close()
+
+
+class Parked:
+    """A worker kept to restart in place (``procs.base.Resume``): its handle, and the lot it
+    waits in."""
+
+    def __init__(self, handle: PopenHandle | ProcessHandle, lot: ParkingLot) -> None:
+        self.handle, self._lot = handle, lot
+
+    def resume(self, env: dict[str, str], stdout: int | None, stderr: int | None) -> bool:
+        if self._lot.resume(self.handle.pid, env, stdout, stderr):
+            return True
+        let_go(self.handle)  # it died while it waited: its rank starts afresh
+        return False
+
+
+def let_go(handle: PopenHandle | ProcessHandle) -> None:
+    """End a kept worker no attempt takes (the run is over, or it cannot take its attempt)."""
+    signal_tree(handle.pid, signal.SIGKILL)
+    if handle.wait(KILL_DEADLINE) is None:
+        log.warning("kept worker %d did not die within %gs of SIGKILL", handle.pid, KILL_DEADLINE)
+        handle.abandon()
+    guardian().unregister(handle.pid)
+    handle.release()
+
+
+class ParkGrace(FailureGrace):
+    """A worker of this node failed: the stop of those that can park (``ParkingLot.can_park``)
+    waits up to the lot's ``wait()`` seconds for them to park, each kept as it does."""
+
+    def __init__(self, lot: ParkingLot, pids: Callable[[], Mapping[int, int]]) -> None:
+        self._lot, self._pids = lot, pids
+        self._waiting: set[int] = set()
+        self._release: Callable[[], None] | None = None
+
+    def begin(self, running: set[int], release: Callable[[], None]) -> float:
+        pids = self._pids()
+        parkable = self._lot.can_park([pids[rank] for rank in running if rank in pids])
+        self._waiting = {rank for rank in running if pids.get(rank) in parkable}
+        if not self._waiting:
+            return 0.0
+        self._release = release
+        self._lot.explain()
+        return self._lot.wait()
+
+    def exited(self, local_rank: int) -> None:
+        self._waiting.discard(local_rank)
+        if not self._waiting and self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class Graces(FailureGrace):
+    """Several graces at once: the stop waits for the longest, until each has released it."""
+
+    def __init__(self, *graces: FailureGrace) -> None:
+        self._graces = graces
+
+    def begin(self, running: set[int], release: Callable[[], None]) -> float:
+        holding: set[int] = set()
+        begun = False
+
+        def released(index: int) -> None:
+            holding.discard(index)
+            if begun and not holding:
+                release()
+
+        hold = 0.0
+        for index, grace in enumerate(self._graces):
+            holding.add(index)
+            seconds = grace.begin(running, functools.partial(released, index))
+            if seconds > 0:
+                hold = max(hold, seconds)
+            else:
+                holding.discard(index)
+        begun = True
+        return hold if holding else 0.0
+
+    def exited(self, local_rank: int) -> None:
+        for grace in self._graces:
+            grace.exited(local_rank)
