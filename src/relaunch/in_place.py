@@ -65,6 +65,11 @@ def restart_in_place(function: Callable[..., Result]) -> Callable[..., Result]:
         lot = _connect()
         if lot is None:
             return function(*args, **kwargs)
+        import gc
+
+        # What the imports made stays: the collection before each park then walks only what
+        # the calls made (torch's imports are 280,000 objects: 0.4 s a collection, per rank).
+        gc.freeze()
         while True:
             try:
                 return function(*args, **kwargs)

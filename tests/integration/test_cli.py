@@ -295,11 +295,13 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_shutdown_timeout(
 TORCHRUN_2_13_NAMES = frozenset(agentfns.CONTRACT)
 #: What relaunch adds of its own: the channel of ``stop_requested`` and ``report_progress``,
 #: Python's fault handler, so that a hang's SIGABRT prints every rank's stack, the token
-#: that finds every descendant of the workers (procs.descendants), and where ``save_state``
-#: keeps the state and which step ``load_state`` gives (core.state).
+#: that finds every descendant of the workers (procs.descendants), where ``save_state``
+#: keeps the state and which step ``load_state`` gives (core.state), and where a rank that
+#: restarts in place waits (relaunch.in_place).
 RELAUNCH_OWN_NAMES = frozenset(
     {
         "RELAUNCH_CHANNEL",
+        "RELAUNCH_PARKING",
         "PYTHONFAULTHANDLER",
         "RELAUNCH_TREE",
         "RELAUNCH_STATE_DIR",

@@ -118,7 +118,7 @@ def test_outside_relaunch_the_exception_goes_on(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("layout", ["one-node", "c10d", "etcd"])
+@pytest.mark.parametrize("layout", ["one-node", "preloaded", "c10d", "etcd"])
 def test_a_rank_kept_in_place_ends_with_the_weights_of_an_uninterrupted_run(
     tmp_path: pathlib.Path, leaks: LeakCheck, request: pytest.FixtureRequest, layout: str
 ) -> None:
@@ -131,9 +131,13 @@ def test_a_rank_kept_in_place_ends_with_the_weights_of_an_uninterrupted_run(
         out = tmp_path / f"kill{kill_at}"
         out.mkdir()
         command = [DDP, str(out), "10", kill_at, "in-place"]
-        if layout == "one-node":
+        if layout in ("one-node", "preloaded"):
+            # preloaded: the workers forked from a zygote, torch's store served by the agent
+            preload = ("--preload", "torch,torch._dynamo") if layout == "preloaded" else ()
             done = relaunch_cli(
-                leaks, "--nproc-per-node", "2", "--max-restarts", "1", *command, timeout=120
+                leaks,
+                *("--nproc-per-node", "2", "--max-restarts", "1", *preload, *command),
+                timeout=120,
             )
             assert done.returncode == 0, done.stderr
         else:

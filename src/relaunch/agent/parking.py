@@ -146,26 +146,15 @@ class ParkingLot:
                 return False
         text = "\0".join(f"{key}={value}" for key, value in env.items())
         message = RESUME + text.encode("utf-8", "surrogateescape")
-        if len(message) > MAX_MESSAGE:
-            raise ValueError(f"the environment is over {MAX_MESSAGE} bytes: cannot pass it on")
         fds = [1 if stdout is None else stdout, 2 if stderr is None else stderr]
         try:
+            if len(message) > MAX_MESSAGE:
+                raise OSError(f"its environment is over {MAX_MESSAGE} bytes")
             socket.send_fds(connection, [message], fds)
-        except OSError:
+        except OSError as exc:
+            log.warning("cannot hand pid %d its attempt (%s): it starts afresh", pid, exc)
             return False
         return True
-
-    def dismiss(self, pid: int) -> None:
-        """Let ``pid`` go: its connection shut (a parked rank raises its exception; the lot's
-        thread then forgets the connection)."""
-        with self._lock:
-            connection = self._connections.get(pid)
-            self._parked.pop(pid, None)
-        if connection is not None:
-            try:
-                connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def close(self) -> None:
         with self._lock:

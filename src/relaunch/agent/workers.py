@@ -38,6 +38,7 @@ from relaunch.procs.context import PContext, RunProcsResult, start_processes
 from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
+from relaunch.procs.monitor import FailureGrace
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
@@ -130,13 +131,15 @@ class Workers:
 
         self._wakeups = wakeups
         self._channel = Channel(self._group.spec.local_world_size, on_first_use=workers_speak)
-        from relaunch.agent.parking import ParkingLot, parking_path  # sockets: not at import
+        if isinstance(self._group.spec.entrypoint, str):  # a function's return would be lost
+            from relaunch.agent.parking import ParkingLot, parking_path  # sockets: not at import
 
-        self._lot = ParkingLot(parking_path(self._channel.path), self._keep, self._park_wait)
+            lot = ParkingLot(parking_path(self._channel.path), self._keep, self._park_wait)
+            self._lot = lot
         if self._state_settings is not None:
             self.state = StateKeeper(self._state_settings, self._job.local_addr)
         if self._preload:
-            self.zygote = self._start_zygote({**self._channel.env(), **self._lot.env()})
+            self.zygote = self._start_zygote({**self._channel.env(), **self._lot_env()})
         if self.zygote is not None:
             from relaunch.agent.torch_store import TorchStoreServer, serves_torch_store
 
@@ -168,7 +171,7 @@ class Workers:
         """Start the attempt of the group just joined (``restart_count`` restarts used)."""
         group, command = self._group, self._command
         channel, wakeups, lot = self._channel, self._wakeups, self._lot
-        assert channel is not None and wakeups is not None and lot is not None, "start before open"
+        assert channel is not None and wakeups is not None, "start before open"
         channel.reset()
         self._failure_told = False
         store_server = self._torch_store if group.group_rank == 0 else None
@@ -197,7 +200,7 @@ class Workers:
             extra_env={
                 **self._expiry.worker_env(),
                 **channel.env(),
-                **lot.env(),
+                **self._lot_env(),
                 **extra_env,
             },
             placement=self._placement,
@@ -205,7 +208,7 @@ class Workers:
             hang_detection=self._expiry.hang_timeout is not None,
         )
         arguments = plan.start_arguments()
-        if self._kept:
+        if self._kept and lot is not None:
             from relaunch.agent.parking import Parked
 
             kept, self._kept = self._kept, {}
@@ -215,7 +218,8 @@ class Workers:
         else:
             with _bad_preload_is_bad_input():
                 self._pcontext = pcontext = self._start_processes(**arguments, zygote=self.zygote)
-        lot.new_attempt()  # the kept ranks have their attempt: a park must be explained again
+        if lot is not None:  # the kept ranks have their attempt: a park must be explained again
+            lot.new_attempt()
         pcontext.add_done_callback(lambda: wakeups.put("workers ended"))
         if hasattr(pcontext, "add_failure_callback"):  # not a start_processes of the user's
             state = self.state
@@ -229,14 +233,7 @@ class Workers:
         if self.state is not None:
             self.state.prune()
         if hasattr(pcontext, "set_failure_grace"):
-            from relaunch.agent.parking import Graces, ParkGrace
-
-            parking = ParkGrace(lot, pcontext.pids)
-            if self.state is None:
-                pcontext.set_failure_grace(parking)
-            else:
-                saves = JustInTime(self.state, channel, self.state.jit_save_timeout)
-                pcontext.set_failure_grace(Graces(saves, parking))
+            self._set_failure_grace(pcontext, channel, lot)
         self._sampler.watch(channel, pcontext)
         self._node_bar.restart()
         if plan.draws_console:
@@ -269,6 +266,24 @@ class Workers:
             self._job,
         )
         group.state = WorkerState.HEALTHY
+
+    def _lot_env(self) -> dict[str, str]:
+        return {} if self._lot is None else self._lot.env()
+
+    def _set_failure_grace(
+        self, pcontext: PContext, channel: Channel, lot: ParkingLot | None
+    ) -> None:
+        """What a worker's failure waits for before the others are stopped: their saves
+        (``JustInTime``), their parks (``ParkGrace``), or both."""
+        from relaunch.agent.parking import Graces, ParkGrace
+
+        graces: list[FailureGrace] = []
+        if self.state is not None:
+            graces.append(JustInTime(self.state, channel, self.state.jit_save_timeout))
+        if lot is not None:
+            graces.append(ParkGrace(lot, pcontext.pids))
+        if graces:
+            pcontext.set_failure_grace(graces[0] if len(graces) == 1 else Graces(*graces))
 
     def _start_zygote(self, channel_env: dict[str, str]) -> Zygote | None:
         """The zygote of ``--preload``, started (it imports while the agent joins), with the

@@ -215,7 +215,7 @@ class PContext(abc.ABC):
                     resumed = resume is not None and resume.resume(
                         {**os.environ, **env}, streams.stdout.child_fd, streams.stderr.child_fd
                     )
-                    if resumed:
+                    if resumed:  # registered with the guardian since its first group
                         assert resume is not None
                         handle, result = resume.handle, None
                     else:
@@ -223,7 +223,7 @@ class PContext(abc.ABC):
                             handle, result = self._start_worker(
                                 rank, env, streams.stdout.child_fd, streams.stderr.child_fd
                             )
-                    orphans.register(handle.pid)
+                        orphans.register(handle.pid)
                 finally:
                     streams.close_child_ends()
                 worker = WorkerProcess(rank, handle, result=result)
