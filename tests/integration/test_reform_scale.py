@@ -118,7 +118,8 @@ def test_a_node_joining_a_running_job_re_forms_it_with_everyone(
     reform = join_one(job, members, ROUND_TIMEOUT_S)
     assert not reform.problems
     assert reform.members == NODES + 1
-    # The late node writes ``changed`` itself: no detection to wait for.
+    # The late node writes ``changed`` itself: no detection to wait for. The observer's own
+    # watch may see it after the nodes are back (0.093 s against 0.090 s once in CI): no order.
     assert reform.all_back is not None and reform.all_back <= SLACK_S, reform
-    assert reform.changed is not None and reform.changed <= reform.all_back
+    assert reform.changed is not None and reform.changed <= SLACK_S, reform
     assert all(len(n.backs) == 2 for n in members)
