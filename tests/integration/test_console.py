@@ -290,7 +290,9 @@ def test_off_a_terminal_the_node_bar_is_printed_each_second_and_at_the_end(
     assert done.returncode == 0, done.stderr
     bars = [line for line in done.stderr.splitlines() if line.startswith("[default node 0]:")]
     assert 2 <= len(bars) <= 6, bars
-    assert "slowest: local rank 1" in bars[0] and "step/s" in bars[-2]
+    # Rank 1 is the slowest once it reports; on a loaded machine its start may miss the first
+    # bar (once in CI: "95/125 ... slowest: local rank 0", rank 1 not heard yet).
+    assert "slowest: local rank 1" in bars[-2] and "step/s" in bars[-2]
     assert "100%|" in bars[-1] and "125/125" in bars[-1], "the final state, always"
     # No --tee off a terminal: the workers write to it themselves, relaunch draws nothing there.
     done = run(leaks, "--nproc-per-node", "2", job)

@@ -57,6 +57,7 @@ def test_a_surviving_rank_takes_the_next_attempt_in_its_own_process(
     first, second = calls(tmp_path, 2)
     assert first[0] != second[0]
     assert "rank 2 (local_rank 2" in done.stderr and "killed by SIGKILL" in done.stderr
+    assert "Ranks 0, 1 did not fail: they wait to restart in place" in done.stderr
 
 
 @pytest.mark.timeout(60)
