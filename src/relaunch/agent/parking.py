@@ -102,6 +102,12 @@ class ParkingLot:
         with self._lock:
             return {pid for pid in pids if pid in self._connections}
 
+    def parkable(self, pids: Mapping[int, int], ranks: Collection[int]) -> dict[int, int]:
+        """Those of the local ``ranks`` (whose pids ``pids`` gives) that can park, with their
+        pids."""
+        connected = self.can_park([pids[rank] for rank in ranks if rank in pids])
+        return {rank: pids[rank] for rank in ranks if pids.get(rank) in connected}
+
     def parked(self) -> set[int]:
         with self._lock:
             return set(self._parked)
@@ -312,9 +318,7 @@ class ParkGrace(FailureGrace):
         self._release: Callable[[], None] | None = None
 
     def begin(self, running: set[int], release: Callable[[], None]) -> float:
-        pids = self._pids()
-        parkable = self._lot.can_park([pids[rank] for rank in running if rank in pids])
-        self._waiting = {rank for rank in running if pids.get(rank) in parkable}
+        self._waiting = set(self._lot.parkable(self._pids(), running))
         if not self._waiting:
             return 0.0
         self._release = release

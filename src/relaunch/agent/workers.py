@@ -477,11 +477,10 @@ class Workers:
         pcontext, lot = self._pcontext, self._lot
         if pcontext is None or lot is None or not hasattr(pcontext, "keep"):
             return
-        pids = pcontext.pids()
-        parkable = lot.can_park([pids[rank] for rank in pcontext.running()])
+        parkable = lot.parkable(pcontext.pids(), pcontext.running())
         if parkable:
             lot.explain()
-            lot.wait_parked(parkable, lot.wait())
+            lot.wait_parked(parkable.values(), lot.wait())
 
     def _save_just_in_time(self, hung: Collection[int] = ()) -> None:
         """Before running workers are stopped because another node's failed, or asked for

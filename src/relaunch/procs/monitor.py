@@ -310,19 +310,20 @@ class GroupMonitor:
         with self.lock:
             keeping, self._keeping = self._keeping, []
         for worker in keeping:
-            if worker.exitcode is not None:
-                continue
-            self._unwatch(worker.handle.exit_fd)
-            self._unreaped.pop(worker.local_rank, None)
-            for stream in worker.streams:
-                self._pump(stream, until_empty=True)
-                if stream.open:
-                    self._unwatch(stream.read_fd)
-                    stream.finish()
-            if worker.result is not None:
-                self._unwatch(worker.result.fd)
-                worker.result.close()
-            self._record_exit(worker, 0)
+            if worker.exitcode is None:
+                self._stop_watching(worker)
+                self._record_exit(worker, 0)
+
+    def _stop_watching(self, worker: WorkerProcess) -> None:
+        """``worker`` lives on, but this group is done with it (kept, or given up on): read
+        what it wrote (its pipes stay open as long as it lives), and watch it no more."""
+        self._unreaped.pop(worker.local_rank, None)
+        self._unwatch(worker.handle.exit_fd)
+        for stream in worker.streams:
+            self._pump(stream, until_empty=True)
+            if stream.open:
+                self._unwatch(stream.read_fd)
+                stream.finish()
 
     def _fail(self, error: BaseException) -> None:
         """The monitor thread fails with ``error``: report it (the agent ends with one line),
@@ -504,15 +505,8 @@ class GroupMonitor:
                 KILL_DEADLINE,
                 stuck,
             )
-            self._unreaped.pop(worker.local_rank, None)
-            self._unwatch(worker.handle.exit_fd)
+            self._stop_watching(worker)
             worker.handle.abandon()
-            for stream in worker.streams:
-                # What it wrote is in the pipe; the pipe stays open as long as it lives.
-                self._pump(stream, until_empty=True)
-                if stream.open:
-                    self._unwatch(stream.read_fd)
-                    stream.finish()
             with self.lock:
                 self.stuck[worker.local_rank] = stuck
             self._record_exit(worker, -signal.SIGKILL)
