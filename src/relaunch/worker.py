@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import time
 from _thread import allocate_lock
@@ -38,6 +39,8 @@ _time = time.time
 _LIVE = channel.LIVE_FIELDS
 _live_sequence = 0
 _live_lock = allocate_lock()  # heartbeats may come from another thread than the sections
+#: How a worker opens a path of its channel's: never through a symbolic link, never waiting.
+_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _forget() -> None:
@@ -61,9 +64,17 @@ def _open() -> mmap.mmap | None:
     if not path or rank is None or not rank.isdigit():
         return None
     try:
-        with open(path, "r+b") as file:
-            mapped = mmap.mmap(file.fileno(), 0)
+        fd = os.open(path, os.O_RDWR | _OPEN)
+    except OSError:
+        return None
+    try:
+        mapped = mmap.mmap(fd, 0)  # a FIFO or a device where the file should be: refused
     except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if len(mapped) < channel.size(1):
+        mapped.close()
         return None
     header = channel.HEADER_STRUCT.unpack_from(mapped, 0)
     if header[0] != channel.MAGIC or int(rank) >= header[2]:
@@ -177,7 +188,11 @@ def on_failure_pending(callback: Callable[[], object]) -> None:
     if not failure_pending() and _state == _OPEN:
         path = channel.pending_path(os.environ[channel.CHANNEL_ENV], int(os.environ["LOCAL_RANK"]))
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # never waits for a writer
+            fd = os.open(path, os.O_RDWR | _OPEN)  # never waits for a writer
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.close(fd)
+                return
+            os.set_blocking(fd, True)
         except OSError:
             return
         import threading
@@ -299,10 +314,18 @@ def _keep_learned() -> None:
     beats = seen(_Live.beat_gaps) if _Live.beat_gaps.count >= LEARN_AFTER else None
     path = channel.bounds_path(os.environ[channel.CHANNEL_ENV], int(os.environ["LOCAL_RANK"]))
     written = f"{path}.{os.getpid()}"
+    data = encode_learned(Learned(sections, beats)).encode()
     try:
-        with open(written, "w") as file:
-            file.write(encode_learned(Learned(sections, beats)))
-        os.replace(written, path)
+        try:
+            fd = os.open(written, _CREATE, 0o600)
+        except FileExistsError:  # a dead worker's, whose pid this one has: not followed
+            os.unlink(written)
+            fd = os.open(written, _CREATE, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(written, path)  # replaces the name: a link there is not followed
     except OSError:  # a full /dev/shm: the bounds are learned afresh after a restart, as before
         try:
             os.unlink(written)
@@ -310,13 +333,14 @@ def _keep_learned() -> None:
             pass
 
 
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN
+
+
 def _wake_agent() -> None:
     """Tell the agent the workers use the channel (one byte on its wake FIFO): their steps are
     to be sampled, their deadlines watched, from now on."""
     try:
-        fd = os.open(
-            channel.wake_path(os.environ[channel.CHANNEL_ENV]), os.O_WRONLY | os.O_NONBLOCK
-        )
+        fd = os.open(channel.wake_path(os.environ[channel.CHANNEL_ENV]), os.O_WRONLY | _OPEN)
     except (KeyError, OSError):
         return
     try:

@@ -162,7 +162,7 @@ def test_a_rank_kept_in_place_ends_with_the_weights_of_an_uninterrupted_run(
 def lot(tmp_path: pathlib.Path) -> Iterator[tuple[ParkingLot, list[int]]]:
     """A lot whose unexplained parks go on after 0.2 s; the pids it was told to keep."""
     kept: list[int] = []
-    parking = ParkingLot(str(tmp_path / "lot"), kept.append, lambda: 0.2)
+    parking = ParkingLot(str(tmp_path / "lot"), kept.append, lambda: {os.getpid()}, lambda: 0.2)
     yield parking, kept
     parking.close()
 

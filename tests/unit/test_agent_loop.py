@@ -34,7 +34,8 @@ NPROCS = 2
 
 
 class NoGuardian:
-    """The channel's file would be registered with the guardian process: none is started here."""
+    """The channel's directory would be registered with the guardian process: none is started
+    here."""
 
     def register_file(self, path: str) -> None:
         pass
@@ -45,7 +46,7 @@ class NoGuardian:
 
 @pytest.fixture(autouse=True)
 def no_guardian(monkeypatch) -> None:
-    monkeypatch.setattr("relaunch.agent.channel.guardian", NoGuardian)
+    monkeypatch.setattr("relaunch.agent.shm.guardian", NoGuardian)
 
 
 class FakeContext:

@@ -1,18 +1,27 @@
-"""The agent's side of the agent-worker channel (layout in ``core.channel``)."""
+"""The agent's side of the agent-worker channel (layout in ``core.channel``).
+
+The channel file, its FIFOs, the bounds the workers write and the parking lot's socket lie in
+one private directory (``agent.shm``): no name of theirs can be taken or read by another user.
+Every path is opened without following a symbolic link and without waiting (a FIFO where a file
+should be is passed over, not waited on).
+"""
 
 from __future__ import annotations
 
 import mmap
 import os
-import tempfile
+import stat
 from collections.abc import Callable, Iterable
 
+from relaunch.agent.shm import CHANNEL_PREFIX, PrivateDirectory
 from relaunch.core import channel
 from relaunch.core.liveness import Liveness, read_liveness
 from relaunch.core.progress import Progress, read_progress
 from relaunch.core.sections import Learned, decode_learned, merge
-from relaunch.procs.guardian import guardian
 from relaunch.runtime import start_thread
+
+#: How the agent opens a path of the channel's: never through a symbolic link, never waiting.
+_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Channel:
@@ -23,29 +32,30 @@ class Channel:
         """``on_first_use`` is called (from a thread of the channel's) when a rank first reports
         progress, and when a worker first calls ``heartbeat`` or enters a ``section``: from then
         on its steps are worth sampling, its deadlines watching."""
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="relaunch_channel_", dir=directory)
+        self._directory = directory = PrivateDirectory(CHANNEL_PREFIX)
         try:
-            os.ftruncate(fd, channel.size(slots))
-            self._map = mmap.mmap(fd, channel.size(slots))
-        finally:
-            os.close(fd)
-        self.slots = slots
-        guardian().register_file(self.path)  # removed even if this process is SIGKILLed
-        self._wake_path = channel.wake_path(self.path)
-        os.mkfifo(self._wake_path, 0o600)
-        guardian().register_file(self._wake_path)
-        # Read and write: opening does not wait for a writer, and reads block, not end, between
-        # writers.
-        self._wake_fd = os.open(self._wake_path, os.O_RDWR)
-        self._pending_paths = [channel.pending_path(self.path, rank) for rank in range(slots)]
-        for path in self._pending_paths:
-            os.mkfifo(path, 0o600)
-            guardian().register_file(path)
-        # Written by the workers (``relaunch.worker``): removed with the channel, however it ends.
+            self.path = os.path.join(directory.path, "channel")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o600)
+            try:
+                os.ftruncate(fd, channel.size(slots))
+                self._map = mmap.mmap(fd, channel.size(slots))
+            finally:
+                os.close(fd)
+            self.slots = slots
+            self._wake_path = channel.wake_path(self.path)
+            os.mkfifo(self._wake_path, 0o600)
+            # Read and write: opening does not wait for a writer, and reads block, not end,
+            # between writers.
+            self._wake_fd = os.open(self._wake_path, os.O_RDWR | _OPEN)
+            os.set_blocking(self._wake_fd, True)
+            self._pending_paths = [channel.pending_path(self.path, rank) for rank in range(slots)]
+            for path in self._pending_paths:
+                os.mkfifo(path, 0o600)
+        except BaseException:
+            directory.close()
+            raise
+        # Written by the workers (``relaunch.worker``): removed with the directory.
         self._bounds_paths = [channel.bounds_path(self.path, rank) for rank in range(slots)]
-        for path in self._bounds_paths:
-            guardian().register_file(path)
         self._closing = False
         self._waker = start_thread(self._read_wakes, "relaunch-channel", on_first_use)
         self.reset()
@@ -71,7 +81,7 @@ class Channel:
         self._map[channel.FAILURE_OFFSET] = 1
         for path in self._pending_paths:
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                fd = os.open(path, os.O_WRONLY | _OPEN)
             except OSError:  # ENXIO: no callback waits on it
                 continue
             try:
@@ -123,10 +133,16 @@ class Channel:
         learned = Learned()
         for path in self._bounds_paths:
             try:
-                with open(path, "rb") as file:
-                    learned = merge(learned, decode_learned(file.read(1 << 20)))
-            except (OSError, ValueError):
+                fd = os.open(path, os.O_RDONLY | _OPEN)
+            except OSError:
                 continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    learned = merge(learned, decode_learned(os.read(fd, 1 << 20)))
+            except (OSError, ValueError):
+                pass
+            finally:
+                os.close(fd)
         return learned
 
     def close(self) -> None:
@@ -135,9 +151,4 @@ class Channel:
         self._waker.join()
         os.close(self._wake_fd)
         self._map.close()
-        for path in (self.path, self._wake_path, *self._pending_paths, *self._bounds_paths):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            guardian().unregister_file(path)
+        self._directory.close()

@@ -1,16 +1,21 @@
 """The agent's parking lot: where ranks restarting in place (``relaunch.in_place``) wait.
 
-A Unix ``SOCK_SEQPACKET`` socket beside the workers' channel, mode 0600. A worker running a
-``@relaunch.restart_in_place`` function connects once; the connection says it can wait. Peers
+A Unix ``SOCK_SEQPACKET`` socket in the workers' channel directory, mode 0600. A worker running
+a ``@relaunch.restart_in_place`` function connects once; the connection says it can wait. Peers
 are known by their pid (``SO_PEERCRED``); the only thing a worker may say is ``parked``, and
-anything else closes its connection with one line in the agent's log.
+anything else closes its connection with one line in the agent's log. Only the agent's current
+workers may park: a park from any other process (a worker's helper that inherited the
+environment) is refused, changing nothing, and its exception stands.
 
 A rank parks when its function raised. The agent keeps it while a stop for a failure is under
 way (``explain``: a worker of this node failed, or the job restarts for a failure elsewhere) and
 hands it the next attempt (``resume``). A park that nothing explains within ``PARK_WAIT``
-seconds is the rank's own exception: the first rank parked is told ``go on`` and fails with it
-(which explains the others' parks). One thread serves the lot; it waits on the listener, the
-connections and a wake-up pipe, with the unexplained park's deadline as its timeout.
+seconds is the rank's own exception: the first rank parked is told ``go on`` and fails with it.
+Only a failure the agent sees explains a park: the others wait on while the rank told to go on
+lives (at most another ``PARK_WAIT``), and ``PARK_WAIT`` more once it ended, for its failure, if
+it failed, to explain them; then they too are told to go on. One thread serves the lot; it
+waits on the listener, the connections and a wake-up pipe, with the unexplained park's deadline
+as its timeout.
 """
 
 from __future__ import annotations
@@ -57,18 +62,21 @@ def parking_path(channel_path: str) -> str:
 class ParkingLot:
     """Serves the ranks of one agent that can restart in place; ``on_park(pid)`` is called
     when one parks while a stop for a failure is under way (from the lot's thread), or for
-    every one parked when it begins (``explain``, from its caller's)."""
+    every one parked when it begins (``explain``, from its caller's). ``workers()`` gives the
+    pids of the agent's workers now (called from the lot's thread): only those may park."""
 
     def __init__(
         self,
         path: str,
         on_park: Callable[[int], None],
+        workers: Callable[[], Collection[int]],
         wait: Callable[[], float] = lambda: PARK_WAIT,
         *,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.path = path
         self._on_park = on_park
+        self._workers = workers
         self.wait = wait
         self._clock = clock
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -84,6 +92,17 @@ class ParkingLot:
         self._connections: dict[int, socket.socket] = {}  # pid -> its connection
         self._parked: dict[int, float] = {}  # pid -> when it parked
         self._explained = False
+        #: Parks of pids not known as workers while an attempt starts (``starting``): judged
+        #: once its workers are (``new_attempt``). pid -> when it parked.
+        self._unknown: dict[int, float] = {}
+        self._starting = False
+        #: Ranks told to go on, still connected: pid -> until when the others' parks wait for
+        #: its end; and until when they wait, one of them having ended.
+        self._going_on: dict[int, float] = {}
+        self._held_until = 0.0
+        #: Parks refused since the last summary: how many, and the first few pids.
+        self._refused = 0
+        self._refused_pids: list[int] = []
         self._closing = False
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -121,10 +140,22 @@ class ParkingLot:
         for pid in parked:
             self._on_park(pid)
 
+    def starting(self) -> None:
+        """An attempt's workers are being started: a park from a pid not known yet waits for
+        ``new_attempt`` to be judged."""
+        with self._lock:
+            self._starting = True
+
     def new_attempt(self) -> None:
-        """An attempt started (its kept ranks resumed): a park must be explained afresh."""
+        """An attempt started (its kept ranks resumed, its workers known): a park must be
+        explained afresh."""
         with self._lock:
             self._explained = False
+            self._starting = False
+            self._going_on.clear()
+            self._held_until = 0.0
+            self._summarise_refusals_locked()
+        self._wake()  # the lot's thread judges the parks of pids that were not known
 
     def wait_parked(self, pids: Collection[int], timeout: float) -> set[int]:
         """Wait up to ``timeout`` seconds for every one of ``pids`` still connected to park;
@@ -164,6 +195,7 @@ class ParkingLot:
 
     def close(self) -> None:
         with self._lock:
+            self._summarise_refusals_locked()
             self._closing = True
             connections = list(self._connections.values())
             self._connections.clear()
@@ -196,6 +228,10 @@ class ParkingLot:
             with self._lock:
                 if self._closing:
                     return
+                judge = bool(self._unknown) and not self._starting
+            if judge:
+                self._judge_unknown()
+            with self._lock:
                 timeout = self._go_on_due()
             for key, _ in self._selector.select(timeout):
                 if key.fileobj is self._listener:
@@ -210,24 +246,27 @@ class ParkingLot:
                     self._read(key.fileobj, key.data)
 
     def _go_on_due(self) -> float | None:
-        """Tell the first unexplained park to go on once ``PARK_WAIT`` has passed; the seconds
-        until the next such deadline (None: none)."""
+        """Tell the first unexplained park to go on once ``PARK_WAIT`` has passed, and no rank
+        told so before may yet fail and explain it; the seconds until the next such deadline
+        (None: none)."""
         if self._explained or not self._parked:
             return None
         pid, parked_at = min(self._parked.items(), key=lambda item: item[1])
-        left = parked_at + self.wait() - self._clock.monotonic()
-        if left > 0:
-            return left
+        wait = self.wait()
+        due = max(parked_at + wait, self._held_until, *self._going_on.values())
+        now = self._clock.monotonic()
+        if due > now:
+            return due - now
         del self._parked[pid]
-        self._explained = True  # its failure, once seen, explains the others'
         connection = self._connections.get(pid)
         if connection is not None:
             log.warning("pid %d parked with no failure to explain it: its exception stands", pid)
+            self._going_on[pid] = now + wait
             try:
                 connection.send(GO_ON)
             except OSError:
                 pass
-        return None
+        return 0.0 if self._parked else None
 
     def _accept(self) -> None:
         try:
@@ -258,8 +297,16 @@ class ParkingLot:
         except OSError:
             message = b""
         if message == PARKED:
+            worker = pid in self._workers()
             with self._lock:
                 if self._connections.get(pid) is not connection:
+                    return
+                self._going_on.pop(pid, None)
+                if not worker and self._starting:
+                    self._unknown[pid] = self._clock.monotonic()
+                    return
+                if not worker:
+                    self._refuse_locked(pid)
                     return
                 self._parked[pid] = self._clock.monotonic()
                 self._lock.notify_all()
@@ -273,8 +320,56 @@ class ParkingLot:
             if self._connections.get(pid) is connection:
                 del self._connections[pid]
                 self._parked.pop(pid, None)
+                self._unknown.pop(pid, None)
+                if self._going_on.pop(pid, None) is not None:
+                    # It ended: its failure, if it failed, explains the others' parks once the
+                    # agent has seen it.
+                    self._held_until = max(self._held_until, self._clock.monotonic() + self.wait())
                 self._lock.notify_all()
         self._forget(connection)
+
+    def _judge_unknown(self) -> None:
+        """The attempt's workers are known: the parks made before, of those, count from when
+        they were made; the others' are refused."""
+        workers = set(self._workers())
+        with self._lock:
+            unknown, self._unknown = self._unknown, {}
+            for pid, parked_at in unknown.items():
+                if pid in workers and pid in self._connections:
+                    self._parked[pid] = parked_at
+                else:
+                    self._refuse_locked(pid)
+            self._lock.notify_all()
+            explained = [pid for pid in unknown if pid in self._parked] if self._explained else []
+        for pid in explained:
+            self._on_park(pid)
+
+    def _refuse_locked(self, pid: int) -> None:
+        """A park from ``pid``, not a worker of the agent's: its connection closed (its exception
+        stands), nothing else changed; said once an attempt, the rest counted."""
+        connection = self._connections.pop(pid, None)
+        if connection is not None:
+            self._forget(connection)
+        if not self._refused:
+            log.warning(
+                "the parking lot refused pid %d: it is not a worker of this attempt (a worker's "
+                "helper process?); its exception stands",
+                pid,
+            )
+        elif len(self._refused_pids) < 5:
+            self._refused_pids.append(pid)
+        self._refused += 1
+
+    def _summarise_refusals_locked(self) -> None:
+        if self._refused > 1:
+            more = ", ..." if self._refused > 1 + len(self._refused_pids) else ""
+            log.warning(
+                "the parking lot refused %d more process(es) that are not workers (pids %s%s)",
+                self._refused - 1,
+                ", ".join(map(str, self._refused_pids)),
+                more,
+            )
+        self._refused, self._refused_pids = 0, []
 
     def _forget(self, connection: socket.socket) -> None:
         try:

@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.agent.channel import Channel
+from relaunch.agent.shm import STATE_PREFIX, PrivateDirectory
 from relaunch.core import state as layout
 from relaunch.core.durations import seconds
 from relaunch.core.state import Header
 from relaunch.core.state_settings import StateSettings, default_memory
-from relaunch.procs.guardian import guardian
 from relaunch.procs.monitor import FailureGrace
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import start_thread
@@ -127,9 +125,9 @@ class StateKeeper:
         self.replicas = settings.replicas
         self.copy_every = settings.copy_every
         self._copying = False  # this attempt's saves are copied to other nodes
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.directory = tempfile.mkdtemp(prefix="relaunch_state_", dir=shm)
-        guardian().register_file(self.directory)  # removed even if this process is SIGKILLed
+        # Removed even if this process is SIGKILLed, or its whole job at once (``agent.shm``).
+        self._private = PrivateDirectory(STATE_PREFIX)
+        self.directory = self._private.path
         fifo = os.path.join(self.directory, layout.SAVED_FIFO)
         os.mkfifo(fifo, 0o600)
         self._saved_fd = os.open(fifo, os.O_RDWR)  # never waits for a writer; reads block
@@ -468,8 +466,7 @@ class StateKeeper:
         if self._peers is not None:
             self._peers.close()
         os.close(self._saved_fd)
-        shutil.rmtree(self.directory, ignore_errors=True)
-        guardian().unregister_file(self.directory)
+        self._private.close()
 
 
 class JustInTime(FailureGrace):

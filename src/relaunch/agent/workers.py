@@ -134,7 +134,9 @@ class Workers:
         if isinstance(self._group.spec.entrypoint, str):  # a function's return would be lost
             from relaunch.agent.parking import ParkingLot, parking_path  # sockets: not at import
 
-            lot = ParkingLot(parking_path(self._channel.path), self._keep, self._park_wait)
+            lot = ParkingLot(
+                parking_path(self._channel.path), self._keep, self._worker_pids, self._park_wait
+            )
             self._lot = lot
         if self._state_settings is not None:
             self.state = StateKeeper(self._state_settings, self._job.local_addr)
@@ -208,6 +210,8 @@ class Workers:
             hang_detection=self._expiry.hang_timeout is not None,
         )
         arguments = plan.start_arguments()
+        if lot is not None:  # the pids of the workers are not known until they are started
+            lot.starting()
         if self._kept and lot is not None:
             from relaunch.agent.parking import Parked
 
@@ -452,6 +456,17 @@ class Workers:
             if self._channel is not None:
                 self._report.last_progress = self._sampler.take().progresses()
             self._console.remove_source(self._node_bar)  # prints the bar's final state
+
+    def _worker_pids(self) -> set[int]:
+        """The pids of this agent's workers now (from the lot's thread): the attempt's running
+        ones, and those kept for the next."""
+        pcontext, kept = self._pcontext, self._kept
+        pids = {handle.pid for handle in list(kept.values())}
+        if pcontext is not None:
+            by_rank = pcontext.pids()
+            running = pcontext.running() if hasattr(pcontext, "running") else set(by_rank)
+            pids.update(pid for rank, pid in by_rank.items() if rank in running)
+        return pids
 
     def _keep(self, pid: int) -> None:
         """The rank of ``pid`` parked, and a stop for a failure is under way: keep it."""
