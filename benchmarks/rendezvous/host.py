@@ -37,7 +37,8 @@ from relaunch.endpoints import find_free_port
 SLACK_S = 2.0  # the budget: the keep-alive detection time + this
 HOST_BOUND_S = 30.0  # how long the survivors get to run again
 #: relaunch SIGKILL: the default heartbeats (5 s x 3); SIGSTOP: 1 s x 3 (3 s of silence).
-KILL_CONF = "last_call_timeout=3,join_timeout=60"
+#: Failover needs the job's token on every node.
+KILL_CONF = "last_call_timeout=3,join_timeout=60,token=bench-token"
 STOP_CONF = f"keep_alive_interval=1,keep_alive_max_attempt=3,{KILL_CONF}"
 STOP_DETECTION_S = 3.0
 TORCHRUN_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=3,join_timeout=60"

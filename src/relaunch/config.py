@@ -378,18 +378,22 @@ def check_rendezvous(config: LaunchConfig) -> RendezvousSettings:
         return settings
     if backend not in ETCD_BACKENDS:
         # c10d: several hosts are where its store may move (docs/store-failover.md).
-        _endpoint(endpoint or "127.0.0.1", several=True)
+        hosts = _endpoint(endpoint or "127.0.0.1", several=True)
+        if hosts > 1 and config.rendezvous_settings.job_token(os.environ) is None:
+            raise ConfigError(rdzv_conf.failover_without_token(hosts))
     return config.rendezvous_settings
 
 
-def _endpoint(endpoint: str, several: bool = False) -> None:
+def _endpoint(endpoint: str, several: bool = False) -> int:
+    """How many hosts ``endpoint`` names; ConfigError if it is not one (or, ``several``, a
+    list of them)."""
     try:
         if several:
-            parse_endpoint_list(endpoint, default_port=0)
-        else:
-            parse_endpoint(endpoint, default_port=0)
+            return len(parse_endpoint_list(endpoint, default_port=0))
+        parse_endpoint(endpoint, default_port=0)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    return 1
 
 
 # -- the --rdzv-conf keys ------------------------------------------------------------------------

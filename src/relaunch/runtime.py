@@ -199,6 +199,16 @@ def open_descriptors() -> int:
         return 0
 
 
+def descriptor_share(most: int) -> int:
+    """How many connections a server of this process may hold for clients that proved nothing
+    yet: a quarter of the soft open-file limit, at least 8 and at most ``most``. The rest stays
+    for the process's own work (its workers' pipes, its logs, its other servers), so that idle
+    clients cannot take the descriptors it needs."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    share = most if soft == resource.RLIM_INFINITY else soft // 4
+    return max(8, min(most, share))
+
+
 def raise_open_file_limit(needed: int) -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit when it is below ``needed``; the (soft,
     hard) limits after. Children inherit the soft limit, so it is left alone when it suffices;

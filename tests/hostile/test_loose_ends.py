@@ -93,7 +93,8 @@ def test_a_c10d_endpoint_that_cannot_be_resolved_is_said_at_once_then_waited_for
     done = relaunch_cli(
         leaks,
         *("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "j"),
-        *("--rdzv-endpoint", f"{NOWHERE}:29400", "--rdzv-conf", "join_timeout=2", str(job)),
+        *("--rdzv-endpoint", f"{NOWHERE}:29400", "--rdzv-conf", "join_timeout=2,token=t"),
+        str(job),
         timeout=30,
     )
     took = time.monotonic() - began
@@ -119,7 +120,7 @@ def test_a_c10d_store_that_does_not_answer_is_waited_for_once_then_one_line(
         leaks,
         *("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "j"),
         *("--rdzv-endpoint", f"127.0.0.1:{port}"),
-        *("--rdzv-conf", "is_host=false,join_timeout=3", str(job)),
+        *("--rdzv-conf", "is_host=false,join_timeout=3,token=t", str(job)),
         timeout=30,
     )
     took = time.monotonic() - began

@@ -38,6 +38,7 @@ FAST = (
     "join_timeout=20,timeout=2"
 )
 PORT = 29400  # a fresh namespace: nothing else listens there
+TOKEN = "network-faults-token"
 ROUND = re.compile(r"rendezvous round (\d+) complete: group rank (\d+) of (\d+)")
 #: A worker's report of its world (``WORKER``), as the agent relays it: ``[default0]:world 3 ...``.
 WORLD = re.compile(r":world (\d+) group_rank \d+$")
@@ -203,7 +204,8 @@ class Network:
             host,
             self.namespace(host),
             [sys.executable, *argv],
-            self.leaks.process_env(LOGLEVEL="INFO"),
+            # Failover (several hosts in --rdzv-endpoint) needs the job's token on every node.
+            self.leaks.process_env(LOGLEVEL="INFO", RELAUNCH_RDZV_TOKEN=TOKEN),
         )
         self.agents.append(agent)
         # The premise of stopping it by pid: the process is the agent itself, not ``ip``; and

@@ -27,11 +27,13 @@ from relaunch.store.client import TcpStore
 pytestmark = pytest.mark.timeout(120)
 
 INTERVAL, ATTEMPTS = 0.5, 3
+#: Failover needs the job's token on every node.
+TOKEN = "failover-token"
 #: The first round waits for all three nodes (a long last call); a lost node is known after
 #: 1.5 s of silence.
 CONF = (
     f"keep_alive_interval={INTERVAL},keep_alive_max_attempt={ATTEMPTS},"
-    "last_call_timeout=5,join_timeout=30"
+    f"last_call_timeout=5,join_timeout=30,token={TOKEN}"
 )
 DETECTION = INTERVAL * ATTEMPTS
 FLAGS = ("--nnodes", "2:3", "--max-restarts", "3", "--rdzv-conf", CONF)
@@ -91,7 +93,7 @@ def _until_a_world_of_2(folder: Path, lost_at: float) -> float:
 
 def _serving(host: str, port: int) -> bool:
     try:
-        with TcpStore(host, port, timeout=1, connect_timeout=0.2) as store:
+        with TcpStore(host, port, TOKEN, timeout=1, connect_timeout=0.2) as store:
             store.get("relaunch/probe")
     except StoreError:
         return False
@@ -137,7 +139,7 @@ def test_the_store_hosts_sigkill_moves_the_store_and_the_survivors_finish(
         # The moved store holds the job's history: the restart spent before the move, and the
         # failure counted on the failing node's record (all three agents share this host's
         # name, so one record).
-        with TcpStore("127.0.0.2", port, timeout=5) as moved:
+        with TcpStore("127.0.0.2", port, TOKEN, timeout=5) as moved:
             assert moved.get(f"relaunch/{rdzv.run_id}/restarts").value == b"1"
             record = moved.get(f"relaunch/{rdzv.run_id}/nodes/{os.uname().nodename}").value
         assert decode_record(record).failures == 1, record
@@ -241,7 +243,7 @@ def test_a_node_started_after_the_move_finds_the_store_through_the_named_hosts(
             [
                 *(sys.executable, "-m", "relaunch", "status", "--json"),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.endpoint),
-                *("--rdzv-id", rdzv.run_id),
+                *("--rdzv-id", rdzv.run_id, "--rdzv-conf", f"token={TOKEN}"),
             ],
             capture_output=True,
             text=True,

@@ -11,11 +11,17 @@ from conftest import wait_until
 
 from relaunch.store.api import StoreFenced, StoreRedirect
 from relaunch.store.client import TcpStore
-from relaunch.store.server import TcpStoreServer
+from relaunch.store.server import Elect, Electorate, TcpStoreServer
 
 pytestmark = pytest.mark.timeout(30)
 
 TOKEN = "job-token"
+
+
+def voters(*names: str) -> Elect:
+    """An electorate of ``names``, a majority of them at once (the job's reads its rounds:
+    ``failover.job_electorate``, in tests/hostile/test_failover_votes.py)."""
+    return lambda read: Electorate(frozenset(names), len(names) // 2 + 1)
 
 
 @pytest.fixture
@@ -27,7 +33,7 @@ def pair():  # type: ignore[no-untyped-def]
     client.set("before", b"1")
     client.add("count", 5)
     client.set("gone", b"x")
-    standby.follow("127.0.0.1", primary.port)
+    standby.follow("127.0.0.1", primary.port, voters("node-a", "node-b"))
     try:
         yield primary, standby, client
     finally:
@@ -50,7 +56,15 @@ def test_a_standby_follows_every_change_with_the_primarys_versions(pair) -> None
         assert redirect.value.primary == f"127.0.0.1:{primary.port}"
         primary.stop()  # the primary dies: what reached the standby is what counts
         wait_until(lambda: not standby.following, what="the stream's end")
-        assert voter.promote("node-a", 1, timeout=5)
+        answers: list[bool] = []
+        asking = threading.Thread(target=lambda: answers.append(voter.promote("node-a", 10)))
+        asking.start()
+        try:
+            with TcpStore("127.0.0.2", standby.port, TOKEN) as other:
+                assert other.promote("node-b", timeout=10)
+        finally:
+            asking.join()
+        assert answers == [True]
         assert voter.get("count").value == b"7"
         assert voter.get("new") == cas.current
         assert voter.get("gone").value is None
@@ -68,22 +82,22 @@ def test_a_standby_takes_over_only_when_a_quorum_of_distinct_voters_asks_at_once
     one = TcpStore("127.0.0.2", standby.port, TOKEN)
     two = TcpStore("127.0.0.2", standby.port, TOKEN)
     try:
-        assert not one.promote("node-a", 2, timeout=0.2), "one voter of two"
-        assert not one.promote("node-a", 2, timeout=0.2), "the same voter again"
+        assert not one.promote("node-a", timeout=0.2), "one voter of two"
+        assert not one.promote("node-a", timeout=0.2), "the same voter again"
         # A vote counts while its request waits: node-a's timed out, node-b alone is no quorum.
-        assert not two.promote("node-b", 2, timeout=0.2), "votes that do not overlap"
+        assert not two.promote("node-b", timeout=0.2), "votes that do not overlap"
         assert standby.standby
         answers: list[bool] = []
-        asking = threading.Thread(target=lambda: answers.append(one.promote("node-a", 2, 10)))
+        asking = threading.Thread(target=lambda: answers.append(one.promote("node-a", 10)))
         asking.start()
         try:
-            assert two.promote("node-b", 2, timeout=10)
+            assert two.promote("node-b", timeout=10)
         finally:
             asking.join()
         assert answers == [True]
         assert not standby.standby
         assert one.get("before").value == b"1"
-        assert one.promote("node-a", 2, timeout=0.2), "a primary says so at once"
+        assert one.promote("node-a", timeout=0.2), "a primary says so at once"
     finally:
         one.close()
         two.close()
@@ -97,7 +111,7 @@ def test_a_standby_that_lost_its_primary_follows_it_again_from_a_fresh_snapshot(
         client = TcpStore("127.0.0.1", port, TOKEN)
         client.set("old", b"1")
         client.close()
-        standby.follow("127.0.0.1", port)
+        standby.follow("127.0.0.1", port, voters("node-a"))
         wait_until(lambda: standby.synced, what="the standby's snapshot")
         primary.stop()
         primary = TcpStoreServer("127.0.0.1", port, TOKEN).start()  # a new one in its place
@@ -108,7 +122,7 @@ def test_a_standby_that_lost_its_primary_follows_it_again_from_a_fresh_snapshot(
         primary.stop()  # its stream ends after all it sent: nothing is in flight
         wait_until(lambda: not standby.following, what="the stream's end")
         voter = TcpStore("127.0.0.2", standby.port, TOKEN)
-        assert voter.promote("node-a", 1, timeout=5)
+        assert voter.promote("node-a", timeout=5)
         assert (voter.get("old").value, voter.get("new").value) == (None, b"2")
         voter.close()
     finally:
@@ -156,9 +170,9 @@ def test_a_standby_told_to_follow_another_primary_starts_afresh_from_it() -> Non
             client.set("old", b"1")
         with TcpStore("127.0.0.3", new.port, TOKEN) as client:
             client.set("new", b"2")
-        standby.follow("127.0.0.1", old.port)
+        standby.follow("127.0.0.1", old.port, voters("node-a"))
         wait_until(lambda: standby.synced, what="the first primary's snapshot")
-        standby.follow("127.0.0.3", new.port)  # the job's store moved there
+        standby.follow("127.0.0.3", new.port, voters("node-a"))  # the job's store moved there
         assert standby.primary == f"127.0.0.3:{new.port}"
         wait_until(lambda: standby.snapshots == 2, what="the new primary's snapshot")
         with TcpStore("127.0.0.3", new.port, TOKEN) as client:
@@ -166,7 +180,7 @@ def test_a_standby_told_to_follow_another_primary_starts_afresh_from_it() -> Non
         # The stream is asynchronous: a write the primary acknowledged reaches the standby after.
         wait_until(lambda: standby._state.get("later").value == b"3", what="the write streamed")
         with TcpStore("127.0.0.2", standby.port, TOKEN) as voter:
-            wait_until(lambda: voter.promote("node-a", 1, timeout=1), what="the promotion")
+            wait_until(lambda: voter.promote("node-a", timeout=1), what="the promotion")
             assert voter.get("new").value == b"2" and voter.get("later").value == b"3"
             assert voter.get("old").value is None, "what the old primary held is gone"
     finally:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import resource
 import selectors
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relaunch.core.metrics import CONTENT_TYPE
-from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock, descriptor_share, start_thread
 
 if TYPE_CHECKING:
     import socket
@@ -90,9 +89,7 @@ class MetricsServer:
             ) from None
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        fair_share = MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else soft // 4
-        self.max_connections = max(8, min(MAX_CONNECTIONS, fair_share))
+        self.max_connections = descriptor_share(MAX_CONNECTIONS)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)

@@ -96,7 +96,6 @@ def open_reader(
     seconds one read may take. ConfigError on bad input; StoreError when the store cannot be
     reached."""
     from relaunch.config import ConfigError, read_rdzv_conf
-    from relaunch.rendezvous.api import TOKEN_ENV
     from relaunch.rendezvous.reader import JobReader
 
     if not args.rdzv_endpoint:
@@ -121,7 +120,7 @@ def open_reader(
         endpoints = parse_endpoint_list(args.rdzv_endpoint, DEFAULT_PORT)
     except ValueError as exc:
         raise ConfigError(f"--rdzv-endpoint: {exc}") from None
-    token = conf.token or environ.get(TOKEN_ENV) or None
+    token = conf.job_token(environ)
     host, port = endpoints[0]
     if len(endpoints) > 1:  # the store may have moved among them: ask which one serves
         from relaunch.rendezvous.failover import find_primary

@@ -33,6 +33,20 @@ STATIC_BACKEND = "static"
 BACKENDS = (*C10D_BACKENDS, *ETCD_BACKENDS, STATIC_BACKEND)
 #: ``--rdzv-conf`` keys whose values never appear in a repr, a log line or an error message.
 SECRET_KEYS = ("password", "token")
+#: The environment variable that holds the built-in store's shared token (``--rdzv-conf token``
+#: wins over it).
+TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
+
+
+def failover_without_token(hosts: int) -> str:
+    """What a job is told whose ``--rdzv-endpoint`` names ``hosts`` hosts (the built-in
+    store's failover) with no token: failover trusts the votes and copies of every peer."""
+    return (
+        f"--rdzv-endpoint names {hosts} hosts, which turns on the store's failover, and failover "
+        "needs a token on every node: without one, anyone who reaches a standby can read the "
+        "job's store, split the job in two or turn failover off; set the same --rdzv-conf "
+        f"token=SECRET (or {TOKEN_ENV}) on every node, or name one host"
+    )
 
 
 def redacted(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,7 +92,7 @@ class RendezvousSettings(NamedTuple):
     timeout: float = 60.0
     #: Host the store on this node: None (not given) hosts it when the endpoint can be bound.
     is_host: bool | None = None
-    #: The store's shared secret (else ``$RELAUNCH_RDZV_TOKEN``, read by the rendezvous).
+    #: The store's shared secret (else ``$RELAUNCH_RDZV_TOKEN``: ``job_token``).
     token: str | None = None
     #: This node's name within its host, for the job's record of it (``core.exclusion``).
     node_name: str | None = None
@@ -93,6 +107,10 @@ class RendezvousSettings(NamedTuple):
 
     def __repr__(self) -> str:
         return _masked(self, SECRET_KEYS)
+
+    def job_token(self, environ: Mapping[str, str]) -> str | None:
+        """The built-in store's token: ``token``, else ``$RELAUNCH_RDZV_TOKEN``; None if neither."""
+        return self.token or environ.get(TOKEN_ENV) or None
 
     def round_settings(self, min_nodes: int, max_nodes: int) -> plan.Settings:
         """The dynamic rendezvous' decisions' settings for a job of ``min_nodes:max_nodes``."""

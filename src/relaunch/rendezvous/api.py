@@ -33,9 +33,6 @@ __all__ = [
     "rendezvous_handler_registry",
 ]
 
-#: The environment variable that holds the rendezvous store's shared token.
-TOKEN_ENV = "RELAUNCH_RDZV_TOKEN"
-
 
 class RendezvousError(Exception):
     """The rendezvous could not complete; the message says what it waited for."""

@@ -29,7 +29,6 @@ from relaunch.core.rdzv_conf import (
 )
 from relaunch.endpoints import is_loopback, parse_endpoint, parse_endpoint_list
 from relaunch.rendezvous.api import (
-    TOKEN_ENV,
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
@@ -41,7 +40,7 @@ from relaunch.store.api import StoreError
 if TYPE_CHECKING:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
     from relaunch.rendezvous.last_word import LastWord
-    from relaunch.store.server import TcpStoreServer
+    from relaunch.store.server import Elect, TcpStoreServer
 
 DEFAULT_PORT = 29400
 
@@ -132,7 +131,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", DEFAULT_PORT)
     host, port = endpoints[0]
     conf = params.settings
-    token = conf.token or os.environ.get(TOKEN_ENV) or None
+    token = conf.job_token(os.environ)
     timeout = conf.timeout
     settings = conf.round_settings(params.min_nodes, params.max_nodes)
     is_host = conf.is_host
@@ -160,6 +159,20 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     from relaunch.store.server import TcpStoreServer
 
     failing_over = len(endpoints) > 1
+    if failing_over and token is None:
+        raise ValueError(rdzv_conf.failover_without_token(len(endpoints)))
+    if token is None and params.max_nodes > 1:
+        from relaunch.rendezvous.failover import format_endpoint
+
+        log.warning(
+            "job %r may run on up to %d nodes and its store has no token: anyone who reaches "
+            "%s can join the job, and read and write its store; set the same --rdzv-conf "
+            "token=SECRET (or %s) on every node",
+            params.run_id,
+            params.max_nodes,
+            format_endpoint(endpoints[0]),
+            rdzv_conf.TOKEN_ENV,
+        )
     serving = None
     if failing_over:
         from relaunch.rendezvous.failover import find_primary
@@ -183,8 +196,13 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
                     f"cannot host the store on {host}:{port}: {exc}"
                 ) from None
     standby = None
-    if failing_over and server is None and is_host is not False:
-        standby = _serve_standby(endpoints, (host, port), token, clients)
+    elect = None
+    if failing_over:
+        from relaunch.rendezvous.failover import job_electorate
+
+        elect = job_electorate(params.run_id)
+    if elect is not None and server is None and is_host is not False:
+        standby = _serve_standby(endpoints, (host, port), token, clients, elect)
     local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
     on_shutdown = tuple(hosted.stop for hosted in (server, standby) if hosted is not None)
 
@@ -241,10 +259,10 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         else _last_word({"store": "c10d", "host": host, "port": port, "token": token})
     )
     failover = None
-    if failing_over:
+    if elect is not None:
         from relaunch.rendezvous.failover import StoreFailover
 
-        failover = StoreFailover(endpoints, token, (host, port), server or standby)
+        failover = StoreFailover(endpoints, token, (host, port), server or standby, elect)
         for client in (heartbeat_store, store, watch_store):
             failover.add_client(client)
         if last_word is not None:
@@ -269,10 +287,14 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
 
 
 def _serve_standby(
-    endpoints: list[tuple[str, int]], primary: tuple[str, int], token: str | None, clients: int
+    endpoints: list[tuple[str, int]],
+    primary: tuple[str, int],
+    token: str | None,
+    clients: int,
+    elect: Elect,
 ) -> TcpStoreServer | None:
     """A standby of ``primary`` at the first other endpoint this node can bind (its own host's
-    address), or None when it can bind none."""
+    address), or None when it can bind none; ``elect`` reads who may vote it in."""
     from relaunch.store.server import TcpStoreServer
 
     for host, port in endpoints:
@@ -283,7 +305,7 @@ def _serve_standby(
         except OSError:
             continue  # not this machine's address, or another node serves there
         standby.start()
-        standby.follow(*primary)
+        standby.follow(*primary, elect)
         return standby
     return None
 

@@ -8,11 +8,13 @@ of the named addresses serves a standby there, which follows the primary's every
 asking: the named hosts, in the order given.
 
 When the primary is lost (refused: its agent died; silent: its machine is gone), each surviving
-node asks the first named standby that answers to take over (``PROMOTE``), naming itself and
-the last round it completed; the standby takes over once a majority of that round's members ask
-at once. Then every node moves its connections there (``TcpStore.move_to``) and the job re-forms
-without the lost node, keeping the restart budget, the exclusion records and the learned bounds
-(all replicated).
+node asks the first named standby that answers to take over (``PROMOTE``), naming itself by the
+last round it completed and its group rank in it. The standby counts the votes by itself
+(``job_electorate``): it takes over once a majority of the members of the last round completed
+in its copy of the store ask at once, and a vote from anyone else counts for nothing. Then
+every node moves its connections there (``TcpStore.move_to``) and the job re-forms without the
+lost node, keeping the restart budget, the exclusion records and the learned bounds (all
+replicated). Failover needs a token: without one, anyone could follow a store or vote.
 
 The primary's side of a partition: ``MajorityWatch`` fences the store (it answers ``FENCED``)
 once fewer than a majority of the running round's members beat into it for half the keep-alive
@@ -21,6 +23,7 @@ detection time, so two stores never both run the job.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from relaunch.core.durations import seconds
 from relaunch.endpoints import parse_endpoint
+from relaunch.rendezvous.rounds import CLOSED, job_key
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 from relaunch.store.api import (
     StoreAuthError,
@@ -40,6 +44,7 @@ from relaunch.store.api import (
 )
 from relaunch.store.client import TcpStore
 from relaunch.store.deadline import Deadline
+from relaunch.store.server import Elect, Electorate
 
 if TYPE_CHECKING:
     from relaunch.core import rendezvous as plan
@@ -69,6 +74,55 @@ def quorum_needed(members: int, previous: Sequence[int]) -> int:
     if previous and previous[-1] >= 3:
         needed = max(needed, majority(previous[-1]))
     return needed
+
+
+def voter_name(round_: int, group_rank: int) -> str:
+    """How a member of round ``round_`` of group rank ``group_rank`` names itself voting."""
+    return f"{round_}/{group_rank}"
+
+
+class _Members:
+    """The voter names of round ``round_``'s ``count`` members (``voter_name``)."""
+
+    def __init__(self, round_: int, count: int) -> None:
+        self._round, self._count = round_, count
+
+    def __contains__(self, voter: object) -> bool:
+        round_, _, rank = str(voter).partition("/")
+        return round_ == str(self._round) and rank.isdigit() and int(rank) < self._count
+
+
+#: How far from the job's ``round`` key a standby looks for the last completed round: the key
+#: names that round, the one after it (being joined), or lags the round just completed.
+_ROUNDS_AROUND = 2
+
+
+def job_electorate(run_id: str) -> Elect:
+    """Who may vote a standby of job ``run_id`` into its primary's place, read from the
+    standby's copy of the store: the members of the last round completed in it, a majority of
+    them at once. Nobody before a round completed, or once the job finished."""
+
+    def elect(read: Callable[[str], bytes | None]) -> Electorate | None:
+        try:
+            latest = int(read(job_key(run_id, "round")) or b"0")
+        except ValueError:
+            return None  # not a round number: no relaunch wrote it
+        for round_ in range(latest + _ROUNDS_AROUND, max(latest - _ROUNDS_AROUND, 0) - 1, -1):
+            record = read(job_key(run_id, "final", round_))
+            if record is None:
+                continue
+            if record == CLOSED:
+                return None
+            try:
+                count = json.loads(record)["count"]
+            except (ValueError, KeyError, TypeError):
+                return None
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                return None
+            return Electorate(_Members(round_, count), majority(count))
+        return None
+
+    return elect
 
 
 def _reach(endpoint: Endpoint, within: float) -> None:
@@ -137,7 +191,8 @@ def format_endpoint(endpoint: Endpoint) -> str:
 
 class StoreFailover:
     """One node's view of where its job's store is: the named ``endpoints``, the ``primary``
-    serving now, and this node's own ``server`` (the primary, a standby, or None). It moves
+    serving now, and this node's own ``server`` (the primary, a standby, or None; a standby
+    counts votes by ``elect``, as the job's other standbys do). It moves
     the node's connections (``add_client``; the first also reads the heartbeats for
     ``guard``) when the store moves, and tells ``on_move``."""
 
@@ -147,12 +202,14 @@ class StoreFailover:
         token: str | None,
         primary: Endpoint,
         server: TcpStoreServer | None,
+        elect: Elect,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.endpoints = tuple(endpoints)
         self.primary = primary
         self._token = token
         self._server = server
+        self._elect = elect
         self._clock = clock
         self._clients: list[TcpStore] = []
         self._on_move: list[Callable[[str, int], None]] = []
@@ -223,13 +280,12 @@ class StoreFailover:
         with TcpStore(*self.primary, self._token, timeout=within, connect_timeout=within) as store:
             store.get(_PROBE_KEY)
 
-    def take_over(self, voter: str, members: int, within: float) -> Endpoint | None:
-        """As ``voter``, ask the first named standby that answers (the primary's excepted) to
-        take over once a majority of the last round's ``members`` asked; move this node there.
-        A store that serves already answers at once. Where it went, or None when no standby
-        was promoted within ``within`` seconds."""
+    def take_over(self, voter: str, within: float) -> Endpoint | None:
+        """As ``voter`` (``voter_name``), ask the first named standby that answers (the
+        primary's excepted) to take over, which it does once a majority of the last round's
+        members asked; move this node there. A store that serves already answers at once.
+        Where it went, or None when no standby was promoted within ``within`` seconds."""
         deadline = Deadline(within, self._clock)
-        quorum = majority(members)
         while not deadline.expired():
             for endpoint in self.endpoints:
                 if endpoint == self.primary or not _answers(endpoint, min(1.0, deadline.left())):
@@ -238,7 +294,7 @@ class StoreFailover:
                     with TcpStore(
                         *endpoint, self._token, timeout=1.0, connect_timeout=1.0
                     ) as store:
-                        promoted = store.promote(voter, quorum, deadline.left())
+                        promoted = store.promote(voter, deadline.left())
                 except StoreError as exc:
                     log.debug("could not ask %s to take over: %s", format_endpoint(endpoint), exc)
                     continue
@@ -257,7 +313,7 @@ class StoreFailover:
             moved(*endpoint)
         server = self._server
         if server is not None and server.primary is not None and not self._is_local(endpoint):
-            server.follow(*endpoint)  # this node's standby follows the new primary
+            server.follow(*endpoint, self._elect)  # this node's standby follows the new one
         if self.hosting and self._guard is not None and server is not None:
             self._guard.start(server)
         log.info("the store moved from %s to %s", format_endpoint(old), format_endpoint(endpoint))

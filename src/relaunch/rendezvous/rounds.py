@@ -92,6 +92,12 @@ def news_prefix(run_id: str, round_: int | None = None) -> str:
     return f"relaunch/{run_id}/news/" + ("" if round_ is None else f"r{round_}/")
 
 
+def job_key(run_id: str, name: str, round_: int | None = None) -> str:
+    """The store key ``name`` of job ``run_id``, or of its round ``round_``."""
+    base = news_prefix(run_id) if name in NEWS else f"relaunch/{run_id}/"
+    return f"{base}{name}" if round_ is None else f"{base}r{round_}/{name}"
+
+
 class Rounds:
     """The rounds of job ``run_id`` on ``stores`` (their kind counts the joins, and serves the
     waits for a round's final record), seen by node ``node_id`` at ``local_addr``; deadlines
@@ -113,15 +119,13 @@ class Rounds:
         self.settings = settings
         self._local_addr = self.local_addr = local_addr
         self._clock = clock
-        self._prefix = f"relaunch/{run_id}"
         self.roster: Roster = stores.roster(self.key, node_id)
         self._next_round = 0  # where this node tries to join first
         self._spare_of: int | None = None  # the full round this node said it stands by
 
     def key(self, name: str, round_: int | None = None) -> str:
         """The store key ``name`` of the job, or of its round ``round_``."""
-        base = self.news_prefix() if name in NEWS else f"{self._prefix}/"
-        return f"{base}{name}" if round_ is None else f"{base}r{round_}/{name}"
+        return job_key(self._run_id, name, round_)
 
     def news_prefix(self, round_: int | None = None) -> str:
         """Where the keys every node waits for are: the job's, or those of round ``round_``."""

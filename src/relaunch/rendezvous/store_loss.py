@@ -17,7 +17,7 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.rendezvous.api import StoreHostGone
-from relaunch.rendezvous.failover import format_endpoint
+from relaunch.rendezvous.failover import format_endpoint, voter_name
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.rendezvous.standing import Standing
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -123,13 +123,14 @@ class StoreLoss:
         else:
             standing.store_lost_at, self._store_unanswered_said = None, False  # a blip
             return
-        members = 0 if standing.final is None else standing.final.count
-        if failover.hosting or members < 3:
+        round_, final = standing.round, standing.final
+        members = 0 if final is None or round_ is None else final.count
+        if failover.hosting or round_ is None or members < 3:
             self._store_unanswered(lost, "run 3 nodes or more (a majority moves the store)")
             return
         old = format_endpoint(failover.primary)
         within = settings.dead_after + settings.keep_alive_interval
-        moved = failover.take_over(f"{standing.round}/{standing.group_rank}", members, within)
+        moved = failover.take_over(voter_name(round_, standing.group_rank), within)
         if moved is None:
             self._store_unanswered(lost, "make sure a majority of the nodes can reach each other")
             return

@@ -301,13 +301,13 @@ class TcpStore:
     def ping(self) -> None:
         self._call(wire.PING, [])
 
-    def promote(self, voter: str, quorum: int, timeout: float) -> bool:
-        """As ``voter``, ask a standby to take over from its primary once ``quorum`` distinct
-        voters asked: whether it serves as the primary within ``timeout`` seconds (a primary
-        says so at once)."""
+    def promote(self, voter: str, timeout: float) -> bool:
+        """As ``voter``, ask a standby to take over from its primary (it does once a quorum of
+        the voters it knows asked at once): whether it serves as the primary within
+        ``timeout`` seconds (a primary says so at once)."""
         millis = wire.from_int(max(0, int(timeout * 1000)))
         try:
-            self._call(wire.PROMOTE, [voter.encode(), wire.from_int(quorum), millis], timeout)
+            self._call(wire.PROMOTE, [voter.encode(), millis], timeout)
         except StoreTimeout:
             return False
         return True

@@ -16,13 +16,20 @@ What a client may make the server hold is bounded, before it proves the token an
 
 - Before: its first frame may announce at most ``PRE_AUTH_LIMIT`` bytes (the authentication
   frame is about 80; a larger announcement closes the connection at once), it is read that
-  much at a time, and it has ``HANDSHAKE_TIMEOUT`` seconds. At most ``MAX_UNAUTHENTICATED``
-  connections wait to authenticate: when that many do, a newcomer takes the place of the oldest
-  if that one has had ``HANDSHAKE_GRACE`` seconds, or waits in the kernel's queue until it has.
+  much at a time, and it has ``HANDSHAKE_TIMEOUT`` seconds. At most a quarter of the open-file
+  limit (``runtime.descriptor_share``, ``MAX_UNAUTHENTICATED`` at most) of connections wait to
+  authenticate, so that they cannot take the descriptors the hosting agent needs: when that
+  many do, a newcomer takes the place of the oldest if that one has had ``HANDSHAKE_GRACE``
+  seconds, or waits in the kernel's queue until it has.
 - After: a connection holds at most one read (``_RECV_SIZE``) of small frames; a larger frame
   is received only once its announced size is reserved in ``FRAME_BUDGET``, shared by every
   client (first come, first served; until its frame fits, the client is not read), so that
   large values cannot add up past it whatever the number of connections.
+
+Between stores (docs/store-failover.md): only a store with a token serves a standby's stream
+(``REPLICATE``) or takes votes (``PROMOTE``), since both trust the client with the job. A standby
+counts votes by itself: its ``Electorate``, read from its copy of the primary's keys, says who
+may vote and how many must ask at once; a vote counts while its request waits.
 
 A connection closed for misbehaving (a wrong token, no authentication in time, garbage, an
 oversized frame) is logged with its reason when it is the first in ``REFUSAL_SUMMARY_INTERVAL``
@@ -47,10 +54,16 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from relaunch.runtime import open_descriptors, raise_open_file_limit, start_thread
+from relaunch.runtime import (
+    descriptor_share,
+    open_descriptors,
+    raise_open_file_limit,
+    start_thread,
+)
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.state import KeyValueState
@@ -64,7 +77,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 5.0
 #: ... having sent no frame larger than this first (the authentication frame is ~80 bytes).
 PRE_AUTH_LIMIT = 4096
-#: Connections that have not authenticated yet, at most (a few KiB of memory each) ...
+#: Connections that have not authenticated yet, at most (a few KiB of memory each; fewer under
+#: a low open-file limit: ``descriptor_share``) ...
 MAX_UNAUTHENTICATED = 1024
 #: ... each given this many seconds before a newcomer may take its place.
 HANDSHAKE_GRACE = 1.0
@@ -99,6 +113,20 @@ _LENGTH = struct.Struct(">I")
 REPLICA_HIGH_WATER = 64 << 20
 #: What PROMOTE requests wait on (no client's key: they start with a NUL).
 _PROMOTED = "\0promoted"
+
+
+@dataclass(frozen=True, slots=True)
+class Electorate:
+    """Who may vote a standby into its primary's place (``voters``), and how many of them must
+    ask at once (``quorum``)."""
+
+    voters: Container[str]
+    quorum: int
+
+
+#: How a standby reads its ``Electorate`` from its copy of the primary's keys (``read(key)``:
+#: the value, or None); None while nobody may vote.
+Elect = Callable[[Callable[[str], "bytes | None"]], "Electorate | None"]
 
 
 @dataclass(eq=False, slots=True)
@@ -272,11 +300,13 @@ class TcpStoreServer:
         self._stopped = threading.Event()
         self._follow_lock = threading.Lock()  # the follower's writes against the promotion
         self._follower: TcpStore | None = None
-        self._votes: dict[bytes, _Waiter] = {}  # each voter's waiting PROMOTE request
-        self._quorum = 0
+        self._elect: Elect | None = None  # a standby: who may vote it into the primary's place
+        self._votes: dict[str, _Waiter] = {}  # each voter's waiting PROMOTE request
         self._fenced = False
         self._fence_told = False
         self._check_open_file_limit(expected)
+        #: Connections that may wait to authenticate at once (``descriptor_share``).
+        self.max_unauthenticated = descriptor_share(MAX_UNAUTHENTICATED)
 
     @property
     def endpoint(self) -> str:
@@ -318,13 +348,18 @@ class TcpStoreServer:
     def fenced(self) -> bool:
         return self._fenced
 
-    def follow(self, host: str, port: int) -> None:
+    def follow(self, host: str, port: int, elect: Elect) -> None:
         """Serve as the standby of the store at ``host:port``: follow its every change (a
         thread, reconnecting with backoff until promoted or stopped) and redirect clients
-        there, until a quorum asks this store to take over (``PROMOTE``). A standby told to
-        follow another primary drops its stream and starts afresh from the new one."""
+        there, until a quorum of the voters ``elect`` reads from the copy asks this store to
+        take over (``PROMOTE``). A standby told to follow another primary drops its stream and
+        starts afresh from the new one. Only a store with a token may follow (``ValueError``):
+        its primary serves a stream to no other."""
+        if self._token is None:
+            raise ValueError("a standby needs the job's token: no primary serves a copy without")
         target = f"{host}:{port}"
         with self._follow_lock:
+            self._elect = elect
             if self._primary == target:
                 return
             # Nothing from the old primary may be promoted: whole again with the new snapshot.
@@ -387,13 +422,14 @@ class TcpStoreServer:
             else:
                 raise StoreProtocolError("not a replication record")
 
-    def _promote(self) -> None:
-        """Take over: serve the job from the state followed so far (the loop's thread)."""
+    def _promote(self, voters: int) -> None:
+        """Take over, ``voters`` having asked: serve the job from the state followed so far
+        (the loop's thread)."""
         with self._follow_lock:
             follower, self._follower, self._primary = self._follower, None, None
         if follower is not None:
             follower.abort()
-        log.warning("store: this standby serves the job now (%d voters asked)", len(self._votes))
+        log.warning("store: this standby serves the job now (%d voters asked)", voters)
         self._votes.clear()
         for waiter in list(self._waiters.get(_PROMOTED, {})):
             self._unpark(waiter)
@@ -498,7 +534,7 @@ class TcpStoreServer:
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
             now = time.monotonic()
-            if len(self._unproven) >= MAX_UNAUTHENTICATED and not self._make_room(now):
+            if len(self._unproven) >= self.max_unauthenticated and not self._make_room(now):
                 return
             try:
                 sock, address = self._listener.accept()
@@ -526,7 +562,7 @@ class TcpStoreServer:
             self._send(client, wire.encode(wire.HELLO, [wire.PROTOCOL, required, client.nonce]))
 
     def _make_room(self, now: float) -> bool:
-        """``MAX_UNAUTHENTICATED`` connections wait to authenticate: close the oldest if it
+        """``max_unauthenticated`` connections wait to authenticate: close the oldest if it
         has had ``HANDSHAKE_GRACE`` seconds (true), else rest the listener until it has."""
         oldest = next(iter(self._unproven))
         if now - oldest.accepted >= HANDSHAKE_GRACE:
@@ -535,7 +571,8 @@ class TcpStoreServer:
                 _Refused(
                     "made room for newer ones",
                     f"not authenticated after {now - oldest.accepted:.1f}s, with "
-                    f"{MAX_UNAUTHENTICATED} connections waiting to: made room for a newer one",
+                    f"{self.max_unauthenticated} connections waiting to: made room for a newer "
+                    "one",
                 ),
             )
             return True
@@ -847,8 +884,14 @@ class TcpStoreServer:
     def _ping(self, client: _Client, fields: list[bytes]) -> None:
         self._reply(client, wire.OK)
 
+    def _between_stores(self, what: str) -> None:
+        """Only a store with a token serves standbys and takes votes: its clients proved it."""
+        if self._token is None:
+            raise StoreError(f"{what} needs a store with a token: this one has none")
+
     def _replicate(self, client: _Client, fields: list[bytes]) -> None:
         """The client is a standby: a snapshot now, then every change as it is made."""
+        self._between_stores("following a store")
         client.replica = True
         self._replicas.add(client)
         for key, value, version in self._state.items():
@@ -874,28 +917,38 @@ class TcpStoreServer:
                 self._close(replica)
 
     def _promote_request(self, client: _Client, fields: list[bytes]) -> None:
-        """A voter asks this standby to take over once ``quorum`` distinct ones have; the
-        answer waits for that (or its timeout). A primary answers at once."""
-        voter, quorum, timeout = fields[0], wire.to_int(fields[1]), _seconds(fields[2])
+        """``voter`` asks this standby to take over; the answer waits until a quorum of its
+        electorate asked at once (or its timeout). A primary answers at once."""
+        self._between_stores("a vote")
+        if len(fields) != 2:
+            raise StoreError("a vote is a voter and a timeout")
+        voter, timeout = _key(fields[0]), _seconds(fields[1])
         if self._primary is None:
             self._reply(client, wire.OK)
             return
         waiter = _Waiter(client, (_PROMOTED,), time.monotonic() + timeout)
         self._votes[voter] = waiter
-        self._quorum = max(self._quorum, quorum)
         self._park(waiter)
         self._weigh_votes()
 
     def _weigh_votes(self) -> None:
-        """Take over once a quorum of voters ask at once and the snapshot is whole: a vote
-        counts while its request waits (one that timed out, or whose voter left, no longer)."""
+        """Take over once the snapshot is whole and a quorum of the electorate read from it
+        asks at once. Votes that lapsed (timed out, or their voter left) are forgotten first;
+        a voter outside the electorate counts for nothing, and neither does what it says."""
         if self._primary is None or not self._votes:
             return
         for voter, waiter in list(self._votes.items()):
             if waiter.client.waiter is not waiter:
                 del self._votes[voter]
-        if self._synced and self._votes and len(self._votes) >= self._quorum:
-            self._promote()
+        if not self._synced or not self._votes or self._elect is None:
+            return
+        with self._follow_lock:  # the follower's thread writes the copy
+            electorate = self._elect(lambda key: self._state.get(key).value)
+        if electorate is None:
+            return
+        asking = sum(1 for voter in self._votes if voter in electorate.voters)
+        if asking >= max(electorate.quorum, 1):
+            self._promote(asking)
 
     def _tell_fenced(self) -> None:
         """Answer every waiting request ``FENCED`` (the loop's thread)."""
