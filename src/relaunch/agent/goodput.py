@@ -44,7 +44,9 @@ class GoodputMarks:
         with ``save_state`` (the furthest step reached, when they report no progress)."""
         now = self._clock.time()
         failed_at = min((exit_times[rank] for rank in failed if exit_times.get(rank)), default=0)
-        noticed = failed_at or self._seen_at or now
+        # The agent knows when its loop saw the failure: later than the exit where the exit's
+        # status came late (a lost zygote's worker).
+        noticed = max(failed_at, self._seen_at) or now
         steps = [p.step for p in last_progress.values() if p is not None]
         self._pending = RestartMarks(
             restart=self._costs + 1,

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from relaunch.core.failures import describe_exit
 
 if TYPE_CHECKING:
-    from relaunch.procs.zygote import Zygote, ZygoteHandle
+    from relaunch.procs.zygote import Zygote
+    from relaunch.procs.zygote_child import ZygoteHandle
 
 log = logging.getLogger(__name__)
 

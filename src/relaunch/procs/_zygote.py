@@ -13,11 +13,13 @@ and runs under any Python the workers use. Its life, in order (``main``):
    the threads left (a Python thread would be missing in every worker: the agent then starts
    the workers cold), put every object left in the collector's permanent generation
    (``_freeze_objects``), and say "ready" (or why not) on the socket;
-3. serve: each request carries a worker's command line, environment, working directory, CPUs,
-   signal state and its stdin, stdout and stderr (``SCM_RIGHTS``); the zygote forks, replies
-   with the pid, the read end of a pipe where the 4-byte wait status will be written once the
-   zygote reaped the worker (SIGCHLD through ``signal.set_wakeup_fd``, no polling), and a
-   pidfd of the worker where the kernel has them;
+3. serve: each request carries its number, a worker's command line, environment, working
+   directory, CPUs, signal state and its stdin, stdout and stderr (``SCM_RIGHTS``); the zygote
+   forks, replies (``send_reply``: the request's number and the pid, fixed-size) with the read
+   end of a pipe where the 4-byte wait status will be written once the zygote reaped the
+   worker (SIGCHLD through ``signal.set_wakeup_fd``, no polling), and a pidfd of the worker
+   where the kernel has them. It reaps a child only once the agent said it checked the reply
+   (``{"checked": pid}``): until then the child is there to be checked, a zombie at worst;
 4. the forked child (``_become``) leaves the zygote's loop, drops its descriptors, takes the
    worker's session, signals, streams, umask, directory, CPUs, environment, ``sys.argv`` and
    ``sys.path[0]``, builds a fresh ``__main__`` and runs the script (as CPython's
@@ -73,10 +75,19 @@ _FRESH_MAIN = tuple(
 # -- the wire: both sides ------------------------------------------------------------------------
 
 #: A message: its length (4 bytes, little-endian), then ``marshal`` data (version 4, which every
-#: Python 3 reads); descriptors ride with its first byte.
+#: Python 3 reads); descriptors ride with its first byte. The agent's requests are up to
+#: ``MAX_MESSAGE`` bytes (an environment is large at most); the zygote's report on its imports is
+#: read by the agent up to ``MAX_REPORT``.
 HEADER = 4
 MARSHAL_VERSION = 4
 INT_SIZE = 4
+MAX_MESSAGE = 64 << 20
+MAX_REPORT = 1 << 20
+#: A reply to a request, fixed-size (no marshal data from the zygote's side once workers run):
+#: the request's number (8 bytes) and the forked pid (4), little-endian; its descriptors (the
+#: status pipe's read end, then the child's pidfd where there are pidfds) ride with its first byte.
+SEQ_SIZE = 8
+REPLY_SIZE = SEQ_SIZE + INT_SIZE
 
 
 def send_message(
@@ -84,7 +95,15 @@ def send_message(
 ) -> None:
     """Send ``message`` (marshal-able) and the descriptors ``fds`` on the stream ``sock``."""
     payload = marshal.dumps(message, MARSHAL_VERSION)
-    data = len(payload).to_bytes(HEADER, "little") + payload
+    _send(sock, len(payload).to_bytes(HEADER, "little") + payload, fds)
+
+
+def send_reply(sock: _socket.socket, seq: int, pid: int, fds: list[int]) -> None:
+    """Answer request ``seq``: ``pid`` forked, with the descriptors ``fds``."""
+    _send(sock, seq.to_bytes(SEQ_SIZE, "little") + pid.to_bytes(INT_SIZE, "little"), fds)
+
+
+def _send(sock: _socket.socket, data: bytes, fds: "list[int] | tuple[int, ...]") -> None:
     ancillary = []
     if fds:
         blob = b"".join(fd.to_bytes(INT_SIZE, sys.byteorder, signed=True) for fd in fds)
@@ -94,9 +113,12 @@ def send_message(
         sock.sendall(data[sent:])
 
 
-def receive_message(sock: _socket.socket, max_fds: int) -> "tuple[Any, list[int]] | None":
+def receive_message(
+    sock: _socket.socket, max_fds: int, max_size: int = MAX_MESSAGE
+) -> "tuple[Any, list[int]] | None":
     """The next message on ``sock`` and the descriptors that came with it (close-on-exec), or
-    None at the end of the stream. EOFError when the stream ends inside a message."""
+    None at the end of the stream. EOFError when the stream ends inside a message, ValueError
+    when it says it is longer than ``max_size`` bytes or its data is not marshal's."""
     data, ancillary, flags, _ = sock.recvmsg(
         HEADER, _socket.CMSG_SPACE(max(1, max_fds) * INT_SIZE), _socket.MSG_CMSG_CLOEXEC
     )
@@ -117,6 +139,8 @@ def receive_message(sock: _socket.socket, max_fds: int) -> "tuple[Any, list[int]
             raise OSError("descriptors were lost in transit (MSG_CTRUNC)")
         data = _read_exactly(sock, data, HEADER)
         size = int.from_bytes(data, "little")
+        if size > max_size:
+            raise ValueError(f"a message of {size} bytes (at most {max_size})")
         payload = _read_exactly(sock, b"", size)
         return marshal.loads(payload), fds
     except BaseException:
@@ -174,6 +198,8 @@ class _Zygote:
         self.wake_w = -1
         #: The status pipe's write end of each child, by pid.
         self.children: dict[int, int] = {}
+        #: The children whose reply the agent has not said it checked: not reaped yet.
+        self.unchecked: set[int] = set()
 
 
 def main() -> None:
@@ -330,17 +356,21 @@ def _serve(zygote: _Zygote) -> "tuple[dict[str, Any], list[int]]":
         ready = {fd for fd, _ in poller.poll()}
         if zygote.wake_r in ready:
             _drain(zygote.wake_r)
-            _reap(zygote.children)
+            _reap(zygote)
         if sock.fileno() not in ready:
             continue
         try:
             got = receive_message(sock, 3)
-        except (OSError, EOFError):
+        except (OSError, EOFError, ValueError):
             got = None
         if got is None:
             os._exit(0)  # the agent closed the socket, or died: the workers die with this
         request, fds = got
         assert isinstance(request, dict)
+        if "checked" in request:
+            zygote.unchecked.discard(request["checked"])
+            _reap(zygote)
+            continue
         status_r, status_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -354,12 +384,13 @@ def _serve(zygote: _Zygote) -> "tuple[dict[str, Any], list[int]]":
         for fd in fds:
             os.close(fd)
         zygote.children[pid] = status_w
+        zygote.unchecked.add(pid)
         sent = [status_r]
         pidfd = _pidfd(pid)
         if pidfd >= 0:
             sent.append(pidfd)
         try:
-            send_message(sock, {"pid": pid}, sent)
+            send_reply(sock, request["seq"], pid, sent)
         except OSError:
             os._exit(0)  # the agent is gone
         finally:
@@ -382,18 +413,19 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _reap(children: dict[int, int]) -> None:
-    """Reap every child that ended and write its wait status into its pipe."""
-    while children:
+def _reap(zygote: _Zygote) -> None:
+    """Reap every child that ended, but those the agent has not checked yet, and write its
+    wait status into its pipe."""
+    children = zygote.children
+    for pid in [pid for pid in children if pid not in zygote.unchecked]:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        fd = children.pop(pid, None)
-        if fd is None:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already: nothing to say
+            os.close(children.pop(pid))
             continue
+        if reaped == 0:
+            continue
+        fd = children.pop(pid)
         try:
             os.write(fd, status.to_bytes(INT_SIZE, "little"))
         except OSError:

@@ -190,6 +190,11 @@ def _exit_fd(pid: int, wait: Callable[[], object]) -> int:
 class PopenHandle:
     """A worker binary started with ``subprocess.Popen``."""
 
+    #: Where the exit status comes after the exit itself (``exit_fd``) was seen, a descriptor
+    #: that becomes readable when it does (a zygote's child: ``procs.zygote_child``); None: the
+    #: status is there as soon as the exit is.
+    status_fd: int | None = None
+
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
         self.pid = popen.pid
@@ -214,6 +219,8 @@ class PopenHandle:
 
 class ProcessHandle:
     """A function worker started with ``multiprocessing``."""
+
+    status_fd: int | None = None  # as ``PopenHandle.status_fd``
 
     def __init__(self, process: BaseProcess, start_method: str) -> None:
         self.process = process

@@ -83,7 +83,10 @@ class WorkerProcess:
     #: The read end of its return value's pipe (function workers); kept, closed, once read.
     result: ReturnReader | None = None
     exitcode: int | None = None
+    #: When it ended (``time.time()``): its exit fd said so, even where its status came later.
     exit_time: float = 0.0
+    #: When its exit fd said it ended while its status was not there yet (0.0: not so).
+    ended_at: float = 0.0
     #: It waits to restart in place (``GroupMonitor.keep``): ended for this group, still alive,
     #: and neither signalled nor released by it.
     kept: bool = False
@@ -318,7 +321,7 @@ class GroupMonitor:
         """``worker`` lives on, but this group is done with it (kept, or given up on): read
         what it wrote (its pipes stay open as long as it lives), and watch it no more."""
         self._unreaped.pop(worker.local_rank, None)
-        self._unwatch(worker.handle.exit_fd)
+        self._unwatch_exit(worker)
         for stream in worker.streams:
             self._pump(stream, until_empty=True)
             if stream.open:
@@ -430,6 +433,12 @@ class GroupMonitor:
         except (KeyError, ValueError):
             pass  # not watched (any more)
 
+    def _unwatch_exit(self, worker: WorkerProcess) -> None:
+        self._unwatch(worker.handle.exit_fd)
+        status_fd = worker.handle.status_fd
+        if status_fd is not None and status_fd != worker.handle.exit_fd:
+            self._unwatch(status_fd)
+
     def _reap(self, worker: WorkerProcess) -> None:
         if worker.exitcode is not None:
             return  # recorded already (given up on, then looked at again)
@@ -438,14 +447,24 @@ class GroupMonitor:
             self._set_aside(worker)
             return
         self._unreaped.pop(worker.local_rank, None)
-        self._unwatch(worker.handle.exit_fd)
+        self._unwatch_exit(worker)
         self._record_exit(worker, exitcode)
 
     def _set_aside(self, worker: WorkerProcess) -> None:
         """Its exit was signalled, yet it cannot be reaped: a zombie that a tracer (a debugger)
-        must wait for first, or a forkserver that has not reported the status yet. Its ready fd
-        would spin the loop: stop watching it and look again after a delay that doubles."""
+        must wait for first, a forkserver that has not reported the status yet, or a zygote
+        that has not given it (its status pipe is watched: the handle gives up on the zygote
+        in time). Its ready fd would spin the loop: stop watching it and look again after a
+        delay that doubles. It ended now, whenever its status comes."""
+        if not worker.ended_at:
+            worker.ended_at = self._clock.time()
         self._unwatch(worker.handle.exit_fd)
+        status_fd = worker.handle.status_fd
+        if status_fd is not None and status_fd != worker.handle.exit_fd:
+            try:
+                self._selector.register(status_fd, selectors.EVENT_READ, ("exit", worker))
+            except KeyError:
+                pass  # watched already
         if not self._unreaped:
             self._recheck_delay = RECHECK_FIRST
         self._unreaped[worker.local_rank] = worker
@@ -465,7 +484,7 @@ class GroupMonitor:
         self._read_result(worker, None)
         with self.lock:
             worker.exitcode = exitcode
-            worker.exit_time = self._clock.time()
+            worker.exit_time = worker.ended_at or self._clock.time()
             codes = {rank: w.exitcode for rank, w in self.workers.items()}
             state = group_state(codes)
             if self._grace_until is not None and self.grace is not None:

@@ -18,11 +18,16 @@ the zygote has it too), a ``sys.path[0]`` other than the zygote's, a difference 
 the interpreter reads as it starts (``PYTHON*``, the locale's), a directory or zip archive as
 the script.
 
-A ``ZygoteHandle`` is what ``PopenHandle`` is for a cold worker: the pid, a descriptor that
-becomes readable when the exit status is known (the status pipe), ``poll``, ``wait``,
-``abandon`` and ``release``. If the zygote dies, its workers die with it (``PR_SET_PDEATHSIG``)
-and read as killed (-SIGKILL) once their pid is gone; the group then restarts as after any
-failure, from a new zygote.
+A ``ZygoteHandle`` (``procs.zygote_child``) is what ``PopenHandle`` is for a cold worker: the
+pid, its pidfd (readable when it ended), the status pipe, ``poll``, ``wait``, ``abandon`` and
+``release``. If the zygote dies, its workers die with it (``PR_SET_PDEATHSIG``) and read as
+killed (-SIGKILL); the group then restarts as after any failure, from a new zygote.
+
+Nothing the zygote's socket gives is trusted (a worker can take the zygote's end of it): the
+requests are numbered, and a reply that is not the answer to the request
+(``zygote_child.check_reply``), a report on the imports that is not one, or an exit status not
+given in time (``zygote_child.STATUS_TIMEOUT``) makes the zygote lost: it is killed, said in
+one line, and the next start has a new one, as for a zygote that died.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
@@ -41,12 +45,19 @@ import weakref
 import zipimport
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from relaunch.procs import _zygote
 from relaunch.procs.guardian import guardian
-from relaunch.procs.handles import PopenHandle
 from relaunch.procs.signals import signals_deferred
+from relaunch.procs.zygote_child import (
+    BadReply,
+    ZygoteHandle,
+    check_reply,
+    has_pidfds,
+    read_reply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,89 +138,8 @@ def startup_variables(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class ZygoteGone(Exception):
-    """The zygote ended (or its socket broke) before it answered."""
-
-
-class ZygoteHandle(PopenHandle):
-    """A worker forked by the zygote, as a ``PopenHandle`` is a cold one (a subclass for the
-    monitor's types: no ``Popen`` behind it).
-
-    ``exit_fd`` is the status pipe: readable once the zygote wrote the wait status, or at its
-    end without one when the zygote died; the worker then reads as killed (-SIGKILL) once its
-    pid is gone (told by a pidfd where there are pidfds).
-    """
-
-    def __init__(self, pid: int, status_fd: int, pidfd: int | None) -> None:
-        self.pid = pid
-        self.exit_fd = status_fd
-        os.set_blocking(status_fd, False)
-        self._pidfd = pidfd
-        self._code: int | None = None
-        self._orphaned = False
-
-    def poll(self) -> int | None:
-        if self._code is None and not self._orphaned:
-            try:
-                data = os.read(self.exit_fd, _zygote.INT_SIZE)
-            except BlockingIOError:
-                return None
-            except OSError:
-                data = b""
-            if len(data) == _zygote.INT_SIZE:
-                self._code = os.waitstatus_to_exitcode(int.from_bytes(data, "little"))
-            else:
-                self._orphaned = True  # the zygote died before it could say
-        if self._code is None and self._orphaned and self._gone():
-            self._code = -signal.SIGKILL
-        return self._code
-
-    def _gone(self) -> bool:
-        if self._pidfd is not None:
-            return _readable(self._pidfd, 0)
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-    def wait(self, timeout: float) -> int | None:
-        """The exit code, waiting up to ``timeout`` seconds; None if it has not exited."""
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if not self._orphaned:
-                _readable(self.exit_fd, left)
-            elif self._pidfd is not None:
-                _readable(self._pidfd, left)
-            else:  # no pidfds here: look again shortly
-                time.sleep(min(left, 0.01))
-        return self._code
-
-    def kill(self) -> None:
-        """SIGKILL it, unless it is known to have exited (through its pidfd where there is one:
-        its pid may be another process's once the zygote reaped it)."""
-        if self.poll() is not None:
-            return
-        try:
-            if self._pidfd is not None:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            else:
-                os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def abandon(self) -> None:
-        """Nothing to do: the zygote reaps it whenever it dies."""
-
-    def release(self) -> None:
-        os.close(self.exit_fd)
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+    """The zygote ended, its socket broke, or it gave what is no answer (it is let go of); the
+    message says which."""
 
 
 @dataclass
@@ -246,13 +176,6 @@ def _caller() -> _Caller:
     )
 
 
-def _readable(fd: int, timeout: float) -> bool:
-    """Whether ``fd`` becomes readable within ``timeout`` seconds (any descriptor number)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
-
-
 def _valid(fd: int) -> bool:
     try:
         os.fstat(fd)
@@ -287,6 +210,15 @@ class Zygote:
         self.started = 0
         self._cold_reason = ""
         self._closed = False
+        self._pidfds = has_pidfds()
+        #: The last request's number (each zygote numbers from 1).
+        self._seq = 0
+        #: The processes the running zygote forked, by pid, while the agent holds them.
+        self._children: weakref.WeakValueDictionary[int, ZygoteHandle] = (
+            weakref.WeakValueDictionary()
+        )
+        #: The zygote found lost (said in one line already; killed).
+        self._lost: subprocess.Popen[bytes] | None = None
         _zygotes.add(self)
 
     @property
@@ -301,11 +233,36 @@ class Zygote:
                 self._launch()
 
     def revive(self) -> None:
-        """Start a new zygote now if the last one died (it imports while the agent rejoins)."""
+        """Start a new zygote now if the last one died or was lost (it imports while the agent
+        rejoins)."""
         with self._lock:
-            if self._proc is not None and self._proc.poll() is not None:
+            if self._proc is not None and self._let_go_if_lost():
+                self._launch()
+            elif self._proc is not None and self._proc.poll() is not None:
                 log.warning("--preload: %s; starting a new one", self._ended())
                 self._launch()
+
+    def _lose(self, proc: subprocess.Popen[bytes], why: str) -> None:
+        """The zygote ``proc`` failed its side (``why``: what it did): one line, and SIGKILL;
+        the next start has a new one. From any thread (a worker's monitor): takes no lock, as
+        a request may hold it while it waits for this zygote."""
+        if proc is not self._proc or proc is self._lost:
+            return  # let go of already
+        self._lost = proc
+        log.warning(
+            "--preload: the zygote (pid %d) %s; it is lost: killed, the next start has a new one",
+            proc.pid,
+            why,
+        )
+        proc.kill()
+
+    def _let_go_if_lost(self) -> bool:
+        """Let go of the running zygote if it was found lost (said already); whether it was."""
+        proc = self._proc
+        if proc is None or proc is not self._lost:
+            return False
+        self._discard()
+        return True
 
     def _launch(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -338,6 +295,8 @@ class Zygote:
             child.close()
         guardian().register(proc.pid)
         self._proc, self._sock, self.ready = proc, parent, None
+        self._seq = 0
+        self._children.clear()
         self.started += 1
         setup = {
             "preload": list(self.preload),
@@ -379,16 +338,23 @@ class Zygote:
         sock = self._sock
         assert sock is not None
         try:
-            got = _zygote.receive_message(sock, 0)
+            got = _zygote.receive_message(sock, 0, _zygote.MAX_REPORT)
         except (OSError, EOFError):
             got = None
+        except (ValueError, TypeError) as bad:  # no message, or no marshal data
+            self._discard()
+            raise ZygoteGone(f"the zygote's report on its imports is not one ({bad})") from None
         except BaseException:
             self._discard()  # a signal: the next start begins from a new zygote
             raise
         if got is None:
             raise ZygoteGone(self._ended())
         report = got[0]
-        assert isinstance(report, dict)
+        for fd in got[1]:
+            os.close(fd)
+        if not _is_report(report):
+            self._discard()
+            raise ZygoteGone(f"the zygote's report on its imports is not one: {report!r:.200}")
         self.ready = report
         error = report["error"]
         if error is not None:
@@ -485,16 +451,19 @@ class Zygote:
             for _ in range(2):  # a zygote found dead is started again, once
                 if self._cold_reason or self._closed:
                     return None
+                self._let_go_if_lost()
                 if self._proc is None:
                     self._launch()
                     if self._proc is None:
                         return None
+                lost = self._lost
                 try:
                     if not self._wait_ready():
                         return None
                     return self._request(request, fds)
                 except ZygoteGone as gone:
-                    log.warning("--preload: %s; starting a new one", gone)
+                    if self._lost is lost:  # else said as it was found lost
+                        log.warning("--preload: %s; starting a new one", gone)
             raise PreloadError(
                 f"--preload {','.join(self.preload)}: the zygote died twice in a row before it "
                 "could fork a process"
@@ -520,26 +489,65 @@ class Zygote:
         return True
 
     def _request(self, request: dict[str, Any], fds: list[int]) -> ZygoteHandle:
-        sock = self._sock
-        assert sock is not None
+        """Send ``request``, numbered, and take the reply that answers it, checked (the
+        zygote then may reap the child); ``ZygoteGone`` if none does."""
+        sock, proc = self._sock, self._proc
+        assert sock is not None and proc is not None
+        self._seq += 1
         try:
             with signals_deferred():  # a request and its reply, whole
                 sock.settimeout(REPLY_TIMEOUT)
                 try:
-                    _zygote.send_message(sock, request, fds)
-                    got = _zygote.receive_message(sock, 2)
+                    _zygote.send_message(sock, {**request, "seq": self._seq}, fds)
                 finally:
                     sock.settimeout(None)
+                reply = read_reply(sock, time.monotonic() + REPLY_TIMEOUT)
+                if reply is None:
+                    raise EOFError
+                pid, status_fd, pidfd = check_reply(reply, self._seq, proc.pid, self._pidfds)
+                known = self._children.get(pid)
+                if known is not None and known.holds_pid():
+                    os.close(status_fd)
+                    if pidfd is not None:
+                        os.close(pidfd)
+                    raise BadReply(f"it names pid {pid}, which the zygote forked before")
+                handle = ZygoteHandle(pid, status_fd, pidfd, partial(self._lose, proc))
+                self._children[pid] = handle
+                try:
+                    _zygote.send_message(sock, {"checked": pid})
+                except OSError:
+                    pass  # it died since: so does the child, which reads as killed
+        except BadReply as bad:
+            self._discard()
+            why = f"the zygote's reply is no answer to request {self._seq}: {bad}"
+            raise ZygoteGone(why) from None
         except (OSError, EOFError):
-            got = None
+            raise ZygoteGone(self._ended()) from None
         except BaseException:
             self._discard()
             raise
-        if got is None:
-            raise ZygoteGone(self._ended())
-        reply, received = got
-        assert isinstance(reply, dict)
-        return ZygoteHandle(reply["pid"], received[0], received[1] if len(received) > 1 else None)
+        return handle
+
+
+def _is_report(report: object) -> bool:
+    """Whether ``report`` is the zygote's report on its imports (``_zygote.main``)."""
+    if not isinstance(report, dict) or set(report) != {
+        "error",
+        "pid",
+        "python_threads",
+        "native_threads",
+        "cuda",
+    }:
+        return False
+    threads = report["python_threads"]
+    return (
+        isinstance(report["error"], (str, type(None)))
+        and type(report["pid"]) is int
+        and isinstance(threads, list)
+        and all(isinstance(name, str) for name in threads)
+        and type(report["native_threads"]) is int
+        and type(report["cuda"]) is bool
+    )
 
 
 def _forget_in_child() -> None:
