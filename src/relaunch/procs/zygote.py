@@ -25,9 +25,9 @@ killed (-SIGKILL); the group then restarts as after any failure, from a new zygo
 
 Nothing the zygote's socket gives is trusted (a worker can take the zygote's end of it): the
 requests are numbered, and a reply that is not the answer to the request
-(``zygote_child.check_reply``), a report on the imports that is not one, or an exit status not
-given in time (``zygote_child.STATUS_TIMEOUT``) makes the zygote lost: it is killed, said in
-one line, and the next start has a new one, as for a zygote that died.
+(``zygote_child.check_reply``), a report on the imports that is not one, or an exit status a
+stopped zygote did not give in time (``zygote_child.STATUS_TIMEOUT``) makes the zygote lost: it
+is killed, said in one line, and the next start has a new one, as for a zygote that died.
 """
 
 from __future__ import annotations

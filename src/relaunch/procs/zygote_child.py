@@ -11,9 +11,10 @@ checked it, so it is there to be checked). Anything else is ``BadReply``: the zy
 
 A worker's exit is seen from its own pidfd, not through the zygote: a stopped or slow zygote
 cannot delay it. Its wait status still comes from the zygote, its parent, which reaps it; one
-that does not come within ``STATUS_TIMEOUT`` of the end makes the zygote lost. The status is
-then the kernel's, read from the zombie the zygote left (``/proc/PID/stat``), or, where that
-cannot be read, unknown: the worker reads as killed (-SIGKILL).
+that does not come within ``STATUS_TIMEOUT`` of the end is the kernel's, read from the zombie the
+zygote left (``/proc/PID/stat``), or, where that cannot be read, unknown: the worker reads as
+killed (-SIGKILL). A zygote late so that is lost when it is stopped (SIGSTOP, a tracer) or its
+status cannot be read; one merely slow on a loaded machine keeps its workers.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from relaunch.procs import _zygote
 from relaunch.procs.handles import PopenHandle
 
 #: Seconds a zygote has, once its child ended, to give the child's exit status (it reaps on
-#: SIGCHLD, in well under a millisecond): past it, the zygote is lost.
+#: SIGCHLD, in well under a millisecond): past it, the status is the kernel's, and a stopped
+#: zygote is lost.
 STATUS_TIMEOUT = 1.0
 #: The descriptors a reply may carry: the status pipe, and the pidfd where there are pidfds.
 MAX_REPLY_FDS = 2
@@ -152,6 +154,18 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a tracer) or gone: it gives no status."""
+    if pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            data = file.read()
+        return data[data.rindex(b")") + 2 :].split()[0] in (b"T", b"t", b"Z", b"X")
+    except (OSError, ValueError, IndexError):
+        return True
+
+
 def _alive_or_zombie(pidfd: int) -> bool:
     """Whether the process of ``pidfd`` is not reaped yet (so its pid, read just before, was
     its own)."""
@@ -211,6 +225,8 @@ class ZygoteHandle(PopenHandle):
         if self._code is None and late:
             code = self._zombie_status()
             self._code = -signal.SIGKILL if code is None else code
+            if code is not None and not _stopped(parent_of(self.pid)):
+                return self._code  # a zygote slow on a loaded machine, not a lost one
             said = "its status unknown: it reads as killed" if code is None else "read from /proc"
             self._lost(
                 f"did not give the exit status of pid {self.pid} within {STATUS_TIMEOUT:g}s of "
