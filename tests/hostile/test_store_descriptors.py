@@ -4,7 +4,8 @@ Before: under ``ulimit -n 200``, connections that never authenticated took 199 o
 agent's descriptors (the store let 1,024 of them wait), and a scrape of its metrics timed out.
 Now the store lets at most a quarter of the open-file limit wait to authenticate
 (``runtime.descriptor_share``), so the agent keeps the rest for its own work: its metrics
-answer and its job finishes.
+answer and its job finishes. A store without a token, where any client authenticates with an
+empty proof, holds at most that share of connections in all (before: every descriptor).
 
 A real agent (c10d, hosting its store, serving metrics) under RLIMIT_NOFILE 200, flooded by
 this test's connections on loopback.
@@ -26,6 +27,7 @@ import pytest
 from conftest import LeakCheck, wait_until
 
 from relaunch.endpoints import find_free_port
+from relaunch.store import wire
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,10 +55,13 @@ def scrape(port: int, timeout: float = 5.0) -> bytes:
     return answer.split(b"\r\n", 1)[0]
 
 
-@pytest.fixture
-def agent(leaks: LeakCheck, tmp_path: pathlib.Path) -> Iterator[tuple[int, int, int]]:
+@pytest.fixture(params=["token=fds-token", "last_call_timeout=1"], ids=["token", "no-token"])
+def agent(
+    leaks: LeakCheck, tmp_path: pathlib.Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[int, int, int]]:
     """A one-node c10d job under ``ulimit -n 200`` whose worker waits for a file; its agent
-    hosts the store and serves metrics: (agent pid, store port, metrics port)."""
+    hosts the store (with a token, or without) and serves metrics: (agent pid, store port,
+    metrics port)."""
     job, done = tmp_path / "worker.py", tmp_path / "done"
     job.write_text(WORKER)
     store_port, metrics_port = find_free_port(HOST), find_free_port(HOST)
@@ -68,7 +73,7 @@ def agent(leaks: LeakCheck, tmp_path: pathlib.Path) -> Iterator[tuple[int, int, 
         [
             *(sys.executable, "-m", "relaunch", "--nnodes", "1", "--nproc-per-node", "1"),
             *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HOST}:{store_port}"),
-            *("--rdzv-id", "fds", "--rdzv-conf", "token=fds-token"),
+            *("--rdzv-id", "fds", "--rdzv-conf", request.param),
             *("--metrics-port", f"{HOST}:{metrics_port}", str(job), str(done)),
         ],
         stdout=subprocess.DEVNULL,
@@ -109,6 +114,8 @@ def test_outsiders_connections_leave_the_agent_its_descriptors(
             return len(select.select(flood, [], [], 0)[0])
 
         wait_until(lambda: greeted() >= LIMIT // 5, 20, "the store to take the flood in")
+        for sock in flood:  # an empty proof: all a store without a token asks
+            sock.send(wire.encode(wire.AUTH, [b"", b"\0" * 32]))
         # Scrapes for two seconds, while the store takes what it will of the flood.
         answers, held = [], []
         until = time.monotonic() + 2.0

@@ -73,10 +73,10 @@ class Server:
 
 @contextlib.contextmanager
 def store_server(
-    leaks: LeakCheck, tmp_path: Path, nofile: tuple[int, int] | None = None
+    leaks: LeakCheck, tmp_path: Path, nofile: tuple[int, int] | None = None, token: str = ""
 ) -> Iterator[Server]:
-    """``relaunch store --port 0`` in a subprocess (started with RLIMIT_NOFILE ``nofile``);
-    SIGTERMed at the end, which it must survive to exit 0."""
+    """``relaunch store --port 0`` in a subprocess (started with RLIMIT_NOFILE ``nofile``, with
+    ``token`` if one is given); SIGTERMed at the end, which it must survive to exit 0."""
 
     def limit() -> None:
         if nofile is not None:
@@ -88,7 +88,7 @@ def store_server(
             [sys.executable, "-m", "relaunch", "store", "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=err,
-            env=leaks.process_env(LOGLEVEL="INFO"),
+            env=leaks.process_env(LOGLEVEL="INFO", RELAUNCH_RDZV_TOKEN=token),
             preexec_fn=limit,
         )
     try:
@@ -183,13 +183,16 @@ def test_the_server_raises_a_low_soft_open_file_limit_to_the_hard_limit(
 
 
 LOW_LIMIT = 40  # descriptors: the server's own few, then ~30 clients
+TOKEN = "scale-token"
 
 
 @pytest.mark.timeout(60)
 def test_out_of_descriptors_the_server_rests_serves_its_clients_and_accepts_again(
     leaks: LeakCheck, tmp_path: Path
 ) -> None:
-    with store_server(leaks, tmp_path, nofile=(LOW_LIMIT, LOW_LIMIT)) as server:
+    # With a token: a store without one holds only a share of its descriptors (the test of
+    # that is tests/hostile/test_store_descriptors.py), so it never runs out.
+    with store_server(leaks, tmp_path, nofile=(LOW_LIMIT, LOW_LIMIT), token=TOKEN) as server:
         # One clear warning at start: how many fit, how many may come, what to do.
         warning = [line for line in server.stderr().splitlines() if "open-file limit" in line]
         assert len(warning) == 1 and "room for about" in warning[0]
@@ -200,7 +203,7 @@ def test_out_of_descriptors_the_server_rests_serves_its_clients_and_accepts_agai
         pending: socket.socket | None = None
         try:
             while server.descriptors() < LOW_LIMIT:
-                held.append(TcpStore(HOST, server.port, timeout=IO_TIMEOUT))
+                held.append(TcpStore(HOST, server.port, TOKEN, timeout=IO_TIMEOUT))
                 assert len(held) < LOW_LIMIT, "more clients than the limit allows"
             assert len(held) > LOW_LIMIT // 2
 
@@ -239,7 +242,7 @@ def test_out_of_descriptors_the_server_rests_serves_its_clients_and_accepts_agai
             pending = None
             # Its descriptor comes back once the server sees it gone: a full client fits.
             wait_until(lambda: server.descriptors() < LOW_LIMIT, what="a free descriptor")
-            with TcpStore(HOST, server.port, timeout=IO_TIMEOUT) as late:
+            with TcpStore(HOST, server.port, TOKEN, timeout=IO_TIMEOUT) as late:
                 late.set("late", b"1")
                 assert held[0].get("late").value == b"1"
         finally:

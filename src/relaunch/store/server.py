@@ -307,6 +307,10 @@ class TcpStoreServer:
         self._check_open_file_limit(expected)
         #: Connections that may wait to authenticate at once (``descriptor_share``).
         self.max_unauthenticated = descriptor_share(MAX_UNAUTHENTICATED)
+        #: Without a token no client proves anything: all of them at once, at most (the
+        #: listener rests at that many until one closes), with room for twice the expected.
+        self.max_tokenless = descriptor_share(max(2 * expected, MAX_UNAUTHENTICATED))
+        self._tokenless_full_said = False
 
     @property
     def endpoint(self) -> str:
@@ -534,6 +538,9 @@ class TcpStoreServer:
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
             now = time.monotonic()
+            if not self._token and len(self._clients) >= self.max_tokenless:
+                self._hold_tokenless()
+                return
             if len(self._unproven) >= self.max_unauthenticated and not self._make_room(now):
                 return
             try:
@@ -579,7 +586,21 @@ class TcpStoreServer:
         self._rest_listener(oldest.accepted + HANDSHAKE_GRACE)
         return False
 
-    def _rest_listener(self, until: float) -> None:
+    def _hold_tokenless(self) -> None:
+        """A store without a token holds ``max_tokenless`` connections: rest the listener until
+        one closes (the rest of the open-file limit stays the agent's), said once."""
+        if not self._tokenless_full_said:
+            self._tokenless_full_said = True
+            log.warning(
+                "store: %d connections, the most a store without a token holds under an "
+                "open-file limit of %d: new clients wait until some close; set a token "
+                "(--rdzv-conf token=..., RELAUNCH_RDZV_TOKEN) so that only members count",
+                len(self._clients),
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )
+        self._rest_listener(None)
+
+    def _rest_listener(self, until: float | None) -> None:
         """Stop watching the listener (it would stay readable: no busy loop) until ``until``
         or until a connection closes or authenticates."""
         if self._accepting:
