@@ -679,6 +679,8 @@ class Launch:
         elif variant.launcher == DLROVER:
             extra = self.dlrover_env(job, rank, node_id)
             private += (DLROVER_SOCKETS,)
+        else:  # relaunch copies kept state to the other node only with the job's token
+            extra = {"RELAUNCH_RDZV_TOKEN": f"recovery-{job.tag}"}
         job.start(node, self.argv(job, variant), extra, private)
 
     def start(self, job: Job, variant: Variant, deadline: float) -> None:
@@ -911,14 +913,14 @@ def peer_copy_check(ctx: harness.Context) -> Check:
         tempfile.TemporaryDirectory(dir="/dev/shm") as b_dir,
     ):
         sender, receiver = (
-            PeerLink(a_dir, "127.0.0.1", 2 * size),
-            PeerLink(b_dir, "127.0.0.1", 2 * size),
+            PeerLink(a_dir, "127.0.0.1", 2 * size, "bench"),
+            PeerLink(b_dir, "127.0.0.1", 2 * size, "bench"),
         )
         try:
             fd = os.open(os.path.join(a_dir, layout.slot_name(0, 0)), os.O_RDWR | os.O_CREAT, 0o600)
             writer = SlotWriter(fd)
             data = memoryview(bytearray(os.urandom(1 << 20)) * 100)
-            peer = (receiver.address, receiver.token)
+            peer = receiver.address
             pushes, pulls = [], []
             for step in range(1, 6):
                 writer.write(step, step, [data])  # a save not copied yet

@@ -111,8 +111,9 @@ def one_rank_nodes(
     **env: str,
 ) -> Callable[[], subprocess.Popen[str]]:
     """What starts one more agent of a job of ``nodes`` nodes of one worker each, on
-    ``backend`` (and ``argv``: flags, then the command). The first one started hosts the
-    built-in store: it returns once the store listens."""
+    ``backend`` (and ``argv``: flags, then the command), with a token (the nodes copy their
+    state to each other; ``RELAUNCH_RDZV_TOKEN=""`` in ``env``: none). The first one started
+    hosts the built-in store: it returns once the store listens."""
     endpoint = endpoint_of(backend, request)
     command = [
         sys.executable,
@@ -130,7 +131,7 @@ def one_rank_nodes(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**leaks.process_env(), **env},
+            env={**leaks.process_env(), "RELAUNCH_RDZV_TOKEN": run_id, **env},
         )
         if not started and backend == "c10d":
             port = int(endpoint.rpartition(":")[2])

@@ -33,11 +33,14 @@ def commit(directory: pathlib.Path, rank: int, slot: int, step: int, size: int) 
         os.close(fd)
 
 
+KEY = "the job's key"
+
+
 class Successor:
     """A successor that takes pushes as the real one does, and can stop reading one."""
 
-    def __init__(self, token: str) -> None:
-        self.token = token
+    def __init__(self, key: str = KEY) -> None:
+        self.key = key
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.pushes: queue.Queue[tuple[int, int, int, int]] = queue.Queue()
@@ -56,7 +59,9 @@ class Successor:
                 connection.settimeout(30)
                 challenge = auth.nonce()
                 connection.sendall(challenge)
-                assert auth.verify(self.token, b"client", challenge, self._read(connection, 32))
+                answer = self._read(connection, 64)
+                assert auth.verify(self.key, b"client", challenge, answer[:32])
+                connection.sendall(auth.proof(self.key, b"server", answer[32:]))
                 assert self._read(connection, 1) == b"P"
                 rank, slot, size = PUSH.unpack(self._read(connection, PUSH.size))
                 if self.stall.is_set():
@@ -69,6 +74,7 @@ class Successor:
                     continue
                 head = self._read(connection, size)
                 whole = self._read(connection, 1) == b"\1"
+                self._read(connection, 32)  # its HMAC (checked by the real one)
                 found = layout.read_header(head[: layout.HEADER_SIZE]) if whole else None
                 self.pushes.put((rank, slot, size, -1 if found is None else found.step))
 
@@ -90,10 +96,10 @@ class Successor:
 def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(tmp_path: pathlib.Path) -> None:
     """``hold`` (the workers stop) ends the push under way, though its receiver reads nothing
     more; the next save is pushed whole."""
-    link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30)
-    successor = Successor("secret")
+    link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30, KEY)
+    successor = Successor()
     try:
-        link.follow([(successor.address, successor.token)])
+        link.follow([successor.address])
         size = commit(tmp_path, 3, 0, 7, 64 << 20)  # more than the socket buffers hold
         successor.stall.set()
         link.saved(3)
@@ -115,15 +121,13 @@ def test_a_save_is_pushed_to_every_successor_though_one_of_them_is_gone(
 ) -> None:
     """``--state-replicas 3``: each save goes to the three next nodes; one of them no longer
     listening (lost with the node being lost too) keeps the copy from none of the others."""
-    link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30)
-    first, third = Successor("one"), Successor("three")
+    link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30, KEY)
+    first, third = Successor(), Successor()
     gone = socket.create_server(("127.0.0.1", 0))
     gone_address = f"127.0.0.1:{gone.getsockname()[1]}"
     gone.close()  # its port refuses connections, as a lost node's does
     try:
-        link.follow(
-            [(first.address, first.token), (gone_address, "two"), (third.address, third.token)]
-        )
+        link.follow([first.address, gone_address, third.address])
         size = commit(tmp_path, 5, 0, 11, 1 << 20)
         link.saved(5)
         assert first.pushes.get(timeout=30) == (5, 0, size, 11)
@@ -131,7 +135,7 @@ def test_a_save_is_pushed_to_every_successor_though_one_of_them_is_gone(
         link.follow([])  # nobody to push to: a save is not pushed
         commit(tmp_path, 5, 1, 12, 1 << 10)
         link.saved(5)
-        link.follow([(first.address, first.token)])
+        link.follow([first.address])
         small = commit(tmp_path, 5, 0, 13, 1 << 10)
         link.saved(5)
         assert first.pushes.get(timeout=30) == (5, 0, small, 13)  # not 12: it was never sent
@@ -152,16 +156,16 @@ def test_only_copy_steps_are_pushed_once_each_and_the_receiver_keeps_its_two_new
     sender_dir, receiver_dir = tmp_path / "a", tmp_path / "b"
     sender_dir.mkdir()
     receiver_dir.mkdir()
-    sender = PeerLink(str(sender_dir), "127.0.0.1", 1 << 30, copy_every=4)
-    receiver = PeerLink(str(receiver_dir), "127.0.0.1", 1 << 30)
-    counted = Successor("counted")  # a second successor: what is sent, push by push
+    sender = PeerLink(str(sender_dir), "127.0.0.1", 1 << 30, KEY, copy_every=4)
+    receiver = PeerLink(str(receiver_dir), "127.0.0.1", 1 << 30, KEY)
+    counted = Successor()  # a second successor: what is sent, push by push
     peers = str(receiver_dir / PEERS)
 
     def copies() -> list[int]:
         return sorted(head.step for head in committed(peers, 2).values())
 
     try:
-        sender.follow([(receiver.address, receiver.token), (counted.address, counted.token)])
+        sender.follow([receiver.address, counted.address])
         slots: dict[int, layout.Header] = {}
         for step in range(7, 17):
             slot = layout.slot_to_write(slots, 4)

@@ -88,11 +88,12 @@ def test_a_node_copies_its_state_to_the_next_nodes_in_ring_order_never_to_itself
     [
         b"\xff",
         b"[]",
-        b'{"address": 1, "token": "t", "held": {}}',
-        b'{"address": "a:1", "token": "t", "held": {"x": [1]}}',
-        b'{"address": "a:1", "token": "t", "held": {"0": [true]}}',
-        b'{"address": "a:1", "token": "t", "held": {"0": "1"}}',
-        b'{"address": "a:1", "token": "t", "held": {}, "replicated": ["1"]}',
+        b'{"address": 1, "held": {}}',
+        b'{"address": "a:1", "held": {"x": [1]}}',
+        b'{"address": "a:1", "held": {"0": [true]}}',
+        b'{"address": "a:1", "held": {"0": "1"}}',
+        b'{"address": "a:1", "held": {}, "replicated": ["1"]}',
+        b'{"address": "a:1", "held": {}, "runs": [0.5]}',
     ],
 )
 def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) -> None:
@@ -105,8 +106,12 @@ def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) 
 def test_a_state_record_reads_as_its_peer_and_steps() -> None:
     from relaunch.agent.state import node_held
 
-    raw = b'{"address": "10.0.0.2:4000", "token": "ab", "held": {"3": [7, 8]}, "replicated": [8]}'
-    assert node_held(raw) == (("10.0.0.2:4000", "ab"), {3: [7, 8]}, [8])
+    raw = b'{"address": "10.0.0.2:4000", "held": {"3": [7, 8]}, "replicated": [8], "runs": [3]}'
+    assert node_held(raw) == ("10.0.0.2:4000", {3: [7, 8]}, [8], [3])
+    alone = node_held(b'{"address": null, "held": {"3": [7]}, "runs": [3]}')  # no token: no copies
+    assert alone.address is None and alone.reaches(3, alone) and not alone.reaches(4, None)
+    served = node_held(b'{"address": "10.0.0.2:4000", "held": {"4": [7]}, "runs": [3]}')
+    assert served.reaches(4, None) and served.reaches(3, alone) and not served.reaches(4, alone)
 
 
 def saves_kept(copy_every: int, steps: range) -> list[dict[int, state.Header]]:

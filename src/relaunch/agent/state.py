@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from relaunch.agent.channel import Channel
 from relaunch.agent.shm import STATE_PREFIX, PrivateDirectory
@@ -53,32 +53,53 @@ class StateNotAgreed(Exception):
     fresh saves would overwrite the state kept); the node joins again."""
 
 
-def node_held(raw: bytes) -> tuple[tuple[str, str], dict[int, list[int]], list[int]]:
-    """A node's state record (``agree``): its peer (address, token), the steps it holds by
-    rank, and those of its replicated saves. ``ValueError`` saying what is wrong when it is
-    not one."""
+class NodeState(NamedTuple):
+    """A node's state record (``agree``): its state server's address (None: it copies no
+    state), the steps it holds by rank, those of its replicated saves, and the global ranks it
+    runs in the new world."""
+
+    address: str | None
+    held: dict[int, list[int]]
+    replicated: list[int]
+    runs: list[int]
+
+    def reaches(self, rank: int, runner: NodeState | None) -> bool:
+        """Whether ``rank``, run by ``runner`` (None: not known), can resume from what this
+        node holds: a rank of its own, or one whose node can pull it from this one (both
+        copy state: the job has a token)."""
+        if rank in self.runs:
+            return True
+        return self.address is not None and (runner is None or runner.address is not None)
+
+
+def _whole_numbers(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    )
+
+
+def node_held(raw: bytes) -> NodeState:
+    """A node's state record, read; ``ValueError`` saying what is wrong when it is not one."""
     try:
         record = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ValueError("not an object")
-    address, token, held = record.get("address"), record.get("token"), record.get("held")
-    if not isinstance(address, str) or not isinstance(token, str) or not isinstance(held, dict):
-        raise ValueError("address, token and held are not a string, a string and an object")
+    address, held = record.get("address"), record.get("held")
+    if not (address is None or isinstance(address, str)) or not isinstance(held, dict):
+        raise ValueError("address and held are not a string (or null) and an object")
     steps: dict[int, list[int]] = {}
     for rank, kept in held.items():
         if not rank.isdigit() or not isinstance(kept, list):
             raise ValueError(f"held[{rank!r}] is not a rank's list of steps")
-        if not all(isinstance(step, int) and not isinstance(step, bool) for step in kept):
+        if not _whole_numbers(kept):
             raise ValueError(f"held[{rank!r}] holds a step that is not a whole number")
         steps[int(rank)] = kept
-    replicated = record.get("replicated", [])
-    if not isinstance(replicated, list) or not all(
-        isinstance(step, int) and not isinstance(step, bool) for step in replicated
-    ):
-        raise ValueError("replicated is not a list of whole numbers")
-    return (address, token), steps, replicated
+    replicated, runs = record.get("replicated", []), record.get("runs", [])
+    if not _whole_numbers(replicated) or not _whole_numbers(runs):
+        raise ValueError("replicated and runs are not lists of whole numbers")
+    return NodeState(address, steps, replicated, runs)
 
 
 def prune_peers(directory: str, step: int) -> None:
@@ -112,11 +133,16 @@ def machine_memory() -> int:
 
 
 class StateKeeper:
-    """The state of one agent's workers, run after run, kept as ``settings`` say; with
-    ``peer_host`` (the address the node is known by in a job of several nodes), also on
-    another node (``agent.state_peers``)."""
+    """The state of one agent's workers, run after run, kept as ``settings`` say. With
+    ``peer_host`` (the address the node is known by in a job of several nodes), the nodes
+    agree on the step to resume from; with ``peer_key`` too (``JobServices.peer_key``: the job
+    has a token), the state is also copied to other nodes (``agent.state_peers``). Without a
+    key, whoever reaches a node could plant state its workers would unpickle: none is copied,
+    and a node of several says so once, at its workers' first save."""
 
-    def __init__(self, settings: StateSettings, peer_host: str | None = None) -> None:
+    def __init__(
+        self, settings: StateSettings, peer_host: str | None = None, peer_key: str | None = None
+    ) -> None:
         memory = settings.memory
         self.memory = default_memory(machine_memory()) if memory is None else memory
         self.state_dir = state_dir = settings.directory
@@ -142,10 +168,15 @@ class StateKeeper:
         self._peers: PeerLink | None = None
         self._agreed: int | None = None  # the step the last attempt's nodes agreed on
         self._not_agreed = 0  # failed agreements in a row
-        if peer_host is not None:
+        self._several = peer_host is not None  # a node of a job of several: agree with them
+        self._uncopied = False  # a node of several with no copies: said at the first save
+        self._uncopied_said = False
+        if peer_host is not None and peer_key is not None:
             from relaunch.agent.state_peers import PeerLink  # sockets: a job of several nodes
 
-            self._peers = PeerLink(self.directory, peer_host, self.memory, self.copy_every)
+            self._peers = PeerLink(
+                self.directory, peer_host, self.memory, peer_key, self.copy_every
+            )
         self._reader = start_thread(self._read_saves, "relaunch-state-saves")
         self._persister = (
             None if state_dir is None else start_thread(self._persist_loop, "relaunch-state-disk")
@@ -189,18 +220,19 @@ class StateKeeper:
         # agreed, so that no node waits on another's disk.
         coming = self._on_disk(ranks.values())
         held = held_steps(self.directory, coming)
-        if group_world_size == 1 or self._peers is None:
+        if group_world_size == 1 or not self._several:
             self._seed(coming)
             self._copying = False
             step = layout.common_step(held, world_size)
             return self._resume(step, held, world_size, ranks.values(), {})
         replicated_here = set(replicated_steps(held, self.directory))
         replicated_here.update(head.step for head in coming.values() if head.replicated)
+        self._uncopied = self._peers is None and self.replicas > 0
         mine = {
-            "address": self._peers.address,
-            "token": self._peers.token,
+            "address": None if self._peers is None else self._peers.address,
             "held": held,
             "replicated": sorted(replicated_here),
+            "runs": sorted(ranks.values()),
         }
         parts = job.gather(
             "state", group_rank, group_world_size, json.dumps(mine).encode(), AGREE_TIMEOUT
@@ -231,23 +263,27 @@ class StateKeeper:
                     "group rank %d posted a state record relaunch cannot read: %s", member, exc
                 )
         anywhere: dict[int, set[int]] = {}
-        holders: dict[tuple[int, int], tuple[str, str]] = {}
-        for peer, node_steps, replicated in nodes.values():
-            for rank, steps in node_steps.items():
-                anywhere.setdefault(rank, set()).update(steps)
-                for kept in steps:
-                    holders.setdefault((rank, kept), peer)
-            for rank in range(world_size):  # any rank may resume from a replicated save
-                anywhere.setdefault(rank, set()).update(replicated)
-                for kept in replicated:
-                    holders.setdefault((rank, kept), peer)
+        holders: dict[tuple[int, int], str] = {}
+        runners = {rank: node for node in nodes.values() for rank in node.runs}
+        for node in nodes.values():
+            # Any rank may resume from a replicated save; without copies (no token), a node
+            # holds steps for its own ranks alone. Every node reads the same records: the
+            # same step.
+            for rank in range(world_size):
+                steps = node.held.get(rank, []) + node.replicated
+                if steps and node.reaches(rank, runners.get(rank)):
+                    anywhere.setdefault(rank, set()).update(steps)
+                    for kept in steps:
+                        if node.address is not None:
+                            holders.setdefault((rank, kept), node.address)
         successors = [
-            nodes[member][0]
+            address
             for member in layout.successors(group_rank, group_world_size, self.replicas)
-            if member in nodes
+            if member in nodes and (address := nodes[member].address) is not None
         ]
-        self._peers.follow(successors)
-        self._copying = bool(successors)
+        if self._peers is not None:
+            self._peers.follow(successors)
+        self._copying = self._peers is not None and bool(successors)
         step = layout.common_step(anywhere, world_size)
         held_anywhere = {rank: sorted(steps) for rank, steps in anywhere.items()}
         return self._resume(step, held_anywhere, world_size, ranks.values(), holders)
@@ -258,7 +294,7 @@ class StateKeeper:
         held: Mapping[int, list[int]],
         world_size: int,
         ranks: Collection[int],
-        holders: Mapping[tuple[int, int], tuple[str, str]],
+        holders: Mapping[tuple[int, int], str],
     ) -> int | None:
         """The world resumes from ``step`` (None: afresh, said when state was kept but no step
         is every rank's): what came after it is forgotten, and it is brought here for
@@ -269,6 +305,18 @@ class StateKeeper:
         self._fetch(step, ranks, holders)
         self._agreed = step
         return step
+
+    def _say_uncopied(self) -> None:
+        """Once, at the first save: a node of several without the job's key keeps its state
+        to itself."""
+        if self._uncopied and not self._uncopied_said:
+            self._uncopied_said = True
+            log.warning(
+                "kept state stays on this node (a lost node's is lost with it): copies to "
+                "other nodes are off without the job's token, which proves them (a worker "
+                "unpickles what it loads); set the same --rdzv-conf token=... (or "
+                "$RELAUNCH_RDZV_TOKEN) on every node to turn them on"
+            )
 
     def hold_copies(self) -> None:
         """The workers stop: copy no state to the successors until they save again
@@ -286,7 +334,7 @@ class StateKeeper:
         self,
         step: int | None,
         ranks: Collection[int],
-        holders: Mapping[tuple[int, int], tuple[str, str]],
+        holders: Mapping[tuple[int, int], str],
     ) -> None:
         """Make ``step`` of each of ``ranks`` one of its own slots here (``load_state`` reads
         those): from a peer copy or a replicated save on this node, else pulled from a node
@@ -357,6 +405,8 @@ class StateKeeper:
                     if self._peers is not None and local in self._ranks:
                         self._peers.saved(self._ranks[local])
                 self._settle_expected()
+                if data:
+                    self._say_uncopied()
                 total = sum(self._saves.values())
                 ranks = max(1, len(self._ranks))
                 if total - self._persisted_at >= self.persist_every * ranks:

@@ -139,7 +139,8 @@ class Workers:
             )
             self._lot = lot
         if self._state_settings is not None:
-            self.state = StateKeeper(self._state_settings, self._job.local_addr)
+            job = self._job
+            self.state = StateKeeper(self._state_settings, job.local_addr, job.peer_key)
         if self._preload:
             self.zygote = self._start_zygote({**self._channel.env(), **self._lot_env()})
         if self.zygote is not None:

@@ -92,7 +92,8 @@ class RendezvousSettings(NamedTuple):
     timeout: float = 60.0
     #: Host the store on this node: None (not given) hosts it when the endpoint can be bound.
     is_host: bool | None = None
-    #: The store's shared secret (else ``$RELAUNCH_RDZV_TOKEN``: ``job_token``).
+    #: The job's shared secret (else ``$RELAUNCH_RDZV_TOKEN``: ``job_token``): the built-in
+    #: store's, and what the copies of kept state between nodes prove.
     token: str | None = None
     #: This node's name within its host, for the job's record of it (``core.exclusion``).
     node_name: str | None = None

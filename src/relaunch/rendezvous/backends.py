@@ -283,6 +283,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         node_rank=conf.rank,
         last_word=last_word,
         failover=failover,
+        token=token,
     )
 
 
@@ -352,4 +353,5 @@ def create_etcd_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         last_word=_last_word(
             {"store": "etcd", "endpoints": params.endpoint or "127.0.0.1", "options": options}
         ),
+        token=conf.job_token(os.environ),  # for the state copies alone
     )

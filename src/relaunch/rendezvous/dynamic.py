@@ -55,6 +55,7 @@ class HandlerOptions(TypedDict, total=False):
     node_rank: int | None
     last_word: LastWord | None
     failover: StoreFailover | None
+    token: str | None
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -64,7 +65,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
     ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
     which its group rank follows (``core.node_order``). ``last_word``: what this node's guardian
-    says should its agent die while a member (``last_word``). ``failover``: where the job's
+    says should its agent die while a member (``last_word``). ``token``: the job's (None:
+    none), which its state copies are keyed from (``DynamicJob``). ``failover``: where the job's
     built-in store may move when its host is lost (``failover``). Deadlines come from ``clock``.
     """
 
@@ -83,6 +85,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         last_word: LastWord | None = None,
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        token: str | None = None,
     ) -> None:
         self._run_id = run_id
         self._node_rank = node_rank
@@ -113,6 +116,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             last_word,
             failover,
             clock,
+            token,
         )
         self._failover = failover
         if failover is not None:

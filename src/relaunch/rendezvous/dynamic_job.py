@@ -36,6 +36,7 @@ from relaunch.rendezvous.rounds import Rounds, closing_failure
 from relaunch.rendezvous.standing import Standing
 from relaunch.rendezvous.store_loss import StoreLoss
 from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.store import auth
 from relaunch.store.api import StoreConnectionError, StoreError, StoreFenced
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ class DynamicJob:
     ``store_host_probe`` (c10d, the store hosted by another node) reaches the store within the
     seconds given, or raises ``StoreError``: once the store is lost, a store that cannot be
     reached within the keep-alive detection time is judged dead with its host, as a member
-    silent that long is. Deadlines and timestamps come from ``clock``."""
+    silent that long is. ``token``: the job's (None: none), which ``peer_key`` is derived
+    from. Deadlines and timestamps come from ``clock``."""
 
     watches_membership = True
     pushes_changes = True
@@ -71,9 +73,12 @@ class DynamicJob:
         last_word: LastWord | None = None,
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        token: str | None = None,
     ) -> None:
         self._run_id = run_id
         self._last_word = last_word
+        #: What the nodes' state copies prove (``job.JobServices.peer_key``).
+        self.peer_key = None if token is None else auth.derived(token, f"state copies {run_id}")
         self._stores, self._store = stores, stores.store
         self.settings = settings
         self._rounds, self._key, self._roster = rounds, rounds.key, rounds.roster

@@ -107,6 +107,11 @@ class JobServices(Protocol):
     def local_addr(self) -> str | None:
         """The address the other nodes reach this one at (None: a job of one node)."""
 
+    @property
+    def peer_key(self) -> str | None:
+        """A key every node of the job can compute and nobody else can: derived from the job's
+        token, never sent (None: the job has no token). The nodes' state copies prove it."""
+
     def gather(
         self, name: str, rank: int, count: int, value: bytes, timeout: float
     ) -> dict[int, bytes] | None:
@@ -146,6 +151,7 @@ class SoloJob:
     pushes_changes = False
     lost_node_grace = 0.0
     local_addr = None
+    peer_key = None
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
         pass

@@ -66,6 +66,7 @@ from relaunch.runtime import (
 )
 from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
+from relaunch.store.refusals import Refusals
 from relaunch.store.state import KeyValueState
 
 if TYPE_CHECKING:
@@ -164,48 +165,6 @@ class _Waiter:
     version: int | None = None  # None: wait for the keys to exist; else watch for a change
 
 
-class _Refusals:
-    """Connections closed for misbehaving, logged without flooding: the first of a quiet spell
-    in full (who, and why), the others summed up by reason in one line per interval."""
-
-    def __init__(self, interval: float) -> None:
-        self._interval = interval
-        self.until: float | None = None  # the end of the current interval; None: quiet
-        self._counts: dict[str, int] = {}
-        self.total = 0  # every refusal since the start
-
-    def note(self, peer: str, reason: str, detail: str, now: float) -> None:
-        self.total += 1
-        if self.until is None:
-            log.warning(
-                "store: closing %s: %s (more such are summed up every %gs)",
-                peer,
-                detail,
-                self._interval,
-            )
-            self.until = now + self._interval
-        else:
-            self._counts[reason] = self._counts.get(reason, 0) + 1
-
-    def tick(self, now: float) -> None:
-        """At an interval's end: its summary line, if any were closed during it."""
-        if self.until is not None and now >= self.until:
-            self.until = now + self._interval if self._counts else None
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._counts:
-            return
-        counts, self._counts = self._counts, {}
-        ranked = sorted(counts.items(), key=lambda item: -item[1])
-        log.warning(
-            "store: closed %s more connections in the last %gs: %s",
-            f"{sum(counts.values()):,}",
-            self._interval,
-            ", ".join(f"{n:,} {reason}" for reason, n in ranked),
-        )
-
-
 class _Refused(Exception):
     """A client to close, with a reason for the log: ``reason`` sums it up, ``detail`` says it."""
 
@@ -287,7 +246,7 @@ class TcpStoreServer:
         self._reserved = 0  # bytes of FRAME_BUDGET held
         self._starving: deque[_Client] = deque()  # large frames waiting for FRAME_BUDGET
         self._ready: list[_Client] = []  # unpaused clients whose buffered requests wait
-        self._refusals = _Refusals(REFUSAL_SUMMARY_INTERVAL)
+        self._refusals = Refusals(REFUSAL_SUMMARY_INTERVAL, "store", log)
         self._stopping = False
         self._thread: threading.Thread | None = None
         # Between stores (``follow``, ``fence``; the design: docs/store-failover.md).
