@@ -194,15 +194,20 @@ def check_log_file(path: str, what: str = "event log") -> None:
 
 
 def creatable(directory: str) -> str:
-    """Why ``directory`` (or a file in it) cannot be created by this process, or "" when it can
-    as far as can be told: the nearest existing ancestor must be a directory this process may
-    write to (``os.access``: root too is refused on a read-only filesystem)."""
+    """Why ``directory`` (or a file in it) cannot be created by this process, or "" when it can:
+    the nearest existing ancestor must be a directory in which this process can make one
+    (``unwritable``), and no ancestor a symbolic link to nothing."""
     ancestor = os.path.abspath(directory)
     while True:
         try:
             info = os.stat(ancestor)
             break
         except FileNotFoundError:
+            if os.path.islink(ancestor):  # os.makedirs would meet the link: "File exists"
+                return (
+                    f"{ancestor} is a symbolic link to {os.readlink(ancestor)}, which does not "
+                    "exist: make what it points to, or remove the link"
+                )
             parent = os.path.dirname(ancestor)
             if parent == ancestor:
                 return f"{ancestor} does not exist"
@@ -211,10 +216,24 @@ def creatable(directory: str) -> str:
             return f"{ancestor}: {_why(exc, ancestor)}"
     if not stat.S_ISDIR(info.st_mode):
         return f"{ancestor} is not a directory"
-    if not os.access(
-        ancestor, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
-    ):
-        return f"{ancestor} is not writable by this user (or is on a read-only filesystem)"
+    return unwritable(ancestor)
+
+
+def unwritable(directory: str) -> str:
+    """Why this process cannot make anything in the existing ``directory``, or "" when it can.
+
+    It tries: makes a directory of a name of its own there, and removes it. ``os.access``
+    cannot tell: it says yes to root on ``/sys`` and on a server that squashes root, and says
+    nothing of quotas and full inode tables."""
+    probe = os.path.join(directory, f".relaunch-check-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.mkdir(probe, 0o700)
+    except OSError as exc:
+        return f"{directory} is not writable by this user ({exc.strerror or exc})"
+    try:
+        os.rmdir(probe)
+    except OSError:
+        log.debug("cannot remove %s", probe, exc_info=True)
     return ""
 
 

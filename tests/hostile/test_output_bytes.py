@@ -10,6 +10,7 @@ console.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -19,7 +20,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +139,93 @@ def test_the_console_writer_waits_on_a_full_non_blocking_pipe() -> None:
         reader.join(timeout=10)
         os.close(read_fd)
     assert sha(bytes(received)) == sha(data)
+
+
+LONG_LINE = 200 << 20
+#: The agent's peak memory while it copies that line, at most: the launch benchmark's budget.
+#: About 25 MiB (20 MiB at rest); 63 to 427 MiB when the agent held what it read of the line
+#: until its pipe ran dry (issue 43, item 7).
+LONG_LINE_PEAK_MIB = 40
+
+LONG_LINE_WORKER = textwrap.dedent(
+    f"""
+    import fcntl, os, sys
+    # A pipe of 1 MiB, which the worker fills faster than the agent empties it (the line in
+    # one write): the agent's reads come full for as long as the line lasts.
+    fcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 1 << 20)
+    line = memoryview(b"x" * {LONG_LINE} + b"\\n")
+    while line:
+        line = line[os.write(1, line) :]
+    os.write(1, b"written\\n")
+    with open(sys.argv[1], "rb") as go:  # the agent lives on while the test reads its memory
+        go.read()
+    """
+)
+
+
+def ends_with(path: str, end: bytes) -> bool:
+    with open(path, "rb") as file:
+        file.seek(0, os.SEEK_END)
+        file.seek(max(0, file.tell() - len(end)))
+        return file.read() == end
+
+
+def peak_mib(pid: int) -> float:
+    """The peak resident memory of process ``pid`` so far (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        (kib,) = [line.split()[1] for line in status if line.startswith("VmHWM:")]
+    return int(kib) / 1024
+
+
+def opened_for_writing(fifo: str) -> bool:
+    """Whether ``fifo`` had a reader, which now reads its end (ENXIO: no reader yet)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as error:
+        if error.errno == errno.ENXIO:
+            return False
+        raise
+    return True
+
+
+@pytest.mark.parametrize("flag", ["--tee", "--hang-timeout"])
+def test_a_200_mb_line_passes_in_bounded_memory(tmp_path, leaks: LeakCheck, flag: str) -> None:
+    """A worker writes one line of 200 MiB, faster than the agent reads: the agent writes it on
+    in pieces as it reads (tee'd: each piece a prefixed line; relayed: byte for byte), and never
+    holds more than a few MiB of it."""
+    job, go, shown = tmp_path / "line.py", str(tmp_path / "go"), str(tmp_path / "console.out")
+    job.write_text(LONG_LINE_WORKER)
+    os.mkfifo(go)
+    prefix = b"[default0]:" if flag == "--tee" else b""
+    argv = [sys.executable, "-m", "relaunch", "--log-dir", str(tmp_path / "logs"), flag]
+    argv += ["3" if flag == "--tee" else "30", str(job), go]
+    with open(shown, "wb") as out, open(tmp_path / "console.err", "wb") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=leaks.process_env())
+    try:
+        wait_until(lambda: ends_with(shown, prefix + b"written\n"), 50, "the line shown")
+        peak = peak_mib(proc.pid)
+        wait_until(lambda: opened_for_writing(go), 10, "the worker waiting to end")
+        assert proc.wait(timeout=20) == 0, (tmp_path / "console.err").read_bytes()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert peak < LONG_LINE_PEAK_MIB, f"the agent peaked at {peak:.0f} MiB"
+    count = 0
+    with open(shown, "rb") as console:
+        while piece := console.readline(2 << 20):  # the test's memory stays small too
+            assert piece.startswith(prefix), piece[:40]
+            body = piece[len(prefix) :]
+            if body == b"written\n":
+                break
+            if prefix:
+                assert body.endswith(b"\n"), "each piece a line of its own, prefixed"
+            xs = body.removesuffix(b"\n")
+            assert xs == b"x" * len(xs), "only the worker's bytes, none changed"
+            count += len(xs)
+        assert console.read() == b"", "nothing after the last line"
+    assert count == LONG_LINE, "every byte of the line, once"
+    if not prefix:
+        assert os.path.getsize(shown) == LONG_LINE + len(b"\nwritten\n"), "byte for byte"
+    (log,) = glob.glob(f"{tmp_path}/logs/*/attempt_0/0/stdout.log")
+    assert os.path.getsize(log) == LONG_LINE + len(b"\nwritten\n")

@@ -1,5 +1,6 @@
 """Paths another user may have planted: the event log's symbolic link, the timer FIFO of
-``TORCHELASTIC_TIMER_FILE``, and the pids a timer FIFO's writer names."""
+``TORCHELASTIC_TIMER_FILE``, and the pids a timer FIFO's writer names; and places where no
+log, state or event-log directory can be made (a link to nothing, ``/sys``)."""
 
 from __future__ import annotations
 
@@ -161,3 +162,48 @@ def test_the_file_timer_server_reaps_only_its_descendants_by_default(
         child.kill()
         child.wait()
     time.sleep(0)  # nothing to wait for: the stranger is init's to reap
+
+
+#: Places no directory can be made in, each as a template of ``tmp_path``: a symbolic link to
+#: nothing (os.makedirs: "File exists"), a place under one, and under /sys, where os.access says
+#: yes to root and mkdir says EPERM (issue 43, item 8).
+UNMAKEABLE = {
+    "a link to nothing": ("{tmp}/dangling", "is a symbolic link to {tmp}/nowhere"),
+    "under a link to nothing": ("{tmp}/dangling/logs", "is a symbolic link to {tmp}/nowhere"),
+    "a new place under /sys": ("/sys/relaunch-{name}", "/sys is not writable by this user"),
+    "a directory under /sys": ("/sys/kernel", "/sys/kernel is not writable by this user"),
+}
+
+
+@pytest.mark.parametrize("flag", ["--log-dir", "--state-dir", "--event-log-handler"])
+@pytest.mark.parametrize("place", list(UNMAKEABLE))
+def test_a_place_no_directory_can_be_made_in_is_one_line(
+    tmp_path, leaks: LeakCheck, flag: str, place: str
+) -> None:
+    if place.endswith("/sys") and not os.path.isdir("/sys/kernel"):
+        pytest.skip("no sysfs at /sys here")
+    path, says = (text.format(tmp=tmp_path, name=tmp_path.name) for text in UNMAKEABLE[place])
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    job = tmp_path / "job.py"
+    job.write_text("pass\n")
+    before = sorted(os.listdir(tmp_path))
+    named = f"{path}/events.jsonl" if flag == "--event-log-handler" else path
+    done = relaunch(leaks, flag, f"file:{named}" if named != path else path, str(job))
+    one_line_exit_2(done, named, says)
+    assert sorted(os.listdir(tmp_path)) == before, "nothing made, nothing left behind"
+    assert not os.path.lexists(f"/sys/relaunch-{tmp_path.name}")
+
+
+def test_a_log_dir_that_cannot_be_made_when_the_launch_starts_is_one_line(tmp_path) -> None:
+    """The directory is made before the rendezvous: a problem the check could not foresee (the
+    place changed since, a filesystem that refuses the name) is one line as well."""
+    from relaunch.cli.args import make_log_dir
+    from relaunch.config import ConfigError, LaunchConfig
+
+    (tmp_path / "a_file").write_text("")
+    config = LaunchConfig(1, 1, 1, log_dir=str(tmp_path / "a_file" / "logs"))
+    with pytest.raises(ConfigError, match=r"^--log-dir .*/a_file/logs cannot be created \(Not a"):
+        make_log_dir(config)
+    made = LaunchConfig(1, 1, 1, log_dir=str(tmp_path / "new" / "logs"))
+    make_log_dir(made)
+    assert (tmp_path / "new" / "logs").is_dir()

@@ -224,8 +224,8 @@ def config_from_args(
 
 def validate(config: LaunchConfig) -> None:
     """Check ``config`` as a whole, before anything starts: its rendezvous
-    (``relaunch.config.check_rendezvous``, then the etcd members), its event log and its log
-    directory; ConfigError on the first problem."""
+    (``relaunch.config.check_rendezvous``, then the etcd members), its event log, its log
+    directory and its state directory; ConfigError on the first problem."""
     settings = check_rendezvous(config)
     if config.rdzv_backend in ETCD_BACKENDS and settings.etcd is not None:
         from relaunch.store.etcd import parse_endpoints
@@ -244,38 +244,52 @@ def validate(config: LaunchConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.log_dir is not None:
-        check_log_dir(config.log_dir)
+        check_directory(config.log_dir)
+    if config.state_dir is not None:
+        check_directory(config.state_dir, "--state-dir")
 
 
-def check_log_dir(log_dir: str) -> None:
-    """``--log-dir``: an existing directory this process may write to, or one it may create;
-    ConfigError in one line otherwise. Creates nothing."""
-    from relaunch.events import creatable
+def check_directory(path: str, flag: str = "--log-dir") -> None:
+    """``--log-dir``, ``--state-dir``: an existing directory this process can write in, or one
+    it can create; ConfigError in one line otherwise. Leaves nothing behind (``creatable`` and
+    ``unwritable`` try, and undo)."""
+    from relaunch.events import creatable, unwritable
 
-    if not log_dir:
-        raise ConfigError("--log-dir is empty: name a directory (it is created if need be)")
+    if not path:
+        raise ConfigError(f"{flag} is empty: name a directory (it is created if need be)")
     try:
-        os.stat(log_dir)
+        os.stat(path)
     except FileNotFoundError:
-        problem = creatable(log_dir)
+        problem = creatable(path)
         if problem:
-            raise ConfigError(f"--log-dir {log_dir} cannot be created: {problem}") from None
+            raise ConfigError(f"{flag} {path} cannot be created: {problem}") from None
         return
     except OSError as exc:
-        parent = os.path.dirname(os.path.abspath(log_dir))
+        parent = os.path.dirname(os.path.abspath(path))
         why = creatable(parent) or exc.strerror
-        raise ConfigError(f"--log-dir {log_dir} cannot be used: {why}") from None
-    if not os.path.isdir(log_dir):
+        raise ConfigError(f"{flag} {path} cannot be used: {why}") from None
+    if not os.path.isdir(path):
         raise ConfigError(
-            f"--log-dir {log_dir} is a file, not a directory: name a directory (it is created "
-            "if need be)"
+            f"{flag} {path} is a file, not a directory: name a directory (it is created if need be)"
         )
-    effective = os.access in os.supports_effective_ids
-    if not os.access(log_dir, os.W_OK | os.X_OK, effective_ids=effective):
+    problem = unwritable(path)
+    if problem:
+        raise ConfigError(f"{flag} {problem}: name a directory you can write")
+
+
+def make_log_dir(config: LaunchConfig) -> None:
+    """Make ``--log-dir`` before anything starts (``--dry-run`` makes nothing): what
+    ``check_directory`` could not foresee (a race, a filesystem that refuses the name) is one
+    line too, not a traceback once the rendezvous has begun."""
+    if config.logs_specs is not None or not config.log_dir or config.log_dir == os.devnull:
+        return
+    try:
+        os.makedirs(config.log_dir, exist_ok=True)
+    except OSError as exc:
         raise ConfigError(
-            f"--log-dir {log_dir} is not writable by this user (or is on a read-only "
-            "filesystem): name a directory you can write"
-        )
+            f"--log-dir {config.log_dir} cannot be created ({exc.strerror or exc}): name a "
+            "directory you can write"
+        ) from None
 
 
 def _check_timer_file(timers: bool, environ: Mapping[str, str]) -> None:
@@ -357,7 +371,7 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
     if args.logs_specs is DefaultLogsSpecs:  # made when the agent starts: not here
         return {**fields, **shared}
     if args.log_dir is not None:
-        check_log_dir(args.log_dir)
+        check_directory(args.log_dir)
     try:
         logs_specs = args.logs_specs(**fields)
     except Exception as exc:

@@ -234,6 +234,9 @@ def _launch(
     from relaunch.procs.signals import raise_signal_exception
 
     try:
+        from relaunch.cli.args import make_log_dir
+
+        make_log_dir(config)
         for sig in args.signals_to_handle:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 signal.signal(sig, raise_signal_exception)

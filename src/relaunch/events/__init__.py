@@ -34,7 +34,8 @@ from relaunch.core.status_events import (
 )
 from relaunch.events.handlers import get_logging_handler
 from relaunch.jsonl_file import MAX_LOG_BYTES, JsonLinesWriter, check_log_file
-from relaunch.jsonl_file import creatable as creatable  # config's log-directory check
+from relaunch.jsonl_file import creatable as creatable  # config's directory checks
+from relaunch.jsonl_file import unwritable as unwritable
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 __all__ = [

@@ -38,6 +38,10 @@ STDERR_TAIL_BYTES = 64 * 1024
 #: The most a relayed stream holds of a line not ended yet: past it, the bytes are written as
 #: they are (binary data, a bar redrawn with ``\r`` for ever), in order.
 HOLD_BYTES = 64 * 1024
+#: The most of a worker's output a stream keeps for the console before it is written: a long
+#: line, or a worker that writes faster than the agent reads, goes on in pieces of about this
+#: size, so that the agent's memory does not grow with what one worker writes at once.
+PENDING_BYTES = 1 << 20
 
 
 _told: set[int] = set()
@@ -117,7 +121,8 @@ class TeeStream:
 
     Console output is rendered into ``pending`` and written by the monitor once per wake-up, for
     all streams together: under a flood of small writes that is one console write per round, not
-    one per read. In a tee'd stream, rows being redrawn (progress bars, live displays) become
+    one per read; ``PENDING_BYTES`` at most, so a long line or a flood passes in pieces, never
+    all held at once. In a tee'd stream, rows being redrawn (progress bars, live displays) become
     the stream's ``bar`` rather than lines; the log file gets every byte either way. A stderr
     stream keeps its last ``STDERR_TAIL_BYTES`` in ``tail``. A tee'd stream with a ``copy``
     (torch's duplicate filters) gives it its lines, prefixed ``copy_prefix``.
@@ -152,6 +157,7 @@ class TeeStream:
         #: Whether ``read_fd`` is a pseudo-terminal the console resizes.
         self.terminal = terminal
         self.pending: list[bytes] = []
+        self._pending_size = 0
         #: The bar the stream redraws now (None: none), and whether the console must hear of it.
         self.bar: bytes | None = None
         self.bar_changed = False
@@ -176,8 +182,10 @@ class TeeStream:
     def pump(self, until_empty: bool = False) -> bool:
         """Copy what the pipe holds to the log file; True once the pipe is at end of file.
 
-        One read is enough when woken by the selector (it wakes again while data remains); with
-        ``until_empty`` it reads until the pipe is empty, as after the worker has exited.
+        Woken by the selector, it reads while reads come full, until ``PENDING_BYTES`` wait
+        for the console (the caller writes them; the selector wakes again while data remains);
+        with ``until_empty`` it reads until the pipe is empty, as after the worker has exited,
+        writing to the console every ``PENDING_BYTES`` on the way.
         """
         while True:
             try:
@@ -193,7 +201,11 @@ class TeeStream:
             if not chunk:
                 return True
             self._keep(chunk)
-            if not until_empty and len(chunk) < _READ_SIZE:
+            if self._pending_size >= PENDING_BYTES:
+                if not until_empty:
+                    return False
+                self.write_pending()
+            elif not until_empty and len(chunk) < _READ_SIZE:
                 return False
 
     def _keep(self, chunk: bytes) -> None:
@@ -210,7 +222,7 @@ class TeeStream:
             return
         lines, bar = self.framer.feed(chunk)
         if lines:
-            self.pending.append(self.console.render(lines, self.prefix))
+            self._add_pending(self.console.render(lines, self.prefix))
             if self.copy is not None:
                 self.copy.take(self.copy_prefix, lines)
         if bar is not None or self.bar is not None:
@@ -228,7 +240,7 @@ class TeeStream:
         if len(self.held) > HOLD_BYTES:
             line += self.take_held()
         if line:
-            self.pending.append(line)
+            self._add_pending(line)
         # The console writes what is held HOLD_SECONDS after the first of it came.
         if was_held and (line or not self.held):
             self.console.unhold(self)
@@ -253,10 +265,20 @@ class TeeStream:
         """``bar`` as the console shows it: each of its rows prefixed."""
         return self.prefix + bar.replace(b"\n", b"\n" + self.prefix) if bar else b""
 
+    def _add_pending(self, data: bytes) -> None:
+        self.pending.append(data)
+        self._pending_size += len(data)
+
     def take_pending(self) -> bytes:
         data = b"".join(self.pending)
         self.pending.clear()
+        self._pending_size = 0
         return data
+
+    def write_pending(self) -> None:
+        """Write what waits for the console now, rather than with the monitor's next round."""
+        data = self.take_pending()
+        self.console.write(b"" if self.err else data, data if self.err else b"")
 
     def finish(self) -> None:
         """Write out the last partial line (a bar's last state) and close the stream's files."""
@@ -265,17 +287,16 @@ class TeeStream:
         self.open = False
         if self.shown and not self.verbatim:
             last = self.framer.flush()
-            self.pending.append(self.console.render(last, self.prefix))
+            self._add_pending(self.console.render(last, self.prefix))
             if self.copy is not None:
                 self.copy.take(self.copy_prefix, last)
         if self.held:
             self.console.unhold(self)
-            self.pending.append(self.take_held())
+            self._add_pending(self.take_held())
         if self.bar is not None:
             self.console.end_bar(self.key, print_last=False)  # the last line shows it
             self.bar = None
-        data = self.take_pending()
-        self.console.write(b"" if self.err else data, data if self.err else b"")
+        self.write_pending()
         if self.terminal:
             self.console.worker_terminals.remove(self.read_fd)
         os.close(self.read_fd)
