@@ -520,45 +520,24 @@ class Child:
         return code
 
 
-def test_out_of_descriptors_the_server_rests_and_goes_on(
-    tmp_path: pathlib.Path, leaks: LeakCheck
+@pytest.mark.parametrize(
+    ("shortage", "connections", "said"),
+    [("files", 40, "cannot accept more connections"), ("threads", 20, "no thread to serve it")],
+)
+def test_out_of_descriptors_or_threads_the_server_goes_on(
+    tmp_path: pathlib.Path, leaks: LeakCheck, shortage: str, connections: int, said: str
 ) -> None:
-    """The server's process may open 4 more files: 40 connections find it out of descriptors.
-    It says so once, and once they are gone a member's push lands."""
-    child = Child(leaks, tmp_path / "child", "files")
+    """The server's process may open 4 more files (40 connections find it out of
+    descriptors: it rests and says so once), or has room for 3 more threads' stacks (of 20
+    connections, those that find no thread are closed, summed up). Its accept loop never
+    dies: once the connections are gone, a member's push lands."""
+    child = Child(leaks, tmp_path / "child", shortage)
     pusher = member(tmp_path, "pusher")
     idle = []
     try:
-        for _ in range(40):
+        for _ in range(connections):
             idle.append(connect(child.address))
-        wait_until(lambda: child.said("cannot accept more connections") >= 1, 10, "EMFILE")
-        for connection in idle:
-            connection.close()
-        commit(pusher.directory, 6, 2, b"after the shortage")
-        pusher.follow([child.address])
-        pusher.saved(6)
-        wait_until(lambda: copies(child.directory, 6) == [2], 20, "the member's copy")
-    finally:
-        for connection in idle:
-            connection.close()
-        pusher.close()
-        assert child.close() == 0, "".join(child.lines)
-    assert child.said("cannot accept more connections") == 1, child.lines
-
-
-def test_out_of_threads_the_server_closes_that_connection_and_goes_on(
-    tmp_path: pathlib.Path, leaks: LeakCheck
-) -> None:
-    """The server's process has room for 3 more threads' stacks: of 20 connections, those
-    that find no thread are closed (summed up), and once the others are gone a member's push
-    lands."""
-    child = Child(leaks, tmp_path / "child", "threads")
-    pusher = member(tmp_path, "pusher")
-    idle = []
-    try:
-        for _ in range(20):
-            idle.append(connect(child.address))
-        wait_until(lambda: child.said("no thread to serve it") >= 1, 10, "a thread to fail")
+        wait_until(lambda: child.said(said) >= 1, 10, f"the server to say {said!r}")
         for connection in idle:
             connection.close()
         commit(pusher.directory, 6, 2, b"after the shortage")
@@ -571,3 +550,5 @@ def test_out_of_threads_the_server_closes_that_connection_and_goes_on(
         pusher.close()
         assert child.close() == 0, "".join(child.lines)
     assert child.said("thread failed") == 0, child.lines
+    if shortage == "files":
+        assert child.said(said) == 1, child.lines
