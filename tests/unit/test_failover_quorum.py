@@ -55,6 +55,7 @@ def _final(count: object) -> bytes:
         ({"round": b"0", "r0": _final(True)}, None, 0),
         ({"round": b"0", "r0": b"[1]"}, None, 0),
         ({"round": b"0", "r0": b"\xff"}, None, 0),
+        ({"round": b"0", "r0": b"[" * 100_000}, None, 0),  # deeper than json can read
     ],
 )
 def test_a_standby_reads_its_voters_from_the_last_completed_round(

@@ -115,7 +115,7 @@ def job_electorate(run_id: str) -> Elect:
                 return None
             try:
                 count = json.loads(record)["count"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # not a round's record
                 return None
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 return None
