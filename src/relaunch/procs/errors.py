@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 import warnings
@@ -28,6 +29,8 @@ from relaunch.core import failures as core_failures
 log = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: The most bytes of an error file read (one holds a message and a traceback: a few KiB).
+MAX_ERROR_FILE = 16 << 20
 #: The message of a failure that left neither an error file nor a stderr log.
 NO_DETAIL_HINT = (
     "no error file and no stderr log: decorate the entrypoint with @relaunch.record, or "
@@ -170,15 +173,24 @@ def read_tail(path: str, max_bytes: int = 64 * 1024) -> str:
 
 
 def read_error_file(path: str) -> dict[str, Any]:
-    """The JSON an error file holds, or ``{}`` when there is none or it is not valid JSON."""
+    """The JSON an error file holds, or ``{}`` when there is none or it is not valid JSON. A
+    worker writes it, so what is no error file (a FIFO, a device, more than
+    ``MAX_ERROR_FILE`` bytes, JSON nested past the parser's depth) is said in a warning and read
+    as none: it can neither hang nor crash the agent, nor take its memory."""
     if not path:
         return {}
     try:
-        with open(path, encoding="utf-8") as file:
-            data = json.load(file)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as file:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            if info.st_size > MAX_ERROR_FILE:
+                raise ValueError(f"{info.st_size} bytes, more than an error file holds")
+            data = json.loads(file.read(MAX_ERROR_FILE + 1))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         log.warning("cannot read error file %s: %s", path, exc)
         return {}
     return data if isinstance(data, dict) else {}
