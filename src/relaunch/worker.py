@@ -41,6 +41,8 @@ _live_sequence = 0
 _live_lock = allocate_lock()  # heartbeats may come from another thread than the sections
 #: How a worker opens a path of its channel's: never through a symbolic link, never waiting.
 _OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: How a worker makes its bounds file: a new name of its own, or nothing.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN
 
 
 def _forget() -> None:
@@ -331,9 +333,6 @@ def _keep_learned() -> None:
             os.unlink(written)
         except OSError:
             pass
-
-
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN
 
 
 def _wake_agent() -> None:

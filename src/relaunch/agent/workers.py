@@ -464,9 +464,8 @@ class Workers:
         pcontext, kept = self._pcontext, self._kept
         pids = {handle.pid for handle in list(kept.values())}
         if pcontext is not None:
-            by_rank = pcontext.pids()
-            running = pcontext.running() if hasattr(pcontext, "running") else set(by_rank)
-            pids.update(pid for rank, pid in by_rank.items() if rank in running)
+            running = pcontext.running()
+            pids.update(pid for rank, pid in pcontext.pids().items() if rank in running)
         return pids
 
     def _keep(self, pid: int) -> None:

@@ -110,7 +110,7 @@ class RendezvousSettings(NamedTuple):
         return _masked(self, SECRET_KEYS)
 
     def job_token(self, environ: Mapping[str, str]) -> str | None:
-        """The built-in store's token: ``token``, else ``$RELAUNCH_RDZV_TOKEN``; None if neither."""
+        """The job's token: ``token``, else ``$RELAUNCH_RDZV_TOKEN``; None if neither."""
         return self.token or environ.get(TOKEN_ENV) or None
 
     def round_settings(self, min_nodes: int, max_nodes: int) -> plan.Settings:

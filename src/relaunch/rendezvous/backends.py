@@ -196,11 +196,9 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
                     f"cannot host the store on {host}:{port}: {exc}"
                 ) from None
     standby = None
-    elect = None
-    if failing_over:
-        from relaunch.rendezvous.failover import job_electorate
+    from relaunch.rendezvous.failover import job_electorate
 
-        elect = job_electorate(params.run_id)
+    elect = job_electorate(params.run_id) if failing_over else None
     if elect is not None and server is None and is_host is not False:
         standby = _serve_standby(endpoints, (host, port), token, clients, elect)
     local_addr = params.local_addr or (host if is_loopback(host) else socket.getfqdn())
