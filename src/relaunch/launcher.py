@@ -14,13 +14,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
-from relaunch.agent.health import HealthCheck
 from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rdzv_conf import BACKENDS, RendezvousSpec
-from relaunch.core.restart import Backoff
 from relaunch.core.summary import RunSummary
 from relaunch.events import (
     EventHandler,
@@ -157,24 +155,7 @@ def launch_agent(
     except BaseException:
         handler.shutdown()
         raise
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        rdzv_handler=handler,
-        entrypoint=entrypoint,
-        args=tuple(args),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
-        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
-        if config.shutdown_timeout is None
-        else config.shutdown_timeout,
-    )
+    spec = worker_spec(config, handler, entrypoint, args)
     event_handler = event_handler_from_spec(config.event_log_handler)
     metrics = Metrics(
         metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
@@ -213,6 +194,33 @@ def launch_agent(
             spec.get_entrypoint_name(), result.failures, result.stopped, requeue=agent.requeue
         )
     return result.return_values
+
+
+def worker_spec(
+    config: LaunchConfig,
+    handler: RendezvousHandler,
+    entrypoint: Callable[..., Any] | str,
+    args: list[Any],
+) -> WorkerSpec:
+    """The workers ``config`` describes, joined through ``handler``."""
+    return WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        rdzv_handler=handler,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
+        if config.shutdown_timeout is None
+        else config.shutdown_timeout,
+    )
 
 
 def placement_of(config: LaunchConfig) -> Placement | None:
@@ -259,20 +267,10 @@ def _agent(
         log_line_prefix_template=config.log_line_prefix_template,
         event_handler=event_handler,
         metrics=metrics,
-        timers=config.timers,
-        hang_timeout=config.hang_timeout,
-        health_check=None
-        if config.health_check is None
-        else HealthCheck(
-            config.health_check, config.health_check_timeout, config.health_check_cooldown
-        ),
-        restart_backoff=Backoff(
-            *config.restart_backoff, healthy=max(2 * config.restart_backoff[1], 1.0)
-        ),
-        max_stalled_restarts=config.max_stalled_restarts,
-        straggler_factor=config.straggler_factor,
-        metrics_port=config.metrics_port,
-        metrics_host=config.metrics_host,
+        restart_policy=config.restart_policy,
+        hang=config.hang,
+        health=config.health,
+        metrics_endpoint=config.metrics_endpoint,
         placement=placement,
         state=config.state,
         preload=config.preload,
