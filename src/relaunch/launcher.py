@@ -148,8 +148,7 @@ def launch_agent(
     (torch's ``HealthCheckServer``, a stub in open-source torch) is stopped when the run ends,
     as torch's agent does, and never started: relaunch's health checks are ``--health-check``.
     """
-    if handler is None:
-        handler = rendezvous_handler(config)
+    handler = rendezvous_handler(config) if handler is None else handler
     try:
         ensure_open_files(config)
     except BaseException:
@@ -157,11 +156,8 @@ def launch_agent(
         raise
     spec = worker_spec(config, handler, entrypoint, args)
     event_handler = event_handler_from_spec(config.event_log_handler)
-    metrics = Metrics(
-        metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
-    )
     try:
-        agent = _agent(config, spec, event_handler, metrics)
+        agent = _agent(config, spec, event_handler)
     except BaseException:  # the metrics port cannot be bound: nothing ran
         handler.shutdown()
         event_handler.close()
@@ -254,11 +250,14 @@ def logs_specs_of(config: LaunchConfig) -> LogsSpecs:
 
 
 def _agent(
-    config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler, metrics: Metrics
+    config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler
 ) -> LocalElasticAgent:
     """The agent ``config`` describes (its metrics port bound: ConfigError if it cannot be, or
     if its device placement cannot be)."""
     placement = placement_of(config)
+    metrics = Metrics(
+        metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
+    )
     return LocalElasticAgent(
         spec,
         logs_specs_of(config),

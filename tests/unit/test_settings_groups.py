@@ -9,9 +9,10 @@ import pytest
 
 from relaunch.cli.args import settings_from_flags
 from relaunch.cli.flags import FLAGS, build_parser
-from relaunch.config import GROUPS, ConfigError, LaunchConfig
+from relaunch.config import ConfigError, LaunchConfig
 from relaunch.core.restart import Backoff
 from relaunch.core.settings import (
+    GROUPS,
     HangSettings,
     HealthSettings,
     MetricsEndpoint,

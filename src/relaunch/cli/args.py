@@ -20,9 +20,9 @@ from typing import Any
 from relaunch.cli.devices import DeviceRequest as DeviceRequest
 from relaunch.cli.devices import parse_device_request as parse_device_request
 from relaunch.cli.flags import FLAGS
-from relaunch.config import GROUPS, ConfigError, LaunchConfig, check_rendezvous, new_run_id
+from relaunch.config import ConfigError, LaunchConfig, check_rendezvous, new_run_id
 from relaunch.core.rdzv_conf import ETCD_BACKENDS
-from relaunch.core.settings import MetricsEndpoint
+from relaunch.core.settings import GROUPS, MetricsEndpoint
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500

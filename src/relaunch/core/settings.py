@@ -13,6 +13,7 @@ from relaunch.core.defaults import (
     MAX_SECONDS,
 )
 from relaunch.core.restart import Backoff
+from relaunch.core.state_settings import StateSettings
 
 
 def check_seconds(name: str, value: float, zero_ok: bool) -> None:
@@ -128,3 +129,45 @@ def agent_groups(
         groups[2] or health,
         groups[3] or endpoint,
     )
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<from its group>"
+
+
+#: The default of ``LaunchConfig``'s flat fields that have a group: the group's field decides.
+UNSET: Any = _Unset()
+
+#: Each settings group of the config: its class and its fields' flat twins, the keywords
+#: ``LaunchConfig`` took before the groups (the compatibility form, kept in step with them).
+GROUPS: dict[str, tuple[type, dict[str, str]]] = {
+    "restart_policy": (
+        RestartPolicy,
+        {"backoff": "restart_backoff", "max_stalled": "max_stalled_restarts"},
+    ),
+    "hang": (
+        HangSettings,
+        {"timeout": "hang_timeout", "timers": "timers", "straggler_factor": "straggler_factor"},
+    ),
+    "health": (
+        HealthSettings,
+        {
+            "command": "health_check",
+            "timeout": "health_check_timeout",
+            "cooldown": "health_check_cooldown",
+        },
+    ),
+    "metrics_endpoint": (MetricsEndpoint, {"host": "metrics_host", "port": "metrics_port"}),
+    "state": (
+        StateSettings,
+        {
+            "memory": "state_memory",
+            "directory": "state_dir",
+            "persist_every": "state_persist_every",
+            "jit_save_timeout": "jit_save_timeout",
+            "replicas": "state_replicas",
+            "copy_every": "state_copy_every",
+        },
+    ),
+}
