@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -26,11 +26,8 @@ from relaunch.core import rdzv_conf
 from relaunch.core.console_plan import agent_tee, relayed
 from relaunch.core.defaults import (
     DEFAULT_EXIT_BARRIER_TIMEOUT,
-    DEFAULT_HEALTH_CHECK_COOLDOWN,
-    DEFAULT_HEALTH_CHECK_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
     MAX_NPROC_PER_NODE,
-    MAX_SECONDS,
     NUMA_MODES,
     numa_binding_of,
 )
@@ -42,13 +39,16 @@ from relaunch.core.rdzv_conf import (
     RendezvousSettings,
     redacted,
 )
-from relaunch.core.state_settings import (
-    DEFAULT_COPY_EVERY,
-    DEFAULT_JIT_SAVE_TIMEOUT,
-    DEFAULT_PERSIST_EVERY,
-    DEFAULT_REPLICAS,
-    StateSettings,
+from relaunch.core.settings import (
+    GROUPS,
+    UNSET,
+    HangSettings,
+    HealthSettings,
+    MetricsEndpoint,
+    RestartPolicy,
+    check_seconds,
 )
+from relaunch.core.state_settings import StateSettings
 from relaunch.core.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint, parse_endpoint_list
 
@@ -71,6 +71,11 @@ class LaunchConfig:
     ``rdzv_configs={"rank": NODE_RANK}`` runs a fixed set of nodes; a port of 0 picks a free one
     (one node). ``metrics_cfg`` may name ``{"handler": "console" | "file:PATH" | "null"}``.
     Frozen, and its dicts are copies of the caller's: change one with ``dataclasses.replace``.
+
+    The settings groups (``restart_policy``, ``hang``, ``health``, ``metrics_endpoint``,
+    ``state``: ``core.settings``) may be given whole, or by their flat fields (``hang_timeout``
+    ...), which always read as their group's: a flat field given beside its group wins (so
+    ``dataclasses.replace`` changes a group's setting through its flat field, if it has one).
     """
 
     min_nodes: int
@@ -97,27 +102,27 @@ class LaunchConfig:
     event_log_handler: str = "null"
     #: Run a file timer server for ``relaunch.timer.expires`` (None: when
     #: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); restart when a worker hangs this many seconds.
-    timers: bool | None = None
-    hang_timeout: float | None = None
+    timers: bool | None = UNSET
+    hang_timeout: float | None = UNSET
     #: Seconds before the second restart of a crash loop, doubling up to the second number.
-    restart_backoff: tuple[float, float] = (1.0, 30.0)
+    restart_backoff: tuple[float, float] = UNSET
     #: Stop the job after this many restarts in a row that made no progress (0: never).
-    max_stalled_restarts: int = 3
+    max_stalled_restarts: int = UNSET
     #: Flag a rank whose steps per second fall below the job's median divided by this.
-    straggler_factor: float = 1.5
+    straggler_factor: float = UNSET
     #: torchrun's ``--signals-to-handle``, given to workers as ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
     signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
     #: Seconds a node whose workers finished waits for the other nodes' before closing the job.
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
     #: A shell command run before every join (exit 0: this node is healthy and joins), how long
     #: it may run, and how long a node whose check failed waits before the next.
-    health_check: str | None = None
-    health_check_timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
-    health_check_cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN
+    health_check: str | None = UNSET
+    health_check_timeout: float = UNSET
+    health_check_cooldown: float = UNSET
     #: Serve Prometheus metrics on this port (0: a free one; None: none), on ``metrics_host``
     #: ("": every interface).
-    metrics_port: int | None = None
-    metrics_host: str = ""
+    metrics_port: int | None = UNSET
+    metrics_host: str = UNSET
     #: Device placement (``relaunch.core.placement``): the GPUs of ``--nproc-per-node gpu:LIST``
     #: (one worker each; None: not given), a device per rank (``--device-per-rank``), and
     #: torch's ``--numa-binding`` mode.
@@ -152,24 +157,19 @@ class LaunchConfig:
     #: failure waits for the saves of workers that listen (``failure_pending``; 0: no wait);
     #: the nodes next in ring order that keep a copy of the node's state (0: none), and every
     #: how many steps they get one (every node copies the same steps: ``core.state``).
-    state_memory: int | None = None
-    state_dir: str | None = None
-    state_persist_every: int = DEFAULT_PERSIST_EVERY
-    jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
-    state_replicas: int = DEFAULT_REPLICAS
-    state_copy_every: int = DEFAULT_COPY_EVERY
-
-    @property
-    def state(self) -> StateSettings:
-        """How the agent keeps its workers' state (``core.state``)."""
-        return StateSettings(
-            self.state_memory,
-            self.state_dir,
-            self.state_persist_every,
-            self.jit_save_timeout,
-            self.state_replicas,
-            self.state_copy_every,
-        )
+    state_memory: int | None = UNSET
+    state_dir: str | None = UNSET
+    state_persist_every: int = UNSET
+    jit_save_timeout: float = UNSET
+    state_replicas: int = UNSET
+    state_copy_every: int = UNSET
+    #: The settings groups (``GROUPS``; left out: made of their flat fields).
+    restart_policy: RestartPolicy = field(default=UNSET, kw_only=True, repr=False)
+    hang: HangSettings = field(default=UNSET, kw_only=True, repr=False)
+    health: HealthSettings = field(default=UNSET, kw_only=True, repr=False)
+    metrics_endpoint: MetricsEndpoint = field(default=UNSET, kw_only=True, repr=False)
+    #: How the agent keeps its workers' state (``core.state``).
+    state: StateSettings = field(default=UNSET, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         if self.shutdown_timeout is None:
@@ -189,12 +189,13 @@ class LaunchConfig:
             object.__setattr__(self, "local_ranks_filter", frozenset(self.local_ranks_filter))
         object.__setattr__(self, "preload", _checked_modules(self.preload))
         _check_counts(self)
+        _join_groups(self)
+        _check_seconds("jit_save_timeout", self.jit_save_timeout, True)
+        _check_placement(self)
         _check_logs(self)
 
     def __repr__(self) -> str:
-        from dataclasses import fields
-
-        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
         shown["rdzv_configs"] = redacted(self.rdzv_configs)
         return "LaunchConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
@@ -223,24 +224,28 @@ def _check_counts(config: LaunchConfig) -> None:
         ("monitor_interval", False),
         ("shutdown_timeout", True),
         ("exit_barrier_timeout", False),
-        ("health_check_timeout", False),
-        ("health_check_cooldown", False),
     ):
         _check_seconds(name, getattr(config, name), zero_ok)
-    if config.hang_timeout is not None:
-        _check_seconds("hang_timeout", config.hang_timeout, False)
-    for bound in config.restart_backoff:
-        _check_seconds("restart_backoff", bound, True)
-    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
-        raise ConfigError(f"metrics_port must be a port 0..65535, got {config.metrics_port!r}")
-    if config.health_check is not None and not config.health_check.strip():
-        raise ConfigError("health_check must be a shell command, got an empty one")
-    try:
-        config.state  # noqa: B018 - its checks
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _check_seconds("jit_save_timeout", config.jit_save_timeout, True)
-    _check_placement(config)
+
+
+def _join_groups(config: LaunchConfig) -> None:
+    """Each settings group, checked once: the one given, or its class's defaults, with the flat
+    fields given changed in it; then every flat field reads as its group's."""
+    for name, (kind, twins) in GROUPS.items():
+        group = getattr(config, name)
+        changes = {
+            key: getattr(config, flat)
+            for key, flat in twins.items()
+            if getattr(config, flat) is not UNSET
+            and (group is UNSET or getattr(config, flat) != getattr(group, key))
+        }
+        try:
+            group = kind(**changes) if group is UNSET else replace(group, **changes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        object.__setattr__(config, name, group)
+        for key, flat in twins.items():
+            object.__setattr__(config, flat, getattr(group, key))
 
 
 def _take_numa_options(config: LaunchConfig) -> None:
@@ -302,13 +307,10 @@ def _checked_modules(names: Any) -> tuple[str, ...]:
 
 def _check_seconds(name: str, value: float, zero_ok: bool) -> None:
     """A duration: a number > 0 (>= 0 when ``zero_ok``) and at most ``MAX_SECONDS``."""
-    low_ok = value >= 0 if zero_ok else value > 0
-    if isinstance(value, bool) or not (low_ok and value <= MAX_SECONDS):
-        least = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(
-            f"{name} must be a number of seconds {least} and at most {MAX_SECONDS:.0f}, got "
-            f"{value!r}"
-        )
+    try:
+        check_seconds(name, value, zero_ok)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_placement(config: LaunchConfig) -> None:

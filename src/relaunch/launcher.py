@@ -14,13 +14,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
-from relaunch.agent.health import HealthCheck
 from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.rdzv_conf import BACKENDS, RendezvousSpec
-from relaunch.core.restart import Backoff
 from relaunch.core.summary import RunSummary
 from relaunch.events import (
     EventHandler,
@@ -150,37 +148,16 @@ def launch_agent(
     (torch's ``HealthCheckServer``, a stub in open-source torch) is stopped when the run ends,
     as torch's agent does, and never started: relaunch's health checks are ``--health-check``.
     """
-    if handler is None:
-        handler = rendezvous_handler(config)
+    handler = rendezvous_handler(config) if handler is None else handler
     try:
         ensure_open_files(config)
     except BaseException:
         handler.shutdown()
         raise
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        rdzv_handler=handler,
-        entrypoint=entrypoint,
-        args=tuple(args),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
-        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
-        if config.shutdown_timeout is None
-        else config.shutdown_timeout,
-    )
+    spec = worker_spec(config, handler, entrypoint, args)
     event_handler = event_handler_from_spec(config.event_log_handler)
-    metrics = Metrics(
-        metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
-    )
     try:
-        agent = _agent(config, spec, event_handler, metrics)
+        agent = _agent(config, spec, event_handler)
     except BaseException:  # the metrics port cannot be bound: nothing ran
         handler.shutdown()
         event_handler.close()
@@ -215,6 +192,33 @@ def launch_agent(
     return result.return_values
 
 
+def worker_spec(
+    config: LaunchConfig,
+    handler: RendezvousHandler,
+    entrypoint: Callable[..., Any] | str,
+    args: list[Any],
+) -> WorkerSpec:
+    """The workers ``config`` describes, joined through ``handler``."""
+    return WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        rdzv_handler=handler,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
+        if config.shutdown_timeout is None
+        else config.shutdown_timeout,
+    )
+
+
 def placement_of(config: LaunchConfig) -> Placement | None:
     """The ranks' device placement ``config`` asks for (ConfigError if it cannot be), or None."""
     if not (
@@ -246,11 +250,14 @@ def logs_specs_of(config: LaunchConfig) -> LogsSpecs:
 
 
 def _agent(
-    config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler, metrics: Metrics
+    config: LaunchConfig, spec: WorkerSpec, event_handler: EventHandler
 ) -> LocalElasticAgent:
     """The agent ``config`` describes (its metrics port bound: ConfigError if it cannot be, or
     if its device placement cannot be)."""
     placement = placement_of(config)
+    metrics = Metrics(
+        metric_handler_from_spec(config.metrics_cfg.get("handler", "null")), group="torchelastic"
+    )
     return LocalElasticAgent(
         spec,
         logs_specs_of(config),
@@ -259,20 +266,10 @@ def _agent(
         log_line_prefix_template=config.log_line_prefix_template,
         event_handler=event_handler,
         metrics=metrics,
-        timers=config.timers,
-        hang_timeout=config.hang_timeout,
-        health_check=None
-        if config.health_check is None
-        else HealthCheck(
-            config.health_check, config.health_check_timeout, config.health_check_cooldown
-        ),
-        restart_backoff=Backoff(
-            *config.restart_backoff, healthy=max(2 * config.restart_backoff[1], 1.0)
-        ),
-        max_stalled_restarts=config.max_stalled_restarts,
-        straggler_factor=config.straggler_factor,
-        metrics_port=config.metrics_port,
-        metrics_host=config.metrics_host,
+        restart_policy=config.restart_policy,
+        hang=config.hang,
+        health=config.health,
+        metrics_endpoint=config.metrics_endpoint,
         placement=placement,
         state=config.state,
         preload=config.preload,

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.agent_args import agent_arguments, events_of, placement_of
@@ -30,6 +31,13 @@ from relaunch.agent.workers import Workers
 from relaunch.core import step_types as do
 from relaunch.core.happenings import Failed, Joined, RestartCosted, Started, StragglerFlagged
 from relaunch.core.restart import Backoff
+from relaunch.core.settings import (
+    HangSettings,
+    HealthSettings,
+    MetricsEndpoint,
+    RestartPolicy,
+    agent_groups,
+)
 from relaunch.core.state_settings import StateSettings
 from relaunch.core.step import Rules, RunState, step
 from relaunch.core.summary import RunSummary
@@ -71,6 +79,8 @@ class LocalElasticAgent:
     times every deadline (a ``runtime.ManualClock`` in tests). ``state``: how the workers'
     ``relaunch.save_state`` is kept (``agent.state``; None: not at all). ``preload``: modules a
     zygote imports once, from which each Python worker is forked (``procs.zygote``).
+    ``restart_policy``, ``hang``, ``health``, ``metrics_endpoint`` (``core.settings``): the
+    settings groups, each in place of its flat keywords above.
 
     Two forms, told apart by the 2nd argument. torch 2.13's: ``LocalElasticAgent(spec,
     logs_specs, start_method="spawn", exit_barrier_timeout=300, log_line_prefix_template=None,
@@ -104,8 +114,20 @@ class LocalElasticAgent:
         clock: Clock = SYSTEM_CLOCK,
         state: StateSettings | None = KEEP_STATE,
         preload: tuple[str, ...] = (),
+        restart_policy: RestartPolicy | None = None,
+        hang: HangSettings | None = None,
+        health: HealthSettings | None = None,
+        metrics_endpoint: MetricsEndpoint | None = None,
         **form_keywords: Any,
     ) -> None:
+        # The settings groups, or their flat keywords (the compatibility form), as groups.
+        restart_policy, hang, health, metrics_endpoint = agent_groups(
+            (restart_policy, hang, health, metrics_endpoint), dict(locals())
+        )
+        restart_backoff, max_stalled_restarts = restart_policy.rule, restart_policy.max_stalled
+        hang_timeout, timers, straggler_factor = hang.timeout, hang.timers, hang.straggler_factor
+        health_check = None if health.command is None else HealthCheck(*astuple(health))
+        metrics_host, metrics_port = metrics_endpoint.host, metrics_endpoint.port
         arguments = agent_arguments(spec, positional, form_keywords)
         spec, logs_specs = arguments.spec, arguments.logs_specs
         group = self._worker_group = WorkerGroup(spec)

@@ -15,82 +15,17 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
+from relaunch.cli.devices import DeviceRequest as DeviceRequest
+from relaunch.cli.devices import parse_device_request as parse_device_request
+from relaunch.cli.flags import FLAGS
 from relaunch.config import ConfigError, LaunchConfig, check_rendezvous, new_run_id
-from relaunch.core.defaults import MAX_NPROC_PER_NODE
 from relaunch.core.rdzv_conf import ETCD_BACKENDS
+from relaunch.core.settings import GROUPS, MetricsEndpoint
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
-
-
-class DeviceRequest(NamedTuple):
-    """``--nproc-per-node``, read: ``number`` workers, or one per CPU or GPU (``per``: ``cpu``,
-    ``gpu``, or ``auto`` for one per GPU if there are any, else one per CPU), or one per GPU of
-    ``subset`` (``gpu:1,3``). Exactly one of the three is set."""
-
-    number: int | None = None
-    per: str | None = None
-    subset: tuple[int, ...] | None = None
-
-    def __str__(self) -> str:
-        """The request as ``--nproc-per-node`` takes it (a subset with its indexes listed)."""
-        if self.subset is not None:
-            return "gpu:" + ",".join(map(str, self.subset))
-        return self.per if self.per is not None else str(self.number)
-
-    @property
-    def counts_gpus(self) -> bool:
-        """Whether the machine's GPUs must be counted to know the number of workers (or, for a
-        subset, to check it)."""
-        return self.per in ("gpu", "auto") or self.subset is not None
-
-    def workers(self, cpus: int, gpus: int) -> int:
-        """The number of workers on a machine of ``cpus`` CPUs and ``gpus`` GPUs (0: none could
-        be counted, and a subset is taken as it is); ValueError when it cannot be."""
-        if self.number is not None:
-            return self.number
-        if self.subset is not None:
-            if gpus and max(self.subset) >= gpus:
-                raise ValueError(
-                    f"GPU {max(self.subset)} does not exist: the launcher sees {gpus} "
-                    f"(0-{gpus - 1}; CUDA_VISIBLE_DEVICES or nvidia-smi -L)"
-                )
-            return len(self.subset)
-        if self.per == "cpu":
-            return cpus
-        if self.per == "gpu" and gpus == 0:
-            raise ValueError(
-                "no GPU found (CUDA_VISIBLE_DEVICES and nvidia-smi -L list none); give a number "
-                "or use cpu"
-            )
-        return gpus or cpus
-
-
-def parse_device_request(text: str) -> DeviceRequest:
-    """``--nproc-per-node``'s text: a number of workers (1 to ``MAX_NPROC_PER_NODE``), ``cpu``,
-    ``gpu``, ``auto`` or ``gpu:LIST`` (``core.placement.parse_index_list``); ValueError saying
-    what it takes otherwise."""
-    if text in ("cpu", "gpu", "auto"):
-        return DeviceRequest(per=text)
-    if text.isdecimal() and text.isascii():
-        if not 1 <= int(text) <= MAX_NPROC_PER_NODE:
-            raise ValueError(
-                f"expected 1 to {MAX_NPROC_PER_NODE} workers per node, got {text}: run more "
-                "nodes for more workers"
-            )
-        return DeviceRequest(number=int(text))
-    if text.startswith("gpu:"):
-        from relaunch.core.placement import parse_index_list
-
-        try:
-            return DeviceRequest(subset=parse_index_list(text[4:]))
-        except ValueError as exc:
-            raise ValueError(f"gpu:LIST: {exc}") from None
-    raise ValueError(
-        f"expected a whole number >= 1, or cpu, gpu, gpu:LIST (gpu:1,3) or auto, got {text!r}"
-    )
 
 
 def device_request(text: str) -> DeviceRequest:
@@ -154,8 +89,57 @@ def config_from_args(
     environ = os.environ if environ is None else environ
     fresh_run_id = new_run_id() if fresh_run_id is None else fresh_run_id
     request = device_request(args.nproc_per_node)
-    nproc = _workers(request, args.nproc_per_node, cpus, gpus, environ)
     min_nodes, max_nodes = args.nnodes
+    backend, run_id, endpoint, rdzv_configs = _rendezvous(args, max_nodes, fresh_run_id)
+    metrics = args.metrics_port and {"metrics_endpoint": MetricsEndpoint(*args.metrics_port)}
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=_workers(request, args.nproc_per_node, cpus, gpus, environ),
+        run_id=run_id,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        **_logs(args, environ),
+        **settings_from_flags(args),
+        **(metrics or {}),
+        signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
+        devices=request.subset,
+    )
+    validate(config)
+    if backend != "static" and not endpoint:
+        raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+    _check_timer_file(args.timers, environ)
+    entrypoint, entry_args = _command(args, environ)
+    return config, entrypoint, entry_args
+
+
+def settings_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LaunchConfig`` keywords the flag table names (``Flag.field``), each settings group
+    (``group.field``) made whole: a flag not given (None, or a switch left off) leaves its
+    field at its default."""
+    keywords: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for flag in FLAGS:
+        value = getattr(args, flag.dest)
+        if flag.field is None or value is None or (flag.switch and not value):
+            continue
+        group, _, name = flag.field.rpartition(".")
+        (groups.setdefault(group, {}) if group else keywords)[name] = value
+    for group, values in groups.items():
+        try:
+            keywords[group] = GROUPS[group][0](**values)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return keywords
+
+
+def _rendezvous(
+    args: argparse.Namespace, max_nodes: int, fresh_run_id: str
+) -> tuple[str, str, str, dict[str, Any]]:
+    """The backend, run id, endpoint and ``rdzv_configs`` of the flags: ``--standalone``'s,
+    the static backend's endpoint of ``--master-addr`` and ``--master-port``, and the node's
+    rank (static: its group rank; dynamic: the nodes' order)."""
     backend, run_id, endpoint = args.rdzv_backend, args.rdzv_id, args.rdzv_endpoint
     rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
     if args.standalone:
@@ -172,54 +156,9 @@ def config_from_args(
         elif port is None:
             port = STATIC_PORT
         endpoint = f"{args.master_addr}:{port}"
-    if args.node_rank is not None:  # static: the group rank; dynamic: the nodes' order
+    if args.node_rank is not None:
         rdzv_configs["rank"] = args.node_rank
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        role=args.role,
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=rdzv_configs,
-        max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval,
-        start_method=args.start_method,
-        **_logs(args, environ),
-        local_addr=args.local_addr,
-        shutdown_timeout=args.shutdown_timeout,
-        event_log_handler=args.event_log_handler,
-        timers=True if args.timers else None,
-        hang_timeout=args.hang_timeout,
-        restart_backoff=args.restart_backoff,
-        max_stalled_restarts=args.max_stalled_restarts,
-        straggler_factor=args.straggler_factor,
-        signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
-        exit_barrier_timeout=args.exit_barrier_timeout,
-        health_check=args.health_check,
-        health_check_timeout=args.health_check_timeout,
-        health_check_cooldown=args.health_check_cooldown,
-        metrics_host=args.metrics_port[0] if args.metrics_port else "",
-        metrics_port=args.metrics_port[1] if args.metrics_port else None,
-        devices=request.subset,
-        device_per_rank=args.device_per_rank,
-        virtual_local_rank=args.virtual_local_rank,
-        numa_binding=args.numa_binding,
-        preload=args.preload or (),
-        state_memory=args.state_memory,
-        state_dir=args.state_dir,
-        state_persist_every=args.state_persist_every,
-        state_replicas=args.state_replicas,
-        state_copy_every=args.state_copy_every,
-        jit_save_timeout=args.jit_save_timeout,
-    )
-    validate(config)
-    if backend != "static" and not endpoint:
-        raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
-    _check_timer_file(args.timers, environ)
-    entrypoint, entry_args = _command(args, environ)
-    return config, entrypoint, entry_args
+    return backend, run_id, endpoint, rdzv_configs
 
 
 def validate(config: LaunchConfig) -> None:

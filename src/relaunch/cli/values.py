@@ -36,9 +36,9 @@ def parse_command(text: str) -> str:
 
 def parse_nproc(text: str) -> str:
     """A number of workers >= 1, ``cpu``, ``gpu``, ``auto``, or ``gpu:LIST``: one worker per
-    listed GPU, ``gpu:1,3`` or ``gpu:0-3`` (``relaunch.cli.args.parse_device_request``), in
-    its canonical spelling (``gpu:0,1,2,3``)."""
-    from relaunch.cli.args import parse_device_request
+    listed GPU, ``gpu:1,3`` or ``gpu:0-3`` (``relaunch.cli.devices.parse_device_request``),
+    in its canonical spelling (``gpu:0,1,2,3``)."""
+    from relaunch.cli.devices import parse_device_request
 
     try:
         return str(parse_device_request(text))

@@ -1,0 +1,173 @@
+"""The launch's settings groups: each travels as one typed value from the parsed flags
+(``relaunch.cli.flags`` names each row's group and field) through ``LaunchConfig`` to the code
+that reads it, checked once here. ``StateSettings`` (``core.state_settings``) is one more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from relaunch.core.defaults import (
+    DEFAULT_HEALTH_CHECK_COOLDOWN,
+    DEFAULT_HEALTH_CHECK_TIMEOUT,
+    MAX_SECONDS,
+)
+from relaunch.core.restart import Backoff
+from relaunch.core.state_settings import StateSettings
+
+
+def check_seconds(name: str, value: float, zero_ok: bool) -> None:
+    """A duration: a number > 0 (>= 0 when ``zero_ok``) and at most ``MAX_SECONDS``;
+    ValueError naming ``name`` otherwise."""
+    low_ok = value >= 0 if zero_ok else value > 0
+    if isinstance(value, bool) or not (low_ok and value <= MAX_SECONDS):
+        least = ">= 0" if zero_ok else "> 0"
+        raise ValueError(
+            f"{name} must be a number of seconds {least} and at most {MAX_SECONDS:.0f}, got "
+            f"{value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a crash loop is slowed and ended: ``backoff`` (base, max) seconds before the second
+    restart in a row, doubling up to max; a group that ran ``healthy`` seconds (None: 2 x max,
+    at least 1) ends the loop; the job stops after ``max_stalled`` restarts in a row that made
+    no progress (0: never)."""
+
+    backoff: tuple[float, float] = (1.0, 30.0)
+    max_stalled: int = 3
+    healthy: float | None = None
+
+    def __post_init__(self) -> None:
+        for bound in self.backoff:
+            check_seconds("restart_backoff", bound, True)
+
+    @property
+    def rule(self) -> Backoff:
+        """The waits between restarts (``core.restart.Backoff``)."""
+        base, cap = self.backoff
+        healthy = max(2 * cap, 1.0) if self.healthy is None else self.healthy
+        return Backoff(base, cap, healthy)
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    """When a worker is hung, and who is slow: ``timeout`` seconds without a sign of life
+    (None: never by silence); ``timers``, a file timer server for ``relaunch.timer.expires``
+    (None: when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); a rank whose steps per second fall below
+    the job's median divided by ``straggler_factor`` is flagged."""
+
+    timeout: float | None = None
+    timers: bool | None = None
+    straggler_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None:
+            check_seconds("hang_timeout", self.timeout, False)
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """A shell ``command`` run before every join (exit 0: this node joins; None: no check),
+    killed after ``timeout`` seconds; a node whose check failed tries again after
+    ``cooldown``."""
+
+    command: str | None = None
+    timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
+    cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN
+
+    def __post_init__(self) -> None:
+        check_seconds("health_check_timeout", self.timeout, False)
+        check_seconds("health_check_cooldown", self.cooldown, False)
+        if self.command is not None and not self.command.strip():
+            raise ValueError("health_check must be a shell command, got an empty one")
+
+
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """Where Prometheus metrics are served: ``port`` (0: a free one; None: not served) on
+    ``host`` ("": every interface)."""
+
+    host: str = ""
+    port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"metrics_port must be a port 0..65535, got {self.port!r}")
+
+
+def agent_groups(
+    groups: tuple[
+        RestartPolicy | None, HangSettings | None, HealthSettings | None, MetricsEndpoint | None
+    ],
+    flat: dict[str, Any],
+) -> tuple[RestartPolicy, HangSettings, HealthSettings, MetricsEndpoint]:
+    """The agent's groups (``restart_policy``, ``hang``, ``health``, ``metrics_endpoint``):
+    each as given, or made of its ``flat`` keywords (the compatibility form:
+    ``restart_backoff`` a ``Backoff``, ``health_check`` a check with ``command``, ``timeout``
+    and ``cooldown``). TypeError when a group is given beside flat keywords of its own."""
+    backoff, check = flat["restart_backoff"], flat["health_check"]
+    restart = RestartPolicy(
+        (1.0, 30.0) if backoff is None else (backoff.base, backoff.cap),
+        flat["max_stalled_restarts"],
+        None if backoff is None else backoff.healthy,
+    )
+    hang = HangSettings(flat["hang_timeout"], flat["timers"], flat["straggler_factor"])
+    health = (
+        HealthSettings()
+        if check is None
+        else HealthSettings(check.command, check.timeout, check.cooldown)
+    )
+    endpoint = MetricsEndpoint(flat["metrics_host"], flat["metrics_port"])
+    for given, made in zip(groups, (restart, hang, health, endpoint), strict=True):
+        if given is not None and made != type(made)():
+            raise TypeError(f"give {type(made).__name__} or its flat keywords, not both: {made}")
+    return (
+        groups[0] or restart,
+        groups[1] or hang,
+        groups[2] or health,
+        groups[3] or endpoint,
+    )
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<from its group>"
+
+
+#: The default of ``LaunchConfig``'s flat fields that have a group: the group's field decides.
+UNSET: Any = _Unset()
+
+#: Each settings group of the config: its class and its fields' flat twins, the keywords
+#: ``LaunchConfig`` took before the groups (the compatibility form, kept in step with them).
+GROUPS: dict[str, tuple[type, dict[str, str]]] = {
+    "restart_policy": (
+        RestartPolicy,
+        {"backoff": "restart_backoff", "max_stalled": "max_stalled_restarts"},
+    ),
+    "hang": (
+        HangSettings,
+        {"timeout": "hang_timeout", "timers": "timers", "straggler_factor": "straggler_factor"},
+    ),
+    "health": (
+        HealthSettings,
+        {
+            "command": "health_check",
+            "timeout": "health_check_timeout",
+            "cooldown": "health_check_cooldown",
+        },
+    ),
+    "metrics_endpoint": (MetricsEndpoint, {"host": "metrics_host", "port": "metrics_port"}),
+    "state": (
+        StateSettings,
+        {
+            "memory": "state_memory",
+            "directory": "state_dir",
+            "persist_every": "state_persist_every",
+            "jit_save_timeout": "jit_save_timeout",
+            "replicas": "state_replicas",
+            "copy_every": "state_copy_every",
+        },
+    ),
+}
