@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from etcd_cluster import EtcdCluster
 
+from tests.support import tmpdir
 from tests.support.procs import MARK_VAR, LeakCheck, marked_pids, pid_alive
 
 __all__ = [
@@ -28,6 +29,17 @@ __all__ = [
     "tmpfs",
     "wait_until",
 ]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes config._tmp_path_factory
+def pytest_configure(config: pytest.Config) -> None:
+    """``TMPDIR`` under pytest's basetemp for the whole session, this process and every process
+    a test starts: launcher output (log directories, ...) goes there, none to ``/tmp``."""
+    tmpdir.use(config._tmp_path_factory.getbasetemp())  # each xdist worker: its own basetemp
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tmpdir.restore()
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:

@@ -17,6 +17,7 @@ import io
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from relaunch.cli.flags import FLAGS
 pytestmark = pytest.mark.timeout(120)
 
 #: A fixed, empty-ish place for every path the vectors name (created once per module).
-ROOT = Path(os.environ.get("RELAUNCH_FUZZ_ROOT", "/tmp/relaunch-cli-fuzz"))
+ROOT = Path(os.environ.get("RELAUNCH_FUZZ_ROOT") or f"{tempfile.gettempdir()}/relaunch-cli-fuzz")
 
 NAMES = sorted(
     {
