@@ -111,21 +111,7 @@ def first_attempt(
         extra_env[TIMER_FILE_ENV] = environ.get(TIMER_FILE_ENV) or "<a FIFO made at the start>"
     extra_env[CHANNEL_ENV] = "<a shared-memory file made at the start>"
     plan = plan_attempt(
-        Command(
-            role=config.role,
-            entrypoint=entrypoint,
-            args=tuple(args),
-            nprocs=nproc,
-            redirects=config.redirects,
-            tee=config.tee,
-            start_method=config.start_method,
-            shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
-            if config.shutdown_timeout is None
-            else config.shutdown_timeout,
-            local_ranks_filter=config.local_ranks_filter,
-            log_line_prefix_template=config.log_line_prefix_template,
-            logs_specs=config.logs_specs,
-        ),
+        _command_of(config, entrypoint, args),
         group,
         ranks_at_offset(group_rank * nproc, nproc, nodes * nproc),
         environ,
@@ -147,6 +133,27 @@ def first_attempt(
         for rank, env in plan.envs.items()
     }
     return FirstAttempt(plan._replace(envs=envs), where, f"the join gives {', '.join(unknown)}")
+
+
+def _command_of(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequence[Any]
+) -> Command:
+    """What each rank of the job ``config`` describes runs, and how its output goes."""
+    return Command(
+        role=config.role,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        nprocs=config.nproc_per_node,
+        redirects=config.redirects,
+        tee=config.tee,
+        start_method=config.start_method,
+        shutdown_timeout=DEFAULT_SHUTDOWN_TIMEOUT
+        if config.shutdown_timeout is None
+        else config.shutdown_timeout,
+        local_ranks_filter=config.local_ranks_filter,
+        log_line_prefix_template=config.log_line_prefix_template,
+        logs_specs=config.logs_specs,
+    )
 
 
 def _place(config: LaunchConfig) -> tuple[tuple[str, ...], int, int, str, int]:

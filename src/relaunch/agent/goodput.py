@@ -9,13 +9,19 @@ from collections.abc import Callable, Mapping
 
 from relaunch.agent.channel import Channel
 from relaunch.core.goodput import RestartCost, RestartMarks, Restored, cost_of
+from relaunch.core.happenings import Happening, Joined, Started
 from relaunch.core.progress import Progress
+from relaunch.procs.context import PContext
 from relaunch.runtime import Clock
 
 
 class GoodputMarks:
     """One run's restarts as they happen; ``on_cost`` hears each restart's cost once the
-    workers are back (the sinks keep the ledger: the summary, the metrics, the events)."""
+    workers are back (the sinks keep the ledger: the summary, the metrics, the events).
+
+    A sink itself (``agent.sinks``): a join and a start are the ``Joined`` and ``Started``
+    happenings; the agent tells it the rest (a failure seen, an attempt over, a look at the
+    workers, the end)."""
 
     def __init__(self, clock: Clock, on_cost: Callable[[RestartCost], None]) -> None:
         self._costs = 0  # restarts costed so far
@@ -24,6 +30,12 @@ class GoodputMarks:
         self._pending: RestartMarks | None = None
         self._seen_at = 0.0  # when a failure or a change was first seen, this attempt
         self._started = False  # the pending restart's workers started
+
+    def happened(self, happening: Happening) -> None:
+        if isinstance(happening, Joined):
+            self.joined(happening.seconds)
+        elif isinstance(happening, Started):
+            self.started()
 
     def seen(self) -> None:
         """The agent saw the attempt fail or the membership change (the first sight counts)."""
@@ -58,6 +70,21 @@ class GoodputMarks:
         )
         self._seen_at = 0.0
         self._started = False
+
+    def attempt_over(
+        self,
+        pcontext: PContext,
+        channel: Channel,
+        ranks: int,
+        last_progress: Mapping[int, Progress | None],
+        saved_step: int | None,
+    ) -> None:
+        """The attempt of ``pcontext`` (``ranks`` local ranks, with ``channel``) is over
+        (``leaving``): when its workers exited and failed, and the time a step took."""
+        outcome = pcontext.wait(0)
+        failed = {} if outcome is None else outcome.failures
+        seconds_a_step = max((channel.step_seconds(rank) for rank in range(ranks)), default=0.0)
+        self.leaving(pcontext.exit_times(), failed, last_progress, seconds_a_step, saved_step)
 
     def joined(self, rendezvous_seconds: float) -> None:
         """The node got its place in the next round, after a join of ``rendezvous_seconds``."""

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import astuple
 from typing import TYPE_CHECKING, Any
 
-from relaunch.agent.agent_args import agent_arguments, events_of, placement_of
+from relaunch.agent.agent_args import AgentArguments, agent_arguments, events_of, placement_of
 from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
 from relaunch.agent.goodput import GoodputMarks
-from relaunch.agent.health import HealthCheck, join
+from relaunch.agent.health import HealthCheck
+from relaunch.agent.join import join
 from relaunch.agent.metrics import AgentMetrics
 from relaunch.agent.report import RunReport, finished
 from relaunch.agent.sinks import LogSink, MetricPuts, Sinks
@@ -45,10 +46,10 @@ from relaunch.events import EventHandler, Metrics, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.guardian import guardian
-from relaunch.procs.logs_specs import make_log_dir, own_plan
+from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, make_log_dir, own_plan
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.api import AgentFault, JobFailedError, RendezvousClosedError
-from relaunch.rendezvous.job import job_of
+from relaunch.rendezvous.job import JobServices, job_of
 from relaunch.runtime import SYSTEM_CLOCK, THREAD_FAILURES, Clock, FailureWatch, ThreadFailed
 
 if TYPE_CHECKING:
@@ -95,6 +96,12 @@ class LocalElasticAgent:
     ``${role_name}``, ``${rank}`` and ``${local_rank}``.
     """
 
+    #: False once the run failed for a reason that running the job again cannot mend.
+    requeue = True
+    #: How long the last join took (placed in a round, after any wait to be admitted).
+    rendezvous_seconds = 0.0
+    _started_once = False  # a group of workers was started
+
     def __init__(
         self,
         spec: WorkerSpec,
@@ -129,79 +136,81 @@ class LocalElasticAgent:
         health_check = None if health.command is None else HealthCheck(*astuple(health))
         metrics_host, metrics_port = metrics_endpoint.host, metrics_endpoint.port
         arguments = agent_arguments(spec, positional, form_keywords)
-        spec, logs_specs = arguments.spec, arguments.logs_specs
+        spec = arguments.spec
         group = self._worker_group = WorkerGroup(spec)
-        job = self._job = job_of(spec.rdzv_handler)
-        # Should this agent die on a live machine, its orphan guardian tells the others.
-        job.leave_last_word_with(lambda line: guardian().set_last_word(line))
-        run_id = spec.rdzv_handler.get_run_id()
-        self._clock = clock
-        self._events = arguments.events
+        job = self._job = _job_of(spec)
+        self._clock, self._events = clock, arguments.events
         self._exit_barrier_timeout = arguments.exit_barrier_timeout
-        self._health_check = health_check  # run before every join (``agent.health``)
-        #: False once the run failed for a reason that running the job again cannot mend.
-        self.requeue = True
-        self._state = RunState(
-            Rules(
-                role=spec.role,
-                node=os.uname().nodename,
-                max_restarts=spec.max_restarts,
-                watches_membership=job.watches_membership,
-                polls_membership=job.watches_membership and not job.pushes_changes,
-                monitor_interval=spec.monitor_interval,
-                lost_node_grace=job.lost_node_grace,
-                backoff=restart_backoff or Backoff(),
-                max_stalled=max_stalled_restarts,
-            )
+        self._health_check = health_check  # run before every join (``agent.join``)
+        self._state = RunState(_rules(spec, job, restart_backoff, max_stalled_restarts))
+        self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())
+        events = events_of(spec) if event_handler is None else event_handler
+        self._report = RunReport(group, events, self._log_dir, clock)
+        self._expiry = _expiry_watch(spec, timers, hang_timeout, clock)
+        self._reporter = self._node_reporter(straggler_factor)
+        self._workers = self._workers_of(
+            arguments, logs, start_processes, placement, state, preload
         )
-        own = own_plan(logs_specs)
-        # A user's LogsSpecs decides each attempt's paths (its reify); its root is all we know.
-        self._log_dir = logs_specs.root_log_dir if own is None else make_log_dir(own.root, run_id)
-        if event_handler is None:
-            event_handler = events_of(spec)
-        self._report = RunReport(group, event_handler, self._log_dir, clock)
-        timers = timers_enabled_by_env() if timers is None else timers
-        self._expiry = ExpiryWatch(run_id, timers, hang_timeout, clock)
-        self._reporter = NodeReporter(
+        self._sinks = self._make_sinks(metrics)
+        self.metrics_port_bound = self._bind_metrics(metrics_host, metrics_port)
+
+    def _workers_of(
+        self,
+        arguments: AgentArguments,
+        logs: OwnPlan | LogsSpecs,
+        start_processes: Callable[..., PContext],
+        placement: Placement | None,
+        state: StateSettings | None,
+        preload: tuple[str, ...],
+    ) -> Workers:
+        """The agent's workers (``agent.workers``), attempt after attempt."""
+        return Workers(
+            self._worker_group,
+            start_processes,
+            arguments.start_method,
+            placement_of(self._worker_group.spec, placement),
+            logs=logs,
+            log_line_prefix_template=arguments.log_line_prefix_template,
+            expiry=self._expiry,
+            reporter=self._reporter,
+            report=self._report,
+            job=self._job,
+            clock=self._clock,
+            state=state,
+            preload=preload,
+        )
+
+    def _bind_metrics(self, host: str, port: int | None) -> int | None:
+        """The port the Prometheus metrics are served on (None: not served); ``ConfigError``
+        when it cannot be bound."""
+        return None if port is None else self._exporter.bind(host, port)
+
+    def _node_reporter(self, straggler_factor: float) -> NodeReporter:
+        """The status posts of this node (``agent.status``), which flag stragglers."""
+        group = self._worker_group
+        return NodeReporter(
             straggler_factor,
             lambda straggler: self._sinks.happened(
                 StragglerFlagged(straggler, straggler_factor, self.restart_count)
             ),
             node_state=lambda: group.state.value,
             restarts_used=lambda: self.restart_count,
-            clock=clock,
+            clock=self._clock,
         )
-        self._workers = Workers(
-            group,
-            start_processes,
-            arguments.start_method,
-            placement_of(spec, placement),
-            logs=own or logs_specs,
-            log_line_prefix_template=arguments.log_line_prefix_template,
-            expiry=self._expiry,
-            reporter=self._reporter,
-            report=self._report,
-            job=job,
-            clock=clock,
-            state=state,
-            preload=preload,
-        )
+
+    def _make_sinks(self, metrics: Metrics | None) -> Sinks:
+        """Where what happens is told, each happening once (``agent.sinks``); the order is that
+        of their lines on a shared stderr, the goodput marks last (a restart's cost, told when
+        the workers started, follows their start)."""
+        group, clock = self._worker_group, self._clock
         self._exporter = AgentMetrics(
             group, self._reporter, self._workers.sampler.latest, lambda: self.restart_count, clock
         )
-        # Where what happens is told, each happening once (``agent.sinks``); the order is that
-        # of their lines on a shared stderr.
         metric_puts = MetricPuts(metrics or Metrics(NullMetricHandler(), group="torchelastic"))
-        self._sinks = Sinks(
-            [self._report, self._exporter, metric_puts, self._reporter, LogSink(log)]
-        )
         self._goodput = GoodputMarks(clock, lambda cost: self._sinks.happened(RestartCosted(cost)))
-        self._started_once = False
-        self.metrics_port_bound: int | None = None
-        if metrics_port is not None:
-            self.metrics_port_bound = self._exporter.bind(metrics_host, metrics_port)
-        #: How long the last join took (placed in a round, after any wait to be admitted).
-        self.rendezvous_seconds = 0.0
+        return Sinks(
+            [self._report, self._exporter, metric_puts, self._reporter, LogSink(log), self._goodput]
+        )
 
     @property
     def log_dir(self) -> str:
@@ -307,7 +316,6 @@ class LocalElasticAgent:
                 except StateNotAgreed as exc:
                     return do.NotAgreed(str(exc))
                 self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
-                self._goodput.started()
                 self._started_once = True
                 return do.WorkersStarted()
             case do.StopWorkers(park=park):
@@ -364,7 +372,6 @@ class LocalElasticAgent:
             self.rendezvous_seconds = join(
                 job, group, self._health_check, backoff, self.restart_count, self._clock
             )
-            self._goodput.joined(self.rendezvous_seconds)
             self._sinks.happened(Joined(self.rendezvous_seconds))
             used = job.restarts_used(spent)
         except RendezvousClosedError:
@@ -375,3 +382,43 @@ class LocalElasticAgent:
                 return do.JobClosed()
             return do.JobClosed(failure.reason, failure.requeue)
         return do.Placed(group.group_world_size or 1, used)
+
+
+def _rules(spec: WorkerSpec, job: JobServices, backoff: Backoff | None, max_stalled: int) -> Rules:
+    """The restart policy's rules for ``spec``'s group in ``job``."""
+    return Rules(
+        role=spec.role,
+        node=os.uname().nodename,
+        max_restarts=spec.max_restarts,
+        watches_membership=job.watches_membership,
+        polls_membership=job.watches_membership and not job.pushes_changes,
+        monitor_interval=spec.monitor_interval,
+        lost_node_grace=job.lost_node_grace,
+        backoff=backoff or Backoff(),
+        max_stalled=max_stalled,
+    )
+
+
+def _logs(logs_specs: LogsSpecs, run_id: str) -> tuple[str, OwnPlan | LogsSpecs]:
+    """The run's log directory, and who plans each attempt's: relaunch (``OwnPlan``) or a
+    user's ``LogsSpecs`` (its reify decides each attempt's paths; its root is all we know)."""
+    own = own_plan(logs_specs)
+    if own is None:
+        return logs_specs.root_log_dir, logs_specs
+    return make_log_dir(own.root, run_id), own
+
+
+def _job_of(spec: WorkerSpec) -> JobServices:
+    """The job's services for ``spec``'s rendezvous; should this agent die on a live machine,
+    its orphan guardian tells the others."""
+    job = job_of(spec.rdzv_handler)
+    job.leave_last_word_with(lambda line: guardian().set_last_word(line))
+    return job
+
+
+def _expiry_watch(
+    spec: WorkerSpec, timers: bool | None, hang_timeout: float | None, clock: Clock
+) -> ExpiryWatch:
+    """Expiry timers (default: ``TORCHELASTIC_ENABLE_FILE_TIMER=1``) and hang detection."""
+    timers = timers_enabled_by_env() if timers is None else timers
+    return ExpiryWatch(spec.rdzv_handler.get_run_id(), timers, hang_timeout, clock)

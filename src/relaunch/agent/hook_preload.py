@@ -1,0 +1,137 @@
+"""``--preload`` as an attempt hook: the zygote each Python worker is forked from (it imports
+the modules while the agent joins), and torch's store served by the agent (``--preload
+torch``) while this node is group rank 0."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from relaunch.agent.hooks import AttemptHook, Run
+from relaunch.config import ConfigError
+from relaunch.core.ranks import omp_num_threads_default
+from relaunch.core.stop_plan import Feature, StopPhase
+from relaunch.procs.context import PContext
+
+if TYPE_CHECKING:
+    from relaunch.agent.torch_store import TorchStoreServer
+    from relaunch.procs.zygote import Zygote
+
+log = logging.getLogger("relaunch.agent.workers")
+
+
+def attach(run: Run) -> PreloadHook | None:
+    return PreloadHook() if run.preload else None
+
+
+class PreloadHook(AttemptHook):
+    """Starts workers from the zygote, and serves torch's store for them."""
+
+    def __init__(self) -> None:
+        self.zygote: Zygote | None = None
+        self._torch_store: TorchStoreServer | None = None
+
+    def open(self, run: Run) -> None:
+        self.zygote = _start_zygote(run)
+        if self.zygote is not None:
+            from relaunch.agent.torch_store import TorchStoreServer, serves_torch_store
+
+            if serves_torch_store(run.preload):
+                self._torch_store = TorchStoreServer(self.zygote)
+
+    def _serving(self, run: Run) -> TorchStoreServer | None:
+        return self._torch_store if run.group.group_rank == 0 else None
+
+    def starting(self, run: Run) -> None:
+        server = self._serving(run)
+        if server is not None:  # before the state record lets other nodes start theirs
+            assert run.group.master_port is not None
+            server.bind(run.group.master_port)
+
+    def environment(self, run: Run) -> Mapping[str, str]:
+        group, server = run.group, self._serving(run)
+        run.agent_store = self._torch_store is not None
+        if server is not None:
+            # Where it cannot be served, worker rank 0 serves it (as without --preload torch).
+            assert group.master_addr is not None and group.master_port is not None
+            with _bad_preload_is_bad_input():
+                run.agent_store = server.serve(group.master_addr, group.master_port)
+        return {}
+
+    def wrap_start(self, run: Run, start: Callable[..., PContext]) -> Callable[..., PContext]:
+        zygote = self.zygote
+        if zygote is None:
+            return start
+
+        def from_zygote(**arguments: Any) -> PContext:
+            with _bad_preload_is_bad_input():
+                return start(**arguments, zygote=zygote)
+
+        return from_zygote
+
+    def features(self) -> Collection[Feature]:
+        features = [] if self.zygote is None else [Feature.ZYGOTE]
+        return features if self._torch_store is None else [*features, Feature.TORCH_STORE]
+
+    def stop_phases(self, run: Run) -> Mapping[StopPhase, Callable[[], None]]:
+        phases: dict[StopPhase, Callable[[], None]] = {}
+        if self._torch_store is not None:
+            phases[StopPhase.STOP_TORCH_STORE] = self._torch_store.stop
+        if self.zygote is not None:  # one that died imports again while the agent rejoins
+            phases[StopPhase.REVIVE_ZYGOTE] = self.zygote.revive
+        return phases
+
+    def note(self) -> str | None:
+        """Why the ranks lost torch's store, when the agent's server of it ended first."""
+        return None if self._torch_store is None else self._torch_store.ended()
+
+    def close(self) -> None:
+        if self._torch_store is not None:
+            self._torch_store.stop()
+        if self.zygote is not None:
+            self.zygote.close()
+
+
+def _start_zygote(run: Run) -> Zygote | None:
+    """The zygote of ``--preload``, started (it imports while the agent joins), with the
+    launcher's environment and what every worker gets on top of it; None (said) when the
+    workers are no Python script or module, or are started by a user's start_processes."""
+    from relaunch.procs.zygote import Zygote, python_command  # sockets: only with --preload
+
+    spec = run.group.spec
+    modules = ",".join(run.preload)
+    command = None
+    if isinstance(spec.entrypoint, str):
+        command = python_command([spec.entrypoint, *map(str, spec.args)])
+    if command is None:
+        log.warning("--preload %s: the workers are no Python script or module: cold", modules)
+        return None
+    if not run.own_start:
+        log.warning("--preload %s: a start_processes of your own starts them cold", modules)
+        return None
+    assert run.channel is not None
+    omp = omp_num_threads_default(spec.local_world_size, os.environ)
+    env = {
+        **os.environ,
+        **run.expiry.worker_env(),
+        **run.channel.env(),
+        **run.open_env,
+        **({} if omp is None else {"OMP_NUM_THREADS": omp}),
+    }
+    zygote = Zygote(run.preload, command, env)
+    zygote.start()
+    return zygote
+
+
+@contextlib.contextmanager
+def _bad_preload_is_bad_input() -> Iterator[None]:
+    """What the zygote cannot import (``PreloadError``) is the user's mistake: ``ConfigError``."""
+    from relaunch.procs.zygote import PreloadError  # sockets: only with --preload
+
+    try:
+        yield
+    except PreloadError as exc:
+        raise ConfigError(str(exc)) from None
