@@ -131,28 +131,25 @@ class LocalElasticAgent:
         restart_policy, hang, health, metrics_endpoint = agent_groups(
             (restart_policy, hang, health, metrics_endpoint), dict(locals())
         )
-        restart_backoff, max_stalled_restarts = restart_policy.rule, restart_policy.max_stalled
-        hang_timeout, timers, straggler_factor = hang.timeout, hang.timers, hang.straggler_factor
-        health_check = None if health.command is None else HealthCheck(*astuple(health))
-        metrics_host, metrics_port = metrics_endpoint.host, metrics_endpoint.port
         arguments = agent_arguments(spec, positional, form_keywords)
         spec = arguments.spec
         group = self._worker_group = WorkerGroup(spec)
         job = self._job = _job_of(spec)
         self._clock, self._events = clock, arguments.events
         self._exit_barrier_timeout = arguments.exit_barrier_timeout
-        self._health_check = health_check  # run before every join (``agent.join``)
-        self._state = RunState(_rules(spec, job, restart_backoff, max_stalled_restarts))
+        # run before every join (``agent.join``)
+        self._health_check = None if health.command is None else HealthCheck(*astuple(health))
+        self._state = RunState(_rules(spec, job, restart_policy.rule, restart_policy.max_stalled))
         self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())
         events = events_of(spec) if event_handler is None else event_handler
         self._report = RunReport(group, events, self._log_dir, clock)
-        self._expiry = _expiry_watch(spec, timers, hang_timeout, clock)
-        self._reporter = self._node_reporter(straggler_factor)
+        self._expiry = _expiry_watch(spec, hang.timers, hang.timeout, clock)
+        self._reporter = self._node_reporter(hang.straggler_factor)
         self._workers = self._workers_of(
             arguments, logs, start_processes, placement, state, preload
         )
         self._sinks = self._make_sinks(metrics)
-        self.metrics_port_bound = self._bind_metrics(metrics_host, metrics_port)
+        self.metrics_port_bound = self._bind_metrics(metrics_endpoint.host, metrics_endpoint.port)
 
     def _workers_of(
         self,
