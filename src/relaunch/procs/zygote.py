@@ -4,9 +4,8 @@ modules once, rather than started cold.
 The agent keeps one ``Zygote`` for its run: started when the run begins (its imports overlap the
 rendezvous), asked for each Python worker of every attempt (``spawn``, from
 ``SubprocessContext``), started again when it died, and closed when the run ends. The zygote is
-``relaunch.procs._zygote``, run by path in the workers' own interpreter; the two talk over a
-Unix socket pair (``_zygote.send_message``/``receive_message``: marshal data, descriptors by
-``SCM_RIGHTS``).
+``procs.zygote_program``, run by path in the workers' own interpreter; the two talk over a Unix
+socket pair (``procs.zygote_wire``: marshal data, descriptors by ``SCM_RIGHTS``).
 
 A worker forked from it sees what ``python [-u] script.py ARGS`` or ``python [-u] -m MODULE
 ARGS`` started by ``subprocess.Popen`` would: the agent sends, with the request, everything a
@@ -18,15 +17,15 @@ the zygote has it too), a ``sys.path[0]`` other than the zygote's, a difference 
 the interpreter reads as it starts (``PYTHON*``, the locale's), a directory or zip archive as
 the script.
 
-A ``ZygoteHandle`` (``procs.zygote_child``) is what ``PopenHandle`` is for a cold worker: the
+A ``ZygoteHandle`` (``procs.zygote_handle``) is what ``PopenHandle`` is for a cold worker: the
 pid, its pidfd (readable when it ended), the status pipe, ``poll``, ``wait``, ``abandon`` and
 ``release``. If the zygote dies, its workers die with it (``PR_SET_PDEATHSIG``) and read as
 killed (-SIGKILL); the group then restarts as after any failure, from a new zygote.
 
 Nothing the zygote's socket gives is trusted (a worker can take the zygote's end of it): the
 requests are numbered, and a reply that is not the answer to the request
-(``zygote_child.check_reply``), a report on the imports that is not one, or an exit status a
-stopped zygote did not give in time (``zygote_child.STATUS_TIMEOUT``) makes the zygote lost: it
+(``zygote_handle.check_reply``), a report on the imports that is not one, or an exit status a
+stopped zygote did not give in time (``zygote_handle.STATUS_TIMEOUT``) makes the zygote lost: it
 is killed, said in one line, and the next start has a new one, as for a zygote that died.
 """
 
@@ -48,20 +47,22 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from relaunch.procs import _zygote
 from relaunch.procs.guardian import guardian
 from relaunch.procs.signals import signals_deferred
-from relaunch.procs.zygote_child import (
+from relaunch.procs.zygote_handle import (
     BadReply,
     ZygoteHandle,
     check_reply,
     has_pidfds,
     read_reply,
 )
+from relaunch.procs.zygote_wire import MAX_REPORT, receive_message, send_message
 
 log = logging.getLogger(__name__)
 
-#: The zygote's program: read and run ``_zygote.py`` by path (``argv[1]``), in ``__main__``.
+#: The zygote's program (``zygote_program.py``), read and run by path (``argv[1]``) in
+#: ``__main__``.
+PROGRAM = os.path.join(os.path.dirname(__file__), "zygote_program.py")
 BOOT = "import sys;p=sys.argv[1];exec(compile(open(p,'rb').read(),p,'exec'))"
 #: The interpreter options a zygote and its workers may have (one set per zygote).
 OPTIONS = frozenset({"-u"})
@@ -272,7 +273,7 @@ class Zygote:
             *command.options,
             "-c",
             BOOT,
-            _zygote.__file__,
+            PROGRAM,
             str(child.fileno()),
             "preload=" + ",".join(self.preload),  # for ps: what this process is
         ]
@@ -305,7 +306,7 @@ class Zygote:
             "agent": os.getpid(),
         }
         try:
-            _zygote.send_message(parent, setup)
+            send_message(parent, setup)
         except OSError:
             pass  # it died already: found out when it is asked for a worker
 
@@ -338,7 +339,7 @@ class Zygote:
         sock = self._sock
         assert sock is not None
         try:
-            got = _zygote.receive_message(sock, 0, _zygote.MAX_REPORT)
+            got = receive_message(sock, 0, MAX_REPORT)
         except (OSError, EOFError):
             got = None
         except (ValueError, TypeError) as bad:  # no message, or no marshal data
@@ -498,7 +499,7 @@ class Zygote:
             with signals_deferred():  # a request and its reply, whole
                 sock.settimeout(REPLY_TIMEOUT)
                 try:
-                    _zygote.send_message(sock, {**request, "seq": self._seq}, fds)
+                    send_message(sock, {**request, "seq": self._seq}, fds)
                 finally:
                     sock.settimeout(None)
                 reply = read_reply(sock, time.monotonic() + REPLY_TIMEOUT)
@@ -514,7 +515,7 @@ class Zygote:
                 handle = ZygoteHandle(pid, status_fd, pidfd, partial(self._lose, proc))
                 self._children[pid] = handle
                 try:
-                    _zygote.send_message(sock, {"checked": pid})
+                    send_message(sock, {"checked": pid})
                 except OSError:
                     pass  # it died since: so does the child, which reads as killed
         except BadReply as bad:
@@ -530,7 +531,7 @@ class Zygote:
 
 
 def _is_report(report: object) -> bool:
-    """Whether ``report`` is the zygote's report on its imports (``_zygote.main``)."""
+    """Whether ``report`` is the zygote's report on its imports (``zygote_program.main``)."""
     if not isinstance(report, dict) or set(report) != {
         "error",
         "pid",
