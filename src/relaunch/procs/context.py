@@ -26,7 +26,7 @@ from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
 from relaunch.procs.affinity import starting_on
-from relaunch.procs.base import PContext, Resume, RunProcsResult
+from relaunch.procs.base import PContext, Resume
 from relaunch.procs.checks import (
     check_entrypoint,
     check_log_dir,
@@ -36,9 +36,10 @@ from relaunch.procs.checks import (
 )
 from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.duplicates import FilteredCopy
+from relaunch.procs.group_result import RunProcsResult
 from relaunch.procs.handles import PopenHandle, ProcessHandle
-from relaunch.procs.monitor import WorkerProcess
 from relaunch.procs.returns import ReturnReader, widen_pipe
+from relaunch.procs.worker_process import WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:

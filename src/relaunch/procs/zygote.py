@@ -33,22 +33,26 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
-import zipimport
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from relaunch.procs.guardian import guardian
 from relaunch.procs.signals import signals_deferred
+from relaunch.procs.zygote_command import (
+    PythonCommand,
+    caller,
+    runs_as_popen_would,
+    worker_request,
+)
+from relaunch.procs.zygote_command import python_command as python_command  # the callers' name
+from relaunch.procs.zygote_command import startup_variables as startup_variables
 from relaunch.procs.zygote_handle import (
     BadReply,
     ZygoteHandle,
@@ -64,15 +68,9 @@ log = logging.getLogger(__name__)
 #: ``__main__``.
 PROGRAM = os.path.join(os.path.dirname(__file__), "zygote_program.py")
 BOOT = "import sys;p=sys.argv[1];exec(compile(open(p,'rb').read(),p,'exec'))"
-#: The interpreter options a zygote and its workers may have (one set per zygote).
-OPTIONS = frozenset({"-u"})
-#: Variables the interpreter reads as it starts: a worker whose values differ starts cold.
-LOCALE_VARIABLES = ("LANG", "LC_ALL", "LC_CTYPE")
 #: Seconds a request waits for the zygote's reply (a fork, even of a large process, takes far
 #: less): past it the zygote counts as gone, and a new one is started.
 REPLY_TIMEOUT = 60.0
-#: A name the workers' Python may have, when it is not the launcher's own.
-_PYTHON_NAME = re.compile(r"python[0-9.]*[a-z]?(\.exe)?")
 
 
 class PreloadError(Exception):
@@ -80,109 +78,9 @@ class PreloadError(Exception):
     line); the agent reports it as bad input."""
 
 
-@dataclass(frozen=True)
-class PythonCommand:
-    """A worker's command line read as ``python [OPTIONS] script ARGS`` or ``python [OPTIONS]
-    -m module ARGS``."""
-
-    python: str
-    options: tuple[str, ...]
-    script: str | None
-    module: str | None
-    args: tuple[str, ...]
-
-    @property
-    def sys_argv(self) -> list[str]:
-        """``sys.argv`` as the interpreter sets it before the code runs (``-m``: runpy puts the
-        module's path in place of ``-m``)."""
-        return ["-m" if self.module is not None else str(self.script), *self.args]
-
-    def path0(self, cwd: str) -> str:
-        """``sys.path[0]`` for a worker started in ``cwd``: the script's directory, symbolic
-        links resolved (``-m``: ``cwd``), as CPython computes it."""
-        if self.script is None:
-            return cwd
-        return os.path.dirname(os.path.realpath(os.path.join(cwd, self.script)))
-
-
-def python_command(argv: Sequence[str], python_names: Sequence[str] = ()) -> PythonCommand | None:
-    """``argv`` as a Python worker's command the zygote can run, or None: not a Python
-    (``argv[0]`` is neither one of ``python_names``, the launcher's ``sys.executable`` nor named
-    ``python...``), options other than ``OPTIONS``, ``-c`` or stdin."""
-    if not argv:
-        return None
-    python = argv[0]
-    known = (sys.executable, os.environ.get("PYTHON_EXEC", ""), *python_names)
-    if python not in known and not _PYTHON_NAME.fullmatch(os.path.basename(python)):
-        return None
-    options: list[str] = []
-    rest = list(argv[1:])
-    while rest and rest[0].startswith("-") and rest[0] != "-":
-        option = rest.pop(0)
-        if option == "-m" and rest:
-            return PythonCommand(python, tuple(options), None, rest[0], tuple(rest[1:]))
-        if option not in OPTIONS or option in options:
-            return None
-        options.append(option)
-    if not rest or rest[0] == "-":
-        return None
-    return PythonCommand(python, tuple(options), rest[0], None, tuple(rest[1:]))
-
-
-def startup_variables(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that the interpreter reads as it starts."""
-    return {
-        name: value
-        for name, value in env.items()
-        if name.startswith("PYTHON") or name in LOCALE_VARIABLES
-    }
-
-
 class ZygoteGone(Exception):
     """The zygote ended, its socket broke, or it gave what is no answer (it is let go of); the
     message says which."""
-
-
-@dataclass
-class _Caller:
-    """What a process started now by the calling thread would inherit from it."""
-
-    cwd: str
-    cpus: list[int]
-    blocked: int
-    ignored: int
-    umask: int
-
-
-def _caller() -> _Caller:
-    fields: dict[str, str] = {}
-    for path in ("/proc/thread-self/status", f"/proc/self/task/{threading.get_native_id()}/status"):
-        try:
-            with open(path) as file:
-                fields = dict(line.split(":", 1) for line in file if ":" in line)
-            break
-        except OSError:
-            continue
-    if "Umask" in fields:
-        umask = int(fields["Umask"].strip(), 8)
-    else:
-        umask = os.umask(0o022)
-        os.umask(umask)
-    return _Caller(
-        os.getcwd(),
-        sorted(os.sched_getaffinity(0)),
-        int(fields.get("SigBlk", "0").strip(), 16),
-        int(fields.get("SigIgn", "0").strip(), 16),
-        umask,
-    )
-
-
-def _valid(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 class Zygote:
@@ -410,30 +308,12 @@ class Zygote:
         if command is None or not self._fits(command, env):
             return None
         try:
-            caller = _caller()
+            parent = caller()
         except OSError:
             return None
-        if command.path0(caller.cwd) != self._path0:
+        if command.path0(parent.cwd) != self._path0:
             return None
-        streams = [fd for fd in (0, 1, 2) if _valid(fd)]
-        given = {1: stdout, 2: stderr}
-        sent = [fd for fd in (0, 1, 2) if given.get(fd) is not None or fd in streams]
-        fds = [fd if given.get(fd) is None else given[fd] for fd in sent]
-        request = {
-            "argv": list(argv),
-            "sys_argv": command.sys_argv,
-            "script": command.script,
-            "module": command.module,
-            "path0": command.path0(caller.cwd),
-            "env": dict(env),
-            "cwd": caller.cwd,
-            "cpus": caller.cpus,
-            "blocked": caller.blocked,
-            "ignored": caller.ignored,
-            "umask": caller.umask,
-            "streams": sent,
-        }
-        return self._ask(request, [fd for fd in fds if fd is not None])
+        return self._ask(*worker_request(argv, command, env, stdout, stderr, parent))
 
     def serve_torch_store(
         self, listener: int, ready: int, host: str, port: int, timeout: float
@@ -473,21 +353,7 @@ class Zygote:
     def _fits(self, command: PythonCommand, env: Mapping[str, str]) -> bool:
         if (command.python, command.options) != (self._command.python, self._command.options):
             return False
-        if startup_variables(env) != self._startup:
-            return False
-        if any("=" in name or "\0" in name or "\0" in value for name, value in env.items()):
-            return False  # what Popen refuses, it refuses the same way
-        script = command.script
-        if script is not None:
-            if not os.path.isfile(script) or script.endswith(".pyc"):
-                return False  # as CPython runs it, or says it cannot
-            try:
-                zipimport.zipimporter(script)
-            except zipimport.ZipImportError:
-                pass
-            else:
-                return False  # a zip application: runpy runs its __main__
-        return True
+        return startup_variables(env) == self._startup and runs_as_popen_would(command, env)
 
     def _request(self, request: dict[str, Any], fds: list[int]) -> ZygoteHandle:
         """Send ``request``, numbered, and take the reply that answers it, checked (the
