@@ -75,7 +75,7 @@ WORKER = textwrap.dedent(
         zygote = os.getppid()
         with open(f"/proc/{zygote}/cmdline", "rb") as file:
             argv = file.read().split(b"\\0")
-        number = int(next(argv[i + 1] for i, a in enumerate(argv) if a.endswith(b"_zygote.py")))
+        number = int(next(argv[i + 1] for i, a in enumerate(argv) if a.endswith(b"_program.py")))
         libc = ctypes.CDLL(None, use_errno=True)
         libc.syscall.restype = ctypes.c_long
         pidfd = os.pidfd_open(zygote)
@@ -209,7 +209,7 @@ def steal_zygote_socket(zygote: int) -> socket.socket:
     """The zygote's end of its socket to the agent, as a worker takes it (``pidfd_getfd``)."""
     with open(f"/proc/{zygote}/cmdline", "rb") as file:
         argv = file.read().split(b"\0")
-    number = int(next(argv[i + 1] for i, arg in enumerate(argv) if arg.endswith(b"_zygote.py")))
+    number = int(next(argv[i + 1] for i, arg in enumerate(argv) if arg.endswith(b"_program.py")))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     pidfd = os.pidfd_open(zygote)

@@ -26,7 +26,7 @@ from relaunch.core.failures import describe_exit
 
 if TYPE_CHECKING:
     from relaunch.procs.zygote import Zygote
-    from relaunch.procs.zygote_child import ZygoteHandle
+    from relaunch.procs.zygote_handle import ZygoteHandle
 
 log = logging.getLogger(__name__)
 

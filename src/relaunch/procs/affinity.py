@@ -3,8 +3,9 @@
 A process starts with the CPU affinity of the thread that forked it. So a binary worker is bound
 by binding the launcher's starting thread around the one ``Popen``: three system calls in the
 launcher, and the child runs bound before ``exec`` (no ``preexec_fn``, which would cost the fast
-``vfork`` path and is unsafe with threads). A function worker binds itself first thing in
-``procs._child.run_function`` (a forkserver's child would not inherit the starting thread's).
+``vfork`` path and is unsafe with threads). A function worker binds itself first thing
+in ``procs.function_worker.run_function`` (a forkserver's child would not inherit the starting
+thread's).
 """
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ import os
 import signal
 import sys
 import threading
-import traceback
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,8 +26,12 @@ from relaunch.procs.descendants import kill_marked, new_token, with_token
 from relaunch.procs.errors import (
     ERROR_FILE_ENV,
     ProcessFailure,
-    exception_error_data,
-    write_error_file,
+)
+from relaunch.procs.group_result import (
+    RunProcsResult,
+    monitor_failure_result,
+    unloadable,
+    worker_failure,
 )
 from relaunch.procs.guardian import guardian
 from relaunch.procs.handles import (
@@ -39,9 +41,10 @@ from relaunch.procs.handles import (
     signal_tree,
     wait_groups_gone,
 )
-from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace, GroupMonitor, WorkerProcess
+from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace, GroupMonitor
 from relaunch.procs.rank_streams import RankStreams
 from relaunch.procs.signals import SignalsToExceptions, notices_ignored
+from relaunch.procs.worker_process import WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
@@ -62,32 +65,6 @@ _open_contexts: weakref.WeakSet[PContext] = weakref.WeakSet()
 def _close_open_contexts() -> None:
     for context in list(_open_contexts):
         context.close(signal.SIGKILL, timeout=0)
-
-
-@dataclass
-class RunProcsResult:
-    """The outcome of a finished group.
-
-    ``return_values`` maps local rank to what a function returned (None for binaries) when all
-    succeeded; ``failures`` holds the workers that failed; ``stopped`` maps the ranks that were
-    stopped only because another failed to their exit codes. ``stdouts``/``stderrs`` are the log
-    file paths ("" where a stream was not redirected). ``exitcodes`` and ``durations``
-    (seconds from the group's start to each exit) cover every rank. ``stuck`` holds the
-    stopped ranks whose process outlived its SIGKILL past ``KILL_DEADLINE`` (their exit code
-    reads -SIGKILL, though nothing saw them exit): the pid and state relaunch left them in.
-    """
-
-    return_values: dict[int, Any] = field(default_factory=dict)
-    failures: dict[int, ProcessFailure] = field(default_factory=dict)
-    stdouts: dict[int, str] = field(default_factory=dict)
-    stderrs: dict[int, str] = field(default_factory=dict)
-    stopped: dict[int, int] = field(default_factory=dict)
-    exitcodes: dict[int, int] = field(default_factory=dict)
-    durations: dict[int, float] = field(default_factory=dict)
-    stuck: dict[int, StuckWorker] = field(default_factory=dict)
-
-    def is_failed(self) -> bool:
-        return len(self.failures) > 0
 
 
 class PContext(abc.ABC):
@@ -319,13 +296,18 @@ class PContext(abc.ABC):
         with self._settle_lock:
             result = self._result
             if result is None:  # the monitor failed and could not even build the result
-                result = self._result = self._monitor_failure_result()
+                assert self._monitor is not None
+                result = self._result = monitor_failure_result(
+                    self._monitor, self.stdouts, self.stderrs
+                )
             while self._unloaded:
                 rank, worker = next(iter(self._unloaded.items()))
                 try:
                     self._loaded[rank] = self._return_value(worker, self._who(rank))
                 except Exception as exc:
-                    result.failures[rank] = self._unloadable(rank, worker, exc)
+                    result.failures[rank] = unloadable(
+                        rank, worker, exc, self.rank_io[rank].error_file
+                    )
                 del self._unloaded[rank]
             if not result.failures:
                 result.return_values = dict(sorted(self._loaded.items()))
@@ -334,52 +316,6 @@ class PContext(abc.ABC):
     def _who(self, rank: int) -> str:
         global_rank = self.envs[rank].get("RANK")
         return f"local rank {rank}" if global_rank is None else f"rank {global_rank}"
-
-    def _unloadable(self, rank: int, worker: WorkerProcess, error: Exception) -> ProcessFailure:
-        """The failure of a rank whose return value cannot be loaded; its error file says why
-        (it is the root cause a scheduler reads)."""
-        error_file = self.rank_io[rank].error_file
-        data = exception_error_data(error)
-        cause = error.__cause__
-        if cause is not None:  # where loading failed (a __setstate__, an import), then why
-            data["message"]["extraInfo"]["py_callstack"] = "".join(
-                [*traceback.format_exception(cause), "\n", data["message"]["message"], "\n"]
-            )
-        try:
-            write_error_file(error_file, data)
-            written = True
-        except OSError as exc:
-            log.warning("cannot write error file %s: %s", error_file, exc)
-            written = False
-        failure = ProcessFailure.from_exit(
-            rank, worker.pid, worker.exitcode or 0, error_file, timestamp=worker.exit_time
-        )
-        if not written:
-            failure.message = failure.details = f"{type(error).__name__}: {error}"
-        return failure
-
-    def _monitor_failure_result(self) -> RunProcsResult:
-        """Every rank failed: the thread that watched them failed, and they were killed."""
-        assert self._monitor is not None
-        error = self._monitor.failure
-        why = f"relaunch's worker monitor failed ({type(error).__name__}: {error})"
-        workers = self._monitor.workers
-        return RunProcsResult(
-            failures={
-                rank: ProcessFailure(
-                    rank,
-                    worker.pid,
-                    worker.exitcode if worker.exitcode is not None else -signal.SIGKILL,
-                    "",
-                    message=f"{why}; the workers were killed",
-                    timestamp=worker.exit_time,
-                )
-                for rank, worker in workers.items()
-            },
-            stdouts=self.stdouts,
-            stderrs=self.stderrs,
-            exitcodes={rank: worker.exitcode or 0 for rank, worker in workers.items()},
-        )
 
     def hold_group_stop(self) -> None:
         """From now on, a worker's failure does not stop the others: the agent has asked every
@@ -426,7 +362,7 @@ class PContext(abc.ABC):
             return {}
         with monitor.lock:
             return {
-                rank: _failure(rank, worker, self.rank_io[rank])
+                rank: worker_failure(rank, worker, self.rank_io[rank])
                 for rank, worker in monitor.workers.items()
                 if worker.exitcode and rank not in monitor.stopped_ranks
             }
@@ -501,19 +437,3 @@ class Resume(Protocol):
     def resume(self, env: dict[str, str], stdout: int | None, stderr: int | None) -> bool:
         """Hand the worker its attempt: ``env`` (all of it), writing to ``stdout``/``stderr``
         (None: the launcher's); False when it cannot take it (it is started afresh)."""
-
-
-def _failure(rank: int, worker: WorkerProcess, io: RankIO) -> ProcessFailure:
-    """The failure of ``worker``: its stderr tail comes from memory when relaunch read that
-    stream (its log file may lack it: a full disk), else from the log file."""
-    stderr = next((stream for stream in worker.streams if stream.err), None)
-    return ProcessFailure.from_exit(
-        rank,
-        worker.pid,
-        worker.exitcode or 0,
-        io.error_file,
-        stderr_file=io.stderr,
-        timestamp=worker.exit_time,
-        stderr_tail=None if stderr is None else stderr.stderr_tail(),
-        stderr_log_error="" if stderr is None else stderr.log_error,
-    )

@@ -26,7 +26,7 @@ from relaunch.core.macros import substitute_local_rank
 from relaunch.core.rank_io import RankIO, plan_rank_io
 from relaunch.core.streams import Std
 from relaunch.procs.affinity import starting_on
-from relaunch.procs.base import PContext, Resume, RunProcsResult
+from relaunch.procs.base import PContext, Resume
 from relaunch.procs.checks import (
     check_entrypoint,
     check_log_dir,
@@ -36,9 +36,10 @@ from relaunch.procs.checks import (
 )
 from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.duplicates import FilteredCopy
+from relaunch.procs.group_result import RunProcsResult
 from relaunch.procs.handles import PopenHandle, ProcessHandle
-from relaunch.procs.monitor import WorkerProcess
 from relaunch.procs.returns import ReturnReader, widen_pipe
+from relaunch.procs.worker_process import WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class MultiprocessContext(PContext):
     def _start_worker(
         self, local_rank: int, env: dict[str, str], stdout: int | None, stderr: int | None
     ) -> tuple[ProcessHandle, Any]:
-        from relaunch.procs._child import ChildSetup, InheritedFd, run_function
+        from relaunch.procs.function_worker import ChildSetup, InheritedFd, run_function
 
         setup = ChildSetup(
             env=env,
@@ -279,59 +280,36 @@ def start_processes(
     (``procs.zygote``). ``resumes`` (relaunch's own) hands some ranks to workers kept from the
     group before, which restart in place (``relaunch.restart_in_place``).
     """
-    form, given = choose(
-        "start_processes",
-        TORCH_CALL,
-        SEEDS_CALL,
-        positional,
-        keywords,
-        is_logs_specs,
-        lambda value: isinstance(value, (str, os.PathLike)),
-        "its 5th argument",
-    )
-    start_method: str = given.get("start_method", "spawn")
-    prefixes: Mapping[int, str] | None = given.get("log_line_prefixes")
-    progbar_events: ProgbarEvents | None = given.get("progbar_events")
+    form, given = _call_form(positional, keywords)
     nprocs = check_ranks(args, envs)
-    check_entrypoint(entrypoint, start_method)
-    rank_dirs: list[str] = []
-    if form is TORCH_CALL:
-        if given.get("numa_options") is not None:
-            raise ValueError(
-                "numa_options is not taken: bind workers to CPUs with cpu_affinity= or the "
-                "--numa-binding flag"
-            )
-        envs = {rank: dict(envs[rank]) for rank in range(nprocs)}  # reify may add to them
-        dest = given["logs_specs"].reify(envs)
-        rank_io = rank_io_of(dest, name, nprocs, prefixes, relay)
-        filtered = (dest.filtered_stdout, dest.filtered_stderr)
-    elif "log_dir" not in given:
-        raise TypeError(
-            "start_processes() needs where logs go: logs_specs=DefaultLogsSpecs(...) (torch "
-            "2.13) or log_dir=... (the seeds')"
-        )
-    else:
-        log_dir = os.fspath(given["log_dir"])
-        check_log_dir(log_dir)
-        rank_io = plan_rank_io(
-            name,
-            log_dir,
-            nprocs,
-            given.get("redirects", Std.NONE),
-            given.get("tee", Std.NONE),
-            prefixes,
-            relay,
-            given.get("local_ranks_filter"),
-        )
-        rank_dirs = [io.log_dir for io in rank_io.values()]
-        filtered = (
-            os.path.join(log_dir, FILTERED_STDOUT_LOG),
-            os.path.join(log_dir, FILTERED_STDERR_LOG),
-        )
+    check_entrypoint(entrypoint, given.get("start_method", "spawn"))
+    envs, rank_io, filtered = _rank_logs(form, given, envs, name, nprocs, relay)
     rank_args = {rank: substitute_local_rank(args[rank], rank) for rank in range(nprocs)}
-    context: PContext
+    context = _new_context(
+        name, entrypoint, rank_args, envs, rank_io, given, shutdown_timeout, cpu_affinity, zygote
+    )
+    if form is SEEDS_CALL:  # each rank's directory, once the context is made
+        for io in rank_io.values():
+            os.mkdir(io.log_dir)
+    _start_with_copies(context, given, filtered, resumes)
+    return context
+
+
+def _new_context(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    rank_args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str]],
+    rank_io: dict[int, RankIO],
+    given: Mapping[str, Any],
+    shutdown_timeout: float,
+    cpu_affinity: Mapping[int, frozenset[int]] | None,
+    zygote: Zygote | None,
+) -> PContext:
+    """A binary's context (``SubprocessContext``) or a function's (``MultiprocessContext``)."""
+    progbar_events: ProgbarEvents | None = given.get("progbar_events")
     if isinstance(entrypoint, str):
-        context = binaries = SubprocessContext(
+        binaries = SubprocessContext(
             name,
             entrypoint,
             rank_args,
@@ -342,20 +320,108 @@ def start_processes(
             cpu_affinity=cpu_affinity,
         )
         binaries.zygote = zygote
-    else:
-        context = MultiprocessContext(
-            name,
-            entrypoint,
-            rank_args,
-            envs,
-            rank_io,
-            start_method,
-            progbar_events,
-            shutdown_timeout=shutdown_timeout,
-            cpu_affinity=cpu_affinity,
+        return binaries
+    return MultiprocessContext(
+        name,
+        entrypoint,
+        rank_args,
+        envs,
+        rank_io,
+        given.get("start_method", "spawn"),
+        progbar_events,
+        shutdown_timeout=shutdown_timeout,
+        cpu_affinity=cpu_affinity,
+    )
+
+
+def _call_form(
+    positional: tuple[Any, ...], keywords: Mapping[str, Any]
+) -> tuple[CallForm, dict[str, Any]]:
+    """The form of a call (torch's or the seeds'), told by its 5th argument, and its arguments
+    by name."""
+    return choose(
+        "start_processes",
+        TORCH_CALL,
+        SEEDS_CALL,
+        positional,
+        keywords,
+        is_logs_specs,
+        lambda value: isinstance(value, (str, os.PathLike)),
+        "its 5th argument",
+    )
+
+
+def _rank_logs(
+    form: CallForm,
+    given: Mapping[str, Any],
+    envs: Mapping[int, Mapping[str, str]],
+    name: str,
+    nprocs: int,
+    relay: Std | Mapping[int, Std],
+) -> tuple[Mapping[int, Mapping[str, str]], dict[int, RankIO], tuple[str, str]]:
+    """The environments (torch's ``reify`` may add to a copy), where each rank's streams go,
+    and the duplicate filters' files."""
+    if form is SEEDS_CALL:
+        return (envs, *_seeds_logs(given, name, nprocs, relay))
+    copied = {rank: dict(envs[rank]) for rank in range(nprocs)}
+    return (copied, *_torch_logs(given, copied, name, nprocs, relay))
+
+
+def _torch_logs(
+    given: Mapping[str, Any],
+    envs: dict[int, dict[str, str]],
+    name: str,
+    nprocs: int,
+    relay: Std | Mapping[int, Std],
+) -> tuple[dict[int, RankIO], tuple[str, str]]:
+    """torch's form: each rank's streams where ``logs_specs.reify(envs)`` says, and the files
+    of the duplicate filters."""
+    if given.get("numa_options") is not None:
+        raise ValueError(
+            "numa_options is not taken: bind workers to CPUs with cpu_affinity= or the "
+            "--numa-binding flag"
         )
-    for rank_dir in rank_dirs:
-        os.mkdir(rank_dir)
+    dest = given["logs_specs"].reify(envs)
+    rank_io = rank_io_of(dest, name, nprocs, given.get("log_line_prefixes"), relay)
+    return rank_io, (dest.filtered_stdout, dest.filtered_stderr)
+
+
+def _seeds_logs(
+    given: Mapping[str, Any], name: str, nprocs: int, relay: Std | Mapping[int, Std]
+) -> tuple[dict[int, RankIO], tuple[str, str]]:
+    """The seeds' form: each rank's streams under ``{log_dir}/{rank}/`` (made once the context
+    is), and the files of the duplicate filters."""
+    if "log_dir" not in given:
+        raise TypeError(
+            "start_processes() needs where logs go: logs_specs=DefaultLogsSpecs(...) (torch "
+            "2.13) or log_dir=... (the seeds')"
+        )
+    log_dir = os.fspath(given["log_dir"])
+    check_log_dir(log_dir)
+    rank_io = plan_rank_io(
+        name,
+        log_dir,
+        nprocs,
+        given.get("redirects", Std.NONE),
+        given.get("tee", Std.NONE),
+        given.get("log_line_prefixes"),
+        relay,
+        given.get("local_ranks_filter"),
+    )
+    filtered = (
+        os.path.join(log_dir, FILTERED_STDOUT_LOG),
+        os.path.join(log_dir, FILTERED_STDERR_LOG),
+    )
+    return rank_io, filtered
+
+
+def _start_with_copies(
+    context: PContext,
+    given: Mapping[str, Any],
+    filtered: tuple[str, str],
+    resumes: Mapping[int, Resume] | None,
+) -> None:
+    """Open the duplicate filters' files, hand the kept workers over, and start ``context``."""
     copies = {}
     for err, stream in ((False, "stdout"), (True, "stderr")):
         needles = given.get(f"duplicate_{stream}_filters")
@@ -371,4 +437,3 @@ def start_processes(
     finally:
         for copy in copies.values():
             copy.release()  # the streams that feed it hold it now
-    return context

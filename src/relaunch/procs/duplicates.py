@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from relaunch.procs.rank_streams import LogFile
+from relaunch.procs.log_file import LogFile
 
 log = logging.getLogger(__name__)
 

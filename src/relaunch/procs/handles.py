@@ -191,7 +191,7 @@ class PopenHandle:
     """A worker binary started with ``subprocess.Popen``."""
 
     #: Where the exit status comes after the exit itself (``exit_fd``) was seen, a descriptor
-    #: that becomes readable when it does (a zygote's child: ``procs.zygote_child``); None: the
+    #: that becomes readable when it does (a zygote's child: ``procs.zygote_handle``); None: the
     #: status is there as soon as the exit is.
     status_fd: int | None = None
 

@@ -18,21 +18,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from relaunch.core.group import GroupState, group_state
 from relaunch.procs.console import Console
-from relaunch.procs.handles import (
-    PopenHandle,
-    ProcessHandle,
-    StuckWorker,
-    signal_tree,
-    stuck_worker,
-)
-from relaunch.procs.rank_streams import TeeStream
-from relaunch.procs.returns import ReturnReader
+from relaunch.procs.handles import StuckWorker, signal_tree, stuck_worker
+from relaunch.procs.output_rounds import OutputRounds
 from relaunch.procs.signals import signals_deferred
 from relaunch.procs.wakeup import Latch
+from relaunch.procs.worker_process import FailureGrace as FailureGrace  # the agent's name
+from relaunch.procs.worker_process import Unreaped, WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure, start_thread
 
 log = logging.getLogger(__name__)
@@ -51,49 +45,9 @@ DRAIN_TIMEOUT = 1.0
 #: debugger traces) may never go. Past this the group ends without it: it is logged with its
 #: state, listed in ``GroupMonitor.stuck``, and nothing waits for it any more.
 KILL_DEADLINE = 5.0
-#: The first and the longest delay between looks at a worker whose exit was signalled but
-#: which cannot be reaped yet (see ``GroupMonitor._set_aside``).
-RECHECK_FIRST = 0.005
-RECHECK_MAX = 0.5
 #: At most this many bytes of a return value are read per wake-up, so that a large value
 #: arriving does not hold up the other workers' output.
 RESULT_READ_LIMIT = 8 << 20
-
-
-class FailureGrace:
-    """What a group's first failure asks before the others are stopped (the agent's
-    just-in-time save, ``agent.state``). The default holds nothing."""
-
-    def begin(self, running: set[int], release: Callable[[], None]) -> float:
-        """A worker failed while the local ranks ``running`` run: how many seconds their stop
-        may wait (0: stop them now); ``release()`` stops them sooner."""
-        return 0.0
-
-    def exited(self, local_rank: int) -> None:
-        """A worker ended while the stop waited."""
-
-
-@dataclass
-class WorkerProcess:
-    """A started worker as the monitor tracks it."""
-
-    local_rank: int
-    handle: PopenHandle | ProcessHandle
-    streams: list[TeeStream] = field(default_factory=list)
-    #: The read end of its return value's pipe (function workers); kept, closed, once read.
-    result: ReturnReader | None = None
-    exitcode: int | None = None
-    #: When it ended (``time.time()``): its exit fd said so, even where its status came later.
-    exit_time: float = 0.0
-    #: When its exit fd said it ended while its status was not there yet (0.0: not so).
-    ended_at: float = 0.0
-    #: It waits to restart in place (``GroupMonitor.keep``): ended for this group, still alive,
-    #: and neither signalled nor released by it.
-    kept: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.handle.pid
 
 
 class GroupMonitor:
@@ -135,14 +89,12 @@ class GroupMonitor:
         self._failed = Latch()
         self._kill_at: float | None = None
         self._give_up_at: float | None = None
-        self._unreaped: dict[int, WorkerProcess] = {}
-        self._recheck_at: float | None = None
-        self._recheck_delay = RECHECK_FIRST
+        self._unreaped = Unreaped()
         self._finishing = False
         self._drain_until: float | None = None
-        self._dirty: list[TeeStream] = []
         self._keeping: list[WorkerProcess] = []
         self._selector = selectors.DefaultSelector()
+        self._output = OutputRounds(self._selector)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
@@ -259,7 +211,7 @@ class GroupMonitor:
         deadlines = (
             self._kill_at,
             self._give_up_at,
-            self._recheck_at,
+            self._unreaped.at,
             self._drain_until,
             self._grace_until,
         )
@@ -293,7 +245,7 @@ class GroupMonitor:
             for key, _ in self._selector.select(timeout):
                 kind, item = key.data
                 if kind == "tee":
-                    self._pump(item)
+                    self._output.pump(item)
                 elif kind == "exit":
                     self._reap(item)
                 elif kind == "result":
@@ -320,23 +272,20 @@ class GroupMonitor:
     def _stop_watching(self, worker: WorkerProcess) -> None:
         """``worker`` lives on, but this group is done with it (kept, or given up on): read
         what it wrote (its pipes stay open as long as it lives), and watch it no more."""
-        self._unreaped.pop(worker.local_rank, None)
+        self._unreaped.workers.pop(worker.local_rank, None)
         self._unwatch_exit(worker)
         for stream in worker.streams:
-            self._pump(stream, until_empty=True)
+            self._output.pump(stream, until_empty=True)
             if stream.open:
                 self._unwatch(stream.read_fd)
                 stream.finish()
 
     def _fail(self, error: BaseException) -> None:
         """The monitor thread fails with ``error``: report it (the agent ends with one line),
-        then kill the workers, which must not outlive their monitor, and end the group. Each
-        step runs whatever the one before did.
-
-        The report comes first: whoever sees the group end (``wait_done``, a done callback)
-        finds the failure reported already, so the end of a group its monitor could not watch
-        is never taken for the workers' own (the agent read "every worker stopped, none failed"
-        as a success and sat in the exit barrier while its peer waited for it)."""
+        kill the workers, which must not outlive their monitor, and end the group; each step
+        runs whatever the one before did. The report comes first, so whoever sees the group end
+        never takes it for the workers' own (the agent once read it as a success and sat in the
+        exit barrier while its peer waited)."""
         log.debug("the worker monitor failed; stopping the workers", exc_info=error)
         with self.lock:
             self.failure = error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -353,12 +302,10 @@ class GroupMonitor:
             self._end_without_monitor()
 
     def _end_without_monitor(self) -> None:
-        """The monitor thread fails: reap the killed workers here (each within
-        ``KILL_DEADLINE``, else given up), and end the group, so that nobody waits for an end
-        that the dead thread would have recorded. A worker killed here failed (it is not in
-        ``stopped_ranks``): without an agent to hear of the monitor's failure, the result must
-        not read as a success either. If even the result cannot be built, ``PContext.wait``
-        makes a failure result of the monitor's failure."""
+        """The monitor thread failed: reap the killed workers here (each within
+        ``KILL_DEADLINE``, else given up) and end the group, which nobody then waits for. A
+        worker killed here failed (not in ``stopped_ranks``), so the result never reads as a
+        success; one that cannot be built is the monitor's failure (``PContext.wait``)."""
         for worker in self.workers.values():
             if worker.exitcode is not None:
                 continue
@@ -371,7 +318,7 @@ class GroupMonitor:
                 worker.exitcode = -signal.SIGKILL if code is None else code
                 worker.exit_time = self._clock.time()
         with self.lock:
-            self._kill_at = self._give_up_at = self._recheck_at = None
+            self._kill_at = self._give_up_at = self._unreaped.at = None
             done, self._done = self._done, True
         if not done:
             try:
@@ -388,44 +335,9 @@ class GroupMonitor:
         except BlockingIOError:
             pass
 
-    def _pump(self, stream: TeeStream, until_empty: bool = False) -> None:
-        if not stream.open:
-            return
-        at_end = stream.pump(until_empty)
-        if stream.pending or stream.bar_changed:
-            self._dirty.append(stream)
-        if at_end:
-            self._selector.unregister(stream.read_fd)
-            stream.finish()
-
     def _flush_consoles(self) -> bool:
-        """Write this round's lines: one write per console, ranks never interleaved mid-line;
-        then tell the console which bars changed. Returns whether there was anything."""
-        if not self._dirty:
-            return False
-        by_console: dict[Console, tuple[list[bytes], list[bytes]]] = {}
-        bars = []
-        for stream in self._dirty:
-            if stream.bar_changed:
-                stream.bar_changed = False
-                if stream.bar is None:  # its line was completed: the line shows the last state
-                    stream.console.end_bar(stream.key, print_last=False)
-                else:
-                    bars.append(stream)
-            if stream.pending:
-                out, err = by_console.setdefault(stream.console, ([], []))
-                (err if stream.err else out).append(stream.take_pending())
-        self._dirty.clear()
-        for console, (out, err) in by_console.items():
-            console.write(b"".join(out), b"".join(err))
-        for stream in bars:
-            assert stream.bar is not None
-            if not stream.bar:  # wiped: its last state first, for a log that keeps it
-                stream.console.set_bar(
-                    stream.key, stream.shown_bar(stream.framer.last_bar), stream.err
-                )
-            stream.console.set_bar(stream.key, stream.shown_bar(stream.bar), stream.err)
-        return True
+        """Write this round's lines and bars (``OutputRounds.flush``); whether there were any."""
+        return self._output.flush()
 
     def _unwatch(self, fd: int) -> None:
         try:
@@ -446,7 +358,7 @@ class GroupMonitor:
         if exitcode is None:
             self._set_aside(worker)
             return
-        self._unreaped.pop(worker.local_rank, None)
+        self._unreaped.workers.pop(worker.local_rank, None)
         self._unwatch_exit(worker)
         self._record_exit(worker, exitcode)
 
@@ -465,21 +377,16 @@ class GroupMonitor:
                 self._selector.register(status_fd, selectors.EVENT_READ, ("exit", worker))
             except KeyError:
                 pass  # watched already
-        if not self._unreaped:
-            self._recheck_delay = RECHECK_FIRST
-        self._unreaped[worker.local_rank] = worker
-        self._recheck_at = self._clock.monotonic() + self._recheck_delay
-        self._recheck_delay = min(2 * self._recheck_delay, RECHECK_MAX)
+        self._unreaped.add(worker, self._clock.monotonic())
 
     def _recheck_unreaped(self) -> None:
-        self._recheck_at = None
-        for worker in list(self._unreaped.values()):
+        for worker in self._unreaped.take_all():
             self._reap(worker)  # sets it aside again while it still cannot be reaped
 
     def _record_exit(self, worker: WorkerProcess, exitcode: int) -> None:
         # Whatever the worker wrote before it exited is in its pipes now: read all of it.
         for stream in worker.streams:
-            self._pump(stream, until_empty=True)
+            self._output.pump(stream, until_empty=True)
         # All of its return value is in its pipe too: it wrote it before it exited.
         self._read_result(worker, None)
         with self.lock:
@@ -501,7 +408,7 @@ class GroupMonitor:
             if state is GroupState.FAILED:
                 self._failed.set()
             if all(code is not None for code in codes.values()):
-                self._kill_at = self._give_up_at = self._recheck_at = None
+                self._kill_at = self._give_up_at = self._unreaped.at = None
                 self._on_done()
                 self._done = True
                 self._ended.set()
@@ -542,7 +449,7 @@ class GroupMonitor:
 
     def _past_deadlines(self) -> bool:
         now = self._clock.monotonic()
-        if self._recheck_at is not None and now >= self._recheck_at:
+        if self._unreaped.at is not None and now >= self._unreaped.at:
             self._recheck_unreaped()
         with self.lock:
             if self._grace_until is not None and now >= self._grace_until:

@@ -4,9 +4,8 @@ modules once, rather than started cold.
 The agent keeps one ``Zygote`` for its run: started when the run begins (its imports overlap the
 rendezvous), asked for each Python worker of every attempt (``spawn``, from
 ``SubprocessContext``), started again when it died, and closed when the run ends. The zygote is
-``relaunch.procs._zygote``, run by path in the workers' own interpreter; the two talk over a
-Unix socket pair (``_zygote.send_message``/``receive_message``: marshal data, descriptors by
-``SCM_RIGHTS``).
+``procs.zygote_program``, run by path in the workers' own interpreter; the two talk over a Unix
+socket pair (``procs.zygote_wire``: marshal data, descriptors by ``SCM_RIGHTS``).
 
 A worker forked from it sees what ``python [-u] script.py ARGS`` or ``python [-u] -m MODULE
 ARGS`` started by ``subprocess.Popen`` would: the agent sends, with the request, everything a
@@ -18,15 +17,15 @@ the zygote has it too), a ``sys.path[0]`` other than the zygote's, a difference 
 the interpreter reads as it starts (``PYTHON*``, the locale's), a directory or zip archive as
 the script.
 
-A ``ZygoteHandle`` (``procs.zygote_child``) is what ``PopenHandle`` is for a cold worker: the
+A ``ZygoteHandle`` (``procs.zygote_handle``) is what ``PopenHandle`` is for a cold worker: the
 pid, its pidfd (readable when it ended), the status pipe, ``poll``, ``wait``, ``abandon`` and
 ``release``. If the zygote dies, its workers die with it (``PR_SET_PDEATHSIG``) and read as
 killed (-SIGKILL); the group then restarts as after any failure, from a new zygote.
 
 Nothing the zygote's socket gives is trusted (a worker can take the zygote's end of it): the
 requests are numbered, and a reply that is not the answer to the request
-(``zygote_child.check_reply``), a report on the imports that is not one, or an exit status a
-stopped zygote did not give in time (``zygote_child.STATUS_TIMEOUT``) makes the zygote lost: it
+(``zygote_handle.check_reply``), a report on the imports that is not one, or an exit status a
+stopped zygote did not give in time (``zygote_handle.STATUS_TIMEOUT``) makes the zygote lost: it
 is killed, said in one line, and the next start has a new one, as for a zygote that died.
 """
 
@@ -34,44 +33,44 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
-import zipimport
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from relaunch.procs import _zygote
 from relaunch.procs.guardian import guardian
 from relaunch.procs.signals import signals_deferred
-from relaunch.procs.zygote_child import (
+from relaunch.procs.zygote_command import (
+    PythonCommand,
+    caller,
+    runs_as_popen_would,
+    worker_request,
+)
+from relaunch.procs.zygote_command import python_command as python_command  # the callers' name
+from relaunch.procs.zygote_command import startup_variables as startup_variables
+from relaunch.procs.zygote_handle import (
     BadReply,
     ZygoteHandle,
     check_reply,
     has_pidfds,
     read_reply,
 )
+from relaunch.procs.zygote_wire import MAX_REPORT, receive_message, send_message
 
 log = logging.getLogger(__name__)
 
-#: The zygote's program: read and run ``_zygote.py`` by path (``argv[1]``), in ``__main__``.
+#: The zygote's program (``zygote_program.py``), read and run by path (``argv[1]``) in
+#: ``__main__``.
+PROGRAM = os.path.join(os.path.dirname(__file__), "zygote_program.py")
 BOOT = "import sys;p=sys.argv[1];exec(compile(open(p,'rb').read(),p,'exec'))"
-#: The interpreter options a zygote and its workers may have (one set per zygote).
-OPTIONS = frozenset({"-u"})
-#: Variables the interpreter reads as it starts: a worker whose values differ starts cold.
-LOCALE_VARIABLES = ("LANG", "LC_ALL", "LC_CTYPE")
 #: Seconds a request waits for the zygote's reply (a fork, even of a large process, takes far
 #: less): past it the zygote counts as gone, and a new one is started.
 REPLY_TIMEOUT = 60.0
-#: A name the workers' Python may have, when it is not the launcher's own.
-_PYTHON_NAME = re.compile(r"python[0-9.]*[a-z]?(\.exe)?")
 
 
 class PreloadError(Exception):
@@ -79,109 +78,9 @@ class PreloadError(Exception):
     line); the agent reports it as bad input."""
 
 
-@dataclass(frozen=True)
-class PythonCommand:
-    """A worker's command line read as ``python [OPTIONS] script ARGS`` or ``python [OPTIONS]
-    -m module ARGS``."""
-
-    python: str
-    options: tuple[str, ...]
-    script: str | None
-    module: str | None
-    args: tuple[str, ...]
-
-    @property
-    def sys_argv(self) -> list[str]:
-        """``sys.argv`` as the interpreter sets it before the code runs (``-m``: runpy puts the
-        module's path in place of ``-m``)."""
-        return ["-m" if self.module is not None else str(self.script), *self.args]
-
-    def path0(self, cwd: str) -> str:
-        """``sys.path[0]`` for a worker started in ``cwd``: the script's directory, symbolic
-        links resolved (``-m``: ``cwd``), as CPython computes it."""
-        if self.script is None:
-            return cwd
-        return os.path.dirname(os.path.realpath(os.path.join(cwd, self.script)))
-
-
-def python_command(argv: Sequence[str], python_names: Sequence[str] = ()) -> PythonCommand | None:
-    """``argv`` as a Python worker's command the zygote can run, or None: not a Python
-    (``argv[0]`` is neither one of ``python_names``, the launcher's ``sys.executable`` nor named
-    ``python...``), options other than ``OPTIONS``, ``-c`` or stdin."""
-    if not argv:
-        return None
-    python = argv[0]
-    known = (sys.executable, os.environ.get("PYTHON_EXEC", ""), *python_names)
-    if python not in known and not _PYTHON_NAME.fullmatch(os.path.basename(python)):
-        return None
-    options: list[str] = []
-    rest = list(argv[1:])
-    while rest and rest[0].startswith("-") and rest[0] != "-":
-        option = rest.pop(0)
-        if option == "-m" and rest:
-            return PythonCommand(python, tuple(options), None, rest[0], tuple(rest[1:]))
-        if option not in OPTIONS or option in options:
-            return None
-        options.append(option)
-    if not rest or rest[0] == "-":
-        return None
-    return PythonCommand(python, tuple(options), rest[0], None, tuple(rest[1:]))
-
-
-def startup_variables(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that the interpreter reads as it starts."""
-    return {
-        name: value
-        for name, value in env.items()
-        if name.startswith("PYTHON") or name in LOCALE_VARIABLES
-    }
-
-
 class ZygoteGone(Exception):
     """The zygote ended, its socket broke, or it gave what is no answer (it is let go of); the
     message says which."""
-
-
-@dataclass
-class _Caller:
-    """What a process started now by the calling thread would inherit from it."""
-
-    cwd: str
-    cpus: list[int]
-    blocked: int
-    ignored: int
-    umask: int
-
-
-def _caller() -> _Caller:
-    fields: dict[str, str] = {}
-    for path in ("/proc/thread-self/status", f"/proc/self/task/{threading.get_native_id()}/status"):
-        try:
-            with open(path) as file:
-                fields = dict(line.split(":", 1) for line in file if ":" in line)
-            break
-        except OSError:
-            continue
-    if "Umask" in fields:
-        umask = int(fields["Umask"].strip(), 8)
-    else:
-        umask = os.umask(0o022)
-        os.umask(umask)
-    return _Caller(
-        os.getcwd(),
-        sorted(os.sched_getaffinity(0)),
-        int(fields.get("SigBlk", "0").strip(), 16),
-        int(fields.get("SigIgn", "0").strip(), 16),
-        umask,
-    )
-
-
-def _valid(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 class Zygote:
@@ -272,7 +171,7 @@ class Zygote:
             *command.options,
             "-c",
             BOOT,
-            _zygote.__file__,
+            PROGRAM,
             str(child.fileno()),
             "preload=" + ",".join(self.preload),  # for ps: what this process is
         ]
@@ -305,7 +204,7 @@ class Zygote:
             "agent": os.getpid(),
         }
         try:
-            _zygote.send_message(parent, setup)
+            send_message(parent, setup)
         except OSError:
             pass  # it died already: found out when it is asked for a worker
 
@@ -338,7 +237,7 @@ class Zygote:
         sock = self._sock
         assert sock is not None
         try:
-            got = _zygote.receive_message(sock, 0, _zygote.MAX_REPORT)
+            got = receive_message(sock, 0, MAX_REPORT)
         except (OSError, EOFError):
             got = None
         except (ValueError, TypeError) as bad:  # no message, or no marshal data
@@ -409,30 +308,12 @@ class Zygote:
         if command is None or not self._fits(command, env):
             return None
         try:
-            caller = _caller()
+            parent = caller()
         except OSError:
             return None
-        if command.path0(caller.cwd) != self._path0:
+        if command.path0(parent.cwd) != self._path0:
             return None
-        streams = [fd for fd in (0, 1, 2) if _valid(fd)]
-        given = {1: stdout, 2: stderr}
-        sent = [fd for fd in (0, 1, 2) if given.get(fd) is not None or fd in streams]
-        fds = [fd if given.get(fd) is None else given[fd] for fd in sent]
-        request = {
-            "argv": list(argv),
-            "sys_argv": command.sys_argv,
-            "script": command.script,
-            "module": command.module,
-            "path0": command.path0(caller.cwd),
-            "env": dict(env),
-            "cwd": caller.cwd,
-            "cpus": caller.cpus,
-            "blocked": caller.blocked,
-            "ignored": caller.ignored,
-            "umask": caller.umask,
-            "streams": sent,
-        }
-        return self._ask(request, [fd for fd in fds if fd is not None])
+        return self._ask(*worker_request(argv, command, env, stdout, stderr, parent))
 
     def serve_torch_store(
         self, listener: int, ready: int, host: str, port: int, timeout: float
@@ -472,21 +353,7 @@ class Zygote:
     def _fits(self, command: PythonCommand, env: Mapping[str, str]) -> bool:
         if (command.python, command.options) != (self._command.python, self._command.options):
             return False
-        if startup_variables(env) != self._startup:
-            return False
-        if any("=" in name or "\0" in name or "\0" in value for name, value in env.items()):
-            return False  # what Popen refuses, it refuses the same way
-        script = command.script
-        if script is not None:
-            if not os.path.isfile(script) or script.endswith(".pyc"):
-                return False  # as CPython runs it, or says it cannot
-            try:
-                zipimport.zipimporter(script)
-            except zipimport.ZipImportError:
-                pass
-            else:
-                return False  # a zip application: runpy runs its __main__
-        return True
+        return startup_variables(env) == self._startup and runs_as_popen_would(command, env)
 
     def _request(self, request: dict[str, Any], fds: list[int]) -> ZygoteHandle:
         """Send ``request``, numbered, and take the reply that answers it, checked (the
@@ -498,7 +365,7 @@ class Zygote:
             with signals_deferred():  # a request and its reply, whole
                 sock.settimeout(REPLY_TIMEOUT)
                 try:
-                    _zygote.send_message(sock, {**request, "seq": self._seq}, fds)
+                    send_message(sock, {**request, "seq": self._seq}, fds)
                 finally:
                     sock.settimeout(None)
                 reply = read_reply(sock, time.monotonic() + REPLY_TIMEOUT)
@@ -514,7 +381,7 @@ class Zygote:
                 handle = ZygoteHandle(pid, status_fd, pidfd, partial(self._lose, proc))
                 self._children[pid] = handle
                 try:
-                    _zygote.send_message(sock, {"checked": pid})
+                    send_message(sock, {"checked": pid})
                 except OSError:
                     pass  # it died since: so does the child, which reads as killed
         except BadReply as bad:
@@ -530,7 +397,7 @@ class Zygote:
 
 
 def _is_report(report: object) -> bool:
-    """Whether ``report`` is the zygote's report on its imports (``_zygote.main``)."""
+    """Whether ``report`` is the zygote's report on its imports (``zygote_program.main``)."""
     if not isinstance(report, dict) or set(report) != {
         "error",
         "pid",

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 
 from relaunch.core.failures import describe_exit
-from relaunch.procs import _zygote
 from relaunch.procs.handles import PopenHandle
+from relaunch.procs.zygote_wire import INT_SIZE, REPLY_SIZE, SEQ_SIZE
 
 #: Seconds a zygote has, once its child ended, to give the child's exit status (it reaps on
 #: SIGCHLD, in well under a millisecond): past it, the status is the kernel's, and a stopped
@@ -59,22 +59,22 @@ def read_reply(sock: socket.socket, deadline: float) -> tuple[int, int, list[int
     ``BadReply`` for descriptors the reply cannot hold (those that came are closed)."""
     data = b""
     fds: list[int] = []
-    space = socket.CMSG_SPACE((MAX_REPLY_FDS + 1) * _zygote.INT_SIZE)
+    space = socket.CMSG_SPACE((MAX_REPLY_FDS + 1) * INT_SIZE)
     try:
-        while len(data) < _zygote.REPLY_SIZE:
+        while len(data) < REPLY_SIZE:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             sock.settimeout(left)
             chunk, ancillary, flags, _ = sock.recvmsg(
-                _zygote.REPLY_SIZE - len(data), space, socket.MSG_CMSG_CLOEXEC
+                REPLY_SIZE - len(data), space, socket.MSG_CMSG_CLOEXEC
             )
             for level, kind, blob in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(blob) - len(blob) % _zygote.INT_SIZE
+                    usable = len(blob) - len(blob) % INT_SIZE
                     fds.extend(
-                        int.from_bytes(blob[at : at + _zygote.INT_SIZE], sys.byteorder, signed=True)
-                        for at in range(0, usable, _zygote.INT_SIZE)
+                        int.from_bytes(blob[at : at + INT_SIZE], sys.byteorder, signed=True)
+                        for at in range(0, usable, INT_SIZE)
                     )
             if flags & socket.MSG_CTRUNC or len(fds) > MAX_REPLY_FDS:
                 raise BadReply("it came with more descriptors than a reply has")
@@ -89,8 +89,8 @@ def read_reply(sock: socket.socket, deadline: float) -> tuple[int, int, list[int
         raise
     finally:
         sock.settimeout(None)
-    seq = int.from_bytes(data[: _zygote.SEQ_SIZE], "little")
-    return seq, int.from_bytes(data[_zygote.SEQ_SIZE :], "little"), fds
+    seq = int.from_bytes(data[:SEQ_SIZE], "little")
+    return seq, int.from_bytes(data[SEQ_SIZE:], "little"), fds
 
 
 def check_reply(
@@ -256,7 +256,7 @@ class ZygoteHandle(PopenHandle):
         """The exit code the zygote wrote, None while there is none (``_orphaned``: none will
         come). What is no wait status makes the zygote lost."""
         try:
-            data = os.read(self._status_fd, _zygote.INT_SIZE + 1)
+            data = os.read(self._status_fd, INT_SIZE + 1)
         except BlockingIOError:
             return None
         except OSError:
@@ -266,7 +266,7 @@ class ZygoteHandle(PopenHandle):
             return None
         status = int.from_bytes(data, "little")
         try:
-            if len(data) != _zygote.INT_SIZE:
+            if len(data) != INT_SIZE:
                 raise ValueError
             return os.waitstatus_to_exitcode(status)
         except ValueError:
