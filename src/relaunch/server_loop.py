@@ -18,12 +18,14 @@ import logging
 import os
 import select
 import selectors
-import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
+
+if TYPE_CHECKING:
+    import socket  # an agent without metrics loads no network code
 
 log = logging.getLogger(__name__)
 
