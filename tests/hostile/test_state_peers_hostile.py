@@ -399,6 +399,42 @@ def test_idle_connections_hold_no_more_threads_than_the_cap_and_a_member_still_g
             connection.close()
 
 
+def stalled_push(address: str, rank: int) -> socket.socket:
+    """A member's connection that proves the key, asks to push ``rank``'s slot, and then sends
+    nothing: its server thread waits for the slot (``IO_TIMEOUT`` a read)."""
+    connection = connect(address)
+    challenge = recv_exactly(connection, auth.NONCE_BYTES)
+    connection.sendall(auth.proof(KEY, b"client", challenge) + auth.nonce())
+    recv_exactly(connection, auth.NONCE_BYTES)  # the server's proof
+    connection.sendall(struct.pack("!cIBQ", b"P", rank, 0, layout.HEADER_SIZE + 16))
+    return connection
+
+
+def test_proven_connections_are_capped_and_a_newcomer_waits_its_turn(
+    link: PeerLink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Members' connections that proved the key hold a thread each: at most
+    ``MAX_CONNECTIONS`` are served at once; a newcomer waits in the kernel's queue (not even
+    greeted) until one of them ends, then is served."""
+    monkeypatch.setattr(peer_server, "MAX_CONNECTIONS", 4)
+    held = [stalled_push(link.address, rank) for rank in range(4)]
+    newcomer = None
+    try:
+        wait_until(lambda: link.server.serving() == (4, 0), 10, "four proven connections")
+        newcomer = connect(link.address)
+        newcomer.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            newcomer.recv(1)  # no nonce: it was not accepted
+        assert link.server.serving() == (4, 0)
+        held.pop().close()
+        newcomer.settimeout(10)
+        assert len(recv_exactly(newcomer, auth.NONCE_BYTES)) == auth.NONCE_BYTES
+        wait_until(lambda: link.server.serving() == (4, 1), 10, "the newcomer served")
+    finally:
+        for connection in [*held, *([newcomer] if newcomer else [])]:
+            connection.close()
+
+
 def test_a_slow_handshake_is_cut_at_its_deadline(link: PeerLink) -> None:
     """A client that sends 3 bytes of its 64, then one byte every half second, is cut
     ``HANDSHAKE_TIMEOUT`` seconds after it connected, not after 30 s a read."""

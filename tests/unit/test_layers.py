@@ -60,6 +60,7 @@ MAY_IMPORT = {
         "relaunch.store",
         "relaunch.state",  # the slot files of the state its workers keep
         "relaunch.in_place",  # what the parking lot and its ranks say
+        "relaunch.server_loop",  # the metrics endpoint, the parking lot, the state peers
     ),
     "relaunch.rendezvous": (*FOUNDATIONS, "relaunch.store"),
     "relaunch.events": (*FOUNDATIONS, "relaunch.jsonl_file"),
@@ -67,7 +68,7 @@ MAY_IMPORT = {
     # torch's multiprocessing[.api|.errors|.tail_log] paths, naming what relaunch.procs holds
     "relaunch.multiprocessing": (*FOUNDATIONS, "relaunch.procs"),
     "relaunch.timer": FOUNDATIONS,
-    "relaunch.store": FOUNDATIONS,
+    "relaunch.store": (*FOUNDATIONS, "relaunch.server_loop"),
     "relaunch.jsonl_file": FOUNDATIONS,
     "relaunch.config": FOUNDATIONS,
     "relaunch._run_path": (),
@@ -79,6 +80,8 @@ MAY_IMPORT = {
     "relaunch.pickling": (),
     "relaunch.endpoints": ("relaunch.core",),
     "relaunch.runtime": ("relaunch.core",),
+    # the one selector thread that every server (store, metrics, parking, state peers) runs on
+    "relaunch.server_loop": ("relaunch.core", "relaunch.runtime"),
 }
 
 

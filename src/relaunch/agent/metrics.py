@@ -95,25 +95,17 @@ class AgentMetrics:
         """The exposition of the values now."""
         return core.exposition(self.families(self._clock.time())).encode()
 
-    def families(self, now: float) -> list[core.Family]:
-        """Every metric of ``core.metrics.CATALOGUE``, sampled at ``now`` (``time.time()``),
-        from one snapshot of the ranks."""
-        group, spec = self._group, self._group.spec
-        handler = spec.rdzv_handler
-        node = getattr(handler, "identity", "") or os.uname().nodename
-        base: core.Labels = (("run_id", handler.get_run_id()), ("node", node))
-        with self._lock:
-            restarts = dict(self._restarts)
-            rounds = self._rounds
-            durations = self._durations.samples(base)
-            lost = self._ledger.totals()
-            ratio = self._ledger.effective_ratio(self._clock.monotonic() - self._started)
+    def _rank_families(
+        self, base: core.Labels, now: float
+    ) -> tuple[core.Family, list[core.Family]]:
+        """The ranks' states, and their gauges (``core.RANK_GAUGES``), from one snapshot."""
         snapshot = self._snapshot()
         status = self._reporter.status(snapshot)
         view = self._reporter.view
         slow = set() if view is None else set(view.stragglers)
         ranks = [] if status is None else status.ranks
-        at = str(group.group_rank if group.group_rank is not None else "")
+        group_rank = self._group.group_rank
+        at = str(group_rank if group_rank is not None else "")
 
         def labels(rank: RankStatus) -> core.Labels:
             where = (("rank", str(rank.rank)), ("local_rank", str(rank.local_rank)))
@@ -133,6 +125,25 @@ class AgentMetrics:
                 labels(rank), core.WORKER_STATES, snapshot.rank(rank.local_rank).outcome
             )
         ]
+        gauges = [
+            core.Family(name, per_rank(value)) for name, (_, value) in core.RANK_GAUGES.items()
+        ]
+        return core.Family("relaunch_worker_state", worker_states), gauges
+
+    def families(self, now: float) -> list[core.Family]:
+        """Every metric of ``core.metrics.CATALOGUE``, sampled at ``now`` (``time.time()``),
+        from one snapshot of the ranks."""
+        group, spec = self._group, self._group.spec
+        handler = spec.rdzv_handler
+        node = getattr(handler, "identity", "") or os.uname().nodename
+        base: core.Labels = (("run_id", handler.get_run_id()), ("node", node))
+        with self._lock:
+            restarts = dict(self._restarts)
+            rounds = self._rounds
+            durations = self._durations.samples(base)
+            lost = self._ledger.totals()
+            ratio = self._ledger.effective_ratio(self._clock.monotonic() - self._started)
+        worker_states, rank_gauges = self._rank_families(base, now)
         info = (*base, ("role", spec.role), ("backend", handler.get_backend()))
         rtt = self._reporter.store_round_trip
         return [
@@ -151,7 +162,7 @@ class AgentMetrics:
                 if group.group_world_size is None
                 else [core.Sample(base, group.group_world_size)],
             ),
-            core.Family("relaunch_worker_state", worker_states),
+            worker_states,
             core.Family(
                 "relaunch_group_restarts_total",
                 [core.Sample((*base, ("cause", c)), n) for c, n in restarts.items()],
@@ -160,7 +171,7 @@ class AgentMetrics:
             core.Family("relaunch_max_restarts", [core.Sample(base, spec.max_restarts)]),
             core.Family("relaunch_rendezvous_rounds_total", [core.Sample(base, rounds)]),
             core.Family("relaunch_rendezvous_duration_seconds", durations),
-            *(core.Family(name, per_rank(value)) for name, (_, value) in core.RANK_GAUGES.items()),
+            *rank_gauges,
             core.Family(
                 "relaunch_store_round_trip_seconds",
                 [] if rtt is None else [core.Sample(base, rtt)],

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relaunch.core.metrics import CONTENT_TYPE
-from relaunch.runtime import SYSTEM_CLOCK, Clock, descriptor_share, start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock, descriptor_share
+from relaunch.server_loop import Listener, ServerLoop, Timer
 
 if TYPE_CHECKING:
     import socket
@@ -46,14 +47,15 @@ _ACCEPT_BACKOFF = 0.5
 class _Connection:
     """One client: its request head so far, then the answer left to send; its deadline."""
 
-    __slots__ = ("answer", "deadline", "draining", "head", "sock")
+    __slots__ = ("answer", "draining", "handler", "head", "sock", "timer")
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.head = bytearray()
         self.answer: memoryview | None = None
-        self.deadline = deadline
+        self.timer: Timer | None = None  # its deadline
         self.draining = False  # answered: what else it sends is read and dropped until it hangs up
+        self.handler: Callable[[int], None] = lambda mask: None
 
 
 class MetricsServer:
@@ -68,7 +70,6 @@ class MetricsServer:
         from relaunch.config import ConfigError
 
         self._render = render
-        self._clock = clock
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             if host:
@@ -87,120 +88,77 @@ class MetricsServer:
                 f"--metrics-port {where}: cannot serve metrics there "
                 f"({os.strerror(exc.errno) if exc.errno else exc}); give another port"
             ) from None
-        self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         self.max_connections = descriptor_share(MAX_CONNECTIONS)
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._selector.register(self._sock, selectors.EVENT_READ, self._sock)
-        self._listening = True
-        self._listen_again: float | None = None
+        self._loop = ServerLoop(clock)
+        self._loop.on_end = self._release
+        self._listener = Listener(
+            self._loop, self._sock, self._accept, name="metrics", per_turn=_ACCEPTS_PER_TURN,
+            backoff=_ACCEPT_BACKOFF, on_error=self._accept_failed,
+        )  # fmt: skip
         # Every connection, in the order of their deadlines (a deadline only moves later, and
         # a connection whose deadline moves is put last): the first is the oldest.
         self._connections: dict[socket.socket, _Connection] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._released = False
-        self._release_lock = threading.Lock()
         log.info("serving Prometheus metrics on %s:%d/metrics", host or "*", self.port)
 
     def start(self) -> None:
         if self._thread is None and not self._closed:
-            self._thread = start_thread(self._serve, "relaunch-metrics")
+            self._thread = self._loop.start("relaunch-metrics", self._serve)
 
     def close(self) -> None:
         """Stop serving; the thread ends within its current turn (an answer is one render)."""
         if self._closed:
             return
         self._closed = True
+        self._loop.stop(REQUEST_TIMEOUT)
         if self._thread is None:
             self._release()
-            return
-        with self._release_lock:
-            if not self._released:
-                os.write(self._wake_w, b"x")
-        if self._thread is not threading.current_thread():
-            self._thread.join(REQUEST_TIMEOUT)
+        self._loop.close()
 
     def _release(self) -> None:
-        """Close every connection, the listener and the wake-up pipe (once, by whichever of
-        the thread and ``close`` comes last)."""
-        with self._release_lock:
-            if self._released:
-                return
-            self._released = True
-            for conn in list(self._connections.values()):
-                self._drop(conn)
-            self._selector.close()
-            self._sock.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        """Close every connection and the listener (the thread's last act, or ``close``'s)."""
+        for conn in list(self._connections.values()):
+            self._drop(conn)
+        self._sock.close()
 
     # -- the loop --------------------------------------------------------------------------------
 
     def _serve(self) -> None:
         try:
-            while not self._closed:
-                for key, mask in self._selector.select(self._timeout()):
-                    if key.data is None:
-                        os.read(self._wake_r, 512)
-                    elif key.data is self._sock:
-                        self._accept()
-                    else:
-                        self._service(key.data, mask)
-                self._expire(self._clock.monotonic())
+            self._loop.run()
         except Exception as exc:  # never silent: the agent goes on, without metrics
             log.error("the metrics server stopped (%s): metrics are no longer served", exc)
             log.debug("the metrics server's failure", exc_info=True)
-        finally:
-            self._release()
 
-    def _timeout(self) -> float | None:
-        first = next(iter(self._connections.values()), None)
-        deadlines = [when for when in (self._listen_again,) if when is not None]
-        if first is not None:
-            deadlines.append(first.deadline)
-        if not deadlines:
-            return None
-        return max(0.0, min(deadlines) - self._clock.monotonic())
+    def _accept_failed(self, exc: OSError) -> bool:
+        """Whether to go on accepting after ``exc``: out of descriptors, once the oldest
+        connection is dropped; not for want of memory (the listener rests)."""
+        if exc.errno in (errno.EMFILE, errno.ENFILE) and self._connections:
+            self._drop(next(iter(self._connections.values())))
+            return True
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            return False
+        log.debug("a metrics connection failed before it was taken", exc_info=True)
+        return True
 
-    def _expire(self, now: float) -> None:
-        while self._connections:
-            conn = next(iter(self._connections.values()))
-            if conn.deadline > now:
-                break
-            self._drop(conn)  # too slow to send its request, or to take its answer
-        if self._listen_again is not None and self._listen_again <= now:
-            self._listen_again = None
-            if not self._listening:
-                self._selector.register(self._sock, selectors.EVENT_READ, self._sock)
-                self._listening = True
+    def _accept(self, sock: socket.socket, address: object) -> None:
+        if len(self._connections) >= self.max_connections:
+            self._drop(next(iter(self._connections.values())))  # the oldest
+        sock.setblocking(False)
+        conn = _Connection(sock)
+        conn.handler = lambda mask: self._service(conn, mask)
+        self._deadline(conn)
+        self._loop.register(sock, selectors.EVENT_READ, conn.handler)
 
-    def _accept(self) -> None:
-        for _ in range(_ACCEPTS_PER_TURN):
-            try:
-                sock, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._connections:
-                    self._drop(next(iter(self._connections.values())))
-                    continue
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._selector.unregister(self._sock)  # no busy loop: rest a while
-                    self._listening = False
-                    self._listen_again = self._clock.monotonic() + _ACCEPT_BACKOFF
-                    return
-                log.debug("a metrics connection failed before it was taken", exc_info=True)
-                continue
-            if len(self._connections) >= self.max_connections:
-                self._drop(next(iter(self._connections.values())))  # the oldest
-            sock.setblocking(False)
-            conn = _Connection(sock, self._clock.monotonic() + REQUEST_TIMEOUT)
-            self._connections[sock] = conn
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+    def _deadline(self, conn: _Connection) -> None:
+        """``REQUEST_TIMEOUT`` from now, ``conn`` is dropped; it is put last in the order."""
+        if conn.timer is not None:
+            conn.timer.cancel()
+        self._connections.pop(conn.sock, None)
+        self._connections[conn.sock] = conn
+        conn.timer = self._loop.call_later(REQUEST_TIMEOUT, lambda: self._drop(conn))
 
     def _service(self, conn: _Connection, mask: int) -> None:
         try:
@@ -229,10 +187,8 @@ class MetricsServer:
     def _respond(self, conn: _Connection, answer: bytes) -> None:
         """Send ``answer`` (now, or as the client takes it, within a fresh deadline)."""
         conn.answer = memoryview(answer)
-        del self._connections[conn.sock]  # last in the order of deadlines
-        conn.deadline = self._clock.monotonic() + REQUEST_TIMEOUT
-        self._connections[conn.sock] = conn
-        self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._deadline(conn)
+        self._loop.modify(conn.sock, selectors.EVENT_WRITE, conn.handler)
         try:
             self._send(conn)
         except (BlockingIOError, InterruptedError):
@@ -253,11 +209,13 @@ class MetricsServer:
             # its deadline to hang up.
             conn.sock.shutdown(socket.SHUT_WR)
             conn.draining = True
-            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            self._loop.modify(conn.sock, selectors.EVENT_READ, conn.handler)
 
     def _drop(self, conn: _Connection) -> None:
         if self._connections.pop(conn.sock, None) is not None:
-            self._selector.unregister(conn.sock)
+            self._loop.unregister(conn.sock)
+        if conn.timer is not None:
+            conn.timer.cancel()
         conn.sock.close()
 
     def _answer(self, request: bytes) -> bytes:

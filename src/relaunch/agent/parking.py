@@ -13,9 +13,9 @@ hands it the next attempt (``resume``). A park that nothing explains within ``PA
 seconds is the rank's own exception: the first rank parked is told ``go on`` and fails with it.
 Only a failure the agent sees explains a park: the others wait on while the rank told to go on
 lives (at most another ``PARK_WAIT``), and ``PARK_WAIT`` more once it ended, for its failure, if
-it failed, to explain them; then they too are told to go on. One thread serves the lot; it
-waits on the listener, the connections and a wake-up pipe, with the unexplained park's deadline
-as its timeout.
+it failed, to explain them; then they too are told to go on. One thread serves the lot (a
+``server_loop``): the listener and the connections, with the unexplained park's deadline as a
+timer.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from relaunch.in_place import GO_ON, MAX_MESSAGE, PARKED, PARKING_ENV, RESUME
 from relaunch.procs.guardian import guardian
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace
-from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
+from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.server_loop import Listener, ServerLoop, Timer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,6 @@ class ParkingLot:
             os.umask(previous)
         guardian().register_file(path)
         self._listener.listen(64)
-        self._listener.setblocking(False)
         self._lock = threading.Condition()
         self._connections: dict[int, socket.socket] = {}  # pid -> its connection
         self._parked: dict[int, float] = {}  # pid -> when it parked
@@ -104,12 +104,11 @@ class ParkingLot:
         self._refused = 0
         self._refused_pids: list[int] = []
         self._closing = False
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._thread = start_thread(self._serve, "relaunch-parking")
+        self._loop = ServerLoop(clock)
+        self._loop.after_events = self._tend
+        self._due: Timer | None = None  # the unexplained park's deadline
+        Listener(self._loop, self._listener, self._accept, name="parking lot", per_turn=1)
+        self._thread = self._loop.start("relaunch-parking")
 
     def env(self) -> dict[str, str]:
         return {PARKING_ENV: self.path}
@@ -200,15 +199,11 @@ class ParkingLot:
             connections = list(self._connections.values())
             self._connections.clear()
             self._parked.clear()
-        self._wake()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._loop.stop()
         for connection in connections:
             connection.close()
         self._listener.close()
-        self._selector.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._loop.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -218,32 +213,22 @@ class ParkingLot:
     # -- the lot's thread ------------------------------------------------------------------
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._loop.wake()
 
-    def _serve(self) -> None:
-        while True:
-            with self._lock:
-                if self._closing:
-                    return
-                judge = bool(self._unknown) and not self._starting
-            if judge:
-                self._judge_unknown()
-            with self._lock:
-                timeout = self._go_on_due()
-            for key, _ in self._selector.select(timeout):
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 512)
-                    except BlockingIOError:
-                        pass
-                else:
-                    assert isinstance(key.fileobj, socket.socket)
-                    self._read(key.fileobj, key.data)
+    def _tend(self) -> None:
+        """Each turn: judge the parks of pids not known before, and time the next go on."""
+        with self._lock:
+            if self._closing:
+                return
+            judge = bool(self._unknown) and not self._starting
+        if judge:
+            self._judge_unknown()
+        with self._lock:
+            timeout = self._go_on_due()
+        if self._due is not None:
+            self._due.cancel()
+        # A turn at the deadline (this one again: the timer itself does nothing).
+        self._due = None if timeout is None else self._loop.call_later(timeout, lambda: None)
 
     def _go_on_due(self) -> float | None:
         """Tell the first unexplained park to go on once ``PARK_WAIT`` has passed, and no rank
@@ -268,11 +253,7 @@ class ParkingLot:
                 pass
         return 0.0 if self._parked else None
 
-    def _accept(self) -> None:
-        try:
-            connection, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
+    def _accept(self, connection: socket.socket, address: object) -> None:
         credentials = connection.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size
         )
@@ -287,7 +268,9 @@ class ParkingLot:
             self._connections[pid] = connection
         if old is not None:
             self._forget(old)
-        self._selector.register(connection, selectors.EVENT_READ, pid)
+        self._loop.register(
+            connection, selectors.EVENT_READ, lambda mask: self._read(connection, pid)
+        )
 
     def _read(self, connection: socket.socket, pid: int) -> None:
         try:
@@ -372,10 +355,7 @@ class ParkingLot:
         self._refused, self._refused_pids = 0, []
 
     def _forget(self, connection: socket.socket) -> None:
-        try:
-            self._selector.unregister(connection)
-        except (KeyError, ValueError):
-            pass
+        self._loop.unregister(connection)
         connection.close()
 
 

@@ -1,5 +1,5 @@
-"""The state peers' TCP server (``agent.state_peers``): a thread a connection, bounded for
-whoever reaches its port, member or not.
+"""The state peers' TCP server (``agent.state_peers``): a thread a connection, accepted by a
+``server_loop``, bounded for whoever reaches its port, member or not.
 
 At most ``MAX_CONNECTIONS`` connections are served at once, and at most ``MAX_UNPROVEN`` of them
 have not proved the job's key yet: when that many wait, a newcomer takes the place of the oldest
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import selectors
 import socket
 import threading
 import time
@@ -25,6 +23,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from relaunch.runtime import start_thread
+from relaunch.server_loop import Listener, ServerLoop
 from relaunch.store.refusals import Refusals
 
 log = logging.getLogger(__name__)
@@ -69,9 +68,8 @@ class PeerServer(Generic[Request]):
         serve: Callable[[socket.socket, str, Request], None],
     ) -> None:
         self._handshake, self._serve_request = handshake, serve
-        self._listener = socket.create_server((host, 0))
-        self._listener.setblocking(False)
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        listener = socket.create_server((host, 0))
+        self.address = f"{host}:{listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._unproven: dict[socket.socket, float] = {}  # -> when accepted; oldest first
@@ -79,12 +77,14 @@ class PeerServer(Generic[Request]):
         self._refusals = Refusals(REFUSAL_SUMMARY_INTERVAL, "state peers", log)
         self._closing = False
         self._short: str | None = None  # what accepting runs short of, in an episode
-        self._rest_until = 0.0
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._watching = False  # the selector watches the listener
-        self._accepter = start_thread(self._accept_loop, "relaunch-state-peers")
+        self._backoff_until = 0.0
+        self._loop = ServerLoop()
+        self._loop.on_end = self._release
+        self._listener = Listener(
+            self._loop, listener, self._accept, name="state peers", admit=self._admit,
+            per_turn=_ACCEPTS_PER_TURN, on_error=self._accept_failed, recovered=self._recovered,
+        )  # fmt: skip
+        self._accepter = self._loop.start("relaunch-state-peers")
 
     @property
     def refused(self) -> int:
@@ -101,7 +101,7 @@ class PeerServer(Generic[Request]):
         """Log ``peer``'s connection as refused (summed up with the others)."""
         with self._lock:
             self._refusals.note(peer, refused.reason, refused.detail, time.monotonic())
-            self._wake()  # the summary's interval may have begun: the loop's timer
+        self._loop.call_soon(self._time_summary)  # the summary's interval may have begun
 
     def close(self) -> None:
         """Stop accepting, end every connection, and wait for the accept loop."""
@@ -110,39 +110,31 @@ class PeerServer(Generic[Request]):
             for connection in self._open:
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
-            self._wake()
-        self._accepter.join()
+        self._loop.stop()
+        self._loop.close()
 
     # -- the accept loop ------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        try:
-            while True:
-                now = time.monotonic()
-                with self._lock:
-                    if self._closing:
-                        return
-                    self._refusals.tick(now)
-                    room, until = self._room(now)
-                    until = _sooner(until, self._refusals.until)
-                if now < self._rest_until:
-                    room, until = False, _sooner(until, self._rest_until)
-                self._watch_listener(room)
-                timeout = None if until is None else max(0.0, until - now)
-                for key, _ in self._selector.select(timeout):
-                    if key.fileobj is self._listener:
-                        self._take()
-                    else:
-                        with contextlib.suppress(BlockingIOError):
-                            os.read(self._wake_r, 4096)
-        finally:
-            self._selector.close()
-            self._listener.close()
-            with self._lock:
-                self._refusals.flush()
-                os.close(self._wake_w)
-                self._wake_w = -1
-            os.close(self._wake_r)
+    def _release(self) -> None:
+        """The accept loop's end: the listener closed, the refusals summed up."""
+        self._listener.sock.close()
+        with self._lock:
+            self._refusals.flush()
+
+    def _time_summary(self) -> None:
+        with self._lock:
+            self._refusals.timed(self._loop, self._lock)
+
+    def _admit(self, now: float) -> bool:
+        """Whether a newcomer may be accepted now; else the listener rests (until a
+        connection ends or proves the key, or the oldest unproven one has had its grace)."""
+        with self._lock:
+            if self._closing:
+                return False
+            room, until = self._room(now)
+        if not room:
+            self._listener.rest(until)
+        return room
 
     def _room(self, now: float) -> tuple[bool, float | None]:
         """Whether a newcomer may be accepted now (the lock held), making room for it among
@@ -161,37 +153,23 @@ class PeerServer(Generic[Request]):
             oldest.shutdown(socket.SHUT_RDWR)  # its thread sees the end and says why
         return True, None
 
-    def _watch_listener(self, watch: bool) -> None:
-        """Watch the listener or not (unwatched, it stays readable: no busy loop)."""
-        if watch and not self._watching:
-            self._selector.register(self._listener, selectors.EVENT_READ)
-        elif not watch and self._watching:
-            self._selector.unregister(self._listener)
-        self._watching = watch
+    def _accept(self, connection: socket.socket, address: tuple[str, int]) -> None:
+        self._start(connection, f"{address[0]}:{address[1]}", time.monotonic())
 
-    def _take(self) -> None:
-        """Accept the connections waiting, as many as there is room for, each with a thread of
-        its own (``_ACCEPTS_PER_TURN`` at most: the loop's timers are looked at between)."""
-        for _ in range(_ACCEPTS_PER_TURN):
-            now = time.monotonic()
-            with self._lock:
-                room, _ = self._room(now)
-            if not room:
-                return
-            try:
-                connection, address = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                if self._short is not None:  # nobody waits any more: the shortage is over
-                    self._short = None
-                    log.info("state peers: accepting connections again")
-                return
-            except ConnectionAbortedError:
-                continue
-            except OSError as exc:  # out of descriptors, most likely: the others still served
-                self._run_short(exc.strerror or str(exc))
-                return
-            if not self._start(connection, f"{address[0]}:{address[1]}", now):
-                return
+    def _resume(self) -> None:
+        """A connection ended or proved the key: a newcomer may fit (not while backing off)."""
+        if time.monotonic() >= self._backoff_until:
+            self._listener.resume()
+
+    def _accept_failed(self, exc: OSError) -> bool:
+        """Out of descriptors, most likely: rest a while (the others are still served)."""
+        self._run_short(exc.strerror or str(exc))
+        return False
+
+    def _recovered(self) -> None:
+        if self._short is not None:  # nobody waits any more: the shortage is over
+            self._short = None
+            log.info("state peers: accepting connections again")
 
     def _start(self, connection: socket.socket, peer: str, now: float) -> bool:
         """Serve ``connection`` in a thread of its own; whether one could start."""
@@ -228,13 +206,9 @@ class PeerServer(Generic[Request]):
                 count,
             )
         self._short = what
-        self._rest_until = time.monotonic() + ACCEPT_BACKOFF
-
-    def _wake(self) -> None:
-        """Wake the accept loop (the lock held)."""
-        if self._wake_w >= 0:
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_w, b"\0")
+        self._listener.shortage = True  # its end is told to ``_recovered``
+        self._backoff_until = time.monotonic() + ACCEPT_BACKOFF
+        self._listener.rest(self._backoff_until)
 
     # -- a connection ---------------------------------------------------------------------
 
@@ -250,7 +224,7 @@ class PeerServer(Generic[Request]):
                 return
             with self._lock:
                 proven = self._unproven.pop(connection, None) is not None
-                self._wake()
+            self._loop.call_soon(self._resume)
             if not proven:  # made room for a newer one just as it proved the key
                 self.refuse(peer, self._unproven_end(connection, accepted, None))
                 return
@@ -263,7 +237,7 @@ class PeerServer(Generic[Request]):
                 self._open.discard(connection)
                 self._unproven.pop(connection, None)
                 self._evicted.discard(connection)
-                self._wake()
+            self._loop.call_soon(self._resume)
             connection.close()
 
     def _unproven_end(
@@ -284,10 +258,3 @@ class PeerServer(Generic[Request]):
                 "no proof in time", f"no proof of the job's key within {HANDSHAKE_TIMEOUT:g}s"
             )
         return Refused("ended before a proof", f"ended before it proved the job's key ({exc})")
-
-
-def _sooner(one: float | None, other: float | None) -> float | None:
-    """The earlier of two moments, either of which may be None (never)."""
-    if one is None or other is None:
-        return other if one is None else one
-    return min(one, other)

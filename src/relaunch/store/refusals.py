@@ -3,7 +3,13 @@ and the state peers' (``agent.state_peers``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from relaunch.server_loop import ServerLoop, Timer
 
 
 class Refusals:
@@ -18,6 +24,21 @@ class Refusals:
         self.until: float | None = None  # the end of the current interval; None: quiet
         self._counts: dict[str, int] = {}
         self.total = 0  # every refusal since the start
+        self._timer: Timer | None = None  # the current interval's end, on a server loop
+
+    def timed(self, loop: ServerLoop, lock: threading.Lock | None = None) -> None:
+        """Tick at each interval's end on ``loop`` (from its thread; ``lock``: held around
+        each tick, for a server that notes from other threads)."""
+        if self.until is None or self._timer is not None:
+            return
+
+        def tick() -> None:
+            self._timer = None
+            with lock or contextlib.nullcontext():
+                self.tick(loop.clock.monotonic())
+            self.timed(loop, lock)
+
+        self._timer = loop.call_at(self.until, tick)
 
     def note(self, peer: str, reason: str, detail: str, now: float) -> None:
         self.total += 1
