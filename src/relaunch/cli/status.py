@@ -1,7 +1,7 @@
 """``relaunch status``: a running job as a table, read from its rendezvous store.
 
-Read-only: it connects to the store as a client (on c10d the store one of the agents serves, on
-etcd the members listed) and never writes a key (``rendezvous.reader``). Exit status: 0 once
+Read-only: it connects to the store as a client, its kind's way (``rendezvous.kind_registry``),
+and never writes a key (``rendezvous.reader``). Exit status: 0 once
 the job was shown (``--watch``: on Ctrl-C, or once the job finished); 1 when it cannot be read:
 the store cannot be reached, the token is missing or wrong, no job has that id, or the store
 holds what no agent writes; 2 for bad input, in one line with no traceback.
