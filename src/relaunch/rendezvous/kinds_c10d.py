@@ -25,6 +25,8 @@ from relaunch.store.api import StoreError
 
 if TYPE_CHECKING:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+    from relaunch.rendezvous.failover import StoreFailover
+    from relaunch.rendezvous.last_word import LastWord
     from relaunch.rendezvous.reader import JobReader
     from relaunch.store.client import TcpStore
     from relaunch.store.server import Elect, TcpStoreServer
@@ -49,10 +51,13 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", DEFAULT_PORT)
     conf = params.settings
     token = conf.job_token(os.environ)
+    settings = conf.round_settings(params.min_nodes, params.max_nodes)
     _check_token(params, endpoints, token)
     serving = _find_serving(params.run_id, endpoints, token)
-    setup = StoreSetup(len(endpoints), endpoints[0][1], params.max_nodes, conf.is_host)
-    roles = store_roles(StoreSetup(**{**vars(setup), "serving_elsewhere": serving is not None}))
+    setup = StoreSetup(
+        len(endpoints), endpoints[0][1], params.max_nodes, conf.is_host, serving is not None
+    )
+    roles = store_roles(setup)
     elect = job_electorate(params.run_id) if len(endpoints) > 1 else None
     # Each node connects three times (store, heartbeat, watch): room for all of them.
     server, standby, (host, port) = _serve(
@@ -60,7 +65,6 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     )
     local_addr = params.local_addr or (host if is_loopback(host) else _fqdn())
     on_shutdown = tuple(hosted.stop for hosted in (server, standby) if hosted is not None)
-    settings = conf.round_settings(params.min_nodes, params.max_nodes)
     try:
         clients, (host, port) = _connect(host, port, token, conf, settings, server, elect)
     except StoreError as exc:
@@ -74,10 +78,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     failover = None
     if elect is not None:
         failover = StoreFailover(endpoints, token, (host, port), server or standby, elect)
-        for client in (heartbeat_store, store, watch_store):
-            failover.add_client(client)
-        if last_word is not None:
-            failover.on_move(last_word.move_to)
+        _follow_moves(failover, clients, last_word)
         on_shutdown = (failover.close, *on_shutdown)
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
@@ -94,6 +95,17 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         token=token,
         **node_options(conf),
     )
+
+
+def _follow_moves(
+    failover: StoreFailover, clients: tuple[TcpStore, ...], last_word: LastWord | None
+) -> None:
+    """The node's connections, and its last word, go where the store moves."""
+    store, heartbeat_store, watch_store = clients
+    for client in (heartbeat_store, store, watch_store):
+        failover.add_client(client)
+    if last_word is not None:
+        failover.on_move(last_word.move_to)
 
 
 def _fqdn() -> str:
