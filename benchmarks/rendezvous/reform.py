@@ -227,7 +227,7 @@ def reform_run(
     settings = reform_settings(event, nodes, join_timeout)
     detection = 0.0
     if event == "lost":  # the handler's own bound: its lease granularity included on etcd
-        from relaunch.rendezvous.kinds import CounterKind
+        from relaunch.rendezvous.kinds_counter import CounterKind
         from relaunch.rendezvous.kinds_etcd import EtcdKind
 
         detection = (EtcdKind if on_etcd else CounterKind).lost_node_grace(settings)

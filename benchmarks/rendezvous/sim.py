@@ -202,6 +202,7 @@ def run_batch(
     ``perf_counter()``; run them (node ``offset + i`` starts ``(offset + i) * stagger`` late);
     ``back()`` once all are back. The batch, and what shuts its handlers down."""
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+    from relaunch.rendezvous.kinds_etcd import handler_on_etcd
 
     handlers: list[Any] = []
     proxies: list[tuple[CountingStore, CountingStore, CountingStore | None]] = []
@@ -218,11 +219,7 @@ def run_batch(
             watch = CountingStore(make_store()) if on_etcd else None
             proxies.append((store, heartbeat, watch))
             # A CountingStore passes every call through: on etcd, to an EtcdStore.
-            build: Any = (
-                DynamicRendezvousHandler.on_etcd
-                if on_etcd
-                else DynamicRendezvousHandler.on_counters
-            )
+            build: Any = handler_on_etcd if on_etcd else DynamicRendezvousHandler.on_counters
             handler = build(
                 run,
                 store,

@@ -145,13 +145,14 @@ def check_infos(infos: list[RendezvousInfo], nodes: list[tuple[str, int]]) -> No
 
 @pytest.mark.timeout(60)
 def test_a_round_on_etcd_gives_every_node_its_role_ranks(etcd) -> None:
+    from relaunch.rendezvous.kinds_etcd import handler_on_etcd
     from relaunch.store.etcd import EtcdStore
 
     nodes = [("trainer", 2), ("master", 1), ("trainer", 3), ("ps", 1)]
     rules = plan.Settings(len(nodes), len(nodes), join_timeout=20, keep_alive_interval=0.5)
     run_id = f"roles-{uuid.uuid4().hex[:6]}"
     handlers = [
-        DynamicRendezvousHandler.on_etcd(
+        handler_on_etcd(
             run_id,
             EtcdStore(etcd.endpoints),
             rules,

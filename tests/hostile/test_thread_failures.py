@@ -237,7 +237,7 @@ def test_a_bad_restart_count_ends_the_job_on_both_nodes(tmp_path, leaks: LeakChe
 #: A method of each helper thread that runs while the job does, by thread.
 THREADS = {
     "relaunch-monitor": "relaunch.procs.monitor:GroupMonitor._flush_consoles",
-    "relaunch-heartbeat": "relaunch.rendezvous.heartbeat:CounterPulse.beat",
+    "relaunch-heartbeat": "relaunch.rendezvous.kinds_counter:CounterPulse.beat",
     "relaunch-status": "relaunch.agent.status:NodeReporter.report",
 }
 

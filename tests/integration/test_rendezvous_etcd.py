@@ -25,7 +25,7 @@ from relaunch.core.node_order import Claim
 from relaunch.core.rendezvous import Settings
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
-from relaunch.rendezvous.kinds_etcd import EtcdKind
+from relaunch.rendezvous.kinds_etcd import EtcdKind, handler_on_etcd
 from relaunch.rendezvous.reader import EtcdJobReader
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.store.etcd import EtcdStore
@@ -305,7 +305,7 @@ def etcd_nodes(
 ) -> list[DynamicRendezvousHandler]:
     """``count`` nodes' handlers of job ``run_id`` on ``etcd``, each with its own connections."""
     return [
-        DynamicRendezvousHandler.on_etcd(
+        handler_on_etcd(
             run_id,
             EtcdStore(etcd.endpoints),
             settings,

@@ -108,8 +108,10 @@ class SimJob:
         for _ in range(count):
             stores = tuple(CrashableStore(self.make_store()) for _ in range(3))
             if self.leases:  # each passes every call through to an EtcdStore
+                from relaunch.rendezvous.kinds_etcd import handler_on_etcd
+
                 etcd, etcd_heartbeat, etcd_watch = (cast("EtcdStore", s) for s in stores)
-                handler = DynamicRendezvousHandler.on_etcd(
+                handler = handler_on_etcd(
                     self.run_id,
                     etcd,
                     self.settings,

@@ -11,7 +11,7 @@ import pytest
 from relaunch.core.membership import ChangeKind
 from relaunch.core.rendezvous import Settings
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
-from relaunch.rendezvous.kinds import CounterKind
+from relaunch.rendezvous.kinds_counter import CounterKind
 from relaunch.rendezvous.rollcall import roll_call
 from relaunch.rendezvous.roster import CounterRoster
 from relaunch.rendezvous.rounds import Rounds

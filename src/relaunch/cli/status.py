@@ -1,7 +1,7 @@
 """``relaunch status``: a running job as a table, read from its rendezvous store.
 
-Read-only: it connects to the store as a client (on c10d the store one of the agents serves, on
-etcd the members listed) and never writes a key (``rendezvous.reader``). Exit status: 0 once
+Read-only: it connects to the store as a client, its kind's way (``rendezvous.kind_registry``),
+and never writes a key (``rendezvous.reader``). Exit status: 0 once
 the job was shown (``--watch``: on Ctrl-C, or once the job finished); 1 when it cannot be read:
 the store cannot be reached, the token is missing or wrong, no job has that id, or the store
 holds what no agent writes; 2 for bad input, in one line with no traceback.
@@ -37,6 +37,8 @@ TIMEOUT = 10.0
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     """The flags; the rendezvous ones default to their ``PET_*`` variables, as the launcher's."""
+    from relaunch.rendezvous.kind_registry import backend_names
+
     parser = _Parser(
         prog=PROG,
         description="Show a running job as a table, read from its rendezvous store (read-only): "
@@ -48,7 +50,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--rdzv-backend",
         "--rdzv_backend",
         default=environ.get("PET_RDZV_BACKEND", "c10d"),
-        choices=("c10d", "tcp", "etcd", "etcd-v2"),
+        choices=backend_names(),
         help="the job's rendezvous backend (default: c10d)",
     )
     parser.add_argument(
@@ -96,38 +98,20 @@ def open_reader(
     seconds one read may take. ConfigError on bad input; StoreError when the store cannot be
     reached."""
     from relaunch.config import ConfigError, read_rdzv_conf
-    from relaunch.rendezvous.reader import JobReader
+    from relaunch.rendezvous.kind_registry import EndpointError, kind_module
 
     if not args.rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint is required: the job's store, as given to its agents")
     if not args.rdzv_id:
         raise ConfigError("--rdzv-id is required: the job's id, as given to its agents")
-    on_etcd = args.rdzv_backend in ("etcd", "etcd-v2")
-    conf = read_rdzv_conf("etcd" if on_etcd else "c10d", args.rdzv_conf)
+    kind = kind_module(args.rdzv_backend)
+    conf = read_rdzv_conf(args.rdzv_backend, args.rdzv_conf)
     timeout = conf.timeout if "timeout" in args.rdzv_conf else TIMEOUT
-    if on_etcd:
-        from relaunch.rendezvous.reader import EtcdJobReader
-        from relaunch.store.etcd import EtcdStore
-
-        options = {**conf.etcd_store_arguments(), "timeout": timeout}
-        etcd = EtcdStore(args.rdzv_endpoint, **options)
-        return EtcdJobReader(etcd, args.rdzv_id), etcd.describe(), timeout
-    from relaunch.endpoints import parse_endpoint_list
-    from relaunch.rendezvous.backends import DEFAULT_PORT
-    from relaunch.store.client import TcpStore
-
     try:
-        endpoints = parse_endpoint_list(args.rdzv_endpoint, DEFAULT_PORT)
-    except ValueError as exc:
+        reader, where = kind.open_reader(args.rdzv_endpoint, args.rdzv_id, conf, timeout, environ)
+    except EndpointError as exc:
         raise ConfigError(f"--rdzv-endpoint: {exc}") from None
-    token = conf.job_token(environ)
-    host, port = endpoints[0]
-    if len(endpoints) > 1:  # the store may have moved among them: ask which one serves
-        from relaunch.rendezvous.failover import find_primary
-
-        host, port = find_primary(endpoints, token, min(timeout, 1.0)) or endpoints[0]
-    store = TcpStore(host, port, token, timeout=timeout, connect_timeout=min(timeout, 5.0))
-    return JobReader(store, args.rdzv_id), store.endpoint, timeout
+    return reader, where, timeout
 
 
 def read(reader: JobReader, timeout: float) -> Snapshot:
@@ -164,13 +148,9 @@ def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     except StoreProtocolError as exc:
         _error(f"cannot read the job from {where}: {exc} (is it the job's store?)")
     except StoreError as exc:
-        etcd = args.rdzv_backend in ("etcd", "etcd-v2")
-        hint = (
-            "check --rdzv-endpoint, and the cluster's credentials: --rdzv-conf user=,password= "
-            "or cacert=,cert=,key="
-            if etcd
-            else "is the job running? Its store lives as long as the agent that serves it"
-        )
+        from relaunch.rendezvous.kind_registry import kind_module
+
+        hint = kind_module(args.rdzv_backend).UNREACHABLE_HINT
         _error(f"cannot read the job from {where}: {exc} ({hint})")
     except KeyboardInterrupt:
         return 0

@@ -11,6 +11,7 @@ restart budget, the roll call, notes, the change and its listener) is its ``job`
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
@@ -27,7 +28,8 @@ from relaunch.rendezvous.api import (
 )
 from relaunch.rendezvous.dynamic_job import DynamicJob
 from relaunch.rendezvous.heartbeat import RoundWatch
-from relaunch.rendezvous.kinds import CounterKind, StoreKind
+from relaunch.rendezvous.kinds import StoreKind
+from relaunch.rendezvous.kinds_counter import CounterKind
 from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.roster import new_node_id
 from relaunch.rendezvous.rounds import Rounds, closed_record
@@ -38,8 +40,8 @@ from relaunch.store.api import Store, StoreError
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from relaunch.core.rdzv_conf import RendezvousSettings
     from relaunch.rendezvous.failover import StoreFailover
-    from relaunch.store.etcd import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,25 @@ class HandlerOptions(TypedDict, total=False):
     last_word: LastWord | None
     failover: StoreFailover | None
     token: str | None
+
+
+class NodeOptions(TypedDict):
+    """The options of ``node_options``."""
+
+    identity: str
+    exclusion_policy: exclusion.ExclusionPolicy | None
+    node_rank: int | None
+
+
+def node_options(conf: RendezvousSettings) -> NodeOptions:
+    """The options every kind's handler takes from ``--rdzv-conf`` alike: how the job knows this
+    node (``core.exclusion``: its host, and ``node_name``), when it is excluded, and its
+    ``--node-rank``."""
+    return {
+        "identity": exclusion.node_identity(os.uname().nodename, conf.node_name),
+        "exclusion_policy": exclusion.ExclusionPolicy(conf.exclude_after, conf.exclude_cooldown),
+        "node_rank": conf.rank,
+    }
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -150,24 +171,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         stores = CounterKind(store, heartbeat_store, watch_store, clock)
         return cls(run_id, stores, settings, local_addr, clock=clock, **options)
 
-    @classmethod
-    def on_etcd(
-        cls,
-        run_id: str,
-        store: EtcdStore,
-        settings: plan.Settings,
-        local_addr: str,
-        heartbeat_store: EtcdStore,
-        watch_store: EtcdStore | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-        **options: Unpack[HandlerOptions],
-    ) -> DynamicRendezvousHandler:
-        """The handler on etcd (``kinds_etcd.EtcdKind``)."""
-        from relaunch.rendezvous.kinds_etcd import EtcdKind  # loads the etcd client
-
-        stores = EtcdKind(run_id, settings, store, heartbeat_store, watch_store, clock)
-        return cls(run_id, stores, settings, local_addr, clock=clock, **options)
-
     def get_backend(self) -> str:
         return self._backend
 
@@ -248,7 +251,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def set_closed(self, failure: MembershipChange | None = None) -> None:
         """Mark the job finished, so late nodes exit rather than wait (``StoreKind.close_job``:
-        on etcd the job's keys go then); ``failure``: the one that ended it, kept in the
+        a kind may delete the job's keys then); ``failure``: the one that ended it, kept in the
         ``closed`` record (``rounds.closed_record``)."""
         standing = self._standing
         if standing.finished:

@@ -16,8 +16,9 @@ the few things the kinds do differently:
 - the job's news (``news``, ``feed``): waited for on the store, or on etcd through one watch a
   node (``store.etcd_feed``).
 
-``CounterKind`` is the built-in store's and the in-process one's; ``kinds_etcd.EtcdKind`` is
-etcd's. ``backends`` builds one for each handler.
+``kinds_counter.CounterKind`` is the built-in store's and the in-process one's;
+``kinds_etcd.EtcdKind`` is etcd's. Each kind's module also builds its handler, says a dead
+agent's last word and opens ``relaunch status``'s reader (``kind_registry``).
 """
 
 from __future__ import annotations
@@ -27,14 +28,22 @@ from typing import TYPE_CHECKING, Protocol
 
 from relaunch.core import rendezvous as plan
 from relaunch.core.rendezvous import KeyOf
-from relaunch.rendezvous.heartbeat import CounterPulse, Pulse
-from relaunch.rendezvous.roster import CounterRoster, Roster
-from relaunch.rendezvous.rounds import CLOSED
-from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.rendezvous.roster import Roster
 from relaunch.store.api import Store, Watchable
 
 if TYPE_CHECKING:
     from relaunch.store.etcd_feed import PrefixFeed
+
+
+class Pulse(Protocol):
+    """One way to beat, for one round: this member's beat, and the verdict on a neighbour's."""
+
+    def beat(self, key: str) -> None:
+        """Beat once, at ``key`` (this member's heartbeat key of the round)."""
+
+    def lost(self, key: str, now: float) -> str | None:
+        """Why the member beating at ``key`` counts as dead at ``now``, or None while it
+        lives."""
 
 
 class StoreKind(Protocol):
@@ -98,77 +107,9 @@ class StoreKind(Protocol):
         """Shutting down: let go at once of what keeps this node's keys alive."""
 
 
-def supersede_on_counters(store: Store, changed: str, bell: str, record: bytes) -> bool:
-    """``StoreKind.supersede`` on the built-in store: the change, then its bell."""
-    won = store.compare_set(changed, 0, record).succeeded
-    if won:
-        store.set(bell, record)
-    return won
-
-
 def read_each(store: Store, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
     """``(name, value)`` of those of ``names`` that are there under ``prefix``: one read each."""
     for name in names:
         value = store.get(f"{prefix}{name}").value
         if value is not None:
             yield name, value
-
-
-class CounterKind:
-    """The built-in store (and the in-process one): joins and tallies as atomic counters,
-    heartbeats as counters, waits on the store itself. ``heartbeat_store`` defaults to
-    ``store``; without a ``watch_store`` the heartbeat looks for re-forms each beat."""
-
-    feed: PrefixFeed | None = None
-
-    def __init__(
-        self,
-        store: Store,
-        heartbeat_store: Store | None = None,
-        watch_store: Store | None = None,
-        clock: Clock = SYSTEM_CLOCK,
-    ) -> None:
-        self.store = store
-        self.heartbeat_store = heartbeat_store or store
-        self.watch_store = watch_store
-        self._clock = clock
-
-    @property
-    def news(self) -> Watchable:
-        return self.store
-
-    def roster(self, key: KeyOf, node_id: str) -> Roster:
-        return CounterRoster(self.store, key, self._clock)
-
-    def answers(self, key: KeyOf, node_id: str) -> Roster:
-        return CounterRoster(self.watch_store or self.heartbeat_store, key, self._clock)
-
-    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        return supersede_on_counters(self.store, changed, bell, record)
-
-    def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
-        return read_each(self.store, prefix, names)
-
-    def pulse(self, settings: plan.Settings, since: float) -> Pulse:
-        return CounterPulse(self.heartbeat_store, settings, since)
-
-    @staticmethod
-    def lost_node_grace(settings: plan.Settings) -> float:
-        """The neighbour's silence counts from its last beat seen, checked once a beat."""
-        return settings.dead_after + settings.keep_alive_interval
-
-    def close_job(
-        self,
-        key: KeyOf,
-        next_round: int,
-        join_timeout: float,
-        mark_finished: Callable[[], None],
-        record: bytes,
-    ) -> None:
-        self.store.set(key("closed", None), record)
-        mark_finished()
-        # Wake and dismiss anyone waiting to join the next round.
-        self.store.compare_set(key("final", next_round), 0, CLOSED)
-
-    def release(self) -> None:
-        pass  # a counter keeps nothing alive

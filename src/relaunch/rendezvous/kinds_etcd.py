@@ -1,20 +1,45 @@
-"""etcd as a store kind of the dynamic rendezvous (see ``kinds``): keys, leases, one watch."""
+"""etcd as a store kind of the dynamic rendezvous (see ``kinds``): keys, leases, one watch.
+
+``EtcdKind`` is one node's connections and their ways; ``NodeLease`` and ``LeasePulse`` its
+heartbeats; ``create_handler``, ``speak`` and ``open_reader`` are what ``kind_registry`` asks
+of the ``etcd``/``etcd-v2`` backends: the handler, a dead agent's last word, and the reader of
+``relaunch status``.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core import rendezvous as plan
+from relaunch.core.durations import seconds
+from relaunch.core.rdzv_conf import RendezvousSettings, RendezvousSpec
 from relaunch.core.rendezvous import KeyOf
-from relaunch.rendezvous.heartbeat import LeasePulse, NodeLease, Pulse
-from relaunch.rendezvous.kinds import read_each
+from relaunch.endpoints import is_loopback
+from relaunch.rendezvous.api import RendezvousConnectionError
+from relaunch.rendezvous.heartbeat import Silence
+from relaunch.rendezvous.kinds import Pulse, read_each
 from relaunch.rendezvous.roster import Roster
 from relaunch.rendezvous.roster_etcd import KeyRoster
 from relaunch.rendezvous.rounds import CLOSED, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.store.api import StoreError
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.etcd_feed import PrefixFeed
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler, HandlerOptions
+    from relaunch.rendezvous.reader import JobReader
+
+#: What ``relaunch status`` suggests when the cluster cannot be read.
+UNREACHABLE_HINT = (
+    "check --rdzv-endpoint, and the cluster's credentials: --rdzv-conf user=,password= "
+    "or cacert=,cert=,key="
+)
 
 
 def supersede_on_etcd(store: EtcdStore, changed: str, bell: str, record: bytes) -> bool:
@@ -107,3 +132,171 @@ class EtcdKind:
     def release(self) -> None:
         """This node's heartbeat keys go at once."""
         self._lease.revoke()
+
+
+class NodeLease:
+    """This node's etcd lease, kept from its first round to its shutdown: the heartbeat key of
+    each round hangs on it. Keeping it across rounds saves a grant and a revoke per node and
+    re-form, and a member re-forming never looks lost to a neighbour that has not yet heard."""
+
+    def __init__(self, store: EtcdStore, ttl: float, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._store, self._ttl, self._clock = store, ttl, clock
+        self.id: int | None = None
+        self._renewed_at = 0.0  # clock.monotonic() of the last grant or renewal
+
+    def renew(self) -> bool:
+        """Keep the lease alive; False when there is none, or it expired (its keys are gone)."""
+        if self.id is not None and self._store.keep_alive(self.id):
+            self._renewed_at = self._clock.monotonic()
+            return True
+        self.id = None
+        return False
+
+    def fresh(self) -> bool:
+        """Whether the lease surely lives: renewed within half its time to live."""
+        return self.id is not None and self._clock.monotonic() - self._renewed_at < self._ttl / 2
+
+    def grant(self) -> int:
+        if self.id is None:
+            self.id = self._store.grant_lease(self._ttl)
+            self._renewed_at = self._clock.monotonic()
+        return self.id
+
+    def revoke(self) -> None:
+        """End it now: this node's keys go at once (shutting down)."""
+        if self.id is not None:
+            lease, self.id = self.id, None
+            try:
+                self._store.revoke_lease(lease)
+            except StoreError:
+                pass
+
+
+class LeasePulse:
+    """Heartbeats as the node's etcd lease, which it renews, holding the round's key: when the
+    member dies, etcd lets the lease expire and deletes the key, which is how its neighbour
+    learns it."""
+
+    def __init__(
+        self, store: EtcdStore, settings: plan.Settings, lease: NodeLease, since: float
+    ) -> None:
+        self._store, self._settings, self._lease = store, settings, lease
+        self._held: str | None = None  # the key put on the lease
+        self._started = since  # when every member's first beat is due
+        self._seen: set[str] = set()
+        self._silence = Silence(settings)
+
+    def beat(self, key: str) -> None:
+        if self._held == key:
+            if self._lease.renew():
+                return
+        elif not self._lease.fresh():  # a re-form may have outlived it: nobody renews between
+            self._lease.renew()
+        self._store.set(key, b"", lease=self._lease.grant())
+        self._held = key
+
+    def lost(self, key: str, now: float) -> str | None:
+        """etcd's verdict (the neighbour's lease expired, its key is gone) stands when this
+        judge reached etcd throughout the last ``dead_after``; after an outage the judge saw
+        too (a leader election: the neighbour's renewals may have been stuck like its own), the
+        neighbour gets ``dead_after`` seconds of reachable time to put its key back."""
+        covered = self._silence.tick(now)
+        settings = self._settings
+        if not self._seen and now - self._started < settings.keep_alive_interval:
+            return None  # the first beat: the neighbour may not have beaten yet
+        if self._store.get(key).value is not None:
+            self._seen.add(key)
+            self._silence.heard(key)
+            return None
+        silence = self._silence.silent(key, covered)
+        steady = now - self._silence.stalled_at > settings.dead_after + settings.keep_alive_interval
+        if key in self._seen and steady:
+            return "its etcd lease expired"
+        if silence > settings.dead_after and now - self._started > settings.dead_after:
+            return f"no heartbeat for {seconds(settings.dead_after)}"
+        return None
+
+
+def handler_on_etcd(
+    run_id: str,
+    store: EtcdStore,
+    settings: plan.Settings,
+    local_addr: str,
+    heartbeat_store: EtcdStore,
+    watch_store: EtcdStore | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    **options: Unpack[HandlerOptions],
+) -> DynamicRendezvousHandler:
+    """The dynamic handler on etcd (``EtcdKind``)."""
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+
+    stores = EtcdKind(run_id, settings, store, heartbeat_store, watch_store, clock)
+    return DynamicRendezvousHandler(run_id, stores, settings, local_addr, clock=clock, **options)
+
+
+def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
+    """Build the handler for ``etcd``: the same rendezvous, on an etcd v3 cluster.
+
+    ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
+    ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
+    """
+    from relaunch.rendezvous.dynamic import node_options
+    from relaunch.rendezvous.last_word import LastWord
+
+    conf = params.settings
+    settings = conf.round_settings(params.min_nodes, params.max_nodes)
+    options = conf.etcd_store_arguments()
+    store, heartbeat_store, watch_store = (
+        EtcdStore(params.endpoint or "127.0.0.1", **options) for _ in range(3)
+    )
+    try:
+        store.get(f"relaunch/{params.run_id}/news/closed")  # reachable, and the credentials work
+    except StoreError as exc:
+        raise RendezvousConnectionError(f"rendezvous of job {params.run_id!r}: {exc}") from None
+    if params.local_addr:
+        local_addr = params.local_addr
+    elif all(is_loopback(endpoint.host) for endpoint in store.endpoints):
+        local_addr = "127.0.0.1"
+    else:
+        import socket
+
+        local_addr = socket.getfqdn()
+    where = {"store": "etcd", "endpoints": params.endpoint or "127.0.0.1", "options": options}
+    return handler_on_etcd(
+        params.run_id,
+        store,
+        settings,
+        local_addr,
+        heartbeat_store,
+        watch_store=watch_store,
+        backend=params.backend,
+        on_shutdown=(watch_store.close,),
+        last_word=LastWord(where),
+        token=conf.job_token(os.environ),  # for the state copies alone
+        **node_options(conf),
+    )
+
+
+def speak(where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float) -> bool:
+    """A dead agent's last word (``last_word``): the change and its bell, on the cluster at
+    ``where``, within ``timeout`` seconds a request."""
+    etcd = EtcdStore(where["endpoints"], **{**where["options"], "timeout": timeout})
+    try:
+        return supersede_on_etcd(etcd, changed, bell, record)
+    finally:
+        etcd.close()
+
+
+def open_reader(
+    endpoint: str,
+    run_id: str,
+    conf: RendezvousSettings,
+    timeout: float,
+    environ: Mapping[str, str],
+) -> tuple[JobReader, str]:
+    """``relaunch status``'s reader of job ``run_id`` on the cluster at ``endpoint``, and the
+    cluster in words."""
+    from relaunch.rendezvous.reader import EtcdJobReader
+
+    etcd = EtcdStore(endpoint, **{**conf.etcd_store_arguments(), "timeout": timeout})
+    return EtcdJobReader(etcd, run_id), etcd.describe()

@@ -35,8 +35,8 @@ MAX_LINE = 4096
 
 class LastWord:
     """What this agent leaves its guardian while it is a member of a round. ``where``: how to
-    reach the store (``{"store": "c10d", "host", "port", "token"}`` or ``{"store": "etcd",
-    "endpoints", "options"}``); ``send`` (or ``send_to``, by the agent, which owns the
+    reach the store (``"store"``: its kind's backend name, and what that kind's ``speak``
+    reads: ``kind_registry``); ``send`` (or ``send_to``, by the agent, which owns the
     guardian): hands the guardian its line (None takes it back). Without one, nothing is
     left."""
 
@@ -78,31 +78,11 @@ class LastWord:
 def speak(line: str) -> bool:
     """Write the change of the last word ``line``; whether it was written (False: the round had
     a change already)."""
+    from relaunch.rendezvous.kind_registry import kind_module
+
     word = json.loads(line)
     changed, bell, record = word["changed"], word["bell"], word["record"].encode()
-    if word["store"] == "etcd":
-        from relaunch.rendezvous.kinds_etcd import supersede_on_etcd
-        from relaunch.store.etcd import EtcdStore
-
-        etcd = EtcdStore(word["endpoints"], **{**word["options"], "timeout": DEADLINE_S})
-        try:
-            return supersede_on_etcd(etcd, changed, bell, record)
-        finally:
-            etcd.close()
-    from relaunch.rendezvous.kinds import supersede_on_counters
-    from relaunch.store.client import TcpStore
-
-    store = TcpStore(
-        word["host"],
-        word["port"],
-        word["token"],
-        timeout=DEADLINE_S,
-        connect_timeout=DEADLINE_S,
-    )
-    try:
-        return supersede_on_counters(store, changed, bell, record)
-    finally:
-        store.close()
+    return kind_module(word["store"]).speak(word, changed, bell, record, DEADLINE_S)
 
 
 def main() -> int:

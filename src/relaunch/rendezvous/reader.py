@@ -224,51 +224,11 @@ class JobReader:
         self._read = 0
         restarts = self._integer(self.key("restarts"), self._get("restarts"))
         closed_record = self._get("closed")
-        closed = closed_record is not None
         round_ = self._integer(self.key("round"), self._get("round"), _MAX_INT - LOOK_AHEAD)
-        members = self._members(round_)
-        for _ in range(LOOK_AHEAD):  # the lead writes the final record, then ``round``
-            ahead = self._members(round_ + 1)
-            if ahead is None:
-                break
-            round_, members = round_ + 1, ahead
-            if ahead == CLOSED:
-                break
-        why = ""
-        if closed or members == CLOSED:
-            phase = "finished"
-            if members == CLOSED and round_ > 0:  # the round after the last: show the last
-                round_ -= 1
-                members = self._members(round_)
-                members = None if members == CLOSED else members
-            else:
-                members = None if members == CLOSED else members
-            change = self._change(round_)
-            if change is None or change.kind is not ChangeKind.FAILED:
-                change = self._closing_failure(closed_record)  # on etcd, the one record left
-            if change is not None:
-                why = change.reason + ("" if change.requeue else "; do not requeue it")
-        elif members is None:
-            joined = self._joined(round_)
-            if round_ == 0 and joined == 0 and restarts == 0:
-                raise JobNotFound(f"no job {self._run_id!r} in the store")
-            phase = "re-forming" if round_ > 0 else "forming"
-            why = f"{joined} node(s) joined"
-        else:
-            change = self._change(round_)
-            phase = "running"
-            if change is not None:
-                phase, why = "re-forming", change.reason or change.kind.value
+        round_, members = self._latest_round(round_)
+        round_, members, phase, why = self._phase(round_, members, closed_record, restarts)
         assert not isinstance(members, bytes)
-        notes_round: int | None = round_
-        notes = self._notes(round_) if members is not None else {}
-        if not any(name.startswith("status/") for name in notes) and round_ > 0:
-            notes_round = round_ - 1
-            notes = self._notes(notes_round)
-            if phase == "running":
-                phase = "starting"
-        if not notes:
-            notes_round = None
+        notes_round, notes, phase = self._round_notes(round_, members is not None, phase)
         nodes = [
             self._decode(core.NodeStatus.decode, notes_round, name, raw)
             for name, raw in notes.items()
@@ -291,6 +251,65 @@ class JobReader:
             view,
             why,
         )
+
+    def _latest_round(self, round_: int) -> tuple[int, int | bytes | None]:
+        """The latest round from ``round_`` on with a final record, and its members: the lead
+        writes the final record, then ``round``."""
+        members = self._members(round_)
+        for _ in range(LOOK_AHEAD):
+            ahead = self._members(round_ + 1)
+            if ahead is None:
+                break
+            round_, members = round_ + 1, ahead
+            if ahead == CLOSED:
+                break
+        return round_, members
+
+    def _phase(
+        self, round_: int, members: int | bytes | None, closed_record: bytes | None, restarts: int
+    ) -> tuple[int, int | bytes | None, str, str]:
+        """The round to show, its members, the job's phase and why; ``JobNotFound`` when the
+        store holds nothing of the job."""
+        why = ""
+        if closed_record is not None or members == CLOSED:
+            phase = "finished"
+            if members == CLOSED and round_ > 0:  # the round after the last: show the last
+                round_ -= 1
+                members = self._members(round_)
+            members = None if members == CLOSED else members
+            change = self._change(round_)
+            if change is None or change.kind is not ChangeKind.FAILED:
+                change = self._closing_failure(closed_record)  # on etcd, the one record left
+            if change is not None:
+                why = change.reason + ("" if change.requeue else "; do not requeue it")
+        elif members is None:
+            joined = self._joined(round_)
+            if round_ == 0 and joined == 0 and restarts == 0:
+                raise JobNotFound(f"no job {self._run_id!r} in the store")
+            phase = "re-forming" if round_ > 0 else "forming"
+            why = f"{joined} node(s) joined"
+        else:
+            change = self._change(round_)
+            phase = "running"
+            if change is not None:
+                phase, why = "re-forming", change.reason or change.kind.value
+        return round_, members, phase, why
+
+    def _round_notes(
+        self, round_: int, placed: bool, phase: str
+    ) -> tuple[int | None, Mapping[str, bytes], str]:
+        """The round whose notes to show (None: none), its notes, and the phase: a round whose
+        nodes posted nothing yet shows the round before's, and is still starting."""
+        notes_round: int | None = round_
+        notes = self._notes(round_) if placed else {}
+        if not any(name.startswith("status/") for name in notes) and round_ > 0:
+            notes_round = round_ - 1
+            notes = self._notes(notes_round)
+            if phase == "running":
+                phase = "starting"
+        if not notes:
+            notes_round = None
+        return notes_round, notes, phase
 
     def _decode(
         self, decode: Callable[[bytes], _Note], round_: int | None, name: str, raw: bytes

@@ -283,28 +283,43 @@ class Rounds:
                 self._complete(round_, decision.count)
                 continue
             assert decision.deadline is not None
-            timeout = max(0.0, decision.deadline - self._clock.monotonic())
             # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
             if not entry.lead:
-                final = self._parse_final(
-                    self._news.watch(self.key("final", round_), 0, timeout), round_
-                )
+                final = self._await_final(round_, decision.deadline)
                 continue
-            # Look at the joins again now and then: on the built-in store, a node that took a
-            # ticket but died before registering never writes the key awaited here.
-            timeout = min(timeout, settings.keep_alive_interval)
-            if previous_running:
-                try:
-                    self._store.wait([self.key("changed", round_ - 1)], timeout)
-                except StoreTimeout:
-                    pass
-            else:
-                threshold = (
-                    settings.min_nodes
-                    if min_reached_at is None
-                    else plan.completion_target(settings, expected)
-                )
-                self.roster.await_joined(round_, threshold, timeout)
+            self._await_joins(round_, decision.deadline, previous_running, min_reached_at, expected)
+
+    def _await_final(self, round_: int, deadline: float) -> plan.Final | None:
+        """As a node that is not the lead: wait until ``deadline`` for the final record."""
+        timeout = max(0.0, deadline - self._clock.monotonic())
+        return self._parse_final(self._news.watch(self.key("final", round_), 0, timeout), round_)
+
+    def _await_joins(
+        self,
+        round_: int,
+        deadline: float,
+        previous_running: bool,
+        min_reached_at: float | None,
+        expected: int | None,
+    ) -> None:
+        """As the lead: wait until ``deadline`` for the round before to re-form (while it runs),
+        or for the joins to reach the next threshold."""
+        settings = self.settings
+        # Look at the joins again now and then: on the built-in store, a node that took a
+        # ticket but died before registering never writes the key awaited here.
+        timeout = min(max(0.0, deadline - self._clock.monotonic()), settings.keep_alive_interval)
+        if previous_running:
+            try:
+                self._store.wait([self.key("changed", round_ - 1)], timeout)
+            except StoreTimeout:
+                pass
+            return
+        threshold = (
+            settings.min_nodes
+            if min_reached_at is None
+            else plan.completion_target(settings, expected)
+        )
+        self.roster.await_joined(round_, threshold, timeout)
 
     def _complete(self, round_: int, count: int) -> None:
         """As the lead: write the final record of ``round_`` with (up to) ``count`` nodes."""

@@ -1,0 +1,71 @@
+"""The store kinds of the dynamic rendezvous, by ``--rdzv-backend`` name: one line a kind.
+
+A kind's module (``kinds_c10d``, ``kinds_etcd``) says, beside its ``kinds.StoreKind``, what
+the launcher, the orphan guardian and ``relaunch status`` need of it (``KindModule``). It is
+loaded only when its backend is asked for: etcd's client loads only for etcd.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from relaunch.core.rdzv_conf import C10D_BACKENDS, ETCD_BACKENDS
+
+if TYPE_CHECKING:
+    from relaunch.core.rdzv_conf import RendezvousSettings, RendezvousSpec
+    from relaunch.rendezvous.api import RendezvousHandler
+    from relaunch.rendezvous.reader import JobReader
+
+#: The module of each kind, under the backend names it answers to.
+KINDS: dict[tuple[str, ...], str] = {
+    C10D_BACKENDS: "relaunch.rendezvous.kinds_c10d",
+    ETCD_BACKENDS: "relaunch.rendezvous.kinds_etcd",
+}
+
+
+class EndpointError(ValueError):
+    """``--rdzv-endpoint`` is not one its kind reads."""
+
+
+class KindModule(Protocol):
+    """What a kind's module offers outside a node's handler."""
+
+    #: What ``relaunch status`` suggests when the store cannot be read.
+    UNREACHABLE_HINT: str
+
+    def create_handler(self, params: RendezvousSpec) -> RendezvousHandler:
+        """The node's handler for the job ``params`` names."""
+
+    def speak(
+        self, where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float
+    ) -> bool:
+        """A dead agent's last word: write ``record`` at ``changed`` unless a change is there,
+        and ring ``bell``, on the store ``where`` says (its ``"store"`` is the backend name);
+        whether it was written."""
+
+    def open_reader(
+        self,
+        endpoint: str,
+        run_id: str,
+        conf: RendezvousSettings,
+        timeout: float,
+        environ: Mapping[str, str],
+    ) -> tuple[JobReader, str]:
+        """A reader of job ``run_id`` on the store at ``endpoint`` (``relaunch status``), and
+        the store's address in words; each request takes at most ``timeout`` seconds.
+        ``EndpointError`` when ``endpoint`` is not one."""
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend name of a store kind, in the registry's order."""
+    return tuple(name for names in KINDS for name in names)
+
+
+def kind_module(backend: str) -> KindModule:
+    """The module of ``backend``'s kind; KeyError when no kind answers to that name."""
+    for names, module in KINDS.items():
+        if backend in names:
+            return cast(KindModule, importlib.import_module(module))
+    raise KeyError(backend)
