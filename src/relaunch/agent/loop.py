@@ -29,7 +29,7 @@ from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
 from relaunch.agent.state import StateNotAgreed
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
-from relaunch.core import step_types as do
+from relaunch.core import step_types as actions
 from relaunch.core.happenings import Failed, Joined, RestartCosted, Started, StragglerFlagged
 from relaunch.core.restart import Backoff
 from relaunch.core.settings import (
@@ -267,23 +267,23 @@ class LocalElasticAgent:
     def _drive(self, failures: FailureWatch, wakeups: EventQueue[str]) -> RunResult:
         """Observe, step, act, until an action ends the run; a helper thread's failure
         (``ThreadFailed``) ends it whenever the agent looks."""
-        observation: do.Observation = do.Began()
+        observation: actions.Observation = actions.Began()
         while True:
-            self._state, actions = step(self._state, observation, self._clock.monotonic())
-            answer: do.Observation | None = None
-            for action in actions:
+            self._state, planned = step(self._state, observation, self._clock.monotonic())
+            answer: actions.Observation | None = None
+            for action in planned:
                 done = self._act(action, wakeups)
                 if isinstance(done, RunResult):
                     return done
                 answer = answer if done is None else done
             observation = self._look(failures) if answer is None else answer
 
-    def _look(self, failures: FailureWatch) -> do.Observation:
+    def _look(self, failures: FailureWatch) -> actions.Observation:
         """How the workers and the job stand now."""
         failures.check()
         dumping = self._expiry.dumping()
         if dumping and self._workers.still_running():
-            return do.StacksPending(dumping)
+            return actions.StacksPending(dumping)
         outcome = self._workers.poll()
         # A helper thread reports its failure before its effect shows: a worker monitor that
         # failed killed the workers and ended the group, and that end is not theirs to judge.
@@ -297,69 +297,69 @@ class LocalElasticAgent:
         if failed or change is not None:
             self._goodput.seen()
         self._workers.look_back(self._goodput)
-        return do.Looked(ended, change, used, failing)
+        return actions.Observed(ended, change, used, failing)
 
     def _act(
-        self, action: do.Action, wakeups: EventQueue[str]
-    ) -> do.Observation | RunResult | None:
+        self, action: actions.Action, wakeups: EventQueue[str]
+    ) -> actions.Observation | RunResult | None:
         """Perform ``action``: an observation when it answers one, the result when it ends."""
         job, workers = self._job, self._workers
         match action:
-            case do.Rendezvous(backoff=backoff):
+            case actions.Rendezvous(backoff=backoff):
                 return self._rendezvous(backoff)
-            case do.StartWorkers():
+            case actions.StartWorkers():
                 try:
                     workers.start(self.restart_count)
                 except StateNotAgreed as exc:
-                    return do.NotAgreed(str(exc))
+                    return actions.NotAgreed(str(exc))
                 self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
                 self._started_once = True
-                return do.WorkersStarted()
-            case do.StopWorkers(park=park):
+                return actions.WorkersStarted()
+            case actions.StopWorkers(park=park):
                 workers.stop(signal.SIGTERM, park=park)
-            case do.CheckStore():
+            case actions.CheckStore():
                 job.check_store()
-            case do.AskRollCall(timeout=timeout):
+            case actions.AskRollCall(timeout=timeout):
                 alive = job.peers_alive(timeout)
-                return do.PeersAnswered(alive, job.membership_change())  # one may have come
-            case do.TakeStacks(reason=reason):
+                return actions.PeersAnswered(alive, job.membership_change())  # one may have come
+            case actions.TakeStacks(reason=reason):
                 self._expiry.dump_stacks(reason)
-            case do.CheckHangs(until=until):
+            case actions.CheckHangs(until=until):
                 check_in = self._expiry.check()  # acts on hung workers; when to look again
-                return do.HangsChecked(self._expiry.hang, check_in, until)
-            case do.Wait(until=until):
+                return actions.HangsChecked(self._expiry.hang, check_in, until)
+            case actions.Wait(until=until):
                 wakeups.get(None if until is None else max(0.0, until - self._clock.monotonic()))
-            case do.StopForStacks(reason=reason):
+            case actions.StopForStacks(reason=reason):
                 job.stop_for_stacks(reason)
-            case do.FailJob(reason=reason, stacks=stacks, requeue=requeue):
+            case actions.FailJob(reason=reason, stacks=stacks, requeue=requeue):
                 job.fail_job(reason, stacks=stacks, requeue=requeue)
-            case do.NoteRestart(reason=reason):
+            case actions.NoteRestart(reason=reason):
                 job.note_restart(reason)
-            case do.LeaveRound():
+            case actions.LeaveRound():
                 job.leave_early()
-            case do.ReportFailure():
+            case actions.ReportFailure():
                 log.warning("%s", workers.failure_report())
-            case do.Say(text=text, error=error):
+            case actions.LogLine(text=text, error=error):
                 log.log(logging.ERROR if error else logging.WARNING, "%s", text)
-            case do.StopNote(text=text):
+            case actions.StopNote(text=text):
                 self._report.stop_note = text
-            case do.Tell(happening=happening):
+            case actions.Announce(happening=happening):
                 self._sinks.happened(happening)
-            case do.Succeed():
+            case actions.Succeed():
                 result = workers.succeeded()
                 # Keep heartbeating until every live node is done, so an early finisher is not
                 # mistaken for a lost node; then close the job to latecomers.
                 job.exit_barrier(self._exit_barrier_timeout)
                 self._worker_group.spec.rdzv_handler.set_closed()
                 return result
-            case do.Fail(requeue=requeue):
+            case actions.Fail(requeue=requeue):
                 self.requeue = requeue
                 return workers.failed()
-            case do.CutShort(message=message, requeue=requeue):
+            case actions.EndedElsewhere(message=message, requeue=requeue):
                 raise JobFailedError(message, requeue)
         return None
 
-    def _rendezvous(self, backoff: float) -> do.Observation:
+    def _rendezvous(self, backoff: float) -> actions.Observation:
         """Leave the running round, wait out a crash loop's backoff, an exclusion and a failing
         health check, and join the next round."""
         group, job, spent = self._worker_group, self._job, self._state.spent
@@ -376,9 +376,9 @@ class LocalElasticAgent:
                 raise  # the job had finished before this node joined
             failure = job.closing_failure()
             if failure is None:
-                return do.JobClosed()
-            return do.JobClosed(failure.reason, failure.requeue)
-        return do.Placed(group.group_world_size or 1, used)
+                return actions.JobClosed()
+            return actions.JobClosed(failure.reason, failure.requeue)
+        return actions.Placed(group.group_world_size or 1, used)
 
 
 def _rules(spec: WorkerSpec, job: JobServices, backoff: Backoff | None, max_stalled: int) -> Rules:

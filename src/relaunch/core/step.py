@@ -6,12 +6,12 @@ and performs the actions in order (``core.step_types`` has both); the step reads
 history of observations in and actions out (``tests/unit/test_step.py`` tests it so).
 
 An attempt goes ``Began`` (or a restart) -> ``Rendezvous`` -> ``Placed`` -> ``StartWorkers`` ->
-``WorkersStarted``; then the agent looks (``Looked``) and sleeps (``CheckHangs`` ->
+``WorkersStarted``; then the agent looks (``Observed``) and sleeps (``CheckHangs`` ->
 ``HangsChecked`` -> ``Wait``) until the workers end or the membership changes; then ``Succeed``,
-``Fail``, ``CutShort``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again. Nodes that
+``Fail``, ``EndedElsewhere``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again. Nodes that
 cannot agree on the state to resume from (``NotAgreed``) start nothing and join again. A failure
 that restarts a group of several nodes whatever else comes is told as soon as it is seen
-(``Looked.failing``: ``NoteRestart``, ``LeaveRound``), while this node's other workers are still
+(``Observed.failing``: ``NoteRestart``, ``LeaveRound``), while this node's other workers are still
 being stopped, so that every node's workers stop at once.
 
 The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
@@ -42,26 +42,27 @@ from relaunch.core.restart import (
 )
 from relaunch.core.step_types import (
     Action,
+    Announce,
     AskRollCall,
     Began,
     CheckHangs,
     CheckStore,
-    CutShort,
     Ended,
+    EndedElsewhere,
     Fail,
     FailJob,
     HangsChecked,
     JobClosed,
     LeaveRound,
-    Looked,
+    LogLine,
     NotAgreed,
     NoteRestart,
     Observation,
+    Observed,
     PeersAnswered,
     Placed,
     Rendezvous,
     ReportFailure,
-    Say,
     StacksPending,
     StartWorkers,
     StopForStacks,
@@ -69,7 +70,6 @@ from relaunch.core.step_types import (
     StopWorkers,
     Succeed,
     TakeStacks,
-    Tell,
     Wait,
     WorkersStarted,
 )
@@ -131,7 +131,7 @@ class RunState(NamedTuple):
     #: Some rank used the channel, in this attempt or an earlier one.
     workers_spoke: bool = False
     #: A failure waiting for the roll call's answer.
-    roll_call_for: Looked | None = None
+    roll_call_for: Observed | None = None
     reforming: Reform | None = None
     #: This attempt's failure left the round while its workers were still being stopped
     #: (``LeaveRound``): its restart is decided, counted in the job, and told.
@@ -168,7 +168,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     if isinstance(observation, NotAgreed):  # join again, for free: nothing ran
         reason = f"[{state.rules.role}] {observation.reason}: joining the rendezvous again"
         return state._replace(reforming=Reform(False, observation.reason)), [
-            Say(reason),
+            LogLine(reason),
             CheckStore(),
             Rendezvous(),
         ]
@@ -176,7 +176,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
         return state, [CheckHangs(now + observation.seconds)]  # let every stack be written
     if isinstance(observation, HangsChecked):
         return _sleep(state, observation, now)
-    if isinstance(observation, Looked):
+    if isinstance(observation, Observed):
         return _looked(state, observation, now)
     if isinstance(observation, PeersAnswered):
         look = state.roll_call_for
@@ -186,11 +186,11 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     raise TypeError(f"not an observation: {observation!r}")
 
 
-def _looked(state: RunState, look: Looked, now: float) -> Decided:
+def _looked(state: RunState, look: Observed, now: float) -> Decided:
     """The workers and the job were looked at: decide, after a roll call where it tells."""
     failed = look.ended is not None and look.ended.failed
     if state.left_early:  # the job's count has this node's restart in it; the change is its own
-        look = Looked(look.ended, None, None)
+        look = Observed(look.ended, None, None)
     if (failed or look.failing is not None) and look.used is not None:
         state = state._replace(used=look.used)
     rules = state.rules
@@ -212,7 +212,7 @@ def _looked(state: RunState, look: Looked, now: float) -> Decided:
     return _decide(state, look, look.change, now)
 
 
-def _leaves_early(state: RunState, look: Looked) -> bool:
+def _leaves_early(state: RunState, look: Observed) -> bool:
     """A worker failed and the others are being stopped: the group restarts whatever else comes
     (a restart is left, no change or hang decides otherwise, and no failure could make the
     crash loop stop the job), so the other nodes are told now, to stop their workers while this
@@ -229,7 +229,9 @@ def _leaves_early(state: RunState, look: Looked) -> bool:
     )
 
 
-def _decide(state: RunState, look: Looked, change: MembershipChange | None, now: float) -> Decided:
+def _decide(
+    state: RunState, look: Observed, change: MembershipChange | None, now: float
+) -> Decided:
     rules = state.rules
     ended = look.ended
     group = GroupState.RUNNING if ended is None else _group_state(ended)
@@ -247,7 +249,7 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
     actions: list[Action] = []
     if decision.action is restart.Action.AWAIT_CHANGE and state.grace_ends is None:
         actions.append(
-            Say(
+            LogLine(
                 "workers failed with no restart left, and not every other node answered: "
                 f"waiting up to {seconds(rules.lost_node_grace)} for a lost node to be noticed"
             )
@@ -257,7 +259,7 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
         return state._replace(stacks_taken=True), [*actions, TakeStacks(decision.reason)]
     if decision.action in (restart.Action.CONTINUE, restart.Action.AWAIT_CHANGE):
         return state, [*actions, CheckHangs(decision.deadline)]
-    actions.append(Tell(AttemptEnded(rules.role, group.value, state.restarts_left)))
+    actions.append(Announce(AttemptEnded(rules.role, group.value, state.restarts_left)))
     if decision.action is restart.Action.SUCCEED:
         return state, [*actions, Succeed()]
     if decision.action is restart.Action.FAIL:
@@ -281,7 +283,7 @@ def _fail(
         return state, [*actions, FailJob(reason), Fail()]
     if elsewhere and ended is not None and ended.failed:
         actions.append(ReportFailure())  # where this node's ranks were
-    return state, [*actions, CutShort(f"{decision.reason}; {CUT_SHORT}", decision.requeue)]
+    return state, [*actions, EndedElsewhere(f"{decision.reason}; {CUT_SHORT}", decision.requeue)]
 
 
 def _restart(
@@ -309,7 +311,7 @@ def _restart(
         if stalled is not None:  # restarting cannot help, nor can running the job again
             return state, [
                 *actions,
-                Say(f"[{rules.role}] {stalled}", error=True),
+                LogLine(f"[{rules.role}] {stalled}", error=True),
                 StopNote(f"{stalled}; {DO_NOT_REQUEUE}"),
                 FailJob(f"{rules.node}: {reason} ({stalled})", requeue=False),
                 Fail(requeue=False),
@@ -324,14 +326,14 @@ def _restart(
         state = state._replace(spent=state.spent + 1)
         restarts_left -= 1
     actions.append(
-        Tell(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
+        Announce(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
     )
     if decision.uses_restart and not state.left_early:  # the others restart for it: say why
         actions.append(NoteRestart(f"{rules.node}: {reason}"))
     if delay:
         backoff = rules.backoff
         actions.append(
-            Say(
+            LogLine(
                 f"[{rules.role}] a crash loop: waiting {seconds(delay)} before restart "
                 f"{state.crash_loop.in_a_row} in a row "
                 f"(--restart-backoff {backoff.base:g}:{backoff.cap:g})"
@@ -351,7 +353,7 @@ def _closed(state: RunState, closed: JobClosed) -> Decided:
     # failed, or its exit barrier timed out).
     why = closed.failure or state.reforming.reason
     message = f"the job ended while this node re-formed ({why}); {CUT_SHORT}"
-    return state, [CutShort(message, closed.requeue)]
+    return state, [EndedElsewhere(message, closed.requeue)]
 
 
 def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
@@ -363,7 +365,7 @@ def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
     actions: list[Action] = []
     if checked.hang is not None and not state.hang_told:
         state = state._replace(hang_told=True)
-        actions.append(Tell(Hung(state.used, checked.hang)))
+        actions.append(Announce(Hung(state.used, checked.hang)))
         if rules.watches_membership and not state.alone:
             reason = f"{rules.node}: {checked.hang}"
             if state.restarts_left > 0:

@@ -129,7 +129,7 @@ class Ended(Value):
         return bool(self.failures)
 
 
-class Looked(Value):
+class Observed(Value):
     """How the workers stand (``ended`` None: they run) and the membership change, if any;
     ``used``: the job's restart count, read when the workers failed; ``failing``: the failures
     of workers whose group is still being stopped because of them (``ended`` is None)."""
@@ -181,7 +181,7 @@ Observation = (
     | WorkersStarted
     | NotAgreed
     | StacksPending
-    | Looked
+    | Observed
     | PeersAnswered
     | HangsChecked
 )
@@ -305,7 +305,7 @@ class ReportFailure(Value):
     """Log the failure report of the workers that just failed."""
 
 
-class Say(Value):
+class LogLine(Value):
     """Log ``text`` (a warning, or an error)."""
 
     __slots__ = ("error", "text")
@@ -326,7 +326,7 @@ class StopNote(Value):
         self._set(text=text)
 
 
-class Tell(Value):
+class Announce(Value):
     """Announce ``happening`` to the agent's sinks (``agent.sinks``)."""
 
     __slots__ = ("happening",)
@@ -351,7 +351,7 @@ class Fail(Value):
         self._set(requeue=requeue)
 
 
-class CutShort(Value):
+class EndedElsewhere(Value):
     """The job ended elsewhere and this node's workers with it: end the run with ``message``
     (``requeue`` False: the job ended for a failure that running it again cannot mend)."""
 
@@ -377,10 +377,10 @@ Action = (
     | NoteRestart
     | LeaveRound
     | ReportFailure
-    | Say
+    | LogLine
     | StopNote
-    | Tell
+    | Announce
     | Succeed
     | Fail
-    | CutShort
+    | EndedElsewhere
 )
