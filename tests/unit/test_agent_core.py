@@ -58,8 +58,8 @@ def test_line_prefixes_follow_torchruns_template() -> None:
 
 def test_hang_detection_counts_silence_on_its_clock() -> None:
     from relaunch.agent.expiry import ExpiryWatch
-    from relaunch.core.happenings import NodeSnapshot, RankSample
     from relaunch.core.progress import Progress
+    from relaunch.core.run_events import NodeSnapshot, RankSample
     from relaunch.runtime import ManualClock
 
     clock = ManualClock()

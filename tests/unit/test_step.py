@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from relaunch.core.happenings import AttemptEnded, Hung, NodeSnapshot, RankSample, Restarted
 from relaunch.core.liveness import Liveness
 from relaunch.core.membership import MembershipChange
 from relaunch.core.progress import Progress
 from relaunch.core.restart import Backoff
+from relaunch.core.run_events import AttemptEnded, Hung, NodeSnapshot, RankSample, Restarted
 from relaunch.core.step import Rules, RunState, step
 from relaunch.core.step_types import (
     Action,
@@ -100,8 +100,8 @@ def restarted(cause: str, reason: str, why: str, count: int, left: int) -> Annou
 
 
 def told(actions: list[Action]) -> list[object]:
-    """The happenings among ``actions``."""
-    return [action.happening for action in actions if isinstance(action, Announce)]
+    """The run events among ``actions``."""
+    return [action.run_event for action in actions if isinstance(action, Announce)]
 
 
 def rules(**values: object) -> Rules:

@@ -30,8 +30,8 @@ from relaunch.agent.state import StateNotAgreed
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
 from relaunch.core import step_types as actions
-from relaunch.core.happenings import Failed, Joined, RestartCosted, Started, StragglerFlagged
 from relaunch.core.restart import Backoff
+from relaunch.core.run_events import Failed, Joined, RestartCosted, Started, StragglerFlagged
 from relaunch.core.settings import (
     HangSettings,
     HealthSettings,
@@ -187,7 +187,7 @@ class LocalElasticAgent:
         group = self._worker_group
         return NodeReporter(
             straggler_factor,
-            lambda straggler: self._sinks.happened(
+            lambda straggler: self._sinks.on_run_event(
                 StragglerFlagged(straggler, straggler_factor, self.restart_count)
             ),
             node_state=lambda: group.state.value,
@@ -196,7 +196,7 @@ class LocalElasticAgent:
         )
 
     def _make_sinks(self, metrics: Metrics | None) -> Sinks:
-        """Where what happens is told, each happening once (``agent.sinks``); the order is that
+        """Where what happens is told, each run event once (``agent.sinks``); the order is that
         of their lines on a shared stderr, the goodput marks last (a restart's cost, told when
         the workers started, follows their start)."""
         group, clock = self._worker_group, self._clock
@@ -204,7 +204,9 @@ class LocalElasticAgent:
             group, self._reporter, self._workers.sampler.latest, lambda: self.restart_count, clock
         )
         metric_puts = MetricPuts(metrics or Metrics(NullMetricHandler(), group="torchelastic"))
-        self._goodput = GoodputMarks(clock, lambda cost: self._sinks.happened(RestartCosted(cost)))
+        self._goodput = GoodputMarks(
+            clock, lambda cost: self._sinks.on_run_event(RestartCosted(cost))
+        )
         return Sinks(
             [self._report, self._exporter, metric_puts, self._reporter, LogSink(log), self._goodput]
         )
@@ -251,7 +253,7 @@ class LocalElasticAgent:
                 # the job ends on every node, each saying why, rather than re-forming around it.
                 self._job.fail_job(str(exc))
             said = str(exc) if isinstance(exc, (AgentFault, SignalException)) else None
-            self._sinks.happened(Failed(self.restart_count, said))
+            self._sinks.on_run_event(Failed(self.restart_count, said))
             raise
         finally:
             self._goodput.end()
@@ -261,7 +263,7 @@ class LocalElasticAgent:
             workers.close()
             self._expiry.close()
             wakeups.close()
-        self._sinks.happened(finished(self._worker_group, result, self.restart_count))
+        self._sinks.on_run_event(finished(self._worker_group, result, self.restart_count))
         return result
 
     def _drive(self, failures: FailureWatch, wakeups: EventQueue[str]) -> RunResult:
@@ -312,7 +314,7 @@ class LocalElasticAgent:
                     workers.start(self.restart_count)
                 except StateNotAgreed as exc:
                     return actions.NotAgreed(str(exc))
-                self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
+                self._sinks.on_run_event(Started(self.restart_count, self.rendezvous_seconds))
                 self._started_once = True
                 return actions.WorkersStarted()
             case actions.StopWorkers(park=park):
@@ -343,8 +345,8 @@ class LocalElasticAgent:
                 log.log(logging.ERROR if error else logging.WARNING, "%s", text)
             case actions.StopNote(text=text):
                 self._report.stop_note = text
-            case actions.Announce(happening=happening):
-                self._sinks.happened(happening)
+            case actions.Announce(run_event=run_event):
+                self._sinks.on_run_event(run_event)
             case actions.Succeed():
                 result = workers.succeeded()
                 # Keep heartbeating until every live node is done, so an early finisher is not
@@ -369,7 +371,7 @@ class LocalElasticAgent:
             self.rendezvous_seconds = join(
                 job, group, self._health_check, backoff, self.restart_count, self._clock
             )
-            self._sinks.happened(Joined(self.rendezvous_seconds))
+            self._sinks.on_run_event(Joined(self.rendezvous_seconds))
             used = job.restarts_used(spent)
         except RendezvousClosedError:
             if self._state.reforming is None:

@@ -30,7 +30,6 @@ from relaunch.core import restart
 from relaunch.core.durations import seconds
 from relaunch.core.failures import failure_signature, one_line, root_cause_rank
 from relaunch.core.group import GroupState
-from relaunch.core.happenings import AttemptEnded, Hung, Restarted
 from relaunch.core.membership import MembershipChange
 from relaunch.core.restart import (
     Backoff,
@@ -40,6 +39,7 @@ from relaunch.core.restart import (
     stalled_out,
     startup_failure,
 )
+from relaunch.core.run_events import AttemptEnded, Hung, Restarted
 from relaunch.core.step_types import (
     Action,
     Announce,

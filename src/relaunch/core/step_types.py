@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from relaunch.core.failures import Failure
-from relaunch.core.happenings import Happening, NodeSnapshot
 from relaunch.core.membership import MembershipChange
+from relaunch.core.run_events import NodeSnapshot, RunEvent
 
 
 class Value:
@@ -327,13 +327,13 @@ class StopNote(Value):
 
 
 class Announce(Value):
-    """Announce ``happening`` to the agent's sinks (``agent.sinks``)."""
+    """Announce ``run_event`` to the agent's sinks (``agent.sinks``)."""
 
-    __slots__ = ("happening",)
-    happening: Happening
+    __slots__ = ("run_event",)
+    run_event: RunEvent
 
-    def __init__(self, happening: Happening) -> None:
-        self._set(happening=happening)
+    def __init__(self, run_event: RunEvent) -> None:
+        self._set(run_event=run_event)
 
 
 class Succeed(Value):
