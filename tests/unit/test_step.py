@@ -19,9 +19,9 @@ from relaunch.core.step import Rules, RunState, step
 from relaunch.core.step_types import (
     Action,
     Announce,
-    AskRollCall,
     Began,
     CheckHangs,
+    CheckPresence,
     CheckStore,
     Ended,
     EndedElsewhere,
@@ -204,7 +204,7 @@ def test_a_failure_among_several_nodes_is_told_as_it_is_seen_not_once_its_group_
     ("nodes", "max_restarts", "change"),
     [
         (1, 2, None),  # nobody to tell
-        (2, 0, None),  # no restart left: a roll call decides, once the group stopped
+        (2, 0, None),  # no restart left: a presence check decides, once the group stopped
         (2, 2, MembershipChange.member_lost(1, "no heartbeat", detected_by=0)),  # free, theirs
     ],
 )
@@ -288,7 +288,7 @@ def test_with_no_restart_left_a_failure_is_final_at_once_when_every_peer_answers
     state = started(rules(watches_membership=True, max_restarts=0, lost_node_grace=60.0), nodes=2)
     _, said = run(state, [(3.0, Observed(failed(), used=0)), (3.5, PeersAnswered(True))])
     assert said == [
-        [AskRollCall(1.0)],
+        [CheckPresence(1.0)],
         [
             ended("FAILED", 0),
             FailJob(f"n1: {BOOM} (no restart left)"),
@@ -305,13 +305,13 @@ def test_with_a_peer_silent_the_grace_is_waited_and_then_the_failure_is_final() 
             (10.0, Observed(failed(), used=0)),
             (10.0, PeersAnswered(False)),
             (10.0, HangsChecked(None, None, 15.0)),
-            (12.0, Observed(failed(), used=0)),  # no second roll call, no second warning
+            (12.0, Observed(failed(), used=0)),  # no second presence check, no second warning
             (12.0, HangsChecked(None, None, 15.0)),
             (15.0, Observed(failed(), used=0)),
         ],
     )
     assert said == [
-        [AskRollCall(1.0)],
+        [CheckPresence(1.0)],
         [
             LogLine(
                 "workers failed with no restart left, and not every other node answered: "
@@ -342,10 +342,10 @@ def test_a_node_lost_during_the_grace_re_forms_the_group_for_free() -> None:
     assert said[2][-1] == Rendezvous(0.0)
     assert state.grace_ends is None and state.spent == 0
     state, said = run(state, [(13.0, Placed(1, 0)), (13.0, WorkersStarted())])
-    assert state.peers_alive is None  # the roll call is this round's
+    assert state.peers_alive is None  # the presence check is this round's
 
 
-def test_a_change_that_came_during_the_roll_call_is_taken() -> None:
+def test_a_change_that_came_during_the_presence_check_is_taken() -> None:
     state = started(rules(watches_membership=True, max_restarts=0, lost_node_grace=5.0), nodes=2)
     lost = MembershipChange.member_lost(1, "no heartbeat", detected_by=0)
     _, said = run(state, [(1.0, Observed(failed(), used=0)), (1.5, PeersAnswered(False, lost))])

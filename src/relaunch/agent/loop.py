@@ -1,7 +1,7 @@
 """The elastic agent: rendezvous, start the local workers, watch them, restart them as one.
 
 ``LocalElasticAgent.run`` is the driver: it observes (the workers' end, a membership change, a
-roll call's answer, a hang, the time), asks ``core.step`` what follows, and acts through the
+presence check's answer, a hang, the time), asks ``core.step`` what follows, and acts through the
 job's services (``rendezvous.job``), its workers (``agent.workers``: each attempt started from
 its plan, ``core.attempt``) and its sinks (``agent.sinks``). Between steps it sleeps on one
 event queue until an event or the next deadline, on its ``runtime.Clock``; only a job that
@@ -321,7 +321,7 @@ class LocalElasticAgent:
                 workers.stop(signal.SIGTERM, park=park)
             case actions.CheckStore():
                 job.check_store()
-            case actions.AskRollCall(timeout=timeout):
+            case actions.CheckPresence(timeout=timeout):
                 alive = job.peers_alive(timeout)
                 return actions.PeersAnswered(alive, job.membership_change())  # one may have come
             case actions.TakeStacks(reason=reason):

@@ -52,11 +52,11 @@ def decide(
     collectives); a change saying the job failed or finished elsewhere ends this node too (its
     workers are cut short: a failure).
 
-    Collectives break at once when a peer node dies; heartbeats tell it a moment later. So a
-    failure with no restarts left is final at once only when every other node answered a roll
-    call (``peers_alive``); otherwise not before ``lost_node_grace`` seconds (from ``now``, or
-    until ``grace_ends`` once a previous decision set it) have passed without a change: then
-    the lost node is noticed, and the restart is free.
+    Collectives break at once when a peer node dies; heartbeats tell it a moment later. So a failure
+    with no restarts left is final at once only when every other node answered a presence check
+    (``peers_alive``); otherwise not before ``lost_node_grace`` seconds (from ``now``, or until
+    ``grace_ends`` once a previous decision set it) have passed without a change: then the lost node
+    is noticed, and the restart is free.
     """
     if state is GroupState.SUCCEEDED:
         return RestartDecision(Action.SUCCEED)

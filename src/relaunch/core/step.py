@@ -16,7 +16,7 @@ being stopped, so that every node's workers stop at once.
 
 The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
-at once when every other node answers a roll call; while one does not, it may be dead, and the
+at once when every other node answers a presence check; while one does not, it may be dead, and the
 agent waits the lost-node grace for its loss to re-form the group for free (``core.restart``).
 A crash loop waits its backoff between restarts, and stops after restarts that made no progress
 or failed the same way: such a stop tells every node not to requeue the job.
@@ -43,9 +43,9 @@ from relaunch.core.run_events import AttemptEnded, Hung, Restarted
 from relaunch.core.step_types import (
     Action,
     Announce,
-    AskRollCall,
     Began,
     CheckHangs,
+    CheckPresence,
     CheckStore,
     Ended,
     EndedElsewhere,
@@ -74,8 +74,8 @@ from relaunch.core.step_types import (
     WorkersStarted,
 )
 
-#: Seconds the other nodes have to answer a roll call before one of them may be dead.
-ROLL_CALL_TIMEOUT = 1.0
+#: Seconds the other nodes have to answer a presence check before one of them may be dead.
+PRESENCE_CHECK_TIMEOUT = 1.0
 CUT_SHORT = "this node's workers were stopped before they finished"
 #: What a stop that restarting cannot mend adds to the run's summary.
 DO_NOT_REQUEUE = "do not requeue the job"
@@ -98,7 +98,7 @@ class Rules(NamedTuple):
     lost_node_grace: float = 0.0
     backoff: Backoff = Backoff()
     max_stalled: int = 3
-    roll_call_timeout: float = ROLL_CALL_TIMEOUT
+    presence_check_timeout: float = PRESENCE_CHECK_TIMEOUT
 
 
 class Reform(NamedTuple):
@@ -117,7 +117,7 @@ class RunState(NamedTuple):
     used: int = 0
     #: Nodes in the group of the last join.
     nodes: int = 1
-    #: The roll call's outcome, this round (None: not called, or no answer to go by).
+    #: The presence check's outcome, this round (None: not called, or no answer to go by).
     peers_alive: bool | None = None
     #: Until when a failure with no restart left waits for a lost node to be noticed.
     grace_ends: float | None = None
@@ -130,8 +130,8 @@ class RunState(NamedTuple):
     attempt_started: float = 0.0
     #: Some rank used the channel, in this attempt or an earlier one.
     workers_spoke: bool = False
-    #: A failure waiting for the roll call's answer.
-    roll_call_for: Observed | None = None
+    #: A failure waiting for the presence check's answer.
+    presence_check_for: Observed | None = None
     reforming: Reform | None = None
     #: This attempt's failure left the round while its workers were still being stopped
     #: (``LeaveRound``): its restart is decided, counted in the job, and told.
@@ -179,15 +179,15 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     if isinstance(observation, Observed):
         return _looked(state, observation, now)
     if isinstance(observation, PeersAnswered):
-        look = state.roll_call_for
-        assert look is not None, "a roll call's answer without a roll call"
-        answered = state._replace(peers_alive=observation.alive, roll_call_for=None)
+        look = state.presence_check_for
+        assert look is not None, "a presence check's answer without a presence check"
+        answered = state._replace(peers_alive=observation.alive, presence_check_for=None)
         return _decide(answered, look, observation.change, now)
     raise TypeError(f"not an observation: {observation!r}")
 
 
 def _looked(state: RunState, look: Observed, now: float) -> Decided:
-    """The workers and the job were looked at: decide, after a roll call where it tells."""
+    """The workers and the job were looked at: decide, after a presence check where it tells."""
     failed = look.ended is not None and look.ended.failed
     if state.left_early:  # the job's count has this node's restart in it; the change is its own
         look = Observed(look.ended, None, None)
@@ -208,7 +208,9 @@ def _looked(state: RunState, look: Observed, now: float) -> Decided:
         and not state.alone
         and state.grace_ends is None
     ):
-        return state._replace(roll_call_for=look), [AskRollCall(rules.roll_call_timeout)]
+        return state._replace(presence_check_for=look), [
+            CheckPresence(rules.presence_check_timeout)
+        ]
     return _decide(state, look, look.change, now)
 
 

@@ -151,7 +151,7 @@ class Observed(Value):
 
 
 class PeersAnswered(Value):
-    """The roll call's outcome (None: cannot tell), and the change that came meanwhile."""
+    """The presence check's outcome (None: cannot tell), and the change that came meanwhile."""
 
     __slots__ = ("alive", "change")
     alive: bool | None
@@ -221,7 +221,7 @@ class CheckStore(Value):
     """Before a restart is told: the job ends here if the store was lost with its host."""
 
 
-class AskRollCall(Value):
+class CheckPresence(Value):
     """Ask whether every other node answers within ``timeout`` (answered by ``PeersAnswered``)."""
 
     __slots__ = ("timeout",)
@@ -368,7 +368,7 @@ Action = (
     | StartWorkers
     | StopWorkers
     | CheckStore
-    | AskRollCall
+    | CheckPresence
     | TakeStacks
     | CheckHangs
     | Wait

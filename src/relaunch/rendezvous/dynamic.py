@@ -4,7 +4,7 @@ It joins rounds (``rounds``), watches the running one (``heartbeat``), and re-fo
 membership changes (``core.membership``); ``backends`` builds it from the ``--rdzv-*`` flags,
 over one ``kinds.StoreKind``: the node's connections, and what their kind of store does its own
 way. The handler has torch's methods only; what the job's nodes share beside joining (the
-restart budget, the roll call, notes, the change and its listener) is its ``job``
+restart budget, the presence check, notes, the change and its listener) is its ``job``
 (``dynamic_job.DynamicJob``). Both share where the node stands (``node_membership.NodeMembership``).
 """
 
@@ -322,7 +322,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._failover.cut_off()
 
     def _start_watching(self) -> None:
-        """Watch the round just joined: heartbeats, the neighbour's, and the round's bell."""
+        """Watch the round just joined: heartbeats, the neighbour's, and the round's signal."""
         membership = self._membership
         round_ = membership.round
         assert round_ is not None and membership.final is not None

@@ -1,12 +1,12 @@
 """The job services (``job.JobServices``) of a node of the dynamic rendezvous: what the nodes of
 one job share through its store beside joining rounds.
 
-The restart budget (``relaunch/{run_id}/restarts``, added to by the node whose failure
-re-formed a round), the roll call (``rollcall``), the job's failure and stack requests (a change
-record that supersedes the running round), the notes of a round, the exit barrier, the wait for
-the job's end, and exclusion: a node whose failures re-form the job too often is excluded for a
-while (``core.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only
-that node writes. The handler (``dynamic``) joins the rounds; both share the node's
+The restart budget (``relaunch/{run_id}/restarts``, added to by the node whose failure re-formed a
+round), the presence check (``presence``), the job's failure and stack requests (a change record
+that supersedes the running round), the notes of a round, the exit barrier, the wait for the job's
+end, and exclusion: a node whose failures re-form the job too often is excluded for a while
+(``core.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only that node
+writes. The handler (``dynamic``) joins the rounds; both share the node's
 ``node_membership.NodeMembership``.
 """
 
@@ -32,7 +32,7 @@ from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
 from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.node_membership import NodeMembership
-from relaunch.rendezvous.rollcall import roll_call
+from relaunch.rendezvous.presence import presence_check
 from relaunch.rendezvous.rounds import Rounds, closing_failure
 from relaunch.rendezvous.store_loss import StoreLoss
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -211,7 +211,7 @@ class DynamicJob:
         """After the store was lost: whether it lives, or moved (``store_loss.StoreLoss``)."""
         self._loss.check()
 
-    # -- the restart budget, the roll call, the job's failure ---------------------------------
+    # -- the restart budget, the presence check, the job's failure ---------------------------------
 
     def note_restart(self, reason: str) -> None:
         self._membership.restart_reason = reason
@@ -260,15 +260,17 @@ class DynamicJob:
         return self._restarts_seen
 
     def peers_alive(self, timeout: float) -> bool | None:
-        """A roll call of the running round (``rollcall``): True when every member answered
+        """A presence check of the running round (``presence``): True when every member answered
         within ``timeout``."""
         round_, final = self._membership.round, self._membership.final
         if round_ is None or final is None:
             return None
         try:
-            return roll_call(self._store, self._roster, self._key, round_, final.count, timeout)
+            return presence_check(
+                self._store, self._roster, self._key, round_, final.count, timeout
+            )
         except StoreError as exc:
-            log.warning("roll call of round %d: %s", round_, exc)
+            log.warning("presence check of round %d: %s", round_, exc)
             return None
 
     def stop_for_stacks(self, reason: str) -> None:

@@ -2,7 +2,7 @@
 
 ``RendezvousHandler`` (``rendezvous.api``) keeps torch's methods: join a round, say the backend
 and run id, close and shut down. What a job of several nodes shares beyond that (the restart
-budget, the roll call, the job's failure, stack requests, notes, the exit barrier, exclusion
+budget, the presence check, the job's failure, stack requests, notes, the exit barrier, exclusion
 and the membership change, pushed to a listener as a typed value) is ``JobServices``. A handler
 that offers them has a ``job`` attribute (the dynamic handler's is ``dynamic_job.DynamicJob``);
 any other handler (static, or one written for torch) gets ``SoloJob``: a job of one node, with

@@ -39,10 +39,15 @@ class KindModule(Protocol):
         """The node's handler for the job ``params`` names."""
 
     def speak(
-        self, where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float
+        self,
+        where: Mapping[str, Any],
+        changed: str,
+        round_signal: str,
+        record: bytes,
+        timeout: float,
     ) -> bool:
-        """A dead agent's last word: write ``record`` at ``changed`` unless a change is there,
-        and ring ``bell``, on the store ``where`` says (its ``"store"`` is the backend name);
+        """A dead agent's last word: write ``record`` at ``changed`` unless a change is there, and
+        ring ``round_signal``, on the store ``where`` says (its ``"store"`` is the backend name);
         whether it was written."""
 
     def open_reader(

@@ -256,8 +256,10 @@ def _probe(host: str, port: int, token: str | None) -> Callable[[float], None]:
     return probe
 
 
-def speak(where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float) -> bool:
-    """A dead agent's last word (``last_word``): the change and its bell, on the store at
+def speak(
+    where: Mapping[str, Any], changed: str, round_signal: str, record: bytes, timeout: float
+) -> bool:
+    """A dead agent's last word (``last_word``): the change and its round signal, on the store at
     ``where``, within ``timeout`` seconds a request."""
     from relaunch.rendezvous.kinds_counter import supersede_on_counters
     from relaunch.store.client import TcpStore
@@ -265,7 +267,7 @@ def speak(where: Mapping[str, Any], changed: str, bell: str, record: bytes, time
     host, port, token = where["host"], where["port"], where["token"]
     store = TcpStore(host, port, token, timeout=timeout, connect_timeout=timeout)
     try:
-        return supersede_on_counters(store, changed, bell, record)
+        return supersede_on_counters(store, changed, round_signal, record)
     finally:
         store.close()
 

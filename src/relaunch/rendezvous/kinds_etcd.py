@@ -42,15 +42,15 @@ UNREACHABLE_HINT = (
 )
 
 
-def supersede_on_etcd(store: EtcdStore, changed: str, bell: str, record: bytes) -> bool:
-    """``StoreKind.supersede`` on etcd: the change and its bell at one revision, one event to
-    each member's feed."""
-    return store.compare_set(changed, 0, record, also=(bell,)).succeeded
+def supersede_on_etcd(store: EtcdStore, changed: str, round_signal: str, record: bytes) -> bool:
+    """``StoreKind.supersede`` on etcd: the change and its round signal at one revision, one event
+    to each member's feed."""
+    return store.compare_set(changed, 0, record, also=(round_signal,)).succeeded
 
 
 class EtcdKind:
     """etcd, for one node of job ``run_id``: joins and tallies as one key per node, heartbeats
-    on the node's lease (kept from its first round to its shutdown), a change and its bell
+    on the node's lease (kept from its first round to its shutdown), a change and its round signal
     written at one revision, a round's notes in one range read, and the job's news through one
     watch (on ``watch_store``, else on ``heartbeat_store``)."""
 
@@ -89,8 +89,8 @@ class EtcdKind:
     def answers(self, key: KeyOf, node_id: str) -> Roster:
         return KeyRoster(self.watch_store or self.heartbeat_store, key, node_id)
 
-    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        return supersede_on_etcd(self.store, changed, bell, record)
+    def supersede(self, changed: str, round_signal: str, record: bytes) -> bool:
+        return supersede_on_etcd(self.store, changed, round_signal, record)
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         """One range read for several notes."""
@@ -277,12 +277,14 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     )
 
 
-def speak(where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float) -> bool:
-    """A dead agent's last word (``last_word``): the change and its bell, on the cluster at
+def speak(
+    where: Mapping[str, Any], changed: str, round_signal: str, record: bytes, timeout: float
+) -> bool:
+    """A dead agent's last word (``last_word``): the change and its round signal, on the cluster at
     ``where``, within ``timeout`` seconds a request."""
     etcd = EtcdStore(where["endpoints"], **{**where["options"], "timeout": timeout})
     try:
-        return supersede_on_etcd(etcd, changed, bell, record)
+        return supersede_on_etcd(etcd, changed, round_signal, record)
     finally:
         etcd.close()
 

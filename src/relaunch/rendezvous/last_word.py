@@ -2,13 +2,13 @@
 
 An agent killed by SIGKILL or the OOM killer leaves its machine alive, and its orphan guardian
 (``procs.guardian``) sees the death first: the end of its pipe. While the agent is a member of a
-round, it leaves the guardian a *last word*: one line saying how to reach the store and which
-change to write there (its round superseded by "node of group rank G lost (its agent died)").
-At the pipe's end, after killing the agent's workers, the guardian runs ``main`` in a fresh
-interpreter, which writes that change the way the node's store kind writes any change
-(compare-and-set from absent, and the bell every member blocks on): the others re-form within
-about a second instead of ``keep_alive_interval * keep_alive_max_attempt``. The heartbeats stay
-for machines that vanish whole.
+round, it leaves the guardian a *last word*: one line saying how to reach the store and which change
+to write there (its round superseded by "node of group rank G lost (its agent died)"). At the pipe's
+end, after killing the agent's workers, the guardian runs ``main`` in a fresh interpreter, which
+writes that change the way the node's store kind writes any change (compare-and-set from absent, and
+the round signal every member blocks on): the others re-form within about a second instead of
+``keep_alive_interval * keep_alive_max_attempt``. The heartbeats stay for machines that vanish
+whole.
 
 An agent that leaves its round itself takes its last word back first (``LastWord.retract``);
 one that did not, ending while its round had ended anyway, writes nothing: the round's change is
@@ -54,12 +54,12 @@ class LastWord:
         """The job's built-in store moved to ``host:port`` (``failover``): say it there."""
         self._where.update(host=host, port=port)
 
-    def leave(self, changed: str, bell: str, record: bytes) -> None:
-        """Should this agent die, write ``record`` at ``changed`` and ring ``bell``."""
+    def leave(self, changed: str, round_signal: str, record: bytes) -> None:
+        """Should this agent die, write ``record`` at ``changed`` and ring ``round_signal``."""
         if self._send is None:
             return
         line = json.dumps(
-            {**self._where, "changed": changed, "bell": bell, "record": record.decode()}
+            {**self._where, "changed": changed, "bell": round_signal, "record": record.decode()}
         )
         if len(line) >= MAX_LINE:
             log.warning("no last word for the guardian: %d bytes is too long", len(line))
@@ -81,8 +81,8 @@ def speak(line: str) -> bool:
     from relaunch.rendezvous.kind_registry import kind_module
 
     word = json.loads(line)
-    changed, bell, record = word["changed"], word["bell"], word["record"].encode()
-    return kind_module(word["store"]).speak(word, changed, bell, record, DEADLINE_S)
+    changed, round_signal, record = word["changed"], word["bell"], word["record"].encode()
+    return kind_module(word["store"]).speak(word, changed, round_signal, record, DEADLINE_S)
 
 
 def main() -> int:
