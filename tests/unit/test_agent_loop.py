@@ -189,7 +189,7 @@ class Handler(RendezvousHandler, SoloJob):
 class ListeningHandler(Handler):
     pushes_changes = True
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
         pass
 
     def share_learned(self, learned: Learned) -> Learned:

@@ -411,7 +411,7 @@ def _job_of(spec: WorkerSpec) -> JobServices:
     """The job's services for ``spec``'s rendezvous; should this agent die on a live machine,
     its orphan guardian tells the others."""
     job = job_of(spec.rdzv_handler)
-    job.leave_last_word_with(lambda line: guardian().set_last_word(line))
+    job.leave_death_notice_with(lambda line: guardian().set_death_notice(line))
     return job
 
 

@@ -26,11 +26,11 @@ from relaunch.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+from relaunch.rendezvous.death_notice import DeathNotice
 from relaunch.rendezvous.dynamic_job import DynamicJob
 from relaunch.rendezvous.heartbeat import RoundWatch
 from relaunch.rendezvous.kinds import StoreKind
 from relaunch.rendezvous.kinds_counter import CounterKind
-from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.roster import new_node_id
 from relaunch.rendezvous.rounds import Rounds, closed_record
@@ -55,7 +55,7 @@ class HandlerOptions(TypedDict, total=False):
     exclusion_policy: exclusion.ExclusionPolicy | None
     store_host_probe: Callable[[float], None] | None
     node_rank: int | None
-    last_word: LastWord | None
+    death_notice: DeathNotice | None
     failover: StoreFailover | None
     token: str | None
 
@@ -85,8 +85,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ``stores``: the node's connections, of one kind (``kinds``). ``on_shutdown``: what else to
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
     ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
-    which its group rank follows (``core.node_order``). ``last_word``: what this node's guardian
-    says should its agent die while a member (``last_word``). ``token``: the job's (None:
+    which its group rank follows (``core.node_order``). ``death_notice``: what this node's guardian
+    says should its agent die while a member (``death_notice``). ``token``: the job's (None:
     none), which its state copies are keyed from (``DynamicJob``). ``failover``: where the job's
     built-in store may move when its host is lost (``failover``). Deadlines come from ``clock``.
     """
@@ -103,14 +103,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
         node_rank: int | None = None,
-        last_word: LastWord | None = None,
+        death_notice: DeathNotice | None = None,
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
         token: str | None = None,
     ) -> None:
         self._run_id = run_id
         self._node_rank = node_rank
-        self._last_word = last_word
+        self._death_notice = death_notice
         self._stores = stores
         self.settings = settings
         self._backend = backend
@@ -134,7 +134,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             identity,
             exclusion_policy,
             store_host_probe,
-            last_word,
+            death_notice,
             failover,
             clock,
             token,
@@ -219,9 +219,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._failover.admit(final.count, previous)
             # Whom the others lose should this node's store go: they re-form without it.
             self._stores.store.set(self._rounds.key("store_host", round_), b"%d" % group_rank)
-        if self._last_word is not None:
+        if self._death_notice is not None:
             lost = MembershipChange.member_lost(group_rank, "its agent died", None)
-            self._last_word.leave(
+            self._death_notice.leave(
                 self._rounds.key("changed", round_),
                 self._rounds.key("bell", round_),
                 encode_change(lost, expected_size(final.count, lost)),
@@ -281,8 +281,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             )
 
     def shutdown(self) -> bool:
-        if self._last_word is not None:
-            self._last_word.retract()
+        if self._death_notice is not None:
+            self._death_notice.retract()
         membership = self._membership
         membership.stop_watching()
         if self._stores.feed is not None:

@@ -28,9 +28,9 @@ from relaunch.rendezvous.api import (
     store_int,
     store_record,
 )
+from relaunch.rendezvous.death_notice import DeathNotice
 from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
-from relaunch.rendezvous.last_word import LastWord
 from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.presence import presence_check
 from relaunch.rendezvous.rounds import Rounds, closing_failure
@@ -70,13 +70,13 @@ class DynamicJob:
         identity: str = "",
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
-        last_word: LastWord | None = None,
+        death_notice: DeathNotice | None = None,
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
         token: str | None = None,
     ) -> None:
         self._run_id = run_id
-        self._last_word = last_word
+        self._death_notice = death_notice
         #: What the nodes' state copies prove (``job.JobServices.peer_key``).
         self.peer_key = None if token is None else auth.derived(token, f"state copies {run_id}")
         self._stores, self._store = stores, stores.store
@@ -107,9 +107,9 @@ class DynamicJob:
     def membership_change(self) -> MembershipChange | None:
         return self._membership.change
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
-        if self._last_word is not None:
-            self._last_word.send_to(send)
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
+        if self._death_notice is not None:
+            self._death_notice.send_to(send)
 
     def wait_membership_change(self, timeout: float) -> MembershipChange | None:
         """``membership_change()``, waiting up to ``timeout`` seconds for one."""

@@ -50,8 +50,8 @@ class JobServices(Protocol):
     def membership_change(self) -> MembershipChange | None:
         """Why the running round should be re-formed, or None."""
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
-        """Have ``send`` hand this node's last word (``last_word``) to what outlives the
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
+        """Have ``send`` hand this node's death notice (``death_notice``) to what outlives the
         agent (its orphan guardian), for every round it is a member of."""
 
     def share_learned(self, learned: Learned) -> Learned:
@@ -159,7 +159,7 @@ class SoloJob:
     def membership_change(self) -> MembershipChange | None:
         return None
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
         pass  # one node: nobody to tell
 
     def share_learned(self, learned: Learned) -> Learned:

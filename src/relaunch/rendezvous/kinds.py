@@ -18,7 +18,7 @@ the few things the kinds do differently:
 
 ``kinds_counter.CounterKind`` is the built-in store's and the in-process one's;
 ``kinds_etcd.EtcdKind`` is etcd's. Each kind's module also builds its handler, says a dead
-agent's last word and opens ``relaunch status``'s reader (``kind_registry``).
+agent's death notice and opens ``relaunch status``'s reader (``kind_registry``).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class StoreKind(Protocol):
         """The same on the watching connection, which answers presence checks."""
 
     def supersede(self, changed: str, round_signal: str, record: bytes) -> bool:
-        """Write the change ``record`` at ``changed`` unless one is there, and ring ``round_signal``
-        with it: whether this one was written."""
+        """Write the change ``record`` at ``changed`` unless one is there, and write
+        ``round_signal`` with it: whether this one was written."""
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         """``(name, value)`` of those of ``names`` that are there under ``prefix``, as read."""

@@ -1,9 +1,9 @@
 """etcd as a store kind of the dynamic rendezvous (see ``kinds``): keys, leases, one watch.
 
 ``EtcdKind`` is one node's connections and their ways; ``NodeLease`` and ``LeasePulse`` its
-heartbeats; ``create_handler``, ``speak`` and ``open_reader`` are what ``kind_registry`` asks
-of the ``etcd``/``etcd-v2`` backends: the handler, a dead agent's last word, and the reader of
-``relaunch status``.
+heartbeats; ``create_handler``, ``write_death_notice`` and ``open_reader`` are what
+``kind_registry`` asks of the ``etcd``/``etcd-v2`` backends: the handler, a dead agent's death
+notice, and the reader of ``relaunch status``.
 """
 
 from __future__ import annotations
@@ -240,8 +240,8 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
     ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
     """
+    from relaunch.rendezvous.death_notice import DeathNotice
     from relaunch.rendezvous.dynamic import node_options
-    from relaunch.rendezvous.last_word import LastWord
 
     conf = params.settings
     settings = conf.round_settings(params.min_nodes, params.max_nodes)
@@ -271,17 +271,17 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         watch_store=watch_store,
         backend=params.backend,
         on_shutdown=(watch_store.close,),
-        last_word=LastWord(where),
+        death_notice=DeathNotice(where),
         token=conf.job_token(os.environ),  # for the state copies alone
         **node_options(conf),
     )
 
 
-def speak(
+def write_death_notice(
     where: Mapping[str, Any], changed: str, round_signal: str, record: bytes, timeout: float
 ) -> bool:
-    """A dead agent's last word (``last_word``): the change and its round signal, on the cluster at
-    ``where``, within ``timeout`` seconds a request."""
+    """A dead agent's death notice (``death_notice``): the change and its round signal, on the
+    cluster at ``where``, within ``timeout`` seconds a request."""
     etcd = EtcdStore(where["endpoints"], **{**where["options"], "timeout": timeout})
     try:
         return supersede_on_etcd(etcd, changed, round_signal, record)
