@@ -15,7 +15,7 @@ from relaunch.core.membership import MembershipChange
 from relaunch.core.progress import Progress
 from relaunch.core.restart import Backoff
 from relaunch.core.run_events import AttemptEnded, Hung, NodeSnapshot, RankSample, Restarted
-from relaunch.core.step import Rules, RunState, step
+from relaunch.core.step import Rules, RunRecord, step
 from relaunch.core.step_types import (
     Action,
     Announce,
@@ -110,8 +110,8 @@ def rules(**values: object) -> Rules:
 
 
 def run(
-    state: RunState, history: list[tuple[float, Observation]]
-) -> tuple[RunState, list[list[Action]]]:
+    state: RunRecord, history: list[tuple[float, Observation]]
+) -> tuple[RunRecord, list[list[Action]]]:
     """Feed ``history`` (time, observation); the state after, and the actions of each step."""
     said = []
     for now, observation in history:
@@ -120,10 +120,10 @@ def run(
     return state, said
 
 
-def started(rule: Rules, nodes: int = 1, used: int = 0, at: float = 0.0) -> RunState:
+def started(rule: Rules, nodes: int = 1, used: int = 0, at: float = 0.0) -> RunRecord:
     """A run whose first attempt started at ``at``."""
     state, said = run(
-        RunState(rule), [(at, Began()), (at, Placed(nodes, used)), (at, WorkersStarted())]
+        RunRecord(rule), [(at, Began()), (at, Placed(nodes, used)), (at, WorkersStarted())]
     )
     assert said == [[Rendezvous(0.0)], [StartWorkers()], []]
     return state

@@ -40,7 +40,7 @@ from relaunch.core.settings import (
     agent_groups,
 )
 from relaunch.core.state_settings import StateSettings
-from relaunch.core.step import Rules, RunState, step
+from relaunch.core.step import Rules, RunRecord, step
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
@@ -139,7 +139,9 @@ class LocalElasticAgent:
         self._exit_barrier_timeout = arguments.exit_barrier_timeout
         # run before every join (``agent.join``)
         self._health_check = None if health.command is None else HealthCheck(*astuple(health))
-        self._state = RunState(_rules(spec, job, restart_policy.rule, restart_policy.max_stalled))
+        self._run_record = RunRecord(
+            _rules(spec, job, restart_policy.rule, restart_policy.max_stalled)
+        )
         self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())
         events = events_of(spec) if event_handler is None else event_handler
         self._report = RunReport(group, events, self._log_dir, clock)
@@ -221,7 +223,7 @@ class LocalElasticAgent:
     @property
     def restart_count(self) -> int:
         """Group restarts the job has used (every node's, with a shared rendezvous store)."""
-        return self._state.used
+        return self._run_record.used
 
     def summary(self, outcome: str) -> RunSummary:
         """The end-of-run summary of the last attempt, for a run that ended with ``outcome``."""
@@ -271,7 +273,7 @@ class LocalElasticAgent:
         (``ThreadFailed``) ends it whenever the agent looks."""
         observation: actions.Observation = actions.Began()
         while True:
-            self._state, planned = step(self._state, observation, self._clock.monotonic())
+            self._run_record, planned = step(self._run_record, observation, self._clock.monotonic())
             answer: actions.Observation | None = None
             for action in planned:
                 done = self._act(action, wakeups)
@@ -294,7 +296,7 @@ class LocalElasticAgent:
         failing = self._workers.failing() if outcome is None else None
         job = self._job
         failed = (outcome is not None and outcome.is_failed()) or failing is not None
-        used = job.restarts_used(self._state.spent) if failed else None
+        used = job.restarts_used(self._run_record.spent) if failed else None
         change = job.membership_change() if job.watches_membership else None
         if failed or change is not None:
             self._goodput.seen()
@@ -364,7 +366,7 @@ class LocalElasticAgent:
     def _rendezvous(self, backoff: float) -> actions.Observation:
         """Leave the running round, wait out a crash loop's backoff, an exclusion and a failing
         health check, and join the next round."""
-        group, job, spent = self._worker_group, self._job, self._state.spent
+        group, job, spent = self._worker_group, self._job, self._run_record.spent
         if self._started_once:
             self._workers.leaving(self._goodput)
         try:
@@ -374,7 +376,7 @@ class LocalElasticAgent:
             self._sinks.on_run_event(Joined(self.rendezvous_seconds))
             used = job.restarts_used(spent)
         except RendezvousClosedError:
-            if self._state.reforming is None:
+            if self._run_record.reforming is None:
                 raise  # the job had finished before this node joined
             failure = job.closing_failure()
             if failure is None:

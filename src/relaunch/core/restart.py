@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from relaunch.core.group import GroupState
+from relaunch.core.group import GroupStatus
 from relaunch.core.membership import ChangeKind, MembershipChange
 
 
@@ -37,7 +37,7 @@ class RestartDecision:
 
 
 def decide(
-    state: GroupState,
+    state: GroupStatus,
     restarts_left: int,
     membership_change: MembershipChange | None = None,
     *,
@@ -58,7 +58,7 @@ def decide(
     ``grace_ends`` once a previous decision set it) have passed without a change: then the lost node
     is noticed, and the restart is free.
     """
-    if state is GroupState.SUCCEEDED:
+    if state is GroupStatus.SUCCEEDED:
         return RestartDecision(Action.SUCCEED)
     if membership_change is not None:
         stacks = membership_change.stacks
@@ -75,7 +75,7 @@ def decide(
             cause=cause,
             requeue=membership_change.requeue,
         )
-    if state is GroupState.FAILED:
+    if state is GroupStatus.FAILED:
         if restarts_left > 0:
             return RestartDecision(
                 Action.RESTART, uses_restart=True, reason="a worker failed", cause="worker_failed"

@@ -120,7 +120,7 @@ class Started(NamedTuple):
 
 class AttemptEnded(NamedTuple):
     """The restart policy ended an attempt of ``role``'s group: ``state`` is the group's then
-    (a ``GroupState`` value: SUCCEEDED, FAILED, or RUNNING when it stops to re-form), with
+    (a ``GroupStatus`` value: SUCCEEDED, FAILED, or RUNNING when it stops to re-form), with
     ``restarts_left`` before any restart it leads to."""
 
     role: str

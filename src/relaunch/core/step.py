@@ -29,7 +29,7 @@ from typing import NamedTuple
 from relaunch.core import restart
 from relaunch.core.durations import seconds
 from relaunch.core.failures import failure_signature, one_line, root_cause_rank
-from relaunch.core.group import GroupState
+from relaunch.core.group import GroupStatus
 from relaunch.core.membership import MembershipChange
 from relaunch.core.restart import (
     Backoff,
@@ -108,7 +108,7 @@ class Reform(NamedTuple):
     reason: str
 
 
-class RunState(NamedTuple):
+class RunRecord(NamedTuple):
     """Everything the next decision depends on, from the observations so far."""
 
     rules: Rules
@@ -147,10 +147,10 @@ class RunState(NamedTuple):
         return self.nodes <= 1
 
 
-Decided = tuple[RunState, list[Action]]
+Decided = tuple[RunRecord, list[Action]]
 
 
-def step(state: RunState, observation: Observation, now: float) -> Decided:
+def step(state: RunRecord, observation: Observation, now: float) -> Decided:
     """The state after ``observation`` (at ``now``), and what the agent does next, in order."""
     if isinstance(observation, Began):
         return state, [Rendezvous()]
@@ -186,7 +186,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     raise TypeError(f"not an observation: {observation!r}")
 
 
-def _looked(state: RunState, look: Observed, now: float) -> Decided:
+def _looked(state: RunRecord, look: Observed, now: float) -> Decided:
     """The workers and the job were looked at: decide, after a presence check where it tells."""
     failed = look.ended is not None and look.ended.failed
     if state.left_early:  # the job's count has this node's restart in it; the change is its own
@@ -214,7 +214,7 @@ def _looked(state: RunState, look: Observed, now: float) -> Decided:
     return _decide(state, look, look.change, now)
 
 
-def _leaves_early(state: RunState, look: Observed) -> bool:
+def _leaves_early(state: RunRecord, look: Observed) -> bool:
     """A worker failed and the others are being stopped: the group restarts whatever else comes
     (a restart is left, no change or hang decides otherwise, and no failure could make the
     crash loop stop the job), so the other nodes are told now, to stop their workers while this
@@ -232,11 +232,11 @@ def _leaves_early(state: RunState, look: Observed) -> bool:
 
 
 def _decide(
-    state: RunState, look: Observed, change: MembershipChange | None, now: float
+    state: RunRecord, look: Observed, change: MembershipChange | None, now: float
 ) -> Decided:
     rules = state.rules
     ended = look.ended
-    group = GroupState.RUNNING if ended is None else _group_state(ended)
+    group = GroupStatus.RUNNING if ended is None else _group_status(ended)
     decision = restart.decide(
         group,
         state.restarts_left,
@@ -270,7 +270,7 @@ def _decide(
 
 
 def _fail(
-    state: RunState,
+    state: RunRecord,
     decision: restart.RestartDecision,
     ended: Ended | None,
     now: float,
@@ -289,7 +289,7 @@ def _fail(
 
 
 def _restart(
-    state: RunState,
+    state: RunRecord,
     decision: restart.RestartDecision,
     ended: Ended | None,
     now: float,
@@ -345,7 +345,7 @@ def _restart(
     return state, [*actions, Rendezvous(delay)]
 
 
-def _closed(state: RunState, closed: JobClosed) -> Decided:
+def _closed(state: RunRecord, closed: JobClosed) -> Decided:
     """The job ended while this node re-formed: for the failure that ``closed`` tells, if one
     did (its requeue holds here too)."""
     assert state.reforming is not None, "the job closed with no restart under way"
@@ -358,7 +358,7 @@ def _closed(state: RunState, closed: JobClosed) -> Decided:
     return state, [EndedElsewhere(message, closed.requeue)]
 
 
-def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
+def _sleep(state: RunRecord, checked: HangsChecked, now: float) -> Decided:
     """Hang detection looked before the agent sleeps: tell of a new hang (asking the other
     nodes for their stacks, or ending the job with no restart left), then wait for the next
     event, hang detection's next look, the deadline, or the next poll of the membership."""
@@ -386,7 +386,7 @@ def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
     return state, [*actions, Wait(min(wakes, default=None))]
 
 
-def _cause(state: RunState, ended: Ended, now: float) -> tuple[RunState, str]:
+def _cause(state: RunRecord, ended: Ended, now: float) -> tuple[RunRecord, str]:
     """The root cause of a failed attempt in one line: named a start-up failure when its worker
     had said nothing yet, in a job whose workers speak."""
     rank = root_cause_rank(ended.failures)
@@ -415,5 +415,5 @@ def _mark(ended: Ended) -> Mark:
     return Mark(max(steps, default=None), signs)
 
 
-def _group_state(ended: Ended) -> GroupState:
-    return GroupState.FAILED if ended.failed else GroupState.SUCCEEDED
+def _group_status(ended: Ended) -> GroupStatus:
+    return GroupStatus.FAILED if ended.failed else GroupStatus.SUCCEEDED
