@@ -66,7 +66,9 @@ class RoundWatch:
     def start(self) -> None:
         self._beating = start_thread(self._beat, "relaunch-heartbeat")
         if self._feed is not None:
-            self._unsubscribe = self._feed.subscribe(self._key("bell"), self._rung, self._lost)
+            self._unsubscribe = self._feed.subscribe(
+                self._key("bell"), self._on_round_signal, self._lost
+            )
         elif self._watch_store is not None:
             start_thread(self._watch_changes, "relaunch-rdzv-watch")
 
@@ -79,18 +81,18 @@ class RoundWatch:
         if self._beating is not None:
             self._beating.join()
 
-    def _rung(self, rung: Versioned) -> None:
+    def _on_round_signal(self, signalled: Versioned) -> None:
         """The round signal, as the feed heard it: answer a presence check; note a change (a feed's
-        kind writes a change and its ring at once, but a presence check may have rung over it
-        since)."""
+        kind writes a change and its round signal at once, but a presence check may have written
+        over it since)."""
         feed = self._feed
         assert feed is not None
         if self._stop.is_set():
             return
         try:
-            if rung.value == CALL:
+            if signalled.value == CALL:
                 self._answer_call(feed, called=True)
-            key, record = self._key("bell"), rung.value
+            key, record = self._key("bell"), signalled.value
             if record == CALL:
                 key = self._key("changed")
                 record = feed.get(key).value
@@ -112,19 +114,19 @@ class RoundWatch:
         round_signal, stop, version = self._key("bell"), self._stop, 0
         interval = self._settings.keep_alive_interval
         try:
-            rung = store.watch(round_signal, version, interval)
+            signalled = store.watch(round_signal, version, interval)
             while not stop.is_set():
-                version = rung.version
-                if rung.value == CALL:
+                version = signalled.version
+                if signalled.value == CALL:
                     self._answer_call(store, called=True)
-                key, record = round_signal, rung.value
+                key, record = round_signal, signalled.value
                 if record is None or record == CALL:
                     key = self._key("changed")
                     record = store.get(key).value
                 if record is not None:
                     self._flag(store_change(key, record)[0], True)
                     return
-                rung = store.watch(round_signal, version, interval)
+                signalled = store.watch(round_signal, version, interval)
         except StoreError as exc:
             if not stop.is_set():
                 self._flag(MembershipChange.store_lost(exc), False)

@@ -19,7 +19,7 @@ Keys, under ``relaunch/{run_id}/``::
                             when it is not their arrival order (``core.node_order``)
     news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
-    news/r{n}/bell          rung with each change that stands, and by a presence check: what the
+    news/r{n}/bell          written with each change that stands, and by a presence check: what the
                             members block on (``presence``)
 
 ``news/`` holds what every node waits for, and only that: on etcd each node follows it with one
