@@ -140,7 +140,9 @@ class Workers:
             self._lot = lot
         if self._state_settings is not None:
             job = self._job
-            self.state = StateKeeper(self._state_settings, job.local_addr, job.peer_key)
+            self.state = StateKeeper(
+                self._state_settings, job.local_addr, job.peer_key, self._channel
+            )
         if self._preload:
             self.zygote = self._start_zygote({**self._channel.env(), **self._lot_env()})
         if self.zygote is not None:
