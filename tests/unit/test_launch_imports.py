@@ -26,6 +26,7 @@ NOT_FOR_A_SINGLE_NODE = (
     "relaunch.rendezvous.failover",
     "relaunch.agent.metrics_server",
     "relaunch.procs.tail",
+    "relaunch.core.screen",
     "relaunch.timer",
 )
 
