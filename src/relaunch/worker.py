@@ -1,5 +1,6 @@
 """What a worker calls to talk to its agent: ``report_progress``, ``stop_requested``,
-``failure_pending`` (and ``on_failure_pending``), ``heartbeat`` and ``section``.
+``failure_pending`` (and ``on_failure_pending``), ``heartbeat`` and ``section``; and what
+``save_state`` and ``load_state`` tell it (``note_saved``, ``note_restore``).
 
 Each costs a few microseconds at most, never blocks, and does nothing outside relaunch, so
 training code can call them every step unconditionally.
@@ -16,7 +17,7 @@ from _thread import allocate_lock
 from types import TracebackType
 
 from relaunch.core import channel
-from relaunch.core.sections import BOUNDS_ENV, LEARN_AFTER, learned_bound
+from relaunch.core.sections import BOUNDS_ENV, LEARN_AFTER, Learner
 
 TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseconds
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ _UNKNOWN, _OPEN, _ABSENT = 0, 1, 2
 _state = _UNKNOWN
 _map: mmap.mmap | None = None
 _offset = 0
+_learned_at = (0, 0)  # where this rank's learned bounds lie in the channel
+_wake_fd = -1  # the agent's wake FIFO, opened at the first wake
 _sequence = 0
 _desc_cache: tuple[str, bytes] = ("", channel.encode_desc(""))
 _listening = False
@@ -41,14 +44,15 @@ _live_sequence = 0
 _live_lock = allocate_lock()  # heartbeats may come from another thread than the sections
 #: How a worker opens a path of its channel's: never through a symbolic link, never waiting.
 _OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-#: How a worker makes its bounds file: a new name of its own, or nothing.
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN
 
 
 def _forget() -> None:
     """In a forked child: look at the channel afresh on the next call."""
-    global _state, _failure_listening, _last_report, _step_seconds
+    global _state, _failure_listening, _last_report, _step_seconds, _wake_fd
     _state = _UNKNOWN
+    if _wake_fd >= 0:  # the parent's: it goes on using its own
+        os.close(_wake_fd)
+        _wake_fd = -1
     _failure_listening = False
     _last_report, _step_seconds = None, 0.0
     _Live.open = []
@@ -59,7 +63,7 @@ os.register_at_fork(after_in_child=_forget)
 
 def _open() -> mmap.mmap | None:
     """Map the agent's channel, once per process; None when not run by relaunch."""
-    global _map, _offset, _sequence, _listening, _state, _live_sequence
+    global _map, _offset, _sequence, _listening, _state, _live_sequence, _learned_at
     _map, _sequence, _listening, _state = None, 0, False, _ABSENT
     path = os.environ.get(channel.CHANNEL_ENV)
     rank = os.environ.get("LOCAL_RANK")
@@ -79,10 +83,12 @@ def _open() -> mmap.mmap | None:
         mapped.close()
         return None
     header = channel.HEADER_STRUCT.unpack_from(mapped, 0)
-    if header[0] != channel.MAGIC or int(rank) >= header[2]:
+    slots = header[2]
+    if header[0] != channel.MAGIC or int(rank) >= slots or len(mapped) < channel.size(slots):
         mapped.close()
         return None
     _map, _offset, _state = mapped, channel.slot_offset(int(rank)), _OPEN
+    _learned_at = channel.learned_offsets(slots, int(rank))
     (_sequence,) = _SEQ.unpack_from(mapped, _offset)
     _sequence += _sequence % 2
     (_live_sequence,) = _SEQ.unpack_from(mapped, _offset + channel.LIVE_OFFSET)
@@ -104,7 +110,7 @@ def _learn_from_the_job(text: str | None) -> None:
         return  # not the agent's: learn afresh
     with _live_lock:  # a forked child keeps what its parent learned since, too
         for name, seen in learned.sections.items():
-            _Live.durations.setdefault(name, _Learner()).widen(*seen)
+            _Live.durations.setdefault(name, Learner()).widen(*seen)
         if learned.beats is not None:
             _Live.beat_gaps.widen(*learned.beats)
 
@@ -150,6 +156,19 @@ def note_restore(began: float, ended: float, step: int) -> None:
     channel.RESTORE.pack_into(mapped, at, began, 0.0, step)
     _F64.pack_into(mapped, at + 8, ended)  # last: the record is whole
     _wake_agent()
+
+
+def note_saved() -> None:
+    """``save_state`` committed a save: one more in this rank's count, and the agent woken
+    (it counts them for ``--state-persist-every`` and waits for them when a failure is
+    pending)."""
+    if _state != _OPEN and (_state == _ABSENT or _open() is None):
+        return
+    mapped = _map
+    assert mapped is not None
+    at = _offset + channel.SAVES_OFFSET
+    _SEQ.pack_into(mapped, at, _SEQ.unpack_from(mapped, at)[0] + 1)
+    _wake_agent(channel.SAVED)
 
 
 def stop_requested() -> bool:
@@ -216,37 +235,6 @@ def on_failure_pending(callback: Callable[[], object]) -> None:
 # -- liveness: heartbeats and sections -------------------------------------------------------
 
 
-class _Learner:
-    """Durations seen of one section name (or of the gaps between heartbeats)."""
-
-    __slots__ = ("count", "longest")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.longest = 0.0
-
-    def widen(self, count: int, longest: float) -> None:
-        """Take in what was seen elsewhere: at least ``count`` runs, the longest ``longest``."""
-        self.count = max(self.count, count)
-        self.longest = max(self.longest, longest)
-
-    def observe(self, seconds: float) -> bool:
-        """Count ``seconds``; whether that changed what the job keeps: the bound was just
-        learned, or its longest observation grew."""
-        self.count += 1
-        grew = seconds > self.longest
-        if grew:
-            self.longest = seconds
-        return self.count == LEARN_AFTER or (grew and self.count > LEARN_AFTER)
-
-    def bound(self, given: float | None) -> tuple[float, int]:
-        """``(seconds, BOUND_*)``: the timeout given, else the learned one, else none (0)."""
-        if given is not None:
-            return given, channel.BOUND_GIVEN
-        learned = learned_bound(self.count, self.longest)
-        return (0.0, channel.BOUND_NONE) if learned is None else (learned, channel.BOUND_LEARNED)
-
-
 class _Live:
     """This worker's liveness as it writes it into its slot."""
 
@@ -255,8 +243,8 @@ class _Live:
     beat_how = channel.BOUND_NONE
     beats = 0
     done = 0
-    beat_gaps = _Learner()
-    durations: dict[str, _Learner] = {}
+    beat_gaps = Learner()
+    durations: dict[str, Learner] = {}
     #: Open sections, innermost last: (name, entered, due, how the bound was set).
     open: list[tuple[str, float, float, int]] = []
     name_written = ""
@@ -304,50 +292,41 @@ def _write_live() -> None:
 
 
 def _keep_learned() -> None:
-    """Write what this worker learned where its agent keeps it for the job (a file beside the
-    channel, replaced whole). Only when a bound is first learned or widens: rarely after the
-    first steps. The caller holds ``_live_lock``."""
+    """Write what this worker learned where its agent keeps it for the job (this rank's
+    learned bounds in the channel). Only when a bound is first learned or widens: rarely after
+    the first steps. The caller holds ``_live_lock``."""
     from relaunch.core.sections import Learned, encode_learned
 
-    def seen(learner: _Learner) -> tuple[int, float]:
+    def seen(learner: Learner) -> tuple[int, float]:
         return learner.count, learner.longest
 
     sections = {n: seen(k) for n, k in _Live.durations.items() if k.count >= LEARN_AFTER}
     beats = seen(_Live.beat_gaps) if _Live.beat_gaps.count >= LEARN_AFTER else None
-    path = channel.bounds_path(os.environ[channel.CHANNEL_ENV], int(os.environ["LOCAL_RANK"]))
-    written = f"{path}.{os.getpid()}"
-    data = encode_learned(Learned(sections, beats)).encode()
-    try:
-        try:
-            fd = os.open(written, _CREATE, 0o600)
-        except FileExistsError:  # a dead worker's, whose pid this one has: not followed
-            os.unlink(written)
-            fd = os.open(written, _CREATE, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(written, path)  # replaces the name: a link there is not followed
-    except OSError:  # a full /dev/shm: the bounds are learned afresh after a restart, as before
-        try:
-            os.unlink(written)
-        except OSError:
-            pass
+    mapped = _map
+    assert mapped is not None
+    names = list(sections)
+    while True:
+        data = encode_learned(Learned({name: sections[name] for name in names}, beats))
+        if channel.write_learned(mapped, _learned_at, data.encode()):
+            return
+        names = names[: len(names) // 2]  # too many long names to keep: the first ones
 
 
-def _wake_agent() -> None:
-    """Tell the agent the workers use the channel (one byte on its wake FIFO): their steps are
-    to be sampled, their deadlines watched, from now on."""
+def _wake_agent(byte: bytes = b"1") -> None:
+    """Wake the agent: with ``byte``, to read the saves' counts (``channel.SAVED``), or (any
+    other) because the workers use the channel: their steps are to be sampled, their deadlines
+    watched, from now on."""
+    global _wake_fd
+    if _wake_fd < 0:
+        try:
+            path = channel.wake_path(os.environ[channel.CHANNEL_ENV])
+            _wake_fd = os.open(path, os.O_WRONLY | _OPEN)
+        except (KeyError, OSError):
+            return
     try:
-        fd = os.open(channel.wake_path(os.environ[channel.CHANNEL_ENV]), os.O_WRONLY | _OPEN)
-    except (KeyError, OSError):
-        return
-    try:
-        os.write(fd, b"1")
+        os.write(_wake_fd, byte)
     except OSError:
         pass  # full: the agent has been woken already
-    finally:
-        os.close(fd)
 
 
 def heartbeat(timeout: float | None = None) -> None:
@@ -390,7 +369,7 @@ class section:  # lower case: used like a function, ``with relaunch.section("ste
         with _live_lock:
             learner = _Live.durations.get(self._name)
             if learner is None:
-                learner = _Live.durations[self._name] = _Learner()
+                learner = _Live.durations[self._name] = Learner()
             bound, how = learner.bound(self._timeout)
             _Live.open.append((self._name, now, now + bound if bound else 0.0, how))
             _write_live()

@@ -62,7 +62,7 @@ def test_the_channel_lies_in_a_directory_of_its_own() -> None:
 def test_a_fifo_where_the_bounds_are_is_passed_over(opened: Channel) -> None:
     """The agent reads the bounds the workers wrote at each restart: a FIFO there (which
     nothing writes) is not waited on."""
-    fifo = layout.bounds_path(opened.path, 0)
+    fifo = opened.path + ".bounds0"  # where the workers' bounds were files, before the channel
     os.mkfifo(fifo, 0o600)
     read: list[Learned] = []
     reader = threading.Thread(target=lambda: read.append(opened.learned()), daemon=True)
@@ -75,10 +75,12 @@ def test_a_fifo_where_the_bounds_are_is_passed_over(opened: Channel) -> None:
     assert read == [Learned()]
 
 
-def test_a_link_where_a_worker_writes_its_bounds_is_not_followed(tmp_path: pathlib.Path) -> None:
-    """A worker writes its bounds to ``.bounds0.<pid>`` and renames that over ``.bounds0``:
-    links planted at both names are replaced, never written through; the file is 0600."""
-    path = tmp_path / "channel"
+def test_a_link_where_a_worker_wrote_its_bounds_is_not_followed(
+    tmp_path: pathlib.Path, opened: Channel
+) -> None:
+    """A worker writes its bounds into its rank's part of the channel, no file beside it: links
+    planted at the names of the files it once wrote (``.bounds0.<pid>``, ``.bounds0``) are
+    never written through, and its agent reads what it learned."""
     victim = tmp_path / "victim"
     victim.write_text("precious")
     code = (
@@ -87,17 +89,17 @@ def test_a_link_where_a_worker_writes_its_bounds_is_not_followed(tmp_path: pathl
         "path = os.environ['RELAUNCH_CHANNEL']\n"
         "os.symlink(sys.argv[1], f'{path}.bounds0.{os.getpid()}')\n"
         "os.symlink(sys.argv[1], f'{path}.bounds0')\n"
+        "assert worker._open() is not None\n"
         "for _ in range(5):\n"
         "    worker._Live.beat_gaps.observe(1.0)\n"
         "worker._keep_learned()\n"
     )
-    env = {**os.environ, "RELAUNCH_CHANNEL": str(path), "LOCAL_RANK": "0"}
+    env = {**os.environ, **opened.env(), "LOCAL_RANK": "0"}
     subprocess.run([sys.executable, "-c", code, str(victim)], env=env, check=True, timeout=30)
     assert victim.read_text() == "precious"
-    bounds = tmp_path / "channel.bounds0"
-    assert stat.S_ISREG(os.lstat(bounds).st_mode)
-    assert stat.S_IMODE(os.lstat(bounds).st_mode) == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["channel.bounds0", "victim"]
+    assert opened.learned() == Learned({}, (5, 1.0))
+    beside = pathlib.Path(opened.path).parent.iterdir()
+    assert all(p.is_symlink() for p in beside if p.name.startswith("channel.bounds"))
 
 
 def in_private_shm(leaks: LeakCheck, mode: str, out: pathlib.Path) -> dict[str, object]:

@@ -47,8 +47,6 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
     ``--state-copy-every 4`` (four slots), its two newest saves of copy steps are among them."""
     directory = tmp_path / "state"
     directory.mkdir()
-    os.mkfifo(directory / layout.SAVED_FIFO)
-    reader = os.open(directory / layout.SAVED_FIFO, os.O_RDWR | os.O_NONBLOCK)
     ready = tmp_path / "ready"
     env = {
         **leaks.process_env(),
@@ -58,13 +56,10 @@ def test_a_save_killed_midway_leaves_the_previous_state_whole(
         layout.COPY_EVERY_ENV: str(copy_every),
     }
     saver = subprocess.Popen([sys.executable, "-c", SAVER, str(ready)], env=env)
-    try:
-        wait_until(ready.exists, 30)
-        time.sleep(delay)  # the kill's moment, varied: not a wait for a condition
-        saver.send_signal(signal.SIGKILL)
-        saver.wait(10)
-    finally:
-        os.close(reader)
+    wait_until(ready.exists, 30)
+    time.sleep(delay)  # the kill's moment, varied: not a wait for a condition
+    saver.send_signal(signal.SIGKILL)
+    saver.wait(10)
     steps = sorted(head.step for head in committed(str(directory), 0).values())
     assert steps and steps[-1] >= 3
     if copy_every > 1:
@@ -272,8 +267,7 @@ def test_a_load_copies_a_page_only_when_written_or_before_the_next_save_or_fork(
 def test_an_agreed_step_uncommits_every_later_save_and_copy(tmp_path: pathlib.Path) -> None:
     """Once the nodes agreed on a step, the saves and copies of later steps belong to a history
     the world left: none of them may ever be taken for one of the new history's."""
-    from relaunch.agent.state import forget_after
-    from relaunch.state.files import PEERS, SlotWriter
+    from relaunch.state.files import PEERS, SlotWriter, forget_after
 
     (tmp_path / PEERS).mkdir()
     for where, rank, slot, step in [

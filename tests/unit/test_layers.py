@@ -8,6 +8,12 @@ is a module, else to the package itself (its ``__init__``), so a package's ``__i
 re-exports its submodules has an edge to each of them, and a submodule that imports from its
 own package's ``__init__`` closes a cycle. The implicit import of a parent package when a
 submodule loads is not an edge: it runs no code the submodule depends on.
+
+A second, stricter graph (``strict_graph``, as issue 44's counting tool reads the source) must
+have no cycle either: it keeps the ``TYPE_CHECKING`` imports, and ``from package import name``
+is an edge to the package's ``__init__`` as well, so a submodule imports its siblings by their
+module path (``import relaunch.store.wire as wire``) and never closes a cycle with an
+``__init__`` that re-exports them.
 """
 
 from __future__ import annotations
@@ -113,16 +119,22 @@ def imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
             yield from imports(child)
 
 
-def imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-    """The modules ``node`` (in ``module``) imports, by full name."""
-    if isinstance(node, ast.Import):
-        return {alias.name for alias in node.names}
+def source(module: str, node: ast.ImportFrom) -> str:
+    """The full name of the module or package ``from ... import`` (in ``module``) reads from."""
     base = node.module or ""
     if node.level:
         package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
         for _ in range(node.level - 1):
             package = package.rpartition(".")[0]
         base = f"{package}.{base}" if base else package
+    return base
+
+
+def imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules ``node`` (in ``module``) imports, by full name."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = source(module, node)
     submodules = (f"{base}.{alias.name}" for alias in node.names)
     return {name if name in MODULES else base for name in submodules}
 
@@ -133,6 +145,24 @@ def graph() -> dict[str, set[str]]:
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text(), str(path))
         names = set().union(*(imported(module, node) for node in imports(tree)))
+        edges[module] = {name for name in names if name in MODULES and name != module}
+    return edges
+
+
+def imported_strictly(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """``imported``, plus the package itself for ``from package import name``: its ``__init__``
+    runs first, and the name is looked up there."""
+    names = imported(module, node)
+    return names | {source(module, node)} if isinstance(node, ast.ImportFrom) else names
+
+
+def strict_graph() -> dict[str, set[str]]:
+    """``graph`` with the ``TYPE_CHECKING`` imports and an edge to each package imported from."""
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        nodes = ast.walk(ast.parse(path.read_text(), str(path)))
+        found = (node for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom)))
+        names = set().union(*(imported_strictly(module, node) for node in found))
         edges[module] = {name for name in names if name in MODULES and name != module}
     return edges
 
@@ -189,6 +219,26 @@ def test_the_graph_sees_every_kind_of_import() -> None:
 
 def test_no_import_cycles() -> None:
     assert cycles(graph()) == []
+
+
+def test_the_strict_graph_sees_packages_imported_from() -> None:
+    def read(module: str, line: str) -> set[str]:
+        node = ast.parse(line).body[0]
+        assert isinstance(node, (ast.Import, ast.ImportFrom))
+        return imported_strictly(module, node)
+
+    client, wire = "relaunch.store.client", "relaunch.store.wire"
+    both = {"relaunch.store", wire}
+    assert read(client, "from relaunch.store import wire") == both
+    assert read(client, "from . import wire") == both
+    assert read(client, "import relaunch.store.wire as wire") == {wire}
+    assert read(client, "from relaunch.store.wire import encode") == {wire}
+
+
+def test_no_import_cycles_through_a_package_init_or_type_checking() -> None:
+    """A module imports its siblings by their module path, never from its package's
+    ``__init__`` (which may re-export it), and no cycle hides under ``TYPE_CHECKING``."""
+    assert cycles(strict_graph()) == []
 
 
 def test_core_imports_only_core_and_the_pure_standard_library() -> None:

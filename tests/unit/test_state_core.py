@@ -97,14 +97,14 @@ def test_a_node_copies_its_state_to_the_next_nodes_in_ring_order_never_to_itself
     ],
 )
 def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) -> None:
-    from relaunch.agent.state import node_held
+    from relaunch.core.state_agreement import node_held
 
     with pytest.raises(ValueError):
         node_held(raw)
 
 
 def test_a_state_record_reads_as_its_peer_and_steps() -> None:
-    from relaunch.agent.state import node_held
+    from relaunch.core.state_agreement import node_held
 
     raw = b'{"address": "10.0.0.2:4000", "held": {"3": [7, 8]}, "replicated": [8], "runs": [3]}'
     assert node_held(raw) == ("10.0.0.2:4000", {3: [7, 8]}, [8], [3])

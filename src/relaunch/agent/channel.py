@@ -1,16 +1,15 @@
 """The agent's side of the agent-worker channel (layout in ``core.channel``).
 
-The channel file, its FIFOs, the bounds the workers write and the parking lot's socket lie in
-one private directory (``agent.shm``): no name of theirs can be taken or read by another user.
-Every path is opened without following a symbolic link and without waiting (a FIFO where a file
-should be is passed over, not waited on).
+The channel file, its FIFOs and the parking lot's socket lie in one private directory
+(``agent.shm``): no name of theirs can be taken or read by another user. Every path is opened
+without following a symbolic link and without waiting.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import stat
+import threading
 from collections.abc import Callable, Iterable
 
 from relaunch.agent.shm import CHANNEL_PREFIX, PrivateDirectory
@@ -23,15 +22,19 @@ from relaunch.runtime import start_thread
 #: How the agent opens a path of the channel's: never through a symbolic link, never waiting.
 _OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
+#: Told the saves committed since it was last told, by local rank (``saves_to``).
+SavesListener = Callable[[dict[int, int]], None]
+
 
 class Channel:
-    """A shared-memory file for ``slots`` local ranks: their progress and liveness, and the stop
-    flag."""
+    """A shared-memory file for ``slots`` local ranks: their progress, liveness, saves and
+    learned bounds, and the stop and failure flags."""
 
     def __init__(self, slots: int, on_first_use: Callable[[], None] = lambda: None) -> None:
         """``on_first_use`` is called (from a thread of the channel's) when a rank first reports
         progress, and when a worker first calls ``heartbeat`` or enters a ``section``: from then
-        on its steps are worth sampling, its deadlines watching."""
+        on its steps are worth sampling, its deadlines watching. Saves go to ``saves_to``'s
+        listener."""
         self._directory = directory = PrivateDirectory(CHANNEL_PREFIX)
         try:
             self.path = os.path.join(directory.path, "channel")
@@ -54,22 +57,52 @@ class Channel:
         except BaseException:
             directory.close()
             raise
-        # Written by the workers (``relaunch.worker``): removed with the directory.
-        self._bounds_paths = [channel.bounds_path(self.path, rank) for rank in range(slots)]
         self._closing = False
-        self._waker = start_thread(self._read_wakes, "relaunch-channel", on_first_use)
+        self._saves_lock = threading.Lock()
+        self._saves_told = [0] * slots  # each slot's count of saves when last told
+        self._on_saves: SavesListener | None = None
         self.reset()
+        self._waker = start_thread(self._read_wakes, "relaunch-channel", on_first_use)
 
     def _read_wakes(self, on_first_use: Callable[[], None]) -> None:
-        while os.read(self._wake_fd, 512) and not self._closing:
-            on_first_use()
+        while True:
+            data = os.read(self._wake_fd, 512)
+            if not data or self._closing:
+                return
+            if channel.SAVED in data:
+                self._tell_saves()
+            if data.count(channel.SAVED) < len(data):
+                on_first_use()
+
+    def saves_to(self, listener: SavesListener | None) -> None:
+        """Tell ``listener`` of the saves the workers commit (``save_state``), from the
+        channel's thread."""
+        with self._saves_lock:
+            self._on_saves = listener
+
+    def _tell_saves(self) -> None:
+        with self._saves_lock:
+            new = {}
+            for rank in range(self.slots):
+                at = channel.slot_offset(rank) + channel.SAVES_OFFSET
+                count = channel.U64.unpack_from(self._map, at)[0]
+                if count > self._saves_told[rank]:
+                    new[rank] = count - self._saves_told[rank]
+                    self._saves_told[rank] = count
+            listener = self._on_saves
+        if new and listener is not None:
+            listener(new)
 
     def env(self) -> dict[str, str]:
         return {channel.CHANNEL_ENV: self.path}
 
     def reset(self) -> None:
-        """Empty every slot and lower the stop flag, for a new group of workers."""
-        self._map[:] = bytes(len(self._map))
+        """Empty every slot and lower the stop flag, for a new group of workers (the bounds the
+        workers learned stay: they are the job's)."""
+        end = channel.learned_offsets(self.slots, 0)[0]
+        with self._saves_lock:
+            self._map[:end] = bytes(end)
+            self._saves_told = [0] * self.slots
         channel.HEADER_STRUCT.pack_into(self._map, 0, channel.MAGIC, 0, self.slots)
 
     def request_stop(self) -> None:
@@ -129,20 +162,15 @@ class Channel:
 
     def learned(self) -> Learned:
         """What the workers of this channel learned of their sections' and heartbeats' bounds
-        (``relaunch.worker``), merged; a file that is not theirs counts for nothing."""
+        (``relaunch.worker``), merged; a table that is not theirs counts for nothing."""
         learned = Learned()
-        for path in self._bounds_paths:
-            try:
-                fd = os.open(path, os.O_RDONLY | _OPEN)
-            except OSError:
-                continue
-            try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    learned = merge(learned, decode_learned(os.read(fd, 1 << 20)))
-            except (OSError, ValueError):
-                pass
-            finally:
-                os.close(fd)
+        with memoryview(self._map) as view:
+            for rank in range(self.slots):
+                data = channel.read_learned(view, channel.learned_offsets(self.slots, rank))
+                try:
+                    learned = merge(learned, decode_learned(data)) if data else learned
+                except ValueError:
+                    pass
         return learned
 
     def close(self) -> None:

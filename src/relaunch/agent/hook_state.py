@@ -30,7 +30,9 @@ class KeptStateHook(AttemptHook):
     def open(self, run: Run) -> None:
         assert run.state_settings is not None
         self._run = run
-        self._state = state = StateKeeper(run.state_settings, run.job.local_addr, run.job.peer_key)
+        assert run.channel is not None
+        settings, job = run.state_settings, run.job
+        self._state = state = StateKeeper(settings, job.local_addr, job.peer_key, run.channel)
         run.save_just_in_time = self._save_just_in_time
         run.saved_step = state.newest_saved_step
 

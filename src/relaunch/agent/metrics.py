@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from relaunch.agent.metrics_server import MetricsServer
 from relaunch.agent.spec import WorkerGroup, WorkerState
 from relaunch.agent.status import NodeReporter
 from relaunch.core import metrics as core
@@ -23,6 +23,9 @@ from relaunch.core.goodput import CAUSES, Ledger
 from relaunch.core.run_events import Joined, NodeSnapshot, RestartCosted, Restarted, RunEvent
 from relaunch.core.status import RankStatus
 from relaunch.runtime import SYSTEM_CLOCK, Clock
+
+if TYPE_CHECKING:
+    from relaunch.agent.metrics_server import MetricsServer
 
 
 class AgentMetrics:
@@ -78,6 +81,8 @@ class AgentMetrics:
     def bind(self, host: str, port: int) -> int:
         """Bind the server to ``host:port`` (host "": every interface; port 0: a free one) and
         return the port; ``ConfigError`` when that cannot be. Serving starts with ``start``."""
+        from relaunch.agent.metrics_server import MetricsServer  # only with --metrics-port
+
         self._server = MetricsServer(host, port, self.render, self._clock)
         return self._server.port
 

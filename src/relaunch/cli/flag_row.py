@@ -18,7 +18,7 @@ def checked(name: str, *extra: Any) -> Callable[[str], Any]:
     ConfigError becomes argparse's error, which names the flag."""
 
     def parse(text: str) -> Any:
-        from relaunch.cli import values
+        import relaunch.cli.values as values
         from relaunch.config import ConfigError
 
         try:

@@ -25,7 +25,19 @@ Layout (little-endian)::
       recovery (``load_state``, ``report_progress``), at RECOVERY_OFFSET:
           256: load_state began f64 | 264: load_state ended f64 (written last)
           272: the step it restored i64 (-1: none) | 280: seconds a step takes f64 (a moving
-          average of the reports') | 288..320 reserved
+          average of the reports') | 288: saves committed u64 (``save_state``) | 296..320
+          reserved
+    learned bounds of rank i (``relaunch.worker``, ``core.sections.encode_learned``), two
+    copies, the newer named by the head; the heads lie together (one page to read them all),
+    the tables after them:
+      head at HEADER + slots * SLOT + i * LEARNED_HEAD:
+            0: the newer copy u8 (0 or 1) | 8 + 16 * c: copy c's sequence u64 (odd while
+            written, 0: never) | 16 + 16 * c: its length u64
+      copy c at HEADER + slots * (SLOT + LEARNED_HEAD) + (2 * i + c) * COPY: the table, JSON
+
+The workers wake their agent with one byte on the wake FIFO (``wake_path``): ``SAVED`` after a
+save (the agent reads the slots' counts of saves), any other at a first use of the channel (its
+steps are worth sampling, its deadlines watching).
 
 Times are ``time.time()``; 0 means none (no heartbeat yet, no section open, no bound).
 """
@@ -34,8 +46,12 @@ from __future__ import annotations
 
 import struct
 
+TYPE_CHECKING = False  # not typing's: a worker imports this module
+if TYPE_CHECKING:
+    from mmap import mmap
+
 CHANNEL_ENV = "RELAUNCH_CHANNEL"
-MAGIC = b"RLCHAN3\0"
+MAGIC = b"RLCHAN4\0"
 HEADER = 64
 SLOT = 320
 DESC_OFFSET = 40
@@ -51,6 +67,12 @@ NAME_END = 256
 NAME = NAME_END - NAME_OFFSET
 RECOVERY_OFFSET = 256
 STEP_SECONDS_OFFSET = RECOVERY_OFFSET + 24
+SAVES_OFFSET = RECOVERY_OFFSET + 32
+#: Bytes of the head of a rank's learned bounds, and of each of their two copies.
+LEARNED_HEAD = 64
+COPY = 32 << 10
+#: The byte a worker wakes its agent with after a committed save.
+SAVED = b"s"
 
 #: How a deadline in the liveness block was set.
 BOUND_NONE, BOUND_GIVEN, BOUND_LEARNED = 0, 1, 2
@@ -61,11 +83,53 @@ FIELDS = struct.Struct("<qqd")
 LIVE_FIELDS = struct.Struct("<ddddQQBB")
 RESTORE = struct.Struct("<ddq")
 F64 = struct.Struct("<d")
+U64 = struct.Struct("<Q")
+COPY_HEAD = struct.Struct("<QQ")
 
 
 def size(slots: int) -> int:
     """Bytes of a channel with ``slots`` local ranks."""
-    return HEADER + slots * SLOT
+    return HEADER + slots * (SLOT + LEARNED_HEAD + 2 * COPY)
+
+
+def learned_offsets(slots: int, rank: int) -> tuple[int, int]:
+    """Where the head of ``rank``'s learned bounds lies in a channel of ``slots`` ranks, and
+    where their first copy does."""
+    heads = HEADER + slots * SLOT
+    return heads + rank * LEARNED_HEAD, heads + slots * LEARNED_HEAD + 2 * rank * COPY
+
+
+def read_learned(buffer: bytes | bytearray | memoryview, at: tuple[int, int]) -> bytes:
+    """The newest whole table of learned bounds at ``at`` (``learned_offsets``); b"" when none
+    is whole (none written, or a writer died midway through both copies)."""
+    head, start = at
+    newer = buffer[head] & 1
+    for copy in (newer, 1 - newer):
+        sequence, length = COPY_HEAD.unpack_from(buffer, head + 8 + 16 * copy)
+        if not sequence and copy == newer:
+            return b""  # the newer copy never written: no write ever ended
+        if sequence % 2 or not sequence or length > COPY:
+            continue
+        data = bytes(buffer[start + copy * COPY : start + copy * COPY + length])
+        if COPY_HEAD.unpack_from(buffer, head + 8 + 16 * copy)[0] == sequence:
+            return data
+    return b""
+
+
+def write_learned(buffer: bytearray | memoryview | mmap, at: tuple[int, int], data: bytes) -> bool:
+    """Write ``data`` (a table of learned bounds) over the older copy at ``at``, then name it
+    the newer: a writer killed midway leaves the other whole. False when it does not fit."""
+    if len(data) > COPY:
+        return False
+    head, start = at
+    copy = 1 - (buffer[head] & 1)
+    sequence = COPY_HEAD.unpack_from(buffer, head + 8 + 16 * copy)[0]
+    sequence += 1 + sequence % 2  # odd: being written
+    COPY_HEAD.pack_into(buffer, head + 8 + 16 * copy, sequence, 0)
+    buffer[start + copy * COPY : start + copy * COPY + len(data)] = data
+    COPY_HEAD.pack_into(buffer, head + 8 + 16 * copy, sequence + 1, len(data))
+    buffer[head] = copy
+    return True
 
 
 def slot_offset(rank: int) -> int:
@@ -88,16 +152,10 @@ def pending_path(path: str, rank: int) -> str:
     return f"{path}.pending{rank}"
 
 
-def bounds_path(path: str, rank: int) -> str:
-    """The file beside the channel ``path`` where local rank ``rank`` keeps the bounds it
-    learned (``core.sections.encode_learned``), for its agent to keep for the job."""
-    return f"{path}.bounds{rank}"
-
-
 def wake_path(path: str) -> str:
-    """The FIFO beside the channel ``path`` that a worker writes one byte to, to wake its agent,
-    when its slot gets its first progress report, and when it first uses heartbeats or
-    sections."""
+    """The FIFO beside the channel ``path`` that a worker writes one byte to, to wake its agent:
+    when its slot gets its first progress report, when it first uses heartbeats or sections,
+    and after each committed save (``SAVED``)."""
     return path + ".wake"
 
 

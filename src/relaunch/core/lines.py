@@ -48,4 +48,4 @@ def prefix_lines(lines: bytes, prefix: bytes, progress_safe: bool = False) -> by
         start, sep, end = b"\r" + prefix, b"\033[K\n\r" + prefix, b"\033[K\n"
     else:
         start, sep, end = prefix, b"\n" + prefix, b"\n"
-    return start + body.replace(b"\n", sep) + end
+    return b"".join((start, body.replace(b"\n", sep), end))

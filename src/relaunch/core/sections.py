@@ -7,8 +7,9 @@ healthy step widens the bound rather than tripping it; a fivefold margin over th
 seen is what a hang detector needs to stay quiet through garbage collection, a slow batch or a
 stalled file system, and still catch a collective that waits forever within a few steps' time.
 
-Imported by the worker side (``relaunch.worker``): plain functions and numbers only (json only
-when a table of learned bounds is read or written).
+Imported by the worker side (``relaunch.worker``, which keeps a ``Learner`` per section name):
+plain functions, numbers and one small class (json only when a table of learned bounds is read
+or written).
 
 The job keeps what its workers learned (``Learned``): the agent collects each worker's table,
 merges it into the job's in the store, and hands it to the workers it starts next
@@ -16,6 +17,8 @@ merges it into the job's in the store, and hands it to the workers it starts nex
 """
 
 from __future__ import annotations
+
+from relaunch.core.channel import BOUND_GIVEN, BOUND_LEARNED, BOUND_NONE
 
 #: Completed observations of a section before its bound is learned.
 LEARN_AFTER = 5
@@ -31,6 +34,38 @@ def learned_bound(observations: int, longest: float) -> float | None:
     if observations < LEARN_AFTER:
         return None
     return max(LEARN_FLOOR, LEARN_FACTOR * longest)
+
+
+class Learner:
+    """Durations seen of one section name (or of the gaps between heartbeats)."""
+
+    __slots__ = ("count", "longest")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.longest = 0.0
+
+    def widen(self, count: int, longest: float) -> None:
+        """Take in what was seen elsewhere: at least ``count`` runs, the longest ``longest``."""
+        self.count = max(self.count, count)
+        self.longest = max(self.longest, longest)
+
+    def observe(self, seconds: float) -> bool:
+        """Count ``seconds``; whether that changed what the job keeps: the bound was just
+        learned, or its longest observation grew."""
+        self.count += 1
+        grew = seconds > self.longest
+        if grew:
+            self.longest = seconds
+        return self.count == LEARN_AFTER or (grew and self.count > LEARN_AFTER)
+
+    def bound(self, given: float | None) -> tuple[float, int]:
+        """``(seconds, BOUND_*)`` (``core.channel``): the timeout given, else the learned one,
+        else none (0)."""
+        if given is not None:
+            return given, BOUND_GIVEN
+        learned = learned_bound(self.count, self.longest)
+        return (0.0, BOUND_NONE) if learned is None else (learned, BOUND_LEARNED)
 
 
 # -- what the job keeps of the learning, across restarts and nodes ------------------------------

@@ -53,11 +53,6 @@ SLOTS = (0, 1, 2, 3)
 #: Every how many steps the node's state is copied to other nodes (``--state-copy-every``):
 #: the saves to keep for them. Unset or 1: every save is copied, the two slots suffice.
 COPY_EVERY_ENV = "RELAUNCH_STATE_COPY_EVERY"
-#: The FIFO in the state directory a worker writes its local rank to (``SAVED``) after each
-#: committed save: the agent counts saves (``--state-persist-every``) and waits for the
-#: just-in-time saves on it.
-SAVED_FIFO = "saved.fifo"
-SAVED = struct.Struct("<H")
 
 
 def slot_name(rank: int, slot: int) -> str:

@@ -8,7 +8,6 @@ straggler. Pure: callers pass the reports and ``now``.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,6 +76,8 @@ def flag(rates: Mapping[int, float], factor: float) -> tuple[float | None, list[
     ``median / factor``, slowest first."""
     if len(rates) < 2:
         return None, []
+    import statistics  # 3 ms of imports (fractions, decimal) a one-node launch never needs
+
     median = statistics.median(rates.values())
     slow = [Straggler(rank, rate, median) for rank, rate in rates.items() if rate < median / factor]
     return median, sorted(slow, key=lambda s: (s.rate, s.rank))

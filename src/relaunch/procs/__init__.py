@@ -1,5 +1,7 @@
 """Processes and their output: start a group of workers, watch them, stop them as one unit."""
 
+from typing import TYPE_CHECKING
+
 from relaunch.core.streams import Std
 from relaunch.procs.context import (
     MultiprocessContext,
@@ -10,7 +12,10 @@ from relaunch.procs.context import (
 )
 from relaunch.procs.errors import ChildFailedError, ProcessFailure, SignalException, record
 from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsDest, LogsSpecs
-from relaunch.procs.tail import TailLog
+from relaunch.runtime import lazy_attributes
+
+if TYPE_CHECKING:
+    from relaunch.procs.tail import TailLog
 
 __all__ = [
     "ChildFailedError",
@@ -28,3 +33,8 @@ __all__ = [
     "record",
     "start_processes",
 ]
+
+#: The names that load on first use, by the module that defines each (the launcher needs none).
+_LAZY = {"TailLog": "relaunch.procs.tail"}
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

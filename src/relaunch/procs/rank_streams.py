@@ -23,12 +23,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from relaunch.core.rank_io import RankIO
-from relaunch.core.screen import ScreenFramer
 from relaunch.procs.console import Console
 from relaunch.procs.log_file import LogFile
 from relaunch.procs.terminals import open_terminal
 
 if TYPE_CHECKING:
+    from relaunch.core.screen import ScreenFramer
     from relaunch.procs.duplicates import FilteredCopy
 
 _READ_SIZE = 1 << 16
@@ -111,7 +111,7 @@ class TeeStream:
         self.shown = shown
         self.verbatim = verbatim
         self.key = f"{prefix.decode(errors='replace')}{key}{'e' if err else 'o'}"
-        self.framer = ScreenFramer()
+        self._framer: ScreenFramer | None = None
         #: Whether ``read_fd`` is a pseudo-terminal the console resizes.
         self.terminal = terminal
         self.pending: list[bytes] = []
@@ -127,6 +127,16 @@ class TeeStream:
         self.copy, self.copy_prefix = copy, copy_prefix
         if copy is not None:
             copy.hold()
+
+    @property
+    def framer(self) -> ScreenFramer:
+        """What reads the stream as a terminal would show it: made with the first line shown
+        (``core.screen``'s expressions cost 2 ms, which a launch that shows none skips)."""
+        if self._framer is None:
+            from relaunch.core.screen import ScreenFramer
+
+            self._framer = ScreenFramer()
+        return self._framer
 
     @property
     def log_fd(self) -> int | None:

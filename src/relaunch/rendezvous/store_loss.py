@@ -17,7 +17,6 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.rendezvous.api import StoreHostGone
-from relaunch.rendezvous.failover import format_endpoint, voter_name
 from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -128,6 +127,8 @@ class StoreLoss:
         if failover.hosting or round_ is None or members < 3:
             self._store_unanswered(lost, "run 3 nodes or more (a majority moves the store)")
             return
+        from relaunch.rendezvous.failover import format_endpoint, voter_name
+
         old = format_endpoint(failover.primary)
         within = settings.dead_after + settings.keep_alive_interval
         moved = failover.take_over(voter_name(round_, membership.group_rank), within)

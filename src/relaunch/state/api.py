@@ -24,15 +24,14 @@ if TYPE_CHECKING:
 _slots: dict[int, SlotWriter] = {}  # slot -> the mapped slot file of this process' rank
 _committed: dict[int, Header] = {}  # slot -> its committed save, as this process knows it
 _opened_for: tuple[str, int] | None = None  # the directory and rank the slots belong to
-_saved_fd = -1
 
 
 def _forget() -> None:
     """In a forked child: its own slots, looked at afresh."""
-    global _opened_for, _saved_fd
+    global _opened_for
     _slots.clear()  # the parent's maps: left to it
     _committed.clear()
-    _opened_for, _saved_fd = None, -1
+    _opened_for = None
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -111,7 +110,7 @@ def save_state(state: Any, step: int, *, replicated: bool = False) -> None:
     where = _where()
     if where is None:
         return
-    directory, rank, local = where
+    directory, rank, _ = where
     if _opened_for != (directory, rank):
         _open_slots(directory, rank)
     from relaunch.pickling import dump_parts
@@ -139,24 +138,9 @@ def save_state(state: Any, step: int, *, replicated: bool = False) -> None:
             "holds, or save less"
         ) from None
     _committed[slot] = layout.Header(step, generation, len(parts), layout.payload(lengths), flags)
-    _tell_agent(directory, local)
+    from relaunch.worker import note_saved  # the agent counts it (``relaunch.worker``)
 
-
-def _tell_agent(directory: str, local: int) -> None:
-    """One record on the agent's FIFO: a save was committed (never blocks)."""
-    global _saved_fd
-    if _saved_fd < 0:
-        try:
-            _saved_fd = os.open(
-                os.path.join(directory, layout.SAVED_FIFO),
-                os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC,
-            )
-        except OSError:
-            return
-    try:
-        os.write(_saved_fd, layout.SAVED.pack(local))
-    except OSError:
-        pass  # full: the agent has records to read already
+    note_saved()
 
 
 def load_state() -> tuple[int, Any] | None:

@@ -362,3 +362,29 @@ def replicated_steps(held_here: dict[int, list[int]], directory: str) -> list[in
                 if head is not None and head.replicated:
                     steps.add(head.step)
     return sorted(steps)
+
+
+def prune_peers(directory: str, step: int) -> None:
+    """Forget the other nodes' copies older than ``step``: no world resumes from them again
+    (those newer are forgotten as the nodes agree: ``forget_after``)."""
+    peers = os.path.join(directory, PEERS)
+    try:
+        names = os.listdir(peers)
+    except FileNotFoundError:
+        return
+    for name in names:
+        head = file_header(os.path.join(peers, name))
+        if head is not None and head.step < step:
+            try:
+                os.unlink(os.path.join(peers, name))
+            except FileNotFoundError:
+                pass
+
+
+def forget_after(directory: str, step: int | None) -> None:
+    """Uncommit every save and copy in ``directory`` of a step after ``step`` (None: of any
+    step): every node resumes from ``step``, and what came after it is another history, which
+    a later agreement must never take for this one's."""
+    for _, path, head in list(slot_files(directory)):
+        if step is None or head.step > step:
+            uncommit(path)

@@ -12,9 +12,10 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 
+import relaunch.store.auth as auth
+import relaunch.store.wire as wire
 from relaunch.core.durations import seconds
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.store import auth, wire
 from relaunch.store.api import (
     CasResult,
     StoreAuthError,

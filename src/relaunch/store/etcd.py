@@ -32,9 +32,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import relaunch.store.etcd_shapes as shapes
 from relaunch.core.durations import seconds
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.store import etcd_shapes as shapes
 from relaunch.store.api import CasResult, StoreError, StoreTimeout, Versioned
 from relaunch.store.etcd_gateway import Endpoint, Gateway, WatchStream, parse_endpoints
 from relaunch.store.etcd_shapes import (

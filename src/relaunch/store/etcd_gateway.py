@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import relaunch.store.http1 as http1
 from relaunch.core.durations import seconds
 from relaunch.endpoints import parse_endpoint
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.store import http1
 from relaunch.store.api import StoreAuthError, StoreConnectionError, StoreError
 from relaunch.store.deadline import Deadline
 from relaunch.store.etcd_shapes import malformed, watch_result

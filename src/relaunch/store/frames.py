@@ -14,7 +14,7 @@ import struct
 from collections import deque
 from collections.abc import Callable
 
-from relaunch.store import wire
+import relaunch.store.wire as wire
 from relaunch.store.operations import Client
 
 #: The largest frame a client may send before it authenticates (that frame is ~80 bytes).

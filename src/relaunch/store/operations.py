@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import relaunch.store.wire as wire
 from relaunch.server_loop import Timer
-from relaunch.store import wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.data import KeyValueData
 

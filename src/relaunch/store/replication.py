@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
+import relaunch.store.wire as wire
 from relaunch.runtime import start_thread
-from relaunch.store import wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.client import TcpStore
 from relaunch.store.data import KeyValueData

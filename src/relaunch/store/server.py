@@ -41,9 +41,10 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 
+import relaunch.store.auth as auth
+import relaunch.store.wire as wire
 from relaunch.runtime import descriptor_share
 from relaunch.server_loop import Listener, ServerLoop, Timer
-from relaunch.store import auth, wire
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.data import KeyValueData
 from relaunch.store.frames import _RECV_SIZE, FRAME_BUDGET, PRE_AUTH_LIMIT, Frames, _Refused

@@ -1,0 +1,54 @@
+"""A single-node launch keeps the launcher lean: what it loads while it runs a job.
+
+Every module costs the launcher start-up time and resident memory (OpenSSL alone, through
+hashlib or hmac, maps 3 MiB): what only a multi-node job, a token, a metrics port or a
+straggler check needs loads when it is used, not on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+#: Loaded only by the features that need them, never by ``--standalone`` without options.
+NOT_FOR_A_SINGLE_NODE = (
+    "_hashlib",
+    "hashlib",
+    "hmac",
+    "ssl",
+    "http.client",
+    "statistics",
+    "relaunch.store.client",
+    "relaunch.store.server",
+    "relaunch.store.etcd",
+    "relaunch.rendezvous.failover",
+    "relaunch.agent.metrics_server",
+    "relaunch.procs.tail",
+    "relaunch.core.screen",
+    "relaunch.timer",
+)
+
+
+def test_a_standalone_launch_loads_no_network_store_or_crypto(tmp_path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    probe = (
+        "import json, sys\n"
+        "from relaunch.cli import main\n"
+        f"code = main(['--standalone', '--nproc-per-node', '2', {str(script)!r}])\n"
+        "print(json.dumps([code, sorted(sys.modules)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    code, modules = json.loads(out.stdout.splitlines()[-1])
+    assert code == 0
+    assert sorted(set(NOT_FOR_A_SINGLE_NODE) & set(modules)) == []
