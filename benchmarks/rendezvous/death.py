@@ -32,11 +32,11 @@ DEATH_PHASE_STEP_S = 0.1  # this much more per repetition (mod 5): the heartbeat
 DEATH_BOUND_S = 20.0  # how long a launcher gets to recover
 WORKER_GONE_S = 1.0  # the killed node's worker must be gone this soon (relaunch)
 #: relaunch keeps the default heartbeats (5 s x 3: a node silent 15 s is dead): its agent's
-#: guardian says the dead agent's last word (``rendezvous.last_word``), and the survivor hears
-#: it from the store at once. torchrun has no such word: it gets heartbeats of 1 s x 2 = 2.0 s
-#: (it takes only whole seconds for keep_alive_interval, parsing it with int(), and with
-#: interval 1 and max_attempt 1 a single node never completes its round: torch 2.13 waits until
-#: join_timeout).
+#: guardian writes the dead agent's death notice (``rendezvous.death_notice``), and the
+#: survivor hears it from the store at once. torchrun has no such notice: it gets heartbeats of
+#: 1 s x 2 = 2.0 s (it takes only whole seconds for keep_alive_interval, parsing it with int(),
+#: and with interval 1 and max_attempt 1 a single node never completes its round: torch 2.13
+#: waits until join_timeout).
 DEATH_CONF = {
     RELAUNCH: "last_call_timeout=1,join_timeout=60",
     ETCD: "last_call_timeout=1,join_timeout=60",

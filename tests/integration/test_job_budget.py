@@ -2,7 +2,7 @@
 barrier: real agents (``python -m relaunch``) on the built-in store and on a real etcd member.
 
 - The restart budget is the job's: every node's failures spend it, a node joining does not.
-- With no restart left, a failure that every other node answers a roll call for ends the job on
+- With no restart left, a failure that every other node answers a presence check for ends the job on
   every node at once; one a dead node caused still re-forms the group, for free.
 - ``--exit-barrier-timeout`` bounds how long a finished node waits for the others.
 """
@@ -281,7 +281,7 @@ FAIL_ON_GO = """
 def test_a_genuine_last_failure_ends_every_node_at_once(
     tmp_path, leaks: LeakCheck, rdzv: Rendezvous
 ) -> None:
-    """Default rendezvous timings: before the roll call, the failing node waited the lost-node
+    """Default rendezvous timings: before the presence check, the failing node waited the lost-node
     grace (20 s) and the healthy one then waited for a second node that never came."""
     job = script(tmp_path, FAIL_ON_GO)
     go, stamp = tmp_path / "go", tmp_path / "stamp"
@@ -325,7 +325,7 @@ BREAK_WHEN_THE_PEER_DIES = """
 def test_a_last_failure_caused_by_a_killed_node_still_re_forms(
     tmp_path, leaks: LeakCheck, rdzv: Rendezvous
 ) -> None:
-    """The dead node cannot answer the roll call: the survivor waits for its loss to be
+    """The dead node cannot answer the presence check: the survivor waits for its loss to be
     noticed and re-forms without it, for free, though no restart was left."""
     broken = tmp_path / "broken"
     job = script(tmp_path, BREAK_WHEN_THE_PEER_DIES)

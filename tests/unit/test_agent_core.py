@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 from relaunch.core.console_plan import agent_tee, console_is_relaunchs, log_line_prefixes
-from relaunch.core.group import GroupState
+from relaunch.core.group import GroupStatus
 from relaunch.core.membership import MembershipChange
 from relaunch.core.restart import Action, decide
 from relaunch.core.streams import Std
 
 
 def test_a_failure_without_restarts_waits_for_a_lost_node_until_the_grace_ends() -> None:
-    first = decide(GroupState.FAILED, 0, None, lost_node_grace=5.0, now=100.0)
+    first = decide(GroupStatus.FAILED, 0, None, lost_node_grace=5.0, now=100.0)
     assert (first.action, first.deadline, first.uses_restart) == (Action.AWAIT_CHANGE, 105.0, False)
-    later = decide(GroupState.FAILED, 0, None, lost_node_grace=5.0, now=103.0, grace_ends=105.0)
+    later = decide(GroupStatus.FAILED, 0, None, lost_node_grace=5.0, now=103.0, grace_ends=105.0)
     assert (later.action, later.deadline) == (Action.AWAIT_CHANGE, 105.0)
-    over = decide(GroupState.FAILED, 0, None, lost_node_grace=5.0, now=105.0, grace_ends=105.0)
+    over = decide(GroupStatus.FAILED, 0, None, lost_node_grace=5.0, now=105.0, grace_ends=105.0)
     assert (over.action, over.deadline) == (Action.FAIL, None)
 
 
 def test_a_change_during_the_grace_restarts_for_free() -> None:
     lost = MembershipChange.member_lost(1, "no heartbeat", detected_by=0)
-    decision = decide(GroupState.FAILED, 0, lost, lost_node_grace=5.0, now=101.0)
+    decision = decide(GroupStatus.FAILED, 0, lost, lost_node_grace=5.0, now=101.0)
     assert (decision.action, decision.uses_restart, decision.reason) == (
         Action.RESTART,
         False,
@@ -29,9 +29,9 @@ def test_a_change_during_the_grace_restarts_for_free() -> None:
 
 
 def test_no_grace_is_given_while_restarts_remain_or_without_one() -> None:
-    assert decide(GroupState.FAILED, 1, None, lost_node_grace=5.0).action is Action.RESTART
-    assert decide(GroupState.FAILED, 0, None, lost_node_grace=0.0, now=7.0).action is Action.FAIL
-    assert decide(GroupState.RUNNING, 0, None, lost_node_grace=5.0).deadline is None
+    assert decide(GroupStatus.FAILED, 1, None, lost_node_grace=5.0).action is Action.RESTART
+    assert decide(GroupStatus.FAILED, 0, None, lost_node_grace=0.0, now=7.0).action is Action.FAIL
+    assert decide(GroupStatus.RUNNING, 0, None, lost_node_grace=5.0).deadline is None
 
 
 def test_hang_detection_tees_the_streams_left_on_the_console() -> None:
@@ -58,8 +58,8 @@ def test_line_prefixes_follow_torchruns_template() -> None:
 
 def test_hang_detection_counts_silence_on_its_clock() -> None:
     from relaunch.agent.expiry import ExpiryWatch
-    from relaunch.core.happenings import NodeSnapshot, RankSample
     from relaunch.core.progress import Progress
+    from relaunch.core.run_events import NodeSnapshot, RankSample
     from relaunch.runtime import ManualClock
 
     clock = ManualClock()

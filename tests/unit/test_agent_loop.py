@@ -189,7 +189,7 @@ class Handler(RendezvousHandler, SoloJob):
 class ListeningHandler(Handler):
     pushes_changes = True
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
         pass
 
     def share_learned(self, learned: Learned) -> Learned:
@@ -337,8 +337,8 @@ def test_a_failure_without_restarts_fails_once_the_grace_has_passed(tmp_path) ->
 
 
 class SharedCountHandler(ListeningHandler):
-    """A node of a job whose restarts are counted elsewhere (``used``), whose peers answer a roll
-    call with ``alive``; what it is told to end the job with goes to ``failed_with``."""
+    """A node of a job whose restarts are counted elsewhere (``used``), whose peers answer a
+    presence check with ``alive``; what it is told to end the job with goes to ``failed_with``."""
 
     def __init__(self, used: int = 0, alive: bool | None = None, nodes: int = 2) -> None:
         super().__init__(grace=60, nodes=nodes)
@@ -383,13 +383,13 @@ def test_with_no_restart_left_a_failure_is_final_at_once_when_every_peer_answers
     assert "rank 1 exited with code 3" in reason and reason.endswith("(no restart left)")
 
 
-def test_with_a_peer_silent_at_the_roll_call_the_grace_is_waited(tmp_path) -> None:
+def test_with_a_peer_silent_at_the_presence_check_the_grace_is_waited(tmp_path) -> None:
     handler = SharedCountHandler(alive=False)
     starter = Starter(ends_with(failed), ends_with(succeeded))
     agent = agent_for(tmp_path, handler, starter)
 
     def lose_a_node() -> None:
-        wait_until(lambda: handler.calls >= 1, what="the roll call")
+        wait_until(lambda: handler.calls >= 1, what="the presence check")
         handler.announce(MembershipChange.member_lost(1, "no heartbeat", 0))
 
     in_thread(lose_a_node)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.core.group import GroupState
+from relaunch.core.group import GroupStatus
 from relaunch.events import (
     ConsoleEventHandler,
     ConsoleMetricHandler,
@@ -115,7 +115,7 @@ def test_key_order_is_torchelastics() -> None:
 
 
 def test_state_may_be_a_str_enum() -> None:
-    event = worker_event(state=GroupState.FAILED)
+    event = worker_event(state=GroupStatus.FAILED)
     assert event.name == "torchelastic.worker.status.FAILED"
     assert event.metadata["state"] == "FAILED"
 

@@ -17,7 +17,7 @@ from relaunch.core.failures import (
     stderr_tail_message,
     tail_lines,
 )
-from relaunch.core.group import GroupState, group_state
+from relaunch.core.group import GroupStatus, group_status
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
 
 
@@ -212,15 +212,15 @@ def test_one_line_never_ends_with_a_heading() -> None:
 @pytest.mark.parametrize(
     ("codes", "state"),
     [
-        ({0: None, 1: None}, GroupState.RUNNING),
-        ({0: 0, 1: None}, GroupState.RUNNING),
-        ({0: 0, 1: 0}, GroupState.SUCCEEDED),
-        ({0: 1, 1: None}, GroupState.FAILED),
-        ({0: 0, 1: -9}, GroupState.FAILED),
+        ({0: None, 1: None}, GroupStatus.RUNNING),
+        ({0: 0, 1: None}, GroupStatus.RUNNING),
+        ({0: 0, 1: 0}, GroupStatus.SUCCEEDED),
+        ({0: 1, 1: None}, GroupStatus.FAILED),
+        ({0: 0, 1: -9}, GroupStatus.FAILED),
     ],
 )
-def test_group_state(codes: dict[int, int | None], state: GroupState) -> None:
-    assert group_state(codes) is state
+def test_group_state(codes: dict[int, int | None], state: GroupStatus) -> None:
+    assert group_status(codes) is state
 
 
 def test_a_stderr_tail_kept_in_memory_says_why_the_log_lacks_it() -> None:

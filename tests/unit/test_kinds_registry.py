@@ -20,7 +20,7 @@ def test_every_dynamic_backend_has_a_kind_in_the_flags_order() -> None:
 def test_each_kind_module_offers_what_the_launcher_guardian_and_status_ask(backend: str) -> None:
     kind = kind_module(backend)
     assert callable(kind.create_handler)
-    assert callable(kind.speak)
+    assert callable(kind.write_death_notice)
     assert callable(kind.open_reader)
     assert kind.UNREACHABLE_HINT
 

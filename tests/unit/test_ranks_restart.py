@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core.group import GroupState
+from relaunch.core.group import GroupStatus
 from relaunch.core.membership import MembershipChange, decode_change, encode_change, expected_size
 from relaunch.core.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
 from relaunch.core.restart import Action, decide
@@ -84,43 +84,43 @@ def test_worker_env_respects_the_users_settings() -> None:
 @pytest.mark.parametrize(
     ("state", "left", "change", "action", "uses"),
     [
-        (GroupState.SUCCEEDED, 0, None, Action.SUCCEED, False),
-        (GroupState.SUCCEEDED, 3, MembershipChange.nodes_waiting(1), Action.SUCCEED, False),
-        (GroupState.FAILED, 1, None, Action.RESTART, True),
-        (GroupState.FAILED, 0, None, Action.FAIL, False),
-        (GroupState.FAILED, 0, MembershipChange.member_lost(2, "gone", 1), Action.RESTART, False),
-        (GroupState.RUNNING, 0, None, Action.CONTINUE, False),
-        (GroupState.RUNNING, 0, MembershipChange.nodes_waiting(1), Action.RESTART, False),
+        (GroupStatus.SUCCEEDED, 0, None, Action.SUCCEED, False),
+        (GroupStatus.SUCCEEDED, 3, MembershipChange.nodes_waiting(1), Action.SUCCEED, False),
+        (GroupStatus.FAILED, 1, None, Action.RESTART, True),
+        (GroupStatus.FAILED, 0, None, Action.FAIL, False),
+        (GroupStatus.FAILED, 0, MembershipChange.member_lost(2, "gone", 1), Action.RESTART, False),
+        (GroupStatus.RUNNING, 0, None, Action.CONTINUE, False),
+        (GroupStatus.RUNNING, 0, MembershipChange.nodes_waiting(1), Action.RESTART, False),
         # Another node's failure with no restart left ends this node too, running or failed.
-        (GroupState.RUNNING, 2, MembershipChange.failed("n1: rank 3 failed"), Action.FAIL, False),
-        (GroupState.FAILED, 2, MembershipChange.failed("n1: rank 3 failed"), Action.FAIL, False),
-        (GroupState.RUNNING, 2, MembershipChange.finished(), Action.FAIL, False),
+        (GroupStatus.RUNNING, 2, MembershipChange.failed("n1: rank 3 failed"), Action.FAIL, False),
+        (GroupStatus.FAILED, 2, MembershipChange.failed("n1: rank 3 failed"), Action.FAIL, False),
+        (GroupStatus.RUNNING, 2, MembershipChange.finished(), Action.FAIL, False),
     ],
 )
 def test_restart_policy(
-    state: GroupState, left: int, change: MembershipChange | None, action: Action, uses: bool
+    state: GroupStatus, left: int, change: MembershipChange | None, action: Action, uses: bool
 ) -> None:
     decision = decide(state, left, change)
     assert (decision.action, decision.uses_restart) == (action, uses)
 
 
 def test_with_no_restart_left_a_failure_is_final_at_once_when_every_peer_answers() -> None:
-    alive = decide(GroupState.FAILED, 0, None, lost_node_grace=20.0, now=5.0, peers_alive=True)
+    alive = decide(GroupStatus.FAILED, 0, None, lost_node_grace=20.0, now=5.0, peers_alive=True)
     assert (alive.action, alive.deadline) == (Action.FAIL, None)
     for unknown in (False, None):  # one may be dead: wait for its loss to be noticed
         waiting = decide(
-            GroupState.FAILED, 0, None, lost_node_grace=20.0, now=5.0, peers_alive=unknown
+            GroupStatus.FAILED, 0, None, lost_node_grace=20.0, now=5.0, peers_alive=unknown
         )
         assert (waiting.action, waiting.deadline) == (Action.AWAIT_CHANGE, 25.0)
     lost = MembershipChange.member_lost(1, "gone", 0)
-    assert decide(GroupState.FAILED, 0, lost, peers_alive=True).action is Action.RESTART
-    assert decide(GroupState.FAILED, 1, None, peers_alive=True).uses_restart
+    assert decide(GroupStatus.FAILED, 0, lost, peers_alive=True).action is Action.RESTART
+    assert decide(GroupStatus.FAILED, 1, None, peers_alive=True).uses_restart
 
 
 def test_the_failed_change_says_why_and_never_shrinks_the_next_round() -> None:
     change = MembershipChange.failed("n1: rank 3 exited with code 1")
     assert decode_change(encode_change(change, 4)) == (change, 4)
     assert expected_size(4, change) == 4
-    assert decide(GroupState.RUNNING, 0, change).reason == (
+    assert decide(GroupStatus.RUNNING, 0, change).reason == (
         "the job failed: n1: rank 3 exited with code 1"
     )

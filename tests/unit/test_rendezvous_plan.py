@@ -380,7 +380,7 @@ def test_a_lost_member_shrinks_the_next_round_and_says_who_noticed() -> None:
         rank = {info.group_rank: handler for info, handler in zip(infos, handlers, strict=True)}
         rank[
             1
-        ]._standing.stop_watching()  # its heartbeat stops: it "dies" (its neighbour is rank 0)
+        ]._membership.stop_watching()  # its heartbeat stops: it "dies" (its neighbour is rank 0)
         change = rank[0].job.wait_membership_change(10)
         assert change is not None and change.kind is ChangeKind.MEMBER_LOST
         assert (change.member, change.detected_by) == (1, 0)

@@ -1,7 +1,7 @@
 """The elastic agent: the driver (``loop``), what it runs (``spec``), its hands on the workers
 (``workers``), the expiry timers and hang detection (``expiry``), the shared-memory channel to
 the workers (``channel``) read once per tick (``sampler``), what it reports (``sinks`` tell each
-happening to ``report``, ``metrics``, ``status`` and the log) and the dry run (``dry_run``).
+run event to ``report``, ``metrics``, ``status`` and the log) and the dry run (``dry_run``).
 ``api`` and ``local_elastic_agent`` name these where torch's ``agent.server`` has them.
 Its decisions are in ``relaunch.core`` (``step``, ``attempt``, ``restart``)."""
 

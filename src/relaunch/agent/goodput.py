@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping
 
 from relaunch.agent.channel import Channel
 from relaunch.core.goodput import RestartCost, RestartMarks, Restored, cost_of
-from relaunch.core.happenings import Happening, Joined, Started
 from relaunch.core.progress import Progress
+from relaunch.core.run_events import Joined, RunEvent, Started
 from relaunch.procs.context import PContext
 from relaunch.runtime import Clock
 
@@ -20,7 +20,7 @@ class GoodputMarks:
     workers are back (the sinks keep the ledger: the summary, the metrics, the events).
 
     A sink itself (``agent.sinks``): a join and a start are the ``Joined`` and ``Started``
-    happenings; the agent tells it the rest (a failure seen, an attempt over, a look at the
+    run events; the agent tells it the rest (a failure seen, an attempt over, a look at the
     workers, the end)."""
 
     def __init__(self, clock: Clock, on_cost: Callable[[RestartCost], None]) -> None:
@@ -31,10 +31,10 @@ class GoodputMarks:
         self._seen_at = 0.0  # when a failure or a change was first seen, this attempt
         self._started = False  # the pending restart's workers started
 
-    def happened(self, happening: Happening) -> None:
-        if isinstance(happening, Joined):
-            self.joined(happening.seconds)
-        elif isinstance(happening, Started):
+    def on_run_event(self, run_event: RunEvent) -> None:
+        if isinstance(run_event, Joined):
+            self.joined(run_event.seconds)
+        elif isinstance(run_event, Started):
             self.started()
 
     def seen(self) -> None:

@@ -1,7 +1,7 @@
 """The elastic agent: rendezvous, start the local workers, watch them, restart them as one.
 
 ``LocalElasticAgent.run`` is the driver: it observes (the workers' end, a membership change, a
-roll call's answer, a hang, the time), asks ``core.step`` what follows, and acts through the
+presence check's answer, a hang, the time), asks ``core.step`` what follows, and acts through the
 job's services (``rendezvous.job``), its workers (``agent.workers``: each attempt started from
 its plan, ``core.attempt``) and its sinks (``agent.sinks``). Between steps it sleeps on one
 event queue until an event or the next deadline, on its ``runtime.Clock``; only a job that
@@ -29,9 +29,9 @@ from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
 from relaunch.agent.state import StateNotAgreed
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
-from relaunch.core import step_types as do
-from relaunch.core.happenings import Failed, Joined, RestartCosted, Started, StragglerFlagged
+from relaunch.core import step_types as actions
 from relaunch.core.restart import Backoff
+from relaunch.core.run_events import Failed, Joined, RestartCosted, Started, StragglerFlagged
 from relaunch.core.settings import (
     HangSettings,
     HealthSettings,
@@ -40,7 +40,7 @@ from relaunch.core.settings import (
     agent_groups,
 )
 from relaunch.core.state_settings import StateSettings
-from relaunch.core.step import Rules, RunState, step
+from relaunch.core.step import Rules, RunRecord, step
 from relaunch.core.summary import RunSummary
 from relaunch.events import EventHandler, Metrics, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
@@ -139,7 +139,9 @@ class LocalElasticAgent:
         self._exit_barrier_timeout = arguments.exit_barrier_timeout
         # run before every join (``agent.join``)
         self._health_check = None if health.command is None else HealthCheck(*astuple(health))
-        self._state = RunState(_rules(spec, job, restart_policy.rule, restart_policy.max_stalled))
+        self._run_record = RunRecord(
+            _rules(spec, job, restart_policy.rule, restart_policy.max_stalled)
+        )
         self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())
         events = events_of(spec) if event_handler is None else event_handler
         self._report = RunReport(group, events, self._log_dir, clock)
@@ -187,7 +189,7 @@ class LocalElasticAgent:
         group = self._worker_group
         return NodeReporter(
             straggler_factor,
-            lambda straggler: self._sinks.happened(
+            lambda straggler: self._sinks.on_run_event(
                 StragglerFlagged(straggler, straggler_factor, self.restart_count)
             ),
             node_state=lambda: group.state.value,
@@ -196,7 +198,7 @@ class LocalElasticAgent:
         )
 
     def _make_sinks(self, metrics: Metrics | None) -> Sinks:
-        """Where what happens is told, each happening once (``agent.sinks``); the order is that
+        """Where what happens is told, each run event once (``agent.sinks``); the order is that
         of their lines on a shared stderr, the goodput marks last (a restart's cost, told when
         the workers started, follows their start)."""
         group, clock = self._worker_group, self._clock
@@ -204,7 +206,9 @@ class LocalElasticAgent:
             group, self._reporter, self._workers.sampler.latest, lambda: self.restart_count, clock
         )
         metric_puts = MetricPuts(metrics or Metrics(NullMetricHandler(), group="torchelastic"))
-        self._goodput = GoodputMarks(clock, lambda cost: self._sinks.happened(RestartCosted(cost)))
+        self._goodput = GoodputMarks(
+            clock, lambda cost: self._sinks.on_run_event(RestartCosted(cost))
+        )
         return Sinks(
             [self._report, self._exporter, metric_puts, self._reporter, LogSink(log), self._goodput]
         )
@@ -219,7 +223,7 @@ class LocalElasticAgent:
     @property
     def restart_count(self) -> int:
         """Group restarts the job has used (every node's, with a shared rendezvous store)."""
-        return self._state.used
+        return self._run_record.used
 
     def summary(self, outcome: str) -> RunSummary:
         """The end-of-run summary of the last attempt, for a run that ended with ``outcome``."""
@@ -251,7 +255,7 @@ class LocalElasticAgent:
                 # the job ends on every node, each saying why, rather than re-forming around it.
                 self._job.fail_job(str(exc))
             said = str(exc) if isinstance(exc, (AgentFault, SignalException)) else None
-            self._sinks.happened(Failed(self.restart_count, said))
+            self._sinks.on_run_event(Failed(self.restart_count, said))
             raise
         finally:
             self._goodput.end()
@@ -261,29 +265,29 @@ class LocalElasticAgent:
             workers.close()
             self._expiry.close()
             wakeups.close()
-        self._sinks.happened(finished(self._worker_group, result, self.restart_count))
+        self._sinks.on_run_event(finished(self._worker_group, result, self.restart_count))
         return result
 
     def _drive(self, failures: FailureWatch, wakeups: EventQueue[str]) -> RunResult:
         """Observe, step, act, until an action ends the run; a helper thread's failure
         (``ThreadFailed``) ends it whenever the agent looks."""
-        observation: do.Observation = do.Began()
+        observation: actions.Observation = actions.Began()
         while True:
-            self._state, actions = step(self._state, observation, self._clock.monotonic())
-            answer: do.Observation | None = None
-            for action in actions:
+            self._run_record, planned = step(self._run_record, observation, self._clock.monotonic())
+            answer: actions.Observation | None = None
+            for action in planned:
                 done = self._act(action, wakeups)
                 if isinstance(done, RunResult):
                     return done
                 answer = answer if done is None else done
             observation = self._look(failures) if answer is None else answer
 
-    def _look(self, failures: FailureWatch) -> do.Observation:
+    def _look(self, failures: FailureWatch) -> actions.Observation:
         """How the workers and the job stand now."""
         failures.check()
         dumping = self._expiry.dumping()
         if dumping and self._workers.still_running():
-            return do.StacksPending(dumping)
+            return actions.StacksPending(dumping)
         outcome = self._workers.poll()
         # A helper thread reports its failure before its effect shows: a worker monitor that
         # failed killed the workers and ended the group, and that end is not theirs to judge.
@@ -292,93 +296,93 @@ class LocalElasticAgent:
         failing = self._workers.failing() if outcome is None else None
         job = self._job
         failed = (outcome is not None and outcome.is_failed()) or failing is not None
-        used = job.restarts_used(self._state.spent) if failed else None
+        used = job.restarts_used(self._run_record.spent) if failed else None
         change = job.membership_change() if job.watches_membership else None
         if failed or change is not None:
             self._goodput.seen()
         self._workers.look_back(self._goodput)
-        return do.Looked(ended, change, used, failing)
+        return actions.Observed(ended, change, used, failing)
 
     def _act(
-        self, action: do.Action, wakeups: EventQueue[str]
-    ) -> do.Observation | RunResult | None:
+        self, action: actions.Action, wakeups: EventQueue[str]
+    ) -> actions.Observation | RunResult | None:
         """Perform ``action``: an observation when it answers one, the result when it ends."""
         job, workers = self._job, self._workers
         match action:
-            case do.Rendezvous(backoff=backoff):
+            case actions.Rendezvous(backoff=backoff):
                 return self._rendezvous(backoff)
-            case do.StartWorkers():
+            case actions.StartWorkers():
                 try:
                     workers.start(self.restart_count)
                 except StateNotAgreed as exc:
-                    return do.NotAgreed(str(exc))
-                self._sinks.happened(Started(self.restart_count, self.rendezvous_seconds))
+                    return actions.NotAgreed(str(exc))
+                self._sinks.on_run_event(Started(self.restart_count, self.rendezvous_seconds))
                 self._started_once = True
-                return do.WorkersStarted()
-            case do.StopWorkers(park=park):
+                return actions.WorkersStarted()
+            case actions.StopWorkers(park=park):
                 workers.stop(signal.SIGTERM, park=park)
-            case do.CheckStore():
+            case actions.CheckStore():
                 job.check_store()
-            case do.AskRollCall(timeout=timeout):
+            case actions.CheckPresence(timeout=timeout):
                 alive = job.peers_alive(timeout)
-                return do.PeersAnswered(alive, job.membership_change())  # one may have come
-            case do.TakeStacks(reason=reason):
+                return actions.PeersAnswered(alive, job.membership_change())  # one may have come
+            case actions.TakeStacks(reason=reason):
                 self._expiry.dump_stacks(reason)
-            case do.CheckHangs(until=until):
+            case actions.CheckHangs(until=until):
                 check_in = self._expiry.check()  # acts on hung workers; when to look again
-                return do.HangsChecked(self._expiry.hang, check_in, until)
-            case do.Wait(until=until):
+                return actions.HangsChecked(self._expiry.hang, check_in, until)
+            case actions.Wait(until=until):
                 wakeups.get(None if until is None else max(0.0, until - self._clock.monotonic()))
-            case do.StopForStacks(reason=reason):
+            case actions.StopForStacks(reason=reason):
                 job.stop_for_stacks(reason)
-            case do.FailJob(reason=reason, stacks=stacks, requeue=requeue):
+            case actions.FailJob(reason=reason, stacks=stacks, requeue=requeue):
                 job.fail_job(reason, stacks=stacks, requeue=requeue)
-            case do.NoteRestart(reason=reason):
+            case actions.NoteRestart(reason=reason):
                 job.note_restart(reason)
-            case do.LeaveRound():
+            case actions.LeaveRound():
                 job.leave_early()
-            case do.ReportFailure():
+            case actions.ReportFailure():
                 log.warning("%s", workers.failure_report())
-            case do.Say(text=text, error=error):
+            case actions.LogLine(text=text, error=error):
                 log.log(logging.ERROR if error else logging.WARNING, "%s", text)
-            case do.StopNote(text=text):
+            case actions.StopNote(text=text):
                 self._report.stop_note = text
-            case do.Tell(happening=happening):
-                self._sinks.happened(happening)
-            case do.Succeed():
+            case actions.Announce(run_event=run_event):
+                self._sinks.on_run_event(run_event)
+            case actions.Succeed():
                 result = workers.succeeded()
                 # Keep heartbeating until every live node is done, so an early finisher is not
                 # mistaken for a lost node; then close the job to latecomers.
                 job.exit_barrier(self._exit_barrier_timeout)
                 self._worker_group.spec.rdzv_handler.set_closed()
                 return result
-            case do.Fail(requeue=requeue):
+            case actions.Fail(requeue=requeue):
                 self.requeue = requeue
                 return workers.failed()
-            case do.CutShort(message=message, requeue=requeue):
+            case actions.EndedElsewhere(message=message, requeue=requeue):
                 raise JobFailedError(message, requeue)
         return None
 
-    def _rendezvous(self, backoff: float) -> do.Observation:
+    def _rendezvous(self, backoff: float) -> actions.Observation:
         """Leave the running round, wait out a crash loop's backoff, an exclusion and a failing
         health check, and join the next round."""
-        group, job, spent = self._worker_group, self._job, self._state.spent
+        group, job, spent = self._worker_group, self._job, self._run_record.spent
         if self._started_once:
             self._workers.leaving(self._goodput)
         try:
             self.rendezvous_seconds = join(
                 job, group, self._health_check, backoff, self.restart_count, self._clock
             )
-            self._sinks.happened(Joined(self.rendezvous_seconds))
+            self._sinks.on_run_event(Joined(self.rendezvous_seconds))
             used = job.restarts_used(spent)
         except RendezvousClosedError:
-            if self._state.reforming is None:
+            if self._run_record.reforming is None:
                 raise  # the job had finished before this node joined
             failure = job.closing_failure()
             if failure is None:
-                return do.JobClosed()
-            return do.JobClosed(failure.reason, failure.requeue)
-        return do.Placed(group.group_world_size or 1, used)
+                return actions.JobClosed()
+            return actions.JobClosed(failure.reason, failure.requeue)
+        return actions.Placed(group.group_world_size or 1, used)
 
 
 def _rules(spec: WorkerSpec, job: JobServices, backoff: Backoff | None, max_stalled: int) -> Rules:
@@ -409,7 +413,7 @@ def _job_of(spec: WorkerSpec) -> JobServices:
     """The job's services for ``spec``'s rendezvous; should this agent die on a live machine,
     its orphan guardian tells the others."""
     job = job_of(spec.rdzv_handler)
-    job.leave_last_word_with(lambda line: guardian().set_last_word(line))
+    job.leave_death_notice_with(lambda line: guardian().set_death_notice(line))
     return job
 
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of one agent (``--metrics-port [ADDR:]PORT``): the values it serves,
 through ``agent.metrics_server``.
 
-The agent's happenings are counted as they come (a sink: ``happened``: restarts by cause,
+The agent's run events are counted as they come (a sink: ``on_run_event``: restarts by cause,
 rendezvous rounds and their durations); the rest is read when Prometheus scrapes, from what the
 agent already keeps: its group's state, the tick's ``NodeSnapshot`` (each rank's steps, signs
 of life and process state: ``agent.sampler``), the ``NodeReporter``'s rates and the last job
@@ -20,7 +20,7 @@ from relaunch.agent.spec import WorkerGroup, WorkerState
 from relaunch.agent.status import NodeReporter
 from relaunch.core import metrics as core
 from relaunch.core.goodput import CAUSES, Ledger
-from relaunch.core.happenings import Happening, Joined, NodeSnapshot, RestartCosted, Restarted
+from relaunch.core.run_events import Joined, NodeSnapshot, RestartCosted, Restarted, RunEvent
 from relaunch.core.status import RankStatus
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
@@ -55,15 +55,15 @@ class AgentMetrics:
 
     # -- what the agent tells --------------------------------------------------------------------
 
-    def happened(self, happening: Happening) -> None:
-        """A sink of the agent's happenings: restarts and joins are counted."""
-        if isinstance(happening, Restarted):
-            self.restarted(happening.cause)
-        elif isinstance(happening, Joined):
-            self.joined(happening.seconds)
-        elif isinstance(happening, RestartCosted):
+    def on_run_event(self, run_event: RunEvent) -> None:
+        """A sink of the agent's run events: restarts and joins are counted."""
+        if isinstance(run_event, Restarted):
+            self.restarted(run_event.cause)
+        elif isinstance(run_event, Joined):
+            self.joined(run_event.seconds)
+        elif isinstance(run_event, RestartCosted):
             with self._lock:
-                self._ledger.costs.append(happening.cost)
+                self._ledger.costs.append(run_event.cost)
 
     def restarted(self, cause: str) -> None:
         """The group restarts, for ``cause`` (one of ``core.metrics.RESTART_CAUSES``)."""

@@ -1,5 +1,5 @@
 """What the agent tells about a run: status events as it goes, the summary at its end, the
-one-line cause of each restart (a sink of the agent's happenings: ``agent.sinks``) and the
+one-line cause of each restart (a sink of the agent's run events: ``agent.sinks``) and the
 node's progress bar. The directories logs go to are ``procs.logs_specs``'s."""
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from typing import Any
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.core.failures import has_error_file, signal_meaning
 from relaunch.core.goodput import Ledger
-from relaunch.core.happenings import (
+from relaunch.core.progress import NodeProgress, Progress
+from relaunch.core.run_events import (
     Failed,
     Finished,
-    Happening,
     Hung,
     NodeSnapshot,
     RestartCosted,
     Restarted,
+    RunEvent,
     Started,
     StragglerFlagged,
     WorkerEnd,
 )
-from relaunch.core.progress import NodeProgress, Progress
 from relaunch.core.stragglers import Straggler
 from relaunch.core.summary import RankEnd, RunSummary
 from relaunch.events import EventHandler, EventSource, status_event
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class RunReport:
     """The record of one agent's run: what its status events and its summary are made of.
 
-    It hears what happens (``happened``: a restart adds to ``restart_reasons``); the agent fills
+    It hears what happens (``on_run_event``: a restart adds to ``restart_reasons``); the agent fills
     in ``last_outcome`` and ``last_progress`` when it stops a group, and ``stop_note`` when a
     stop request ends. ``clock`` times the run and stamps the events.
     """
@@ -64,23 +64,23 @@ class RunReport:
         #: Straggler lines for the summary, by global rank.
         self.stragglers: dict[int, str] = {}
 
-    def happened(self, happening: Happening) -> None:
+    def on_run_event(self, run_event: RunEvent) -> None:
         """Record what happened: its status event, and its line in the summary."""
-        if isinstance(happening, Started):
-            self.group_started(happening.restart_count, happening.rendezvous_seconds)
-        elif isinstance(happening, Restarted):
-            self.restart_reasons.append(happening.reason)
-            self.restarting(happening.restart_count, happening.cause, happening.reason)
-        elif isinstance(happening, Hung):
-            self.hung(happening.restart_count, happening.what)
-        elif isinstance(happening, StragglerFlagged):
-            self.straggler(happening.straggler, happening.factor, happening.restart_count)
-        elif isinstance(happening, RestartCosted):
-            self.restart_cost(happening)
-        elif isinstance(happening, Failed):
-            self.agent_event(WorkerState.FAILED, happening.restart_count, happening.error)
-        elif isinstance(happening, Finished):
-            self.run_events(happening)
+        if isinstance(run_event, Started):
+            self.group_started(run_event.restart_count, run_event.rendezvous_seconds)
+        elif isinstance(run_event, Restarted):
+            self.restart_reasons.append(run_event.reason)
+            self.restarting(run_event.restart_count, run_event.cause, run_event.reason)
+        elif isinstance(run_event, Hung):
+            self.hung(run_event.restart_count, run_event.what)
+        elif isinstance(run_event, StragglerFlagged):
+            self.straggler(run_event.straggler, run_event.factor, run_event.restart_count)
+        elif isinstance(run_event, RestartCosted):
+            self.restart_cost(run_event)
+        elif isinstance(run_event, Failed):
+            self.agent_event(WorkerState.FAILED, run_event.restart_count, run_event.error)
+        elif isinstance(run_event, Finished):
+            self.run_events(run_event)
 
     def agent_event(
         self, state: WorkerState | str, restart_count: int, raw_error: str | None = None
@@ -250,7 +250,7 @@ class NodeBar:
 
 
 def finished(group: WorkerGroup, result: RunResult, restart_count: int) -> Finished:
-    """The run's end as a happening: how each worker of ``group`` ended in ``result``."""
+    """The run's end as a run event: how each worker of ``group`` ended in ``result``."""
     ends = []
     for worker in group.workers:
         failure = result.failures.get(worker.global_rank)

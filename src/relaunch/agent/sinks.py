@@ -1,11 +1,11 @@
-"""Where the agent's happenings go (``core.happenings``): each is announced once, to every sink.
+"""Where the agent's run events go (``core.run_events``): each is announced once, to every sink.
 
-A sink takes what it writes from the happenings it knows and ignores the others. The agent's
+A sink takes what it writes from the run events it knows and ignores the others. The agent's
 sinks, in the order they are told: the run report (status events, the summary's restart and
 straggler lines: ``agent.report.RunReport``), the Prometheus counters
 (``agent.metrics.AgentMetrics``), torchelastic's metric puts (``MetricPuts``), the status
 posts (``agent.status.NodeReporter``) and the log (``LogSink``). The order is the order in
-which the lines of one happening reach a shared stream (stderr takes the console event and
+which the lines of one run event reach a shared stream (stderr takes the console event and
 metric handlers and the log alike).
 """
 
@@ -15,25 +15,25 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
-from relaunch.core.happenings import AttemptEnded, Happening, RestartCosted, Restarted
+from relaunch.core.run_events import AttemptEnded, RestartCosted, Restarted, RunEvent
 from relaunch.events import Metrics
 
 
 class Sink(Protocol):
     """Something told of what happens."""
 
-    def happened(self, happening: Happening) -> None: ...
+    def on_run_event(self, run_event: RunEvent) -> None: ...
 
 
 class Sinks:
-    """The sinks of one agent, told of each happening in order."""
+    """The sinks of one agent, told of each run event in order."""
 
     def __init__(self, sinks: Iterable[Sink]) -> None:
         self._sinks = tuple(sinks)
 
-    def happened(self, happening: Happening) -> None:
+    def on_run_event(self, run_event: RunEvent) -> None:
         for sink in self._sinks:
-            sink.happened(happening)
+            sink.on_run_event(run_event)
 
 
 class MetricPuts:
@@ -44,11 +44,11 @@ class MetricPuts:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
-    def happened(self, happening: Happening) -> None:
-        if isinstance(happening, AttemptEnded):
-            role = happening.role
-            self._metrics.put_metric(f"workers.{role}.remaining_restarts", happening.restarts_left)
-            self._metrics.put_metric(f"workers.{role}.{happening.state.lower()}", 1)
+    def on_run_event(self, run_event: RunEvent) -> None:
+        if isinstance(run_event, AttemptEnded):
+            role = run_event.role
+            self._metrics.put_metric(f"workers.{role}.remaining_restarts", run_event.restarts_left)
+            self._metrics.put_metric(f"workers.{role}.{run_event.state.lower()}", 1)
 
 
 class LogSink:
@@ -57,19 +57,19 @@ class LogSink:
     def __init__(self, log: logging.Logger) -> None:
         self._log = log
 
-    def happened(self, happening: Happening) -> None:
-        if isinstance(happening, RestartCosted):
-            cost = happening.cost
+    def on_run_event(self, run_event: RunEvent) -> None:
+        if isinstance(run_event, RestartCosted):
+            cost = run_event.cost
             self._log.info(
                 "restart %d cost %.2fs: %s",
                 cost.restart,
                 cost.total,
                 ", ".join(f"{cause} {seconds:.2f}s" for cause, seconds in cost.seconds.items()),
             )
-        elif isinstance(happening, Restarted):
+        elif isinstance(run_event, Restarted):
             self._log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",
-                happening.role,
-                happening.decision,
-                happening.restarts_left,
+                run_event.role,
+                run_event.decision,
+                run_event.restarts_left,
             )

@@ -14,7 +14,7 @@ console shows the job-wide bar (``job_line``). A job of one node judges itself, 
 store.
 
 Each post reads one ``NodeSnapshot`` (``agent.sampler``), the one the console and a scrape of
-the same tick read; the reporter hears of restarts as a sink (``happened``) for its posts'
+the same tick read; the reporter hears of restarts as a sink (``on_run_event``) for its posts'
 reasons.
 """
 
@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from relaunch.core import status as core
 from relaunch.core import stragglers
-from relaunch.core.happenings import Happening, NodeSnapshot, RestartCosted, Restarted
+from relaunch.core.run_events import NodeSnapshot, RestartCosted, Restarted, RunEvent
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
@@ -75,7 +75,7 @@ class NodeReporter:
         self._node_state = node_state
         self._restarts_used = restarts_used
         self._clock = clock
-        #: Why the group restarted, restart by restart (``happened``).
+        #: Why the group restarted, restart by restart (``on_run_event``).
         self._reasons: list[str] = []
         self._lost = 0.0  # seconds lost to restarts (``core.goodput``)
         self._stop = threading.Event()
@@ -107,13 +107,13 @@ class NodeReporter:
             self._reported.set()  # a rank reported before this was called
         self._thread = start_thread(self._run, "relaunch-status", self._stop, self._reported)
 
-    def happened(self, happening: Happening) -> None:
-        """A sink of the agent's happenings: a restart's reason and cost go into the next
+    def on_run_event(self, run_event: RunEvent) -> None:
+        """A sink of the agent's run events: a restart's reason and cost go into the next
         posts."""
-        if isinstance(happening, Restarted):
-            self._reasons.append(happening.reason)
-        elif isinstance(happening, RestartCosted):
-            self._lost += happening.cost.total
+        if isinstance(run_event, Restarted):
+            self._reasons.append(run_event.reason)
+        elif isinstance(run_event, RestartCosted):
+            self._lost += run_event.cost.total
 
     def notice_reports(self) -> None:
         """A rank made its first progress report (the channel's wake): sampling is worth it."""

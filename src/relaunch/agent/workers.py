@@ -30,7 +30,7 @@ from relaunch.agent.status import NodeReporter
 from relaunch.agent.user_start import adapt_start
 from relaunch.core.attempt import plan_attempt
 from relaunch.core.failures import format_report
-from relaunch.core.happenings import NodeSnapshot
+from relaunch.core.run_events import NodeSnapshot
 from relaunch.core.sections import BOUNDS_ENV, Learned, encode_learned, merge
 from relaunch.core.state_settings import StateSettings
 from relaunch.core.step_types import Ended

@@ -1,4 +1,4 @@
-"""The state of a group of processes that runs, and fails, as one unit."""
+"""The status of a group of processes that runs, and fails, as one unit."""
 
 from __future__ import annotations
 
@@ -6,20 +6,20 @@ import enum
 from collections.abc import Mapping
 
 
-class GroupState(str, enum.Enum):
+class GroupStatus(str, enum.Enum):
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
 
 
-def group_state(exitcodes: Mapping[int, int | None]) -> GroupState:
+def group_status(exitcodes: Mapping[int, int | None]) -> GroupStatus:
     """FAILED as soon as any process exited non-zero; SUCCEEDED once all exited with 0.
 
     ``exitcodes`` maps every local rank to its exit code, or None while it still runs.
     """
     codes = exitcodes.values()
     if any(code is not None and code != 0 for code in codes):
-        return GroupState.FAILED
+        return GroupStatus.FAILED
     if all(code == 0 for code in codes):
-        return GroupState.SUCCEEDED
-    return GroupState.RUNNING
+        return GroupStatus.SUCCEEDED
+    return GroupStatus.RUNNING

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from relaunch.core.membership import ChangeKind
 
 if TYPE_CHECKING:
-    from relaunch.core.happenings import RankSample
+    from relaunch.core.run_events import RankSample
     from relaunch.core.status import RankStatus
 
 #: The media type Prometheus expects for this format.

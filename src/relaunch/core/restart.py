@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from relaunch.core.group import GroupState
+from relaunch.core.group import GroupStatus
 from relaunch.core.membership import ChangeKind, MembershipChange
 
 
@@ -37,7 +37,7 @@ class RestartDecision:
 
 
 def decide(
-    state: GroupState,
+    state: GroupStatus,
     restarts_left: int,
     membership_change: MembershipChange | None = None,
     *,
@@ -52,13 +52,13 @@ def decide(
     collectives); a change saying the job failed or finished elsewhere ends this node too (its
     workers are cut short: a failure).
 
-    Collectives break at once when a peer node dies; heartbeats tell it a moment later. So a
-    failure with no restarts left is final at once only when every other node answered a roll
-    call (``peers_alive``); otherwise not before ``lost_node_grace`` seconds (from ``now``, or
-    until ``grace_ends`` once a previous decision set it) have passed without a change: then
-    the lost node is noticed, and the restart is free.
+    Collectives break at once when a peer node dies; heartbeats tell it a moment later. So a failure
+    with no restarts left is final at once only when every other node answered a presence check
+    (``peers_alive``); otherwise not before ``lost_node_grace`` seconds (from ``now``, or until
+    ``grace_ends`` once a previous decision set it) have passed without a change: then the lost node
+    is noticed, and the restart is free.
     """
-    if state is GroupState.SUCCEEDED:
+    if state is GroupStatus.SUCCEEDED:
         return RestartDecision(Action.SUCCEED)
     if membership_change is not None:
         stacks = membership_change.stacks
@@ -75,7 +75,7 @@ def decide(
             cause=cause,
             requeue=membership_change.requeue,
         )
-    if state is GroupState.FAILED:
+    if state is GroupStatus.FAILED:
         if restarts_left > 0:
             return RestartDecision(
                 Action.RESTART, uses_restart=True, reason="a worker failed", cause="worker_failed"

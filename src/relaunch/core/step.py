@@ -6,17 +6,17 @@ and performs the actions in order (``core.step_types`` has both); the step reads
 history of observations in and actions out (``tests/unit/test_step.py`` tests it so).
 
 An attempt goes ``Began`` (or a restart) -> ``Rendezvous`` -> ``Placed`` -> ``StartWorkers`` ->
-``WorkersStarted``; then the agent looks (``Looked``) and sleeps (``CheckHangs`` ->
+``WorkersStarted``; then the agent looks (``Observed``) and sleeps (``CheckHangs`` ->
 ``HangsChecked`` -> ``Wait``) until the workers end or the membership changes; then ``Succeed``,
-``Fail``, ``CutShort``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again. Nodes that
+``Fail``, ``EndedElsewhere``, or a restart: ``StopWorkers`` ... ``Rendezvous`` again. Nodes that
 cannot agree on the state to resume from (``NotAgreed``) start nothing and join again. A failure
 that restarts a group of several nodes whatever else comes is told as soon as it is seen
-(``Looked.failing``: ``NoteRestart``, ``LeaveRound``), while this node's other workers are still
+(``Observed.failing``: ``NoteRestart``, ``LeaveRound``), while this node's other workers are still
 being stopped, so that every node's workers stop at once.
 
 The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
-at once when every other node answers a roll call; while one does not, it may be dead, and the
+at once when every other node answers a presence check; while one does not, it may be dead, and the
 agent waits the lost-node grace for its loss to re-form the group for free (``core.restart``).
 A crash loop waits its backoff between restarts, and stops after restarts that made no progress
 or failed the same way: such a stop tells every node not to requeue the job.
@@ -29,8 +29,7 @@ from typing import NamedTuple
 from relaunch.core import restart
 from relaunch.core.durations import seconds
 from relaunch.core.failures import failure_signature, one_line, root_cause_rank
-from relaunch.core.group import GroupState
-from relaunch.core.happenings import AttemptEnded, Hung, Restarted
+from relaunch.core.group import GroupStatus
 from relaunch.core.membership import MembershipChange
 from relaunch.core.restart import (
     Backoff,
@@ -40,28 +39,30 @@ from relaunch.core.restart import (
     stalled_out,
     startup_failure,
 )
+from relaunch.core.run_events import AttemptEnded, Hung, Restarted
 from relaunch.core.step_types import (
     Action,
-    AskRollCall,
+    Announce,
     Began,
     CheckHangs,
+    CheckPresence,
     CheckStore,
-    CutShort,
     Ended,
+    EndedElsewhere,
     Fail,
     FailJob,
     HangsChecked,
     JobClosed,
     LeaveRound,
-    Looked,
+    LogLine,
     NotAgreed,
     NoteRestart,
     Observation,
+    Observed,
     PeersAnswered,
     Placed,
     Rendezvous,
     ReportFailure,
-    Say,
     StacksPending,
     StartWorkers,
     StopForStacks,
@@ -69,13 +70,12 @@ from relaunch.core.step_types import (
     StopWorkers,
     Succeed,
     TakeStacks,
-    Tell,
     Wait,
     WorkersStarted,
 )
 
-#: Seconds the other nodes have to answer a roll call before one of them may be dead.
-ROLL_CALL_TIMEOUT = 1.0
+#: Seconds the other nodes have to answer a presence check before one of them may be dead.
+PRESENCE_CHECK_TIMEOUT = 1.0
 CUT_SHORT = "this node's workers were stopped before they finished"
 #: What a stop that restarting cannot mend adds to the run's summary.
 DO_NOT_REQUEUE = "do not requeue the job"
@@ -98,7 +98,7 @@ class Rules(NamedTuple):
     lost_node_grace: float = 0.0
     backoff: Backoff = Backoff()
     max_stalled: int = 3
-    roll_call_timeout: float = ROLL_CALL_TIMEOUT
+    presence_check_timeout: float = PRESENCE_CHECK_TIMEOUT
 
 
 class Reform(NamedTuple):
@@ -108,7 +108,7 @@ class Reform(NamedTuple):
     reason: str
 
 
-class RunState(NamedTuple):
+class RunRecord(NamedTuple):
     """Everything the next decision depends on, from the observations so far."""
 
     rules: Rules
@@ -117,7 +117,7 @@ class RunState(NamedTuple):
     used: int = 0
     #: Nodes in the group of the last join.
     nodes: int = 1
-    #: The roll call's outcome, this round (None: not called, or no answer to go by).
+    #: The presence check's outcome, this round (None: not called, or no answer to go by).
     peers_alive: bool | None = None
     #: Until when a failure with no restart left waits for a lost node to be noticed.
     grace_ends: float | None = None
@@ -130,8 +130,8 @@ class RunState(NamedTuple):
     attempt_started: float = 0.0
     #: Some rank used the channel, in this attempt or an earlier one.
     workers_spoke: bool = False
-    #: A failure waiting for the roll call's answer.
-    roll_call_for: Looked | None = None
+    #: A failure waiting for the presence check's answer.
+    presence_check_for: Observed | None = None
     reforming: Reform | None = None
     #: This attempt's failure left the round while its workers were still being stopped
     #: (``LeaveRound``): its restart is decided, counted in the job, and told.
@@ -147,10 +147,10 @@ class RunState(NamedTuple):
         return self.nodes <= 1
 
 
-Decided = tuple[RunState, list[Action]]
+Decided = tuple[RunRecord, list[Action]]
 
 
-def step(state: RunState, observation: Observation, now: float) -> Decided:
+def step(state: RunRecord, observation: Observation, now: float) -> Decided:
     """The state after ``observation`` (at ``now``), and what the agent does next, in order."""
     if isinstance(observation, Began):
         return state, [Rendezvous()]
@@ -168,7 +168,7 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
     if isinstance(observation, NotAgreed):  # join again, for free: nothing ran
         reason = f"[{state.rules.role}] {observation.reason}: joining the rendezvous again"
         return state._replace(reforming=Reform(False, observation.reason)), [
-            Say(reason),
+            LogLine(reason),
             CheckStore(),
             Rendezvous(),
         ]
@@ -176,21 +176,21 @@ def step(state: RunState, observation: Observation, now: float) -> Decided:
         return state, [CheckHangs(now + observation.seconds)]  # let every stack be written
     if isinstance(observation, HangsChecked):
         return _sleep(state, observation, now)
-    if isinstance(observation, Looked):
+    if isinstance(observation, Observed):
         return _looked(state, observation, now)
     if isinstance(observation, PeersAnswered):
-        look = state.roll_call_for
-        assert look is not None, "a roll call's answer without a roll call"
-        answered = state._replace(peers_alive=observation.alive, roll_call_for=None)
+        look = state.presence_check_for
+        assert look is not None, "a presence check's answer without a presence check"
+        answered = state._replace(peers_alive=observation.alive, presence_check_for=None)
         return _decide(answered, look, observation.change, now)
     raise TypeError(f"not an observation: {observation!r}")
 
 
-def _looked(state: RunState, look: Looked, now: float) -> Decided:
-    """The workers and the job were looked at: decide, after a roll call where it tells."""
+def _looked(state: RunRecord, look: Observed, now: float) -> Decided:
+    """The workers and the job were looked at: decide, after a presence check where it tells."""
     failed = look.ended is not None and look.ended.failed
     if state.left_early:  # the job's count has this node's restart in it; the change is its own
-        look = Looked(look.ended, None, None)
+        look = Observed(look.ended, None, None)
     if (failed or look.failing is not None) and look.used is not None:
         state = state._replace(used=look.used)
     rules = state.rules
@@ -208,11 +208,13 @@ def _looked(state: RunState, look: Looked, now: float) -> Decided:
         and not state.alone
         and state.grace_ends is None
     ):
-        return state._replace(roll_call_for=look), [AskRollCall(rules.roll_call_timeout)]
+        return state._replace(presence_check_for=look), [
+            CheckPresence(rules.presence_check_timeout)
+        ]
     return _decide(state, look, look.change, now)
 
 
-def _leaves_early(state: RunState, look: Looked) -> bool:
+def _leaves_early(state: RunRecord, look: Observed) -> bool:
     """A worker failed and the others are being stopped: the group restarts whatever else comes
     (a restart is left, no change or hang decides otherwise, and no failure could make the
     crash loop stop the job), so the other nodes are told now, to stop their workers while this
@@ -229,10 +231,12 @@ def _leaves_early(state: RunState, look: Looked) -> bool:
     )
 
 
-def _decide(state: RunState, look: Looked, change: MembershipChange | None, now: float) -> Decided:
+def _decide(
+    state: RunRecord, look: Observed, change: MembershipChange | None, now: float
+) -> Decided:
     rules = state.rules
     ended = look.ended
-    group = GroupState.RUNNING if ended is None else _group_state(ended)
+    group = GroupStatus.RUNNING if ended is None else _group_status(ended)
     decision = restart.decide(
         group,
         state.restarts_left,
@@ -247,7 +251,7 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
     actions: list[Action] = []
     if decision.action is restart.Action.AWAIT_CHANGE and state.grace_ends is None:
         actions.append(
-            Say(
+            LogLine(
                 "workers failed with no restart left, and not every other node answered: "
                 f"waiting up to {seconds(rules.lost_node_grace)} for a lost node to be noticed"
             )
@@ -257,7 +261,7 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
         return state._replace(stacks_taken=True), [*actions, TakeStacks(decision.reason)]
     if decision.action in (restart.Action.CONTINUE, restart.Action.AWAIT_CHANGE):
         return state, [*actions, CheckHangs(decision.deadline)]
-    actions.append(Tell(AttemptEnded(rules.role, group.value, state.restarts_left)))
+    actions.append(Announce(AttemptEnded(rules.role, group.value, state.restarts_left)))
     if decision.action is restart.Action.SUCCEED:
         return state, [*actions, Succeed()]
     if decision.action is restart.Action.FAIL:
@@ -266,7 +270,7 @@ def _decide(state: RunState, look: Looked, change: MembershipChange | None, now:
 
 
 def _fail(
-    state: RunState,
+    state: RunRecord,
     decision: restart.RestartDecision,
     ended: Ended | None,
     now: float,
@@ -281,11 +285,11 @@ def _fail(
         return state, [*actions, FailJob(reason), Fail()]
     if elsewhere and ended is not None and ended.failed:
         actions.append(ReportFailure())  # where this node's ranks were
-    return state, [*actions, CutShort(f"{decision.reason}; {CUT_SHORT}", decision.requeue)]
+    return state, [*actions, EndedElsewhere(f"{decision.reason}; {CUT_SHORT}", decision.requeue)]
 
 
 def _restart(
-    state: RunState,
+    state: RunRecord,
     decision: restart.RestartDecision,
     ended: Ended | None,
     now: float,
@@ -309,7 +313,7 @@ def _restart(
         if stalled is not None:  # restarting cannot help, nor can running the job again
             return state, [
                 *actions,
-                Say(f"[{rules.role}] {stalled}", error=True),
+                LogLine(f"[{rules.role}] {stalled}", error=True),
                 StopNote(f"{stalled}; {DO_NOT_REQUEUE}"),
                 FailJob(f"{rules.node}: {reason} ({stalled})", requeue=False),
                 Fail(requeue=False),
@@ -324,14 +328,14 @@ def _restart(
         state = state._replace(spent=state.spent + 1)
         restarts_left -= 1
     actions.append(
-        Tell(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
+        Announce(Restarted(rules.role, cause, reason, decision.reason, state.used, restarts_left))
     )
     if decision.uses_restart and not state.left_early:  # the others restart for it: say why
         actions.append(NoteRestart(f"{rules.node}: {reason}"))
     if delay:
         backoff = rules.backoff
         actions.append(
-            Say(
+            LogLine(
                 f"[{rules.role}] a crash loop: waiting {seconds(delay)} before restart "
                 f"{state.crash_loop.in_a_row} in a row "
                 f"(--restart-backoff {backoff.base:g}:{backoff.cap:g})"
@@ -341,7 +345,7 @@ def _restart(
     return state, [*actions, Rendezvous(delay)]
 
 
-def _closed(state: RunState, closed: JobClosed) -> Decided:
+def _closed(state: RunRecord, closed: JobClosed) -> Decided:
     """The job ended while this node re-formed: for the failure that ``closed`` tells, if one
     did (its requeue holds here too)."""
     assert state.reforming is not None, "the job closed with no restart under way"
@@ -351,10 +355,10 @@ def _closed(state: RunState, closed: JobClosed) -> Decided:
     # failed, or its exit barrier timed out).
     why = closed.failure or state.reforming.reason
     message = f"the job ended while this node re-formed ({why}); {CUT_SHORT}"
-    return state, [CutShort(message, closed.requeue)]
+    return state, [EndedElsewhere(message, closed.requeue)]
 
 
-def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
+def _sleep(state: RunRecord, checked: HangsChecked, now: float) -> Decided:
     """Hang detection looked before the agent sleeps: tell of a new hang (asking the other
     nodes for their stacks, or ending the job with no restart left), then wait for the next
     event, hang detection's next look, the deadline, or the next poll of the membership."""
@@ -363,7 +367,7 @@ def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
     actions: list[Action] = []
     if checked.hang is not None and not state.hang_told:
         state = state._replace(hang_told=True)
-        actions.append(Tell(Hung(state.used, checked.hang)))
+        actions.append(Announce(Hung(state.used, checked.hang)))
         if rules.watches_membership and not state.alone:
             reason = f"{rules.node}: {checked.hang}"
             if state.restarts_left > 0:
@@ -382,7 +386,7 @@ def _sleep(state: RunState, checked: HangsChecked, now: float) -> Decided:
     return state, [*actions, Wait(min(wakes, default=None))]
 
 
-def _cause(state: RunState, ended: Ended, now: float) -> tuple[RunState, str]:
+def _cause(state: RunRecord, ended: Ended, now: float) -> tuple[RunRecord, str]:
     """The root cause of a failed attempt in one line: named a start-up failure when its worker
     had said nothing yet, in a job whose workers speak."""
     rank = root_cause_rank(ended.failures)
@@ -411,5 +415,5 @@ def _mark(ended: Ended) -> Mark:
     return Mark(max(steps, default=None), signs)
 
 
-def _group_state(ended: Ended) -> GroupState:
-    return GroupState.FAILED if ended.failed else GroupState.SUCCEEDED
+def _group_status(ended: Ended) -> GroupStatus:
+    return GroupStatus.FAILED if ended.failed else GroupStatus.SUCCEEDED

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from relaunch.core.failures import Failure
-from relaunch.core.happenings import Happening, NodeSnapshot
 from relaunch.core.membership import MembershipChange
+from relaunch.core.run_events import NodeSnapshot, RunEvent
 
 
 class Value:
@@ -129,7 +129,7 @@ class Ended(Value):
         return bool(self.failures)
 
 
-class Looked(Value):
+class Observed(Value):
     """How the workers stand (``ended`` None: they run) and the membership change, if any;
     ``used``: the job's restart count, read when the workers failed; ``failing``: the failures
     of workers whose group is still being stopped because of them (``ended`` is None)."""
@@ -151,7 +151,7 @@ class Looked(Value):
 
 
 class PeersAnswered(Value):
-    """The roll call's outcome (None: cannot tell), and the change that came meanwhile."""
+    """The presence check's outcome (None: cannot tell), and the change that came meanwhile."""
 
     __slots__ = ("alive", "change")
     alive: bool | None
@@ -181,7 +181,7 @@ Observation = (
     | WorkersStarted
     | NotAgreed
     | StacksPending
-    | Looked
+    | Observed
     | PeersAnswered
     | HangsChecked
 )
@@ -221,7 +221,7 @@ class CheckStore(Value):
     """Before a restart is told: the job ends here if the store was lost with its host."""
 
 
-class AskRollCall(Value):
+class CheckPresence(Value):
     """Ask whether every other node answers within ``timeout`` (answered by ``PeersAnswered``)."""
 
     __slots__ = ("timeout",)
@@ -305,7 +305,7 @@ class ReportFailure(Value):
     """Log the failure report of the workers that just failed."""
 
 
-class Say(Value):
+class LogLine(Value):
     """Log ``text`` (a warning, or an error)."""
 
     __slots__ = ("error", "text")
@@ -326,14 +326,14 @@ class StopNote(Value):
         self._set(text=text)
 
 
-class Tell(Value):
-    """Announce ``happening`` to the agent's sinks (``agent.sinks``)."""
+class Announce(Value):
+    """Announce ``run_event`` to the agent's sinks (``agent.sinks``)."""
 
-    __slots__ = ("happening",)
-    happening: Happening
+    __slots__ = ("run_event",)
+    run_event: RunEvent
 
-    def __init__(self, happening: Happening) -> None:
-        self._set(happening=happening)
+    def __init__(self, run_event: RunEvent) -> None:
+        self._set(run_event=run_event)
 
 
 class Succeed(Value):
@@ -351,7 +351,7 @@ class Fail(Value):
         self._set(requeue=requeue)
 
 
-class CutShort(Value):
+class EndedElsewhere(Value):
     """The job ended elsewhere and this node's workers with it: end the run with ``message``
     (``requeue`` False: the job ended for a failure that running it again cannot mend)."""
 
@@ -368,7 +368,7 @@ Action = (
     | StartWorkers
     | StopWorkers
     | CheckStore
-    | AskRollCall
+    | CheckPresence
     | TakeStacks
     | CheckHangs
     | Wait
@@ -377,10 +377,10 @@ Action = (
     | NoteRestart
     | LeaveRound
     | ReportFailure
-    | Say
+    | LogLine
     | StopNote
-    | Tell
+    | Announce
     | Succeed
     | Fail
-    | CutShort
+    | EndedElsewhere
 )

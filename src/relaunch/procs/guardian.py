@@ -5,8 +5,8 @@ That also means nothing kills them if the launching process is itself killed (ev
 which no handler can catch). The guardian is a POSIX shell (about a millisecond to start, about a
 megabyte of memory) in a session of its own, reading the launcher's registrations of live process
 groups from a pipe. When the pipe reaches end of file, which the kernel guarantees however the
-launcher dies, it SIGKILLs every group still registered, has the launcher's last word said
-(``rendezvous.last_word``: its round re-forms at once), and removes the temporary files
+launcher dies, it SIGKILLs every group still registered, has the launcher's death notice written
+(``rendezvous.death_notice``: its round re-forms at once), and removes the temporary files
 registered with it (the agent's shared-memory channel). Unlike a parent-death signal it also
 covers the workers' descendants, and it does not fire when the thread that started a worker exits.
 
@@ -62,11 +62,11 @@ done
 for file in $files; do rm -rf -- "$file"; done
 wait
 """
-#: What the guardian runs for a dead agent's last word (``rendezvous.last_word``), with this
+#: What the guardian runs for a dead agent's death notice (``rendezvous.death_notice``), with this
 #: interpreter, isolated (``-I``), the directory relaunch is in first on its path.
-_LAST_WORD = (
+_DEATH_NOTICE = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from relaunch.rendezvous.last_word import main; sys.exit(main())"
+    "from relaunch.rendezvous.death_notice import main; sys.exit(main())"
 )
 
 
@@ -77,7 +77,7 @@ class Guardian:
     def __init__(self) -> None:
         relaunch_in = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self._proc = subprocess.Popen(
-            ["/bin/sh", "-c", _SCRIPT, sys.executable, _LAST_WORD, relaunch_in],
+            ["/bin/sh", "-c", _SCRIPT, sys.executable, _DEATH_NOTICE, relaunch_in],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -119,11 +119,11 @@ class Guardian:
     def unregister_tree(self, token: str) -> None:
         self._send(f"u {token}\n")
 
-    def set_last_word(self, line: str | None) -> None:
-        """Have the guardian say ``line`` (``rendezvous.last_word``) if the launcher dies, after
-        killing its workers; None: say nothing."""
+    def set_death_notice(self, line: str | None) -> None:
+        """Have the guardian write ``line`` (``rendezvous.death_notice``) if the launcher dies,
+        after killing its workers; None: say nothing."""
         if line is not None and ("\n" in line or not line.strip()):
-            raise ValueError("a last word is one line")
+            raise ValueError("a death notice is one line")
         self._send(f"w {line or ''}\n")
 
     def _send(self, line: str) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from relaunch.core.group import GroupState, group_state
+from relaunch.core.group import GroupStatus, group_status
 from relaunch.procs.console import Console
 from relaunch.procs.handles import StuckWorker, signal_tree, stuck_worker
 from relaunch.procs.output_rounds import OutputRounds
@@ -393,10 +393,10 @@ class GroupMonitor:
             worker.exitcode = exitcode
             worker.exit_time = worker.ended_at or self._clock.time()
             codes = {rank: w.exitcode for rank, w in self.workers.items()}
-            state = group_state(codes)
+            state = group_status(codes)
             if self._grace_until is not None and self.grace is not None:
                 self.grace.exited(worker.local_rank)
-            elif state is GroupState.FAILED and self._kill_at is None and not self.holding:
+            elif state is GroupStatus.FAILED and self._kill_at is None and not self.holding:
                 # The group is one unit: one failure stops the others, once those that save
                 # their state when told of it have (``FailureGrace``).
                 running = {rank for rank, code in codes.items() if code is None}
@@ -405,7 +405,7 @@ class GroupMonitor:
                     self._grace_until = self._clock.monotonic() + hold
                 else:
                     self._stop_locked(signal.SIGTERM, self.stop_timeout)
-            if state is GroupState.FAILED:
+            if state is GroupStatus.FAILED:
                 self._failed.set()
             if all(code is not None for code in codes.values()):
                 self._kill_at = self._give_up_at = self._unreaped.at = None

@@ -4,8 +4,8 @@ It joins rounds (``rounds``), watches the running one (``heartbeat``), and re-fo
 membership changes (``core.membership``); ``backends`` builds it from the ``--rdzv-*`` flags,
 over one ``kinds.StoreKind``: the node's connections, and what their kind of store does its own
 way. The handler has torch's methods only; what the job's nodes share beside joining (the
-restart budget, the roll call, notes, the change and its listener) is its ``job``
-(``dynamic_job.DynamicJob``). Both share where the node stands (``standing.Standing``).
+restart budget, the presence check, notes, the change and its listener) is its ``job``
+(``dynamic_job.DynamicJob``). Both share where the node stands (``node_membership.NodeMembership``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from relaunch.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+from relaunch.rendezvous.death_notice import DeathNotice
 from relaunch.rendezvous.dynamic_job import DynamicJob
 from relaunch.rendezvous.heartbeat import RoundWatch
 from relaunch.rendezvous.kinds import StoreKind
 from relaunch.rendezvous.kinds_counter import CounterKind
-from relaunch.rendezvous.last_word import LastWord
+from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.roster import new_node_id
 from relaunch.rendezvous.rounds import Rounds, closed_record
-from relaunch.rendezvous.standing import Standing
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, StoreError
 
@@ -55,7 +55,7 @@ class HandlerOptions(TypedDict, total=False):
     exclusion_policy: exclusion.ExclusionPolicy | None
     store_host_probe: Callable[[float], None] | None
     node_rank: int | None
-    last_word: LastWord | None
+    death_notice: DeathNotice | None
     failover: StoreFailover | None
     token: str | None
 
@@ -85,8 +85,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ``stores``: the node's connections, of one kind (``kinds``). ``on_shutdown``: what else to
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
     ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
-    which its group rank follows (``core.node_order``). ``last_word``: what this node's guardian
-    says should its agent die while a member (``last_word``). ``token``: the job's (None:
+    which its group rank follows (``core.node_order``). ``death_notice``: what this node's guardian
+    says should its agent die while a member (``death_notice``). ``token``: the job's (None:
     none), which its state copies are keyed from (``DynamicJob``). ``failover``: where the job's
     built-in store may move when its host is lost (``failover``). Deadlines come from ``clock``.
     """
@@ -103,14 +103,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
         node_rank: int | None = None,
-        last_word: LastWord | None = None,
+        death_notice: DeathNotice | None = None,
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
         token: str | None = None,
     ) -> None:
         self._run_id = run_id
         self._node_rank = node_rank
-        self._last_word = last_word
+        self._death_notice = death_notice
         self._stores = stores
         self.settings = settings
         self._backend = backend
@@ -120,7 +120,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # Roll calls are answered by the thread that watches the round, on its own connection.
         self._answers = stores.answers(self._rounds.key, node_id)
         self._on_shutdown = on_shutdown
-        self._standing = Standing(clock)
+        self._membership = NodeMembership(clock)
         # How the job knows this node across restarts (``core.exclusion``).
         self.identity = identity
         #: The job services this node offers the agent (``job.JobServices``).
@@ -129,12 +129,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
             stores,
             settings,
             self._rounds,
-            self._standing,
+            self._membership,
             self.set_closed,
             identity,
             exclusion_policy,
             store_host_probe,
-            last_word,
+            death_notice,
             failover,
             clock,
             token,
@@ -149,11 +149,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _round_now(self) -> tuple[int, int, int] | None:
         """The running round, its member count and this node's group rank (None: none runs)."""
-        standing = self._standing
-        round_, final = standing.round, standing.final
-        if round_ is None or final is None or standing.changed():
+        membership = self._membership
+        round_, final = membership.round, membership.final
+        if round_ is None or final is None or membership.changed():
             return None
-        return round_, final.count, standing.group_rank
+        return round_, final.count, membership.group_rank
 
     @classmethod
     def on_counters(
@@ -181,13 +181,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._rounds.is_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self._rounds.waiting(self._standing.round)
+        return self._rounds.waiting(self._membership.round)
 
     def next_rendezvous(self) -> RendezvousInfo:
         try:
             return self._next_rendezvous()
         except StoreError as exc:
-            self._standing.store_lost = True
+            self._membership.store_lost = True
             raise RendezvousConnectionError(f"rendezvous of job {self._run_id!r}: {exc}") from None
 
     def _next_rendezvous(self) -> RendezvousInfo:
@@ -202,26 +202,26 @@ class DynamicRendezvousHandler(RendezvousHandler):
             # call reconnects (retrying for join_timeout): marking the old round is best effort.
             log.warning(
                 "could not mark round %s for re-forming (%s); joining again",
-                self._standing.round,
+                self._membership.round,
                 exc,
             )
-        standing = self._standing
-        role, workers = standing.workers
-        last = None if standing.round is None else (standing.round, standing.group_rank)
+        membership = self._membership
+        role, workers = membership.workers
+        last = None if membership.round is None else (membership.round, membership.group_rank)
         round_, ticket, through, final = self._rounds.join(workers, role, last, self._node_rank)
         try:
             group_rank, offset = node_order.assign(final.placing, ticket, through, workers)
         except ValueError as exc:
             raise RendezvousError(f"rendezvous of job {self._run_id!r}: {exc}") from None
-        previous = None if standing.final is None else standing.final.count
-        standing.enter(round_, group_rank, final)
+        previous = None if membership.final is None else membership.final.count
+        membership.enter(round_, group_rank, final)
         if self._failover is not None and self._failover.hosting:
             self._failover.admit(final.count, previous)
             # Whom the others lose should this node's store go: they re-form without it.
             self._stores.store.set(self._rounds.key("store_host", round_), b"%d" % group_rank)
-        if self._last_word is not None:
+        if self._death_notice is not None:
             lost = MembershipChange.member_lost(group_rank, "its agent died", None)
-            self._last_word.leave(
+            self._death_notice.leave(
                 self._rounds.key("changed", round_),
                 self._rounds.key("bell", round_),
                 encode_change(lost, expected_size(final.count, lost)),
@@ -253,11 +253,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Mark the job finished, so late nodes exit rather than wait (``StoreKind.close_job``:
         a kind may delete the job's keys then); ``failure``: the one that ended it, kept in the
         ``closed`` record (``rounds.closed_record``)."""
-        standing = self._standing
-        if standing.finished:
+        membership = self._membership
+        if membership.finished:
             return
-        standing.finished = True
-        round_ = standing.round or 0
+        membership.finished = True
+        round_ = membership.round or 0
         try:
             if self._rounds.is_closed():
                 return  # another node closed it (and cleaned up)
@@ -273,37 +273,37 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _mark_finished(self) -> None:
         """Supersede the running round with the job's end: its members stop."""
-        standing = self._standing
-        if standing.round is not None and standing.final is not None:
+        membership = self._membership
+        if membership.round is not None and membership.final is not None:
             finished = MembershipChange.finished()
             self._rounds.supersede(
-                standing.round, finished, expected_size(standing.final.count, finished)
+                membership.round, finished, expected_size(membership.final.count, finished)
             )
 
     def shutdown(self) -> bool:
-        if self._last_word is not None:
-            self._last_word.retract()
-        standing = self._standing
-        standing.stop_watching()
+        if self._death_notice is not None:
+            self._death_notice.retract()
+        membership = self._membership
+        membership.stop_watching()
         if self._stores.feed is not None:
             self._stores.feed.close()
         if (
-            standing.round is not None
-            and standing.final is not None
-            and not standing.finished
-            and not standing.store_lost
-            and not standing.ended  # the job is over: nobody re-forms, and its keys may be gone
+            membership.round is not None
+            and membership.final is not None
+            and not membership.finished
+            and not membership.store_lost
+            and not membership.ended  # the job is over: nobody re-forms, and its keys may be gone
         ):
             try:
                 # Leaving before the job finished: the others re-form without this node. This
                 # also wakes this node's own watcher, so its connection can close.
-                left = MembershipChange.member_left(standing.group_rank)
+                left = MembershipChange.member_left(membership.group_rank)
                 self._rounds.supersede(
-                    standing.round, left, expected_size(standing.final.count, left)
+                    membership.round, left, expected_size(membership.final.count, left)
                 )
             except StoreError:
                 pass
-        if not standing.store_lost:
+        if not membership.store_lost:
             self._stores.release()
         stores = self._stores
         for close in (stores.heartbeat_store.close, stores.store.close, *self._on_shutdown):
@@ -317,23 +317,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """A change the round's watch noticed. When the store was lost and may move, the calls
         still waiting on it (a status post, say) end now rather than at their deadline: the
         agent's teardown must not wait for a silent host."""
-        self._standing.flag(round_, change, recorded)
+        self._membership.flag(round_, change, recorded)
         if change.kind is ChangeKind.STORE_LOST and self._failover is not None:
             self._failover.cut_off()
 
     def _start_watching(self) -> None:
-        """Watch the round just joined: heartbeats, the neighbour's, and the round's bell."""
-        standing = self._standing
-        round_ = standing.round
-        assert round_ is not None and standing.final is not None
-        standing.watch = RoundWatch(
+        """Watch the round just joined: heartbeats, the neighbour's, and the round's signal."""
+        membership = self._membership
+        round_ = membership.round
+        assert round_ is not None and membership.final is not None
+        membership.watch = RoundWatch(
             lambda name: self._rounds.key(name, round_),
-            standing.group_rank,
-            standing.final.count,
+            membership.group_rank,
+            membership.final.count,
             self.settings,
             self._stores,
             lambda change, recorded: self._flag(round_, change, recorded),
             lambda: self._answers.mark("here", round_),
             self._clock,
         )
-        standing.watch.start()
+        membership.watch.start()

@@ -1,13 +1,13 @@
 """The job services (``job.JobServices``) of a node of the dynamic rendezvous: what the nodes of
 one job share through its store beside joining rounds.
 
-The restart budget (``relaunch/{run_id}/restarts``, added to by the node whose failure
-re-formed a round), the roll call (``rollcall``), the job's failure and stack requests (a change
-record that supersedes the running round), the notes of a round, the exit barrier, the wait for
-the job's end, and exclusion: a node whose failures re-form the job too often is excluded for a
-while (``core.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only
-that node writes. The handler (``dynamic``) joins the rounds; both share the node's
-``standing.Standing``.
+The restart budget (``relaunch/{run_id}/restarts``, added to by the node whose failure re-formed a
+round), the presence check (``presence``), the job's failure and stack requests (a change record
+that supersedes the running round), the notes of a round, the exit barrier, the wait for the job's
+end, and exclusion: a node whose failures re-form the job too often is excluded for a while
+(``core.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only that node
+writes. The handler (``dynamic``) joins the rounds; both share the node's
+``node_membership.NodeMembership``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from relaunch.rendezvous.api import (
     store_int,
     store_record,
 )
+from relaunch.rendezvous.death_notice import DeathNotice
 from relaunch.rendezvous.job import ChangeListener, check_workers
 from relaunch.rendezvous.kinds import StoreKind
-from relaunch.rendezvous.last_word import LastWord
-from relaunch.rendezvous.rollcall import roll_call
+from relaunch.rendezvous.node_membership import NodeMembership
+from relaunch.rendezvous.presence import presence_check
 from relaunch.rendezvous.rounds import Rounds, closing_failure
-from relaunch.rendezvous.standing import Standing
 from relaunch.rendezvous.store_loss import StoreLoss
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store import auth
@@ -65,18 +65,18 @@ class DynamicJob:
         stores: StoreKind,
         settings: plan.Settings,
         rounds: Rounds,
-        standing: Standing,
+        membership: NodeMembership,
         close: Callable[[MembershipChange | None], None],
         identity: str = "",
         exclusion_policy: exclusion.ExclusionPolicy | None = None,
         store_host_probe: Callable[[float], None] | None = None,
-        last_word: LastWord | None = None,
+        death_notice: DeathNotice | None = None,
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
         token: str | None = None,
     ) -> None:
         self._run_id = run_id
-        self._last_word = last_word
+        self._death_notice = death_notice
         #: What the nodes' state copies prove (``job.JobServices.peer_key``).
         self.peer_key = None if token is None else auth.derived(token, f"state copies {run_id}")
         self._stores, self._store = stores, stores.store
@@ -85,12 +85,12 @@ class DynamicJob:
         #: The address the other nodes reach this one at (its workers' MASTER_ADDR when it
         #: hosts rank 0, its state peer server's).
         self.local_addr: str | None = rounds.local_addr
-        self._standing = standing
+        self._membership = membership
         self._close = close
         self.identity = identity
         self._exclusion = exclusion_policy
         self._loss = StoreLoss(
-            run_id, standing, settings, rounds, stores.store, store_host_probe, failover, clock
+            run_id, membership, settings, rounds, stores.store, store_host_probe, failover, clock
         )
         self._clock = clock
         self._restarts_seen = 0
@@ -102,25 +102,25 @@ class DynamicJob:
         return self._stores.lost_node_grace(self.settings)
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
-        self._standing.set_listener(listener)
+        self._membership.set_listener(listener)
 
     def membership_change(self) -> MembershipChange | None:
-        return self._standing.change
+        return self._membership.change
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
-        if self._last_word is not None:
-            self._last_word.send_to(send)
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
+        if self._death_notice is not None:
+            self._death_notice.send_to(send)
 
     def wait_membership_change(self, timeout: float) -> MembershipChange | None:
         """``membership_change()``, waiting up to ``timeout`` seconds for one."""
-        self._standing.wait_change(timeout)
+        self._membership.wait_change(timeout)
         return self.membership_change()
 
     # -- leaving a round, and joining again ---------------------------------------------------
 
     def set_workers(self, role: str, local_world_size: int) -> None:
         """This node joins its next rounds with ``local_world_size`` workers of ``role``."""
-        self._standing.workers = (role, check_workers(role, local_world_size))
+        self._membership.workers = (role, check_workers(role, local_world_size))
 
     def prepare_join(self) -> float | None:
         """Leave the running round (the others re-form at once), then say until when this node
@@ -138,7 +138,7 @@ class DynamicJob:
         return exclusion.excluded_until(record, self._clock.time())
 
     def leave_early(self) -> None:
-        if self._standing.store_lost_at is not None:
+        if self._membership.store_lost_at is not None:
             return
         try:
             self._leave_or_warn()
@@ -149,24 +149,24 @@ class DynamicJob:
         try:
             self.leave_round()
         except StoreError as exc:
-            log.warning("could not mark round %s for re-forming (%s)", self._standing.round, exc)
+            log.warning("could not mark round %s for re-forming (%s)", self._membership.round, exc)
 
     def leave_round(self) -> None:
         """Before joining again: mark the current round as re-formed, so others follow. When
         this node's own failure re-forms it, the failure counts against the node, and may
         exclude it: the others then re-form without waiting for it."""
-        standing = self._standing
-        standing.stop_watching()
-        if standing.round is None or standing.final is None or standing.left:
+        membership = self._membership
+        membership.stop_watching()
+        if membership.round is None or membership.final is None or membership.left:
             return
-        standing.left = True
-        change, spending, recorded = standing.leave()
+        membership.left = True
+        change, spending, recorded = membership.leave()
         if recorded:
             return  # the round's record says it already: O(1) requests for the followers
         if self._rounds.is_closed():
             raise RendezvousClosedError(f"the job {self._run_id!r} has already finished")
-        waiting = self._rounds.waiting(standing.round)
-        others = standing.final.count - 1 + waiting  # the next round, should this node be out
+        waiting = self._rounds.waiting(membership.round)
+        others = membership.final.count - 1 + waiting  # the next round, should this node be out
         read = self._read_record() if spending and self._exclusion is not None else None
         counted = None if read is None else self._counted(read[0], others)
         if (
@@ -176,12 +176,12 @@ class DynamicJob:
         ):
             until = time.strftime("%H:%M:%S", time.localtime(counted.excluded_until))
             change = MembershipChange.member_excluded(
-                standing.group_rank,
-                f"node {self.identity} (group rank {standing.group_rank}) is excluded until "
+                membership.group_rank,
+                f"node {self.identity} (group rank {membership.group_rank}) is excluded until "
                 f"{until}, having failed the job {read[0].failures + 1} times ({change.reason})",
             )
         won = self._rounds.supersede(
-            standing.round, change, expected_size(standing.final.count, change, waiting)
+            membership.round, change, expected_size(membership.final.count, change, waiting)
         )
         if won and spending:  # one group restart, one unit, whoever else failed with it
             self._store.add(self._key("restarts", None), 1)
@@ -211,11 +211,11 @@ class DynamicJob:
         """After the store was lost: whether it lives, or moved (``store_loss.StoreLoss``)."""
         self._loss.check()
 
-    # -- the restart budget, the roll call, the job's failure ---------------------------------
+    # -- the restart budget, the presence check, the job's failure ---------------------------------
 
     def note_restart(self, reason: str) -> None:
-        self._standing.restart_reason = reason
-        self._standing.spending = True
+        self._membership.restart_reason = reason
+        self._membership.spending = True
 
     def share_learned(self, learned: Learned) -> Learned:
         """Merge ``learned`` into the job's table (``relaunch/{run_id}/learned``, a
@@ -260,28 +260,30 @@ class DynamicJob:
         return self._restarts_seen
 
     def peers_alive(self, timeout: float) -> bool | None:
-        """A roll call of the running round (``rollcall``): True when every member answered
+        """A presence check of the running round (``presence``): True when every member answered
         within ``timeout``."""
-        round_, final = self._standing.round, self._standing.final
+        round_, final = self._membership.round, self._membership.final
         if round_ is None or final is None:
             return None
         try:
-            return roll_call(self._store, self._roster, self._key, round_, final.count, timeout)
+            return presence_check(
+                self._store, self._roster, self._key, round_, final.count, timeout
+            )
         except StoreError as exc:
-            log.warning("roll call of round %d: %s", round_, exc)
+            log.warning("presence check of round %d: %s", round_, exc)
             return None
 
     def stop_for_stacks(self, reason: str) -> None:
         """Mark the round re-formed now, asking its members for their workers' stacks, and count
         the group restart this node's hang spends (``leave_round`` will find the record)."""
-        standing = self._standing
-        if standing.round is None or standing.final is None or standing.finished:
+        membership = self._membership
+        if membership.round is None or membership.final is None or membership.finished:
             return
         change = MembershipChange.restarting(reason, stacks=True)
         try:
-            waiting = self._rounds.waiting(standing.round)
+            waiting = self._rounds.waiting(membership.round)
             won = self._rounds.supersede(
-                standing.round, change, expected_size(standing.final.count, change, waiting)
+                membership.round, change, expected_size(membership.final.count, change, waiting)
             )
             if won:
                 self._store.add(self._key("restarts", None), 1)
@@ -291,19 +293,23 @@ class DynamicJob:
     def fail_job(self, reason: str, stacks: bool = False, requeue: bool = True) -> None:
         """Mark the round failed (its members stop and report it, rather than re-form), then
         close the job."""
-        standing = self._standing
+        membership = self._membership
         failed = MembershipChange.failed(reason, stacks, requeue)
-        if standing.round is not None and standing.final is not None and not standing.finished:
+        if (
+            membership.round is not None
+            and membership.final is not None
+            and not membership.finished
+        ):
             try:
                 self._rounds.supersede(
-                    standing.round, failed, expected_size(standing.final.count, failed)
+                    membership.round, failed, expected_size(membership.final.count, failed)
                 )
             except StoreConnectionError as exc:
                 # The store is gone or out of reach (its host failed the job too, say): closing
                 # the job there would wait for it up to join_timeout, for nobody. The other
                 # nodes learn of this one from its silence.
                 log.warning("could not tell the other nodes that the job failed: %s", exc)
-                standing.store_lost = standing.finished = True
+                membership.store_lost = membership.finished = True
             except StoreError as exc:
                 log.warning("could not tell the other nodes that the job failed: %s", exc)
         self._close(failed)
@@ -321,7 +327,7 @@ class DynamicJob:
     # -- notes, and the exit barrier ----------------------------------------------------------
 
     def post_note(self, name: str, value: bytes) -> None:
-        round_ = self._standing.round
+        round_ = self._membership.round
         if round_ is None:
             return
         try:
@@ -330,7 +336,7 @@ class DynamicJob:
             log.debug("could not post the note %r: %s", name, exc)
 
     def read_notes(self, names: Sequence[str]) -> dict[str, bytes]:
-        round_, notes = self._standing.round, dict[str, bytes]()
+        round_, notes = self._membership.round, dict[str, bytes]()
         if round_ is None:
             return notes
         try:
@@ -343,7 +349,7 @@ class DynamicJob:
     def gather(
         self, name: str, rank: int, count: int, value: bytes, timeout: float
     ) -> dict[int, bytes] | None:
-        round_ = self._standing.round
+        round_ = self._membership.round
         if round_ is None:
             return None
         names = [f"{name}/{member}" for member in range(count)]
@@ -363,28 +369,28 @@ class DynamicJob:
         """Count this node done; group rank 0 waits for every member, then closes the job,
         which is what the others wait for. O(1) store operations a node, and no event that
         reaches every node but the one ``closed`` record. Ends early when a member is lost."""
-        standing = self._standing
-        if standing.round is None or standing.final is None:
+        membership = self._membership
+        if membership.round is None or membership.final is None:
             return
-        round_, members = standing.round, standing.final.count
+        round_, members = membership.round, membership.final.count
         deadline = self._clock.monotonic() + timeout
         interval = self.settings.keep_alive_interval
         try:
             self._roster.mark("done", round_)
             closed = self._key("closed", None)
-            while not standing.changed():  # a member was lost: the live ones are done
+            while not membership.changed():  # a member was lost: the live ones are done
                 left = deadline - self._clock.monotonic()
                 if left <= 0:
                     log.warning("exit barrier: not every node finished within %s", seconds(timeout))
                     return
-                if standing.group_rank == 0:
+                if membership.group_rank == 0:
                     done = self._roster.await_tally("done", round_, members, min(left, interval))
                     if done >= members:
                         return
                 elif self._stores.news.watch(closed, 0, min(left, interval)).value is not None:
                     return
         except StoreConnectionError:
-            standing.finished = True  # the hosting node finished and left: everyone is done
+            membership.finished = True  # the hosting node finished and left: everyone is done
         except StoreFenced:
             raise self._loss.fenced_out() from None
 

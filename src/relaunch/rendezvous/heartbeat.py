@@ -1,6 +1,6 @@
 """Watching a running round: this member's heartbeat, its ring neighbour's, and the round's
-``changed`` record (heard through its bell, ``rollcall``). Whatever they notice goes to one
-callback, as a ``MembershipChange``; a roll call is answered on the spot.
+``changed`` record (heard through its round signal, ``presence``). Whatever they notice goes to one
+callback, as a ``MembershipChange``; a presence check is answered on the spot.
 
 Each member watches one neighbour, so a round of N nodes costs O(1) store operations per node
 and beat. How a member beats, and how a neighbour's silence is judged, is its store kind's
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from relaunch.core import rendezvous as plan
 from relaunch.core.membership import MembershipChange
 from relaunch.rendezvous.api import store_change
-from relaunch.rendezvous.rollcall import CALL
+from relaunch.rendezvous.presence import CALL
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 from relaunch.store.api import StoreError, Versioned, Watchable
 
@@ -30,12 +30,12 @@ class RoundWatch:
     """The threads that watch one round for the member of group rank ``group_rank`` of
     ``count``.
 
-    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). The heartbeat goes
-    through the ``stores``' heartbeat connection, beating their kind's way. A re-form or a roll
-    call reaches this member at once through the round's bell: where the kind has a feed of the
-    job's news, the feed calls it back; else, with a watch connection, a second thread blocks on the
-    bell; without either the heartbeat looks at ``changed`` and ``call`` each beat. ``answer``
-    answers a roll call (once a round). Beats are timed on ``clock``.
+    ``round_key`` names a key of the round (``"changed"``, ``"hb/3"``). The heartbeat goes through
+    the ``stores``' heartbeat connection, beating their kind's way. A re-form or a presence check
+    reaches this member at once through the round's signal: where the kind has a feed of the job's
+    news, the feed calls it back; else, with a watch connection, a second thread blocks on the round
+    signal; without either the heartbeat looks at ``changed`` and ``call`` each beat. ``answer``
+    answers a presence check (once a round). Beats are timed on ``clock``.
     """
 
     def __init__(
@@ -66,7 +66,9 @@ class RoundWatch:
     def start(self) -> None:
         self._beating = start_thread(self._beat, "relaunch-heartbeat")
         if self._feed is not None:
-            self._unsubscribe = self._feed.subscribe(self._key("bell"), self._rung, self._lost)
+            self._unsubscribe = self._feed.subscribe(
+                self._key("bell"), self._on_round_signal, self._lost
+            )
         elif self._watch_store is not None:
             start_thread(self._watch_changes, "relaunch-rdzv-watch")
 
@@ -79,17 +81,18 @@ class RoundWatch:
         if self._beating is not None:
             self._beating.join()
 
-    def _rung(self, rung: Versioned) -> None:
-        """The bell, as the feed heard it: answer a roll call; note a change (a feed's kind
-        writes a change and its ring at once, but a roll call may have rung over it since)."""
+    def _on_round_signal(self, signalled: Versioned) -> None:
+        """The round signal, as the feed heard it: answer a presence check; note a change (a feed's
+        kind writes a change and its round signal at once, but a presence check may have written
+        over it since)."""
         feed = self._feed
         assert feed is not None
         if self._stop.is_set():
             return
         try:
-            if rung.value == CALL:
+            if signalled.value == CALL:
                 self._answer_call(feed, called=True)
-            key, record = self._key("bell"), rung.value
+            key, record = self._key("bell"), signalled.value
             if record == CALL:
                 key = self._key("changed")
                 record = feed.get(key).value
@@ -103,33 +106,34 @@ class RoundWatch:
             self._flag(MembershipChange.store_lost(exc), False)
 
     def _watch_changes(self) -> None:
-        """Block on this round's bell: a re-form anywhere, or a roll call, reaches us at once.
-        Each keep-alive interval, look at ``changed`` anyway, in case whoever wrote it died
+        """Block on this round's signal: a re-form anywhere, or a presence check, reaches us at
+        once. Each keep-alive interval, look at ``changed`` anyway, in case whoever wrote it died
         before ringing."""
         store = self._watch_store
         assert store is not None
-        bell, stop, version = self._key("bell"), self._stop, 0
+        round_signal, stop, version = self._key("bell"), self._stop, 0
         interval = self._settings.keep_alive_interval
         try:
-            rung = store.watch(bell, version, interval)
+            signalled = store.watch(round_signal, version, interval)
             while not stop.is_set():
-                version = rung.version
-                if rung.value == CALL:
+                version = signalled.version
+                if signalled.value == CALL:
                     self._answer_call(store, called=True)
-                key, record = bell, rung.value
+                key, record = round_signal, signalled.value
                 if record is None or record == CALL:
                     key = self._key("changed")
                     record = store.get(key).value
                 if record is not None:
                     self._flag(store_change(key, record)[0], True)
                     return
-                rung = store.watch(bell, version, interval)
+                signalled = store.watch(round_signal, version, interval)
         except StoreError as exc:
             if not stop.is_set():
                 self._flag(MembershipChange.store_lost(exc), False)
 
     def _answer_call(self, store: Watchable, called: bool) -> None:
-        """Answer the round's roll call once, if it was called (``called``: the bell said so)."""
+        """Answer the round's presence check once, if it was called (``called``: the round signal
+        said so)."""
         if self._answer is None or self._answered:
             return
         if called or store.get(self._key("call")).value is not None:
@@ -150,7 +154,7 @@ class RoundWatch:
         try:
             while True:
                 pulse.beat(self._key(f"hb/{self._group_rank}"))
-                if self._watch_store is None:  # nobody blocks on the bell: look each beat
+                if self._watch_store is None:  # nobody blocks on the round signal: look each beat
                     self._answer_call(store, called=False)
                     key = self._key("changed")
                     changed = store.get(key).value

@@ -2,7 +2,7 @@
 
 ``RendezvousHandler`` (``rendezvous.api``) keeps torch's methods: join a round, say the backend
 and run id, close and shut down. What a job of several nodes shares beyond that (the restart
-budget, the roll call, the job's failure, stack requests, notes, the exit barrier, exclusion
+budget, the presence check, the job's failure, stack requests, notes, the exit barrier, exclusion
 and the membership change, pushed to a listener as a typed value) is ``JobServices``. A handler
 that offers them has a ``job`` attribute (the dynamic handler's is ``dynamic_job.DynamicJob``);
 any other handler (static, or one written for torch) gets ``SoloJob``: a job of one node, with
@@ -50,8 +50,8 @@ class JobServices(Protocol):
     def membership_change(self) -> MembershipChange | None:
         """Why the running round should be re-formed, or None."""
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
-        """Have ``send`` hand this node's last word (``last_word``) to what outlives the
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
+        """Have ``send`` hand this node's death notice (``death_notice``) to what outlives the
         agent (its orphan guardian), for every round it is a member of."""
 
     def share_learned(self, learned: Learned) -> Learned:
@@ -159,7 +159,7 @@ class SoloJob:
     def membership_change(self) -> MembershipChange | None:
         return None
 
-    def leave_last_word_with(self, send: Callable[[str | None], None]) -> None:
+    def leave_death_notice_with(self, send: Callable[[str | None], None]) -> None:
         pass  # one node: nobody to tell
 
     def share_learned(self, learned: Learned) -> Learned:

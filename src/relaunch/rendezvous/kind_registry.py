@@ -38,12 +38,17 @@ class KindModule(Protocol):
     def create_handler(self, params: RendezvousSpec) -> RendezvousHandler:
         """The node's handler for the job ``params`` names."""
 
-    def speak(
-        self, where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float
+    def write_death_notice(
+        self,
+        where: Mapping[str, Any],
+        changed: str,
+        round_signal: str,
+        record: bytes,
+        timeout: float,
     ) -> bool:
-        """A dead agent's last word: write ``record`` at ``changed`` unless a change is there,
-        and ring ``bell``, on the store ``where`` says (its ``"store"`` is the backend name);
-        whether it was written."""
+        """A dead agent's death notice: write ``record`` at ``changed`` unless a change is there,
+        and write ``round_signal``, on the store ``where`` says (its ``"store"`` is the backend
+        name); whether it was written."""
 
     def open_reader(
         self,

@@ -8,7 +8,7 @@ the few things the kinds do differently:
 - heartbeats (``pulse``): a counter each member bumps, or the node's etcd lease holding its key,
   which etcd deletes when the node stops renewing it; hence the bound on noticing a lost node
   (``lost_node_grace``), and a lease to give back on shutting down (``release``);
-- marking a round re-formed and ringing its bell (``supersede``): two writes, or on etcd one
+- marking a round re-formed and writing its round signal (``supersede``): two writes, or on etcd one
   transaction, which reaches each member's feed as one event;
 - a round's notes (``read_notes``): one read each, or on etcd one range read for all;
 - closing the job (``close_job``): records that dismiss late nodes, or on etcd the job's keys
@@ -18,7 +18,7 @@ the few things the kinds do differently:
 
 ``kinds_counter.CounterKind`` is the built-in store's and the in-process one's;
 ``kinds_etcd.EtcdKind`` is etcd's. Each kind's module also builds its handler, says a dead
-agent's last word and opens ``relaunch status``'s reader (``kind_registry``).
+agent's death notice and opens ``relaunch status``'s reader (``kind_registry``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class StoreKind(Protocol):
 
     @property
     def watch_store(self) -> Watchable | None:
-        """A connection of its own that blocks on the round's bell (None: the heartbeat looks
+        """A connection of its own that blocks on the round's signal (None: the heartbeat looks
         at the round each beat)."""
 
     @property
@@ -74,11 +74,11 @@ class StoreKind(Protocol):
         """Joins and tallies of node ``node_id`` on the requests' connection."""
 
     def answers(self, key: KeyOf, node_id: str) -> Roster:
-        """The same on the watching connection, which answers roll calls."""
+        """The same on the watching connection, which answers presence checks."""
 
-    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        """Write the change ``record`` at ``changed`` unless one is there, and ring ``bell``
-        with it: whether this one was written."""
+    def supersede(self, changed: str, round_signal: str, record: bytes) -> bool:
+        """Write the change ``record`` at ``changed`` unless one is there, and write
+        ``round_signal`` with it: whether this one was written."""
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         """``(name, value)`` of those of ``names`` that are there under ``prefix``, as read."""

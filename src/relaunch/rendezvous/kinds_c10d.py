@@ -24,9 +24,9 @@ from relaunch.rendezvous.api import RendezvousConnectionError
 from relaunch.store.api import StoreError
 
 if TYPE_CHECKING:
+    from relaunch.rendezvous.death_notice import DeathNotice
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
     from relaunch.rendezvous.failover import StoreFailover
-    from relaunch.rendezvous.last_word import LastWord
     from relaunch.rendezvous.reader import JobReader
     from relaunch.store.client import TcpStore
     from relaunch.store.server import Elect, TcpStoreServer
@@ -44,9 +44,9 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     With several endpoints the store may move among them (``failover``): the node joins the one
     that serves the job now, hosts it if none does and it can, and else serves a standby at the
     first other one it can bind."""
+    from relaunch.rendezvous.death_notice import DeathNotice
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler, node_options
     from relaunch.rendezvous.failover import StoreFailover, job_electorate
-    from relaunch.rendezvous.last_word import LastWord
 
     endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", DEFAULT_PORT)
     conf = params.settings
@@ -72,13 +72,13 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
             stop()
         raise RendezvousConnectionError(f"rendezvous of job {params.run_id!r}: {exc}") from None
     store, heartbeat_store, watch_store = clients
-    # The store's host takes the store with it: nobody would hear its last word.
+    # The store's host takes the store with it: nobody would hear its death notice.
     where = {"store": "c10d", "host": host, "port": port, "token": token}
-    last_word = None if server is not None else LastWord(where)
+    death_notice = None if server is not None else DeathNotice(where)
     failover = None
     if elect is not None:
         failover = StoreFailover(endpoints, token, (host, port), server or standby, elect)
-        _follow_moves(failover, clients, last_word)
+        _follow_moves(failover, clients, death_notice)
         on_shutdown = (failover.close, *on_shutdown)
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
@@ -90,7 +90,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         backend=params.backend,
         on_shutdown=(watch_store.close, *on_shutdown),
         store_host_probe=_probe(host, port, token) if server is None else None,
-        last_word=last_word,
+        death_notice=death_notice,
         failover=failover,
         token=token,
         **node_options(conf),
@@ -98,14 +98,14 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
 
 
 def _follow_moves(
-    failover: StoreFailover, clients: tuple[TcpStore, ...], last_word: LastWord | None
+    failover: StoreFailover, clients: tuple[TcpStore, ...], death_notice: DeathNotice | None
 ) -> None:
-    """The node's connections, and its last word, go where the store moves."""
+    """The node's connections, and its death notice, go where the store moves."""
     store, heartbeat_store, watch_store = clients
     for client in (heartbeat_store, store, watch_store):
         failover.add_client(client)
-    if last_word is not None:
-        failover.on_move(last_word.move_to)
+    if death_notice is not None:
+        failover.on_move(death_notice.move_to)
 
 
 def _fqdn() -> str:
@@ -256,16 +256,18 @@ def _probe(host: str, port: int, token: str | None) -> Callable[[float], None]:
     return probe
 
 
-def speak(where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float) -> bool:
-    """A dead agent's last word (``last_word``): the change and its bell, on the store at
-    ``where``, within ``timeout`` seconds a request."""
+def write_death_notice(
+    where: Mapping[str, Any], changed: str, round_signal: str, record: bytes, timeout: float
+) -> bool:
+    """A dead agent's death notice (``death_notice``): the change and its round signal, on the store
+    at ``where``, within ``timeout`` seconds a request."""
     from relaunch.rendezvous.kinds_counter import supersede_on_counters
     from relaunch.store.client import TcpStore
 
     host, port, token = where["host"], where["port"], where["token"]
     store = TcpStore(host, port, token, timeout=timeout, connect_timeout=timeout)
     try:
-        return supersede_on_counters(store, changed, bell, record)
+        return supersede_on_counters(store, changed, round_signal, record)
     finally:
         store.close()
 

@@ -1,7 +1,7 @@
 """The built-in store's kind, and the in-process store's (see kinds): atomic counters.
 
 Joins and tallies are counters (roster.CounterRoster), heartbeats a counter each member
-bumps (CounterPulse), a change and its bell two writes, and waits go to the store itself.
+bumps (CounterPulse), a change and its round signal two writes, and waits go to the store itself.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ if TYPE_CHECKING:
     from relaunch.store.etcd_feed import PrefixFeed
 
 
-def supersede_on_counters(store: Store, changed: str, bell: str, record: bytes) -> bool:
-    """``StoreKind.supersede`` on the built-in store: the change, then its bell."""
+def supersede_on_counters(store: Store, changed: str, round_signal: str, record: bytes) -> bool:
+    """``StoreKind.supersede`` on the built-in store: the change, then its round signal."""
     won = store.compare_set(changed, 0, record).succeeded
     if won:
-        store.set(bell, record)
+        store.set(round_signal, record)
     return won
 
 
@@ -60,8 +60,8 @@ class CounterKind:
     def answers(self, key: KeyOf, node_id: str) -> Roster:
         return CounterRoster(self.watch_store or self.heartbeat_store, key, self._clock)
 
-    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        return supersede_on_counters(self.store, changed, bell, record)
+    def supersede(self, changed: str, round_signal: str, record: bytes) -> bool:
+        return supersede_on_counters(self.store, changed, round_signal, record)
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         return read_each(self.store, prefix, names)

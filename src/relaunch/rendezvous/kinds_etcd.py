@@ -1,9 +1,9 @@
 """etcd as a store kind of the dynamic rendezvous (see ``kinds``): keys, leases, one watch.
 
 ``EtcdKind`` is one node's connections and their ways; ``NodeLease`` and ``LeasePulse`` its
-heartbeats; ``create_handler``, ``speak`` and ``open_reader`` are what ``kind_registry`` asks
-of the ``etcd``/``etcd-v2`` backends: the handler, a dead agent's last word, and the reader of
-``relaunch status``.
+heartbeats; ``create_handler``, ``write_death_notice`` and ``open_reader`` are what
+``kind_registry`` asks of the ``etcd``/``etcd-v2`` backends: the handler, a dead agent's death
+notice, and the reader of ``relaunch status``.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ UNREACHABLE_HINT = (
 )
 
 
-def supersede_on_etcd(store: EtcdStore, changed: str, bell: str, record: bytes) -> bool:
-    """``StoreKind.supersede`` on etcd: the change and its bell at one revision, one event to
-    each member's feed."""
-    return store.compare_set(changed, 0, record, also=(bell,)).succeeded
+def supersede_on_etcd(store: EtcdStore, changed: str, round_signal: str, record: bytes) -> bool:
+    """``StoreKind.supersede`` on etcd: the change and its round signal at one revision, one event
+    to each member's feed."""
+    return store.compare_set(changed, 0, record, also=(round_signal,)).succeeded
 
 
 class EtcdKind:
     """etcd, for one node of job ``run_id``: joins and tallies as one key per node, heartbeats
-    on the node's lease (kept from its first round to its shutdown), a change and its bell
+    on the node's lease (kept from its first round to its shutdown), a change and its round signal
     written at one revision, a round's notes in one range read, and the job's news through one
     watch (on ``watch_store``, else on ``heartbeat_store``)."""
 
@@ -89,8 +89,8 @@ class EtcdKind:
     def answers(self, key: KeyOf, node_id: str) -> Roster:
         return KeyRoster(self.watch_store or self.heartbeat_store, key, node_id)
 
-    def supersede(self, changed: str, bell: str, record: bytes) -> bool:
-        return supersede_on_etcd(self.store, changed, bell, record)
+    def supersede(self, changed: str, round_signal: str, record: bytes) -> bool:
+        return supersede_on_etcd(self.store, changed, round_signal, record)
 
     def read_notes(self, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
         """One range read for several notes."""
@@ -240,8 +240,8 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     ``--rdzv-endpoint`` lists the members; ``--rdzv-conf`` may set ``protocol``, ``cacert``,
     ``cert``, ``key``, ``user``, ``password`` and ``timeout`` (seconds, per operation).
     """
+    from relaunch.rendezvous.death_notice import DeathNotice
     from relaunch.rendezvous.dynamic import node_options
-    from relaunch.rendezvous.last_word import LastWord
 
     conf = params.settings
     settings = conf.round_settings(params.min_nodes, params.max_nodes)
@@ -271,18 +271,20 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         watch_store=watch_store,
         backend=params.backend,
         on_shutdown=(watch_store.close,),
-        last_word=LastWord(where),
+        death_notice=DeathNotice(where),
         token=conf.job_token(os.environ),  # for the state copies alone
         **node_options(conf),
     )
 
 
-def speak(where: Mapping[str, Any], changed: str, bell: str, record: bytes, timeout: float) -> bool:
-    """A dead agent's last word (``last_word``): the change and its bell, on the cluster at
-    ``where``, within ``timeout`` seconds a request."""
+def write_death_notice(
+    where: Mapping[str, Any], changed: str, round_signal: str, record: bytes, timeout: float
+) -> bool:
+    """A dead agent's death notice (``death_notice``): the change and its round signal, on the
+    cluster at ``where``, within ``timeout`` seconds a request."""
     etcd = EtcdStore(where["endpoints"], **{**where["options"], "timeout": timeout})
     try:
-        return supersede_on_etcd(etcd, changed, bell, record)
+        return supersede_on_etcd(etcd, changed, round_signal, record)
     finally:
         etcd.close()
 

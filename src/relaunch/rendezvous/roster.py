@@ -9,7 +9,7 @@ Both keep every operation of a node O(1), whatever the number of nodes:
   the nodes, and counts are counts of keys under a prefix. Writing one's own key is idempotent,
   so a write retried after a member fail-over never counts a node twice.
 
-Counts that many nodes wait on (members done, answers to a roll call) are awaited by one node,
+Counts that many nodes wait on (members done, answers to a presence check) are awaited by one node,
 which then writes a single key the others wait for: no store event goes to every node. The
 store's kind (``kinds``) says which roster a node uses.
 """

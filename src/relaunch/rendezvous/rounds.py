@@ -19,8 +19,8 @@ Keys, under ``relaunch/{run_id}/``::
                             when it is not their arrival order (``core.node_order``)
     news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
-    news/r{n}/bell          rung with each change that stands, and by a roll call: what the
-                            members block on (``rollcall``)
+    news/r{n}/bell          written with each change that stands, and by a presence check: what the
+                            members block on (``presence``)
 
 ``news/`` holds what every node waits for, and only that: on etcd each node follows it with one
 watch for its whole life (``store.etcd_feed``).
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 CLOSED = b"closed"
 #: The ``closed`` record of a job that ended without a failure.
 CLOSED_RECORD = b"1"
-#: The keys every node waits for, kept under ``news/`` (``rollcall``'s ``call`` too).
+#: The keys every node waits for, kept under ``news/`` (``presence``'s ``call`` too).
 NEWS = frozenset({"closed", "final", "changed", "bell", "call"})
 
 
@@ -354,7 +354,7 @@ class Rounds:
     def supersede(self, round_: int, change: MembershipChange, expected: int) -> bool:
         """Mark ``round_`` for re-forming, the next round expecting ``expected`` nodes; its
         members see it at once. The first change wins: whether it was this one."""
-        # Members block on the bell (``rollcall``), which a roll call rings too.
+        # Members block on the round signal (``presence``), which a presence check writes too.
         return self._stores.supersede(
             self.key("changed", round_), self.key("bell", round_), encode_change(change, expected)
         )

@@ -17,8 +17,8 @@ from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
 from relaunch.core.membership import MembershipChange, expected_size
 from relaunch.rendezvous.api import StoreHostGone
+from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.rounds import Rounds
-from relaunch.rendezvous.standing import Standing
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, StoreError, StoreFenced, StoreRefused
 
@@ -32,7 +32,7 @@ CHECK_PRIMARY_S = 0.5
 
 
 class StoreLoss:
-    """The store-loss checks of one node of job ``run_id`` (its ``standing``, ``settings``,
+    """The store-loss checks of one node of job ``run_id`` (its ``membership``, ``settings``,
     ``rounds`` and its requests' ``store`` connection). ``probe`` (c10d, the store hosted by
     another node) reaches the store within the seconds given, or raises ``StoreError``;
     ``failover``: where the store may move (None: nowhere). Deadlines come from ``clock``."""
@@ -40,7 +40,7 @@ class StoreLoss:
     def __init__(
         self,
         run_id: str,
-        standing: Standing,
+        membership: NodeMembership,
         settings: plan.Settings,
         rounds: Rounds,
         store: Store,
@@ -48,7 +48,7 @@ class StoreLoss:
         failover: StoreFailover | None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self._run_id, self._standing, self._settings = run_id, standing, settings
+        self._run_id, self._membership, self._settings = run_id, membership, settings
         self._rounds, self._store = rounds, store
         self._probe, self._failover = probe, failover
         self._clock = clock
@@ -60,8 +60,8 @@ class StoreLoss:
         host refuses the connection all that time: on c10d the store lives in the agent that
         hosted it, and dies with it. A store that answers nothing at all (this node cut off, or
         the host down) is waited for as a rejoin waits, up to ``join_timeout``: said once."""
-        standing, probe = self._standing, self._probe
-        lost_at = standing.store_lost_at
+        membership, probe = self._membership, self._probe
+        lost_at = membership.store_lost_at
         if lost_at is None:
             return
         if self._failover is not None:
@@ -76,13 +76,13 @@ class StoreLoss:
         except StoreError as exc:
             self._store_unanswered(exc, "run it with --rdzv-backend etcd")
             return
-        standing.store_lost_at, self._store_unanswered_said = None, False  # it answers: a blip
+        membership.store_lost_at, self._store_unanswered_said = None, False  # it answers: a blip
 
     def _store_unanswered(self, exc: StoreError, to_survive: str) -> None:
         """The store was lost and does not answer: ``StoreHostGone`` when its host refuses
         the connection (saying how ``to_survive`` it), said once and waited for otherwise."""
         if isinstance(exc, StoreRefused):
-            self._standing.store_lost = self._standing.finished = True  # nothing to write
+            self._membership.store_lost = self._membership.finished = True  # nothing to write
             raise StoreHostGone(
                 f"the rendezvous store's host is gone ({exc}): the node that hosted the store "
                 "for job "
@@ -111,7 +111,7 @@ class StoreLoss:
         the last round's members ask it to take over, and the round re-forms without the lost
         host. ``StoreHostGone`` when this node's own store lost the job's majority, or the
         store's host refuses and no majority moved the store."""
-        standing, settings = self._standing, self._settings
+        membership, settings = self._membership, self._settings
         try:
             # Quick: a store silent this long is lost (its host's silence was timed already).
             failover.check_primary(min(settings.keep_alive_interval, CHECK_PRIMARY_S))
@@ -120,9 +120,9 @@ class StoreLoss:
         except StoreError as exc:
             lost = exc
         else:
-            standing.store_lost_at, self._store_unanswered_said = None, False  # a blip
+            membership.store_lost_at, self._store_unanswered_said = None, False  # a blip
             return
-        round_, final = standing.round, standing.final
+        round_, final = membership.round, membership.final
         members = 0 if final is None or round_ is None else final.count
         if failover.hosting or round_ is None or members < 3:
             self._store_unanswered(lost, "run 3 nodes or more (a majority moves the store)")
@@ -131,11 +131,11 @@ class StoreLoss:
 
         old = format_endpoint(failover.primary)
         within = settings.dead_after + settings.keep_alive_interval
-        moved = failover.take_over(voter_name(round_, standing.group_rank), within)
+        moved = failover.take_over(voter_name(round_, membership.group_rank), within)
         if moved is None:
             self._store_unanswered(lost, "make sure a majority of the nodes can reach each other")
             return
-        standing.store_lost_at, self._store_unanswered_said = None, False
+        membership.store_lost_at, self._store_unanswered_said = None, False
         log.warning(
             "the rendezvous store's host %s is gone (%s): the store moved to %s, and the job "
             "re-forms without it",
@@ -148,7 +148,7 @@ class StoreLoss:
     def fenced_out(self) -> StoreHostGone:
         """This node's store lost the job's majority (``failover.MajorityWatch``): the error
         this node stops with."""
-        self._standing.store_lost = self._standing.finished = True
+        self._membership.store_lost = self._membership.finished = True
         return StoreHostGone(
             f"this node lost the majority of job {self._run_id!r}: its store serves nobody "
             "now (the other nodes moved the store to another host, or cannot go on); "
@@ -158,7 +158,7 @@ class StoreLoss:
     def _supersede_for_lost_host(self, members: int) -> None:
         """Re-form the running round without the store's lost host (the group rank it said
         under ``store_host``); the first node to write it wins."""
-        standing, round_ = self._standing, self._standing.round
+        membership, round_ = self._membership, self._membership.round
         if round_ is None:
             return
         reason = "the store's host is gone"
@@ -166,8 +166,8 @@ class StoreLoss:
             raw = self._store.get(self._rounds.key("store_host", round_)).value
             host = int(raw) if raw is not None and raw.isdigit() else None
             change = (
-                MembershipChange.member_lost(host, reason, standing.group_rank)
-                if host is not None and host != standing.group_rank
+                MembershipChange.member_lost(host, reason, membership.group_rank)
+                if host is not None and host != membership.group_rank
                 else MembershipChange.restarting(reason)
             )
             waiting = self._rounds.waiting(round_)

@@ -2,17 +2,17 @@
 what it saw there, served from memory (``get``, ``watch``) or handed to subscribers as it comes
 (``subscribe``).
 
-Why: every member of a round waits for the same few keys (the round's final record, its bell,
-the job's ``closed``). A watch per key and round costs a connection and a gRPC stream, and one
-started from an earlier revision waits for etcd's catching-up loop (512 watchers each 100 ms);
-at a thousand nodes re-forming, those creations crowded out the events they waited for. One
-stream a node, opened before the node first joins, sees every later write under the prefix as
-it happens, and a wait costs no request at all.
+Why: every member of a round waits for the same few keys (the round's final record, its round
+signal, the job's ``closed``). A watch per key and round costs a connection and a gRPC stream, and
+one started from an earlier revision waits for etcd's catching-up loop (512 watchers each 100 ms);
+at a thousand nodes re-forming, those creations crowded out the events they waited for. One stream a
+node, opened before the node first joins, sees every later write under the prefix as it happens, and
+a wait costs no request at all.
 
 What it saw is complete for the keys written after ``start()`` returned: a caller waits only for
 keys written after an earlier write of its own (a round's final record after the node's join; its
-bell after its final record). An idle stream is checked each ``idle`` seconds with one read, and
-opened again, on another member if need be, from the last revision it delivered.
+round signal after its final record). An idle stream is checked each ``idle`` seconds with one read,
+and opened again, on another member if need be, from the last revision it delivered.
 """
 
 from __future__ import annotations

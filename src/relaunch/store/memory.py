@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import CasResult, StoreTimeout, Versioned
-from relaunch.store.state import KeyValueState
+from relaunch.store.data import KeyValueData
 
 
 class MemoryStore:
@@ -16,7 +16,7 @@ class MemoryStore:
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
-        self._state = KeyValueState()
+        self._state = KeyValueData()
         self._changed = threading.Condition()
 
     def get(self, key: str) -> Versioned:

@@ -1,4 +1,4 @@
-"""The built-in store's operations on its ``KeyValueState`` (``store.server`` reads the frames
+"""The built-in store's operations on its ``KeyValueData`` (``store.server`` reads the frames
 and sends the replies): what each request does, and the waiters of ``WAIT`` and ``WATCH``.
 
 Blocking operations park the connection as a waiter with a deadline; any change to a key wakes
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import relaunch.store.wire as wire
 from relaunch.server_loop import Timer
 from relaunch.store.api import StoreError, StoreProtocolError
-from relaunch.store.state import KeyValueState
+from relaunch.store.data import KeyValueData
 
 #: Longer WAIT/WATCH timeouts (in ms) are clamped to this: any decimal integer then fits a float.
 _MAX_PARK_MS = 365 * 86400 * 1000
@@ -104,7 +104,7 @@ class Operations:
         schedule: Callable[[float, Callable[[], None]], Timer],
         now: Callable[[], float],
     ) -> None:
-        self.state = KeyValueState()
+        self.state = KeyValueData()
         self.waiters: dict[str, dict[Waiter, None]] = {}
         self._send, self._schedule, self._now = send, schedule, now
         self.on_change: Callable[[str], None] | None = None

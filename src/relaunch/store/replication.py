@@ -19,8 +19,8 @@ import relaunch.store.wire as wire
 from relaunch.runtime import start_thread
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.client import TcpStore
+from relaunch.store.data import KeyValueData
 from relaunch.store.operations import Client, Operations, Waiter, frame, key_of, seconds
-from relaunch.store.state import KeyValueState
 
 log = logging.getLogger("relaunch.store.server")
 
@@ -155,7 +155,7 @@ class Replication:
                 raise StoreError("promoted, or following another store: this stream ends")
             kind = fields[0] if fields else b""
             if self._fresh:  # a new stream begins with a whole snapshot: start afresh
-                self._operations.state, self._fresh = KeyValueState(), False
+                self._operations.state, self._fresh = KeyValueData(), False
             state = self._operations.state
             if kind == wire.RECORD_KEY and len(fields) == 4:
                 state.apply(key_of(fields[1]), fields[2], wire.to_int(fields[3]))

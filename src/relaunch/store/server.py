@@ -46,6 +46,7 @@ import relaunch.store.wire as wire
 from relaunch.runtime import descriptor_share
 from relaunch.server_loop import Listener, ServerLoop, Timer
 from relaunch.store.api import StoreError, StoreProtocolError
+from relaunch.store.data import KeyValueData
 from relaunch.store.frames import _RECV_SIZE, FRAME_BUDGET, PRE_AUTH_LIMIT, Frames, _Refused
 from relaunch.store.limits import (
     check_open_file_limit,
@@ -55,7 +56,6 @@ from relaunch.store.limits import (
 from relaunch.store.operations import Client, Operations, Waiter
 from relaunch.store.refusals import Refusals
 from relaunch.store.replication import REPLICA_HIGH_WATER, Elect, Electorate, Replication
-from relaunch.store.state import KeyValueState
 
 __all__ = ["FRAME_BUDGET", "PRE_AUTH_LIMIT", "REPLICA_HIGH_WATER", "Elect", "Electorate"]
 
@@ -84,7 +84,7 @@ _ACCEPT_BACKOFF = 0.5
 
 
 class TcpStoreServer:
-    """Serves a ``KeyValueState`` on ``host:port`` (port 0 picks a free one) until ``stop()``.
+    """Serves a ``KeyValueData`` on ``host:port`` (port 0 picks a free one) until ``stop()``.
 
     With ``token``, every client must prove it knows the token (and the server proves it to the
     client) by HMAC over fresh nonces; the token itself never crosses the wire.
@@ -165,7 +165,7 @@ class TcpStoreServer:
         return self._loop.sequence
 
     @property
-    def _state(self) -> KeyValueState:
+    def _state(self) -> KeyValueData:
         return self._operations.state
 
     def start(self) -> TcpStoreServer:

@@ -1,4 +1,4 @@
-"""A dead agent's last word (``rendezvous.last_word``): its guardian tells the store, and the
+"""A dead agent's death notice (``rendezvous.death_notice``): its guardian tells the store, and the
 survivors re-form at once, with the default keep-alive (15 s of silence), on both backends."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from test_rendezvous import Rendezvous, rendezvous_for, script
 from test_spares_and_health import Node, start, stop_all
 
 from relaunch.procs.guardian import Guardian
-from relaunch.rendezvous.last_word import LastWord
+from relaunch.rendezvous.death_notice import DeathNotice
 from relaunch.store.client import TcpStore
 from relaunch.store.server import TcpStoreServer
 
@@ -60,7 +60,7 @@ def test_a_sigkilled_agent_is_noticed_through_its_guardian_not_its_silence(
     assert re.search(r"node of group rank [01] lost \(its agent died\)", first.stderr())
 
 
-def test_an_agent_that_ends_by_itself_leaves_no_last_word(
+def test_an_agent_that_ends_by_itself_leaves_no_death_notice(
     tmp_path: Path, leaks: LeakCheck, rdzv: Rendezvous
 ) -> None:
     """Both nodes finish; the one that ends first leaves its exit barrier with the other, and
@@ -80,13 +80,13 @@ def test_an_agent_that_ends_by_itself_leaves_no_last_word(
         assert "lost" not in node.stderr(), node.stderr()
 
 
-def test_the_guardian_says_the_last_word_at_its_launchers_end_unless_taken_back() -> None:
+def test_the_guardian_writes_the_death_notice_at_its_launchers_end_unless_taken_back() -> None:
     server = TcpStoreServer("127.0.0.1", 0, "tok", expected_clients=4)
     server.start()
     guardians = [Guardian() for _ in range(3)]
     try:
         where = {"store": "c10d", "host": "127.0.0.1", "port": server.port, "token": "tok"}
-        said, taken_back, late = (LastWord(where, g.set_last_word) for g in guardians)
+        said, taken_back, late = (DeathNotice(where, g.set_death_notice) for g in guardians)
         said.leave("a/changed", "a/bell", b"lost")
         taken_back.leave("b/changed", "b/bell", b"lost")
         taken_back.retract()
@@ -106,13 +106,13 @@ def test_the_guardian_says_the_last_word_at_its_launchers_end_unless_taken_back(
         server.stop()
 
 
-def test_a_last_word_too_long_for_one_pipe_write_is_not_left() -> None:
+def test_a_death_notice_too_long_for_one_pipe_write_is_not_left() -> None:
     sent: list[str | None] = []
-    word = LastWord({"store": "c10d", "token": "t" * 5000}, sent.append)
-    word.leave("changed", "bell", b"lost")
-    word.retract()
+    notice = DeathNotice({"store": "c10d", "token": "t" * 5000}, sent.append)
+    notice.leave("changed", "bell", b"lost")
+    notice.retract()
     assert sent == []
-    word = LastWord({"store": "c10d", "token": "t"}, sent.append)
-    word.leave("changed", "bell", b"lost")
-    word.retract()
+    notice = DeathNotice({"store": "c10d", "token": "t"}, sent.append)
+    notice.leave("changed", "bell", b"lost")
+    notice.retract()
     assert len(sent) == 2 and sent[1] is None and '"record": "lost"' in str(sent[0])

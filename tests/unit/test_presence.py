@@ -1,5 +1,5 @@
-"""The job's restart count and the roll call, with real handlers on one in-memory store (each
-handler's round watcher is a real thread blocked on the round's bell)."""
+"""The job's restart count and the presence check, with real handlers on one in-memory store (each
+handler's round watcher is a real thread blocked on the round's signal)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from relaunch.core.membership import ChangeKind
 from relaunch.core.rendezvous import Settings
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.kinds_counter import CounterKind
-from relaunch.rendezvous.rollcall import roll_call
+from relaunch.rendezvous.presence import presence_check
 from relaunch.rendezvous.roster import CounterRoster
 from relaunch.rendezvous.rounds import Rounds
 from relaunch.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
 
-#: Changes travel by the round's bell here. Under load a last call of 0.05 s can close the
+#: Changes travel by the round's signal here. Under load a last call of 0.05 s can close the
 #: first round with two (the third then waits), and heartbeats of 0.05 s can judge a starved
 #: member lost: either is a free re-form that would stand in for a restart a test counts. So
 #: the first round waits for all three, and nobody is judged within a test; later rounds form
@@ -58,22 +58,22 @@ def job() -> Iterator[list[DynamicRendezvousHandler]]:
         handler.shutdown()
 
 
-def test_every_member_answers_a_roll_call_that_many_askers_share(job) -> None:
+def test_every_member_answers_a_presence_check_that_many_askers_share(job) -> None:
     assert all_at_once(job[:2], lambda i: job[i].job.peers_alive(1.0)) == [True, True]
     assert job[2].job.peers_alive(1.0) is True  # the outcome stands for the round
     assert all(handler.job.membership_change() is None for handler in job)  # nobody re-forms
 
 
-def test_a_member_that_does_not_answer_makes_the_roll_call_false() -> None:
+def test_a_member_that_does_not_answer_makes_the_presence_check_false() -> None:
     store = MemoryStore()
     key = Rounds("job", CounterKind(store), RULES, "127.0.0.1", "n").key
     roster = CounterRoster(store, key)
     roster.mark("here", 0)
     roster.mark("here", 0)
-    assert roll_call(store, roster, key, 0, 3, 0.2) is False
+    assert presence_check(store, roster, key, 0, 3, 0.2) is False
     for _ in range(3):
         roster.mark("here", 1)
-    assert roll_call(store, roster, key, 1, 3, 0.2) is True
+    assert presence_check(store, roster, key, 1, 3, 0.2) is True
 
 
 def test_two_nodes_failing_at_once_spend_one_restart_and_a_re_form_spends_none(job) -> None:
@@ -96,7 +96,7 @@ def test_two_nodes_failing_at_once_spend_one_restart_and_a_re_form_spends_none(j
     assert [handler.job.restarts_used(5) for handler in job[:2]] == [1, 1]
 
 
-def test_a_failed_job_stops_the_other_members_through_the_bell(job) -> None:
+def test_a_failed_job_stops_the_other_members_through_the_round_signal(job) -> None:
     job[0].job.fail_job("node 0: rank 0 exited with code 1 (no restart left)")
     for handler in job[1:]:
         change = handler.job.wait_membership_change(5.0)

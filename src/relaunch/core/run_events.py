@@ -1,6 +1,6 @@
 """What the agent tells about its run, and the one view of its ranks that every reader shares.
 
-A *happening* (``Joined``, ``Started``, ``AttemptEnded``, ``Restarted``, ``Hung``,
+A *run event* (``Joined``, ``Started``, ``AttemptEnded``, ``Restarted``, ``Hung``,
 ``StragglerFlagged``, ``RestartCosted``, ``Finished``, ``Failed``) is one frozen value that the
 agent announces once; each of its sinks (``agent.sinks``: the event log and summary, the
 Prometheus counters, torchelastic's metric puts, the status posts, the log) takes from it what it
@@ -101,7 +101,7 @@ class NodeSnapshot(NamedTuple):
         return {local for local, sample in self.ranks.items() if sample.running}
 
 
-# -- the happenings -------------------------------------------------------------------------------
+# -- the run events -------------------------------------------------------------------------------
 
 
 class Joined(NamedTuple):
@@ -120,7 +120,7 @@ class Started(NamedTuple):
 
 class AttemptEnded(NamedTuple):
     """The restart policy ended an attempt of ``role``'s group: ``state`` is the group's then
-    (a ``GroupState`` value: SUCCEEDED, FAILED, or RUNNING when it stops to re-form), with
+    (a ``GroupStatus`` value: SUCCEEDED, FAILED, or RUNNING when it stops to re-form), with
     ``restarts_left`` before any restart it leads to."""
 
     role: str
@@ -192,7 +192,7 @@ class Failed(NamedTuple):
     error: str | None = None
 
 
-Happening = (
+RunEvent = (
     Joined
     | Started
     | AttemptEnded

@@ -1,6 +1,6 @@
 """The node snapshot and the agent's sinks, as tables: what each rank's sample says, when the
 sampler reads the ranks anew and when it shares the tick's snapshot, and what each sink writes
-for each happening (the event log's records, torchelastic's metric puts, the log line, the
+for each run event (the event log's records, torchelastic's metric puts, the log line, the
 Prometheus counters, the status posts' reasons), on a manual clock."""
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from relaunch.agent.sinks import LogSink, MetricPuts, Sinks
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent.status import Group, NodeReporter
 from relaunch.core import metrics as core_metrics
-from relaunch.core.happenings import (
+from relaunch.core.liveness import Liveness
+from relaunch.core.progress import Progress
+from relaunch.core.run_events import (
     AttemptEnded,
     Failed,
     Finished,
-    Happening,
     Hung,
     Joined,
     NodeSnapshot,
     RankSample,
     Restarted,
+    RunEvent,
     Started,
     StragglerFlagged,
 )
-from relaunch.core.liveness import Liveness
-from relaunch.core.progress import Progress
 from relaunch.core.stragglers import Straggler
 from relaunch.events import Metrics
 from relaunch.procs.context import RunProcsResult
@@ -272,8 +272,8 @@ ENDING = finished(
     1,
 )
 
-#: Each happening, and the events the run report records for it: (name's state, source, error).
-EVENTS: list[tuple[Happening, list[tuple[str, str, str | None]]]] = [
+#: Each run event, and the events the run report records for it: (name's state, source, error).
+EVENTS: list[tuple[RunEvent, list[tuple[str, str, str | None]]]] = [
     (Joined(0.25), []),
     (Started(0, 0.25), [("HEALTHY", "AGENT", None)]),
     (AttemptEnded("trainer", "FAILED", 2), []),
@@ -293,12 +293,12 @@ EVENTS: list[tuple[Happening, list[tuple[str, str, str | None]]]] = [
 ]
 
 
-@pytest.mark.parametrize(("happening", "expected"), EVENTS)
-def test_the_run_report_records_each_happening(happening: Happening, expected) -> None:
+@pytest.mark.parametrize(("run_event", "expected"), EVENTS)
+def test_the_run_report_records_each_run_event(run_event: RunEvent, expected) -> None:
     recorder, clock = Recorder(), ManualClock()
     report = report_for(recorder, clock)
     clock.advance(12.5)
-    report.happened(happening)
+    report.on_run_event(run_event)
     got = [
         (e["name"].rsplit(".", 1)[1], e["source"], e["metadata"]["raw_error"])
         for e in recorder.events
@@ -308,7 +308,7 @@ def test_the_run_report_records_each_happening(happening: Happening, expected) -
         assert event["metadata"]["total_run_time"] == 12
         assert json.loads(event["metadata"]["metadata"])["time"] == round(clock.time(), 3)
     summary = report.summary("failed")
-    assert summary.restarts == (["rank 1 exited with code 3"] if happening is RESTART else [])
+    assert summary.restarts == (["rank 1 exited with code 3"] if run_event is RESTART else [])
     assert summary.stragglers == ([STRAGGLER.describe(1.5)] if "STRAGGLER" in str(got) else [])
 
 
@@ -316,8 +316,8 @@ def test_the_run_reports_events_carry_what_torchelastic_and_relaunch_write() -> 
     recorder, clock = Recorder(), ManualClock()
     report = report_for(recorder, clock)
     report.last_progress = {0: progress(7)}
-    for happening in (Started(0, 0.25), RESTART, StragglerFlagged(STRAGGLER, 1.5, 1), ENDING):
-        report.happened(happening)
+    for run_event in (Started(0, 0.25), RESTART, StragglerFlagged(STRAGGLER, 1.5, 1), ENDING):
+        report.on_run_event(run_event)
     started, restarting, straggler, stopped, *_ = (
         json.loads(e["metadata"]["metadata"]) for e in recorder.events
     )
@@ -328,8 +328,8 @@ def test_the_run_reports_events_carry_what_torchelastic_and_relaunch_write() -> 
     assert stopped["local_rank"] == [0] and stopped["role_rank"] == [0]
 
 
-#: Each happening, and torchelastic's metric puts for it.
-PUTS: list[tuple[Happening, list[str]]] = [
+#: Each run event, and torchelastic's metric puts for it.
+PUTS: list[tuple[RunEvent, list[str]]] = [
     (
         AttemptEnded("trainer", "FAILED", 2),
         [
@@ -350,15 +350,15 @@ PUTS: list[tuple[Happening, list[str]]] = [
 ]
 
 
-@pytest.mark.parametrize(("happening", "expected"), PUTS)
-def test_the_metric_puts_are_torchelastics(happening: Happening, expected) -> None:
+@pytest.mark.parametrize(("run_event", "expected"), PUTS)
+def test_the_metric_puts_are_torchelastics(run_event: RunEvent, expected) -> None:
     recorder = Recorder()
-    MetricPuts(Metrics(recorder, group="torchelastic", clock=ManualClock())).happened(happening)
+    MetricPuts(Metrics(recorder, group="torchelastic", clock=ManualClock())).on_run_event(run_event)
     assert recorder.metrics == expected
 
 
-#: Each happening, and the log lines said for it.
-LINES: list[tuple[Happening, list[str]]] = [
+#: Each run event, and the log lines said for it.
+LINES: list[tuple[RunEvent, list[str]]] = [
     (RESTART, ["[trainer] restarting the worker group (worker failed); 2 restart(s) left"]),
     (AttemptEnded("trainer", "FAILED", 2), []),
     (Hung(0, "local rank 0 is hung"), []),  # the hang detection says it, with more
@@ -366,10 +366,10 @@ LINES: list[tuple[Happening, list[str]]] = [
 ]
 
 
-@pytest.mark.parametrize(("happening", "expected"), LINES)
-def test_the_log_says_a_restart(happening: Happening, expected, caplog) -> None:
+@pytest.mark.parametrize(("run_event", "expected"), LINES)
+def test_the_log_says_a_restart(run_event: RunEvent, expected, caplog) -> None:
     caplog.set_level(logging.INFO, logger="relaunch.test")
-    LogSink(logging.getLogger("relaunch.test")).happened(happening)
+    LogSink(logging.getLogger("relaunch.test")).on_run_event(run_event)
     assert [r.getMessage() for r in caplog.records] == expected
 
 
@@ -378,8 +378,8 @@ def test_prometheus_counts_restarts_and_joins() -> None:
     exporter = AgentMetrics(
         joined_group(), reporter, lambda: NodeSnapshot(0.0), lambda: 0, ManualClock()
     )
-    for happening in (Joined(0.3), RESTART, Joined(2.0), Hung(0, "x"), Started(0, 0.3)):
-        exporter.happened(happening)
+    for run_event in (Joined(0.3), RESTART, Joined(2.0), Hung(0, "x"), Started(0, 0.3)):
+        exporter.on_run_event(run_event)
     families = {family.name: family for family in exporter.families(0.0)}
     restarts = {
         dict(s.labels)["cause"]: s.value for s in families["relaunch_group_restarts_total"].samples
@@ -395,8 +395,8 @@ def test_the_status_posts_tell_the_restarts_reasons() -> None:
     snapshot = NodeSnapshot(clock.time(), {0: RankSample(progress(2), None, "failed", 3)})
     reporter.start(Group("host-a", 0, 1, {0: 4}, lambda: snapshot), None)
     reporter.stop()
-    reporter.happened(RESTART)
-    reporter.happened(Started(1, 0.1))
+    reporter.on_run_event(RESTART)
+    reporter.on_run_event(Started(1, 0.1))
     status = reporter.status()
     assert status is not None
     assert status.restarts == 3 and status.restart_reasons == ["rank 1 exited with code 3"]
@@ -406,16 +406,16 @@ def test_the_status_posts_tell_the_restarts_reasons() -> None:
 
 
 def test_the_sinks_are_told_in_order() -> None:
-    told: list[tuple[str, Happening]] = []
+    told: list[tuple[str, RunEvent]] = []
 
     class Sink:
         def __init__(self, name: str) -> None:
             self.name = name
 
-        def happened(self, happening: Happening) -> None:
-            told.append((self.name, happening))
+        def on_run_event(self, run_event: RunEvent) -> None:
+            told.append((self.name, run_event))
 
-    Sinks([Sink("report"), Sink("log")]).happened(RESTART)
+    Sinks([Sink("report"), Sink("log")]).on_run_event(RESTART)
     assert told == [("report", RESTART), ("log", RESTART)]
 
 

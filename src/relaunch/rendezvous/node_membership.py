@@ -1,9 +1,9 @@
 """Where one node stands in its job: the round it is a member of, the first change to that round
 (and who is told of it), and whether the job is over for this node.
 
-The dynamic handler (``dynamic``) and its job services (``dynamic_job``) share one ``Standing``:
-the handler moves it into each round it joins, the round's watching threads (``heartbeat``) flag
-changes to it, and the job services act on the running round.
+The dynamic handler (``dynamic``) and its job services (``dynamic_job``) share one
+``NodeMembership``: the handler moves it into each round it joins, the round's watching threads
+(``heartbeat``) flag changes to it, and the job services act on the running round.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from relaunch.rendezvous.job import ChangeListener
 
 
-class Standing:
+class NodeMembership:
     """One node's place in its job (``round`` None: before its first round). The change, the
     listener and the move to a new round are guarded by one lock; the rest is the node's own."""
 

@@ -1,19 +1,21 @@
-"""A round's bell, and the roll call that asks whether every member of the round is alive.
+"""The round signal, and the presence check that asks whether every member of the round is alive.
 
-Each member has one thread blocked on its round's ``bell`` (``heartbeat.RoundWatch``): whoever
-marks the round for re-forming (``changed``, ``rounds.Rounds.supersede``) or calls the roll
-(``call``) rings it with what it wrote, so one blocked watch a node hears both at once. A
-re-form whose writer died between its two writes is caught by the watcher's look at
-``changed`` every keep-alive interval; a roll call whose asker died needs no answer.
+Each member has one thread blocked on its round signal (``news/r{n}/bell``,
+``heartbeat.RoundWatch``): whoever marks the round for re-forming (``changed``,
+``rounds.Rounds.supersede``) or checks presence (``call``) also writes the round signal, so one
+blocked watch a node hears both at once. A re-form whose writer died between its two writes is
+caught by the watcher's look at ``changed`` every keep-alive interval; a presence check whose asker
+died needs no answer.
 
-The roll call: a node whose workers failed with no restart left asks whether every member is
+The presence check: a node whose workers failed with no restart left asks whether every member is
 alive before it calls the failure final (a dead peer breaks collectives before heartbeats tell
 of it). Only the first asker awaits the answers; no store event goes to every node per answer.
 Keys, under ``relaunch/{run_id}/``::
 
-    news/r{n}/bell  rewritten with each change record that supersedes the round, and with
-                    ``call`` (on etcd a change and its ring are one transaction)
-    news/r{n}/call  the roll call, created once by the first asker, which then rings the bell
+    news/r{n}/bell  the round signal: rewritten with each change record that supersedes the
+                    round, and with ``call`` (on etcd a change and its signal are one transaction)
+    news/r{n}/call  the presence check, created once by the first asker, which then writes the
+                    round signal
     r{n}/here       the members that answered, a tally (``roster``): one answer per member
     r{n}/present    the outcome, written by the first asker: ``1`` when every member answered
                     in time, else ``0``; the other askers wait for it
@@ -25,13 +27,13 @@ from relaunch.core.rendezvous import KeyOf
 from relaunch.rendezvous.roster import Roster
 from relaunch.store.api import Store
 
-#: What the bell holds when the roll is called (else the change record that rang it).
+#: What the round signal holds when presence is checked (else the change record that wrote it).
 CALL = b"call"
 #: Seconds the other askers wait for the outcome beyond the first asker's own wait.
 OUTCOME_MARGIN = 1.0
 
 
-def roll_call(
+def presence_check(
     store: Store, roster: Roster, key: KeyOf, round_: int, members: int, timeout: float
 ) -> bool | None:
     """Whether all ``members`` of round ``round_`` answer within ``timeout`` seconds (None: no

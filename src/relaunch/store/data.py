@@ -9,7 +9,7 @@ from relaunch.store.api import CasResult, StoreError, Versioned
 ABSENT = Versioned(None, 0)
 
 
-class KeyValueState:
+class KeyValueData:
     """Keys, values and versions; every change bumps the store-wide revision."""
 
     def __init__(self) -> None:
