@@ -904,7 +904,7 @@ def peer_copy_check(ctx: harness.Context) -> Check:
     import tempfile
 
     from relaunch.agent.state_peers import PeerLink
-    from relaunch.core import state as layout
+    from relaunch.core.workers import state as layout
     from relaunch.state.files import PEERS, SlotWriter, committed
 
     size = 100 << 20

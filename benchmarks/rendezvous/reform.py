@@ -59,7 +59,7 @@ class ReformResult:
 def reform_settings(event: str, nodes: int, join_timeout: float) -> Any:
     """``lost``: min N - 1, max N (the survivors may re-form); ``joined``: min N, max N + 1
     (room for one more)."""
-    from relaunch.core.rendezvous import Settings
+    from relaunch.core.rendezvous.rounds import Settings
 
     low, high = (nodes - 1, nodes) if event == "lost" else (nodes, nodes + 1)
     return Settings(

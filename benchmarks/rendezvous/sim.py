@@ -351,7 +351,7 @@ def sim_run(
     (EtcdStores, heartbeats by lease); else on a TcpStoreServer in a process of its own,
     expecting ``server_clients`` connections. With ``procs`` > 1 the nodes are spread over that
     many forked processes."""
-    from relaunch.core.rendezvous import Settings
+    from relaunch.core.rendezvous.rounds import Settings
 
     backend = "etcd" if on_etcd else "c10d"
     run = f"sim{nodes}-{rep}-{uuid.uuid4().hex[:12]}"

@@ -6,7 +6,7 @@ The checks on what a launch may be raise ``ConfigError`` (a ``ValueError``), whi
 - ``LaunchConfig.__post_init__``: the counts and durations every launch needs (nodes, workers,
   restarts, timeouts, placement);
 - ``LaunchConfig.rendezvous_settings``: ``rdzv_configs`` (``--rdzv-conf``) as the backend reads
-  it, typed and checked once (``core.rdzv_conf``);
+  it, typed and checked once (``core.rendezvous.rdzv_conf``);
 - ``check_rendezvous``: the rendezvous as a whole (backend, nodes, endpoint).
 
 This module imports nothing of relaunch's but ``core`` and ``endpoints``: the flags become a
@@ -22,8 +22,6 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
-from relaunch.core import rdzv_conf
-from relaunch.core.console_plan import agent_tee, relayed
 from relaunch.core.defaults import (
     DEFAULT_EXIT_BARRIER_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -31,15 +29,16 @@ from relaunch.core.defaults import (
     NUMA_MODES,
     numa_binding_of,
 )
-from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
-from relaunch.core.rdzv_conf import (
+from relaunch.core.output.console_plan import agent_tee, relayed
+from relaunch.core.rendezvous import rdzv_conf
+from relaunch.core.rendezvous.rdzv_conf import (
     BACKENDS,
     ETCD_BACKENDS,
     STATIC_BACKEND,
     RendezvousSettings,
     redacted,
 )
-from relaunch.core.settings import (
+from relaunch.core.run.settings import (
     GROUPS,
     UNSET,
     HangSettings,
@@ -48,8 +47,9 @@ from relaunch.core.settings import (
     RestartPolicy,
     check_seconds,
 )
-from relaunch.core.state_settings import StateSettings
-from relaunch.core.streams import Std, per_rank
+from relaunch.core.workers.logs_specs import LogsSpecs, is_logs_specs
+from relaunch.core.workers.state_settings import StateSettings
+from relaunch.core.workers.streams import Std, per_rank
 from relaunch.endpoints import parse_endpoint, parse_endpoint_list
 
 #: ``--signals-to-handle`` when not given (torchrun's).
@@ -73,7 +73,7 @@ class LaunchConfig:
     Frozen, and its dicts are copies of the caller's: change one with ``dataclasses.replace``.
 
     The settings groups (``restart_policy``, ``hang``, ``health``, ``metrics_endpoint``,
-    ``state``: ``core.settings``) may be given whole, or by their flat fields (``hang_timeout``
+    ``state``: ``core.run.settings``) may be given whole, or by their flat fields (``hang_timeout``
     ...), which always read as their group's: a flat field given beside its group wins (so
     ``dataclasses.replace`` changes a group's setting through its flat field, if it has one).
     """
@@ -123,8 +123,8 @@ class LaunchConfig:
     #: ("": every interface).
     metrics_port: int | None = UNSET
     metrics_host: str = UNSET
-    #: Device placement (``relaunch.core.placement``): the GPUs of ``--nproc-per-node gpu:LIST``
-    #: (one worker each; None: not given), a device per rank (``--device-per-rank``), and
+    #: Device placement (``relaunch.core.workers.placement``): the GPUs of ``--nproc-per-node
+    #: gpu:LIST`` (one worker each; None: not given), a device per rank (``--device-per-rank``), and
     #: torch's ``--numa-binding`` mode.
     devices: tuple[int, ...] | None = None
     device_per_rank: bool = False
@@ -156,7 +156,7 @@ class LaunchConfig:
     #: ``state_persist_every`` saves of each rank and at the end (None: none); and how long a
     #: failure waits for the saves of workers that listen (``failure_pending``; 0: no wait);
     #: the nodes next in ring order that keep a copy of the node's state (0: none), and every
-    #: how many steps they get one (every node copies the same steps: ``core.state``).
+    #: how many steps they get one (every node copies the same steps: ``core.workers.state``).
     state_memory: int | None = UNSET
     state_dir: str | None = UNSET
     state_persist_every: int = UNSET
@@ -168,7 +168,7 @@ class LaunchConfig:
     hang: HangSettings = field(default=UNSET, kw_only=True, repr=False)
     health: HealthSettings = field(default=UNSET, kw_only=True, repr=False)
     metrics_endpoint: MetricsEndpoint = field(default=UNSET, kw_only=True, repr=False)
-    #: How the agent keeps its workers' state (``core.state``).
+    #: How the agent keeps its workers' state (``core.workers.state``).
     state: StateSettings = field(default=UNSET, kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
@@ -339,7 +339,7 @@ def open_files_needed(config: LaunchConfig, terminals: Std = Std.NONE) -> int:
     """About how many descriptors the agent of ``config`` holds at once, at most: its own
     (``AGENT_DESCRIPTORS``), and for each worker a pidfd and one spare (a pipe end while it
     starts), and for each of its streams that goes through relaunch (redirected, tee'd, or
-    copied: ``core.console_plan``, given which of the launcher's streams are ``terminals``)
+    copied: ``core.output.console_plan``, given which of the launcher's streams are ``terminals``)
     the pipe it reads and the log file. A rank left off the console (``local_ranks_filter``)
     has both its streams read; with ``logs_specs`` every stream may be."""
     nprocs, hang = config.nproc_per_node, config.hang_timeout is not None
@@ -403,8 +403,8 @@ def _endpoint(endpoint: str, several: bool = False) -> int:
 
 def read_rdzv_conf(backend: str, conf: Mapping[str, Any]) -> RendezvousSettings:
     """``conf`` (``--rdzv-conf``, ``rdzv_configs``) as ``backend`` reads it, typed and checked
-    once (``core.rdzv_conf.parse``, with this machine's TLS files looked for); ConfigError saying
-    what is wrong."""
+    once (``core.rendezvous.rdzv_conf.parse``, with this machine's TLS files looked for);
+    ConfigError saying what is wrong."""
     try:
         return rdzv_conf.parse(backend, conf, is_file=os.path.isfile)
     except ValueError as exc:

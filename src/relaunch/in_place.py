@@ -89,7 +89,7 @@ def resumes_from(step: int | None) -> bool:
     """Whether this rank, restarted in place and holding the state of ``step`` in memory, may
     go on from it: the step every rank of the restarted world resumes from is ``step``
     (``load_state`` would give it). False in a process that was not restarted in place."""
-    from relaunch.core.state import STATE_STEP_ENV
+    from relaunch.core.workers.state import STATE_STEP_ENV
 
     if not _resumed or step is None or os.environ.get(STATE_STEP_ENV) != str(step):
         return False

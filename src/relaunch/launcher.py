@@ -18,8 +18,8 @@ from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.rdzv_conf import BACKENDS, RendezvousSpec
-from relaunch.core.summary import RunSummary
+from relaunch.core.rendezvous.rdzv_conf import BACKENDS, RendezvousSpec
+from relaunch.core.run.summary import RunSummary
 from relaunch.events import (
     EventHandler,
     Metrics,
@@ -39,7 +39,7 @@ from relaunch.rendezvous.backends import create_rendezvous_handler
 from relaunch.runtime import raise_open_file_limit
 
 if TYPE_CHECKING:
-    from relaunch.core.placement import Placement
+    from relaunch.core.workers.placement import Placement
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
 

@@ -1,5 +1,5 @@
 """This machine, read once: its CPUs, its GPUs and their CPU topology, from /proc and sysfs; and
-each local rank's placement on it, planned by ``relaunch.core.placement``.
+each local rank's placement on it, planned by ``relaunch.core.workers.placement``.
 
 The one reader of the machine: the number of workers ``--nproc-per-node cpu/gpu/auto/gpu:LIST``
 asks for (``cpu_count``, ``count_gpus``) and the placement (``placement_for``) read the same
@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Mapping
 
 from relaunch.config import ConfigError, LaunchConfig
-from relaunch.core.placement import (
+from relaunch.core.workers.placement import (
     Gpu,
     Placement,
     Topology,
@@ -78,8 +78,9 @@ def place_workers(
     numa_binding: str | None = None,
     virtual_local_rank: bool = False,
 ) -> Placement | None:
-    """The placement of ``nproc`` local ranks on this machine (``core.placement.plan_placement``
-    says what each option means; None: none asked); ConfigError when it cannot be."""
+    """The placement of ``nproc`` local ranks on this machine
+    (``core.workers.placement.plan_placement`` says what each option means; None: none asked);
+    ConfigError when it cannot be."""
     if not (devices is not None or device_per_rank or numa_binding or virtual_local_rank):
         return None
     root = environ.get(SYSFS_ROOT_ENV, "/")

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from relaunch.core.logs_specs import LogsDest, LogsSpecs
+from relaunch.core.workers.logs_specs import LogsDest, LogsSpecs
 
 
 def print_lines(tag: str) -> str:

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from relaunch.agent import WorkerSpec
 from relaunch.agent.spec import WorkerGroup
-from relaunch.core import rendezvous as plan
-from relaunch.core.ranks import places, role_place, role_runs
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.workers.ranks import places, role_place, role_runs
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous import RendezvousInfo, RendezvousStoreInfo
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler

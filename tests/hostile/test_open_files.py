@@ -12,7 +12,7 @@ import pytest
 from conftest import LeakCheck
 
 from relaunch.config import LaunchConfig, open_files_needed
-from relaunch.core.streams import Std
+from relaunch.core.workers.streams import Std
 
 pytestmark = pytest.mark.timeout(60)
 

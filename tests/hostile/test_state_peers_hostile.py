@@ -34,7 +34,7 @@ from conftest import LeakCheck, wait_until
 
 from relaunch.agent import peer_server
 from relaunch.agent.state_peers import PeerLink
-from relaunch.core import state as layout
+from relaunch.core.workers import state as layout
 from relaunch.endpoints import find_free_port
 from relaunch.state.files import PEERS, SlotWriter, committed
 from relaunch.store import auth

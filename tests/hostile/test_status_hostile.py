@@ -18,7 +18,7 @@ import time
 import pytest
 
 from relaunch.cli.status import status_main
-from relaunch.core import status as core
+from relaunch.core.output import status as core
 from relaunch.rendezvous.reader import MAX_MEMBERS, JobReader
 from relaunch.store import wire
 from relaunch.store.api import StoreTimeout

@@ -363,7 +363,7 @@ LIVE_DISPLAY = r"""
 def test_on_a_terminal_tee_gives_each_worker_a_terminal_of_its_own(
     tmp_path, leaks: LeakCheck
 ) -> None:
-    from relaunch.core.screen import ScreenFramer
+    from relaunch.core.output.screen import ScreenFramer
 
     job = write_job(tmp_path, LIVE_DISPLAY)
     env = leaks.process_env(TERM="xterm", COLUMNS="100", LINES="30")
@@ -414,7 +414,7 @@ def test_real_rich_and_tqdm_bars_draw_under_their_prefix_at_the_terminals_width(
 ) -> None:
     pytest.importorskip("rich")
     pytest.importorskip("tqdm")
-    from relaunch.core.screen import ScreenFramer
+    from relaunch.core.output.screen import ScreenFramer
 
     job = write_job(tmp_path, RICH_AND_TQDM)
     env = leaks.process_env(TERM="xterm", COLUMNS="100", LINES="30")

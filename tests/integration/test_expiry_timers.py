@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import LeakCheck, wait_until
 
-from relaunch.core.timers import Timer
+from relaunch.core.workers.timers import Timer
 from relaunch.runtime import ManualClock
 from relaunch.timer import (
     FileTimerServer,

@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import LeakCheck
 
-from relaunch.core.failures import AT_EXIT
+from relaunch.core.run.failures import AT_EXIT
 
 pytestmark = pytest.mark.timeout(60)
 

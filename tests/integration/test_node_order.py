@@ -1,5 +1,5 @@
-"""Group ranks where the scheduler put the nodes, and where they were (``core.node_order``):
-real agents on the built-in store and on a real etcd member."""
+"""Group ranks where the scheduler put the nodes, and where they were
+(``core.rendezvous.node_order``): real agents on the built-in store and on a real etcd member."""
 
 from __future__ import annotations
 

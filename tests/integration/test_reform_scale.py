@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from etcd_cluster import EtcdCluster
 
-from relaunch.core.rendezvous import Settings
+from relaunch.core.rendezvous.rounds import Settings
 from relaunch.store import EtcdStore, TcpStore, TcpStoreServer
 from tests.support.simnodes import SimJob, form, join_one, lose_one, wait_beating, wait_threads_gone
 

@@ -21,8 +21,8 @@ from conftest import LeakCheck, wait_until
 from etcd_cluster import EtcdCluster, b64
 from test_rendezvous import FAST, agent, lines, script
 
-from relaunch.core.node_order import Claim
-from relaunch.core.rendezvous import Settings
+from relaunch.core.rendezvous.node_order import Claim
+from relaunch.core.rendezvous.rounds import Settings
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.kinds_etcd import EtcdKind, handler_on_etcd

@@ -358,8 +358,8 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
 @pytest.mark.timeout(30)
 def test_one_node_judges_its_own_ranks() -> None:
     from relaunch.agent.status import Group, NodeReporter
-    from relaunch.core.progress import Progress
-    from relaunch.core.run_events import NodeSnapshot, RankSample
+    from relaunch.core.run.run_events import NodeSnapshot, RankSample
+    from relaunch.core.workers.progress import Progress
 
     began = time.time()
     speeds = {0: 100.0, 1: 90.0, 2: 20.0}

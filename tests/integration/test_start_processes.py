@@ -20,7 +20,7 @@ from relaunch import (
     SubprocessContext,
     start_processes,
 )
-from relaunch.core.rank_io import plan_rank_io
+from relaunch.core.workers.rank_io import plan_rank_io
 from relaunch.runtime import ManualClock
 
 PY = sys.executable

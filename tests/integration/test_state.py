@@ -17,7 +17,7 @@ from conftest import LeakCheck, relaunch_cli, wait_until
 from test_rendezvous import serving
 from test_resilience import endpoint_of
 
-from relaunch.core.goodput import CAUSES
+from relaunch.core.run.goodput import CAUSES
 from relaunch.state.files import PEERS, committed
 
 HERE = pathlib.Path(__file__).parent

@@ -15,7 +15,7 @@ import pytest
 from conftest import LeakCheck, wait_until
 
 import relaunch
-from relaunch.core import state as layout
+from relaunch.core.workers import state as layout
 from relaunch.state import api as state_api
 from relaunch.state import files as state_files
 from relaunch.state.files import committed

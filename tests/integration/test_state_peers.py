@@ -14,7 +14,7 @@ import pytest
 from conftest import wait_until
 
 from relaunch.agent.state_peers import PeerLink
-from relaunch.core import state as layout
+from relaunch.core.workers import state as layout
 from relaunch.state.files import PEERS, SlotWriter, committed
 from relaunch.store import auth
 

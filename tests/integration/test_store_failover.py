@@ -19,7 +19,7 @@ from conftest import LeakCheck, pid_alive, wait_until
 from test_rendezvous import Rendezvous, script
 from test_spares_and_health import Node, start, stop_all
 
-from relaunch.core.exclusion import decode_record
+from relaunch.core.run.exclusion import decode_record
 from relaunch.endpoints import find_free_port
 from relaunch.store.api import StoreError
 from relaunch.store.client import TcpStore

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from relaunch.core.membership import MembershipChange
-from relaunch.core.rendezvous import Settings
+from relaunch.core.rendezvous.membership import MembershipChange
+from relaunch.core.rendezvous.rounds import Settings
 from relaunch.rendezvous.api import RendezvousInfo
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.store.api import Store, StoreConnectionError

@@ -17,7 +17,7 @@ from test_agent_loop import (
 )
 
 from relaunch.agent import LocalElasticAgent, RunResult, WorkerSpec, WorkerState
-from relaunch.core.membership import MembershipChange
+from relaunch.core.rendezvous.membership import MembershipChange
 from relaunch.runtime import ManualClock
 
 pytestmark = pytest.mark.timeout(30)

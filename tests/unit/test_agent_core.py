@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from relaunch.core.console_plan import agent_tee, console_is_relaunchs, log_line_prefixes
-from relaunch.core.group import GroupStatus
-from relaunch.core.membership import MembershipChange
-from relaunch.core.restart import Action, decide
-from relaunch.core.streams import Std
+from relaunch.core.output.console_plan import agent_tee, console_is_relaunchs, log_line_prefixes
+from relaunch.core.rendezvous.membership import MembershipChange
+from relaunch.core.run.group import GroupStatus
+from relaunch.core.run.restart import Action, decide
+from relaunch.core.workers.streams import Std
 
 
 def test_a_failure_without_restarts_waits_for_a_lost_node_until_the_grace_ends() -> None:
@@ -58,8 +58,8 @@ def test_line_prefixes_follow_torchruns_template() -> None:
 
 def test_hang_detection_counts_silence_on_its_clock() -> None:
     from relaunch.agent.expiry import ExpiryWatch
-    from relaunch.core.progress import Progress
-    from relaunch.core.run_events import NodeSnapshot, RankSample
+    from relaunch.core.run.run_events import NodeSnapshot, RankSample
+    from relaunch.core.workers.progress import Progress
     from relaunch.runtime import ManualClock
 
     clock = ManualClock()

@@ -19,7 +19,7 @@ from conftest import wait_until
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec, WorkerState
 from relaunch.agent.state import AGREE_TRIES
-from relaunch.core.membership import MembershipChange
+from relaunch.core.rendezvous.membership import MembershipChange
 from relaunch.core.sections import Learned
 from relaunch.events import Event, EventHandler
 from relaunch.procs.context import RunProcsResult

@@ -1,14 +1,14 @@
 """The plan of an attempt: every rank's environment, arguments, I/O, prefixes and CPUs, decided
-before anything starts (``core.attempt``), as the agent passes it to ``start_processes``."""
+before anything starts (``core.workers.attempt``), as the agent passes it to ``start_processes``."""
 
 from __future__ import annotations
 
 import pytest
 
-from relaunch.core.attempt import AttemptPlan, Command, plan_attempt
-from relaunch.core.placement import Placement, RankPlacement
-from relaunch.core.ranks import GroupContext, assign_ranks
-from relaunch.core.streams import Std
+from relaunch.core.workers.attempt import AttemptPlan, Command, plan_attempt
+from relaunch.core.workers.placement import Placement, RankPlacement
+from relaunch.core.workers.ranks import GroupContext, assign_ranks
+from relaunch.core.workers.streams import Std
 
 COMMAND = Command(
     role="trainer",

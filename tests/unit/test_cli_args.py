@@ -11,7 +11,7 @@ import pytest
 
 from relaunch import cli
 from relaunch.config import ConfigError
-from relaunch.core.streams import Std
+from relaunch.core.workers.streams import Std
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,8 @@ from conftest import LeakCheck
 from relaunch import cli
 from relaunch.cli.args import config_from_args, validate
 from relaunch.config import ConfigError, LaunchConfig, read_rdzv_conf
-from relaunch.core.rdzv_conf import RendezvousSettings
-from relaunch.core.streams import Std
+from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings
+from relaunch.core.workers.streams import Std
 from relaunch.store.etcd import EtcdStore
 
 

@@ -8,9 +8,9 @@ import io
 import pytest
 
 from relaunch.core import channel
-from relaunch.core.progress import NodeProgress, Progress, read_progress
-from relaunch.core.streams import Std
-from relaunch.core.summary import RankEnd, RunSummary, format_summary
+from relaunch.core.run.summary import RankEnd, RunSummary, format_summary
+from relaunch.core.workers.progress import NodeProgress, Progress, read_progress
+from relaunch.core.workers.streams import Std
 from relaunch.procs.console import Console
 from relaunch.runtime import ManualClock
 
@@ -174,7 +174,7 @@ def test_bars_of_a_stream_that_is_no_terminal_are_printed_not_drawn(
 
 
 def test_relaunch_copies_a_file_or_pipe_stream_of_several_workers_or_under_hang_detection() -> None:
-    from relaunch.core.console_plan import agent_tee, console_is_relaunchs, relayed
+    from relaunch.core.output.console_plan import agent_tee, console_is_relaunchs, relayed
 
     # No flags, one worker: every stream is the worker's to inherit, bytes as they are.
     assert relayed(Std.NONE, Std.NONE, 1, terminals=Std.NONE) == {0: Std.NONE}

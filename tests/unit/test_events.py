@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.core.group import GroupStatus
+from relaunch.core.run.group import GroupStatus
 from relaunch.events import (
     ConsoleEventHandler,
     ConsoleMetricHandler,

@@ -10,9 +10,9 @@ import pytest
 from conftest import pid_alive, wait_until
 
 from relaunch.agent.health import HealthCheck, run_check
-from relaunch.core import exclusion
-from relaunch.core.exclusion import ExclusionPolicy, NodeRecord, after_failure, excluded_until
-from relaunch.core.membership import ChangeKind, MembershipChange, expected_size
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, expected_size
+from relaunch.core.run import exclusion
+from relaunch.core.run.exclusion import ExclusionPolicy, NodeRecord, after_failure, excluded_until
 
 POLICY = ExclusionPolicy(after=3, cooldown=100.0)
 
@@ -70,7 +70,7 @@ def test_a_record_no_relaunch_wrote_is_refused(raw: bytes) -> None:
 
 
 def test_a_bad_record_in_the_store_is_one_line_naming_its_key() -> None:
-    from relaunch.core.rendezvous import Settings
+    from relaunch.core.rendezvous.rounds import Settings
     from relaunch.rendezvous.api import BadStoreValue
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
     from relaunch.store import MemoryStore
@@ -126,7 +126,7 @@ def test_an_excluded_member_shrinks_the_next_round() -> None:
 
 
 def test_the_failing_node_that_re_forms_the_round_is_recorded_and_then_excluded() -> None:
-    from relaunch.core.rendezvous import Settings
+    from relaunch.core.rendezvous.rounds import Settings
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
     from relaunch.store import MemoryStore
 

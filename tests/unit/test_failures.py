@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from relaunch.core.failures import (
+from relaunch.core.run.failures import (
     describe_exit,
     failure_signature,
     format_report,
@@ -17,7 +17,7 @@ from relaunch.core.failures import (
     stderr_tail_message,
     tail_lines,
 )
-from relaunch.core.group import GroupStatus, group_status
+from relaunch.core.run.group import GroupStatus, group_status
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
 
 

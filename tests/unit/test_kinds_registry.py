@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from relaunch.core.rdzv_conf import BACKENDS, STATIC_BACKEND
+from relaunch.core.rendezvous.rdzv_conf import BACKENDS, STATIC_BACKEND
 from relaunch.rendezvous.kind_registry import EndpointError, backend_names, kind_module
 
 
@@ -31,7 +31,7 @@ def test_an_unknown_backend_has_no_kind() -> None:
 
 
 def test_a_bad_endpoint_is_an_endpoint_error() -> None:
-    from relaunch.core.rdzv_conf import RendezvousSettings
+    from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings
 
     with pytest.raises(EndpointError):
         kind_module("c10d").open_reader("host:99999", "j", RendezvousSettings(), 1.0, {})

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from relaunch.core import kubernetes, mpi, schedulers
+from relaunch.core.schedulers import detect as schedulers
+from relaunch.core.schedulers import kubernetes, mpi
 from tests.support.launching import in_job_dir, launch
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"

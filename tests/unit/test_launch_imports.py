@@ -26,7 +26,7 @@ NOT_FOR_A_SINGLE_NODE = (
     "relaunch.rendezvous.failover",
     "relaunch.agent.metrics_server",
     "relaunch.procs.tail",
-    "relaunch.core.screen",
+    "relaunch.core.output.screen",
     "relaunch.timer",
 )
 

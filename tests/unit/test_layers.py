@@ -211,7 +211,9 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_every_kind_of_import() -> None:
     edges = graph()
-    assert "relaunch.core.rendezvous" in edges["relaunch.rendezvous.rounds"]  # from pkg import mod
+    assert (
+        "relaunch.core.rendezvous.rounds" in edges["relaunch.rendezvous.rounds"]
+    )  # from pkg import mod
     assert "relaunch.rendezvous.api" in edges["relaunch.rendezvous"]  # __init__ re-exports
     assert "relaunch.store.memory" in edges["relaunch.rendezvous.backends"]  # inside a function
     assert "relaunch.store.etcd" not in edges["relaunch.rendezvous.heartbeat"]  # TYPE_CHECKING

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core.lines import LineFramer, prefix_lines
+from relaunch.core.output.lines import LineFramer, prefix_lines
 
 
 def frame(chunks: list[bytes], max_partial: int = 1 << 20) -> list[bytes]:

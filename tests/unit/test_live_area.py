@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.core.live_area import SOURCE_KEY, area_rows, coloured, erase, fit
+from relaunch.core.output.live_area import SOURCE_KEY, area_rows, coloured, erase, fit
 
 
 def test_ranks_come_in_numeric_order_and_the_agents_bars_below_them() -> None:

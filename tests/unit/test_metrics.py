@@ -23,9 +23,9 @@ from relaunch.agent.sampler import Sampler
 from relaunch.agent.spec import WorkerGroup
 from relaunch.agent.status import Group, NodeReporter
 from relaunch.config import ConfigError
-from relaunch.core import metrics as core
-from relaunch.core.progress import Progress
-from relaunch.core.status import JobView
+from relaunch.core.output import metrics as core
+from relaunch.core.output.status import JobView
+from relaunch.core.workers.progress import Progress
 from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo

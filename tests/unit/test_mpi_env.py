@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from relaunch import config
-from relaunch.core import mpi, schedulers
+from relaunch.core.schedulers import detect as schedulers
+from relaunch.core.schedulers import mpi
 from tests.support.launching import in_job_dir, launch
 
 HNP = "1077215232.0;tcp://192.0.2.2,10.1.0.7:35645;tcp6://[fd00::2]:37323"

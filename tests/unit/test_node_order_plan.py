@@ -1,4 +1,5 @@
-"""Group ranks where the scheduler put the nodes, and where they were (``core.node_order``)."""
+"""Group ranks where the scheduler put the nodes, and where they were
+(``core.rendezvous.node_order``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core import node_order
-from relaunch.core.node_order import Claim, Joiner, Placing
+from relaunch.core.rendezvous import node_order
+from relaunch.core.rendezvous.node_order import Claim, Joiner, Placing
 
 
 def joiner(ticket: int, last: tuple[int, int] | None = None, rank: int | None = None) -> Joiner:

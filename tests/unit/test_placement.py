@@ -9,7 +9,7 @@ import pytest
 from relaunch import cli
 from relaunch.cli.args import resolve_nproc
 from relaunch.config import ConfigError, LaunchConfig
-from relaunch.core.placement import (
+from relaunch.core.workers.placement import (
     Gpu,
     Topology,
     format_cpu_list,

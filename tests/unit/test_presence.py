@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from relaunch.core.membership import ChangeKind
-from relaunch.core.rendezvous import Settings
+from relaunch.core.rendezvous.membership import ChangeKind
+from relaunch.core.rendezvous.rounds import Settings
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.kinds_counter import CounterKind
 from relaunch.rendezvous.presence import presence_check

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core.rank_io import RankIO, plan_rank_io
-from relaunch.core.streams import Std
+from relaunch.core.workers.rank_io import RankIO, plan_rank_io
+from relaunch.core.workers.streams import Std
 
 stds = st.sampled_from([Std.NONE, Std.OUT, Std.ERR, Std.ALL])
 

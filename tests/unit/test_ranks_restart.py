@@ -4,10 +4,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core.group import GroupStatus
-from relaunch.core.membership import MembershipChange, decode_change, encode_change, expected_size
-from relaunch.core.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
-from relaunch.core.restart import Action, decide
+from relaunch.core.rendezvous.membership import (
+    MembershipChange,
+    decode_change,
+    encode_change,
+    expected_size,
+)
+from relaunch.core.run.group import GroupStatus
+from relaunch.core.run.restart import Action, decide
+from relaunch.core.workers.ranks import GroupContext, WorkerRanks, assign_ranks, worker_env
 
 
 def test_ranks_are_contiguous_per_node_in_group_rank_order() -> None:

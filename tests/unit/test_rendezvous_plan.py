@@ -10,16 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relaunch.core import node_order
-from relaunch.core import rendezvous as plan
-from relaunch.core.membership import (
+from relaunch.core.rendezvous import node_order
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import (
     ChangeKind,
     MembershipChange,
     decode_change,
     encode_change,
     expected_size,
 )
-from relaunch.core.rendezvous import Final, Settings, Step, decide_join
+from relaunch.core.rendezvous.rounds import Final, Settings, Step, decide_join
 from relaunch.rendezvous.api import RendezvousError, RendezvousInfo
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.store import MemoryStore

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from relaunch.core import channel
-from relaunch.core import rendezvous as plan
-from relaunch.core.liveness import Liveness, next_due, overdue, read_liveness
-from relaunch.core.membership import MembershipChange, decode_change, encode_change
-from relaunch.core.restart import (
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import MembershipChange, decode_change, encode_change
+from relaunch.core.run.restart import (
     Backoff,
     CrashLoop,
     Mark,
@@ -26,7 +25,8 @@ from relaunch.core.sections import (
     learned_bound,
     merge,
 )
-from relaunch.core.stragglers import RankRates, flag, interval
+from relaunch.core.workers.liveness import Liveness, next_due, overdue, read_liveness
+from relaunch.core.workers.stragglers import RankRates, flag, interval
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.store.memory import MemoryStore
 

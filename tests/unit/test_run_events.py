@@ -18,10 +18,8 @@ from relaunch.agent.sampler import Sampler, sample
 from relaunch.agent.sinks import LogSink, MetricPuts, Sinks
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent.status import Group, NodeReporter
-from relaunch.core import metrics as core_metrics
-from relaunch.core.liveness import Liveness
-from relaunch.core.progress import Progress
-from relaunch.core.run_events import (
+from relaunch.core.output import metrics as core_metrics
+from relaunch.core.run.run_events import (
     AttemptEnded,
     Failed,
     Finished,
@@ -34,7 +32,9 @@ from relaunch.core.run_events import (
     Started,
     StragglerFlagged,
 )
-from relaunch.core.stragglers import Straggler
+from relaunch.core.workers.liveness import Liveness
+from relaunch.core.workers.progress import Progress
+from relaunch.core.workers.stragglers import Straggler
 from relaunch.events import Metrics
 from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure

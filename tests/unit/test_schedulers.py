@@ -9,8 +9,8 @@ import pytest
 
 from relaunch.cli import command
 from relaunch.cli.flags import build_parser, explicit_flags
-from relaunch.core import schedulers
-from relaunch.core.inference import Inference
+from relaunch.core.schedulers import detect as schedulers
+from relaunch.core.schedulers.inference import Inference
 
 
 def test_flags_given_on_the_command_line_or_as_pet_variables() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core.screen import ScreenFramer
+from relaunch.core.output.screen import ScreenFramer
 
 
 def feed_all(chunks: list[bytes]) -> tuple[bytes, bytes | None]:

@@ -10,8 +10,8 @@ import pytest
 from relaunch.cli.args import settings_from_flags
 from relaunch.cli.flags import FLAGS, build_parser
 from relaunch.config import ConfigError, LaunchConfig
-from relaunch.core.restart import Backoff
-from relaunch.core.settings import (
+from relaunch.core.run.restart import Backoff
+from relaunch.core.run.settings import (
     GROUPS,
     HangSettings,
     HealthSettings,

@@ -7,9 +7,9 @@ import signal
 import pytest
 
 from relaunch.cli.values import parse_signals
-from relaunch.core import slurm
-from relaunch.core.schedulers import infer
-from relaunch.core.slurm import detect, expand_hostlist, first_host, node_address
+from relaunch.core.schedulers import slurm
+from relaunch.core.schedulers.detect import infer
+from relaunch.core.schedulers.slurm import detect, expand_hostlist, first_host, node_address
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
-"""The step the nodes agree on (``core.state_agreement.agreement``), from their state records
-alone: a table of records and what every node reads from them."""
+"""The step the nodes agree on (``core.workers.state_agreement.agreement``), from their state
+records alone: a table of records and what every node reads from them."""
 
 from __future__ import annotations
 
 import pytest
 
-from relaunch.core.state_agreement import Agreement, NodeState, agreement, node_held
+from relaunch.core.workers.state_agreement import Agreement, NodeState, agreement, node_held
 
 A, B, C = "10.0.0.1:4000", "10.0.0.2:4000", "10.0.0.3:4000"
 

@@ -1,11 +1,11 @@
-"""The pure rules of kept state (``relaunch.core.state``): which step a world resumes from, the
-slot header, the memory bound's arithmetic."""
+"""The pure rules of kept state (``relaunch.core.workers.state``): which step a world resumes from,
+the slot header, the memory bound's arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 
-from relaunch.core import state, state_settings
+from relaunch.core.workers import state, state_settings
 
 
 def test_a_world_resumes_from_the_newest_step_every_rank_has() -> None:
@@ -97,14 +97,14 @@ def test_a_node_copies_its_state_to_the_next_nodes_in_ring_order_never_to_itself
     ],
 )
 def test_a_state_record_from_the_store_is_checked_before_it_is_used(raw: bytes) -> None:
-    from relaunch.core.state_agreement import node_held
+    from relaunch.core.workers.state_agreement import node_held
 
     with pytest.raises(ValueError):
         node_held(raw)
 
 
 def test_a_state_record_reads_as_its_peer_and_steps() -> None:
-    from relaunch.core.state_agreement import node_held
+    from relaunch.core.workers.state_agreement import node_held
 
     raw = b'{"address": "10.0.0.2:4000", "held": {"3": [7, 8]}, "replicated": [8], "runs": [3]}'
     assert node_held(raw) == ("10.0.0.2:4000", {3: [7, 8]}, [8], [3])

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from relaunch.cli.status import status_main
-from relaunch.core import rendezvous as plan
-from relaunch.core import status as core
-from relaunch.core.membership import ChangeKind, MembershipChange, encode_change
+from relaunch.core.output import status as core
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, encode_change
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 from relaunch.rendezvous.reader import JobNotFound, JobReader
 from relaunch.runtime import ManualClock

@@ -1,6 +1,6 @@
 """The agent's decisions as histories: observations in (each at a given time), actions out.
 
-No agent, process, store or clock: ``core.step`` is fed what the agent would have observed, and
+No agent, process, store or clock: ``core.run.step`` is fed what the agent would have observed, and
 every action it asks for is compared with what the agent did before it was a step.
 """
 
@@ -10,13 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from relaunch.core.liveness import Liveness
-from relaunch.core.membership import MembershipChange
-from relaunch.core.progress import Progress
-from relaunch.core.restart import Backoff
-from relaunch.core.run_events import AttemptEnded, Hung, NodeSnapshot, RankSample, Restarted
-from relaunch.core.step import Rules, RunRecord, step
-from relaunch.core.step_types import (
+from relaunch.core.rendezvous.membership import MembershipChange
+from relaunch.core.run.restart import Backoff
+from relaunch.core.run.run_events import AttemptEnded, Hung, NodeSnapshot, RankSample, Restarted
+from relaunch.core.run.step import Rules, RunRecord, step
+from relaunch.core.run.step_types import (
     Action,
     Announce,
     Began,
@@ -49,6 +47,8 @@ from relaunch.core.step_types import (
     Wait,
     WorkersStarted,
 )
+from relaunch.core.workers.liveness import Liveness
+from relaunch.core.workers.progress import Progress
 
 CUT = "this node's workers were stopped before they finished"
 BOOM = "rank 1 exited with code 3: ValueError: boom"
@@ -56,7 +56,7 @@ BOOM = "rank 1 exited with code 3: ValueError: boom"
 
 @dataclass
 class Failed:
-    """A failed worker as a report reads it (``core.failures.Failure``)."""
+    """A failed worker as a report reads it (``core.run.failures.Failure``)."""
 
     local_rank: int = 1
     pid: int = 1_000_001

@@ -1,10 +1,10 @@
-"""The order of a stop (``core.stop_plan``), for each situation."""
+"""The order of a stop (``core.run.stop_plan``), for each situation."""
 
 from __future__ import annotations
 
 import pytest
 
-from relaunch.core.stop_plan import Feature, StopPhase, stop_plan
+from relaunch.core.run.stop_plan import Feature, StopPhase, stop_plan
 
 P = StopPhase
 ALWAYS = (P.STOP_POSTS, P.WAIT_FOR_STACKS, P.CLOSE, P.RECORD_OUTCOME, P.FINAL_BAR)

@@ -1,10 +1,10 @@
-"""``core.store_roles``: which part a node takes in serving the job's built-in store."""
+"""``core.rendezvous.store_roles``: which part a node takes in serving the job's built-in store."""
 
 from __future__ import annotations
 
 import pytest
 
-from relaunch.core.store_roles import StoreRole, StoreSetup, store_roles
+from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 
 STANDALONE, HOST, STANDBY, FOLLOWER = (
     StoreRole.STANDALONE,

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.core.macros import substitute_local_rank
-from relaunch.core.streams import Std, per_rank
+from relaunch.core.workers.macros import substitute_local_rank
+from relaunch.core.workers.streams import Std, per_rank
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relaunch.core.summary import RankEnd, RunSummary, format_summary
+from relaunch.core.run.summary import RankEnd, RunSummary, format_summary
 
 
 def test_workers_that_never_started_are_one_line() -> None:

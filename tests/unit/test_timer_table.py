@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relaunch.core.failures import faulthandler_dump
-from relaunch.core.timers import TimerTable, silent
+from relaunch.core.run.failures import faulthandler_dump
+from relaunch.core.workers.timers import TimerTable, silent
 from relaunch.timer import TimerClient, TimerRequest, expires
 from relaunch.timer.file_based_local_timer import FileTimerRequest, parse_request
 

@@ -10,7 +10,7 @@ import sys
 
 import relaunch
 from relaunch.core import channel
-from relaunch.core.progress import read_progress
+from relaunch.core.workers.progress import read_progress
 
 #: Run without site (-S), so nothing a site hook imports hides what relaunch imports; relaunch is
 #: found on PYTHONPATH, the same copy this test imported.

@@ -21,7 +21,7 @@ from relaunch.agent.spec import (
     WorkerSpec,
     WorkerState,
 )
-from relaunch.core.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
+from relaunch.core.output.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
 
 __all__ = [
     "DEFAULT_ROLE",

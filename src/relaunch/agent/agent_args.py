@@ -9,15 +9,15 @@ import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from relaunch.agent.spec import WorkerSpec
-from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT, numa_binding_of
-from relaunch.core.logs_specs import LogsSpecs, is_logs_specs
-from relaunch.core.streams import per_rank
+from relaunch.core.workers.call_forms import CallForm, choose
+from relaunch.core.workers.logs_specs import LogsSpecs, is_logs_specs
+from relaunch.core.workers.streams import per_rank
 from relaunch.events import Event, EventHandler, NullEventHandler, get_logging_handler, record
 from relaunch.procs.logs_specs import DefaultLogsSpecs
 
 if TYPE_CHECKING:
-    from relaunch.core.placement import Placement
+    from relaunch.core.workers.placement import Placement
 
 
 #: ``LocalElasticAgent``'s two forms, from its 2nd parameter on: torch 2.13's and the seeds'.
@@ -81,8 +81,8 @@ def agent_arguments(
     spec: WorkerSpec, positional: tuple[Any, ...], keywords: dict[str, Any]
 ) -> AgentArguments:
     """Read ``LocalElasticAgent(spec, *positional, **keywords)`` in torch 2.13's form or the
-    seeds' (``core.call_forms``); TypeError or ValueError, in one line, for a call of neither
-    or an argument relaunch does not take. torch's ``shutdown_timeout`` is the agent's: it
+    seeds' (``core.workers.call_forms``); TypeError or ValueError, in one line, for a call of
+    neither or an argument relaunch does not take. torch's ``shutdown_timeout`` is the agent's: it
     replaces the spec's."""
     form, given = choose(
         "LocalElasticAgent",

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 
 from relaunch.agent.shm import CHANNEL_PREFIX, PrivateDirectory
 from relaunch.core import channel
-from relaunch.core.liveness import Liveness, read_liveness
-from relaunch.core.progress import Progress, read_progress
 from relaunch.core.sections import Learned, decode_learned, merge
+from relaunch.core.workers.liveness import Liveness, read_liveness
+from relaunch.core.workers.progress import Progress, read_progress
 from relaunch.runtime import start_thread
 
 #: How the agent opens a path of the channel's: never through a symbolic link, never waiting.

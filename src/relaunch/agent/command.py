@@ -1,11 +1,11 @@
 """What every attempt of the agent's worker group runs (``Command``), and what the workers of
-the group just joined share (``GroupContext``), for ``core.attempt``'s plan."""
+the group just joined share (``GroupContext``), for ``core.workers.attempt``'s plan."""
 
 from __future__ import annotations
 
 from relaunch.agent.spec import WorkerGroup, WorkerSpec
-from relaunch.core.attempt import Command
-from relaunch.core.ranks import GroupContext
+from relaunch.core.workers.attempt import Command
+from relaunch.core.workers.ranks import GroupContext
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan
 
 

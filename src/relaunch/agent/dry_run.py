@@ -1,10 +1,10 @@
 """``relaunch --dry-run``: the plan of the first attempt (each rank's environment and command),
 printed, with nothing started, as torchx's dry run prints its request.
 
-The plan is the one the agent would pass to ``start_processes`` (``core.attempt``). Where the
-rendezvous has not said them yet (an elastic backend: the join places the node), the values
-that depend on the group are shown as placeholders, and the text says it stopped before joining.
-The static backend, and one node, know their ranks up front.
+The plan is the one the agent would pass to ``start_processes`` (``core.workers.attempt``). Where
+the rendezvous has not said them yet (an elastic backend: the join places the node), the values that
+depend on the group are shown as placeholders, and the text says it stopped before joining. The
+static backend, and one node, know their ranks up front.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relaunch.core.attempt import AttemptPlan, Command, plan_attempt
 from relaunch.core.channel import CHANNEL_ENV
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.placement import format_cpu_list
-from relaunch.core.rank_io import DEVNULL, RankIO
-from relaunch.core.ranks import GroupContext, ranks_at_offset
-from relaunch.core.streams import Std
-from relaunch.core.timers import TIMER_FILE_ENV
+from relaunch.core.workers.attempt import AttemptPlan, Command, plan_attempt
+from relaunch.core.workers.placement import format_cpu_list
+from relaunch.core.workers.rank_io import DEVNULL, RankIO
+from relaunch.core.workers.ranks import GroupContext, ranks_at_offset
+from relaunch.core.workers.streams import Std
+from relaunch.core.workers.timers import TIMER_FILE_ENV
 
 if TYPE_CHECKING:
     from relaunch.config import LaunchConfig
-    from relaunch.core.placement import Placement
+    from relaunch.core.workers.placement import Placement
 
 #: What the join decides, shown where a value waits for it.
 AT_THE_JOIN = "<set at the join>"

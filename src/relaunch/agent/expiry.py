@@ -27,12 +27,12 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
-from relaunch.core import timers as core_timers
 from relaunch.core.durations import seconds
-from relaunch.core.failures import AT_EXIT, faulthandler_dump, waits_at_exit
-from relaunch.core.liveness import Overdue, next_due, overdue
-from relaunch.core.run_events import NodeSnapshot
-from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
+from relaunch.core.run.failures import AT_EXIT, faulthandler_dump, waits_at_exit
+from relaunch.core.run.run_events import NodeSnapshot
+from relaunch.core.workers import timers as core_timers
+from relaunch.core.workers.liveness import Overdue, next_due, overdue
+from relaunch.core.workers.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
 from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
 from relaunch.procs.handles import signal_tree
 from relaunch.runtime import SYSTEM_CLOCK, Clock

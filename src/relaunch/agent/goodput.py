@@ -1,4 +1,4 @@
-"""The agent's marks of each restart's moments, for the goodput ledger (``core.goodput``): when
+"""The agent's marks of each restart's moments, for the goodput ledger (``core.run.goodput``): when
 the failure happened and was seen, when the old group was gone, how long admission and the join
 took, when the new workers started, and when they were back (``load_state`` in the channel, or
 a first progress report)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from relaunch.agent.channel import Channel
-from relaunch.core.goodput import RestartCost, RestartMarks, Restored, cost_of
-from relaunch.core.progress import Progress
-from relaunch.core.run_events import Joined, RunEvent, Started
+from relaunch.core.run.goodput import RestartCost, RestartMarks, Restored, cost_of
+from relaunch.core.run.run_events import Joined, RunEvent, Started
+from relaunch.core.workers.progress import Progress
 from relaunch.procs.context import PContext
 from relaunch.runtime import Clock
 

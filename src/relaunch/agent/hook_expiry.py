@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from relaunch.agent.hooks import AttemptHook, Run
-from relaunch.core.stop_plan import StopPhase
+from relaunch.core.run.stop_plan import StopPhase
 
 
 class ExpiryHook(AttemptHook):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.agent.user_start import can_keep
-from relaunch.core.stop_plan import Feature, StopPhase
+from relaunch.core.run.stop_plan import Feature, StopPhase
 from relaunch.procs.context import PContext
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.monitor import FailureGrace

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.config import ConfigError
-from relaunch.core.ranks import omp_num_threads_default
-from relaunch.core.stop_plan import Feature, StopPhase
+from relaunch.core.run.stop_plan import Feature, StopPhase
+from relaunch.core.workers.ranks import omp_num_threads_default
 from relaunch.procs.context import PContext
 
 if TYPE_CHECKING:

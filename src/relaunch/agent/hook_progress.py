@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.agent.report import NodeBar
 from relaunch.agent.status import Group
-from relaunch.core.stop_plan import StopPhase
+from relaunch.core.run.stop_plan import StopPhase
 
 
 class ProgressHook(AttemptHook):

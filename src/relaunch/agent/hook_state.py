@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Mapping
 from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.agent.state import JustInTime, StateKeeper
 from relaunch.core.durations import seconds
-from relaunch.core.stop_plan import Feature, StopPhase
+from relaunch.core.run.stop_plan import Feature, StopPhase
 from relaunch.procs.monitor import FailureGrace
 
 log = logging.getLogger("relaunch.agent.workers")

@@ -6,7 +6,7 @@ module, registered in one line (``agent.features``). ``agent.workers`` runs them
 - each attempt: ``starting`` (before anything else), ``environment`` (what every worker gets),
   ``wrap_start`` (how ``start_processes`` is called), then, once started, ``grace`` (what a
   failure waits for) and ``started``; ``worker_failed`` from the monitor's thread.
-- a stop runs the phases ``core.stop_plan`` orders, each by the hook that ``stop_phases`` names.
+- a stop runs the phases ``core.run.stop_plan`` orders, each by the hook that ``stop_phases`` names.
 
 ``Run`` is what the hooks share: the run's services, and its current attempt.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from relaunch.agent.spec import WorkerGroup
-from relaunch.core.state_settings import StateSettings
-from relaunch.core.stop_plan import Feature, StopPhase
+from relaunch.core.run.stop_plan import Feature, StopPhase
+from relaunch.core.workers.state_settings import StateSettings
 from relaunch.procs.context import PContext
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class AttemptHook:
         """The attempt's workers started (``run.pcontext``)."""
 
     def features(self) -> Collection[Feature]:
-        """The features whose phases a stop runs (``core.stop_plan``)."""
+        """The features whose phases a stop runs (``core.run.stop_plan``)."""
         return ()
 
     def stop_phases(self, run: Run) -> Mapping[StopPhase, Callable[[], None]]:

@@ -1,5 +1,5 @@
 """The rendezvous join: once this node may (it left its running round, waited out a crash
-loop's backoff and any exclusion from the job, ``core.exclusion``, and passed its health check,
+loop's backoff and any exclusion from the job, ``core.run.exclusion``, and passed its health check,
 ``agent.health``), its worker group takes its place in the next round."""
 
 from __future__ import annotations

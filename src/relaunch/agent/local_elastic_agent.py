@@ -5,7 +5,7 @@ timer server for ``relaunch.timer.expires``."""
 from __future__ import annotations
 
 from relaunch.agent.loop import LocalElasticAgent
-from relaunch.core.timers import ENABLE_FILE_TIMER_ENV as TORCHELASTIC_ENABLE_FILE_TIMER
-from relaunch.core.timers import TIMER_FILE_ENV as TORCHELASTIC_TIMER_FILE
+from relaunch.core.workers.timers import ENABLE_FILE_TIMER_ENV as TORCHELASTIC_ENABLE_FILE_TIMER
+from relaunch.core.workers.timers import TIMER_FILE_ENV as TORCHELASTIC_TIMER_FILE
 
 __all__ = ["TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_TIMER_FILE", "LocalElasticAgent"]

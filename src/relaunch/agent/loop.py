@@ -1,11 +1,11 @@
 """The elastic agent: rendezvous, start the local workers, watch them, restart them as one.
 
 ``LocalElasticAgent.run`` is the driver: it observes (the workers' end, a membership change, a
-presence check's answer, a hang, the time), asks ``core.step`` what follows, and acts through the
-job's services (``rendezvous.job``), its workers (``agent.workers``: each attempt started from
-its plan, ``core.attempt``) and its sinks (``agent.sinks``). Between steps it sleeps on one
-event queue until an event or the next deadline, on its ``runtime.Clock``; only a job that
-cannot push membership changes is asked for them, every ``monitor_interval``.
+presence check's answer, a hang, the time), asks ``core.run.step`` what follows, and acts through
+the job's services (``rendezvous.job``), its workers (``agent.workers``: each attempt started from
+its plan, ``core.workers.attempt``) and its sinks (``agent.sinks``). Between steps it sleeps on one
+event queue until an event or the next deadline, on its ``runtime.Clock``; only a job that cannot
+push membership changes is asked for them, every ``monitor_interval``.
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ from relaunch.agent.spec import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec
 from relaunch.agent.state import StateNotAgreed
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.workers import Workers
-from relaunch.core import step_types as actions
-from relaunch.core.restart import Backoff
-from relaunch.core.run_events import Failed, Joined, RestartCosted, Started, StragglerFlagged
-from relaunch.core.settings import (
+from relaunch.core.run import step_types as actions
+from relaunch.core.run.restart import Backoff
+from relaunch.core.run.run_events import Failed, Joined, RestartCosted, Started, StragglerFlagged
+from relaunch.core.run.settings import (
     HangSettings,
     HealthSettings,
     MetricsEndpoint,
     RestartPolicy,
     agent_groups,
 )
-from relaunch.core.state_settings import StateSettings
-from relaunch.core.step import Rules, RunRecord, step
-from relaunch.core.summary import RunSummary
+from relaunch.core.run.step import Rules, RunRecord, step
+from relaunch.core.run.summary import RunSummary
+from relaunch.core.workers.state_settings import StateSettings
 from relaunch.events import EventHandler, Metrics, NullMetricHandler
 from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
@@ -53,11 +53,12 @@ from relaunch.rendezvous.job import JobServices, job_of
 from relaunch.runtime import SYSTEM_CLOCK, THREAD_FAILURES, Clock, FailureWatch, ThreadFailed
 
 if TYPE_CHECKING:
-    from relaunch.core.placement import Placement
+    from relaunch.core.workers.placement import Placement
 
 log = logging.getLogger(__name__)
 
-#: An agent keeps its workers' state as ``core.state``'s defaults say, unless told otherwise.
+#: An agent keeps its workers' state as ``core.workers.state``'s defaults say, unless told
+#: otherwise.
 KEEP_STATE = StateSettings()
 
 
@@ -80,7 +81,7 @@ class LocalElasticAgent:
     times every deadline (a ``runtime.ManualClock`` in tests). ``state``: how the workers'
     ``relaunch.save_state`` is kept (``agent.state``; None: not at all). ``preload``: modules a
     zygote imports once, from which each Python worker is forked (``procs.zygote``).
-    ``restart_policy``, ``hang``, ``health``, ``metrics_endpoint`` (``core.settings``): the
+    ``restart_policy``, ``hang``, ``health``, ``metrics_endpoint`` (``core.run.settings``): the
     settings groups, each in place of its flat keywords above.
 
     Two forms, told apart by the 2nd argument. torch 2.13's: ``LocalElasticAgent(spec,

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from relaunch.agent.spec import WorkerGroup, WorkerState
 from relaunch.agent.status import NodeReporter
-from relaunch.core import metrics as core
-from relaunch.core.goodput import CAUSES, Ledger
-from relaunch.core.run_events import Joined, NodeSnapshot, RestartCosted, Restarted, RunEvent
-from relaunch.core.status import RankStatus
+from relaunch.core.output import metrics as core
+from relaunch.core.output.status import RankStatus
+from relaunch.core.run.goodput import CAUSES, Ledger
+from relaunch.core.run.run_events import Joined, NodeSnapshot, RestartCosted, Restarted, RunEvent
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class AgentMetrics:
                 self._ledger.costs.append(run_event.cost)
 
     def restarted(self, cause: str) -> None:
-        """The group restarts, for ``cause`` (one of ``core.metrics.RESTART_CAUSES``)."""
+        """The group restarts, for ``cause`` (one of ``core.output.metrics.RESTART_CAUSES``)."""
         with self._lock:
             self._restarts[cause or "unknown"] = self._restarts.get(cause or "unknown", 0) + 1
 
@@ -136,7 +136,7 @@ class AgentMetrics:
         return core.Family("relaunch_worker_state", worker_states), gauges
 
     def families(self, now: float) -> list[core.Family]:
-        """Every metric of ``core.metrics.CATALOGUE``, sampled at ``now`` (``time.time()``),
+        """Every metric of ``core.output.metrics.CATALOGUE``, sampled at ``now`` (``time.time()``),
         from one snapshot of the ranks."""
         group, spec = self._group, self._group.spec
         handler = spec.rdzv_handler

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch.core.metrics import CONTENT_TYPE
+from relaunch.core.output.metrics import CONTENT_TYPE
 from relaunch.runtime import SYSTEM_CLOCK, Clock, descriptor_share
 from relaunch.server_loop import Listener, ServerLoop, Timer
 

@@ -4,7 +4,7 @@ relaunch's handlers say it (``RendezvousInfo.rank_offset`` and the rest, from th
 records): nothing is left to do. A handler written for torch returns only the node's rank, the
 number of nodes and a store; then, as torch 2.13's agent does, each node publishes its role and
 number of workers in that store, the node of group rank 0 places every node
-(``core.ranks.places``) and publishes the places, and each node reads its own: one exchange,
+(``core.workers.ranks.places``) and publishes the places, and each node reads its own: one exchange,
 under torch's keys and in torch's format, so relaunch's and torch's agents can share a job.
 Without a store (relaunch's static handler), or with ``TORCH_ELASTIC_WORKER_IDENTICAL=1``,
 every node is taken to run as many workers as this one, of one role.
@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from relaunch.core.ranks import NodePlace, one_role_place, places
+from relaunch.core.workers.ranks import NodePlace, one_role_place, places
 from relaunch.rendezvous.any_store import AnyStore
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.store.api import StoreError

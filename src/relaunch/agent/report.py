@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
-from relaunch.core.failures import has_error_file, signal_meaning
-from relaunch.core.goodput import Ledger
-from relaunch.core.progress import NodeProgress, Progress
-from relaunch.core.run_events import (
+from relaunch.core.run.failures import has_error_file, signal_meaning
+from relaunch.core.run.goodput import Ledger
+from relaunch.core.run.run_events import (
     Failed,
     Finished,
     Hung,
@@ -26,8 +25,9 @@ from relaunch.core.run_events import (
     StragglerFlagged,
     WorkerEnd,
 )
-from relaunch.core.stragglers import Straggler
-from relaunch.core.summary import RankEnd, RunSummary
+from relaunch.core.run.summary import RankEnd, RunSummary
+from relaunch.core.workers.progress import NodeProgress, Progress
+from relaunch.core.workers.stragglers import Straggler
 from relaunch.events import EventHandler, EventSource, status_event
 from relaunch.procs.context import RunProcsResult
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -59,7 +59,7 @@ class RunReport:
         self.stop_note = ""
         self.last_outcome: RunProcsResult | None = None
         self.last_progress: dict[int, Progress | None] = {}
-        #: Every restart's cost (``core.goodput``), for the summary.
+        #: Every restart's cost (``core.run.goodput``), for the summary.
         self.ledger = Ledger()
         #: Straggler lines for the summary, by global rank.
         self.stragglers: dict[int, str] = {}

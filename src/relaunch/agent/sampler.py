@@ -19,9 +19,9 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from relaunch.core.liveness import Liveness
-from relaunch.core.progress import Progress
-from relaunch.core.run_events import NodeSnapshot, RankSample
+from relaunch.core.run.run_events import NodeSnapshot, RankSample
+from relaunch.core.workers.liveness import Liveness
+from relaunch.core.workers.progress import Progress
 from relaunch.procs.context import PContext, RunProcsResult
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 

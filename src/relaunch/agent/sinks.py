@@ -1,4 +1,4 @@
-"""Where the agent's run events go (``core.run_events``): each is announced once, to every sink.
+"""Where the agent's run events go (``core.run.run_events``): each is announced once, to every sink.
 
 A sink takes what it writes from the run events it knows and ignores the others. The agent's
 sinks, in the order they are told: the run report (status events, the summary's restart and
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
-from relaunch.core.run_events import AttemptEnded, RestartCosted, Restarted, RunEvent
+from relaunch.core.run.run_events import AttemptEnded, RestartCosted, Restarted, RunEvent
 from relaunch.events import Metrics
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from relaunch.agent.ranks import node_place
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, numa_binding_of
-from relaunch.core.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
-from relaunch.core.ranks import WorkerRanks, ranks_of
-from relaunch.core.streams import Std
+from relaunch.core.workers.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
+from relaunch.core.workers.ranks import WorkerRanks, ranks_of
+from relaunch.core.workers.streams import Std
 from relaunch.procs.errors import ProcessFailure
 from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 

@@ -1,7 +1,7 @@
 """The agent's side of the state its workers keep (``relaunch.save_state``): the shared-memory
 directory that outlives them, the step each attempt resumes from (the nodes' records exchanged
-here, merged by ``core.state_agreement``), the copies on disk (``--state-dir``), and the wait
-for just-in-time saves when a failure is pending (counted in ``agent.state_saves``).
+here, merged by ``core.workers.state_agreement``), the copies on disk (``--state-dir``), and the
+wait for just-in-time saves when a failure is pending (counted in ``agent.state_saves``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 from relaunch.agent.channel import Channel
 from relaunch.agent.shm import STATE_PREFIX, PrivateDirectory
 from relaunch.agent.state_saves import SaveCounts
-from relaunch.core import state as layout
 from relaunch.core.durations import seconds
-from relaunch.core.state import Header
-from relaunch.core.state_agreement import NodeState, agreement, node_held
-from relaunch.core.state_settings import StateSettings, default_memory
+from relaunch.core.workers import state as layout
+from relaunch.core.workers.state import Header
+from relaunch.core.workers.state_agreement import NodeState, agreement, node_held
+from relaunch.core.workers.state_settings import StateSettings, default_memory
 from relaunch.procs.monitor import FailureGrace
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import start_thread

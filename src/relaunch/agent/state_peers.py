@@ -7,10 +7,10 @@ background, it pushes the rank's newest save of a copy step (every ``--state-cop
 step; every step by default) to its successors in ring order over the round's members
 (``--state-replicas``: the next one by default), which keep it under ``peers/`` (the two newest
 copies a rank, committed as a worker commits: the header last). Every node copies the same
-steps, and its workers keep their own two newest saves of them (``core.state.slot_to_write``):
-a copy that takes up to K steps still meets, after a node's loss, a step that every survivor
-kept. Before an attempt, a node whose new ranks' agreed step is not on it pulls it from a node
-that has it.
+steps, and its workers keep their own two newest saves of them
+(``core.workers.state.slot_to_write``): a copy that takes up to K steps still meets, after a node's
+loss, a step that every survivor kept. Before an attempt, a node whose new ranks' agreed step is not
+on it pulls it from a node that has it.
 
 What arrives is unpickled by a worker, so nothing from the network is kept unless it is proved:
 both ends prove the job's key (``JobServices.peer_key``: derived from the job's token, never
@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from relaunch.agent.peer_server import IO_TIMEOUT, PeerServer, Refused
-from relaunch.core import state as layout
+from relaunch.core.workers import state as layout
 from relaunch.runtime import start_thread
 from relaunch.state.files import PEERS, committed, find_slot, slot_header, write_all
 from relaunch.store import auth

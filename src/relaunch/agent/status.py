@@ -1,11 +1,11 @@
 """What the agent tells the rest of the job, from a thread of its own (the store may be slow to
 answer; the agent loop must never wait on it).
 
-Every ``INTERVAL`` seconds (longer in a job of more than 300 nodes: ``core.stragglers.interval``
-bounds the posts of the whole job to 100 a second) it posts this node's ``NodeStatus`` as the
-round's note ``status/<group rank>``; the agent of group rank 0 reads every node's (one range
-read on etcd, one read per node on the built-in store), judges the job
-(``core.status.job_view``: stragglers, the slowest rank, the pace) and posts it as the note
+Every ``INTERVAL`` seconds (longer in a job of more than 300 nodes:
+``core.workers.stragglers.interval`` bounds the posts of the whole job to 100 a second) it posts
+this node's ``NodeStatus`` as the round's note ``status/<group rank>``; the agent of group rank 0
+reads every node's (one range read on etcd, one read per node on the built-in store), judges the job
+(``core.output.status.job_view``: stragglers, the slowest rank, the pace) and posts it as the note
 ``job``, which the others read. ``relaunch status`` reads the same notes.
 
 Stragglers are flagged on the console (every one on group rank 0's node, its own ranks
@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from relaunch.core import status as core
-from relaunch.core import stragglers
-from relaunch.core.run_events import NodeSnapshot, RestartCosted, Restarted, RunEvent
+from relaunch.core.output import status as core
+from relaunch.core.run.run_events import NodeSnapshot, RestartCosted, Restarted, RunEvent
+from relaunch.core.workers import stragglers
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
@@ -77,7 +77,7 @@ class NodeReporter:
         self._clock = clock
         #: Why the group restarted, restart by restart (``on_run_event``).
         self._reasons: list[str] = []
-        self._lost = 0.0  # seconds lost to restarts (``core.goodput``)
+        self._lost = 0.0  # seconds lost to restarts (``core.run.goodput``)
         self._stop = threading.Event()
         self._reported = threading.Event()
         self._thread: threading.Thread | None = None

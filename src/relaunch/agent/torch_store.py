@@ -22,7 +22,7 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from relaunch.core.failures import describe_exit
+from relaunch.core.run.failures import describe_exit
 
 if TYPE_CHECKING:
     from relaunch.procs.zygote import Zygote

@@ -1,8 +1,8 @@
-"""The agent's hands on its workers: start an attempt from its plan (``core.attempt``), read how
-it ended, and stop it, at once (in the order ``core.stop_plan`` says) or, on a stop request,
+"""The agent's hands on its workers: start an attempt from its plan (``core.workers.attempt``), read
+how it ended, and stop it, at once (in the order ``core.run.stop_plan`` says) or, on a stop request,
 after the workers had their chance to stop themselves (``agent.graceful``).
 
-``core.attempt`` decides what each rank gets; this module does it (``core/X.py`` decides,
+``core.workers.attempt`` decides what each rank gets; this module does it (``core/X.py`` decides,
 ``agent/X.py`` does). The agent's driver (``agent.loop``) says when. What each feature adds
 (kept state, the zygote, restarting in place, expiry timers, the progress posts) is an attempt
 hook (``agent.hooks``), registered in ``agent.features``.
@@ -28,13 +28,13 @@ from relaunch.agent.sampler import Sampler
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.agent.status import NodeReporter
 from relaunch.agent.user_start import adapt_start
-from relaunch.core.attempt import plan_attempt
-from relaunch.core.failures import format_report
-from relaunch.core.run_events import NodeSnapshot
+from relaunch.core.run.failures import format_report
+from relaunch.core.run.run_events import NodeSnapshot
+from relaunch.core.run.step_types import Ended
+from relaunch.core.run.stop_plan import Feature, StopPhase, stop_plan
 from relaunch.core.sections import BOUNDS_ENV, Learned, encode_learned, merge
-from relaunch.core.state_settings import StateSettings
-from relaunch.core.step_types import Ended
-from relaunch.core.stop_plan import Feature, StopPhase, stop_plan
+from relaunch.core.workers.attempt import plan_attempt
+from relaunch.core.workers.state_settings import StateSettings
 from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult
 from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
@@ -45,7 +45,7 @@ from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
 
 if TYPE_CHECKING:
-    from relaunch.core.placement import Placement
+    from relaunch.core.workers.placement import Placement
 
 
 class Workers:
@@ -253,7 +253,7 @@ class Workers:
 
     def stop(self, death_sig: signal.Signals, *, park: bool = False) -> None:
         """Stop the workers with ``death_sig`` (then SIGKILL after the shutdown timeout), in
-        the order ``core.stop_plan`` says: letting ranks asked for their stacks write them
+        the order ``core.run.stop_plan`` says: letting ranks asked for their stacks write them
         first, and, with ``park`` (the stop is for a failure that broke the group's
         collectives), giving ranks that restart in place time to park, kept for the next
         attempt."""

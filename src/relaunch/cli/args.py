@@ -2,7 +2,7 @@
 
 Each input is read once, into a typed value: ``--nproc-per-node`` into a ``DeviceRequest`` (its
 number of workers decided by the machine's counts, which ``relaunch.placement`` reads),
-``--rdzv-conf`` into the config's ``rendezvous_settings`` (``core.rdzv_conf``). The
+``--rdzv-conf`` into the config's ``rendezvous_settings`` (``core.rendezvous.rdzv_conf``). The
 checks only the other layers can make (the event log, the log directory, the etcd members, the
 timer FIFO, the training script) are made here too, so that ``relaunch.config`` imports none of
 them. Every problem is a ``ConfigError``, which the command reports in one line (exit status 2).
@@ -21,8 +21,8 @@ from relaunch.cli.devices import DeviceRequest as DeviceRequest
 from relaunch.cli.devices import parse_device_request as parse_device_request
 from relaunch.cli.flags import FLAGS
 from relaunch.config import ConfigError, LaunchConfig, check_rendezvous, new_run_id
-from relaunch.core.rdzv_conf import ETCD_BACKENDS
-from relaunch.core.settings import GROUPS, MetricsEndpoint
+from relaunch.core.rendezvous.rdzv_conf import ETCD_BACKENDS
+from relaunch.core.run.settings import GROUPS, MetricsEndpoint
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
@@ -234,7 +234,7 @@ def make_log_dir(config: LaunchConfig) -> None:
 def _check_timer_file(timers: bool, environ: Mapping[str, str]) -> None:
     """With timers on, a FIFO named by ``TORCHELASTIC_TIMER_FILE`` must be safe to serve: a FIFO
     of this user's that no one else can write (whoever writes names the pids that are killed)."""
-    from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV
+    from relaunch.core.workers.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV
 
     path = environ.get(TIMER_FILE_ENV)
     if not path or not (timers or environ.get(ENABLE_FILE_TIMER_ENV, "") == "1"):
@@ -290,7 +290,7 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
     ``DefaultLogsSpecs`` is made of them when the agent starts, so ``--dry-run`` makes no
     directory; the console prefix template from
     ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, and the duplicate filters."""
-    from relaunch.core.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
+    from relaunch.core.output.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
 
     fields: dict[str, Any] = {
         "log_dir": args.log_dir,

@@ -188,9 +188,9 @@ def prepare(
 def _apply_scheduler(
     args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str]
 ) -> None:
-    """Fill in what the scheduler's environment tells (``core.schedulers``) for every flag not
-    given on the command line or as ``PET_*``, and say so in one line."""
-    from relaunch.core.schedulers import infer
+    """Fill in what the scheduler's environment tells (``core.schedulers.detect``) for every flag
+    not given on the command line or as ``PET_*``, and say so in one line."""
+    from relaunch.core.schedulers.detect import infer
 
     inference = infer(environ)
     if inference is None:
@@ -229,8 +229,8 @@ def _launch(
     entrypoint: Callable[..., Any] | str,
     entry_args: tuple[str, ...],
 ) -> int:
-    from relaunch.core.ranks import omp_num_threads_default
-    from relaunch.core.summary import RunSummary, format_summary
+    from relaunch.core.run.summary import RunSummary, format_summary
+    from relaunch.core.workers.ranks import omp_num_threads_default
     from relaunch.procs.signals import raise_signal_exception
 
     try:

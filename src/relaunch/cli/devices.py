@@ -53,8 +53,8 @@ class DeviceRequest(NamedTuple):
 
 def parse_device_request(text: str) -> DeviceRequest:
     """``--nproc-per-node``'s text: a number of workers (1 to ``MAX_NPROC_PER_NODE``), ``cpu``,
-    ``gpu``, ``auto`` or ``gpu:LIST`` (``core.placement.parse_index_list``); ValueError saying
-    what it takes otherwise."""
+    ``gpu``, ``auto`` or ``gpu:LIST`` (``core.workers.placement.parse_index_list``); ValueError
+    saying what it takes otherwise."""
     if text in ("cpu", "gpu", "auto"):
         return DeviceRequest(per=text)
     if text.isdecimal() and text.isascii():
@@ -65,7 +65,7 @@ def parse_device_request(text: str) -> DeviceRequest:
             )
         return DeviceRequest(number=int(text))
     if text.startswith("gpu:"):
-        from relaunch.core.placement import parse_index_list
+        from relaunch.core.workers.placement import parse_index_list
 
         try:
             return DeviceRequest(subset=parse_index_list(text[4:]))

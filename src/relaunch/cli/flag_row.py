@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from relaunch.core.streams import Std
+from relaunch.core.workers.streams import Std
 
 
 def checked(name: str, *extra: Any) -> Callable[[str], Any]:
@@ -37,7 +37,7 @@ parse_rdzv_conf = checked("parse_rdzv_conf")
 class Flag:
     """One row of the table: the help group, the names, the default, the value parser, and
     ``field``, the ``LaunchConfig`` field its value sets (``group.field`` for a settings group's,
-    ``core.settings``; None: ``relaunch.cli.args`` reads it itself)."""
+    ``core.run.settings``; None: ``relaunch.cli.args`` reads it itself)."""
 
     __slots__ = (
         "choices",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from relaunch.cli.flag_row import Flag, checked
 from relaunch.core.defaults import NUMA_MODES, START_METHODS
-from relaunch.core.streams import Std
+from relaunch.core.workers.streams import Std
 
 RUN_FLAGS = [
     Flag(

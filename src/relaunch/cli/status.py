@@ -9,7 +9,7 @@ holds what no agent writes; 2 for bad input, in one line with no traceback.
 ``--rdzv-conf timeout=`` bounds each read of the job as a whole (``deadline.limit``), however
 many requests it takes and however slowly the store answers; connecting is bounded apart. What
 came from the store (names, states, reasons, its error texts) reaches the terminal only through
-``core.status.printable``: no escape sequence from outside is ever written.
+``core.output.status.printable``: no escape sequence from outside is ever written.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
 
 def _error(message: str) -> None:
     """One line on stderr; what came from outside in ``message`` cannot act on the terminal."""
-    from relaunch.core.status import printable
+    from relaunch.core.output.status import printable
 
     print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
 
@@ -167,7 +167,7 @@ def _error(message: str) -> None:
 def show(snapshot: Snapshot, as_json: bool, out: IO[str]) -> int:
     """Print ``snapshot`` once; the number of terminal rows it took. What the store held is
     printed through ``printable`` (JSON escapes it already: ``ensure_ascii``)."""
-    from relaunch.core.status import printable
+    from relaunch.core.output.status import printable
 
     text = json.dumps(snapshot.as_json()) if as_json else printable(snapshot.table(), True)
     out.write(text + "\n")

@@ -12,7 +12,7 @@ from relaunch.cli.flags import EXIT_USAGE, _checked, _Parser, usage_error
 
 def store_main(argv: Sequence[str]) -> int:
     """Serve the store until SIGTERM or SIGINT (blocked by the caller, taken by ``sigwait``)."""
-    from relaunch.core.rdzv_conf import TOKEN_ENV
+    from relaunch.core.rendezvous.rdzv_conf import TOKEN_ENV
 
     parser = _Parser(
         prog="relaunch store",

@@ -12,7 +12,7 @@ import signal
 
 from relaunch.config import ConfigError
 from relaunch.core.defaults import MAX_SECONDS
-from relaunch.core.streams import Std
+from relaunch.core.workers.streams import Std
 from relaunch.endpoints import is_loopback, parse_endpoint
 
 
@@ -56,7 +56,7 @@ def parse_count(text: str, minimum: int) -> int:
 
 def parse_size(text: str) -> int:
     """A number of bytes: ``8G``, ``512M``, ``1.5GiB`` or plain bytes (``--state-memory``)."""
-    from relaunch.core.state_settings import parse_bytes
+    from relaunch.core.workers.state_settings import parse_bytes
 
     try:
         return parse_bytes(text)

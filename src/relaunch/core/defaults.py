@@ -9,7 +9,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 #: How function workers may be started (multiprocessing's start methods).
 START_METHODS = ("spawn", "fork", "forkserver")
 #: torch 2.13's ``--numa-binding`` modes (``torch.numa.binding.AffinityMode``; see
-#: ``core.placement``).
+#: ``core.workers.placement``).
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 #: Default seconds a node whose workers finished waits for the other nodes' (torchrun's).
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0

@@ -3,7 +3,7 @@ global registry), so a launcher can log to the console, to a JSON-lines file sha
 nodes' agents, or nowhere.
 
 The events and metric samples themselves, in torchelastic's shapes, are built without I/O in
-``relaunch.core.status_events`` (re-exported here); the files are appended to by
+``relaunch.core.output.status_events`` (re-exported here); the files are appended to by
 ``relaunch.jsonl_file``.
 
 torch's module functions are here too, with torch's meaning: ``record(event, destination)``
@@ -21,7 +21,7 @@ import os
 import sys
 from typing import IO, Protocol
 
-from relaunch.core.status_events import (
+from relaunch.core.output.status_events import (
     Event,
     EventMetadataValue,
     EventSource,

@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import TextIO
 
-from relaunch.core.status_events import parse_spec
+from relaunch.core.output.status_events import parse_spec
 from relaunch.jsonl_file import JsonLinesWriter
 
 __all__ = ["get_logging_handler"]

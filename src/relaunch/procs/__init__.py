@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING
 
-from relaunch.core.streams import Std
+from relaunch.core.workers.streams import Std
 from relaunch.procs.context import (
     MultiprocessContext,
     PContext,

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.rank_io import RankIO
+from relaunch.core.workers.rank_io import RankIO
 from relaunch.procs.console import console_for
 from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.descendants import kill_marked, new_token, with_token

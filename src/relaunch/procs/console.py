@@ -1,8 +1,8 @@
 """The launcher's console, shared by every rank: workers' lines, whole and as they came,
 scrolling above a live area of progress bars on a terminal, or the bars printed now and then
 elsewhere. When to draw is decided here; the bytes of the live area come from
-``core.live_area``, and ``console_writer`` writes them (its names are re-exported here, where
-other modules import them)."""
+``core.output.live_area``, and ``console_writer`` writes them (its names are re-exported here,
+where other modules import them)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, TextIO
 
-from relaunch.core.live_area import SOURCE_KEY, area_rows, coloured, erase
-from relaunch.core.streams import Std
+from relaunch.core.output.live_area import SOURCE_KEY, area_rows, coloured, erase
+from relaunch.core.workers.streams import Std
 from relaunch.procs.console_writer import ConsoleWriter, ProgbarEvents
 from relaunch.procs.terminals import WorkerTerminals, on_resize, pty_size
 from relaunch.runtime import SYSTEM_CLOCK, Clock

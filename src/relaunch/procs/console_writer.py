@@ -9,7 +9,7 @@ import select
 import threading
 from typing import TextIO
 
-from relaunch.core.lines import prefix_lines
+from relaunch.core.output.lines import prefix_lines
 
 #: How long a writer waits for a progress bar to clear itself before writing anyway.
 PROGBAR_CLEAR_TIMEOUT = 0.5

@@ -1,7 +1,7 @@
 """``start_processes`` and the contexts that run a group of workers as one unit.
 
-``start_processes`` checks its arguments, plans each rank's I/O (``core.rank_io``) and starts
-the right context: functions run in a ``MultiprocessContext``, binaries in a
+``start_processes`` checks its arguments, plans each rank's I/O (``core.workers.rank_io``) and
+starts the right context: functions run in a ``MultiprocessContext``, binaries in a
 ``SubprocessContext``. Both are a ``PContext`` (``procs.base``), which starts, watches and stops
 the group.
 """
@@ -13,18 +13,18 @@ import subprocess
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
-from relaunch.core.call_forms import CallForm, choose
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
-from relaunch.core.logs_specs import (
+from relaunch.core.workers.call_forms import CallForm, choose
+from relaunch.core.workers.logs_specs import (
     FILTERED_STDERR_LOG,
     FILTERED_STDOUT_LOG,
     LogsSpecs,
     is_logs_specs,
     rank_io_of,
 )
-from relaunch.core.macros import substitute_local_rank
-from relaunch.core.rank_io import RankIO, plan_rank_io
-from relaunch.core.streams import Std
+from relaunch.core.workers.macros import substitute_local_rank
+from relaunch.core.workers.rank_io import RankIO, plan_rank_io
+from relaunch.core.workers.streams import Std
 from relaunch.procs.affinity import starting_on
 from relaunch.procs.base import PContext, Resume
 from relaunch.procs.checks import (

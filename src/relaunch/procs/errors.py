@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from relaunch.core import failures as core_failures
+from relaunch.core.run import failures as core_failures
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ProcessFailure:
 
     def signal_name(self) -> str:
         """The name of the signal that killed the process, e.g. ``SIGKILL``; ``<N/A>`` for an exit
-        code (``core.failures.signal_name`` is relaunch's, for reports)."""
+        code (``core.run.failures.signal_name`` is relaunch's, for reports)."""
         return core_failures.torch_signal_name(self.exitcode)
 
     def timestamp_isoformat(self) -> str:

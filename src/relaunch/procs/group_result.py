@@ -9,7 +9,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaunch.core.rank_io import RankIO
+from relaunch.core.workers.rank_io import RankIO
 from relaunch.procs.errors import ProcessFailure, exception_error_data, write_error_file
 from relaunch.procs.handles import StuckWorker
 from relaunch.procs.monitor import GroupMonitor

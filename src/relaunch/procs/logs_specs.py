@@ -1,9 +1,10 @@
 """``DefaultLogsSpecs`` (torch's): each attempt's logs in ``{log_dir}/{run_id}_XXXX/attempt_N/``,
 and the directories every run and attempt of relaunch logs to.
 
-The paths are ``core.rank_io.plan_rank_io``'s plan, the one the agent and ``start_processes``
-make from a ``log_dir``, ``redirects`` and ``tee``: ``reify`` makes the directories, gives each
-worker its error file and returns the plan as torch's ``LogsDest`` (``core.logs_specs``).
+The paths are ``core.workers.rank_io.plan_rank_io``'s plan, the one the agent and
+``start_processes`` make from a ``log_dir``, ``redirects`` and ``tee``: ``reify`` makes the
+directories, gives each worker its error file and returns the plan as torch's ``LogsDest``
+(``core.workers.logs_specs``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import tempfile
 from typing import NamedTuple
 
-from relaunch.core.logs_specs import (
+from relaunch.core.workers.logs_specs import (
     LogsDest,
     LogsSpecs,
     console_ranks_of,
@@ -22,8 +23,8 @@ from relaunch.core.logs_specs import (
     logs_dest_of,
     rank_io_of,
 )
-from relaunch.core.rank_io import plan_rank_io
-from relaunch.core.streams import Std
+from relaunch.core.workers.rank_io import plan_rank_io
+from relaunch.core.workers.streams import Std
 from relaunch.procs.errors import ERROR_FILE_ENV
 
 __all__ = [

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from relaunch.core.group import GroupStatus, group_status
+from relaunch.core.run.group import GroupStatus, group_status
 from relaunch.procs.console import Console
 from relaunch.procs.handles import StuckWorker, signal_tree, stuck_worker
 from relaunch.procs.output_rounds import OutputRounds

@@ -1,12 +1,12 @@
 """The files, pipes and terminals behind one rank's ``RankIO``, while its worker starts and runs.
 
-``core.rank_io`` plans where each stream goes; this opens it. A stream that is neither logged
-nor relayed is the worker's to inherit (the launcher's own file, pipe or terminal: its bytes
-reach it untouched). Every other stream is a pipe whose other end the monitor copies
-(``TeeStream``) to the log file, if any, and to the console: as prefixed lines (tee'd) or byte
-for byte (relayed), in whole lines either way (ranks never interleave within a line). Where a
-tee'd stream is shown on a terminal the pipe is a pseudo-terminal of the console's width less
-the prefix, so that the worker draws its bars as it would in a terminal of its own.
+``core.workers.rank_io`` plans where each stream goes; this opens it. A stream that is neither
+logged nor relayed is the worker's to inherit (the launcher's own file, pipe or terminal: its bytes
+reach it untouched). Every other stream is a pipe whose other end the monitor copies (``TeeStream``)
+to the log file, if any, and to the console: as prefixed lines (tee'd) or byte for byte (relayed),
+in whole lines either way (ranks never interleave within a line). Where a tee'd stream is shown on a
+terminal the pipe is a pseudo-terminal of the console's width less the prefix, so that the worker
+draws its bars as it would in a terminal of its own.
 
 A log file relaunch cannot write (a full disk, a quota, an I/O error) never fails the worker
 nor the thread that copies: relaunch says once which file and why, stops writing that file,
@@ -22,13 +22,13 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from relaunch.core.rank_io import RankIO
+from relaunch.core.workers.rank_io import RankIO
 from relaunch.procs.console import Console
 from relaunch.procs.log_file import LogFile
 from relaunch.procs.terminals import open_terminal
 
 if TYPE_CHECKING:
-    from relaunch.core.screen import ScreenFramer
+    from relaunch.core.output.screen import ScreenFramer
     from relaunch.procs.duplicates import FilteredCopy
 
 _READ_SIZE = 1 << 16
@@ -131,9 +131,9 @@ class TeeStream:
     @property
     def framer(self) -> ScreenFramer:
         """What reads the stream as a terminal would show it: made with the first line shown
-        (``core.screen``'s expressions cost 2 ms, which a launch that shows none skips)."""
+        (``core.output.screen``'s expressions cost 2 ms, which a launch that shows none skips)."""
         if self._framer is None:
-            from relaunch.core.screen import ScreenFramer
+            from relaunch.core.output.screen import ScreenFramer
 
             self._framer = ScreenFramer()
         return self._framer

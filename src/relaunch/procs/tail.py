@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from relaunch.core.call_forms import CallForm, choose
-from relaunch.core.lines import LineFramer
+from relaunch.core.output.lines import LineFramer
+from relaunch.core.workers.call_forms import CallForm, choose
 from relaunch.procs.console_writer import ConsoleWriter
 from relaunch.runtime import start_thread
 

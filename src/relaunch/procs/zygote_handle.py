@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from relaunch.core.failures import describe_exit
+from relaunch.core.run.failures import describe_exit
 from relaunch.procs.handles import PopenHandle
 from relaunch.procs.zygote_wire import INT_SIZE, REPLY_SIZE, SEQ_SIZE
 

@@ -5,8 +5,8 @@ built-in store one agent hosts) and ``etcd`` (elastic, on an etcd v3 cluster: no
 failure). ``--standalone`` is one node on an in-process store.
 """
 
-from relaunch.core.membership import ChangeKind, MembershipChange
-from relaunch.core.rdzv_conf import BACKENDS
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange
+from relaunch.core.rendezvous.rdzv_conf import BACKENDS
 from relaunch.endpoints import parse_endpoint
 from relaunch.rendezvous.api import (
     JobFailedError,

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaunch.core.exclusion import NodeRecord, decode_record
-from relaunch.core.membership import MembershipChange, decode_change
-from relaunch.core.rdzv_conf import redacted
+from relaunch.core.rendezvous.membership import MembershipChange, decode_change
+from relaunch.core.rendezvous.rdzv_conf import redacted
+from relaunch.core.run.exclusion import NodeRecord, decode_record
 from relaunch.rendezvous.info import RendezvousInfo, RendezvousStoreInfo
 from relaunch.runtime import ExplainedError
 
@@ -110,7 +110,7 @@ def store_int(key: str, raw: bytes | None, default: int = 0, digits: int = 32) -
 
 
 def store_change(key: str, raw: bytes) -> tuple[MembershipChange, int | None]:
-    """The ``changed`` record stored under ``key`` (``core.membership.decode_change``);
+    """The ``changed`` record stored under ``key`` (``core.rendezvous.membership.decode_change``);
     ``BadStoreValue`` if no relaunch wrote it."""
     try:
         return decode_change(raw)
@@ -119,7 +119,7 @@ def store_change(key: str, raw: bytes) -> tuple[MembershipChange, int | None]:
 
 
 def store_record(key: str, raw: bytes | None) -> NodeRecord:
-    """The node record stored under ``key`` (``core.exclusion.decode_record``; absent: clean);
+    """The node record stored under ``key`` (``core.run.exclusion.decode_record``; absent: clean);
     ``BadStoreValue`` if no relaunch wrote it."""
     try:
         return decode_record(raw)

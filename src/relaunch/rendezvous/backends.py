@@ -5,9 +5,10 @@ built-in store (hosted by the agent that can bind the endpoint), ``etcd``/``etcd
 v3 cluster, and ``--standalone`` on a store in this process. The dynamic rendezvous, the store
 and the network code load only for the backend that needs them.
 
-A handler is built from a ``core.rdzv_conf.RendezvousSpec``, whose ``--rdzv-conf`` keys were
-read and checked once (``create_rendezvous_handler``); torch's ``get_rendezvous_handler`` builds
-through ``rendezvous_handler_registry``, where the built-in backends are registered (they read a
+A handler is built from a ``core.rendezvous.rdzv_conf.RendezvousSpec``, whose ``--rdzv-conf`` keys
+were read and checked once (``create_rendezvous_handler``); torch's ``get_rendezvous_handler``
+builds through ``rendezvous_handler_registry``, where the built-in backends are registered (they
+read a
 ``RendezvousParameters``' keys into a spec first) and a user's own may be.
 """
 
@@ -16,9 +17,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from relaunch.core import rdzv_conf
-from relaunch.core.rdzv_conf import BACKENDS, C10D_BACKENDS, STATIC_BACKEND, RendezvousSpec
-from relaunch.core.store_roles import StoreRole, StoreSetup, store_roles
+from relaunch.core.rendezvous import rdzv_conf
+from relaunch.core.rendezvous.rdzv_conf import (
+    BACKENDS,
+    C10D_BACKENDS,
+    STATIC_BACKEND,
+    RendezvousSpec,
+)
+from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import parse_endpoint, parse_endpoint_list
 from relaunch.rendezvous.api import (
     RendezvousHandler,
@@ -38,8 +44,8 @@ __all__ = ["DEFAULT_PORT", "create_rendezvous_handler", "get_rendezvous_handler"
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The handler for ``params.backend`` (torch's entry point), built by the creator
     ``rendezvous_handler_registry`` has for it: a built-in backend's reads and checks
-    ``config`` (``core.rdzv_conf.parse``), then ``create_rendezvous_handler``. ValueError naming
-    the registered backends, or saying which key is wrong."""
+    ``config`` (``core.rendezvous.rdzv_conf.parse``), then ``create_rendezvous_handler``. ValueError
+    naming the registered backends, or saying which key is wrong."""
     return rendezvous_handler_registry.create_handler(params)
 
 
@@ -79,7 +85,7 @@ def create_rendezvous_handler(spec: RendezvousSpec) -> RendezvousHandler:
 
 
 def _standalone(spec: RendezvousSpec) -> bool:
-    """Whether the job's store is this process's (``core.store_roles``)."""
+    """Whether the job's store is this process's (``core.rendezvous.store_roles``)."""
     endpoints = parse_endpoint_list(spec.endpoint or "127.0.0.1", DEFAULT_PORT)
     setup = StoreSetup(len(endpoints), endpoints[0][1], spec.max_nodes, spec.settings.is_host)
     return store_roles(setup) == (StoreRole.STANDALONE,)

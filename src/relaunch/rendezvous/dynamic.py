@@ -1,9 +1,9 @@
 """The dynamic rendezvous handler: elastic membership on a shared store.
 
 It joins rounds (``rounds``), watches the running one (``heartbeat``), and re-forms it when its
-membership changes (``core.membership``); ``backends`` builds it from the ``--rdzv-*`` flags,
-over one ``kinds.StoreKind``: the node's connections, and what their kind of store does its own
-way. The handler has torch's methods only; what the job's nodes share beside joining (the
+membership changes (``core.rendezvous.membership``); ``backends`` builds it from the ``--rdzv-*``
+flags, over one ``kinds.StoreKind``: the node's connections, and what their kind of store does its
+own way. The handler has torch's methods only; what the job's nodes share beside joining (the
 restart budget, the presence check, notes, the change and its listener) is its ``job``
 (``dynamic_job.DynamicJob``). Both share where the node stands (``node_membership.NodeMembership``).
 """
@@ -15,10 +15,16 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
-from relaunch.core import exclusion, node_order
-from relaunch.core import rendezvous as plan
-from relaunch.core.membership import ChangeKind, MembershipChange, encode_change, expected_size
-from relaunch.core.ranks import role_place
+from relaunch.core.rendezvous import node_order
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import (
+    ChangeKind,
+    MembershipChange,
+    encode_change,
+    expected_size,
+)
+from relaunch.core.run import exclusion
+from relaunch.core.workers.ranks import role_place
 from relaunch.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,
@@ -40,7 +46,7 @@ from relaunch.store.api import Store, StoreError
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from relaunch.core.rdzv_conf import RendezvousSettings
+    from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings
     from relaunch.rendezvous.failover import StoreFailover
 
 log = logging.getLogger(__name__)
@@ -70,7 +76,7 @@ class NodeOptions(TypedDict):
 
 def node_options(conf: RendezvousSettings) -> NodeOptions:
     """The options every kind's handler takes from ``--rdzv-conf`` alike: how the job knows this
-    node (``core.exclusion``: its host, and ``node_name``), when it is excluded, and its
+    node (``core.run.exclusion``: its host, and ``node_name``), when it is excluded, and its
     ``--node-rank``."""
     return {
         "identity": exclusion.node_identity(os.uname().nodename, conf.node_name),
@@ -85,10 +91,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     ``stores``: the node's connections, of one kind (``kinds``). ``on_shutdown``: what else to
     close on shutting down. ``identity``, ``exclusion_policy`` and ``store_host_probe``: see
     ``DynamicJob``. ``node_rank``: this node's place in the scheduler's order (``--node-rank``),
-    which its group rank follows (``core.node_order``). ``death_notice``: what this node's guardian
-    says should its agent die while a member (``death_notice``). ``token``: the job's (None:
-    none), which its state copies are keyed from (``DynamicJob``). ``failover``: where the job's
-    built-in store may move when its host is lost (``failover``). Deadlines come from ``clock``.
+    which its group rank follows (``core.rendezvous.node_order``). ``death_notice``: what this
+    node's guardian says should its agent die while a member (``death_notice``). ``token``: the
+    job's (None: none), which its state copies are keyed from (``DynamicJob``). ``failover``: where
+    the job's built-in store may move when its host is lost (``failover``). Deadlines come from
+    ``clock``.
     """
 
     def __init__(
@@ -121,7 +128,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._answers = stores.answers(self._rounds.key, node_id)
         self._on_shutdown = on_shutdown
         self._membership = NodeMembership(clock)
-        # How the job knows this node across restarts (``core.exclusion``).
+        # How the job knows this node across restarts (``core.run.exclusion``).
         self.identity = identity
         #: The job services this node offers the agent (``job.JobServices``).
         self.job = DynamicJob(

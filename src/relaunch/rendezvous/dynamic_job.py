@@ -5,7 +5,7 @@ The restart budget (``relaunch/{run_id}/restarts``, added to by the node whose f
 round), the presence check (``presence``), the job's failure and stack requests (a change record
 that supersedes the running round), the notes of a round, the exit barrier, the wait for the job's
 end, and exclusion: a node whose failures re-form the job too often is excluded for a while
-(``core.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only that node
+(``core.run.exclusion``); its record is ``relaunch/{run_id}/nodes/{identity}``, which only that node
 writes. The handler (``dynamic``) joins the rounds; both share the node's
 ``node_membership.NodeMembership``.
 """
@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from relaunch.core import exclusion
-from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
-from relaunch.core.membership import MembershipChange, expected_size
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import MembershipChange, expected_size
+from relaunch.core.run import exclusion
 from relaunch.core.sections import Learned, decode_learned, encode_learned, merge
 from relaunch.rendezvous.api import (
     RendezvousClosedError,
@@ -394,7 +394,7 @@ class DynamicJob:
         except StoreFenced:
             raise self._loss.fenced_out() from None
 
-    # -- this node's record (``core.exclusion``) ----------------------------------------------
+    # -- this node's record (``core.run.exclusion``) ----------------------------------------------
 
     def _node_key(self) -> str:
         return self._key(f"nodes/{self.identity}", None)
@@ -405,7 +405,7 @@ class DynamicJob:
         return store_record(key, stored.value), stored.version
 
     def _counted(self, record: exclusion.NodeRecord, others: int) -> exclusion.NodeRecord:
-        """``record`` once one more failure of this node counts (``core.exclusion``)."""
+        """``record`` once one more failure of this node counts (``core.run.exclusion``)."""
         assert self._exclusion is not None
         return exclusion.after_failure(
             record, self._exclusion, self._clock.time(), others, self.settings.min_nodes

@@ -47,7 +47,7 @@ from relaunch.store.deadline import Deadline
 from relaunch.store.server import Elect, Electorate
 
 if TYPE_CHECKING:
-    from relaunch.core import rendezvous as plan
+    from relaunch.core.rendezvous import rounds as plan
     from relaunch.store.server import TcpStoreServer
 
 log = logging.getLogger(__name__)

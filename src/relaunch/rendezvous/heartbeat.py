@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch.core import rendezvous as plan
-from relaunch.core.membership import MembershipChange
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import MembershipChange
 from relaunch.rendezvous.api import store_change
 from relaunch.rendezvous.presence import CALL
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread

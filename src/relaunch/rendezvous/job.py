@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from relaunch.core.rendezvous import TICKET_SPAN
+from relaunch.core.rendezvous.rounds import TICKET_SPAN
 
 if TYPE_CHECKING:
-    from relaunch.core.membership import MembershipChange
+    from relaunch.core.rendezvous.membership import MembershipChange
     from relaunch.core.sections import Learned
     from relaunch.rendezvous.api import RendezvousHandler
 

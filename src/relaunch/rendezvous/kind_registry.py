@@ -11,10 +11,10 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from relaunch.core.rdzv_conf import C10D_BACKENDS, ETCD_BACKENDS
+from relaunch.core.rendezvous.rdzv_conf import C10D_BACKENDS, ETCD_BACKENDS
 
 if TYPE_CHECKING:
-    from relaunch.core.rdzv_conf import RendezvousSettings, RendezvousSpec
+    from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings, RendezvousSpec
     from relaunch.rendezvous.api import RendezvousHandler
     from relaunch.rendezvous.reader import JobReader
 

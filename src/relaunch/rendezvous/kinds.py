@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from relaunch.core import rendezvous as plan
-from relaunch.core.rendezvous import KeyOf
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.rounds import KeyOf
 from relaunch.rendezvous.roster import Roster
 from relaunch.store.api import Store, Watchable
 

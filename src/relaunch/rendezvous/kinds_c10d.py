@@ -2,9 +2,9 @@
 ``kind_registry`` asks of it.
 
 The store is hosted by the agent that can bind the endpoint; with several endpoints it may move
-among them (``failover``). Which part this node takes is ``core.store_roles``' choice; this
-module binds, connects and builds the handler on ``kinds_counter.CounterKind``. (``--standalone``,
-the store in this process, is ``backends``'.)
+among them (``failover``). Which part this node takes is ``core.rendezvous.store_roles``' choice;
+this module binds, connects and builds the handler on ``kinds_counter.CounterKind``.
+(``--standalone``, the store in this process, is ``backends``'.)
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from relaunch.core import rdzv_conf
-from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
-from relaunch.core.rdzv_conf import RendezvousSettings, RendezvousSpec
-from relaunch.core.store_roles import StoreRole, StoreSetup, store_roles
+from relaunch.core.rendezvous import rdzv_conf
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings, RendezvousSpec
+from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import is_loopback, parse_endpoint_list
 from relaunch.rendezvous.api import RendezvousConnectionError
 from relaunch.store.api import StoreError

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
-from relaunch.core.rendezvous import KeyOf
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.rounds import KeyOf
 from relaunch.rendezvous.heartbeat import Silence
 from relaunch.rendezvous.kinds import Pulse, read_each
 from relaunch.rendezvous.roster import CounterRoster, Roster

@@ -13,10 +13,10 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
-from relaunch.core.rdzv_conf import RendezvousSettings, RendezvousSpec
-from relaunch.core.rendezvous import KeyOf
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings, RendezvousSpec
+from relaunch.core.rendezvous.rounds import KeyOf
 from relaunch.endpoints import is_loopback
 from relaunch.rendezvous.api import RendezvousConnectionError
 from relaunch.rendezvous.heartbeat import Silence

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from relaunch.core import rendezvous as plan
-from relaunch.core.membership import ChangeKind, MembershipChange
-from relaunch.core.ranks import DEFAULT_ROLE
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange
+from relaunch.core.workers.ranks import DEFAULT_ROLE
 from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ Keys, under ``relaunch/{run_id}/``::
 
 from __future__ import annotations
 
-from relaunch.core.rendezvous import KeyOf
+from relaunch.core.rendezvous.rounds import KeyOf
 from relaunch.rendezvous.roster import Roster
 from relaunch.store.api import Store
 

@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from relaunch.core import status as core
-from relaunch.core.membership import ChangeKind, MembershipChange, decode_change
-from relaunch.core.rendezvous import JOIN_TOTAL_DIGITS, unpack_join
+from relaunch.core.output import status as core
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, decode_change
+from relaunch.core.rendezvous.rounds import JOIN_TOTAL_DIGITS, unpack_join
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.rendezvous.rounds import CLOSED, NEWS, closing_failure, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -111,7 +111,7 @@ class Snapshot:
         return words
 
     def table(self, now: float | None = None) -> str:
-        """The table ``relaunch status`` prints (``core.status.format_table``)."""
+        """The table ``relaunch status`` prints (``core.output.status.format_table``)."""
         return core.format_table(
             self.run_id,
             self.nodes,
@@ -123,7 +123,8 @@ class Snapshot:
         )
 
     def as_json(self) -> dict[str, Any]:
-        """The same for scripts: ``core.status.as_json`` and the round, phase and read time."""
+        """The same for scripts: ``core.output.status.as_json`` with the round, phase and read
+        time."""
         members = self.members if self.notes_round in (self.round, None) else None
         data = core.as_json(self.run_id, self.nodes, self.view, self.restarts, members)
         data.update(
@@ -314,7 +315,7 @@ class JobReader:
     def _decode(
         self, decode: Callable[[bytes], _Note], round_: int | None, name: str, raw: bytes
     ) -> _Note:
-        """A note decoded (``core.status``), or ``MalformedJob`` naming its key."""
+        """A note decoded (``core.output.status``), or ``MalformedJob`` naming its key."""
         try:
             return decode(raw)
         except _SHAPE_ERRORS as exc:

@@ -22,11 +22,11 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
-from relaunch.core import node_order
-from relaunch.core import rendezvous as plan
-from relaunch.core.node_order import Claim, Joiner
-from relaunch.core.ranks import role_runs
-from relaunch.core.rendezvous import Entry, Joined, KeyOf
+from relaunch.core.rendezvous import node_order
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.node_order import Claim, Joiner
+from relaunch.core.rendezvous.rounds import Entry, Joined, KeyOf
+from relaunch.core.workers.ranks import role_runs
 from relaunch.rendezvous.api import BadStoreValue, RendezvousError, store_int
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.store.api import Store, StoreTimeout, Versioned
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 class Roster(Protocol):
     def join(self, round_: int, local_world_size: int, role: str, claim: Claim) -> Joined:
         """Join ``round_`` with ``local_world_size`` workers of ``role``, asking for a place by
-        ``claim`` (``core.node_order``), unless it completed already or the job closed."""
+        ``claim`` (``core.rendezvous.node_order``), unless it completed already or the job closed.
+        """
 
     def joined(self, round_: int) -> int:
         """How many nodes joined ``round_`` so far."""
@@ -69,8 +70,8 @@ def new_node_id() -> str:
 class CounterRoster:
     """Joins and tallies as atomic counters (the built-in store). Keys, under ``r{n}/``::
 
-    joins           join counter: ticket, workers so far, role sums (``core.rendezvous``)
-    claims          how many joins ask for a place (``core.node_order``): the lead reads
+    joins           join counter: ticket, workers so far, role sums (``core.rendezvous.rounds``)
+    claims          how many joins ask for a place (``core.rendezvous.node_order``): the lead reads
                     every member's record only when some do, or when their roles differ
     node/{ticket}   that node's record: its join counter value, role and claim (JSON)
     {tally}         a counter
@@ -196,7 +197,7 @@ def get_many(store: Store, keys: list[str]) -> list[Versioned]:
 
 def placed_members(joiners: Sequence[Joiner], runs: tuple[plan.Run, ...] = ()) -> plan.Members:
     """As the lead: the members ``joiners`` (in arrival order, ``runs`` placing them on etcd),
-    given their group ranks (``core.node_order``)."""
+    given their group ranks (``core.rendezvous.node_order``)."""
     ordered = node_order.place(joiners)
     one_role = len({joiner.role for joiner in joiners}) <= 1
     roles = () if one_role else role_runs((joiner.role, joiner.workers) for joiner in ordered)

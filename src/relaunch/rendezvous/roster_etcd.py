@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from relaunch.core import node_order
-from relaunch.core import rendezvous as plan
-from relaunch.core.node_order import Claim, Joiner
-from relaunch.core.rendezvous import Entry, Joined, KeyOf
+from relaunch.core.rendezvous import node_order
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.node_order import Claim, Joiner
+from relaunch.core.rendezvous.rounds import Entry, Joined, KeyOf
 from relaunch.rendezvous.api import BadStoreValue, store_int
 from relaunch.rendezvous.roster import decode_claim, node_record, placed_members
 from relaunch.store import etcd
@@ -18,7 +18,7 @@ class KeyRoster:
     """Joins and tallies as one key per node (etcd). Keys, under ``r{n}/``::
 
     join/{node}     this node's join: its number of workers, its role and its claim
-                    (``core.node_order``; JSON); the create revision orders it
+                    (``core.rendezvous.node_order``; JSON); the create revision orders it
     lead            the node that completes the round (the first to join)
     {tally}/{node}  this node, counted
     """

@@ -1,7 +1,7 @@
 """The rounds of one job in the store: their keys and records, and how a node joins one.
 
-The I/O that carries out ``core.rendezvous``'s decisions; the handler in ``dynamic`` drives it.
-Keys, under ``relaunch/{run_id}/``::
+The I/O that carries out ``core.rendezvous.rounds``'s decisions; the handler in ``dynamic`` drives
+it. Keys, under ``relaunch/{run_id}/``::
 
     round                   the round nodes join now: its lead writes it on completing it,
                             a node too late for it moves it on
@@ -16,7 +16,7 @@ Keys, under ``relaunch/{run_id}/``::
     news/r{n}/final         the completed round: members, world size, master address, on
                             etcd the runs of create revisions that place the members, the
                             members' roles when they differ, and their group-rank order
-                            when it is not their arrival order (``core.node_order``)
+                            when it is not their arrival order (``core.rendezvous.node_order``)
     news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
                             and the size of the next round (see core.membership)
     news/r{n}/bell          written with each change that stands, and by a presence check: what the
@@ -32,16 +32,16 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from relaunch.core import rendezvous as plan
-from relaunch.core.membership import (
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import (
     ChangeKind,
     MembershipChange,
     decode_change,
     encode_change,
     expected_size,
 )
-from relaunch.core.node_order import Claim, decode_placing, encode_placing
-from relaunch.core.rendezvous import Entry
+from relaunch.core.rendezvous.node_order import Claim, decode_placing, encode_placing
+from relaunch.core.rendezvous.rounds import Entry
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.api import (
     BadStoreValue,
@@ -146,7 +146,7 @@ class Rounds:
         ones while late: ``(round, ticket, workers through this node, final record)``. A member
         starts from the round after its last. ``last`` (``(round, group rank)`` where this
         node was a member last) and ``node_rank`` (its place in the scheduler's order) ask for
-        a group rank (``core.node_order``)."""
+        a group rank (``core.rendezvous.node_order``)."""
         started_at = self._clock.monotonic()
         round_ = self._next_round
         while True:

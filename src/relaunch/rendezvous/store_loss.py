@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch.core import rendezvous as plan
 from relaunch.core.durations import seconds
-from relaunch.core.membership import MembershipChange, expected_size
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.membership import MembershipChange, expected_size
 from relaunch.rendezvous.api import StoreHostGone
 from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.rounds import Rounds

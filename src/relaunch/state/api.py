@@ -2,7 +2,7 @@
 ``load_state``.
 
 The agent owns a shared-memory directory (``RELAUNCH_STATE_DIR``) that outlives its workers;
-each rank saves into two slot files of its own (``core.state``), so a worker killed in the
+each rank saves into two slot files of its own (``core.workers.state``), so a worker killed in the
 middle of a save leaves its previous save whole. Before each attempt the agents agree on the
 newest step every rank of the new world has (``RELAUNCH_STATE_STEP``), and ``load_state``
 gives it. Outside relaunch both do nothing (``load_state`` returns None).
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 
-from relaunch.core import state as layout
+from relaunch.core.workers import state as layout
 
 TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseconds
 if TYPE_CHECKING:
     from typing import Any
 
-    from relaunch.core.state import Header
+    from relaunch.core.workers.state import Header
     from relaunch.state.files import SlotWriter
 
 _slots: dict[int, SlotWriter] = {}  # slot -> the mapped slot file of this process' rank

@@ -1,5 +1,5 @@
-"""The slot files of ``core.state``: each byte is copied once from the worker's memory into the
-shared-memory file, and at most once back, after a load (``_copied_pages``)."""
+"""The slot files of ``core.workers.state``: each byte is copied once from the worker's memory into
+the shared-memory file, and at most once back, after a load (``_copied_pages``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
-from relaunch.core.state import (
+from relaunch.core.workers.state import (
     COMMITTED,
     HEADER_SIZE,
     LENGTH,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from relaunch.core.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV
+from relaunch.core.workers.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV
 from relaunch.timer.base import RequestQueue, TimerClient, TimerRequest, TimerServer
 
 __all__ = [

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from relaunch.core.timers import Timer, TimerTable
+from relaunch.core.workers.timers import Timer, TimerTable
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import select
 import stat
 from collections.abc import Callable
 
-from relaunch.core.lines import LineFramer
+from relaunch.core.output.lines import LineFramer
 from relaunch.timer.base import RequestQueue, TimerRequest
 
 #: A line longer than this on the pipe is garbage: it is reported malformed, not buffered.

@@ -22,18 +22,18 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
-from relaunch.core.failures import describe_exit
-from relaunch.core.goodput import RestartCost
-from relaunch.core.liveness import Liveness
-from relaunch.core.progress import Progress
-from relaunch.core.stragglers import Straggler
+from relaunch.core.run.failures import describe_exit
+from relaunch.core.run.goodput import RestartCost
+from relaunch.core.workers.liveness import Liveness
+from relaunch.core.workers.progress import Progress
+from relaunch.core.workers.stragglers import Straggler
 
 # -- the snapshot ---------------------------------------------------------------------------------
 
 
 class RankSample(NamedTuple):
     """One local rank at a snapshot: its last progress report and liveness block (None before
-    it wrote one), and its process: ``outcome`` is one of ``core.metrics.WORKER_STATES``
+    it wrote one), and its process: ``outcome`` is one of ``core.output.metrics.WORKER_STATES``
     ("running" also while no process is known), ``exitcode`` its code once the group ended."""
 
     progress: Progress | None = None
@@ -129,9 +129,9 @@ class AttemptEnded(NamedTuple):
 
 
 class Restarted(NamedTuple):
-    """The group restarts: ``cause`` (``core.metrics.RESTART_CAUSES``), ``reason`` in one line
-    (a failure's root cause, or the membership change), ``decision`` the restart policy's
-    words for it; ``restart_count`` restarts used before it, ``restarts_left`` after it."""
+    """The group restarts: ``cause`` (``core.output.metrics.RESTART_CAUSES``), ``reason`` in one
+    line (a failure's root cause, or the membership change), ``decision`` the restart policy's words
+    for it; ``restart_count`` restarts used before it, ``restarts_left`` after it."""
 
     role: str
     cause: str
@@ -180,7 +180,7 @@ class Finished(NamedTuple):
 
 
 class RestartCosted(NamedTuple):
-    """A restart's seconds lost by cause, once its workers were back (``core.goodput``)."""
+    """A restart's seconds lost by cause, once its workers were back (``core.run.goodput``)."""
 
     cost: RestartCost
 

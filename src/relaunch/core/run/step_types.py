@@ -1,4 +1,4 @@
-"""What the agent's step (``core.step``) takes and returns: observations, what the agent saw,
+"""What the agent's step (``core.run.step``) takes and returns: observations, what the agent saw,
 and actions, what it is to do next.
 
 Each is a ``Value``: a plain class whose fields are its ``__slots__``, set once, compared by kind
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.core.failures import Failure
-from relaunch.core.membership import MembershipChange
-from relaunch.core.run_events import NodeSnapshot, RunEvent
+from relaunch.core.rendezvous.membership import MembershipChange
+from relaunch.core.run.failures import Failure
+from relaunch.core.run.run_events import NodeSnapshot, RunEvent
 
 
 class Value:

@@ -16,18 +16,19 @@ How a round works (the I/O side lives in ``relaunch.rendezvous.dynamic``):
   writes the round's final record (compare-and-set from absent, so there is only ever one),
   carrying the member count, the world size, and its own address and port for
   MASTER_ADDR/MASTER_PORT; when the members' roles differ, their roles too (``roles``), from
-  which each node counts its role ranks (``core.ranks.place_in_runs``).
+  which each node counts its role ranks (``core.workers.ranks.place_in_runs``).
 - Group ranks follow the tickets unless a node asks for a place: the rank it had in an earlier
   round, or its place in the scheduler's order. The lead then reads the members' join records
-  and places them (``core.node_order``); the final record carries the ``placing``, and the
-  address and port of the member it put at group rank 0 for MASTER_ADDR/MASTER_PORT.
+  and places them (``core.rendezvous.node_order``); the final record carries the ``placing``, and
+  the address and port of the member it put at group rank 0 for MASTER_ADDR/MASTER_PORT.
 - A node whose ticket is beyond the final count arrived late: it joins the next round and waits
   there; running nodes see it (``nodes_waiting``) and restart into that larger round. When the
   round is full (``max_nodes``) it waits there as a spare, for as long as the round runs: when
   a member is lost, the next round completes with the spare in its place.
 - Each member heartbeats its own counter and watches the next group rank on a ring: a dead node is
   noticed after ``keep_alive_interval * keep_alive_max_attempt`` at O(1) cost per node.
-- A change while the round runs (``core.membership``) marks it for re-forming, with the size the
+- A change while the round runs (``core.rendezvous.membership``) marks it for re-forming, with the
+size the
   next round expects.
 """
 
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from relaunch.core.durations import seconds
-from relaunch.core.node_order import Placing
-from relaunch.core.ranks import RoleRun
+from relaunch.core.rendezvous.node_order import Placing
+from relaunch.core.workers.ranks import RoleRun
 
 #: The join counter packs four sums (``join_increment``), lowest digits first: tickets (one a
 #: node), workers, role fingerprints, and their squares. Tickets and each node's workers stay
@@ -148,10 +149,10 @@ class Final:
     master_port: int
     runs: tuple[Run, ...] = ()
     version: int = 0
-    #: The members' roles and workers in group-rank order (``core.ranks.role_runs``); empty
+    #: The members' roles and workers in group-rank order (``core.workers.ranks.role_runs``); empty
     #: when they all have one role.
     roles: tuple[RoleRun, ...] = ()
-    #: Where the members go (``core.node_order.Placing``); None: by their tickets.
+    #: Where the members go (``core.rendezvous.node_order.Placing``); None: by their tickets.
     placing: Placing | None = None
 
 

@@ -18,7 +18,7 @@ Slot layout (little-endian)::
        the pickle (protocol 5), then its out-of-band buffers
 
 A persisted state (``--state-dir``) is a slot's bytes as they were when committed. How an agent
-keeps state (its flags) is ``core.state_settings``: this module loads in every worker that
+keeps state (its flags) is ``core.workers.state_settings``: this module loads in every worker that
 saves, and stays light.
 """
 

@@ -1,7 +1,7 @@
 """The agent's decisions as one pure step: ``step(state, observation, now) -> (state, actions)``.
 
 The agent (``agent.loop``) observes how its workers and the job stand, asks ``step`` what follows,
-and performs the actions in order (``core.step_types`` has both); the step reads no clock
+and performs the actions in order (``core.run.step_types`` has both); the step reads no clock
 (``now`` is given, on the clock of every deadline it returns) and touches nothing. A run is a
 history of observations in and actions out (``tests/unit/test_step.py`` tests it so).
 
@@ -17,7 +17,7 @@ being stopped, so that every node's workers stop at once.
 The restart budget is the job's (``used``: every node's restarts, as the job counts them); this
 node's failures ask for ``spent``. With none left, a failure in a group of several nodes is final
 at once when every other node answers a presence check; while one does not, it may be dead, and the
-agent waits the lost-node grace for its loss to re-form the group for free (``core.restart``).
+agent waits the lost-node grace for its loss to re-form the group for free (``core.run.restart``).
 A crash loop waits its backoff between restarts, and stops after restarts that made no progress
 or failed the same way: such a stop tells every node not to requeue the job.
 """
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from relaunch.core import restart
 from relaunch.core.durations import seconds
-from relaunch.core.failures import failure_signature, one_line, root_cause_rank
-from relaunch.core.group import GroupStatus
-from relaunch.core.membership import MembershipChange
-from relaunch.core.restart import (
+from relaunch.core.rendezvous.membership import MembershipChange
+from relaunch.core.run import restart
+from relaunch.core.run.failures import failure_signature, one_line, root_cause_rank
+from relaunch.core.run.group import GroupStatus
+from relaunch.core.run.restart import (
     Backoff,
     CrashLoop,
     Mark,
@@ -39,8 +39,8 @@ from relaunch.core.restart import (
     stalled_out,
     startup_failure,
 )
-from relaunch.core.run_events import AttemptEnded, Hung, Restarted
-from relaunch.core.step_types import (
+from relaunch.core.run.run_events import AttemptEnded, Hung, Restarted
+from relaunch.core.run.step_types import (
     Action,
     Announce,
     Began,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from relaunch.core import stragglers
+from relaunch.core.workers import stragglers
 
 #: What a checked field may be: an integer (never a bool), a number, a string.
 _KINDS: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "string": (str,)}
@@ -104,7 +104,7 @@ class NodeStatus:
     posted_at: float
     ranks: list[RankStatus] = field(default_factory=list)
     restart_reasons: list[str] = field(default_factory=list)
-    #: Seconds this node lost to restarts (the goodput ledger's total, ``core.goodput``).
+    #: Seconds this node lost to restarts (the goodput ledger's total, ``core.run.goodput``).
     lost_seconds: float = 0.0
 
     def encode(self) -> bytes:

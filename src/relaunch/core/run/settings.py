@@ -1,6 +1,7 @@
 """The launch's settings groups: each travels as one typed value from the parsed flags
 (``relaunch.cli.flags`` names each row's group and field) through ``LaunchConfig`` to the code
-that reads it, checked once here. ``StateSettings`` (``core.state_settings``) is one more."""
+that reads it, checked once here. ``StateSettings`` (``core.workers.state_settings``) is one more.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from relaunch.core.defaults import (
     DEFAULT_HEALTH_CHECK_TIMEOUT,
     MAX_SECONDS,
 )
-from relaunch.core.restart import Backoff
-from relaunch.core.state_settings import StateSettings
+from relaunch.core.run.restart import Backoff
+from relaunch.core.workers.state_settings import StateSettings
 
 
 def check_seconds(name: str, value: float, zero_ok: bool) -> None:
@@ -45,7 +46,7 @@ class RestartPolicy:
 
     @property
     def rule(self) -> Backoff:
-        """The waits between restarts (``core.restart.Backoff``)."""
+        """The waits between restarts (``core.run.restart.Backoff``)."""
         base, cap = self.backoff
         healthy = max(2 * cap, 1.0) if self.healthy is None else self.healthy
         return Backoff(base, cap, healthy)

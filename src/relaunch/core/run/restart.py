@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from relaunch.core.group import GroupStatus
-from relaunch.core.membership import ChangeKind, MembershipChange
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange
+from relaunch.core.run.group import GroupStatus
 
 
 class Action(str, enum.Enum):
@@ -145,7 +145,7 @@ class CrashLoop:
     """The restarts in a row: ``in_a_row`` failures of groups that ran less than the backoff's
     healthy period, ``stalled`` of them in a row without progress, and ``best_step``, the
     highest step any earlier attempt reached; ``failure``, the last failure's signature
-    (``core.failures.failure_signature``), and ``repeated``, the attempts in a row that ended
+    (``core.run.failures.failure_signature``), and ``repeated``, the attempts in a row that ended
     with it, none of them getting further than the ones before (an attempt that did starts
     the count again: a job that fails the same way after hours of progress may be unlucky)."""
 

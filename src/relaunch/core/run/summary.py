@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relaunch.core.failures import describe_exit
+from relaunch.core.run.failures import describe_exit
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class RunSummary:
     stop: str = ""
     #: The ranks flagged as stragglers during the run, one line each.
     stragglers: list[str] = field(default_factory=list)
-    #: The goodput ledger's line: the time lost to restarts, by cause (``core.goodput``).
+    #: The goodput ledger's line: the time lost to restarts, by cause (``core.run.goodput``).
     goodput: str = ""
 
 

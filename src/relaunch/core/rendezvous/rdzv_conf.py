@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from relaunch.core import exclusion, node_order
-from relaunch.core import rendezvous as plan
 from relaunch.core.defaults import MAX_SECONDS
+from relaunch.core.rendezvous import node_order
+from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.run import exclusion
 
 #: The dynamic rendezvous on the built-in store, on etcd, and the fixed one, by
 #: ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name for the dynamic rendezvous on etcd;
@@ -95,13 +96,14 @@ class RendezvousSettings(NamedTuple):
     #: The job's shared secret (else ``$RELAUNCH_RDZV_TOKEN``: ``job_token``): the built-in
     #: store's, and what the copies of kept state between nodes prove.
     token: str | None = None
-    #: This node's name within its host, for the job's record of it (``core.exclusion``).
+    #: This node's name within its host, for the job's record of it (``core.run.exclusion``).
     node_name: str | None = None
     #: Failures a node may cause before it is excluded (0: never), and for how many seconds.
     exclude_after: int = exclusion.DEFAULT_EXCLUDE_AFTER
     exclude_cooldown: float = exclusion.DEFAULT_EXCLUDE_COOLDOWN
     #: This node's rank (``--node-rank``, or what the scheduler says): the static backend's
-    #: group rank; the dynamic one orders its nodes by it (``core.node_order``). None: not given.
+    #: group rank; the dynamic one orders its nodes by it (``core.rendezvous.node_order``). None:
+    #: not given.
     rank: int | None = None
     #: The etcd client's keys (None: not an etcd backend).
     etcd: EtcdOptions | None = None

@@ -1,5 +1,5 @@
 """What a scheduler's environment tells relaunch: the flags it infers, and from which variables
-(``core.schedulers`` asks each scheduler module for one)."""
+(``core.schedulers.detect`` asks each scheduler module for one)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Kubernetes environment, for ``core.schedulers``: detect(environ) -> Inference | None.
+"""The Kubernetes environment, for ``core.schedulers.detect``: detect(environ) -> Inference | None.
 
 An Indexed Job (and a JobSet, whose Jobs are Indexed) names its pods ``<job>-<index>``: the
 control plane puts the index in ``JOB_COMPLETION_INDEX`` and the kubelet the pod's hostname in
@@ -17,7 +17,7 @@ Without ``RELAUNCH_SUBDOMAIN`` nothing is inferred: an Indexed Job that runs one
 relaunch per pod stays what it is, and Kubeflow's PyTorchJob and TrainJob, which set torchrun's
 own ``PET_*`` variables, need nothing from here. The index is the pod's ``--node-rank``: group
 ranks follow it among the pods present, but a replacement pod takes the place of the one it
-replaces (``core.node_order``), not necessarily its index.
+replaces (``core.rendezvous.node_order``), not necessarily its index.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.core.inference import Inference
+from relaunch.core.schedulers.inference import Inference
 
 #: The port of the built-in store on pod 0 (torchrun's default for ``c10d``).
 STORE_PORT = 29400

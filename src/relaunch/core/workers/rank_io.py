@@ -10,7 +10,7 @@ import posixpath
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from relaunch.core.streams import Std, per_rank
+from relaunch.core.workers.streams import Std, per_rank
 
 STDOUT_LOG = "stdout.log"
 STDERR_LOG = "stderr.log"

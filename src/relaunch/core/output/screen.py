@@ -17,7 +17,7 @@ import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
 
-from relaunch.core.lines import MAX_PARTIAL_LINE
+from relaunch.core.output.lines import MAX_PARTIAL_LINE
 
 #: The farthest above the cursor a program may redraw (taller live displays are cut).
 MAX_REACH = 32

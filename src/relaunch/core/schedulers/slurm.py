@@ -1,4 +1,4 @@
-"""The Slurm environment, for ``core.schedulers``: detect(environ) -> Inference | None.
+"""The Slurm environment, for ``core.schedulers.detect``: detect(environ) -> Inference | None.
 
 ``srun -N4 --ntasks-per-node=1 relaunch train.py`` starts one relaunch per node, each a task of
 the job step, with the step described in its environment. From it relaunch infers:
@@ -33,7 +33,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.core.inference import Inference
+from relaunch.core.schedulers.inference import Inference
 
 #: The lowest port of the built-in store on the step's first node (torchrun's c10d default).
 STORE_PORT = 29400

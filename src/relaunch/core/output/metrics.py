@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from relaunch.core.membership import ChangeKind
+from relaunch.core.rendezvous.membership import ChangeKind
 
 if TYPE_CHECKING:
-    from relaunch.core.run_events import RankSample
-    from relaunch.core.status import RankStatus
+    from relaunch.core.output.status import RankStatus
+    from relaunch.core.run.run_events import RankSample
 
 #: The media type Prometheus expects for this format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -5,7 +5,7 @@ CPUs, and the attempt's log directory, decided before anything starts.
 restart count), the launcher's environment and console, and the placement, it returns the
 ``AttemptPlan`` that the agent passes to ``start_processes`` as it is (``start_arguments``), and
 that ``relaunch --dry-run`` prints instead (``agent.dry_run``). Named tuples, as the step's values
-(``core.step_types``): made at every launch, they cost a tenth of a dataclass.
+(``core.run.step_types``): made at every launch, they cost a tenth of a dataclass.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from relaunch.core.console_plan import (
+from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
+from relaunch.core.output.console_plan import (
     agent_tee,
     console_is_relaunchs,
     log_line_prefixes,
     relayed,
 )
-from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.macros import substitute_local_rank
-from relaunch.core.rank_io import RankIO, plan_rank_io
-from relaunch.core.ranks import GroupContext, WorkerRanks, worker_env
-from relaunch.core.streams import Std
+from relaunch.core.workers.macros import substitute_local_rank
+from relaunch.core.workers.rank_io import RankIO, plan_rank_io
+from relaunch.core.workers.ranks import GroupContext, WorkerRanks, worker_env
+from relaunch.core.workers.streams import Std
 
 if TYPE_CHECKING:
-    from relaunch.core.placement import Placement
+    from relaunch.core.workers.placement import Placement
 
 
 class Command(NamedTuple):
@@ -149,8 +149,8 @@ def plan_attempt(
     """The plan of an attempt whose group is ``group`` and whose workers hold ``ranks``, started
     from a launcher with environment ``environ``; its logs go to ``log_dir``.
 
-    Each worker's environment is torchrun's (``core.ranks.worker_env``), then its placement's
-    (``CUDA_VISIBLE_DEVICES``), then ``extra_env`` (the agent's channel and timers).
+    Each worker's environment is torchrun's (``core.workers.ranks.worker_env``), then its
+    placement's (``CUDA_VISIBLE_DEVICES``), then ``extra_env`` (the agent's channel and timers).
     ``terminals`` names the launcher's streams that are terminals; with ``hang_detection`` the
     workers' output is read by relaunch (tee'd or relayed), never left to the workers.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from relaunch.core.streams import Std, per_rank
+from relaunch.core.workers.streams import Std, per_rank
 
 #: torchrun's variable for the console prefix of worker lines.
 LOG_LINE_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"

@@ -1,6 +1,6 @@
 """torch's logging API as values: ``LogsSpecs`` (where a group's logs go, decided per attempt by
 ``reify``) and ``LogsDest`` (the paths it decided), and the one conversion between a
-``LogsDest`` and the per-rank plan (``core.rank_io.RankIO``) that the process layer runs.
+``LogsDest`` and the per-rank plan (``core.workers.rank_io.RankIO``) that the process layer runs.
 
 A ``LogsDest`` is torch's shape (per-rank maps of paths); relaunch's processes read a
 ``RankIO`` per rank. ``DefaultLogsSpecs`` (``procs.logs_specs``, which makes directories)
@@ -17,8 +17,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaunch.core.rank_io import DEVNULL, RankIO, default_prefix
-from relaunch.core.streams import Std, per_rank
+from relaunch.core.workers.rank_io import DEVNULL, RankIO, default_prefix
+from relaunch.core.workers.streams import Std, per_rank
 
 FILTERED_STDOUT_LOG = "filtered_stdout.log"
 FILTERED_STDERR_LOG = "filtered_stderr.log"

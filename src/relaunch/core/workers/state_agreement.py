@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from relaunch.core.state import common_step, successors
+from relaunch.core.workers.state import common_step, successors
 
 
 class NodeState(NamedTuple):

@@ -1,4 +1,4 @@
-"""The MPI environment, for ``core.schedulers``: detect(environ) -> Inference | None.
+"""The MPI environment, for ``core.schedulers.detect``: detect(environ) -> Inference | None.
 
 ``mpirun -npernode 1 relaunch train.py`` starts one relaunch per node, each an MPI rank: the
 number of ranks is the number of nodes. Open MPI says it in ``OMPI_COMM_WORLD_SIZE``; MPICH's
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.core.inference import Inference
+from relaunch.core.schedulers.inference import Inference
 
 #: The port of the built-in store on the launching host (torchrun's default for ``c10d``).
 STORE_PORT = 29400

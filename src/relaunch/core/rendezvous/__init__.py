@@ -1,0 +1,1 @@
+"""Rendezvous, decided: rounds, membership changes, node order, store roles and --rdzv-conf."""

@@ -1,0 +1,1 @@
+"""What a scheduler's environment tells relaunch (Slurm, Kubernetes, MPI), decided."""

@@ -1,0 +1,2 @@
+"""A group of workers, decided: ranks and environment, output, liveness, placement and kept
+state."""
