@@ -153,7 +153,7 @@ class ProcessFailure:
                 )
             elif not stderr_file and exitcode >= 0:
                 # A worker killed by a signal cannot write an error file: the report says what
-                # the signal means instead (core.failures.signal_meaning).
+                # the signal means instead (core.run.failures.signal_meaning).
                 failure.details = NO_DETAIL_HINT
         return failure
 

@@ -42,7 +42,7 @@ from relaunch.store.api import StoreProtocolError, Versioned
 #: record first), looked past at most.
 LOOK_AHEAD = 3
 #: The most members a round read may claim: four times the 4,096 nodes relaunch's rendezvous is
-#: benchmarked with (``benchmarks/rendezvous.py``). A final record claiming more is refused
+#: benchmarked with (``benchmarks/rendezvous/``). A final record claiming more is refused
 #: rather than read (on the built-in store, one request per member).
 MAX_MEMBERS = 16384
 #: The largest value read: a node's status (its ranks and restart reasons) is a few KiB.

@@ -18,7 +18,7 @@ it. Keys, under ``relaunch/{run_id}/``::
                             members' roles when they differ, and their group-rank order
                             when it is not their arrival order (``core.rendezvous.node_order``)
     news/r{n}/changed       set when the round must be re-formed: the change (kind, reason)
-                            and the size of the next round (see core.membership)
+                            and the size of the next round (see core.rendezvous.membership)
     news/r{n}/bell          written with each change that stands, and by a presence check: what the
                             members block on (``presence``)
 

@@ -19,7 +19,7 @@ class ChangeKind(str, enum.Enum):
     NODES_WAITING = "nodes_waiting"  # nodes wait to join: the next round grows
     MEMBER_LOST = "member_lost"  # a member stopped heartbeating (seen by its ring neighbour)
     MEMBER_LEFT = "member_left"  # a member shut down before the job finished
-    MEMBER_EXCLUDED = "member_excluded"  # a member failed the job too often (core.exclusion)
+    MEMBER_EXCLUDED = "member_excluded"  # a member failed the job too often (core.run.exclusion)
     RESTARTING = "restarting"  # a member restarts its workers (after a failure, say)
     FINISHED = "finished"  # the job finished: nobody re-forms, late nodes exit
     FAILED = "failed"  # a failure with no restart left ended the job: every node stops
