@@ -1,4 +1,5 @@
-"""The store kinds of the dynamic rendezvous, by ``--rdzv-backend`` name: one line a kind.
+"""The store kinds of the dynamic rendezvous, by ``--rdzv-backend`` name, as
+``core.rendezvous.rdzv_conf.STORE_KINDS`` lists them (one line a kind).
 
 A kind's module (``kinds_c10d``, ``kinds_etcd``) says, beside its ``kinds.StoreKind``, what
 the launcher, the orphan guardian and ``relaunch status`` need of it (``KindModule``). It is
@@ -11,18 +12,12 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from relaunch.core.rendezvous.rdzv_conf import C10D_BACKENDS, ETCD_BACKENDS
+from relaunch.core.rendezvous.rdzv_conf import STORE_KINDS, registered_kind
 
 if TYPE_CHECKING:
     from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings, RendezvousSpec
     from relaunch.rendezvous.api import RendezvousHandler
     from relaunch.rendezvous.reader import JobReader
-
-#: The module of each kind, under the backend names it answers to.
-KINDS: dict[tuple[str, ...], str] = {
-    C10D_BACKENDS: "relaunch.rendezvous.kinds_c10d",
-    ETCD_BACKENDS: "relaunch.rendezvous.kinds_etcd",
-}
 
 
 class EndpointError(ValueError):
@@ -64,13 +59,13 @@ class KindModule(Protocol):
 
 
 def backend_names() -> tuple[str, ...]:
-    """Every backend name of a store kind, in the registry's order."""
-    return tuple(name for names in KINDS for name in names)
+    """Every backend name of a store kind, in the registry's order (``STORE_KINDS``)."""
+    return tuple(name for kind in STORE_KINDS for name in kind.names)
 
 
 def kind_module(backend: str) -> KindModule:
     """The module of ``backend``'s kind; KeyError when no kind answers to that name."""
-    for names, module in KINDS.items():
-        if backend in names:
-            return cast(KindModule, importlib.import_module(module))
-    raise KeyError(backend)
+    kind = registered_kind(backend)
+    if kind is None:
+        raise KeyError(backend)
+    return cast(KindModule, importlib.import_module(kind.module))

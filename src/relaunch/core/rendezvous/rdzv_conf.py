@@ -6,7 +6,8 @@ Each backend reads its own keys (the others are ignored, as torchrun does):
   take to resolve);
 - ``c10d``/``tcp``: the dynamic rendezvous' keys (``RendezvousSettings``), ``rank`` among them:
   the node's place in the scheduler's order, which group ranks follow;
-- ``etcd``/``etcd-v2``: those, and the etcd client's (``EtcdOptions``).
+- ``etcd``/``etcd-v2``: those, and the etcd client's (``EtcdOptions``);
+- a store kind of ``STORE_KINDS``: the dynamic rendezvous' keys, and etcd's where it says so.
 
 ``parse`` is the one reader of these keys and the one place each is range-checked; the values go
 down to the handler as they are. It raises ``ValueError`` with the message the ``relaunch``
@@ -30,8 +31,32 @@ from relaunch.core.run import exclusion
 C10D_BACKENDS = ("c10d", "tcp")
 ETCD_BACKENDS = ("etcd", "etcd-v2")
 STATIC_BACKEND = "static"
+
+
+class RegisteredKind(NamedTuple):
+    """A store kind of the dynamic rendezvous: the ``--rdzv-backend`` names it answers to, the
+    module that runs it (``rendezvous.kind_registry`` loads it when the backend is asked for),
+    and whether its settings include the etcd client's keys (``EtcdOptions``)."""
+
+    names: tuple[str, ...]
+    module: str
+    etcd_keys: bool = False
+
+
+#: The store kinds, one line a kind: a new kind is its line, its module and its store.
+STORE_KINDS = (
+    RegisteredKind(C10D_BACKENDS, "relaunch.rendezvous.kinds_c10d"),
+    RegisteredKind(ETCD_BACKENDS, "relaunch.rendezvous.kinds_etcd", etcd_keys=True),
+)
 #: Every backend this release can run.
-BACKENDS = (*C10D_BACKENDS, *ETCD_BACKENDS, STATIC_BACKEND)
+BACKENDS = (*(name for kind in STORE_KINDS for name in kind.names), STATIC_BACKEND)
+
+
+def registered_kind(backend: str) -> RegisteredKind | None:
+    """The store kind that answers to ``backend`` (None: ``static``, or no backend)."""
+    return next((kind for kind in STORE_KINDS if backend in kind.names), None)
+
+
 #: ``--rdzv-conf`` keys whose values never appear in a repr, a log line or an error message.
 SECRET_KEYS = ("password", "token")
 #: The environment variable that holds the built-in store's shared token (``--rdzv-conf token``
@@ -168,10 +193,10 @@ def parse(
         # resolve (rendezvous.static).
         timing = _dynamic({"join_timeout": conf.get("join_timeout", 600)})
         return RendezvousSettings(join_timeout=timing.join_timeout, rank=rank or 0)
-    if backend in C10D_BACKENDS:
-        return _dynamic(conf)._replace(rank=rank)
-    if backend in ETCD_BACKENDS:
-        return _dynamic(conf)._replace(etcd=_etcd(conf, is_file), rank=rank)
+    kind = registered_kind(backend)
+    if kind is not None:
+        settings = _dynamic(conf)._replace(rank=rank)
+        return settings._replace(etcd=_etcd(conf, is_file)) if kind.etcd_keys else settings
     raise ValueError(
         f"unknown rendezvous backend {backend!r}: valid backends are " + ", ".join(BACKENDS)
     )
