@@ -52,3 +52,32 @@ def test_a_standalone_launch_loads_no_network_store_or_crypto(tmp_path) -> None:
     code, modules = json.loads(out.stdout.splitlines()[-1])
     assert code == 0
     assert sorted(set(NOT_FOR_A_SINGLE_NODE) & set(modules)) == []
+
+
+def test_the_collector_is_on_again_before_the_agent_runs(tmp_path) -> None:
+    """``console_main`` loads the launcher without the cyclic collector; the agent, which may run
+    for days, runs with it (the start-up's objects frozen out of its passes)."""
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    probe = (
+        "import gc, json\n"
+        "import relaunch.launcher as launcher\n"
+        "from relaunch.cli import command\n"
+        "seen = []\n"
+        "launcher.rendezvous_handler = lambda config: None\n"
+        "launcher.launch_agent = lambda *args, **kwargs: seen.append(gc.isenabled())\n"
+        "command._collector_off_for_start_up = True  # as console_main leaves it\n"
+        "gc.disable()\n"
+        f"code = command.main(['--standalone', '--nproc-per-node', '1', {str(script)!r}])\n"
+        "print(json.dumps([code, seen, gc.get_freeze_count() > 0]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [0, [True], True]

@@ -38,7 +38,11 @@ class ParkingHook(AttemptHook):
 
         assert run.channel is not None
         self._lot = ParkingLot(
-            parking_path(run.channel.path), self._keep, self._worker_pids, self._park_wait
+            parking_path(run.channel.path),
+            self._keep,
+            self._worker_pids,
+            self._park_wait,
+            serve=False,
         )
         run.open_env.update(self._lot.env())
 
@@ -63,6 +67,7 @@ class ParkingHook(AttemptHook):
 
     def started(self, run: Run) -> None:
         assert self._lot is not None
+        self._lot.serve()
         self._lot.new_attempt()  # the kept ranks have their attempt: a park is explained again
 
     def features(self) -> Collection[Feature]:

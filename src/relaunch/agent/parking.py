@@ -74,6 +74,7 @@ class ParkingLot:
         wait: Callable[[], float] = lambda: PARK_WAIT,
         *,
         clock: Clock = SYSTEM_CLOCK,
+        serve: bool = True,
     ) -> None:
         self.path = path
         self._on_park = on_park
@@ -108,7 +109,14 @@ class ParkingLot:
         self._loop.after_events = self._tend
         self._due: Timer | None = None  # the unexplained park's deadline
         Listener(self._loop, self._listener, self._accept, name="parking lot", per_turn=1)
-        self._thread = self._loop.start("relaunch-parking")
+        if serve:
+            self.serve()
+
+    def serve(self) -> None:
+        """Start the lot's thread (once): till then a worker's connection waits in the backlog,
+        so an agent starts it after its workers, off their start-up's path."""
+        if self._loop.thread is None:
+            self._loop.start("relaunch-parking")
 
     def env(self) -> dict[str, str]:
         return {PARKING_ENV: self.path}
