@@ -133,26 +133,38 @@ class LocalElasticAgent:
             (restart_policy, hang, health, metrics_endpoint), dict(locals())
         )
         arguments = agent_arguments(spec, positional, form_keywords)
-        spec = arguments.spec
-        group = self._worker_group = WorkerGroup(spec)
-        job = self._job = _job_of(spec)
         self._clock, self._events = clock, arguments.events
-        self._exit_barrier_timeout = arguments.exit_barrier_timeout
-        # run before every join (``agent.join``)
-        self._health_check = None if health.command is None else HealthCheck(*astuple(health))
-        self._run_record = RunRecord(
-            _rules(spec, job, restart_policy.rule, restart_policy.max_stalled)
-        )
-        self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())
-        events = events_of(spec) if event_handler is None else event_handler
-        self._report = RunReport(group, events, self._log_dir, clock)
-        self._expiry = _expiry_watch(spec, hang.timers, hang.timeout, clock)
-        self._reporter = self._node_reporter(hang.straggler_factor)
+        logs = self._set_up_run(arguments, restart_policy, hang, health, event_handler)
         self._workers = self._workers_of(
             arguments, logs, start_processes, placement, state, preload
         )
         self._sinks = self._make_sinks(metrics)
         self.metrics_port_bound = self._bind_metrics(metrics_endpoint.host, metrics_endpoint.port)
+
+    def _set_up_run(
+        self,
+        arguments: AgentArguments,
+        restart_policy: RestartPolicy,
+        hang: HangSettings,
+        health: HealthSettings,
+        event_handler: EventHandler | None,
+    ) -> OwnPlan | LogsSpecs:
+        """The run's group, job, rules, report, expiry watch and status posts; where each
+        attempt's logs go."""
+        spec, clock = arguments.spec, self._clock
+        group = self._worker_group = WorkerGroup(spec)
+        job = self._job = _job_of(spec)
+        self._exit_barrier_timeout = arguments.exit_barrier_timeout
+        # run before every join (``agent.join``)
+        self._health_check = None if health.command is None else HealthCheck(*astuple(health))
+        rules = _rules(spec, job, restart_policy.rule, restart_policy.max_stalled)
+        self._run_record = RunRecord(rules)
+        self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())
+        events = events_of(spec) if event_handler is None else event_handler
+        self._report = RunReport(group, events, self._log_dir, clock)
+        self._expiry = _expiry_watch(spec, hang.timers, hang.timeout, clock)
+        self._reporter = self._node_reporter(hang.straggler_factor)
+        return logs
 
     def _workers_of(
         self,
