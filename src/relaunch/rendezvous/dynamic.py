@@ -124,7 +124,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._clock = clock
         node_id = new_node_id()
         self._rounds = Rounds(run_id, stores, settings, local_addr, node_id, clock)
-        # Roll calls are answered by the thread that watches the round, on its own connection.
+        # Presence checks are answered by the thread that watches the round, on its own connection.
         self._answers = stores.answers(self._rounds.key, node_id)
         self._on_shutdown = on_shutdown
         self._membership = NodeMembership(clock)
