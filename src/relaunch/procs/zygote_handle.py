@@ -24,13 +24,12 @@ import select
 import signal
 import socket
 import stat
-import sys
 import time
 from collections.abc import Callable
 
 from relaunch.core.run.failures import describe_exit
 from relaunch.procs.handles import PopenHandle
-from relaunch.procs.zygote_wire import INT_SIZE, REPLY_SIZE, SEQ_SIZE
+from relaunch.procs.zygote_wire import INT_SIZE, REPLY_SIZE, SEQ_SIZE, received_fds
 
 #: Seconds a zygote has, once its child ended, to give the child's exit status (it reaps on
 #: SIGCHLD, in well under a millisecond): past it, the status is the kernel's, and a stopped
@@ -69,13 +68,7 @@ def read_reply(sock: socket.socket, deadline: float) -> tuple[int, int, list[int
             chunk, ancillary, flags, _ = sock.recvmsg(
                 REPLY_SIZE - len(data), space, socket.MSG_CMSG_CLOEXEC
             )
-            for level, kind, blob in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(blob) - len(blob) % INT_SIZE
-                    fds.extend(
-                        int.from_bytes(blob[at : at + INT_SIZE], sys.byteorder, signed=True)
-                        for at in range(0, usable, INT_SIZE)
-                    )
+            fds.extend(received_fds(ancillary))
             if flags & socket.MSG_CTRUNC or len(fds) > MAX_REPLY_FDS:
                 raise BadReply("it came with more descriptors than a reply has")
             if not chunk:

@@ -53,6 +53,20 @@ def _send(sock: _socket.socket, data: bytes, fds: "list[int] | tuple[int, ...]")
         sock.sendall(data[sent:])
 
 
+def received_fds(ancillary: "list[tuple[int, int, bytes]]") -> "list[int]":
+    """The descriptors ``SCM_RIGHTS`` brought in a ``recvmsg``'s ancillary data (a partial
+    trailing int, which a truncated message can leave, is not one)."""
+    fds: list[int] = []
+    for level, kind, blob in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            usable = len(blob) - len(blob) % INT_SIZE
+            fds.extend(
+                int.from_bytes(blob[at : at + INT_SIZE], sys.byteorder, signed=True)
+                for at in range(0, usable, INT_SIZE)
+            )
+    return fds
+
+
 def receive_message(
     sock: _socket.socket, max_fds: int, max_size: int = MAX_MESSAGE
 ) -> "tuple[Any, list[int]] | None":
@@ -62,14 +76,7 @@ def receive_message(
     data, ancillary, flags, _ = sock.recvmsg(
         HEADER, _socket.CMSG_SPACE(max(1, max_fds) * INT_SIZE), _socket.MSG_CMSG_CLOEXEC
     )
-    fds: list[int] = []
-    for level, kind, blob in ancillary:
-        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            usable = len(blob) - len(blob) % INT_SIZE
-            fds.extend(
-                int.from_bytes(blob[at : at + INT_SIZE], sys.byteorder, signed=True)
-                for at in range(0, usable, INT_SIZE)
-            )
+    fds = received_fds(ancillary)
     try:
         if not data:
             if fds:
