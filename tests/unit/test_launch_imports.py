@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 #: Loaded only by the features that need them, never by ``--standalone`` without options.
 NOT_FOR_A_SINGLE_NODE = (
@@ -40,16 +41,7 @@ def test_a_standalone_launch_loads_no_network_store_or_crypto(tmp_path) -> None:
         f"code = main(['--standalone', '--nproc-per-node', '2', {str(script)!r}])\n"
         "print(json.dumps([code, sorted(sys.modules)]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr
-    code, modules = json.loads(out.stdout.splitlines()[-1])
+    code, modules = _probe(probe, tmp_path)
     assert code == 0
     assert sorted(set(NOT_FOR_A_SINGLE_NODE) & set(modules)) == []
 
@@ -71,6 +63,11 @@ def test_the_collector_is_on_again_before_the_agent_runs(tmp_path) -> None:
         f"code = command.main(['--standalone', '--nproc-per-node', '1', {str(script)!r}])\n"
         "print(json.dumps([code, seen, gc.get_freeze_count() > 0]))\n"
     )
+    assert _probe(probe, tmp_path) == [0, [True], True]
+
+
+def _probe(probe: str, tmp_path) -> Any:
+    """What ``probe``, run by a fresh interpreter in ``tmp_path``, printed last (JSON)."""
     out = subprocess.run(
         [sys.executable, "-c", probe],
         capture_output=True,
@@ -80,4 +77,4 @@ def test_the_collector_is_on_again_before_the_agent_runs(tmp_path) -> None:
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1]) == [0, [True], True]
+    return json.loads(out.stdout.splitlines()[-1])
