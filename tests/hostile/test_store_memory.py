@@ -24,6 +24,7 @@ from conftest import LeakCheck, wait_until
 
 import relaunch.store.server as store_server
 from relaunch.store import TcpStore, TcpStoreServer, auth, wire
+from relaunch.store.frames import FRAME_BUDGET
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -266,7 +267,7 @@ def test_large_frames_of_many_clients_are_bounded_in_total(store: StoreProcess) 
             sock.close()
     # The budget, the value being stored and the one it replaces, and the allocator's slack
     # (before: 391 MiB, and more with more clients).
-    limit = (store_server.FRAME_BUDGET + 4 * wire.MAX_FRAME) / MiB
+    limit = (FRAME_BUDGET + 4 * wire.MAX_FRAME) / MiB
     assert peak - before < limit, f"the store grew by {peak - before:.0f} MiB"
     assert store.serves()
     assert "Traceback" not in store.stop()

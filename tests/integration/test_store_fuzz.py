@@ -34,6 +34,7 @@ from relaunch.store import (
     TcpStoreServer,
     wire,
 )
+from relaunch.store.frames import PRE_AUTH_LIMIT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,7 +194,7 @@ def token_server() -> Iterator[TcpStoreServer]:
 
 def predict_unauthenticated(data: bytes) -> str:
     """What the server must do with ``data`` as a fresh client's first bytes."""
-    if len(data) >= 4 and struct.unpack(">I", data[:4])[0] > store_server.PRE_AUTH_LIMIT:
+    if len(data) >= 4 and struct.unpack(">I", data[:4])[0] > PRE_AUTH_LIMIT:
         return "close"  # a frame larger than authenticating takes, announced before it
     try:
         payloads = wire.FrameReader().feed(data)

@@ -11,7 +11,8 @@ from conftest import wait_until
 
 from relaunch.store.api import StoreFenced, StoreRedirect
 from relaunch.store.client import TcpStore
-from relaunch.store.server import Elect, Electorate, TcpStoreServer
+from relaunch.store.replication import Elect, Electorate
+from relaunch.store.server import TcpStoreServer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -86,7 +86,7 @@ def test_a_step_task_tells_the_job() -> None:
 
 
 def test_the_signals_are_the_default_and_slurms_warning() -> None:
-    from relaunch.cli.flags import DEFAULT_SIGNALS
+    from relaunch.cli.flags_job import DEFAULT_SIGNALS
 
     assert [*parse_signals(DEFAULT_SIGNALS), signal.SIGUSR1] == slurm.SIGNALS
     line = detect(step())

@@ -12,15 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relaunch.cli.command import console_main, main
-from relaunch.cli.flags import (
-    DEFAULT_SIGNALS,
-    EXIT_FAILED,
-    EXIT_USAGE,
-    FLAGS,
-    build_parser,
-    parse_nnodes,
-    parse_rdzv_conf,
-)
+from relaunch.cli.flag_row import parse_nnodes, parse_rdzv_conf
+from relaunch.cli.flags import EXIT_FAILED, EXIT_USAGE, FLAGS, build_parser
+from relaunch.cli.flags_job import DEFAULT_SIGNALS
 from relaunch.runtime import lazy_attributes
 
 if TYPE_CHECKING:

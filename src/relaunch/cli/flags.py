@@ -12,16 +12,9 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from relaunch.cli.flag_row import Flag as Flag
-from relaunch.cli.flag_row import checked
-from relaunch.cli.flag_row import parse_nnodes as parse_nnodes
-from relaunch.cli.flag_row import parse_rdzv_conf as parse_rdzv_conf
-from relaunch.cli.flags_job import DEFAULT_SIGNALS as DEFAULT_SIGNALS
 from relaunch.cli.flags_job import JOB_FLAGS
 from relaunch.cli.flags_run import RUN_FLAGS
 
-#: The value parser of a flag (``cli.status`` and ``cli.store`` use it for theirs).
-_checked = checked
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 #: The job failed for a reason that running it again cannot mend (restarts that made no

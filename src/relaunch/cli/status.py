@@ -23,7 +23,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING
 
-from relaunch.cli.flags import EXIT_FAILED, _checked, _Parser, parse_rdzv_conf, usage_error
+from relaunch.cli.flag_row import checked, parse_rdzv_conf
+from relaunch.cli.flags import EXIT_FAILED, _Parser, usage_error
 
 if TYPE_CHECKING:
     from relaunch.rendezvous.reader import JobReader, Snapshot
@@ -57,7 +58,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         default=environ.get("PET_RDZV_ENDPOINT"),
-        type=_checked("parse_rdzv_endpoint"),
+        type=checked("parse_rdzv_endpoint"),
         metavar="HOST:PORT",
         help="the job's store (etcd: its members, comma-separated)",
     )
@@ -81,7 +82,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--watch",
         nargs="?",
         const=WATCH_EVERY,
-        type=_checked("parse_bound"),
+        type=checked("parse_bound"),
         metavar="SECONDS",
         help=f"refresh every SECONDS (default {WATCH_EVERY:g}) until Ctrl-C or the job ends",
     )

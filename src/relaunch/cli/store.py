@@ -7,7 +7,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from relaunch.cli.flags import EXIT_USAGE, _checked, _Parser, usage_error
+from relaunch.cli.flag_row import checked
+from relaunch.cli.flags import EXIT_USAGE, _Parser, usage_error
 
 
 def store_main(argv: Sequence[str]) -> int:
@@ -20,13 +21,13 @@ def store_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument(
         "--host",
-        type=_checked("parse_loopback"),
+        type=checked("parse_loopback"),
         default="127.0.0.1",
         help="loopback address to listen on (default: 127.0.0.1)",
     )
     parser.add_argument(
         "--port",
-        type=_checked("parse_count", 0),
+        type=checked("parse_count", 0),
         default=29400,
         help="port to listen on, 0 for any free one (default: 29400)",
     )

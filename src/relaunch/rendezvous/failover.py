@@ -44,7 +44,7 @@ from relaunch.store.api import (
 )
 from relaunch.store.client import TcpStore
 from relaunch.store.deadline import Deadline
-from relaunch.store.server import Elect, Electorate
+from relaunch.store.replication import Elect, Electorate
 
 if TYPE_CHECKING:
     from relaunch.core.rendezvous import rounds as plan

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from relaunch.rendezvous.failover import StoreFailover
     from relaunch.rendezvous.reader import JobReader
     from relaunch.store.client import TcpStore
-    from relaunch.store.server import Elect, TcpStoreServer
+    from relaunch.store.replication import Elect
+    from relaunch.store.server import TcpStoreServer
 
 DEFAULT_PORT = 29400
 #: What ``relaunch status`` suggests when the store cannot be read.

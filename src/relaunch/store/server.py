@@ -47,7 +47,7 @@ from relaunch.runtime import descriptor_share
 from relaunch.server_loop import Listener, ServerLoop, Timer
 from relaunch.store.api import StoreError, StoreProtocolError
 from relaunch.store.data import KeyValueData
-from relaunch.store.frames import _RECV_SIZE, FRAME_BUDGET, PRE_AUTH_LIMIT, Frames, _Refused
+from relaunch.store.frames import _RECV_SIZE, PRE_AUTH_LIMIT, Frames, _Refused
 from relaunch.store.limits import (
     check_open_file_limit,
     say_out_of_descriptors,
@@ -55,9 +55,7 @@ from relaunch.store.limits import (
 )
 from relaunch.store.operations import Client, Operations, Waiter
 from relaunch.store.refusals import Refusals
-from relaunch.store.replication import REPLICA_HIGH_WATER, Elect, Electorate, Replication
-
-__all__ = ["FRAME_BUDGET", "PRE_AUTH_LIMIT", "REPLICA_HIGH_WATER", "Elect", "Electorate"]
+from relaunch.store.replication import Elect, Replication
 
 log = logging.getLogger(__name__)
 
