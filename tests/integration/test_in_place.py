@@ -16,7 +16,7 @@ from test_state import DDP, read, run_two_nodes
 
 from relaunch.agent.parking import Graces, ParkingLot
 from relaunch.in_place import GO_ON, PARKED, RESUME
-from relaunch.procs.monitor import FailureGrace
+from relaunch.procs.worker_process import FailureGrace
 
 HERE = pathlib.Path(__file__).parent
 WORKER = str(HERE / "in_place_worker.py")

@@ -26,7 +26,8 @@ from conftest import LeakCheck, marked_pids, relaunch_cli, wait_until
 from relaunch.agent.torch_store import TorchStoreServer, listen
 from relaunch.config import ConfigError, LaunchConfig
 from relaunch.endpoints import find_free_port
-from relaunch.procs.zygote import Zygote, python_command, startup_variables
+from relaunch.procs.zygote import Zygote
+from relaunch.procs.zygote_command import python_command, startup_variables
 
 pytestmark = pytest.mark.timeout(120)
 

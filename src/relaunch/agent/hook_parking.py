@@ -14,7 +14,7 @@ from relaunch.agent.user_start import can_keep
 from relaunch.core.run.stop_plan import Feature, StopPhase
 from relaunch.procs.context import PContext
 from relaunch.procs.handles import PopenHandle, ProcessHandle
-from relaunch.procs.monitor import FailureGrace
+from relaunch.procs.worker_process import FailureGrace
 
 if TYPE_CHECKING:
     from relaunch.agent.parking import ParkingLot

@@ -99,7 +99,8 @@ def _start_zygote(run: Run) -> Zygote | None:
     """The zygote of ``--preload``, started (it imports while the agent joins), with the
     launcher's environment and what every worker gets on top of it; None (said) when the
     workers are no Python script or module, or are started by a user's start_processes."""
-    from relaunch.procs.zygote import Zygote, python_command  # sockets: only with --preload
+    from relaunch.procs.zygote import Zygote  # sockets: only with --preload
+    from relaunch.procs.zygote_command import python_command
 
     spec = run.group.spec
     modules = ",".join(run.preload)

@@ -10,7 +10,7 @@ from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.agent.state import JustInTime, StateKeeper
 from relaunch.core.durations import seconds
 from relaunch.core.run.stop_plan import Feature, StopPhase
-from relaunch.procs.monitor import FailureGrace
+from relaunch.procs.worker_process import FailureGrace
 
 log = logging.getLogger("relaunch.agent.workers")
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from relaunch.agent.sampler import Sampler
     from relaunch.agent.status import NodeReporter
     from relaunch.procs.console import Console
-    from relaunch.procs.monitor import FailureGrace
+    from relaunch.procs.worker_process import FailureGrace
     from relaunch.rendezvous.job import JobServices
     from relaunch.runtime import Clock
 

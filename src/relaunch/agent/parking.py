@@ -33,7 +33,8 @@ from collections.abc import Callable, Collection, Mapping
 from relaunch.in_place import GO_ON, MAX_MESSAGE, PARKED, PARKING_ENV, RESUME
 from relaunch.procs.guardian import guardian
 from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
-from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace
+from relaunch.procs.monitor import KILL_DEADLINE
+from relaunch.procs.worker_process import FailureGrace
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 from relaunch.server_loop import Listener, ServerLoop, Timer
 

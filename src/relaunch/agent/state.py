@@ -20,7 +20,7 @@ from relaunch.core.workers import state as layout
 from relaunch.core.workers.state import Header
 from relaunch.core.workers.state_agreement import NodeState, agreement, node_held
 from relaunch.core.workers.state_settings import StateSettings, default_memory
-from relaunch.procs.monitor import FailureGrace
+from relaunch.procs.worker_process import FailureGrace
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import start_thread
 from relaunch.state.files import (

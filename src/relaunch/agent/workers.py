@@ -39,8 +39,8 @@ from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult
 from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
-from relaunch.procs.monitor import FailureGrace
 from relaunch.procs.wakeup import EventQueue
+from relaunch.procs.worker_process import FailureGrace
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
 

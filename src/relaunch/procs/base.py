@@ -41,10 +41,10 @@ from relaunch.procs.handles import (
     signal_tree,
     wait_groups_gone,
 )
-from relaunch.procs.monitor import KILL_DEADLINE, FailureGrace, GroupMonitor
+from relaunch.procs.monitor import KILL_DEADLINE, GroupMonitor
 from relaunch.procs.rank_streams import RankStreams
 from relaunch.procs.signals import SignalsToExceptions, notices_ignored
-from relaunch.procs.worker_process import WorkerProcess
+from relaunch.procs.worker_process import FailureGrace, WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:

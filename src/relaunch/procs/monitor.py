@@ -25,8 +25,7 @@ from relaunch.procs.handles import StuckWorker, signal_tree, stuck_worker
 from relaunch.procs.output_rounds import OutputRounds
 from relaunch.procs.signals import signals_deferred
 from relaunch.procs.wakeup import Latch
-from relaunch.procs.worker_process import FailureGrace as FailureGrace  # the agent's name
-from relaunch.procs.worker_process import Unreaped, WorkerProcess
+from relaunch.procs.worker_process import FailureGrace, Unreaped, WorkerProcess
 from relaunch.runtime import SYSTEM_CLOCK, Clock, report_failure, start_thread
 
 log = logging.getLogger(__name__)

@@ -48,11 +48,11 @@ from relaunch.procs.signals import signals_deferred
 from relaunch.procs.zygote_command import (
     PythonCommand,
     caller,
+    python_command,
     runs_as_popen_would,
+    startup_variables,
     worker_request,
 )
-from relaunch.procs.zygote_command import python_command as python_command  # the callers' name
-from relaunch.procs.zygote_command import startup_variables as startup_variables
 from relaunch.procs.zygote_handle import (
     BadReply,
     ZygoteHandle,

@@ -38,7 +38,7 @@ from relaunch.rendezvous.static import StaticRendezvousHandler
 if TYPE_CHECKING:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
 
-__all__ = ["DEFAULT_PORT", "create_rendezvous_handler", "get_rendezvous_handler"]
+__all__ = ["create_rendezvous_handler", "get_rendezvous_handler"]
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
