@@ -9,8 +9,7 @@ import logging
 import os
 import resource
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from relaunch.agent import LocalElasticAgent, WorkerSpec
@@ -118,21 +117,6 @@ def ensure_open_files(config: LaunchConfig) -> None:
         )
 
 
-@contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block, as torchrun's launch_agent sets it (the
-    workers inherit it); the caller's value is put back after."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
 def launch_agent(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -147,28 +131,31 @@ def launch_agent(
     ``on_summary`` gets the end-of-run summary, whatever the outcome. ``health_check_server``
     (torch's ``HealthCheckServer``, a stub in open-source torch) is stopped when the run ends,
     as torch's agent does, and never started: relaunch's health checks are ``--health-check``.
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is set in ``os.environ`` for the workers to inherit, and
+    left set, as torch's ``launch_agent`` leaves it.
     """
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     handler = rendezvous_handler(config) if handler is None else handler
     try:
         ensure_open_files(config)
-    except BaseException:
-        handler.shutdown()
+    except BaseException as exc:
+        _shut_down(handler, config, exc)
         raise
     spec = worker_spec(config, handler, entrypoint, args)
     event_handler = event_handler_from_spec(config.event_log_handler)
     try:
         agent = _agent(config, spec, event_handler)
-    except BaseException:  # the metrics port cannot be bound: nothing ran
-        handler.shutdown()
+    except BaseException as exc:  # the metrics port cannot be bound: nothing ran
+        _shut_down(handler, config, exc)
         event_handler.close()
         raise
     outcome = "ended by an error"
+    error: BaseException | None = None
     try:
-        with _environ("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle):
-            result = agent.run()
+        result = agent.run()
         outcome = "failed" if result.is_failed() else "succeeded"
     except SignalException as exc:
-        outcome = f"stopped by {exc.sigval.name}"
+        outcome, error = f"stopped by {exc.sigval.name}", exc
         raise
     except JobFailedError as exc:
         outcome = "failed: the job ended on another node" + (
@@ -179,7 +166,7 @@ def launch_agent(
         outcome = "not started: the job had already finished"
         raise
     finally:
-        handler.shutdown()
+        _shut_down(handler, config, error)
         event_handler.close()
         if health_check_server is not None:
             health_check_server.stop()
@@ -190,6 +177,22 @@ def launch_agent(
             spec.get_entrypoint_name(), result.failures, result.stopped, requeue=agent.requeue
         )
     return result.return_values
+
+
+def _shut_down(
+    handler: RendezvousHandler, config: LaunchConfig, error: BaseException | None
+) -> None:
+    """Shut ``handler`` down as the run ends with ``error`` (None: it ended without one).
+
+    Not when a signal stopped the agent, as torch's ``launch_agent`` does not: a handler's
+    ``shutdown()`` may close the rendezvous for good, which stops any later scaling (torch's
+    c10d and etcd handlers do). relaunch's own backends' ``shutdown()`` closes nothing for good:
+    it leaves the round, so the other nodes re-form at once rather than after the keep-alive
+    silence, and lets go of the store's connections and this node's keys; they are shut down
+    whatever ended the run (docs/python-api.md).
+    """
+    if not isinstance(error, SignalException) or config.rdzv_backend in BACKENDS:
+        handler.shutdown()
 
 
 def worker_spec(
