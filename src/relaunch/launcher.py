@@ -17,7 +17,7 @@ from relaunch.config import ConfigError, open_files_needed
 from relaunch.config import LaunchConfig as LaunchConfig
 from relaunch.config import new_run_id as new_run_id
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from relaunch.core.rendezvous.rdzv_conf import BACKENDS, RendezvousSpec
+from relaunch.core.rendezvous.rdzv_conf import BACKENDS, STATIC_BACKEND, RendezvousSpec
 from relaunch.core.run.summary import RunSummary
 from relaunch.events import (
     EventHandler,
@@ -27,6 +27,7 @@ from relaunch.events import (
 )
 from relaunch.procs.errors import ChildFailedError, SignalException
 from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsSpecs
+from relaunch.procs.signals import SIGNALS_TO_HANDLE_ENV
 from relaunch.rendezvous.api import (
     JobFailedError,
     RendezvousClosedError,
@@ -68,7 +69,8 @@ class elastic_launch:
 
 def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
     """The rendezvous handler ``config`` describes, built from its settings as they were read
-    (``LaunchConfig.rendezvous_settings``); ValueError when it is not runnable. A backend that
+    (``LaunchConfig.rendezvous_settings``); ValueError when it is not runnable (ConfigError,
+    before anything starts, for the static backend without an endpoint). A backend that
     is not built in is built by the creator a user registered for it with
     ``relaunch.rendezvous.registry.rendezvous_handler_registry`` (torch's way), from a
     ``RendezvousParameters`` of the config's ``rdzv_*`` fields; ValueError naming the
@@ -85,6 +87,13 @@ def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
                 config.local_addr,
                 **config.rdzv_configs,
             )
+        )
+    if config.rdzv_backend == STATIC_BACKEND and not (config.rdzv_endpoint or "").strip():
+        # torch's launch_agent refuses it too; c10d and etcd, as torch's, default to this host
+        raise ConfigError(
+            "LaunchConfig.rdzv_endpoint is empty: the static backend needs the master's "
+            "HOST:PORT (rdzv_endpoint='127.0.0.1:0' runs one node on a free port), or use "
+            "rdzv_backend='c10d'"
         )
     spec = RendezvousSpec(
         backend=config.rdzv_backend,
@@ -134,7 +143,7 @@ def launch_agent(
     ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is set in ``os.environ`` for the workers to inherit, and
     left set, as torch's ``launch_agent`` leaves it.
     """
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ[SIGNALS_TO_HANDLE_ENV] = config.signals_to_handle
     handler = rendezvous_handler(config) if handler is None else handler
     try:
         ensure_open_files(config)

@@ -184,9 +184,12 @@ def test_the_exit_barrier_timeout_is_a_flag_a_variable_and_a_config_field() -> N
         assert "\n" not in str(caught.value)
 
 
-def test_torchruns_python_exec_runs_the_script(tmp_path) -> None:
+def test_torchruns_python_exec_runs_the_script(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from relaunch.cli.args import config_from_args
 
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").touch()
+    monkeypatch.chdir(tmp_path)  # where the workers find pkg: -m of one not found is refused
     args = cli.build_parser({}).parse_args(["-m", "pkg.main"])
     assert config_from_args(args, {"PYTHON_EXEC": "/opt/py"}, 0)[1:] == (
         "/opt/py",

@@ -50,7 +50,7 @@ class _NoEnviron(Mapping[str, str]):
     [
         ("--nproc-per-node", "3", "--tee", "1", "--local-ranks-filter", "1"),
         ("--nnodes", "1:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"),
-        ("--nnodes", "2", "--node-rank", "1", "--rdzv-conf", "a=b"),
+        ("--nnodes", "2", "--node-rank", "1", "--rdzv-conf", "join_timeout=5"),
         ("--standalone", "--nproc-per-node", "gpu"),
     ],
 )

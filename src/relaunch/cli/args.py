@@ -21,11 +21,14 @@ from relaunch.cli.devices import DeviceRequest as DeviceRequest
 from relaunch.cli.devices import parse_device_request as parse_device_request
 from relaunch.cli.flags import FLAGS
 from relaunch.config import ConfigError, LaunchConfig, check_rendezvous, new_run_id
-from relaunch.core.rendezvous.rdzv_conf import ETCD_BACKENDS
+from relaunch.core.rendezvous.rdzv_conf import ETCD_BACKENDS, unknown_key
 from relaunch.core.run.settings import GROUPS, MetricsEndpoint
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
+#: Where no directory of a job's may be: the kernel's own filesystems (a directory made there is
+#: a cgroup or nothing, and no log file can be written in it).
+KERNEL_FILESYSTEMS = ("/proc", "/sys")
 
 
 def device_request(text: str) -> DeviceRequest:
@@ -162,9 +165,12 @@ def _rendezvous(
 
 
 def validate(config: LaunchConfig) -> None:
-    """Check ``config`` as a whole, before anything starts: its rendezvous
-    (``relaunch.config.check_rendezvous``, then the etcd members), its event log, its log
-    directory and its state directory; ConfigError on the first problem."""
+    """Check ``config`` as a whole, before anything starts: its rendezvous (its
+    ``--rdzv-conf`` keys, ``relaunch.config.check_rendezvous``, then the etcd members), its
+    event log, its log directory and its state directory; ConfigError on the first problem."""
+    problem = unknown_key(config.rdzv_backend, config.rdzv_configs)
+    if problem:
+        raise ConfigError(problem)
     settings = check_rendezvous(config)
     if config.rdzv_backend in ETCD_BACKENDS and settings.etcd is not None:
         from relaunch.store.etcd import parse_endpoints
@@ -196,6 +202,13 @@ def check_directory(path: str, flag: str = "--log-dir") -> None:
 
     if not path:
         raise ConfigError(f"{flag} is empty: name a directory (it is created if need be)")
+    real = os.path.realpath(path)
+    kernel = next((top for top in KERNEL_FILESYSTEMS if os.path.commonpath((top, real)) == top), "")
+    if kernel:
+        raise ConfigError(
+            f"{flag} {path} is under {kernel}, which holds the kernel's files, not a job's: name "
+            "a directory on disk (it is created if need be)"
+        )
     try:
         os.stat(path)
     except FileNotFoundError:
@@ -273,6 +286,8 @@ def _command(
         return script, rest
     python = environ.get("PYTHON_EXEC") or sys.executable  # torchrun's variable
     if args.module:
+        if not environ.get("PYTHON_EXEC"):  # another Python's path is its own
+            _check_module(script, environ)
         return python, ("-u", "-m", script, *rest)
     if not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} does not exist")
@@ -281,6 +296,38 @@ def _command(
 
         return run_script, (script, *rest)
     return python, ("-u", script, *rest)
+
+
+def _check_module(name: str, environ: Mapping[str, str]) -> None:
+    """``-m NAME``: its top-level package must be found where a worker's ``python -m`` looks (its
+    cwd, which is this one, ``PYTHONPATH`` and this Python's path); ConfigError otherwise.
+    Nothing is imported (a package's code runs in the workers only), so a missing submodule is
+    left for the worker to report."""
+    if name.endswith(".py") and os.path.isfile(name):
+        raise ConfigError(
+            f"-m {name}: -m takes a module name, not a file: -m {name[:-3]}, or drop -m"
+        )
+    top = name.partition(".")[0]
+    if top in sys.modules or top in sys.builtin_module_names:
+        return
+    import importlib.machinery
+    import importlib.util
+    import site
+
+    cwd = os.getcwd()
+    extra = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    path = [cwd, *extra, *sys.path, site.getusersitepackages()]
+    if importlib.machinery.PathFinder.find_spec(top, path) is not None:
+        return
+    try:
+        if importlib.util.find_spec(top) is not None:  # frozen, and installs' own finders
+            return
+    except (ImportError, ValueError):
+        pass
+    raise ConfigError(
+        f"-m {name}: no module named {top!r} in {cwd}, PYTHONPATH or this Python's packages: "
+        "check the name, install it, or run from the directory that holds it"
+    )
 
 
 def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:

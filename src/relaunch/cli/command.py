@@ -241,8 +241,10 @@ def _launch(
 
         make_log_dir(config)
         for sig in args.signals_to_handle:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, raise_signal_exception)
+            # Whatever was inherited: a shell starts a background job with SIGINT and SIGQUIT
+            # ignored, and ``kill -INT`` must stop it as it stops torchrun. The workers start
+            # with each of them at its default (exec resets a handled signal).
+            signal.signal(sig, raise_signal_exception)
         from relaunch.launcher import launch_agent, rendezvous_handler
 
         handler = rendezvous_handler(config)

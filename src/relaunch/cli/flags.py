@@ -11,7 +11,9 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+from relaunch import __version__
 from relaunch.cli.flags_job import JOB_FLAGS
 from relaunch.cli.flags_run import RUN_FLAGS
 
@@ -42,6 +44,33 @@ def one_line(text: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are ``ConfigError`` (one line, exit status 2), which takes a flag
+    only as spelled in full (a prefix of a later flag would silently change meaning) and names
+    the closest flag to one it does not know."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unknown(extras))
+        return parsed
+
+    def _unknown(self, extras: list[str]) -> str:
+        flag = next((arg.split("=", 1)[0] for arg in extras if arg.startswith("-")), None)
+        if flag is None:
+            return "unrecognized arguments: " + " ".join(extras)
+        import difflib
+
+        known = [name for name in self._option_string_actions if name.startswith("--")]
+        closest = difflib.get_close_matches(flag, known, n=1)
+        if closest:
+            return f"unknown flag {flag}: did you mean {closest[0]}?"
+        return f"unknown flag {flag}"
+
     def error(self, message: str) -> None:  # type: ignore[override]
         from relaunch.config import ConfigError
 
@@ -66,7 +95,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         description="Launch a distributed job: N workers per node, watched and restarted as one. "
         "Each flag can also be set by the environment variable PET_<FLAG> "
         "(e.g. PET_NPROC_PER_NODE=4).",
+        epilog="Two subcommands: 'relaunch status' shows a running job's nodes and workers, read "
+        "from its store; 'relaunch store' serves the built-in store on its own. Each takes --help.",
     )
+    parser.add_argument("--version", action="version", version=f"relaunch {__version__}")
     groups = {
         name: parser.add_argument_group(name)
         for name in ("nodes", "rendezvous", "restarts", "state", "workers", "logs")
@@ -97,9 +129,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             help=flag.help_text(),
         )
     parser.add_argument("training_script", help="the script, module or binary to run")
-    parser.add_argument(
+    rest = parser.add_argument(
         "training_script_args", nargs=argparse.REMAINDER, help="arguments passed to every worker"
     )
+    rest.required, rest.default = False, []  # argparse requires REMAINDER, which may be empty
     return parser
 
 

@@ -77,11 +77,19 @@ def reset_stop_request() -> None:
     _stop_requested = False
 
 
+#: The signals ``launch_agent`` says its agent handles (``LaunchConfig.signals_to_handle``), as
+#: torch's agent reads them.
+SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
 class SignalsToExceptions:
     """Install ``SignalException`` handlers where the default handler is in place; undo later.
 
-    Handlers an application installed (or ``SIG_IGN``, as under nohup) are left alone, and
-    nothing happens outside the main thread, where Python cannot install handlers.
+    Handlers an application installed are left alone, and so is ``SIG_IGN`` (as under nohup),
+    but for a signal ``TORCHELASTIC_SIGNALS_TO_HANDLE`` names: ``launch_agent`` sets it, and a
+    signal it names is handled whatever was inherited, as torch's agent does (a shell starts a
+    background job with SIGINT ignored). Nothing happens outside the main thread, where Python
+    cannot install handlers.
     """
 
     def __init__(self) -> None:
@@ -90,9 +98,12 @@ class SignalsToExceptions:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        named = {name.strip() for name in os.environ.get(SIGNALS_TO_HANDLE_ENV, "").split(",")}
         for sig in TERMINATION_SIGNALS:
             current = signal.getsignal(sig)
-            if current in (signal.SIG_DFL, signal.default_int_handler):
+            if current in (signal.SIG_DFL, signal.default_int_handler) or (
+                current == signal.SIG_IGN and sig.name in named
+            ):
                 self._previous[sig] = current
                 signal.signal(sig, raise_signal_exception)
 

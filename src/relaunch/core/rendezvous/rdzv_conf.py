@@ -1,9 +1,10 @@
 """``--rdzv-conf``: the rendezvous keys, read once into a typed, checked value. Pure.
 
-Each backend reads its own keys (the others are ignored, as torchrun does):
+Each backend reads its own keys (``known_keys``; the ``relaunch`` command refuses any other,
+naming the closest, where torchrun ignores it: ``unknown_key``):
 
 - ``static``: ``rank`` (``--node-rank``) and ``join_timeout`` (how long the master's name may
-  take to resolve);
+  take to resolve); it ignores the dynamic rendezvous' keys;
 - ``c10d``/``tcp``: the dynamic rendezvous' keys (``RendezvousSettings``), ``rank`` among them:
   the node's place in the scheduler's order, which group ranks follow;
 - ``etcd``/``etcd-v2``: those, and the etcd client's (``EtcdOptions``);
@@ -200,6 +201,55 @@ def parse(
     raise ValueError(
         f"unknown rendezvous backend {backend!r}: valid backends are " + ", ".join(BACKENDS)
     )
+
+
+#: Keys torch's own backends read that relaunch takes and has no use for, so that a torchrun
+#: command line runs unchanged: its store's read timeout and type, its close and heartbeat
+#: timeouts, and its etcd-v2 prefix and TLS names.
+TORCH_ONLY_KEYS = (
+    "read_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "store_type",
+    "etcd_prefix",
+    "ssl_cert",
+    "ssl_cert_key",
+    "ca_cert",
+)
+
+
+def known_keys(backend: str) -> tuple[str, ...] | None:
+    """The ``--rdzv-conf`` keys ``backend`` reads (None: a backend that is not built in, whose
+    keys are its own to read)."""
+    if backend == STATIC_BACKEND:
+        return ("rank", "join_timeout")
+    kind = registered_kind(backend)
+    if kind is None:
+        return None
+    own = tuple(name for name in RendezvousSettings._fields if name != "etcd")
+    return own + (EtcdOptions._fields if kind.etcd_keys else ())
+
+
+def unknown_key(backend: str, conf: Mapping[str, Any]) -> str | None:
+    """What is wrong with the first key of ``conf`` that ``backend`` does not take (a typo is
+    silently ignored otherwise), naming the closest it takes; None when every key is taken.
+    Besides the keys it reads, a backend takes torch's (``TORCH_ONLY_KEYS``), and ``static``
+    those of the dynamic backends, which it ignores."""
+    reads = known_keys(backend)
+    if reads is None:
+        return None
+    taken = (*reads, *TORCH_ONLY_KEYS)
+    if backend == STATIC_BACKEND:
+        taken += (*RendezvousSettings._fields, *EtcdOptions._fields)
+    for key in conf:
+        if key in taken:
+            continue
+        import difflib
+
+        closest = difflib.get_close_matches(key, taken, n=1)
+        fix = f"did you mean {closest[0]}?" if closest else "it reads " + ", ".join(reads)
+        return f"--rdzv-conf {key}: not a key of the {backend} backend: {fix}"
+    return None
 
 
 def _number(conf: Mapping[str, Any], key: str, default: float, whole: bool = False) -> Any:
