@@ -89,6 +89,7 @@ class NodeReporter:
         self.view: core.JobView | None = None
         self.store_round_trip: float | None = None
         self._started_at = clock.time()
+        self._stale_after = 2 * interval  # set by ``start``, with the group's
         # The group watched: set by ``start``, read by its thread only.
         self._group: Group | None = None
         self._job: JobServices | None = None
@@ -101,6 +102,10 @@ class NodeReporter:
         self._group, self._job = group, job
         self._rates, self._said = stragglers.RankRates(), set()
         self.view = None
+        # A post older than the job's keep-alive detection time (or than two posts' interval)
+        # no longer says how this node stands: ``relaunch status`` shows it stale.
+        every = stragglers.interval(group.nodes, self._interval)
+        self._stale_after = max(2 * every, 0.0 if job is None else job.lost_node_grace)
         self._stop, self._reported = threading.Event(), threading.Event()
         snapshot = group.snapshot()
         if any(snapshot.progress(local) is not None for local in group.ranks):
@@ -133,6 +138,8 @@ class NodeReporter:
             # Nobody else reads this node's posts: nothing to do until a rank reports its steps
             # (an idle launcher stays asleep).
             reported.wait()
+        else:
+            self.report()  # at once: ``relaunch status`` shows the group from its start
         while not stop.wait(every):
             self.report()  # what it cannot post or read it skips; a bug ends the agent
 
@@ -170,6 +177,7 @@ class NodeReporter:
             ranks,
             list(self._reasons),
             round(self._lost, 3),
+            round(self._stale_after, 3),
         )
 
     def report(self) -> None:

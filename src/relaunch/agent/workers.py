@@ -151,9 +151,9 @@ class Workers:
         run.draws_console = plan.draws_console
         for worker, pid in zip(group.workers, pcontext.pids().values(), strict=True):
             worker.id = pid
+        group.state = WorkerState.HEALTHY  # before the hooks hear it: the first status post says so
         for hook in hooks:
             hook.started(run)
-        group.state = WorkerState.HEALTHY
 
     def _worker_failed(self) -> None:  # from the monitor's thread: quick
         for hook in self._hooks:

@@ -22,3 +22,18 @@ def seconds(value: float) -> str:
     else:
         text = f"{value:.2g}"
     return text + "s"
+
+
+def span(value: float) -> str:
+    """``value`` seconds as a span a person waits through: ``45s``, ``9m30s``, ``10m``,
+    ``1h05m``; whole seconds (``seconds`` below ten)."""
+    if not math.isfinite(value) or value < 10:
+        return seconds(value)
+    whole = round(value)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m" + (f"{secs:02d}s" if secs else "")
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

@@ -64,6 +64,7 @@ class HandlerOptions(TypedDict, total=False):
     death_notice: DeathNotice | None
     failover: StoreFailover | None
     token: str | None
+    where: str
 
 
 class NodeOptions(TypedDict):
@@ -94,8 +95,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     which its group rank follows (``core.rendezvous.node_order``). ``death_notice``: what this
     node's guardian says should its agent die while a member (``death_notice``). ``token``: the
     job's (None: none), which its state copies are keyed from (``DynamicJob``). ``failover``: where
-    the job's built-in store may move when its host is lost (``failover``). Deadlines come from
-    ``clock``.
+    the job's built-in store may move when its host is lost (``failover``). ``where``: the
+    store in words, for the lines of a node waiting for others. Deadlines come from ``clock``.
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         failover: StoreFailover | None = None,
         clock: Clock = SYSTEM_CLOCK,
         token: str | None = None,
+        where: str = "",
     ) -> None:
         self._run_id = run_id
         self._node_rank = node_rank
@@ -123,7 +125,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._clock = clock
         node_id = new_node_id()
-        self._rounds = Rounds(run_id, stores, settings, local_addr, node_id, clock)
+        self._rounds = Rounds(run_id, stores, settings, local_addr, node_id, clock, where)
         # Presence checks are answered by the thread that watches the round, on its own connection.
         self._answers = stores.answers(self._rounds.key, node_id)
         self._on_shutdown = on_shutdown

@@ -47,7 +47,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     first other one it can bind."""
     from relaunch.rendezvous.death_notice import DeathNotice
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler, node_options
-    from relaunch.rendezvous.failover import StoreFailover, job_electorate
+    from relaunch.rendezvous.failover import StoreFailover, format_endpoint, job_electorate
 
     endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", DEFAULT_PORT)
     conf = params.settings
@@ -94,6 +94,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         death_notice=death_notice,
         failover=failover,
         token=token,
+        where=format_endpoint((host, port)),
         **node_options(conf),
     )
 

@@ -273,6 +273,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         on_shutdown=(watch_store.close,),
         death_notice=DeathNotice(where),
         token=conf.job_token(os.environ),  # for the state copies alone
+        where=store.describe(),
         **node_options(conf),
     )
 

@@ -4,7 +4,8 @@ It connects as a client (it never hosts the store) and only reads, under
 ``relaunch/{run_id}/`` (see ``rounds``)::
 
     round                       the round nodes join now
-    news/r{n}/final             the completed round n: its member count
+    news/r{n}/final             the completed round n: its member count, when it formed
+    r{n}/size                   how many nodes a round wants (its lead's ``min:max``)
     news/r{n}/changed           round n is being re-formed, and why
     r{n}/joins, r{n}/join/      who joined a round still forming (a counter; keys on etcd)
     r{n}/notes/status/{g}       each member's ``NodeStatus``, posted every few seconds
@@ -32,7 +33,13 @@ from typing import Any, Protocol, TypeVar
 
 from relaunch.core.output import status as core
 from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, decode_change
-from relaunch.core.rendezvous.rounds import JOIN_TOTAL_DIGITS, unpack_join
+from relaunch.core.rendezvous.rounds import (
+    JOIN_TOTAL_DIGITS,
+    decode_size,
+    joined_words,
+    unpack_join,
+)
+from relaunch.core.workers import stragglers
 from relaunch.rendezvous.api import RendezvousError
 from relaunch.rendezvous.rounds import CLOSED, NEWS, closing_failure, news_prefix
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -99,6 +106,8 @@ class Snapshot:
     nodes: list[core.NodeStatus] = field(default_factory=list)
     view: core.JobView | None = None
     why: str = ""  # what re-forms the round, or how many joined one that forms
+    #: What the round shown says of its posts (a node lost, a round over, when it formed).
+    standing: core.Standing = field(default_factory=core.Standing)
 
     @property
     def note(self) -> str:
@@ -120,13 +129,16 @@ class Snapshot:
             self.read_at if now is None else now,
             self.note,
             self.members if self.notes_round in (self.round, None) else None,
+            self.standing,
         )
 
     def as_json(self) -> dict[str, Any]:
         """The same for scripts: ``core.output.status.as_json`` with the round, phase and read
         time."""
         members = self.members if self.notes_round in (self.round, None) else None
-        data = core.as_json(self.run_id, self.nodes, self.view, self.restarts, members)
+        data = core.as_json(
+            self.run_id, self.nodes, self.view, self.restarts, members, self.standing, self.read_at
+        )
         data.update(
             round=self.round,
             phase=self.phase,
@@ -251,7 +263,43 @@ class JobReader:
             sorted(nodes, key=lambda node: node.group_rank),
             view,
             why,
+            self._standing(round_, notes_round, phase, members or 0),
         )
+
+    def _standing(
+        self, round_: int, notes_round: int | None, phase: str, members: int
+    ) -> core.Standing:
+        """What round ``notes_round`` (whose posts are shown) says of them: over once it re-forms
+        or a newer round formed, the member its change removed, and when it formed."""
+        if notes_round is None:
+            notes_round = round_
+        change = self._change(notes_round)
+        lost = change.member if change is not None and change.kind.removes_member else None
+        over = notes_round != round_ or phase in ("re-forming", "finished")
+        every = stragglers.interval(members, stragglers.INTERVAL)
+        return core.Standing(over, lost, self._formed_at(notes_round), every)
+
+    def _formed_at(self, round_: int) -> float | None:
+        """When round ``round_`` formed (its final record's ``at``; None: not said)."""
+        final = self._get("final", round_)
+        if final is None or final == CLOSED:
+            return None
+        try:
+            at = json.loads(final).get("at")
+        except _SHAPE_ERRORS:
+            return None  # ``_members`` said what is wrong with it
+        return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+
+    def _wanted(self, round_: int, joined: int) -> str:
+        """How many of how many joined round ``round_``, which forms."""
+        raw = self._get("size", round_)
+        if raw is None:
+            return f"{joined} node(s) joined"
+        try:
+            low, high = decode_size(raw)
+        except ValueError as exc:
+            raise self._malformed(self.key("size", round_), str(exc)) from None
+        return joined_words(joined, low, high)
 
     def _latest_round(self, round_: int) -> tuple[int, int | bytes | None]:
         """The latest round from ``round_`` on with a final record, and its members: the lead
@@ -288,12 +336,15 @@ class JobReader:
             if round_ == 0 and joined == 0 and restarts == 0:
                 raise JobNotFound(f"no job {self._run_id!r} in the store")
             phase = "re-forming" if round_ > 0 else "forming"
-            why = f"{joined} node(s) joined"
+            why = self._wanted(round_, joined)
         else:
             change = self._change(round_)
             phase = "running"
             if change is not None:
                 phase, why = "re-forming", change.reason or change.kind.value
+                joined = self._joined(round_ + 1)
+                if joined:
+                    why += f"; round {round_ + 1}: {self._wanted(round_ + 1, joined)}"
         return round_, members, phase, why
 
     def _round_notes(

@@ -7,13 +7,15 @@ it. Keys, under ``relaunch/{run_id}/``::
                             a node too late for it moves it on
     r{n}/...                who joined, per store (``roster``): a join counter on the built-in
                             store, one key per node on etcd
+    r{n}/size               how many nodes the round wants (``min:max``), written by its lead
     r{n}/hb/{group rank}    heartbeat of a member: a counter it bumps, or on etcd a key bound
                             to its lease, which etcd deletes when the member stops renewing it
     r{n}/done               members whose workers finished (the exit barrier), a tally
     news/closed             set once the job finished: late nodes exit cleanly (on etcd the
                             job's other keys are deleted then, and this one lives on a lease);
                             the failure that ended the job, if one did (``closed_record``)
-    news/r{n}/final         the completed round: members, world size, master address, on
+    news/r{n}/final         the completed round: members, world size, master address, when
+                            it formed (``time.time()``, for ``relaunch status``), on
                             etcd the runs of create revisions that place the members, the
                             members' roles when they differ, and their group-rank order
                             when it is not their arrival order (``core.rendezvous.node_order``)
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from relaunch.core.rendezvous import rounds as plan
@@ -101,7 +104,9 @@ def job_key(run_id: str, name: str, round_: int | None = None) -> str:
 class Rounds:
     """The rounds of job ``run_id`` on ``stores`` (their kind counts the joins, and serves the
     waits for a round's final record), seen by node ``node_id`` at ``local_addr``; deadlines
-    are kept on ``clock``."""
+    are kept on ``clock``. A node that waits for others says so (``core.rendezvous.rounds.
+    wait_line``, naming the store at ``where``) after ``RELAUNCH_WAIT_NOTICE`` seconds, then
+    every ``NOTICE_REPEAT`` times that."""
 
     def __init__(
         self,
@@ -111,8 +116,14 @@ class Rounds:
         local_addr: str,
         node_id: str,
         clock: Clock = SYSTEM_CLOCK,
+        where: str = "",
     ) -> None:
         self._run_id = run_id
+        self._where = where
+        self._notice_after, wrong = plan.notice_after(os.environ.get("RELAUNCH_WAIT_NOTICE"))
+        if wrong is not None:
+            log.warning("%s", wrong)
+        self._notice_at = 0.0  # when a node still waiting says so next (``join``)
         self._stores = stores
         self._store = stores.store
         self._news: Watchable = stores.news
@@ -148,6 +159,7 @@ class Rounds:
         node was a member last) and ``node_rank`` (its place in the scheduler's order) ask for
         a group rank (``core.rendezvous.node_order``)."""
         started_at = self._clock.monotonic()
+        self._notice_at = started_at + self._notice_after
         round_ = self._next_round
         while True:
             claim = Claim(last, node_rank, self._local_addr, find_free_port(self._local_addr))
@@ -162,6 +174,8 @@ class Rounds:
                 round_ = self._advance_round(round_)
                 continue
             entry = joined.entry
+            if entry.lead:  # how many nodes the round wants, for ``relaunch status``
+                self._store.set(self.key("size", round_), plan.encode_size(self.settings))
             final = self._await_round(round_, entry, started_at)
             placed = None if final is None else self.roster.place(entry, final)
             if final is not None and placed is not None:
@@ -283,11 +297,45 @@ class Rounds:
                 self._complete(round_, decision.count)
                 continue
             assert decision.deadline is not None
+            if now >= self._notice_at:
+                self._say_waiting(round_, entry.lead, joined, min_reached_at, started_at, spare)
+                self._notice_at = now + self._notice_after * plan.NOTICE_REPEAT
+            deadline = min(decision.deadline, self._notice_at)
             # One wait per threshold, not one wake-up per join: O(1) operations for the lead too.
             if not entry.lead:
-                final = self._await_final(round_, decision.deadline)
+                final = self._await_final(round_, deadline)
                 continue
-            self._await_joins(round_, decision.deadline, previous_running, min_reached_at, expected)
+            self._await_joins(round_, deadline, previous_running, min_reached_at, expected)
+
+    def _say_waiting(
+        self,
+        round_: int,
+        lead: bool,
+        joined: int,
+        min_reached_at: float | None,
+        started_at: float,
+        spare: bool,
+    ) -> None:
+        """Say what this node waits for in round ``round_`` (``core.rendezvous.rounds.
+        wait_line``). The lead read the joins and the round before already; another node reads
+        them now (a few reads a minute)."""
+        settings = self.settings
+        if not lead:
+            joined = self.roster.joined(round_)
+            spare = self._previous(round_)[0]
+        running = None
+        if spare:
+            before = self._final_of(round_ - 1)
+            running = settings.max_nodes if before is None else before.count
+        last_call_at = None
+        if lead and min_reached_at is not None:
+            last_call_at = min_reached_at + settings.last_call_timeout
+        waiting = plan.Waiting(joined, last_call_at, running)
+        now = self._clock.monotonic()
+        give_up_at = started_at + settings.join_timeout
+        log.warning(
+            "%s", plan.wait_line(settings, waiting, self._run_id, self._where, now, give_up_at)
+        )
 
     def _await_final(self, round_: int, deadline: float) -> plan.Final | None:
         """As a node that is not the lead: wait until ``deadline`` for the final record."""
@@ -338,6 +386,7 @@ class Rounds:
             "world_size": members.world_size,
             "master_addr": master_addr,
             "master_port": master_port,
+            "at": round(self._clock.time(), 3),  # when it formed, for ``relaunch status``
         }
         if members.runs:
             record["runs"] = members.runs
@@ -362,10 +411,11 @@ class Rounds:
     def _announce_late(self, round_: int) -> None:
         """Having come too late for ``round_``: ask its members to make room, if there is any
         and none of them has finished yet (a finishing job is closed, not grown). A full round
-        gets a spare: it says so, once a round."""
+        gets a spare: it says so, once a round. A round already re-forming (a member was lost,
+        say) is neither asked nor called full: the next round has this node's place."""
         final = self._final_of(round_)
-        if final is None:
-            return
+        if final is None or self._store.get(self.key("changed", round_)).value is not None:
+            return  # no round to make room in, or one that re-forms already: the next has room
         if final.count >= self.settings.max_nodes:
             if self._spare_of != round_:
                 self._spare_of = round_

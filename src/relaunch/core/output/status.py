@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from relaunch.core.durations import seconds
 from relaunch.core.workers import stragglers
 
 #: What a checked field may be: an integer (never a bool), a number, a string.
@@ -106,6 +107,9 @@ class NodeStatus:
     restart_reasons: list[str] = field(default_factory=list)
     #: Seconds this node lost to restarts (the goodput ledger's total, ``core.run.goodput``).
     lost_seconds: float = 0.0
+    #: Seconds after ``posted_at`` that a post with no newer one is stale: the job's keep-alive
+    #: detection time, or two posts' interval if longer (None: not said, ``STALE_AFTER``).
+    stale_after: float | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -140,7 +144,64 @@ class NodeStatus:
             ranks,
             reasons,
             _field(data, "lost_seconds", "number", optional=True) or 0.0,
+            _field(data, "stale_after", "number", optional=True),
         )
+
+
+#: Seconds after which a post that does not say when it goes stale is: the keep-alive detection
+#: time of the default rendezvous settings (5 s beats, 3 missed, checked once a beat).
+STALE_AFTER = 20.0
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the round whose posts are shown says of them: ``over`` (it re-forms, or a newer
+    round formed: its posts are the past), ``lost`` (the group rank its change removed: a node
+    lost, gone or excluded; None: none), ``formed_at`` (when it formed, ``time.time()``; None:
+    not known) and ``every`` (seconds between a node's posts)."""
+
+    over: bool = False
+    lost: int | None = None
+    formed_at: float | None = None
+    every: float = stragglers.INTERVAL
+
+
+def health(node: NodeStatus, standing: Standing, now: float) -> str:
+    """How ``node`` stands, as ``relaunch status`` says it: ``lost`` (its round's change removed
+    it), ``past`` (its round is over), ``stale`` (no post within its ``stale_after``) or
+    ``posted`` (its post is fresh: its own state stands)."""
+    if standing.lost == node.group_rank:
+        return "lost"
+    if standing.over:
+        return "past"
+    limit = STALE_AFTER if node.stale_after is None else node.stale_after
+    return "stale" if now - node.posted_at > limit else "posted"
+
+
+def node_words(node: NodeStatus, standing: Standing, now: float) -> str:
+    """The node's cell: its name, and its state unless that is not known to hold any more."""
+    verdict = health(node, standing, now)
+    ago = f"posted {_ago(node.posted_at, now)}"
+    if verdict == "lost":
+        return f"{node.node} (LOST, last {ago})"
+    if verdict == "past":
+        return f"{node.node} (was {node.state}, {ago})"
+    if verdict == "stale":
+        return f"{node.node} (STALE: no post for {seconds(now - node.posted_at)}, was {node.state})"
+    return f"{node.node} ({node.state}, {ago})"
+
+
+def missing_words(group_rank: int, standing: Standing, now: float) -> str:
+    """The cell of a member that posted nothing: what is coming in the first interval after
+    its round formed, and that nothing came after it."""
+    if standing.lost == group_rank:
+        return "(LOST before its first post)"
+    if standing.over or standing.formed_at is None:
+        return "(no status posted yet)"
+    elapsed = max(0.0, now - standing.formed_at)
+    if elapsed <= standing.every:
+        return f"(starting: its first post is due within {seconds(standing.every)})"
+    return f"(STALE: no post {seconds(elapsed)} after the round formed)"
 
 
 @dataclass(frozen=True)
@@ -260,10 +321,14 @@ def format_table(
     now: float,
     note: str = "",
     members: int | None = None,
+    standing: Standing | None = None,
 ) -> str:
     """The job as ``relaunch status`` prints it: one line per rank, under its node, which says
     its group's state and when it last posted (every few seconds: its heartbeat here).
-    ``members``: how many nodes the round has; those that posted nothing get a line saying so."""
+    ``members``: how many nodes the round has; those that posted nothing get a line saying so.
+    ``standing``: what the round says of its posts: a node lost, or silent past its detection
+    time, or of a round that is over, is never shown in its posted state."""
+    standing = standing or Standing()
     lost = max((node.lost_seconds for node in nodes), default=0.0)
     lines = [
         f"job {run_id}: {len(nodes)} node(s), {sum(len(n.ranks) for n in nodes)} rank(s), "
@@ -278,7 +343,8 @@ def format_table(
     rows: list[tuple[str, ...]] = []
     slow = {} if view is None else view.stragglers
     for node in sorted(nodes, key=lambda n: n.group_rank):
-        beat = f"{node.node} ({node.state}, posted {_ago(node.posted_at, now)})"
+        beat = node_words(node, standing, now)
+        verdict = health(node, standing, now)
         for r in sorted(node.ranks, key=lambda r: r.rank):
             step = "-" if r.step is None else (f"{r.step}/{r.total}" if r.total else str(r.step))
             rate = "-" if r.rate is None else f"{r.rate:.3g}/s"
@@ -289,7 +355,7 @@ def format_table(
                     str(node.group_rank),
                     str(r.rank),
                     str(r.local_rank),
-                    r.state,
+                    _RANK_STATE.get(verdict, r.state),
                     step,
                     rate,
                     _ago(r.last_sign, now),
@@ -298,7 +364,8 @@ def format_table(
             )
             beat = ""
     for missing in missing_nodes(nodes, members):
-        rows.append(("(no status posted yet)", str(missing), "", "", "", "", "", "", ""))
+        words = missing_words(missing, standing, now)
+        rows.append((words, str(missing), "", "", "", "", "", "", ""))
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
     for row in (header, *rows):
         lines.append(
@@ -307,6 +374,10 @@ def format_table(
     for number, reason in enumerate(restart_reasons(nodes), 1):
         lines.append(f"  restart {number}: {reason}")
     return "\n".join(lines)
+
+
+#: A rank's state in the table where its node's post no longer holds.
+_RANK_STATE = {"lost": "lost", "stale": "unknown"}
 
 
 def restart_reasons(nodes: Sequence[NodeStatus]) -> list[str]:
@@ -335,13 +406,23 @@ def as_json(
     view: JobView | None,
     restarts: int,
     members: int | None = None,
+    standing: Standing | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
-    """The same, for scripts (``relaunch status --json``)."""
+    """The same, for scripts (``relaunch status --json``); each node's ``health`` as of ``now``
+    (``health``; None: as of its own post)."""
+    standing = standing or Standing()
     return {
         "run_id": run_id,
         "restarts": restarts,
         "restart_reasons": restart_reasons(nodes),
-        "nodes": [asdict(node) for node in sorted(nodes, key=lambda n: n.group_rank)],
+        "nodes": [
+            {
+                **asdict(node),
+                "health": health(node, standing, node.posted_at if now is None else now),
+            }
+            for node in sorted(nodes, key=lambda n: n.group_rank)
+        ],
         "missing": missing_nodes(nodes, members),
         "job": None if view is None else asdict(view),
     }

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from relaunch.core.durations import seconds
+from relaunch.core.durations import seconds, span
 from relaunch.core.rendezvous.node_order import Placing
 from relaunch.core.workers.ranks import RoleRun
 
@@ -255,6 +255,92 @@ def decide_join(
             return JoinDecision(Step.COMPLETE, count=min(joined, settings.max_nodes))
         return JoinDecision(Step.WAIT, deadline=min(complete_at, fail_at))
     return JoinDecision(Step.WAIT, deadline=fail_at)
+
+
+#: Seconds a node waits for other nodes before it says what it waits for (the environment's
+#: ``RELAUNCH_WAIT_NOTICE`` sets it), and how many times that it waits between two such lines.
+NOTICE_AFTER = 20.0
+NOTICE_REPEAT = 3
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a node waiting in a round saw, for the line that says so (``wait_line``): ``joined``
+    nodes in the round; ``last_call_at``, when the round completes with them (the lead, once
+    ``min_nodes`` joined; None otherwise); ``running``, the members of the round this node
+    stands by as a spare (None: not a spare)."""
+
+    joined: int
+    last_call_at: float | None = None
+    running: int | None = None
+
+
+def joined_words(joined: int, low: int, high: int) -> str:
+    """``joined`` nodes of a round that wants ``low`` to ``high``, in words: ``1 of 2 joined``,
+    ``3 of 2 to 4 joined``."""
+    return f"{joined} of {low} joined" if low == high else f"{joined} of {low} to {high} joined"
+
+
+def encode_size(settings: Settings) -> bytes:
+    """The round's ``size`` record (its lead writes it: ``relaunch status`` reads how many
+    nodes the round wants): ``min:max``."""
+    return f"{settings.min_nodes}:{settings.max_nodes}".encode()
+
+
+def decode_size(raw: bytes) -> tuple[int, int]:
+    """The ``(min, max)`` of a ``size`` record; ``ValueError`` for one no relaunch wrote."""
+    low, sep, high = raw.decode("ascii", "replace").partition(":")
+    if not (sep and low.isdigit() and high.isdigit() and len(low) < 10 and len(high) < 10):
+        raise ValueError(f"{raw[:20]!r} is not a 'min:max' size")
+    if not 1 <= int(low) <= int(high):
+        raise ValueError(f"{raw[:20]!r} is not a size of 1 <= min <= max")
+    return int(low), int(high)
+
+
+def wait_line(
+    settings: Settings, waiting: Waiting, job: str, where: str, now: float, give_up_at: float
+) -> str:
+    """What a node waiting for others says: what it waits for, how many of how many, where (job
+    ``job``, its store at ``where``: empty, not said) and until when (``give_up_at``, on the
+    clock of ``now``)."""
+    place = f"job {job!r}" + (f" at {where}" if where else "")
+    low, high = settings.min_nodes, settings.max_nodes
+    joined = waiting.joined
+    if waiting.running is not None:
+        return (
+            f"waiting as a spare for a place in {place} ({waiting.running} of at most {high} "
+            "nodes running): it takes the place of a node that is lost, for as long as the "
+            "job runs"
+        )
+    counted = f"({joined_words(joined, low, high)}, {place})"
+    giving_up = f"giving up in {span(max(0.0, give_up_at - now))}"
+    if joined < low:
+        more = low - joined
+        return f"waiting for {more} more node{'' if more == 1 else 's'} {counted}; {giving_up}"
+    if waiting.last_call_at is not None:
+        return (
+            f"waiting up to {span(max(0.0, waiting.last_call_at - now))} for more nodes "
+            f"{counted}; then starting with {joined}"
+        )
+    return f"waiting for the round to complete {counted}; {giving_up}"
+
+
+def notice_after(value: str | None) -> tuple[float, str | None]:
+    """The seconds before a waiting node first says so, from the environment's
+    ``RELAUNCH_WAIT_NOTICE`` (None: not set), and what is wrong with a value that is not a
+    number of seconds above 0 (the default is used then)."""
+    if value is None or not value.strip():
+        return NOTICE_AFTER, None
+    try:
+        after = float(value)
+    except ValueError:
+        after = 0.0
+    if not 0 < after < float("inf"):
+        return NOTICE_AFTER, (
+            f"RELAUNCH_WAIT_NOTICE={value!r:.40} is not a number of seconds above 0; "
+            f"using {seconds(NOTICE_AFTER)}"
+        )
+    return after, None
 
 
 def ring_neighbour(group_rank: int, count: int) -> int | None:
