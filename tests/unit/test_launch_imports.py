@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 #: Loaded only by the features that need them, never by ``--standalone`` without options.
 NOT_FOR_A_SINGLE_NODE = (
     "_hashlib",
@@ -29,21 +31,57 @@ NOT_FOR_A_SINGLE_NODE = (
     "relaunch.procs.tail",
     "relaunch.core.output.screen",
     "relaunch.timer",
+    "relaunch.core.schedulers.inference",
+    "relaunch.core.schedulers.kubernetes",
+    "relaunch.core.schedulers.mpi",
+    "relaunch.core.schedulers.slurm",
+    "relaunch.core.workers.state_agreement",
 )
 
+#: The dataclasses a standalone launch creates: Python 3.11 compiles each one's methods with
+#: ``exec``, about 0.45 ms a class. They are the public types torch defines as dataclasses and the
+#: settings groups the config changes with ``dataclasses.replace``; a frozen value of relaunch's
+#: own is a ``relaunch.core.value.Value``, which costs microseconds. A new dataclass on the
+#: launch path is a choice: change this number with it.
+LAUNCH_DATACLASSES = 30
 
-def test_a_standalone_launch_loads_no_network_store_or_crypto(tmp_path) -> None:
+
+@pytest.fixture(scope="module")
+def standalone_launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What a standalone launch of two no-op workers left loaded: its exit ``code``, the
+    ``modules``, and the ``dataclasses`` among the classes of relaunch's modules."""
+    tmp_path = tmp_path_factory.mktemp("launch")
     script = tmp_path / "noop.py"
     script.write_text("pass\n")
     probe = (
         "import json, sys\n"
         "from relaunch.cli import main\n"
         f"code = main(['--standalone', '--nproc-per-node', '2', {str(script)!r}])\n"
-        "print(json.dumps([code, sorted(sys.modules)]))\n"
+        "kinds = {value for name, module in list(sys.modules.items())\n"
+        "         if name.startswith('relaunch') for value in vars(module).values()\n"
+        "         if isinstance(value, type) and value.__module__.startswith('relaunch')}\n"
+        "made = sorted(f'{kind.__module__}.{kind.__qualname__}' for kind in kinds\n"
+        "              if '__dataclass_fields__' in vars(kind))\n"
+        "print(json.dumps({'code': code, 'modules': sorted(sys.modules), 'dataclasses': made}))\n"
     )
-    code, modules = _probe(probe, tmp_path)
-    assert code == 0
-    assert sorted(set(NOT_FOR_A_SINGLE_NODE) & set(modules)) == []
+    return _probe(probe, tmp_path)
+
+
+def test_a_standalone_launch_loads_no_network_store_or_crypto(
+    standalone_launch: dict[str, Any],
+) -> None:
+    assert standalone_launch["code"] == 0
+    assert sorted(set(NOT_FOR_A_SINGLE_NODE) & set(standalone_launch["modules"])) == []
+
+
+def test_a_standalone_launch_creates_only_the_dataclasses_it_must(
+    standalone_launch: dict[str, Any],
+) -> None:
+    made = standalone_launch["dataclasses"]
+    assert len(made) == LAUNCH_DATACLASSES, (
+        f"a standalone launch creates {len(made)} dataclasses, not {LAUNCH_DATACLASSES}:\n  "
+        + "\n  ".join(made)
+    )
 
 
 def test_the_collector_is_on_again_before_the_agent_runs(tmp_path) -> None:

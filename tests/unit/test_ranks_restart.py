@@ -34,17 +34,18 @@ def test_bad_rank_assignment_inputs(sizes: list[int], group_rank: int) -> None:
         assign_ranks(sizes, group_rank)
 
 
-GROUP = GroupContext(
-    role="trainer",
-    run_id="job7",
-    group_rank=1,
-    group_world_size=2,
-    local_world_size=2,
-    master_addr="10.0.0.1",
-    master_port=29500,
-    restart_count=3,
-    max_restarts=5,
-)
+GROUP_FIELDS = {
+    "role": "trainer",
+    "run_id": "job7",
+    "group_rank": 1,
+    "group_world_size": 2,
+    "local_world_size": 2,
+    "master_addr": "10.0.0.1",
+    "master_port": 29500,
+    "restart_count": 3,
+    "max_restarts": 5,
+}
+GROUP = GroupContext(**GROUP_FIELDS)
 
 
 def test_worker_env_is_torchruns() -> None:
@@ -82,7 +83,7 @@ def test_worker_env_respects_the_users_settings() -> None:
     assert "OMP_NUM_THREADS" not in env  # inherited as the user set it
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1"
-    single = GroupContext(**{**GROUP.__dict__, "local_world_size": 1})
+    single = GroupContext(**{**GROUP_FIELDS, "local_world_size": 1})
     assert "OMP_NUM_THREADS" not in worker_env(assign_ranks([1], 0)[0], single, {})
 
 

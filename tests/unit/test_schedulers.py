@@ -4,12 +4,14 @@ and told (each scheduler's detection is tested on its own)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import ModuleType
 
 import pytest
 
 from relaunch.cli import command
 from relaunch.cli.flags import build_parser, explicit_flags
 from relaunch.core.schedulers import detect as schedulers
+from relaunch.core.schedulers import kubernetes, mpi, slurm
 from relaunch.core.schedulers.inference import Inference
 
 
@@ -58,3 +60,22 @@ def test_explicit_flags_win_over_the_inference(
     args = build_parser({}).parse_args(argv)
     command._apply_scheduler(args, argv, {})  # no scheduler: nothing changes, nothing said
     assert args.nnodes == (1, 1) and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("module", "environ"),
+    [
+        (slurm, {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1"}),
+        (slurm, {"SLURM_JOBID": "77", "SLURM_STEPID": "0", "SLURM_NODEID": "1"}),
+        (kubernetes, {"JOB_COMPLETION_INDEX": "1", "RELAUNCH_SUBDOMAIN": "s", "HOSTNAME": "j-1"}),
+        (mpi, {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}),
+        (mpi, {"PMI_SIZE": "2", "PMI_RANK": "1"}),
+    ],
+)
+def test_each_scheduler_module_is_asked_when_its_variables_are_set(
+    module: ModuleType, environ: dict[str, str]
+) -> None:
+    """A scheduler's module loads only where a variable it needs is set; every environment it
+    recognises has one."""
+    found = module.detect(environ)
+    assert found is not None and schedulers.infer(environ) == found

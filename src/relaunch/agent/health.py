@@ -14,33 +14,46 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from relaunch.core.defaults import DEFAULT_HEALTH_CHECK_COOLDOWN, DEFAULT_HEALTH_CHECK_TIMEOUT
 from relaunch.core.durations import seconds
+from relaunch.core.value import Value
 from relaunch.procs.guardian import guardian
 
 #: The most of a failed check's last line that its log line quotes.
 LAST_LINE_CHARS = 200
 
 
-@dataclass(frozen=True)
-class HealthCheck:
+class HealthCheck(Value):
     """``command`` (a shell command) must exit 0 within ``timeout`` seconds for this node to
     join; after a failure the node tries again ``cooldown`` seconds later."""
 
+    __slots__ = ("command", "cooldown", "timeout")
+
     command: str
-    timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
-    cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN
+    timeout: float
+    cooldown: float
+
+    def __init__(
+        self,
+        command: str,
+        timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT,
+        cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN,
+    ) -> None:
+        self._set(command=command, timeout=timeout, cooldown=cooldown)
 
 
-@dataclass(frozen=True)
-class HealthResult:
+class HealthResult(Value):
     """How a check went: ``healthy``, what it ended with, and the last line it printed."""
+
+    __slots__ = ("healthy", "last_line", "status")
 
     healthy: bool
     status: str
-    last_line: str = ""
+    last_line: str
+
+    def __init__(self, healthy: bool, status: str, last_line: str = "") -> None:
+        self._set(healthy=healthy, status=status, last_line=last_line)
 
 
 def run_check(check: HealthCheck, env: Mapping[str, str]) -> HealthResult:

@@ -18,7 +18,6 @@ from relaunch.agent.state_saves import SaveCounts
 from relaunch.core.durations import seconds
 from relaunch.core.workers import state as layout
 from relaunch.core.workers.state import Header
-from relaunch.core.workers.state_agreement import NodeState, agreement, node_held
 from relaunch.core.workers.state_settings import StateSettings, default_memory
 from relaunch.procs.worker_process import FailureGrace
 from relaunch.rendezvous.job import JobServices
@@ -148,6 +147,9 @@ class StateKeeper:
             self._copying = False
             step = layout.common_step(held, world_size)
             return self._resume(step, held, world_size, ranks.values(), {})
+        # Only nodes that keep state together agree on it: a single node never loads this.
+        from relaunch.core.workers.state_agreement import NodeState, agreement, node_held
+
         replicated = set(replicated_steps(held, self.directory))
         replicated.update(head.step for head in coming.values() if head.replicated)
         self._uncopied = self._peers is None and self.replicas > 0

@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from relaunch.core.value import Value
 from relaunch.runtime import start_thread
 
 if TYPE_CHECKING:
@@ -115,8 +115,7 @@ _STATE_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class StuckWorker:
+class StuckWorker(Value):
     """A worker that outlived its SIGKILL, as /proc showed it when relaunch gave up on it.
 
     ``state`` is its state letter and meaning (``"D (uninterruptible sleep)"``), ``wchan`` the
@@ -124,10 +123,15 @@ class StuckWorker:
     tracing it (a debugger: only that one can reap a traced zombie first), 0 if none.
     """
 
+    __slots__ = ("pid", "state", "tracer", "wchan")
+
     pid: int
     state: str
-    wchan: str = ""
-    tracer: int = 0
+    wchan: str
+    tracer: int
+
+    def __init__(self, pid: int, state: str, wchan: str = "", tracer: int = 0) -> None:
+        self._set(pid=pid, state=state, wchan=wchan, tracer=tracer)
 
     def __str__(self) -> str:
         text = f"pid {self.pid} in state {self.state}"

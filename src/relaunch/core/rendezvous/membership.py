@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
 from typing import Any
+
+from relaunch.core.value import Value
 
 
 class ChangeKind(str, enum.Enum):
@@ -31,8 +32,7 @@ class ChangeKind(str, enum.Enum):
         return self in (ChangeKind.MEMBER_LOST, ChangeKind.MEMBER_LEFT, ChangeKind.MEMBER_EXCLUDED)
 
 
-@dataclass(frozen=True)
-class MembershipChange:
+class MembershipChange(Value):
     """Why a running round must be re-formed.
 
     ``member`` is the group rank of the member lost or gone; ``detected_by`` the group rank of
@@ -42,12 +42,32 @@ class MembershipChange:
     node ends with the status that says not to requeue the job.
     """
 
+    __slots__ = ("detected_by", "kind", "member", "reason", "requeue", "stacks")
+
     kind: ChangeKind
     reason: str
-    member: int | None = None
-    detected_by: int | None = None
-    stacks: bool = False
-    requeue: bool = True
+    member: int | None
+    detected_by: int | None
+    stacks: bool
+    requeue: bool
+
+    def __init__(
+        self,
+        kind: ChangeKind,
+        reason: str,
+        member: int | None = None,
+        detected_by: int | None = None,
+        stacks: bool = False,
+        requeue: bool = True,
+    ) -> None:
+        self._set(
+            kind=kind,
+            reason=reason,
+            member=member,
+            detected_by=detected_by,
+            stacks=stacks,
+            requeue=requeue,
+        )
 
     def __str__(self) -> str:
         return self.reason

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from relaunch.core.durations import seconds, span
 from relaunch.core.rendezvous.node_order import Placing
+from relaunch.core.value import Value
 from relaunch.core.workers.ranks import RoleRun
 
 #: The join counter packs four sums (``join_increment``), lowest digits first: tickets (one a
@@ -103,16 +103,40 @@ def unpack_join(total: int) -> JoinTotal:
     return JoinTotal(ticket, through, marks, squares)
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(Value):
+    __slots__ = (
+        "join_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "last_call_timeout",
+        "max_nodes",
+        "min_nodes",
+    )
+
     min_nodes: int
     max_nodes: int
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    keep_alive_interval: float = 5.0
-    keep_alive_max_attempt: int = 3
+    join_timeout: float
+    last_call_timeout: float
+    keep_alive_interval: float
+    keep_alive_max_attempt: int
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        min_nodes: int,
+        max_nodes: int,
+        join_timeout: float = 600.0,
+        last_call_timeout: float = 30.0,
+        keep_alive_interval: float = 5.0,
+        keep_alive_max_attempt: int = 3,
+    ) -> None:
+        self._set(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            join_timeout=join_timeout,
+            last_call_timeout=last_call_timeout,
+            keep_alive_interval=keep_alive_interval,
+            keep_alive_max_attempt=keep_alive_max_attempt,
+        )
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ValueError(
                 f"nodes must satisfy 1 <= min <= max, got {self.min_nodes}:{self.max_nodes}"
@@ -136,24 +160,56 @@ class Settings:
 Run = tuple[int, int, int]
 
 
-@dataclass(frozen=True)
-class Final:
+class Final(Value):
     """A completed round: who is in it and where the workers' master is. ``runs`` places the
     members by the create revisions of their join keys (etcd); empty, the tickets do.
     ``version``: the store's version of the record (what the round's later keys come after).
     ``roles``: the members' roles, when they differ."""
 
+    __slots__ = (
+        "count",
+        "master_addr",
+        "master_port",
+        "placing",
+        "roles",
+        "runs",
+        "version",
+        "world_size",
+    )
+
     count: int
     world_size: int
     master_addr: str
     master_port: int
-    runs: tuple[Run, ...] = ()
-    version: int = 0
+    runs: tuple[Run, ...]
+    version: int
     #: The members' roles and workers in group-rank order (``core.workers.ranks.role_runs``); empty
     #: when they all have one role.
-    roles: tuple[RoleRun, ...] = ()
+    roles: tuple[RoleRun, ...]
     #: Where the members go (``core.rendezvous.node_order.Placing``); None: by their tickets.
-    placing: Placing | None = None
+    placing: Placing | None
+
+    def __init__(
+        self,
+        count: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        runs: tuple[Run, ...] = (),
+        version: int = 0,
+        roles: tuple[RoleRun, ...] = (),
+        placing: Placing | None = None,
+    ) -> None:
+        self._set(
+            count=count,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            runs=runs,
+            version=version,
+            roles=roles,
+            placing=placing,
+        )
 
 
 def revision_runs(joins: list[tuple[int, int]]) -> tuple[Run, ...]:
@@ -191,14 +247,20 @@ class Step(str, enum.Enum):
     FAIL = "FAIL"  # join_timeout passed
 
 
-@dataclass(frozen=True)
-class JoinDecision:
+class JoinDecision(Value):
     """What a joining node does next (``decide_join``), with what that step needs."""
 
+    __slots__ = ("count", "deadline", "reason", "step")
+
     step: Step
-    deadline: float | None = None  # WAIT: when to decide again at the latest
-    count: int = 0  # COMPLETE: how many members
-    reason: str = ""  # FAIL: what was waited for
+    deadline: float | None  # WAIT: when to decide again at the latest
+    count: int  # COMPLETE: how many members
+    reason: str  # FAIL: what was waited for
+
+    def __init__(
+        self, step: Step, deadline: float | None = None, count: int = 0, reason: str = ""
+    ) -> None:
+        self._set(step=step, deadline=deadline, count=count, reason=reason)
 
 
 def completion_target(settings: Settings, expected: int | None) -> int:
@@ -359,17 +421,21 @@ def is_dead(last_change_at: float, now: float, settings: Settings) -> bool:
 KeyOf = Callable[[str, "int | None"], str]
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(Value):
     """A node's join of a round. ``ticket`` (its place, 1-based) and ``through`` (workers up to
     and including it) when the store tells them at once, else None and 0 until the final record
     places the node by ``revision``, the create revision of its join key. ``lead``: this node
     completes the round."""
 
+    __slots__ = ("lead", "revision", "through", "ticket")
+
     ticket: int | None
     through: int
     revision: int
     lead: bool
+
+    def __init__(self, ticket: int | None, through: int, revision: int, lead: bool) -> None:
+        self._set(ticket=ticket, through=through, revision=revision, lead=lead)
 
 
 class Members(NamedTuple):
@@ -386,11 +452,15 @@ class Members(NamedTuple):
     master: tuple[str, int] | None = None
 
 
-@dataclass(frozen=True)
-class Joined:
+class Joined(Value):
     """What trying to join a round found: the ``entry`` when this node joined it; otherwise
     whether the job is ``closed``, and the round the job's ``round`` record names now."""
 
+    __slots__ = ("closed", "entry", "round_now")
+
     entry: Entry | None
-    closed: bool = False
-    round_now: int = 0
+    closed: bool
+    round_now: int
+
+    def __init__(self, entry: Entry | None, closed: bool = False, round_now: int = 0) -> None:
+        self._set(entry=entry, closed=closed, round_now=round_now)

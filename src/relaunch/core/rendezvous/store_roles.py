@@ -9,7 +9,8 @@ in order; the node takes the first that works.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+from relaunch.core.value import Value
 
 
 class StoreRole(enum.Enum):
@@ -26,19 +27,36 @@ class StoreRole(enum.Enum):
     FOLLOWER = "follower"
 
 
-@dataclass(frozen=True)
-class StoreSetup:
+class StoreSetup(Value):
     """What the choice depends on. ``endpoints``: how many ``--rdzv-endpoint`` lists (more than
     one: the store may move among them); ``port``: the first one's (0: any free port);
     ``max_nodes``: the job's most nodes; ``is_host``: ``--rdzv-conf is_host`` (True: this node
     must host, False: never, None: if it can bind the endpoint); ``serving_elsewhere``: a store
     of the job already serves at one of the endpoints."""
 
+    __slots__ = ("endpoints", "is_host", "max_nodes", "port", "serving_elsewhere")
+
     endpoints: int
     port: int
     max_nodes: int
     is_host: bool | None
-    serving_elsewhere: bool = False
+    serving_elsewhere: bool
+
+    def __init__(
+        self,
+        endpoints: int,
+        port: int,
+        max_nodes: int,
+        is_host: bool | None,
+        serving_elsewhere: bool = False,
+    ) -> None:
+        self._set(
+            endpoints=endpoints,
+            port=port,
+            max_nodes=max_nodes,
+            is_host=is_host,
+            serving_elsewhere=serving_elsewhere,
+        )
 
 
 def store_roles(setup: StoreSetup) -> tuple[StoreRole, ...]:

@@ -17,7 +17,8 @@ node of the job, on every host, so the hosts' clocks must agree (NTP) to a few s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+from relaunch.core.value import Value
 
 #: Failures a node may cause before it is excluded (``--rdzv-conf exclude_after``; 0: never).
 DEFAULT_EXCLUDE_AFTER = 3
@@ -25,29 +26,37 @@ DEFAULT_EXCLUDE_AFTER = 3
 DEFAULT_EXCLUDE_COOLDOWN = 600.0
 
 
-@dataclass(frozen=True)
-class ExclusionPolicy:
+class ExclusionPolicy(Value):
     """When a node is excluded: after ``after`` failures it caused (0: never), for
     ``cooldown`` seconds."""
 
-    after: int = DEFAULT_EXCLUDE_AFTER
-    cooldown: float = DEFAULT_EXCLUDE_COOLDOWN
+    __slots__ = ("after", "cooldown")
 
-    def __post_init__(self) -> None:
+    after: int
+    cooldown: float
+
+    def __init__(
+        self, after: int = DEFAULT_EXCLUDE_AFTER, cooldown: float = DEFAULT_EXCLUDE_COOLDOWN
+    ) -> None:
+        self._set(after=after, cooldown=cooldown)
         if self.after < 0:
             raise ValueError(f"exclude_after must be >= 0, got {self.after}")
         if not self.cooldown > 0:
             raise ValueError(f"exclude_cooldown must be > 0 seconds, got {self.cooldown}")
 
 
-@dataclass(frozen=True)
-class NodeRecord:
+class NodeRecord(Value):
     """A node's record: ``failures`` it caused since its last exclusion, the wall-clock end
     of its last exclusion (0: never excluded), and how many times it was excluded."""
 
-    failures: int = 0
-    excluded_until: float = 0.0
-    exclusions: int = 0
+    __slots__ = ("excluded_until", "exclusions", "failures")
+
+    failures: int
+    excluded_until: float
+    exclusions: int
+
+    def __init__(self, failures: int = 0, excluded_until: float = 0.0, exclusions: int = 0) -> None:
+        self._set(failures=failures, excluded_until=excluded_until, exclusions=exclusions)
 
 
 def after_failure(

@@ -4,10 +4,10 @@ long it waits before a restart of a crash loop (``Backoff``, ``CrashLoop``)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange
 from relaunch.core.run.group import GroupStatus
+from relaunch.core.value import Value
 
 
 class Action(str, enum.Enum):
@@ -18,22 +18,43 @@ class Action(str, enum.Enum):
     AWAIT_CHANGE = "AWAIT_CHANGE"  # failed: until ``deadline``, wait for a membership change
 
 
-@dataclass(frozen=True)
-class RestartDecision:
+class RestartDecision(Value):
     """What to do next; ``deadline`` (AWAIT_CHANGE) is on the clock ``decide`` was given."""
 
+    __slots__ = ("action", "cause", "deadline", "reason", "requeue", "stacks", "uses_restart")
+
     action: Action
-    uses_restart: bool = False
-    reason: str = ""
-    deadline: float | None = None
+    uses_restart: bool
+    reason: str
+    deadline: float | None
     #: Another node's worker hung: take this node's workers' stacks before stopping them.
-    stacks: bool = False
+    stacks: bool
     #: Why, as a word for counting: ``worker_failed``, ``hang`` (a worker hung on some node),
     #: or the kind of the membership change (``member_lost``, ``nodes_waiting``, ...).
-    cause: str = ""
+    cause: str
     #: FAIL: whether running the job again could help (False: another node stopped it for a
     #: failure that restarting cannot mend).
-    requeue: bool = True
+    requeue: bool
+
+    def __init__(
+        self,
+        action: Action,
+        uses_restart: bool = False,
+        reason: str = "",
+        deadline: float | None = None,
+        stacks: bool = False,
+        cause: str = "",
+        requeue: bool = True,
+    ) -> None:
+        self._set(
+            action=action,
+            uses_restart=uses_restart,
+            reason=reason,
+            deadline=deadline,
+            stacks=stacks,
+            cause=cause,
+            requeue=requeue,
+        )
 
 
 def decide(
@@ -107,17 +128,19 @@ BREAKS_COLLECTIVES = frozenset(
 # -- crash loops ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Backoff:
+class Backoff(Value):
     """Waits between the restarts of a crash loop: none before the first restart, ``base``
     seconds before the second in a row, doubling up to ``cap``. A group that ran ``healthy``
     seconds before it failed is not part of a loop: the count starts again."""
 
-    base: float = 1.0
-    cap: float = 30.0
-    healthy: float = 60.0
+    __slots__ = ("base", "cap", "healthy")
 
-    def __post_init__(self) -> None:
+    base: float
+    cap: float
+    healthy: float
+
+    def __init__(self, base: float = 1.0, cap: float = 30.0, healthy: float = 60.0) -> None:
+        self._set(base=base, cap=cap, healthy=healthy)
         if self.base < 0 or self.cap < self.base or self.healthy <= 0:
             raise ValueError(
                 f"a backoff needs 0 <= base <= cap and healthy > 0, got {self.base}, "
@@ -131,17 +154,20 @@ class Backoff:
         return min(self.cap, self.base * 2.0 ** (in_a_row - 2))
 
 
-@dataclass(frozen=True)
-class Mark:
+class Mark(Value):
     """How far an attempt got, as its workers said: the highest step any local rank reported
     (None: none reported), and the sections and heartbeats they completed."""
 
-    step: int | None = None
-    signs: int = 0
+    __slots__ = ("signs", "step")
+
+    step: int | None
+    signs: int
+
+    def __init__(self, step: int | None = None, signs: int = 0) -> None:
+        self._set(step=step, signs=signs)
 
 
-@dataclass(frozen=True)
-class CrashLoop:
+class CrashLoop(Value):
     """The restarts in a row: ``in_a_row`` failures of groups that ran less than the backoff's
     healthy period, ``stalled`` of them in a row without progress, and ``best_step``, the
     highest step any earlier attempt reached; ``failure``, the last failure's signature
@@ -149,11 +175,29 @@ class CrashLoop:
     with it, none of them getting further than the ones before (an attempt that did starts
     the count again: a job that fails the same way after hours of progress may be unlucky)."""
 
-    in_a_row: int = 0
-    stalled: int = 0
-    best_step: int | None = None
-    failure: str = ""
-    repeated: int = 0
+    __slots__ = ("best_step", "failure", "in_a_row", "repeated", "stalled")
+
+    in_a_row: int
+    stalled: int
+    best_step: int | None
+    failure: str
+    repeated: int
+
+    def __init__(
+        self,
+        in_a_row: int = 0,
+        stalled: int = 0,
+        best_step: int | None = None,
+        failure: str = "",
+        repeated: int = 0,
+    ) -> None:
+        self._set(
+            in_a_row=in_a_row,
+            stalled=stalled,
+            best_step=best_step,
+            failure=failure,
+            repeated=repeated,
+        )
 
     def after_failure(
         self, ran_for: float, mark: Mark, backoff: Backoff, failure: str = ""

@@ -1,52 +1,19 @@
 """What the agent's step (``core.run.step``) takes and returns: observations, what the agent saw,
 and actions, what it is to do next.
 
-Each is a ``Value``: a plain class whose fields are its ``__slots__``, set once, compared by kind
-and fields. Not dataclasses nor named tuples: the agent makes these classes at every launch,
-and twenty-six of either cost it 4 to 9 ms of start-up, plain classes a tenth of a millisecond.
+Each is a ``Value`` (``core.value``): a plain frozen class, not a dataclass nor a named tuple,
+since the agent makes these classes at every launch: twenty-six of either cost it 4 to 9 ms of
+start-up, plain classes a tenth of a millisecond.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from relaunch.core.rendezvous.membership import MembershipChange
 from relaunch.core.run.failures import Failure
 from relaunch.core.run.run_events import NodeSnapshot, RunEvent
-
-
-class Value:
-    """A frozen value: its fields are its class's ``__slots__``, given to ``__init__`` and never
-    changed; equal to a value of the same class with equal fields."""
-
-    __slots__: tuple[str, ...] = ()
-
-    def _set(self, **fields: Any) -> None:
-        """Give the fields their values (in ``__init__`` only)."""
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"{type(self).__name__} is frozen: {name} cannot be set")
-
-    def _fields(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Value)
-            and type(other) is type(self)
-            and self._fields() == other._fields()
-        )
-
-    def __hash__(self) -> int:
-        return hash((type(self), self._fields()))
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
-        return f"{type(self).__name__}({shown})"
-
+from relaunch.core.value import Value
 
 _NOT_READ = NodeSnapshot(0.0)
 

@@ -14,14 +14,44 @@ Pure: an environment in, data out.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
-from relaunch.core.schedulers import kubernetes, mpi, slurm
-from relaunch.core.schedulers.inference import Inference
+if TYPE_CHECKING:
+    from relaunch.core.schedulers.inference import Inference
 
 Detector = Callable[[Mapping[str, str]], "Inference | None"]
 
+
+# Each scheduler's module loads only where a variable its ``detect`` cannot do without is set: a
+# launch outside a scheduler loads none of them.
+
+
+def _slurm(environ: Mapping[str, str]) -> Inference | None:
+    if "SLURM_JOB_ID" not in environ and "SLURM_JOBID" not in environ:
+        return None
+    from relaunch.core.schedulers import slurm
+
+    return slurm.detect(environ)
+
+
+def _kubernetes(environ: Mapping[str, str]) -> Inference | None:
+    if "JOB_COMPLETION_INDEX" not in environ:
+        return None
+    from relaunch.core.schedulers import kubernetes
+
+    return kubernetes.detect(environ)
+
+
+def _mpi(environ: Mapping[str, str]) -> Inference | None:
+    if "OMPI_COMM_WORLD_SIZE" not in environ and "PMI_SIZE" not in environ:
+        return None
+    from relaunch.core.schedulers import mpi
+
+    return mpi.detect(environ)
+
+
 #: The schedulers' detectors, in the order they are asked: the most specific first.
-DETECTORS: list[Detector] = [slurm.detect, kubernetes.detect, mpi.detect]
+DETECTORS: list[Detector] = [_slurm, _kubernetes, _mpi]
 
 
 def infer(environ: Mapping[str, str]) -> Inference | None:

@@ -4,18 +4,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
+from relaunch.core.value import Value
 
-@dataclass(frozen=True)
-class Inference:
+
+class Inference(Value):
     """What ``scheduler`` tells: ``values`` by flag (argparse's dest, in parsed form: ``nnodes``
     is ``(min, max)``), and for each the variables it came from (``sources``)."""
 
+    __slots__ = ("scheduler", "sources", "values")
+
     scheduler: str
-    values: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+    def __init__(
+        self,
+        scheduler: str,
+        values: dict[str, Any] | None = None,
+        sources: dict[str, str] | None = None,
+    ) -> None:
+        self._set(
+            scheduler=scheduler,
+            values={} if values is None else values,
+            sources={} if sources is None else sources,
+        )
 
     def describe(self, applied: Iterable[str]) -> str:
         """The one line saying what was inferred, and from which variables."""

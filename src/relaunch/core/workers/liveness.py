@@ -4,7 +4,6 @@ overdue (layout in ``core.channel``; the workers' side in ``relaunch.worker``)."
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from relaunch.core.channel import (
     BOUND_GIVEN,
@@ -17,13 +16,25 @@ from relaunch.core.channel import (
     slot_offset,
 )
 from relaunch.core.durations import seconds
+from relaunch.core.value import Value
 
 _HOW = {BOUND_GIVEN: "given", BOUND_LEARNED: "learned"}
 
 
-@dataclass(frozen=True)
-class Liveness:
+class Liveness(Value):
     """One worker's heartbeats and open section (times are ``time.time()``; 0: none)."""
+
+    __slots__ = (
+        "beat_at",
+        "beat_bound",
+        "beat_due",
+        "beats",
+        "entered",
+        "section",
+        "section_bound",
+        "section_due",
+        "sections_done",
+    )
 
     beat_at: float
     beat_due: float
@@ -34,6 +45,30 @@ class Liveness:
     beats: int
     section_bound: str  # "given", "learned" or ""
     beat_bound: str
+
+    def __init__(
+        self,
+        beat_at: float,
+        beat_due: float,
+        section: str,
+        entered: float,
+        section_due: float,
+        sections_done: int,
+        beats: int,
+        section_bound: str,
+        beat_bound: str,
+    ) -> None:
+        self._set(
+            beat_at=beat_at,
+            beat_due=beat_due,
+            section=section,
+            entered=entered,
+            section_due=section_due,
+            sections_done=sections_done,
+            beats=beats,
+            section_bound=section_bound,
+            beat_bound=beat_bound,
+        )
 
     @property
     def used(self) -> bool:
@@ -78,15 +113,19 @@ def read_liveness(
     return None
 
 
-@dataclass(frozen=True)
-class Overdue:
+class Overdue(Value):
     """A rank past a deadline it set itself: what it was in, since when, and its bound."""
+
+    __slots__ = ("bound", "due", "rank", "since", "what")
 
     rank: int
     what: str  # "section 'step'" or "heartbeat"
     since: float  # entered the section, or the last heartbeat
     due: float
     bound: str  # "given" or "learned"
+
+    def __init__(self, rank: int, what: str, since: float, due: float, bound: str) -> None:
+        self._set(rank=rank, what=what, since=since, due=due, bound=bound)
 
     def describe(self, now: float) -> str:
         allowed = self.due - self.since

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from relaunch.core.channel import DESC_END, DESC_OFFSET, FIELDS, SEQ, slot_offset
+from relaunch.core.value import Value
 
 #: Seconds of history the rate is computed over.
 RATE_WINDOW = 10.0
 BAR_WIDTH = 20
 
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(Value):
     """One worker's last report."""
+
+    __slots__ = ("desc", "reports", "step", "time", "total")
 
     step: int
     total: int | None
@@ -23,6 +24,9 @@ class Progress:
     desc: str
     #: How many reports the worker made (the seqlock's count): growth is a sign of life.
     reports: int
+
+    def __init__(self, step: int, total: int | None, time: float, desc: str, reports: int) -> None:
+        self._set(step=step, total=total, time=time, desc=desc, reports=reports)
 
 
 def read_progress(

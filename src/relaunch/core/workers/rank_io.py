@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
+from relaunch.core.value import Value
 from relaunch.core.workers.streams import Std, per_rank
 
 STDOUT_LOG = "stdout.log"
@@ -19,8 +19,7 @@ ERROR_FILE = "error.json"
 DEVNULL = "/dev/null"
 
 
-@dataclass(frozen=True)
-class RankIO:
+class RankIO(Value):
     """The I/O of one local rank.
 
     ``stdout``/``stderr`` are log file paths, "" where the stream is not logged (the worker
@@ -33,6 +32,17 @@ class RankIO:
     ``error_file`` is where the worker reports its failure; all its files live in ``log_dir``.
     """
 
+    __slots__ = (
+        "error_file",
+        "local_rank",
+        "log_dir",
+        "prefix",
+        "relay",
+        "stderr",
+        "stdout",
+        "tee",
+    )
+
     local_rank: int
     log_dir: str
     stdout: str
@@ -40,7 +50,29 @@ class RankIO:
     tee: Std
     error_file: str
     prefix: str
-    relay: Std = Std.NONE
+    relay: Std
+
+    def __init__(
+        self,
+        local_rank: int,
+        log_dir: str,
+        stdout: str,
+        stderr: str,
+        tee: Std,
+        error_file: str,
+        prefix: str,
+        relay: Std = Std.NONE,
+    ) -> None:
+        self._set(
+            local_rank=local_rank,
+            log_dir=log_dir,
+            stdout=stdout,
+            stderr=stderr,
+            tee=tee,
+            error_file=error_file,
+            prefix=prefix,
+            relay=relay,
+        )
 
     @property
     def tee_stdout(self) -> bool:

@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
+
+from relaunch.core.value import Value
 
 #: The role of a ``WorkerSpec`` that names none, and of a node whose agent did not say.
 DEFAULT_ROLE = "default"
 
 
-@dataclass(frozen=True)
-class WorkerRanks:
+class WorkerRanks(Value):
     """Where one worker stands in the job."""
+
+    __slots__ = ("global_rank", "local_rank", "role_rank", "role_world_size", "world_size")
 
     local_rank: int
     global_rank: int
     role_rank: int
     world_size: int
     role_world_size: int
+
+    def __init__(
+        self,
+        local_rank: int,
+        global_rank: int,
+        role_rank: int,
+        world_size: int,
+        role_world_size: int,
+    ) -> None:
+        self._set(
+            local_rank=local_rank,
+            global_rank=global_rank,
+            role_rank=role_rank,
+            world_size=world_size,
+            role_world_size=role_world_size,
+        )
 
 
 class NodePlace(NamedTuple):
@@ -162,9 +180,21 @@ def assign_ranks(
     return ranks_of(place_in_runs(runs, group_rank), local_world_sizes[group_rank])
 
 
-@dataclass(frozen=True)
-class GroupContext:
+class GroupContext(Value):
     """What every worker of this node's group shares, known once the rendezvous completed."""
+
+    __slots__ = (
+        "group_rank",
+        "group_world_size",
+        "local_world_size",
+        "master_addr",
+        "master_port",
+        "max_restarts",
+        "restart_count",
+        "role",
+        "run_id",
+        "use_agent_store",
+    )
 
     role: str
     run_id: str
@@ -175,7 +205,33 @@ class GroupContext:
     master_port: int
     restart_count: int
     max_restarts: int
-    use_agent_store: bool = False
+    use_agent_store: bool
+
+    def __init__(
+        self,
+        role: str,
+        run_id: str,
+        group_rank: int,
+        group_world_size: int,
+        local_world_size: int,
+        master_addr: str,
+        master_port: int,
+        restart_count: int,
+        max_restarts: int,
+        use_agent_store: bool = False,
+    ) -> None:
+        self._set(
+            role=role,
+            run_id=run_id,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            local_world_size=local_world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            restart_count=restart_count,
+            max_restarts=max_restarts,
+            use_agent_store=use_agent_store,
+        )
 
 
 #: Variables passed through from the launcher's environment, with torchrun's defaults.

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from relaunch.core.value import Value
 
 #: Seconds between two samples of the ranks' steps, and between two publications.
 INTERVAL = 3.0
@@ -56,13 +57,17 @@ class RankRates:
         return rates
 
 
-@dataclass(frozen=True)
-class Straggler:
+class Straggler(Value):
     """A rank below the job's median rate by more than the factor."""
+
+    __slots__ = ("median", "rank", "rate")
 
     rank: int
     rate: float
     median: float
+
+    def __init__(self, rank: int, rate: float, median: float) -> None:
+        self._set(rank=rank, rate=rate, median=median)
 
     def describe(self, factor: float) -> str:
         return (

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 from typing import TypeVar
+
+from relaunch.core.value import Value
 
 K = TypeVar("K")
 
@@ -21,9 +22,10 @@ ENABLE_FILE_TIMER_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
 TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
 
 
-@dataclass(frozen=True)
-class Timer:
+class Timer(Value):
     """A live countdown: ``worker`` must leave ``scope`` by ``deadline``."""
+
+    __slots__ = ("acquired_at", "deadline", "scope", "signal", "worker")
 
     worker: Hashable
     scope: str
@@ -31,7 +33,14 @@ class Timer:
     #: When the timer was acquired (by the table's clock), to say how long it was held.
     acquired_at: float
     #: What the worker asked to be sent when the timer expires (0: the server's choice).
-    signal: int = 0
+    signal: int
+
+    def __init__(
+        self, worker: Hashable, scope: str, deadline: float, acquired_at: float, signal: int = 0
+    ) -> None:
+        self._set(
+            worker=worker, scope=scope, deadline=deadline, acquired_at=acquired_at, signal=signal
+        )
 
     @property
     def allowed(self) -> float:
