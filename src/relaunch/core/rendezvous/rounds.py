@@ -325,16 +325,22 @@ NOTICE_AFTER = 20.0
 NOTICE_REPEAT = 3
 
 
-@dataclass(frozen=True)
-class Waiting:
+class Waiting(Value):
     """What a node waiting in a round saw, for the line that says so (``wait_line``): ``joined``
     nodes in the round; ``last_call_at``, when the round completes with them (the lead, once
     ``min_nodes`` joined; None otherwise); ``running``, the members of the round this node
     stands by as a spare (None: not a spare)."""
 
+    __slots__ = ("joined", "last_call_at", "running")
+
     joined: int
-    last_call_at: float | None = None
-    running: int | None = None
+    last_call_at: float | None
+    running: int | None
+
+    def __init__(
+        self, joined: int, last_call_at: float | None = None, running: int | None = None
+    ) -> None:
+        self._set(joined=joined, last_call_at=last_call_at, running=running)
 
 
 def joined_words(joined: int, low: int, high: int) -> str:
