@@ -64,7 +64,14 @@ class elastic_launch:
         self._health_check_server = health_check_server
 
     def __call__(self, *args: Any) -> dict[int, Any]:
-        return launch_agent(self._config, self._entrypoint, list(args), self._health_check_server)
+        try:
+            return launch_agent(
+                self._config, self._entrypoint, list(args), self._health_check_server
+            )
+        except ChildFailedError as failed:
+            # The workers failed, not relaunch: the traceback ends at the caller's frames (its
+            # message holds the root cause), not in the agent's.
+            raise failed.with_traceback(None) from None
 
 
 def rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:

@@ -106,6 +106,8 @@ def test_the_survivor_of_the_store_hosts_death_says_so_within_the_keep_alive(
     gone = [line for line in err.splitlines() if "store's host is gone" in line]
     assert len(gone) == 1 and gone[0].startswith("relaunch: error: "), err
     assert "--rdzv-backend etcd" in gone[0] and "restart the job" in gone[0], err
+    # Both ways to survive it: a store that moves (several hosts named), or etcd.
+    assert "name several hosts in --rdzv-endpoint" in gone[0], err
     # The store's host being gone is no restart: none is said, nor counted in the summary.
     assert "restarting the worker group" not in err, err
     (summary,) = [line for line in err.splitlines() if "run summary" in line]

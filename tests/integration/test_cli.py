@@ -67,7 +67,8 @@ def test_failure_prints_the_report_and_exits_1(tmp_path, leaks: LeakCheck) -> No
     done = relaunch(leaks, "--nproc-per-node", "2", "--redirects", "2", job)
     assert done.returncode == 1
     lines = done.stderr.splitlines()
-    lines = lines[lines.index("job.py failed: 1 worker failed, 1 stopped because of it") :]
+    header = "relaunch: job.py failed: 1 worker failed, 1 stopped because of it"
+    lines = lines[lines.index(header) :]
     assert "RuntimeError: the data is missing" in done.stderr
     report_end = lines.index(
         "Rank 0 did not fail: relaunch stopped it because of the failure above"

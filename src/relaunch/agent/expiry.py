@@ -84,6 +84,9 @@ class ExpiryWatch:
         self._hold: Callable[[], None] = lambda: None
         self._before_stacks: Callable[[Collection[int]], None] = lambda hung: None
         self._hung_at: dict[int, float] = {}  # pid -> the deadline it missed
+        #: Local rank -> when a hung rank last made progress (else last showed a sign of life):
+        #: the time lost to the hang, for the goodput ledger, runs from there.
+        self._hung_since: dict[int, float] = {}
         #: Why this group's ranks were asked for their stacks (an overdue section here, or
         #: another node's request); None while nobody asked.
         self.hang: str | None = None
@@ -149,6 +152,7 @@ class ExpiryWatch:
         self._hold = hold
         self._before_stacks = before_stacks
         self._hung_at.clear()
+        self._hung_since.clear()
         self._lives_used = False
         self.hang = self._asked = None
         if self._server is not None:
@@ -177,8 +181,21 @@ class ExpiryWatch:
             seen = max(seen, live.last_sign)
         return seen
 
-    def check(self) -> float | None:
-        """Act on hung workers now; the seconds until the next check is due (None: never)."""
+    def hung_since(self) -> dict[int, float]:
+        """This attempt's hung local ranks, and when each last made progress (else last showed
+        a sign of life): where the time its hang lost begins."""
+        return dict(self._hung_since)
+
+    def _note_hung(self, rank: int, snapshot: NodeSnapshot, last_sign: float) -> None:
+        """``rank`` is hung: since its last progress this attempt, else since ``last_sign``."""
+        progress = snapshot.progress(rank)
+        made = progress.time if progress is not None else 0.0
+        self._hung_since.setdefault(rank, made if made >= self._started_at else last_sign)
+
+    def check(self, restarts_left: int | None = None) -> float | None:
+        """Act on hung workers now; the seconds until the next check is due (None: never).
+        ``restarts_left``: the restarts the job has left, for what a hang's line says comes
+        next (None: it says nothing of that)."""
         if not self._pids:
             return None
         now = self._clock.time()
@@ -203,7 +220,8 @@ class ExpiryWatch:
             }
             hung, next_at = core_timers.silent(live, now, self._hang_timeout)
             for rank in hung:
-                self._hung(rank, now - live[rank])
+                self._note_hung(rank, snapshot, live[rank])
+                self._hung(rank, now - live[rank], restarts_left)
             if next_at is not None:
                 waits.append(next_at - now)
         return max(0.0, min(waits)) if waits else None
@@ -219,20 +237,21 @@ class ExpiryWatch:
         )
         late = overdue(lives, now)
         if late:
-            self._overdue(late, now)
+            self._overdue(late, snapshot, now)
             return LIVENESS_LOOK
         if not self._lives_used:
             return None
         due = next_due(lives)
         return LIVENESS_LOOK if due is None else min(LIVENESS_LOOK, due - now)
 
-    def _overdue(self, late: list[Overdue], now: float) -> None:
+    def _overdue(self, late: list[Overdue], snapshot: NodeSnapshot, now: float) -> None:
         """Ranks are past their deadlines: ask every local rank for its stack."""
         names = ", ".join(f"local rank {o.rank}: {o.describe(now)}" for o in late)
         first = late[0]
         self.hang = f"local rank {first.rank} is hung ({first.describe(now)})"
         log.warning("%s: asking every local rank for its stack (SIGABRT)", names)
         for o in late:
+            self._note_hung(o.rank, snapshot, self._last_sign(o.rank, snapshot))
             self._hung_at[self._pids[o.rank]] = o.due
             self._causes[self._pids[o.rank]] = (
                 f"hung: {o.describe(now)}; relaunch sent SIGABRT to every local rank for its stack"
@@ -280,7 +299,7 @@ class ExpiryWatch:
                 return line if len(line) <= LAST_LINE_CHARS else line[:LAST_LINE_CHARS] + "..."
         return None
 
-    def _hung(self, rank: int, silent_for: float) -> None:
+    def _hung(self, rank: int, silent_for: float, restarts_left: int | None) -> None:
         pid = self._pids[rank]
         last = self._last_output_line(rank)
         after = (
@@ -294,10 +313,11 @@ class ExpiryWatch:
         )
         log.warning(
             "local rank %d (pid %d) shows no sign of life for %.1fs: sending SIGABRT "
-            "for its stack, then restarting",
+            "for its stack%s",
             rank,
             pid,
             silent_for,
+            _what_follows(restarts_left),
         )
         self._abort(pid)
 
@@ -355,6 +375,15 @@ class ExpiryWatch:
                 )
             failure.details = f"{cause}\n{detail}" if detail else cause
         self._aborted.clear()
+
+
+def _what_follows(restarts_left: int | None) -> str:
+    """What a hang's line says comes after the stack: a restart, or the run's end."""
+    if restarts_left is None:
+        return ""
+    if restarts_left > 0:
+        return ", then restarting the worker group"
+    return ", then ending the run (no restart left)"
 
 
 def _asked_for_stack(cause: str) -> bool:

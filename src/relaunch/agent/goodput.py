@@ -49,13 +49,20 @@ class GoodputMarks:
         last_progress: Mapping[int, Progress | None],
         step_seconds: float,
         saved_step: int | None = None,
+        hung_since: Mapping[int, float] | None = None,
     ) -> None:
         """The attempt is over and the node is about to join the next round: ``exit_times``
         by local rank, ``failed`` its failed local ranks, ``last_progress`` what they reported
         last, ``step_seconds`` the time a step took, ``saved_step`` the newest step they kept
-        with ``save_state`` (the furthest step reached, when they report no progress)."""
+        with ``save_state`` (the furthest step reached, when they report no progress),
+        ``hung_since`` the hung local ranks and when each last made progress (its hang's
+        time is lost: the failure began there, not at the exit that ended it)."""
         now = self._clock.time()
-        failed_at = min((exit_times[rank] for rank in failed if exit_times.get(rank)), default=0)
+        failed_at = min(
+            [exit_times[rank] for rank in failed if exit_times.get(rank)]
+            + [since for since in (hung_since or {}).values() if since],
+            default=0,
+        )
         # The agent knows when its loop saw the failure: later than the exit where the exit's
         # status came late (a lost zygote's worker).
         noticed = max(failed_at, self._seen_at) or now
@@ -78,13 +85,16 @@ class GoodputMarks:
         ranks: int,
         last_progress: Mapping[int, Progress | None],
         saved_step: int | None,
+        hung_since: Mapping[int, float],
     ) -> None:
         """The attempt of ``pcontext`` (``ranks`` local ranks, with ``channel``) is over
         (``leaving``): when its workers exited and failed, and the time a step took."""
         outcome = pcontext.wait(0)
         failed = {} if outcome is None else outcome.failures
         seconds_a_step = max((channel.step_seconds(rank) for rank in range(ranks)), default=0.0)
-        self.leaving(pcontext.exit_times(), failed, last_progress, seconds_a_step, saved_step)
+        self.leaving(
+            pcontext.exit_times(), failed, last_progress, seconds_a_step, saved_step, hung_since
+        )
 
     def joined(self, rendezvous_seconds: float) -> None:
         """The node got its place in the next round, after a join of ``rendezvous_seconds``."""

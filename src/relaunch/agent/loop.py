@@ -342,7 +342,8 @@ class LocalElasticAgent:
             case actions.TakeStacks(reason=reason):
                 self._expiry.dump_stacks(reason)
             case actions.CheckHangs(until=until):
-                check_in = self._expiry.check()  # acts on hung workers; when to look again
+                # acts on hung workers, saying what follows; when to look again
+                check_in = self._expiry.check(self._run_record.restarts_left)
                 return actions.HangsChecked(self._expiry.hang, check_in, until)
             case actions.Wait(until=until):
                 wakeups.get(None if until is None else max(0.0, until - self._clock.monotonic()))

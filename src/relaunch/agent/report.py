@@ -203,11 +203,17 @@ class RunReport:
             elapsed,
             ranks,
             list(self.restart_reasons),
-            self.log_dir,
+            self.log_dir if _holds_files(self.log_dir) else "",
             self.stop_note,
             [self.stragglers[rank] for rank in sorted(self.stragglers)],
             self.ledger.line(elapsed) or "",
         )
+
+
+def _holds_files(directory: str) -> bool:
+    """Whether ``directory`` holds a file, at any depth: a directory of empty attempt and
+    rank directories (every stream went to the console) is not worth pointing at."""
+    return bool(directory) and any(files for _, _, files in os.walk(directory))
 
 
 class NodeBar:

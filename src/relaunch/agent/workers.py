@@ -224,7 +224,7 @@ class Workers:
         group, outcome, pcontext = self._group, self._outcome, self._run.pcontext
         assert outcome is not None
         report = format_report(
-            group.spec.role,
+            group.spec.get_entrypoint_name(),  # as the run's last report names it
             group.by_global_rank(outcome.failures),
             os.uname().nodename,
             group.by_global_rank(outcome.stopped),
@@ -280,7 +280,12 @@ class Workers:
         self._learned = merge(self._learned, run.channel.learned())
         ranks = self._group.spec.local_world_size
         goodput.attempt_over(
-            run.pcontext, run.channel, ranks, run.report.last_progress, run.saved_step()
+            run.pcontext,
+            run.channel,
+            ranks,
+            run.report.last_progress,
+            run.saved_step(),
+            run.expiry.hung_since(),
         )
 
     def look_back(self, goodput: GoodputMarks) -> None:

@@ -126,7 +126,8 @@ def _nothing_to_do(exc: Any) -> None:
 
 
 def _report(exc: Any) -> None:
-    say(exc.format_msg())  # the root cause first, then the summary
+    # the root cause first, then the summary; headed as a restart's report is (the log's form)
+    say(f"relaunch: {exc.format_msg()}")
 
 
 def _stopped(exc: Any) -> None:

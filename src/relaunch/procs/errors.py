@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, TypeVar
 
 from relaunch.core.run import failures as core_failures
@@ -31,10 +32,12 @@ log = logging.getLogger(__name__)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: The most bytes of an error file read (one holds a message and a traceback: a few KiB).
 MAX_ERROR_FILE = 16 << 20
-#: The message of a failure that left neither an error file nor a stderr log.
+#: The message of a failure that left neither an error file nor a stderr log: its stderr
+#: went where relaunch's own goes, so what it printed is above the report.
 NO_DETAIL_HINT = (
-    "no error file and no stderr log: decorate the entrypoint with @relaunch.record, or "
-    "redirect stderr (-r 2), to see the cause here"
+    "its stderr went to the console, not to a log: its traceback, if it printed one, is "
+    "above; to see the cause here, decorate the entrypoint with @relaunch.record, or redirect "
+    "stderr (-r 2)"
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -218,15 +221,31 @@ def _write_atomically(path: str, text: str) -> None:
         raise
 
 
+#: Where relaunch's own modules are: their frames above a user's are left out of a traceback.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def callers_traceback(exc: BaseException) -> TracebackType | None:
+    """``exc``'s traceback from its first frame outside relaunch (``@record``'s wrapper, a
+    function worker's start): what a person reads starts at their own code. Whole when every
+    frame is relaunch's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+        tb = tb.tb_next
+    return exc.__traceback__ if tb is None else tb
+
+
 def exception_error_data(exc: BaseException) -> dict[str, Any]:
-    """The error-file content for ``exc``, in the layout torch's tools read."""
+    """The error-file content for ``exc``, in the layout torch's tools read; its traceback
+    starts at the first frame outside relaunch (``callers_traceback``)."""
     import traceback
 
+    callstack = traceback.format_exception(type(exc), exc, callers_traceback(exc))
     return {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
             "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(exc)),
+                "py_callstack": "".join(callstack),
                 "timestamp": str(int(time.time())),
             },
         }

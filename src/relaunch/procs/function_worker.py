@@ -68,7 +68,7 @@ def run_function(
     os.environ.update(setup.env)
     faulthandler.enable()
 
-    from relaunch.procs.errors import record
+    from relaunch.procs.errors import callers_traceback, record
     from relaunch.procs.returns import send_return_value
 
     name = getattr(entrypoint, "__qualname__", None) or repr(entrypoint)
@@ -81,4 +81,13 @@ def run_function(
         send_return_value(result.fd, value, who)
         os.close(result.fd)
 
-    call_and_send()
+    try:
+        call_and_send()
+    except Exception as exc:
+        # What multiprocessing would print, from the entrypoint's frames on, not its own and
+        # relaunch's; then its exit status for a failure (1), without a second traceback.
+        import sys
+        import traceback
+
+        traceback.print_exception(type(exc), exc, callers_traceback(exc))
+        sys.exit(1)

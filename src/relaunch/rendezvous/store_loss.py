@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 #: How long a lost store's primary gets to answer before a failover asks a standby.
 CHECK_PRIMARY_S = 0.5
+#: How a job whose built-in store has one host survives losing it: both ways.
+SURVIVE_A_HOST = (
+    "name several hosts in --rdzv-endpoint (with a token and 3 nodes or more, the store moves "
+    "to another), or run it with --rdzv-backend etcd"
+)
 
 
 class StoreLoss:
@@ -74,7 +79,7 @@ class StoreLoss:
         try:
             probe(max(left, settings.keep_alive_interval))
         except StoreError as exc:
-            self._store_unanswered(exc, "run it with --rdzv-backend etcd")
+            self._store_unanswered(exc, SURVIVE_A_HOST)
             return
         membership.store_lost_at, self._store_unanswered_said = None, False  # it answers: a blip
 
@@ -87,7 +92,7 @@ class StoreLoss:
                 f"the rendezvous store's host is gone ({exc}): the node that hosted the store "
                 "for job "
                 f"{self._run_id!r} stopped or died, and a c10d store does not outlive its host; "
-                f"restart the job, or {to_survive} to survive the loss of any node"
+                f"restart the job, and to survive the loss of any node, {to_survive}"
             ) from None
         if not self._store_unanswered_said:
             self._store_unanswered_said = True

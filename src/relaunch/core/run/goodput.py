@@ -2,13 +2,14 @@
 that went to training.
 
 A restart costs, in order, one stretch of time after the other (so that they add up to the
-whole): *detection* (the failure -> the agent knows), *teardown* (-> the last worker of the old
-group gone, any just-in-time save included), *health_check* (-> the join begins: a crash loop's
-backoff, an exclusion, a health check), *rendezvous* (the join), *worker_start* (-> the new
-workers call ``load_state``, or report progress when they keep no state), *state_restore*
-(``load_state``), and then *recomputation*: the steps reached before the failure that the
-restored state does not hold, at the measured step time. The agent marks each moment
-(``agent.goodput``); this module adds them up.
+whole): *detection* (the failure -> the agent knows; a hang's failure is its rank's last
+progress), *teardown* (-> the last worker of the old group gone, any just-in-time save
+included), *health_check* (-> the join begins: a crash loop's backoff, an exclusion, a health
+check), *rendezvous* (the join), *worker_start* (-> the new workers call ``load_state``, or
+report progress when they keep no state), *state_restore* (``load_state``), and then
+*recomputation*: the steps reached before the failure that the restored state does not hold,
+at the measured step time. The agent marks each moment (``agent.goodput``); this module adds
+them up.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ class Restored:
 
 @dataclass(frozen=True)
 class RestartCost:
-    """The seconds one restart cost, by cause (``CAUSES``), and the steps it redoes."""
+    """The seconds one restart cost, by cause (``CAUSES``), and the steps it redoes;
+    ``steps_known``: the workers had reported the step they reached (``report_progress``, or
+    a step given to ``save_state``), so its recomputation could be counted."""
 
     restart: int
     seconds: Mapping[str, float]
     steps_redone: int
+    steps_known: bool = True
 
     @property
     def total(self) -> float:
@@ -83,7 +87,7 @@ def cost_of(marks: RestartMarks, restored: Restored | None, ended_at: float) -> 
         resumed_at = -1 if restored.step is None else restored.step
         redone = max(0, marks.last_step - resumed_at)
     seconds = dict(zip(CAUSES, [*stretches, redone * max(0.0, marks.step_seconds)], strict=True))
-    return RestartCost(marks.restart, seconds, redone)
+    return RestartCost(marks.restart, seconds, redone, marks.last_step is not None)
 
 
 @dataclass
@@ -105,8 +109,9 @@ class Ledger:
         return max(0.0, min(1.0, (elapsed - self.lost()) / elapsed))
 
     def line(self, elapsed: float) -> str | None:
-        """The run summary's line (None without a restart)."""
-        if not self.costs:
+        """The run summary's line (None without a restart, or where the workers reported no
+        steps: there is no telling what share of the run trained)."""
+        if not any(cost.steps_known for cost in self.costs):
             return None
         totals = self.totals()
         steps = sum(cost.steps_redone for cost in self.costs)
