@@ -3,12 +3,14 @@ its phases, and the CLI's usage errors (the real agents: tests/integration/test_
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from relaunch.cli.status import status_main
 from relaunch.core.output import status as core
+from relaunch.core.output import status_table
 from relaunch.core.rendezvous import rounds as plan
 from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, encode_change
 from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
@@ -144,10 +146,10 @@ def test_restart_reasons_are_told_once_each_naming_the_node() -> None:
         core.NodeStatus.decode(node(0, {0: 1.0}, [f"host1: {own}", "nodes joined"])),
         core.NodeStatus.decode(node(1, {1: 1.0}, [own, "nodes joined"])),
     ]
-    assert core.restart_reasons(posts) == [f"host1: {own}", "nodes joined"]
-    table = core.format_table("j", posts, None, 1, NOW)
+    assert status_table.restart_reasons(posts) == [f"host1: {own}", "nodes joined"]
+    table = status_table.format_table("j", posts, None, 1, NOW)
     assert f"  restart 1: host1: {own}\n  restart 2: nodes joined" in table
-    assert core.format_table("j", [], None, 0, NOW).count("\n") == 1  # no rows: the header
+    assert status_table.format_table("j", [], None, 0, NOW).count("\n") == 1  # no rows: the header
 
 
 @pytest.mark.parametrize(
@@ -200,3 +202,26 @@ def test_watch_redraws_in_place_on_a_terminal_and_ends_with_the_job() -> None:
     text = out.getvalue()
     assert text.count("\x1b[3A\x1b[J") == 2  # up over the last table (3 rows), clear below
     assert text.splitlines()[-3].endswith("; finished")  # the last table: the job ended
+
+
+def test_the_notes_json_keeps_its_fields_in_order() -> None:
+    """A node's and the job's notes are the JSON they were as dataclasses (``asdict``): every
+    field in its order, a rank's and the slowest rank's as objects, and read back equal."""
+    rank = core.RankStatus(3, 1, "running", 5, 10, 1.5, 1000.0)
+    node = core.NodeStatus("host0", 0, "HEALTHY", 1, 1000.0, [rank], ["rank 2 exited 1"], 2.5, 20.0)
+    view = core.JobView(4.0, {3: 1.5}, core.Slowest(3, "host0", 5, 10), 1.5, 3.3, 1001.0)
+    assert node.encode() == (
+        b'{"node":"host0","group_rank":0,"state":"HEALTHY","restarts":1,"posted_at":1000.0,'
+        b'"ranks":[{"rank":3,"local_rank":1,"state":"running","step":5,"total":10,"rate":1.5,'
+        b'"last_sign":1000.0}],"restart_reasons":["rank 2 exited 1"],"lost_seconds":2.5,'
+        b'"stale_after":20.0}'
+    )
+    assert view.encode() == (
+        b'{"median":4.0,"stragglers":{"3":1.5},"slowest":{"rank":3,"node":"host0","step":5,'
+        b'"total":10},"rate":1.5,"eta":3.3,"posted_at":1001.0}'
+    )
+    assert core.NodeStatus.decode(node.encode()) == node
+    assert core.JobView.decode(view.encode()) == view
+    data = status_table.as_json("j", [node], view, 1, 2, core.Standing(), 1003.0)
+    assert list(data["nodes"][0]) == [*json.loads(node.encode()), "health"]
+    assert json.loads(json.dumps(data))["job"] == json.loads(view.encode())

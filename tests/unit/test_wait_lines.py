@@ -8,6 +8,7 @@ import pytest
 
 from relaunch.core.durations import span
 from relaunch.core.output import status as core
+from relaunch.core.output import status_table
 from relaunch.core.rendezvous import rounds as plan
 
 TWO = plan.Settings(2, 2, join_timeout=600, last_call_timeout=30)
@@ -162,8 +163,8 @@ NOW = 1000.0
 def test_a_node_is_shown_healthy_only_while_its_post_holds(
     node: core.NodeStatus, standing: core.Standing, health: str, words: str
 ) -> None:
-    assert core.health(node, standing, NOW) == health
-    assert core.node_words(node, standing, NOW) == words
+    assert status_table.health(node, standing, NOW) == health
+    assert status_table.node_words(node, standing, NOW) == words
 
 
 @pytest.mark.parametrize(
@@ -178,19 +179,19 @@ def test_a_node_is_shown_healthy_only_while_its_post_holds(
 def test_a_member_that_posted_nothing_says_what_is_coming(
     standing: core.Standing, words: str
 ) -> None:
-    assert core.missing_words(1, standing, NOW) == words
+    assert status_table.missing_words(1, standing, NOW) == words
 
 
 def test_the_table_never_shows_a_lost_or_stale_node_healthy() -> None:
     standing = core.Standing(over=True, lost=1)
-    table = core.format_table(
+    table = status_table.format_table(
         "j1", [post(0, NOW - 3), post(1, NOW - 3)], None, 0, NOW, "", 2, standing
     )
     lost = next(line for line in table.splitlines() if "LOST" in line)
     assert "HEALTHY" not in lost and " lost" in lost
-    stale = core.format_table("j1", [post(0, NOW - 40)], None, 0, NOW)
+    stale = status_table.format_table("j1", [post(0, NOW - 40)], None, 0, NOW)
     assert "HEALTHY," not in stale and "unknown" in stale
-    data = core.as_json("j1", [post(0, NOW - 40)], None, 0, 1, core.Standing(), NOW)
+    data = status_table.as_json("j1", [post(0, NOW - 40)], None, 0, 1, core.Standing(), NOW)
     assert data["nodes"][0]["health"] == "stale"
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.spec import WorkerSpec
 from relaunch.core.defaults import DEFAULT_EXIT_BARRIER_TIMEOUT, numa_binding_of
+from relaunch.core.value import Value
 from relaunch.core.workers.call_forms import CallForm, choose
 from relaunch.core.workers.logs_specs import LogsSpecs, is_logs_specs
 from relaunch.core.workers.streams import per_rank
@@ -66,8 +67,17 @@ def events_of(spec: WorkerSpec) -> EventHandler:
     return RecordTo(spec.event_log_handler)
 
 
-class AgentArguments(NamedTuple):
+class AgentArguments(Value):
     """``LocalElasticAgent``'s arguments past its spec, read in either form."""
+
+    __slots__ = (
+        "events",
+        "exit_barrier_timeout",
+        "log_line_prefix_template",
+        "logs_specs",
+        "spec",
+        "start_method",
+    )
 
     spec: WorkerSpec
     logs_specs: LogsSpecs
@@ -75,6 +85,19 @@ class AgentArguments(NamedTuple):
     exit_barrier_timeout: float
     log_line_prefix_template: str | None
     events: object
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        start_method: str,
+        exit_barrier_timeout: float,
+        log_line_prefix_template: str | None,
+        events: object,
+    ) -> None:
+        self._set(spec=spec, logs_specs=logs_specs, start_method=start_method)
+        self._set(exit_barrier_timeout=exit_barrier_timeout)
+        self._set(log_line_prefix_template=log_line_prefix_template, events=events)
 
 
 def agent_arguments(

@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TypeVar
 
 from relaunch.core.output import status as core
 from relaunch.core.run.run_events import NodeSnapshot, RestartCosted, Restarted, RunEvent
+from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
@@ -42,16 +42,27 @@ def status_note(group_rank: int) -> str:
     return f"status/{group_rank}"
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(Value):
     """The group of workers a reporter watches: ``ranks`` maps local ranks to global ranks;
     ``snapshot()`` is the tick's view of them (``agent.sampler.Sampler.latest``)."""
+
+    __slots__ = ("group_rank", "node", "nodes", "ranks", "snapshot")
 
     node: str
     group_rank: int
     nodes: int
     ranks: Mapping[int, int]
     snapshot: Callable[[], NodeSnapshot]
+
+    def __init__(
+        self,
+        node: str,
+        group_rank: int,
+        nodes: int,
+        ranks: Mapping[int, int],
+        snapshot: Callable[[], NodeSnapshot],
+    ) -> None:
+        self._set(node=node, group_rank=group_rank, nodes=nodes, ranks=ranks, snapshot=snapshot)
 
 
 class NodeReporter:

@@ -3,19 +3,28 @@ GPU, or one per listed GPU."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from relaunch.core.defaults import MAX_NPROC_PER_NODE
+from relaunch.core.value import Value
 
 
-class DeviceRequest(NamedTuple):
+class DeviceRequest(Value):
     """``--nproc-per-node``, read: ``number`` workers, or one per CPU or GPU (``per``: ``cpu``,
     ``gpu``, or ``auto`` for one per GPU if there are any, else one per CPU), or one per GPU of
     ``subset`` (``gpu:1,3``). Exactly one of the three is set."""
 
-    number: int | None = None
-    per: str | None = None
-    subset: tuple[int, ...] | None = None
+    __slots__ = ("number", "per", "subset")
+
+    number: int | None
+    per: str | None
+    subset: tuple[int, ...] | None
+
+    def __init__(
+        self,
+        number: int | None = None,
+        per: str | None = None,
+        subset: tuple[int, ...] | None = None,
+    ) -> None:
+        self._set(number=number, per=per, subset=subset)
 
     def __str__(self) -> str:
         """The request as ``--nproc-per-node`` takes it (a subset with its indexes listed)."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import NamedTuple
 
+from relaunch.core.value import Value
 from relaunch.core.workers.logs_specs import (
     LogsDest,
     LogsSpecs,
@@ -155,13 +155,24 @@ class DefaultLogsSpecs(LogsSpecs):
     __hash__ = None  # type: ignore[assignment]
 
 
-class OwnPlan(NamedTuple):
+class OwnPlan(Value):
     """A ``DefaultLogsSpecs``'s fields, from which relaunch plans each attempt itself."""
+
+    __slots__ = ("local_ranks_filter", "redirects", "root", "tee")
 
     root: str
     redirects: Std | dict[int, Std]
     tee: Std | dict[int, Std]
     local_ranks_filter: frozenset[int] | None
+
+    def __init__(
+        self,
+        root: str,
+        redirects: Std | dict[int, Std],
+        tee: Std | dict[int, Std],
+        local_ranks_filter: frozenset[int] | None,
+    ) -> None:
+        self._set(root=root, redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter)
 
 
 def own_plan(logs_specs: object) -> OwnPlan | None:

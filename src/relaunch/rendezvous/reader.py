@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from relaunch.core.output import status as core
+from relaunch.core.output import status_table
 from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, decode_change
 from relaunch.core.rendezvous.rounds import (
     JOIN_TOTAL_DIGITS,
@@ -120,8 +121,8 @@ class Snapshot:
         return words
 
     def table(self, now: float | None = None) -> str:
-        """The table ``relaunch status`` prints (``core.output.status.format_table``)."""
-        return core.format_table(
+        """The table ``relaunch status`` prints (``core.output.status_table.format_table``)."""
+        return status_table.format_table(
             self.run_id,
             self.nodes,
             self.view,
@@ -133,10 +134,10 @@ class Snapshot:
         )
 
     def as_json(self) -> dict[str, Any]:
-        """The same for scripts: ``core.output.status.as_json`` with the round, phase and read
+        """The same for scripts: ``core.output.status_table.as_json`` with the round, phase and read
         time."""
         members = self.members if self.notes_round in (self.round, None) else None
-        data = core.as_json(
+        data = status_table.as_json(
             self.run_id, self.nodes, self.view, self.restarts, members, self.standing, self.read_at
         )
         data.update(

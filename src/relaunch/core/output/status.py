@@ -3,8 +3,8 @@
 Every few seconds each agent posts a ``NodeStatus`` (its ranks' states, steps, rates and last
 signs of life, its restarts) as a note of the running round; the agent of group rank 0 reads
 every node's, judges stragglers and the job's pace (``job_view``), and posts the ``JobView``.
-``relaunch status`` reads both, and ``format_table`` prints them. Pure: records in, records and
-text out; times are ``time.time()``, passed in.
+``relaunch status`` reads both, and ``core.output.status_table`` shows them. Pure: records in,
+records and text out; times are ``time.time()``, passed in.
 
 The notes come from the store, that is from outside: ``decode`` checks every field's type and
 raises ``ValueError`` saying which is wrong, so that nothing of the wrong shape gets further; and
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from relaunch.core.durations import seconds
+from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
 
 #: What a checked field may be: an integer (never a bool), a number, a string.
@@ -81,38 +80,107 @@ def printable(text: str, newlines: bool = False) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-@dataclass(frozen=True)
-class RankStatus:
+class RankStatus(Value):
     """One worker as its agent last saw it."""
+
+    __slots__ = ("last_sign", "local_rank", "rank", "rate", "state", "step", "total")
 
     rank: int
     local_rank: int
     state: str  # "running", or how it ended: "exited 0", "exited 3", "killed by SIGKILL"
-    step: int | None = None
-    total: int | None = None
-    rate: float | None = None  # steps per second over ``stragglers.WINDOW``
-    last_sign: float | None = None  # its last report, heartbeat or section (None: never)
+    step: int | None
+    total: int | None
+    rate: float | None  # steps per second over ``stragglers.WINDOW``
+    last_sign: float | None  # its last report, heartbeat or section (None: never)
+
+    def __init__(
+        self,
+        rank: int,
+        local_rank: int,
+        state: str,
+        step: int | None = None,
+        total: int | None = None,
+        rate: float | None = None,
+        last_sign: float | None = None,
+    ) -> None:
+        self._set(rank=rank, local_rank=local_rank, state=state, step=step, total=total)
+        self._set(rate=rate, last_sign=last_sign)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields by name, in order (the JSON of the status note)."""
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "state": self.state,
+            "step": self.step,
+            "total": self.total,
+            "rate": self.rate,
+            "last_sign": self.last_sign,
+        }
 
 
-@dataclass(frozen=True)
-class NodeStatus:
+class NodeStatus(Value):
     """One agent's post: who it is, how its workers stand, the restarts it knows of."""
+
+    __slots__ = (
+        "group_rank",
+        "lost_seconds",
+        "node",
+        "posted_at",
+        "ranks",
+        "restart_reasons",
+        "restarts",
+        "stale_after",
+        "state",
+    )
 
     node: str
     group_rank: int
     state: str  # the group's WorkerState
     restarts: int
     posted_at: float
-    ranks: list[RankStatus] = field(default_factory=list)
-    restart_reasons: list[str] = field(default_factory=list)
+    ranks: list[RankStatus]
+    restart_reasons: list[str]
     #: Seconds this node lost to restarts (the goodput ledger's total, ``core.run.goodput``).
-    lost_seconds: float = 0.0
+    lost_seconds: float
     #: Seconds after ``posted_at`` that a post with no newer one is stale: the job's keep-alive
-    #: detection time, or two posts' interval if longer (None: not said, ``STALE_AFTER``).
-    stale_after: float | None = None
+    #: detection time, or two posts' interval if longer (None: not said,
+    #: ``status_table.STALE_AFTER``).
+    stale_after: float | None
+
+    def __init__(
+        self,
+        node: str,
+        group_rank: int,
+        state: str,
+        restarts: int,
+        posted_at: float,
+        ranks: list[RankStatus] | None = None,
+        restart_reasons: list[str] | None = None,
+        lost_seconds: float = 0.0,
+        stale_after: float | None = None,
+    ) -> None:
+        self._set(node=node, group_rank=group_rank, state=state, restarts=restarts)
+        self._set(posted_at=posted_at, ranks=[] if ranks is None else ranks)
+        self._set(restart_reasons=[] if restart_reasons is None else restart_reasons)
+        self._set(lost_seconds=lost_seconds, stale_after=stale_after)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields by name, in order, its ranks' too (the JSON of its note)."""
+        return {
+            "node": self.node,
+            "group_rank": self.group_rank,
+            "state": self.state,
+            "restarts": self.restarts,
+            "posted_at": self.posted_at,
+            "ranks": [rank.as_dict() for rank in self.ranks],
+            "restart_reasons": list(self.restart_reasons),
+            "lost_seconds": self.lost_seconds,
+            "stale_after": self.stale_after,
+        }
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self.as_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeStatus:
@@ -148,77 +216,52 @@ class NodeStatus:
         )
 
 
-#: Seconds after which a post that does not say when it goes stale is: the keep-alive detection
-#: time of the default rendezvous settings (5 s beats, 3 missed, checked once a beat).
-STALE_AFTER = 20.0
-
-
-@dataclass(frozen=True)
-class Standing:
+class Standing(Value):
     """What the round whose posts are shown says of them: ``over`` (it re-forms, or a newer
     round formed: its posts are the past), ``lost`` (the group rank its change removed: a node
     lost, gone or excluded; None: none), ``formed_at`` (when it formed, ``time.time()``; None:
     not known) and ``every`` (seconds between a node's posts)."""
 
-    over: bool = False
-    lost: int | None = None
-    formed_at: float | None = None
-    every: float = stragglers.INTERVAL
+    __slots__ = ("every", "formed_at", "lost", "over")
+
+    over: bool
+    lost: int | None
+    formed_at: float | None
+    every: float
+
+    def __init__(
+        self,
+        over: bool = False,
+        lost: int | None = None,
+        formed_at: float | None = None,
+        every: float = stragglers.INTERVAL,
+    ) -> None:
+        self._set(over=over, lost=lost, formed_at=formed_at, every=every)
 
 
-def health(node: NodeStatus, standing: Standing, now: float) -> str:
-    """How ``node`` stands, as ``relaunch status`` says it: ``lost`` (its round's change removed
-    it), ``past`` (its round is over), ``stale`` (no post within its ``stale_after``) or
-    ``posted`` (its post is fresh: its own state stands)."""
-    if standing.lost == node.group_rank:
-        return "lost"
-    if standing.over:
-        return "past"
-    limit = STALE_AFTER if node.stale_after is None else node.stale_after
-    return "stale" if now - node.posted_at > limit else "posted"
-
-
-def node_words(node: NodeStatus, standing: Standing, now: float) -> str:
-    """The node's cell: its name, and its state unless that is not known to hold any more."""
-    verdict = health(node, standing, now)
-    ago = f"posted {_ago(node.posted_at, now)}"
-    if verdict == "lost":
-        return f"{node.node} (LOST, last {ago})"
-    if verdict == "past":
-        return f"{node.node} (was {node.state}, {ago})"
-    if verdict == "stale":
-        return f"{node.node} (STALE: no post for {seconds(now - node.posted_at)}, was {node.state})"
-    return f"{node.node} ({node.state}, {ago})"
-
-
-def missing_words(group_rank: int, standing: Standing, now: float) -> str:
-    """The cell of a member that posted nothing: what is coming in the first interval after
-    its round formed, and that nothing came after it."""
-    if standing.lost == group_rank:
-        return "(LOST before its first post)"
-    if standing.over or standing.formed_at is None:
-        return "(no status posted yet)"
-    elapsed = max(0.0, now - standing.formed_at)
-    if elapsed <= standing.every:
-        return f"(starting: its first post is due within {seconds(standing.every)})"
-    return f"(STALE: no post {seconds(elapsed)} after the round formed)"
-
-
-@dataclass(frozen=True)
-class Slowest:
+class Slowest(Value):
     """The rank furthest behind: the one the job waits for."""
+
+    __slots__ = ("node", "rank", "step", "total")
 
     rank: int
     node: str
     step: int
     total: int | None
 
+    def __init__(self, rank: int, node: str, step: int, total: int | None) -> None:
+        self._set(rank=rank, node=node, step=step, total=total)
 
-@dataclass(frozen=True)
-class JobView:
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "step": self.step, "total": self.total}
+
+
+class JobView(Value):
     """Group rank 0's verdict on the job: its median rate, the stragglers (global rank -> rate),
     the slowest rank, the job's pace (the slowest rank's rate) and the seconds left (None:
     unknown)."""
+
+    __slots__ = ("eta", "median", "posted_at", "rate", "slowest", "stragglers")
 
     median: float | None
     stragglers: dict[int, float]
@@ -227,8 +270,31 @@ class JobView:
     eta: float | None
     posted_at: float
 
+    def __init__(
+        self,
+        median: float | None,
+        stragglers: dict[int, float],
+        slowest: Slowest | None,
+        rate: float | None,
+        eta: float | None,
+        posted_at: float,
+    ) -> None:
+        self._set(median=median, stragglers=stragglers, slowest=slowest, rate=rate, eta=eta)
+        self._set(posted_at=posted_at)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields by name, in order (the JSON of its note)."""
+        return {
+            "median": self.median,
+            "stragglers": dict(self.stragglers),
+            "slowest": None if self.slowest is None else self.slowest.as_dict(),
+            "rate": self.rate,
+            "eta": self.eta,
+            "posted_at": self.posted_at,
+        }
+
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self.as_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> JobView:
@@ -307,122 +373,3 @@ def _rate(rate: float | None) -> str:
     if not rate:
         return "? step/s"
     return f"{rate:.3g} step/s" if rate >= 1 else f"{1 / rate:.3g} s/step"
-
-
-def _ago(then: float | None, now: float) -> str:
-    return "-" if then is None else f"{max(0.0, now - then):.1f}s ago"
-
-
-def format_table(
-    run_id: str,
-    nodes: Sequence[NodeStatus],
-    view: JobView | None,
-    restarts: int,
-    now: float,
-    note: str = "",
-    members: int | None = None,
-    standing: Standing | None = None,
-) -> str:
-    """The job as ``relaunch status`` prints it: one line per rank, under its node, which says
-    its group's state and when it last posted (every few seconds: its heartbeat here).
-    ``members``: how many nodes the round has; those that posted nothing get a line saying so.
-    ``standing``: what the round says of its posts: a node lost, or silent past its detection
-    time, or of a round that is over, is never shown in its posted state."""
-    standing = standing or Standing()
-    lost = max((node.lost_seconds for node in nodes), default=0.0)
-    lines = [
-        f"job {run_id}: {len(nodes)} node(s), {sum(len(n.ranks) for n in nodes)} rank(s), "
-        f"{restarts} restart(s) used"
-        + (f", {lost:.1f}s lost to them" if lost else "")
-        + (f"; {note}" if note else "")
-    ]
-    bar = None if view is None else job_bar(view)
-    if bar is not None:
-        lines.append(f"  {bar}")
-    header = ("node", "group", "rank", "local", "state", "step", "rate", "last sign", "flag")
-    rows: list[tuple[str, ...]] = []
-    slow = {} if view is None else view.stragglers
-    for node in sorted(nodes, key=lambda n: n.group_rank):
-        beat = node_words(node, standing, now)
-        verdict = health(node, standing, now)
-        for r in sorted(node.ranks, key=lambda r: r.rank):
-            step = "-" if r.step is None else (f"{r.step}/{r.total}" if r.total else str(r.step))
-            rate = "-" if r.rate is None else f"{r.rate:.3g}/s"
-            flag = "straggler" if r.rank in slow else ""
-            rows.append(
-                (
-                    beat,
-                    str(node.group_rank),
-                    str(r.rank),
-                    str(r.local_rank),
-                    _RANK_STATE.get(verdict, r.state),
-                    step,
-                    rate,
-                    _ago(r.last_sign, now),
-                    flag,
-                )
-            )
-            beat = ""
-    for missing in missing_nodes(nodes, members):
-        words = missing_words(missing, standing, now)
-        rows.append((words, str(missing), "", "", "", "", "", "", ""))
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
-    for row in (header, *rows):
-        lines.append(
-            "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        )
-    for number, reason in enumerate(restart_reasons(nodes), 1):
-        lines.append(f"  restart {number}: {reason}")
-    return "\n".join(lines)
-
-
-#: A rank's state in the table where its node's post no longer holds.
-_RANK_STATE = {"lost": "lost", "stale": "unknown"}
-
-
-def restart_reasons(nodes: Sequence[NodeStatus]) -> list[str]:
-    """Why the group restarted, restart by restart, as the nodes tell it: the node whose
-    workers failed says what failed, the others the same prefixed with its name, which is kept.
-    A restart told differently by different nodes lists each telling, joined by " | "."""
-    told: list[str] = []
-    for index in range(max((len(node.restart_reasons) for node in nodes), default=0)):
-        seen = dict.fromkeys(
-            node.restart_reasons[index] for node in nodes if index < len(node.restart_reasons)
-        )
-        named = [r for r in seen if not any(o != r and o.endswith(f": {r}") for o in seen)]
-        told.append(" | ".join(named))
-    return told
-
-
-def missing_nodes(nodes: Sequence[NodeStatus], members: int | None) -> list[int]:
-    """The group ranks below ``members`` that posted no status."""
-    posted = {node.group_rank for node in nodes}
-    return [rank for rank in range(members or 0) if rank not in posted]
-
-
-def as_json(
-    run_id: str,
-    nodes: Sequence[NodeStatus],
-    view: JobView | None,
-    restarts: int,
-    members: int | None = None,
-    standing: Standing | None = None,
-    now: float | None = None,
-) -> dict[str, Any]:
-    """The same, for scripts (``relaunch status --json``); each node's ``health`` as of ``now``
-    (``health``; None: as of its own post)."""
-    standing = standing or Standing()
-    return {
-        "run_id": run_id,
-        "restarts": restarts,
-        "restart_reasons": restart_reasons(nodes),
-        "nodes": [
-            {
-                **asdict(node),
-                "health": health(node, standing, node.posted_at if now is None else now),
-            }
-            for node in sorted(nodes, key=lambda n: n.group_rank)
-        ],
-        "missing": missing_nodes(nodes, members),
-        "job": None if view is None else asdict(view),
-    }

@@ -23,7 +23,9 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
+
+from relaunch.core.value import Value
 
 #: Bounds of what a node may claim: a hostile record must not allocate or loop without end.
 MAX_NODE_RANK = 1 << 31
@@ -32,16 +34,27 @@ MAX_ADDR = 255
 MAX_MEMBERS = 1 << 20
 
 
-class Claim(NamedTuple):
+class Claim(Value):
     """What a node asks of its place, and where its workers' master would be should it get
     group rank 0. ``last``: ``(round, group rank)`` of the last round it was a member of;
     ``node_rank``: its place in the scheduler's order (``--node-rank``); ``addr``/``port``: a
     free port it found."""
 
-    last: tuple[int, int] | None = None
-    node_rank: int | None = None
-    addr: str = ""
-    port: int = 0
+    __slots__ = ("addr", "last", "node_rank", "port")
+
+    last: tuple[int, int] | None
+    node_rank: int | None
+    addr: str
+    port: int
+
+    def __init__(
+        self,
+        last: tuple[int, int] | None = None,
+        node_rank: int | None = None,
+        addr: str = "",
+        port: int = 0,
+    ) -> None:
+        self._set(last=last, node_rank=node_rank, addr=addr, port=port)
 
     @property
     def asks(self) -> bool:
@@ -49,14 +62,19 @@ class Claim(NamedTuple):
         return self.last is not None or self.node_rank is not None
 
 
-class Joiner(NamedTuple):
+class Joiner(Value):
     """One node of a round being completed: its ``ticket`` (arrival, 1-based), its workers, its
     role, and its claim (None: its record was never read)."""
+
+    __slots__ = ("claim", "role", "ticket", "workers")
 
     ticket: int
     workers: int
     role: str | None
     claim: Claim | None
+
+    def __init__(self, ticket: int, workers: int, role: str | None, claim: Claim | None) -> None:
+        self._set(ticket=ticket, workers=workers, role=role, claim=claim)
 
 
 def place(joiners: Sequence[Joiner]) -> list[Joiner]:
@@ -86,13 +104,18 @@ def _newcomer_order(joiner: Joiner) -> tuple[bool, bool, int, int]:
     return claim is None, node_rank is None, node_rank or 0, joiner.ticket
 
 
-class Placing(NamedTuple):
+class Placing(Value):
     """Where a round's members go, by ticket: the member holding ticket ``t`` has group rank
     ``ranks[t - 1]`` and its first worker global rank ``bases[t - 1]``. Indexed by ticket, so
     that each node finds its own place in O(1) in a record every member reads."""
 
+    __slots__ = ("bases", "ranks")
+
     ranks: tuple[int, ...]
     bases: tuple[int, ...]
+
+    def __init__(self, ranks: tuple[int, ...], bases: tuple[int, ...]) -> None:
+        self._set(ranks=ranks, bases=bases)
 
 
 def placing_of(placed: Sequence[Joiner]) -> Placing | None:

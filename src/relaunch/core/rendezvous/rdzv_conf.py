@@ -25,6 +25,7 @@ from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.rendezvous import node_order
 from relaunch.core.rendezvous import rounds as plan
 from relaunch.core.run import exclusion
+from relaunch.core.value import Value
 
 #: The dynamic rendezvous on the built-in store, on etcd, and the fixed one, by
 #: ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name for the dynamic rendezvous on etcd;
@@ -34,14 +35,19 @@ ETCD_BACKENDS = ("etcd", "etcd-v2")
 STATIC_BACKEND = "static"
 
 
-class RegisteredKind(NamedTuple):
+class RegisteredKind(Value):
     """A store kind of the dynamic rendezvous: the ``--rdzv-backend`` names it answers to, the
     module that runs it (``rendezvous.kind_registry`` loads it when the backend is asked for),
     and whether its settings include the etcd client's keys (``EtcdOptions``)."""
 
+    __slots__ = ("etcd_keys", "module", "names")
+
     names: tuple[str, ...]
     module: str
-    etcd_keys: bool = False
+    etcd_keys: bool
+
+    def __init__(self, names: tuple[str, ...], module: str, etcd_keys: bool = False) -> None:
+        self._set(names=names, module=module, etcd_keys=etcd_keys)
 
 
 #: The store kinds, one line a kind: a new kind is its line, its module and its store.
@@ -90,8 +96,8 @@ def _masked(value: NamedTuple, secrets: tuple[str, ...]) -> str:
     return f"{type(value).__name__}({', '.join(shown)})"
 
 
-# Named tuples, not dataclasses: they are made on every launch, and a named tuple class costs a
-# fifth of a frozen dataclass' to define.
+# Named tuples, not ``core.value.Value``s: ``_masked`` shows them by their ``_fields``, and the
+# settings are read by ``_replace`` and their ``_fields`` name the ``--rdzv-conf`` keys.
 
 
 class EtcdOptions(NamedTuple):
@@ -166,9 +172,19 @@ class RendezvousSettings(NamedTuple):
         }
 
 
-class RendezvousSpec(NamedTuple):
+class RendezvousSpec(Value):
     """Which rendezvous this node joins, and how: the ``--rdzv-*`` flags, typed (torch's
     ``RendezvousParameters``, its ``config`` read into ``settings``)."""
+
+    __slots__ = (
+        "backend",
+        "endpoint",
+        "local_addr",
+        "max_nodes",
+        "min_nodes",
+        "run_id",
+        "settings",
+    )
 
     backend: str
     endpoint: str
@@ -176,7 +192,20 @@ class RendezvousSpec(NamedTuple):
     min_nodes: int
     max_nodes: int
     settings: RendezvousSettings
-    local_addr: str | None = None
+    local_addr: str | None
+
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        settings: RendezvousSettings,
+        local_addr: str | None = None,
+    ) -> None:
+        self._set(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=min_nodes)
+        self._set(max_nodes=max_nodes, settings=settings, local_addr=local_addr)
 
 
 def parse(

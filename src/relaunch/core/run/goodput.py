@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from relaunch.core.value import Value
+
 CAUSES = (
     "detection",
     "teardown",
@@ -44,27 +46,42 @@ class RestartMarks:
     step_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class Restored:
+class Restored(Value):
     """How the restarted workers came back: when ``load_state`` began and ended on the last
     rank, and the step it restored (None: nothing to restore); or, for workers that keep no
     state, when they first reported progress (``began == ended``)."""
+
+    __slots__ = ("began", "ended", "step")
 
     began: float
     ended: float
     step: int | None
 
+    def __init__(self, began: float, ended: float, step: int | None) -> None:
+        self._set(began=began, ended=ended, step=step)
 
-@dataclass(frozen=True)
-class RestartCost:
+
+class RestartCost(Value):
     """The seconds one restart cost, by cause (``CAUSES``), and the steps it redoes;
     ``steps_known``: the workers had reported the step they reached (``report_progress``, or
     a step given to ``save_state``), so its recomputation could be counted."""
 
+    __slots__ = ("restart", "seconds", "steps_known", "steps_redone")
+
     restart: int
     seconds: Mapping[str, float]
     steps_redone: int
-    steps_known: bool = True
+    steps_known: bool
+
+    def __init__(
+        self,
+        restart: int,
+        seconds: Mapping[str, float],
+        steps_redone: int,
+        steps_known: bool = True,
+    ) -> None:
+        self._set(restart=restart, seconds=seconds, steps_redone=steps_redone)
+        self._set(steps_known=steps_known)
 
     @property
     def total(self) -> float:

@@ -73,6 +73,7 @@ from relaunch.core.run.step_types import (
     Wait,
     WorkersStarted,
 )
+from relaunch.core.value import Value
 
 #: Seconds the other nodes have to answer a presence check before one of them may be dead.
 PRESENCE_CHECK_TIMEOUT = 1.0
@@ -101,11 +102,16 @@ class Rules(NamedTuple):
     presence_check_timeout: float = PRESENCE_CHECK_TIMEOUT
 
 
-class Reform(NamedTuple):
+class Reform(Value):
     """A restart under way: whether the workers had failed, and the decision's reason."""
+
+    __slots__ = ("failed", "reason")
 
     failed: bool
     reason: str
+
+    def __init__(self, failed: bool, reason: str) -> None:
+        self._set(failed=failed, reason=reason)
 
 
 class RunRecord(NamedTuple):

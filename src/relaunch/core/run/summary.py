@@ -2,38 +2,70 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from relaunch.core.run.failures import describe_exit
+from relaunch.core.value import Value
 
 
-@dataclass(frozen=True)
-class RankEnd:
+class RankEnd(Value):
     """How one worker of the last attempt ended."""
+
+    __slots__ = ("duration", "exitcode", "local_rank", "note", "rank")
 
     rank: int  # -1: it was given no rank, so it never started (the rendezvous did not complete)
     local_rank: int
     exitcode: int | None  # None: it never ran to an end (the run stopped before)
     duration: float
     #: "" when it ended on its own; "stopped" when relaunch stopped it because of another.
-    note: str = ""
+    note: str
+
+    def __init__(
+        self, rank: int, local_rank: int, exitcode: int | None, duration: float, note: str = ""
+    ) -> None:
+        self._set(rank=rank, local_rank=local_rank, exitcode=exitcode, duration=duration)
+        self._set(note=note)
 
 
-@dataclass
-class RunSummary:
-    """What ``format_summary`` prints."""
+class RunSummary(Value):
+    """What ``format_summary`` prints (``launch_agent``'s ``on_summary`` gets it)."""
+
+    __slots__ = (
+        "elapsed",
+        "goodput",
+        "log_dir",
+        "outcome",
+        "ranks",
+        "restarts",
+        "stop",
+        "stragglers",
+    )
 
     outcome: str  # "succeeded", "failed", "stopped by SIGTERM", ...
     elapsed: float
-    ranks: list[RankEnd] = field(default_factory=list)
-    restarts: list[str] = field(default_factory=list)
-    log_dir: str = ""
+    ranks: list[RankEnd]
+    restarts: list[str]
+    log_dir: str
     #: For a run stopped by a signal: what became of the stop request.
-    stop: str = ""
+    stop: str
     #: The ranks flagged as stragglers during the run, one line each.
-    stragglers: list[str] = field(default_factory=list)
+    stragglers: list[str]
     #: The goodput ledger's line: the time lost to restarts, by cause (``core.run.goodput``).
-    goodput: str = ""
+    goodput: str
+
+    def __init__(
+        self,
+        outcome: str,
+        elapsed: float,
+        ranks: list[RankEnd] | None = None,
+        restarts: list[str] | None = None,
+        log_dir: str = "",
+        stop: str = "",
+        stragglers: list[str] | None = None,
+        goodput: str = "",
+    ) -> None:
+        self._set(outcome=outcome, elapsed=elapsed, log_dir=log_dir, stop=stop, goodput=goodput)
+        self._set(ranks=[] if ranks is None else ranks)
+        self._set(restarts=[] if restarts is None else restarts)
+        self._set(stragglers=[] if stragglers is None else stragglers)
 
 
 def _duration(seconds: float) -> str:

@@ -10,17 +10,30 @@ of the other form is an error that says how to write the call in one form.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
+
+from relaunch.core.value import Value
 
 
-class CallForm(NamedTuple):
+class CallForm(Value):
     """One form of call: its parameters in positional order (from where the forms part), the
     keywords it takes besides, and what to do when the other form's keywords are mixed in."""
 
+    __slots__ = ("hint", "keywords", "label", "positional")
+
     label: str
     positional: tuple[str, ...]
-    keywords: frozenset[str] = frozenset()
-    hint: str = ""
+    keywords: frozenset[str]
+    hint: str
+
+    def __init__(
+        self,
+        label: str,
+        positional: tuple[str, ...],
+        keywords: frozenset[str] = frozenset(),
+        hint: str = "",
+    ) -> None:
+        self._set(label=label, positional=positional, keywords=keywords, hint=hint)
 
     def takes(self, name: str) -> bool:
         return name in self.positional or name in self.keywords
