@@ -14,12 +14,9 @@ import os
 import stat
 import threading
 
+from relaunch.core.defaults import MAX_LOG_BYTES as MAX_LOG_BYTES
+
 log = logging.getLogger(__name__)
-
-
-#: The size past which a JSON-lines file is rotated: renamed to ``PATH.1`` (replacing the one
-#: before), and a new ``PATH`` begun. A file and its predecessor hold at most twice this.
-MAX_LOG_BYTES = 64 * 1024 * 1024
 
 
 class JsonLinesWriter:

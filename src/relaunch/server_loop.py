@@ -12,7 +12,6 @@ makes room), and out of descriptors (``EMFILE``) rests a while instead of spinni
 from __future__ import annotations
 
 import errno
-import heapq
 import itertools
 import logging
 import os
@@ -94,6 +93,8 @@ class ServerLoop:
         """Run ``action`` on the loop's thread at ``when`` (``clock.monotonic``). ``live``: how
         many timers at most are not cancelled (when known): the heap is rebuilt without the
         cancelled ones once they outnumber the live, so that it stays O(live)."""
+        import heapq  # here, as in each method that uses it: a loop that sets no timer loads none
+
         timer = Timer(when, action)
         heapq.heappush(self.timers, (when, next(self.sequence), timer))
         if live and len(self.timers) > 2 * live + 64:
@@ -106,6 +107,10 @@ class ServerLoop:
 
     def _next_timeout(self) -> float | None:
         timers = self.timers
+        if not timers:
+            return None
+        import heapq
+
         while timers and timers[0][2].cancelled:
             heapq.heappop(timers)
         if not timers:
@@ -114,6 +119,10 @@ class ServerLoop:
 
     def _run_timers(self) -> None:
         timers, now = self.timers, self.clock.monotonic()
+        if not timers:
+            return
+        import heapq
+
         while timers and timers[0][0] <= now and not self.stopping:
             timer = heapq.heappop(timers)[2]
             if not timer.cancelled:

@@ -14,10 +14,11 @@ from relaunch.core.value import Value
 from relaunch.core.workers.call_forms import CallForm, choose
 from relaunch.core.workers.logs_specs import LogsSpecs, is_logs_specs
 from relaunch.core.workers.streams import per_rank
-from relaunch.events import Event, EventHandler, NullEventHandler, get_logging_handler, record
+from relaunch.events import EventHandler, NullEventHandler, record
 from relaunch.procs.logs_specs import DefaultLogsSpecs
 
 if TYPE_CHECKING:
+    from relaunch.core.output.status_events import Event
     from relaunch.core.workers.placement import Placement
 
 
@@ -50,6 +51,8 @@ class RecordTo:
     ``event_log_handler``."""
 
     def __init__(self, destination: str) -> None:
+        from relaunch.events.handlers import get_logging_handler
+
         get_logging_handler(destination)  # an unknown destination: say so before the run
         self.destination = destination
 

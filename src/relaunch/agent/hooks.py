@@ -14,7 +14,6 @@ module, registered in one line (``agent.features``). ``agent.workers`` runs them
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from relaunch.agent.spec import WorkerGroup
@@ -38,32 +37,70 @@ def _no_save(hung: Collection[int] = ()) -> None:
     return None
 
 
-@dataclass(eq=False)
+def _no_step() -> int | None:
+    return None
+
+
 class Run:
     """One agent's run, as its hooks see it: the settings and services (fixed), the channel
-    (from ``open``), and the attempt now (``pcontext``, from its start)."""
+    (from ``open``), and the attempt now (``pcontext``, from its start). A plain class: the
+    hooks change it as the run goes, and a dataclass would cost the launcher its ``exec``."""
 
-    group: WorkerGroup
-    job: JobServices
-    clock: Clock
-    expiry: ExpiryWatch
-    reporter: NodeReporter
-    report: RunReport
-    sampler: Sampler
-    console: Console
-    state_settings: StateSettings | None = None
-    preload: tuple[str, ...] = ()
-    own_start: bool = True  # the workers are started by relaunch's start_processes
-    channel: Channel | None = None
-    #: What every worker gets that the hooks set at ``open`` (the zygote's environment too).
-    open_env: dict[str, str] = field(default_factory=dict)
-    pcontext: PContext | None = None
-    agent_store: bool = False  # this attempt's torch store is served by an agent
-    draws_console: bool = False  # this attempt's plan draws the node bar
-    #: The just-in-time save (``agent.hook_state``), before stacks are taken from ``hung``.
-    save_just_in_time: Callable[[Collection[int]], None] = _no_save
-    #: The newest step the workers kept with ``save_state`` (None: none, or no kept state).
-    saved_step: Callable[[], int | None] = lambda: None
+    __slots__ = (
+        "agent_store",
+        "channel",
+        "clock",
+        "console",
+        "draws_console",
+        "expiry",
+        "group",
+        "job",
+        "open_env",
+        "own_start",
+        "pcontext",
+        "preload",
+        "report",
+        "reporter",
+        "sampler",
+        "save_just_in_time",
+        "saved_step",
+        "state_settings",
+    )
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        job: JobServices,
+        clock: Clock,
+        expiry: ExpiryWatch,
+        reporter: NodeReporter,
+        report: RunReport,
+        sampler: Sampler,
+        console: Console,
+        state_settings: StateSettings | None = None,
+        preload: tuple[str, ...] = (),
+    ) -> None:
+        self.group = group
+        self.job = job
+        self.clock = clock
+        self.expiry = expiry
+        self.reporter = reporter
+        self.report = report
+        self.sampler = sampler
+        self.console = console
+        self.state_settings = state_settings
+        self.preload = preload
+        self.own_start = True  # the workers are started by relaunch's start_processes
+        self.channel: Channel | None = None
+        #: What every worker gets that the hooks set at ``open`` (the zygote's environment too).
+        self.open_env: dict[str, str] = {}
+        self.pcontext: PContext | None = None
+        self.agent_store = False  # this attempt's torch store is served by an agent
+        self.draws_console = False  # this attempt's plan draws the node bar
+        #: The just-in-time save (``agent.hook_state``), before stacks are taken from ``hung``.
+        self.save_just_in_time: Callable[[Collection[int]], None] = _no_save
+        #: The newest step the workers kept with ``save_state`` (None: none, or no kept state).
+        self.saved_step: Callable[[], int | None] = _no_step
 
 
 class AttemptHook:

@@ -28,7 +28,7 @@ from relaunch.core.run.run_events import (
 from relaunch.core.run.summary import RankEnd, RunSummary
 from relaunch.core.workers.progress import NodeProgress, Progress
 from relaunch.core.workers.stragglers import Straggler
-from relaunch.events import EventHandler, EventSource, status_event
+from relaunch.events import EventHandler, NullEventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
@@ -85,14 +85,14 @@ class RunReport:
     def agent_event(
         self, state: WorkerState | str, restart_count: int, raw_error: str | None = None
     ) -> None:
-        self._event(EventSource.AGENT, state, restart_count, raw_error=raw_error)
+        self._event("AGENT", state, restart_count, raw_error=raw_error)
 
     def straggler(self, straggler: Straggler, factor: float, restart_count: int) -> None:
         """A ``STRAGGLER`` worker event (relaunch's) for a rank flagged slow, and its line in
         the summary."""
         self.stragglers[straggler.rank] = straggler.describe(factor)
         self._event(
-            EventSource.WORKER,
+            "WORKER",
             "STRAGGLER",
             restart_count,
             global_rank=straggler.rank,
@@ -105,7 +105,7 @@ class RunReport:
         cost = costed.cost
         self.ledger.costs.append(cost)
         self._event(
-            EventSource.AGENT,
+            "AGENT",
             "RESTART_COST",
             cost.restart,
             details={
@@ -118,7 +118,7 @@ class RunReport:
         """A ``HEALTHY`` agent event: a group of workers started, after a rendezvous that took
         ``rendezvous_seconds``."""
         self._event(
-            EventSource.AGENT,
+            "AGENT",
             WorkerState.HEALTHY,
             restart_count,
             details={"rendezvous_seconds": round(rendezvous_seconds, 3)},
@@ -127,7 +127,7 @@ class RunReport:
     def restarting(self, restart_count: int, cause: str, reason: str) -> None:
         """A ``RESTARTING`` agent event (relaunch's): the group stops to start again."""
         self._event(
-            EventSource.AGENT,
+            "AGENT",
             "RESTARTING",
             restart_count,
             raw_error=reason,
@@ -137,14 +137,14 @@ class RunReport:
     def hung(self, restart_count: int, what: str) -> None:
         """A ``HUNG`` agent event (relaunch's): a local rank missed its section's or heartbeat's
         deadline; every rank's stack is being taken."""
-        self._event(EventSource.AGENT, "HUNG", restart_count, raw_error=what)
+        self._event("AGENT", "HUNG", restart_count, raw_error=what)
 
     def run_events(self, finished: Finished) -> None:
         """One event per worker (how it ended, its last progress), then the agent's."""
         for worker in finished.workers:
             progress = self.last_progress.get(worker.local_rank)
             self._event(
-                EventSource.WORKER,
+                "WORKER",
                 worker.state,
                 finished.restart_count,
                 global_rank=worker.global_rank,
@@ -160,15 +160,21 @@ class RunReport:
         self.agent_event(finished.state, finished.restart_count)
 
     def _event(
-        self, source: EventSource, state: WorkerState | str, restart_count: int, **fields: Any
+        self, source: str, state: WorkerState | str, restart_count: int, **fields: Any
     ) -> None:
+        """Record a status event from ``source`` (``"AGENT"`` or ``"WORKER"``); none is built
+        for the null handler, which drops it."""
+        if type(self._event_handler) is NullEventHandler:
+            return
+        from relaunch.core.output.status_events import EventSource, status_event
+
         group = self._group
         spec = group.spec
         # When it happened (torchelastic's own timestamp field stays 0, as torchelastic has it).
         fields["details"] = {"time": round(self._clock.time(), 3), **fields.get("details", {})}
         self._event_handler.record(
             status_event(
-                source=source,
+                source=EventSource(source),
                 state=state,  # status_event takes the enum's value
                 run_id=spec.rdzv_handler.get_run_id(),
                 role=spec.role,

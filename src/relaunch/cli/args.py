@@ -179,19 +179,26 @@ def validate(config: LaunchConfig) -> None:
             parse_endpoints(config.rdzv_endpoint or "127.0.0.1", settings.etcd.protocol)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    from relaunch.events import check_log_file, event_handler_from_spec, spec_path
-
-    try:
-        event_handler_from_spec(config.event_log_handler).close()
-        path = spec_path(config.event_log_handler)
-        if path:
-            check_log_file(path, "--event-log-handler file:")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if config.event_log_handler != "null":  # the default: nothing to check
+        check_event_log(config.event_log_handler)
     if config.log_dir is not None:
         check_directory(config.log_dir)
     if config.state_dir is not None:
         check_directory(config.state_dir, "--state-dir")
+
+
+def check_event_log(spec: str) -> None:
+    """``--event-log-handler``: a spec it takes, and a file it names one this process can
+    append to; ConfigError in one line otherwise."""
+    from relaunch.events import check_log_file, event_handler_from_spec, spec_path
+
+    try:
+        event_handler_from_spec(spec).close()
+        path = spec_path(spec)
+        if path:
+            check_log_file(path, "--event-log-handler file:")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_directory(path: str, flag: str = "--log-dir") -> None:

@@ -4,6 +4,10 @@ torch's ``NumaOptions``: here, so that reading them (``relaunch --help``, a ``La
 
 from __future__ import annotations
 
+#: The size past which a JSON-lines file (the event and metric logs: ``jsonl_file``) is rotated:
+#: renamed to ``PATH.1`` (replacing the one before), and a new ``PATH`` begun. A file and its
+#: predecessor hold at most twice this.
+MAX_LOG_BYTES = 64 * 1024 * 1024
 #: Default seconds between the stop signal and SIGKILL.
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 #: How function workers may be started (multiprocessing's start methods).

@@ -4,7 +4,8 @@ nodes' agents, or nowhere.
 
 The events and metric samples themselves, in torchelastic's shapes, are built without I/O in
 ``relaunch.core.output.status_events`` (re-exported here); the files are appended to by
-``relaunch.jsonl_file``.
+``relaunch.jsonl_file``. Both load on first use: a run whose events and metrics go nowhere (the
+null handlers, the default) builds none and loads neither.
 
 torch's module functions are here too, with torch's meaning: ``record(event, destination)``
 sends an event to the ``logging`` handler a destination names (``handlers``), and
@@ -14,29 +15,33 @@ sends an event to the ``logging`` handler a destination names (``handlers``), an
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import sys
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
-from relaunch.core.output.status_events import (
-    Event,
-    EventMetadataValue,
-    EventSource,
-    MetricData,
-    NodeState,
-    RdzvEvent,
-    parse_spec,
-    spec_path,
-    status_event,
-)
-from relaunch.events.handlers import get_logging_handler
-from relaunch.jsonl_file import MAX_LOG_BYTES, JsonLinesWriter, check_log_file
-from relaunch.jsonl_file import creatable as creatable  # config's directory checks
-from relaunch.jsonl_file import unwritable as unwritable
-from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.core.defaults import MAX_LOG_BYTES as MAX_LOG_BYTES  # the files' rotation size
+from relaunch.runtime import SYSTEM_CLOCK, Clock, lazy_attributes
+
+if TYPE_CHECKING:
+    # isort: off
+    from relaunch.core.output.status_events import (
+        Event as Event,
+        EventMetadataValue as EventMetadataValue,
+        EventSource as EventSource,
+        MetricData as MetricData,
+        NodeState as NodeState,
+        RdzvEvent as RdzvEvent,
+        spec_path as spec_path,
+        status_event as status_event,
+    )
+    from relaunch.events.handlers import get_logging_handler as get_logging_handler
+    from relaunch.jsonl_file import (
+        check_log_file as check_log_file,
+        creatable as creatable,  # config's directory checks
+        unwritable as unwritable,
+    )
+    # isort: on
 
 __all__ = [
     "ConsoleEventHandler",
@@ -66,6 +71,31 @@ __all__ = [
 ]
 
 
+#: The names that load on first use, by the module that defines each: a launch whose events
+#: and metrics go nowhere (the null handlers) builds none and loads none of them.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "Event",
+            "EventMetadataValue",
+            "EventSource",
+            "MetricData",
+            "NodeState",
+            "RdzvEvent",
+            "spec_path",
+            "status_event",
+        ),
+        "relaunch.core.output.status_events",
+    ),
+    "get_logging_handler": "relaunch.events.handlers",
+    "check_log_file": "relaunch.jsonl_file",
+    "creatable": "relaunch.jsonl_file",
+    "unwritable": "relaunch.jsonl_file",
+}
+
+__getattr__ = lazy_attributes(__name__, _LAZY)
+
+
 # --- torch's module functions: events to ``logging`` handlers, by destination ------------------
 
 _events_loggers: dict[str, logging.Logger] = {}
@@ -76,6 +106,8 @@ def _logger(destination: str) -> logging.Logger:
     event is handled once)."""
     events_logger = _events_loggers.get(destination)
     if events_logger is None:
+        from relaunch.events.handlers import get_logging_handler
+
         handler = get_logging_handler(destination)
         events_logger = logging.getLogger(f"relaunch-events-{destination}")
         events_logger.setLevel(logging.INFO)
@@ -112,6 +144,9 @@ def construct_and_record_rdzv_event(
     ``"<caller's file>:<name or caller's function>"``, with this host (``socket.getfqdn``) and
     pid unless given, and the exception being handled as ``error_trace`` when ``node_state``
     is ``FAILED``. Nothing is built while the destination drops events."""
+    from relaunch.core.output.status_events import NodeState, RdzvEvent
+    from relaunch.events.handlers import get_logging_handler
+
     if isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler):
         return
     if not hostname:
@@ -206,6 +241,8 @@ class JsonLinesEventHandler:
     across threads and processes; rotated to ``PATH.1`` past ``max_bytes``."""
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int = MAX_LOG_BYTES) -> None:
+        from relaunch.jsonl_file import JsonLinesWriter
+
         self._writer = JsonLinesWriter(path, max_bytes)
 
     @property
@@ -221,6 +258,10 @@ class JsonLinesEventHandler:
 
 def event_handler_from_spec(spec: str) -> EventHandler:
     """The event handler a ``--event-log-handler`` value names."""
+    if spec == "null":  # the default: nothing to parse or to load
+        return NullEventHandler()
+    from relaunch.core.output.status_events import parse_spec
+
     kind, path = parse_spec(spec, "event")
     if kind == "null":
         return NullEventHandler()
@@ -269,6 +310,8 @@ class JsonLinesMetricHandler:
     """Appends each metric as one JSON line (timestamp, group_name, name, value) to ``path``."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        from relaunch.jsonl_file import JsonLinesWriter
+
         self._writer = JsonLinesWriter(path)
 
     @property
@@ -276,6 +319,9 @@ class JsonLinesMetricHandler:
         return self._writer.path
 
     def emit(self, metric_data: MetricData) -> None:
+        import dataclasses
+        import json
+
         self._writer.write_line(json.dumps(dataclasses.asdict(metric_data)))
 
     def close(self) -> None:
@@ -284,6 +330,10 @@ class JsonLinesMetricHandler:
 
 def metric_handler_from_spec(spec: str) -> MetricHandler:
     """The metric handler a spec names (same forms as ``event_handler_from_spec``)."""
+    if spec == "null":
+        return NullMetricHandler()
+    from relaunch.core.output.status_events import parse_spec
+
     kind, path = parse_spec(spec, "metric")
     if kind == "null":
         return NullMetricHandler()
@@ -304,7 +354,12 @@ class Metrics:
         self._clock = clock
 
     def put_metric(self, name: str, value: int, group: str | None = None) -> None:
-        """Emit ``value`` for ``name``, stamped with the current time."""
+        """Emit ``value`` for ``name``, stamped with the current time (nothing is built for the
+        null handler, which drops it)."""
+        if type(self.handler) is NullMetricHandler:
+            return
+        from relaunch.core.output.status_events import MetricData
+
         self.handler.emit(
             MetricData(
                 timestamp=self._clock.time(),

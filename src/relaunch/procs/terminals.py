@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import struct
-import termios
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -24,6 +23,8 @@ def pty_size(size: os.terminal_size, prefix_width: int) -> tuple[int, int]:
 
 
 def _set_size(fd: int, columns: int, rows: int) -> None:
+    import termios  # here: only workers given a terminal need it
+
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
 
 
@@ -35,6 +36,8 @@ def open_terminal(columns: int, rows: int) -> tuple[int, int]:
     read_fd, child_fd = os.openpty()
     try:
         _set_size(child_fd, columns, rows)
+        import termios
+
         attributes = termios.tcgetattr(child_fd)
         attributes[1] &= ~termios.ONLCR
         termios.tcsetattr(child_fd, termios.TCSANOW, attributes)

@@ -4,7 +4,6 @@ first failure asks before the others are stopped (``FailureGrace``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.rank_streams import TeeStream
@@ -24,23 +23,51 @@ class FailureGrace:
         """A worker ended while the stop waited."""
 
 
-@dataclass
 class WorkerProcess:
-    """A started worker as the monitor tracks it."""
+    """A started worker as the monitor tracks it (a plain class: it changes as the worker runs,
+    and the launcher makes it at every start, where a dataclass costs its ``exec``)."""
 
-    local_rank: int
-    handle: PopenHandle | ProcessHandle
-    streams: list[TeeStream] = field(default_factory=list)
-    #: The read end of its return value's pipe (function workers); kept, closed, once read.
-    result: ReturnReader | None = None
-    exitcode: int | None = None
-    #: When it ended (``time.time()``): its exit fd said so, even where its status came later.
-    exit_time: float = 0.0
-    #: When its exit fd said it ended while its status was not there yet (0.0: not so).
-    ended_at: float = 0.0
-    #: It waits to restart in place (``GroupMonitor.keep``): ended for this group, still alive,
-    #: and neither signalled nor released by it.
-    kept: bool = False
+    __slots__ = (
+        "ended_at",
+        "exit_time",
+        "exitcode",
+        "handle",
+        "kept",
+        "local_rank",
+        "result",
+        "streams",
+    )
+
+    def __init__(
+        self,
+        local_rank: int,
+        handle: PopenHandle | ProcessHandle,
+        streams: list[TeeStream] | None = None,
+        result: ReturnReader | None = None,
+        exitcode: int | None = None,
+        exit_time: float = 0.0,
+        ended_at: float = 0.0,
+        kept: bool = False,
+    ) -> None:
+        self.local_rank = local_rank
+        self.handle = handle
+        self.streams: list[TeeStream] = [] if streams is None else streams
+        #: The read end of its return value's pipe (function workers); kept, closed, once read.
+        self.result = result
+        self.exitcode = exitcode
+        #: When it ended (``time.time()``): its exit fd said so, even where its status came later.
+        self.exit_time = exit_time
+        #: When its exit fd said it ended while its status was not there yet (0.0: not so).
+        self.ended_at = ended_at
+        #: It waits to restart in place (``GroupMonitor.keep``): ended for this group, still
+        #: alive, and neither signalled nor released by it.
+        self.kept = kept
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerProcess(local_rank={self.local_rank}, pid={self.pid}, "
+            f"exitcode={self.exitcode}, kept={self.kept})"
+        )
 
     @property
     def pid(self) -> int:

@@ -21,8 +21,10 @@ from relaunch.core.rendezvous import rdzv_conf
 from relaunch.core.rendezvous.rdzv_conf import (
     BACKENDS,
     C10D_BACKENDS,
+    C10D_DEFAULT_PORT,
     STATIC_BACKEND,
     RendezvousSpec,
+    registered_kind,
 )
 from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import parse_endpoint, parse_endpoint_list
@@ -32,7 +34,6 @@ from relaunch.rendezvous.api import (
     rendezvous_handler_registry,
 )
 from relaunch.rendezvous.kind_registry import kind_module
-from relaunch.rendezvous.kinds_c10d import DEFAULT_PORT
 from relaunch.rendezvous.static import StaticRendezvousHandler
 
 if TYPE_CHECKING:
@@ -72,21 +73,19 @@ def create_rendezvous_handler(spec: RendezvousSpec) -> RendezvousHandler:
     in-process one (``--standalone``), or its store kind's (``kind_registry``)."""
     if spec.backend == STATIC_BACKEND:
         return create_static_handler(spec)
-    try:
-        kind = kind_module(spec.backend)
-    except KeyError:
+    if registered_kind(spec.backend) is None:
         raise ValueError(
             f"unknown rendezvous backend {spec.backend!r}: valid backends are "
             + ", ".join(BACKENDS)
-        ) from None
+        )
     if spec.backend in C10D_BACKENDS and _standalone(spec):
-        return create_standalone_handler(spec)
-    return kind.create_handler(spec)
+        return create_standalone_handler(spec)  # its kind's module is not loaded
+    return kind_module(spec.backend).create_handler(spec)
 
 
 def _standalone(spec: RendezvousSpec) -> bool:
     """Whether the job's store is this process's (``core.rendezvous.store_roles``)."""
-    endpoints = parse_endpoint_list(spec.endpoint or "127.0.0.1", DEFAULT_PORT)
+    endpoints = parse_endpoint_list(spec.endpoint or "127.0.0.1", C10D_DEFAULT_PORT)
     setup = StoreSetup(len(endpoints), endpoints[0][1], spec.max_nodes, spec.settings.is_host)
     return store_roles(setup) == (StoreRole.STANDALONE,)
 
@@ -103,7 +102,7 @@ def create_standalone_handler(spec: RendezvousSpec) -> DynamicRendezvousHandler:
         spec.run_id,
         memory,
         conf.round_settings(spec.min_nodes, spec.max_nodes),
-        parse_endpoint_list(spec.endpoint or "127.0.0.1", DEFAULT_PORT)[0][0],
+        parse_endpoint_list(spec.endpoint or "127.0.0.1", C10D_DEFAULT_PORT)[0][0],
         memory,
         watch_store=memory,
         backend=spec.backend,

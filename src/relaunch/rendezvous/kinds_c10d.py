@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from relaunch.core.durations import seconds
 from relaunch.core.rendezvous import rdzv_conf
 from relaunch.core.rendezvous import rounds as plan
+from relaunch.core.rendezvous.rdzv_conf import C10D_DEFAULT_PORT as DEFAULT_PORT
 from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings, RendezvousSpec
 from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import is_loopback, parse_endpoint_list
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from relaunch.store.replication import Elect
     from relaunch.store.server import TcpStoreServer
 
-DEFAULT_PORT = 29400
 #: What ``relaunch status`` suggests when the store cannot be read.
 UNREACHABLE_HINT = "is the job running? Its store lives as long as the agent that serves it"
 

@@ -20,7 +20,6 @@ round calls ``place`` with what the members registered; the final record carries
 
 from __future__ import annotations
 
-import base64
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -164,12 +163,16 @@ def decode_placing(fields: Mapping[str, Any], count: int, world_size: int) -> Pl
 
 
 def _pack(values: Sequence[int]) -> str:
+    import base64  # only a job of several nodes in a chosen order places its nodes
+
     return base64.b64encode(struct.pack(f"<{len(values)}I", *values)).decode()
 
 
 def _unpack(text: object) -> tuple[int, ...]:
     if not isinstance(text, str) or len(text) > 4 * MAX_MEMBERS:
         raise ValueError("not a placing")
+    import base64
+
     try:
         raw = base64.b64decode(text, validate=True)
     except ValueError:

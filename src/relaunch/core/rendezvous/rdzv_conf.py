@@ -31,6 +31,8 @@ from relaunch.core.value import Value
 #: ``--rdzv-backend`` name. ``etcd-v2`` is torchrun's name for the dynamic rendezvous on etcd;
 #: relaunch speaks etcd's v3 API under both names.
 C10D_BACKENDS = ("c10d", "tcp")
+#: The store's port when a c10d ``--rdzv-endpoint`` names none (torchrun's).
+C10D_DEFAULT_PORT = 29400
 ETCD_BACKENDS = ("etcd", "etcd-v2")
 STATIC_BACKEND = "static"
 

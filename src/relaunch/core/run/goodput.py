@@ -15,7 +15,6 @@ them up.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from itertools import pairwise
 
 from relaunch.core.value import Value
@@ -31,19 +30,41 @@ CAUSES = (
 )
 
 
-@dataclass
 class RestartMarks:
-    """The moments of one restart, as the agent saw them (``time.time()``; 0: not seen)."""
+    """The moments of one restart, as the agent saw them (``time.time()``; 0: not seen); a plain
+    class, filled in as the restart goes (a dataclass costs the launcher its ``exec``)."""
 
-    restart: int
-    failed_at: float = 0.0
-    noticed_at: float = 0.0
-    stopped_at: float = 0.0
-    join_began_at: float = 0.0
-    join_ended_at: float = 0.0
-    #: The furthest step any rank reported before the failure, and a step's seconds then.
-    last_step: int | None = None
-    step_seconds: float = 0.0
+    __slots__ = (
+        "failed_at",
+        "join_began_at",
+        "join_ended_at",
+        "last_step",
+        "noticed_at",
+        "restart",
+        "step_seconds",
+        "stopped_at",
+    )
+
+    def __init__(
+        self,
+        restart: int,
+        failed_at: float = 0.0,
+        noticed_at: float = 0.0,
+        stopped_at: float = 0.0,
+        join_began_at: float = 0.0,
+        join_ended_at: float = 0.0,
+        last_step: int | None = None,
+        step_seconds: float = 0.0,
+    ) -> None:
+        self.restart = restart
+        self.failed_at = failed_at
+        self.noticed_at = noticed_at
+        self.stopped_at = stopped_at
+        self.join_began_at = join_began_at
+        self.join_ended_at = join_ended_at
+        #: The furthest step any rank reported before the failure, and a step's seconds then.
+        self.last_step = last_step
+        self.step_seconds = step_seconds
 
 
 class Restored(Value):
@@ -107,11 +128,13 @@ def cost_of(marks: RestartMarks, restored: Restored | None, ended_at: float) -> 
     return RestartCost(marks.restart, seconds, redone, marks.last_step is not None)
 
 
-@dataclass
 class Ledger:
-    """Every restart's cost in a run."""
+    """Every restart's cost in a run (a plain class: it grows as the run goes)."""
 
-    costs: list[RestartCost] = field(default_factory=list)
+    __slots__ = ("costs",)
+
+    def __init__(self, costs: list[RestartCost] | None = None) -> None:
+        self.costs: list[RestartCost] = [] if costs is None else costs
 
     def totals(self) -> dict[str, float]:
         return {cause: sum(cost.seconds[cause] for cost in self.costs) for cause in CAUSES}
