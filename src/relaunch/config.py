@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -240,7 +240,7 @@ def _join_groups(config: LaunchConfig) -> None:
             and (group is UNSET or getattr(config, flat) != getattr(group, key))
         }
         try:
-            group = kind(**changes) if group is UNSET else replace(group, **changes)
+            group = kind(**changes) if group is UNSET else group.replace(**changes)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         object.__setattr__(config, name, group)

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import astuple
 from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.agent_args import AgentArguments, agent_arguments, events_of, placement_of
@@ -156,7 +155,11 @@ class LocalElasticAgent:
         job = self._job = _job_of(spec)
         self._exit_barrier_timeout = arguments.exit_barrier_timeout
         # run before every join (``agent.join``)
-        self._health_check = None if health.command is None else HealthCheck(*astuple(health))
+        self._health_check = (
+            None
+            if health.command is None
+            else HealthCheck(health.command, health.timeout, health.cooldown)
+        )
         rules = _rules(spec, job, restart_policy.rule, restart_policy.max_stalled)
         self._run_record = RunRecord(rules)
         self._log_dir, logs = _logs(arguments.logs_specs, spec.rdzv_handler.get_run_id())

@@ -21,7 +21,9 @@ as an annotation without a default), checks its arguments in ``__init__`` and gi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+_V = TypeVar("_V", bound="Value")
 
 
 class Value:
@@ -57,6 +59,11 @@ class Value:
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
         return f"{type(self).__name__}({shown})"
+
+    def replace(self: _V, **changes: Any) -> _V:
+        """A copy with ``changes`` to its fields, made by ``__init__``, whose checks run again
+        (as ``dataclasses.replace`` makes one)."""
+        return type(self)(**{**dict(zip(self.__slots__, self._fields(), strict=True)), **changes})
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled and copied by its fields, rebuilt without ``__init__`` (as a dataclass is):

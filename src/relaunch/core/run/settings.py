@@ -5,7 +5,6 @@ that reads it, checked once here. ``StateSettings`` (``core.workers.state_settin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from relaunch.core.defaults import (
@@ -14,6 +13,7 @@ from relaunch.core.defaults import (
     MAX_SECONDS,
 )
 from relaunch.core.run.restart import Backoff
+from relaunch.core.value import Value
 from relaunch.core.workers.state_settings import StateSettings
 
 
@@ -29,18 +29,25 @@ def check_seconds(name: str, value: float, zero_ok: bool) -> None:
         )
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
+class RestartPolicy(Value):
     """How a crash loop is slowed and ended: ``backoff`` (base, max) seconds before the second
     restart in a row, doubling up to max; a group that ran ``healthy`` seconds (None: 2 x max,
     at least 1) ends the loop; the job stops after ``max_stalled`` restarts in a row that made
     no progress (0: never)."""
 
-    backoff: tuple[float, float] = (1.0, 30.0)
-    max_stalled: int = 3
-    healthy: float | None = None
+    __slots__ = ("backoff", "healthy", "max_stalled")
 
-    def __post_init__(self) -> None:
+    backoff: tuple[float, float]
+    max_stalled: int
+    healthy: float | None
+
+    def __init__(
+        self,
+        backoff: tuple[float, float] = (1.0, 30.0),
+        max_stalled: int = 3,
+        healthy: float | None = None,
+    ) -> None:
+        self._set(backoff=backoff, max_stalled=max_stalled, healthy=healthy)
         for bound in self.backoff:
             check_seconds("restart_backoff", bound, True)
 
@@ -52,48 +59,64 @@ class RestartPolicy:
         return Backoff(base, cap, healthy)
 
 
-@dataclass(frozen=True)
-class HangSettings:
+class HangSettings(Value):
     """When a worker is hung, and who is slow: ``timeout`` seconds without a sign of life
     (None: never by silence); ``timers``, a file timer server for ``relaunch.timer.expires``
     (None: when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); a rank whose steps per second fall below
     the job's median divided by ``straggler_factor`` is flagged."""
 
-    timeout: float | None = None
-    timers: bool | None = None
-    straggler_factor: float = 1.5
+    __slots__ = ("straggler_factor", "timeout", "timers")
 
-    def __post_init__(self) -> None:
+    timeout: float | None
+    timers: bool | None
+    straggler_factor: float
+
+    def __init__(
+        self,
+        timeout: float | None = None,
+        timers: bool | None = None,
+        straggler_factor: float = 1.5,
+    ) -> None:
+        self._set(timeout=timeout, timers=timers, straggler_factor=straggler_factor)
         if self.timeout is not None:
             check_seconds("hang_timeout", self.timeout, False)
 
 
-@dataclass(frozen=True)
-class HealthSettings:
+class HealthSettings(Value):
     """A shell ``command`` run before every join (exit 0: this node joins; None: no check),
     killed after ``timeout`` seconds; a node whose check failed tries again after
     ``cooldown``."""
 
-    command: str | None = None
-    timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
-    cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN
+    __slots__ = ("command", "cooldown", "timeout")
 
-    def __post_init__(self) -> None:
+    command: str | None
+    timeout: float
+    cooldown: float
+
+    def __init__(
+        self,
+        command: str | None = None,
+        timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT,
+        cooldown: float = DEFAULT_HEALTH_CHECK_COOLDOWN,
+    ) -> None:
+        self._set(command=command, timeout=timeout, cooldown=cooldown)
         check_seconds("health_check_timeout", self.timeout, False)
         check_seconds("health_check_cooldown", self.cooldown, False)
         if self.command is not None and not self.command.strip():
             raise ValueError("health_check must be a shell command, got an empty one")
 
 
-@dataclass(frozen=True)
-class MetricsEndpoint:
+class MetricsEndpoint(Value):
     """Where Prometheus metrics are served: ``port`` (0: a free one; None: not served) on
     ``host`` ("": every interface)."""
 
-    host: str = ""
-    port: int | None = None
+    __slots__ = ("host", "port")
 
-    def __post_init__(self) -> None:
+    host: str
+    port: int | None
+
+    def __init__(self, host: str = "", port: int | None = None) -> None:
+        self._set(host=host, port=port)
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError(f"metrics_port must be a port 0..65535, got {self.port!r}")
 

@@ -6,7 +6,8 @@ checked once, and the sizes people write (``8G``)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from relaunch.core.value import Value
 
 #: ``--state-memory``'s default: this share of the machine's memory.
 DEFAULT_MEMORY_SHARE = 0.25
@@ -16,8 +17,7 @@ DEFAULT_REPLICAS = 1
 DEFAULT_COPY_EVERY = 1
 
 
-@dataclass(frozen=True)
-class StateSettings:
+class StateSettings(Value):
     """How an agent keeps its workers' state: ``memory`` bytes of shared memory at most (None:
     ``default_memory``); a copy in ``directory`` every ``persist_every`` saves of each rank and
     at the job's end (None: none); ``jit_save_timeout`` seconds for the listening workers'
@@ -25,14 +25,39 @@ class StateSettings:
     in ring order (0: none), of the saves of every ``copy_every``-th step (every node copies
     the same steps, and keeps its own two newest of them)."""
 
-    memory: int | None = None
-    directory: str | None = None
-    persist_every: int = DEFAULT_PERSIST_EVERY
-    jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT
-    replicas: int = DEFAULT_REPLICAS
-    copy_every: int = DEFAULT_COPY_EVERY
+    __slots__ = (
+        "copy_every",
+        "directory",
+        "jit_save_timeout",
+        "memory",
+        "persist_every",
+        "replicas",
+    )
 
-    def __post_init__(self) -> None:
+    memory: int | None
+    directory: str | None
+    persist_every: int
+    jit_save_timeout: float
+    replicas: int
+    copy_every: int
+
+    def __init__(
+        self,
+        memory: int | None = None,
+        directory: str | None = None,
+        persist_every: int = DEFAULT_PERSIST_EVERY,
+        jit_save_timeout: float = DEFAULT_JIT_SAVE_TIMEOUT,
+        replicas: int = DEFAULT_REPLICAS,
+        copy_every: int = DEFAULT_COPY_EVERY,
+    ) -> None:
+        self._set(
+            memory=memory,
+            directory=directory,
+            persist_every=persist_every,
+            jit_save_timeout=jit_save_timeout,
+            replicas=replicas,
+            copy_every=copy_every,
+        )
         if self.memory is not None and (isinstance(self.memory, bool) or self.memory <= 0):
             raise ValueError(f"state memory must be a number of bytes > 0, got {self.memory!r}")
         if isinstance(self.persist_every, bool) or not (
