@@ -6,12 +6,15 @@ A loop watches its sockets and a wake-up pipe (``wake``, from any thread), runs 
 started by ``runtime.start_thread``: an exception that ends it is a reported thread failure,
 never a silent death. A ``Listener`` accepts a bounded number of connections a turn, asks its
 owner's ``admit`` first (a connection cap: the owner rests the listener until one closes, or
-makes room), and out of descriptors (``EMFILE``) rests a while instead of spinning.
+makes room), and out of descriptors (``EMFILE``) rests a while instead of spinning. Everything
+it needs is imported here, not where first used: an import opens a file, which the back-off from
+``EMFILE`` would not get.
 """
 
 from __future__ import annotations
 
 import errno
+import heapq
 import itertools
 import logging
 import os
@@ -93,8 +96,6 @@ class ServerLoop:
         """Run ``action`` on the loop's thread at ``when`` (``clock.monotonic``). ``live``: how
         many timers at most are not cancelled (when known): the heap is rebuilt without the
         cancelled ones once they outnumber the live, so that it stays O(live)."""
-        import heapq  # here, as in each method that uses it: a loop that sets no timer loads none
-
         timer = Timer(when, action)
         heapq.heappush(self.timers, (when, next(self.sequence), timer))
         if live and len(self.timers) > 2 * live + 64:
@@ -107,10 +108,6 @@ class ServerLoop:
 
     def _next_timeout(self) -> float | None:
         timers = self.timers
-        if not timers:
-            return None
-        import heapq
-
         while timers and timers[0][2].cancelled:
             heapq.heappop(timers)
         if not timers:
@@ -119,10 +116,6 @@ class ServerLoop:
 
     def _run_timers(self) -> None:
         timers, now = self.timers, self.clock.monotonic()
-        if not timers:
-            return
-        import heapq
-
         while timers and timers[0][0] <= now and not self.stopping:
             timer = heapq.heappop(timers)[2]
             if not timer.cancelled:

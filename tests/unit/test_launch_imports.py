@@ -24,7 +24,6 @@ NOT_FOR_A_SINGLE_NODE = (
     "http.client",
     "statistics",
     "base64",  # a job of several nodes placed in a chosen order
-    "heapq",  # a timer set (an expiry timer, a server loop's deadline)
     "termios",  # workers given a terminal
     "relaunch.store.client",
     "relaunch.store.server",

@@ -8,6 +8,7 @@ deadline instead of waking on a period.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
@@ -65,8 +66,6 @@ class TimerTable:
         """Start (or move) the timer of ``scope`` of ``worker``."""
         timer = Timer(worker, scope, deadline, now, signal)
         self._live[(worker, scope)] = timer
-        import heapq  # here, as in each method that uses it: a launch that sets no timer loads none
-
         self._pushed += 1
         heapq.heappush(self._heap, (deadline, self._pushed, timer))
         self._compact()
@@ -96,8 +95,6 @@ class TimerTable:
     def expired(self, now: float) -> dict[Hashable, list[Timer]]:
         """Remove and return the timers due at ``now`` (deadline <= now), by worker."""
         due: dict[Hashable, list[Timer]] = {}
-        import heapq
-
         while True:
             self._drop_stale_top()
             if not self._heap or self._heap[0][0] > now:
@@ -110,15 +107,11 @@ class TimerTable:
         return self._live.get((timer.worker, timer.scope)) is timer
 
     def _drop_stale_top(self) -> None:
-        import heapq
-
         while self._heap and not self._is_live(self._heap[0][2]):
             heapq.heappop(self._heap)
 
     def _compact(self) -> None:
         """Rebuild the heap when released timers make up most of it (bounded memory)."""
-        import heapq
-
         if len(self._heap) > 64 and len(self._heap) > 4 * len(self._live):
             self._heap = [entry for entry in self._heap if self._is_live(entry[2])]
             heapq.heapify(self._heap)
