@@ -18,6 +18,7 @@ import time
 import pytest
 
 from relaunch.cli.status import status_main
+from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.output import status as core
 from relaunch.rendezvous.reader import MAX_MEMBERS, JobReader
 from relaunch.store import wire
@@ -100,6 +101,20 @@ MALFORMED = {
     "a note nested 100,000 deep": job(notes__status__0=b"[" * 100_000 + b"]" * 100_000),
     "a note of 2 MiB": job(notes__status__0=note(node="h" * (2 << 20))),
     "a job view of the wrong shape": job(notes__job=b'{"stragglers": [], "posted_at": 1}'),
+    # the records that say how fresh a post is and how many nodes a round wants
+    "a note posted at NaN": job(notes__status__0=note(posted_at=float("nan"))),
+    "a note stale after NaN": job(notes__status__0=note(stale_after=float("nan"))),
+    "a note stale after never": job(notes__status__0=note(stale_after=float("inf"))),
+    "a note stale after 1e300 s": job(notes__status__0=note(stale_after=1e300)),
+    "a note stale after -1 s": job(notes__status__0=note(stale_after=-1)),
+    "a note stale after a string": job(notes__status__0=note(stale_after="20")),
+    "a size not min:max": {key("round"): b"0", key("joins", 0): b"1", key("size", 0): b"\x1b[2J"},
+    "a size of 10 digits": {
+        key("round"): b"0",
+        key("joins", 0): b"1",
+        key("size", 0): b"1:9999999999",
+    },
+    "a size of max below min": {key("round"): b"0", key("joins", 0): b"1", key("size", 0): b"3:2"},
     "a job view with a rank not a number": job(
         notes__job=b'{"stragglers": {"x": 1}, "slowest": null, "posted_at": 1}'
     ),
@@ -148,6 +163,30 @@ def test_escape_codes_in_a_job_are_shown_not_obeyed(
     with values_store(values) as store:
         code, out, err = run(capsys, store.endpoint, "--json")
     assert code == 0 and ESC not in out and "\x9b" not in out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("at", [b"NaN", b"Infinity", b'"yesterday"', b"true", b"1e400"])
+def test_a_final_records_forged_time_is_not_taken(
+    at: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When the round formed (its final record's ``at``) only words the first seconds of a
+    job: a time that is no time is left out, and the job is shown."""
+    with values_store(job(final=b'{"count": 1, "at": ' + at + b"}")) as store:
+        code, out, err = run(capsys, store.endpoint)
+    assert code == 0, err
+    assert "host0" in out and "Traceback" not in err
+
+
+@pytest.mark.timeout(30)
+def test_a_dead_nodes_post_ages_whatever_it_claims(capsys: pytest.CaptureFixture[str]) -> None:
+    """A post of long ago is stale, at the most ``stale_after`` any post may claim: a forged
+    post cannot show a dead node healthy for ever."""
+    old = note(posted_at=time.time() - 2 * MAX_SECONDS, stale_after=MAX_SECONDS)
+    with values_store(job(notes__status__0=old)) as store:
+        code, out, err = run(capsys, store.endpoint)
+    assert code == 0, err
+    assert "(STALE" in out and "(HEALTHY" not in out, out
 
 
 @pytest.mark.timeout(30)

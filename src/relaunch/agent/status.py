@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.output import status as core
 from relaunch.core.run.run_events import NodeSnapshot, RestartCosted, Restarted, RunEvent
 from relaunch.core.value import Value
@@ -116,7 +117,8 @@ class NodeReporter:
         # A post older than the job's keep-alive detection time (or than two posts' interval)
         # no longer says how this node stands: ``relaunch status`` shows it stale.
         every = stragglers.interval(group.nodes, self._interval)
-        self._stale_after = max(2 * every, 0.0 if job is None else job.lost_node_grace)
+        grace = 0.0 if job is None else job.lost_node_grace
+        self._stale_after = min(max(2 * every, grace), MAX_SECONDS)
         self._stop, self._reported = threading.Event(), threading.Event()
         snapshot = group.snapshot()
         if any(snapshot.progress(local) is not None for local in group.ranks):

@@ -27,6 +27,7 @@ all, whatever a corrupt or hostile store holds.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -289,7 +290,9 @@ class JobReader:
             at = json.loads(final).get("at")
         except _SHAPE_ERRORS:
             return None  # ``_members`` said what is wrong with it
-        return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            return None
+        return float(at)
 
     def _wanted(self, round_: int, joined: int) -> str:
         """How many of how many joined round ``round_``, which forms."""

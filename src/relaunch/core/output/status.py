@@ -14,9 +14,11 @@ whatever text is shown passes through ``printable`` on its way to a terminal.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
 
@@ -208,12 +210,28 @@ class NodeStatus(Value):
             _field(data, "group_rank", "integer"),
             _field(data, "state", "string"),
             _field(data, "restarts", "integer"),
-            _field(data, "posted_at", "number"),
+            _time(_field(data, "posted_at", "number"), "posted_at"),
             ranks,
             reasons,
             _field(data, "lost_seconds", "number", optional=True) or 0.0,
-            _field(data, "stale_after", "number", optional=True),
+            _stale_after(_field(data, "stale_after", "number", optional=True)),
         )
+
+
+def _time(value: float, name: str) -> float:
+    """A post's clock reading: a finite number (NaN would make every age comparison false: a
+    post that never ages)."""
+    if not math.isfinite(value):
+        raise ValueError(f"field {name!r}: {value!r} is not a time")
+    return value
+
+
+def _stale_after(value: float | None) -> float | None:
+    """A post's ``stale_after``: seconds > 0 and at most ``MAX_SECONDS`` (None: not said), so
+    that no post claims to stay fresh for ever."""
+    if value is not None and not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"field 'stale_after': {value!r} is not seconds in (0, {MAX_SECONDS:.0f}]")
+    return value
 
 
 class Standing(Value):
