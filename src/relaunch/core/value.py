@@ -1,10 +1,11 @@
 """``Value``: the one way to make a frozen value type in relaunch's own code.
 
 A ``Value`` is a plain class whose fields are its ``__slots__``, set once by a hand-written
-``__init__``, compared by class and fields, hashable, shown as ``Name(field=value, ...)``. Not a
-dataclass nor a named tuple: the launcher makes these classes at every start, and Python 3.11
-compiles a frozen dataclass's methods with ``exec`` (about 0.45 ms a class, a named tuple about
-0.15 ms), a plain class a few microseconds. Public types keep torch's dataclasses.
+``__init__``, compared by class and fields, hashable, shown as ``Name(field=value, ...)`` and
+made a dict (``as_dict``), its fields in the order its class declares them. Not a dataclass nor
+a named tuple: the launcher makes these classes at every start, and Python 3.11 compiles a
+frozen dataclass's methods with ``exec`` (about 0.45 ms a class, a named tuple about 0.15 ms),
+a plain class a few microseconds. Public types keep torch's dataclasses.
 
 A value class subclasses ``Value`` directly, names its fields in ``__slots__`` (a field's type
 as an annotation without a default), checks its arguments in ``__init__`` and gives them to
@@ -56,9 +57,20 @@ class Value:
     def __hash__(self) -> int:
         return hash((type(self), self._fields()))
 
+    @classmethod
+    def _declared(cls) -> tuple[str, ...]:
+        """Its fields in the order its class declares them (``__slots__`` is kept sorted)."""
+        annotations = vars(cls).get("__annotations__", {})  # its own, not Value's
+        return tuple(name for name in annotations if name in cls.__slots__)
+
     def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._declared())
         return f"{type(self).__name__}({shown})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields by name, in the order its class declares them, the values within (alone,
+        in lists or in dicts) as dicts too: the shape ``dataclasses.asdict`` gives, for JSON."""
+        return {name: _plain(getattr(self, name)) for name in self._declared()}
 
     def replace(self: _V, **changes: Any) -> _V:
         """A copy with ``changes`` to its fields, made by ``__init__``, whose checks run again
@@ -69,6 +81,17 @@ class Value:
         """Pickled and copied by its fields, rebuilt without ``__init__`` (as a dataclass is):
         the default way would set the slots through ``__setattr__``, which refuses."""
         return (_rebuilt, (type(self), self._fields()))
+
+
+def _plain(field: Any) -> Any:
+    """``field`` with every value in it as its ``as_dict`` (lists and dicts copied)."""
+    if isinstance(field, Value):
+        return field.as_dict()
+    if isinstance(field, list):
+        return [_plain(item) for item in field]
+    if isinstance(field, dict):
+        return {key: _plain(item) for key, item in field.items()}
+    return field
 
 
 def _rebuilt(kind: type[Value], fields: tuple[Any, ...]) -> Value:

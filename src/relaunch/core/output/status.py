@@ -108,18 +108,6 @@ class RankStatus(Value):
         self._set(rank=rank, local_rank=local_rank, state=state, step=step, total=total)
         self._set(rate=rate, last_sign=last_sign)
 
-    def as_dict(self) -> dict[str, Any]:
-        """Its fields by name, in order (the JSON of the status note)."""
-        return {
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "state": self.state,
-            "step": self.step,
-            "total": self.total,
-            "rate": self.rate,
-            "last_sign": self.last_sign,
-        }
-
 
 class NodeStatus(Value):
     """One agent's post: who it is, how its workers stand, the restarts it knows of."""
@@ -166,20 +154,6 @@ class NodeStatus(Value):
         self._set(posted_at=posted_at, ranks=[] if ranks is None else ranks)
         self._set(restart_reasons=[] if restart_reasons is None else restart_reasons)
         self._set(lost_seconds=lost_seconds, stale_after=stale_after)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Its fields by name, in order, its ranks' too (the JSON of its note)."""
-        return {
-            "node": self.node,
-            "group_rank": self.group_rank,
-            "state": self.state,
-            "restarts": self.restarts,
-            "posted_at": self.posted_at,
-            "ranks": [rank.as_dict() for rank in self.ranks],
-            "restart_reasons": list(self.restart_reasons),
-            "lost_seconds": self.lost_seconds,
-            "stale_after": self.stale_after,
-        }
 
     def encode(self) -> bytes:
         return json.dumps(self.as_dict(), separators=(",", ":")).encode()
@@ -270,9 +244,6 @@ class Slowest(Value):
     def __init__(self, rank: int, node: str, step: int, total: int | None) -> None:
         self._set(rank=rank, node=node, step=step, total=total)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node": self.node, "step": self.step, "total": self.total}
-
 
 class JobView(Value):
     """Group rank 0's verdict on the job: its median rate, the stragglers (global rank -> rate),
@@ -299,17 +270,6 @@ class JobView(Value):
     ) -> None:
         self._set(median=median, stragglers=stragglers, slowest=slowest, rate=rate, eta=eta)
         self._set(posted_at=posted_at)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Its fields by name, in order (the JSON of its note)."""
-        return {
-            "median": self.median,
-            "stragglers": dict(self.stragglers),
-            "slowest": None if self.slowest is None else self.slowest.as_dict(),
-            "rate": self.rate,
-            "eta": self.eta,
-            "posted_at": self.posted_at,
-        }
 
     def encode(self) -> bytes:
         return json.dumps(self.as_dict(), separators=(",", ":")).encode()
