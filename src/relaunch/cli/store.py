@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from relaunch.cli.flag_row import checked
 from relaunch.cli.flags import EXIT_USAGE, _Parser, usage_error
+from relaunch.core.rendezvous.rdzv_conf import C10D_DEFAULT_PORT
 
 
 def store_main(argv: Sequence[str]) -> int:
@@ -28,8 +29,8 @@ def store_main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--port",
         type=checked("parse_count", 0),
-        default=29400,
-        help="port to listen on, 0 for any free one (default: 29400)",
+        default=C10D_DEFAULT_PORT,
+        help=f"port to listen on, 0 for any free one (default: {C10D_DEFAULT_PORT})",
     )
     parser.add_argument(
         "--token", default=None, help=f"shared secret clients must prove (default: ${TOKEN_ENV})"

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 from relaunch.core.durations import seconds
 from relaunch.core.rendezvous import rdzv_conf
 from relaunch.core.rendezvous import rounds as plan
-from relaunch.core.rendezvous.rdzv_conf import C10D_DEFAULT_PORT as DEFAULT_PORT
-from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings, RendezvousSpec
+from relaunch.core.rendezvous.rdzv_conf import C10D_DEFAULT_PORT, RendezvousSettings, RendezvousSpec
 from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import is_loopback, parse_endpoint_list
 from relaunch.rendezvous.api import RendezvousConnectionError
@@ -49,7 +48,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler, node_options
     from relaunch.rendezvous.failover import StoreFailover, format_endpoint, job_electorate
 
-    endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", DEFAULT_PORT)
+    endpoints = parse_endpoint_list(params.endpoint or "127.0.0.1", C10D_DEFAULT_PORT)
     conf = params.settings
     token = conf.job_token(os.environ)
     settings = conf.round_settings(params.min_nodes, params.max_nodes)
@@ -289,7 +288,7 @@ def open_reader(
     from relaunch.store.client import TcpStore
 
     try:
-        endpoints = parse_endpoint_list(endpoint, DEFAULT_PORT)
+        endpoints = parse_endpoint_list(endpoint, C10D_DEFAULT_PORT)
     except ValueError as exc:
         raise EndpointError(str(exc)) from None
     token = conf.job_token(environ)
