@@ -46,6 +46,7 @@ WORKER = """
         sys.exit(0)
     if mode in ("fail", "kill", "exhaust") and group == "1":
         (out / f"g1-a{attempt}").touch()
+        wait_for("g0-working")  # group 0 wrote its first line
         if mode == "exhaust" or attempt == 0:
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -56,9 +57,12 @@ WORKER = """
         done = "back" if mode != "exhaust" else "g1-a1"
         deadline = time.monotonic() + 60
         with open(out / "g0.log", "a") as log:
-            while not (out / done).exists() and time.monotonic() < deadline:
+            after = 3  # lines once group 1 is back
+            while after and time.monotonic() < deadline:
                 log.write(f"{os.getpid()} {attempt}\\n")
                 log.flush()
+                (out / "g0-working").touch()
+                after -= (out / done).exists()
                 time.sleep(0.01)
         sys.exit(0)
     (out / f"ready-g{group}-r{rank}").touch()  # hold: until told to go
@@ -149,7 +153,7 @@ def test_a_failed_group_restarts_alone_and_the_other_keeps_working(
     pids, attempts = set(written[0::2]), set(written[1::2])
     # one process of group 0, on its first attempt, writing before and after the restart
     assert pids == {str(seen(out, 0)["pid"])} and attempts == {"0"}
-    assert len(written) > 2
+    assert len(written) >= 2 * 4  # before group 1 failed, and 3 lines after it came back
     assert ends(done.stderr) == [
         "relaunch: replica group 0: succeeded, 0 restarts",
         "relaunch: replica group 1: succeeded, 1 restart",

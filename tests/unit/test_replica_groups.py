@@ -37,7 +37,10 @@ def test_the_worst_status_wins_and_each_end_says_how_the_group_did() -> None:
     assert groups.worst_status([groups.exit_status(-9), 1]) == 137
     assert groups.format_group_end(0, 0, 0) == "replica group 0: succeeded, 0 restarts"
     assert groups.format_group_end(1, 1, 2) == "replica group 1: failed (exit status 1), 2 restarts"
-    assert groups.format_group_end(1, 143, 1) == "replica group 1: stopped (exit status 143), 1 restart"
+    assert (
+        groups.format_group_end(1, 143, 1)
+        == "replica group 1: stopped (exit status 143), 1 restart"
+    )
     assert (
         groups.format_group_end(2, 137, None, "SIGKILL")
         == "replica group 2: its agent was killed by SIGKILL (exit status 137)"
@@ -54,7 +57,9 @@ def test_without_replica_groups_nothing_changes() -> None:
 def test_one_node_supervises_its_groups_and_each_group_agent_follows_its_store() -> None:
     assert replica_group(parse("--standalone", "--replica-groups", "3"), {}) is None
     environ = {GROUP_STORE_ENV: "127.0.0.1:4567", GROUP_RUN_ID_ENV: "job"}
-    args = parse("--replica-group", "2", "--standalone", "--replica-groups", "3", "--metrics-port", "9100")
+    args = parse(
+        "--replica-group", "2", "--standalone", "--replica-groups", "3", "--metrics-port", "9100"
+    )
     config, _, _ = config_from_args(args, environ=environ)
     assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "127.0.0.1:4567")
     assert config.run_id == "job-group2" and config.max_nodes == 1

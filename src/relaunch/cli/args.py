@@ -180,7 +180,8 @@ def replica_group(args: argparse.Namespace, environ: Mapping[str, str]) -> int |
     the nodes' order (``--node-rank``, which a scheduler's environment fills in); None when it
     runs no group of its own: no replica groups, or one node, whose launcher supervises all of
     them (``cli.replicas``). ConfigError when the flags do not say one."""
-    count, group = args.replica_groups, args.replica_group
+    count: int = args.replica_groups
+    group: int | None = args.replica_group
     if count == 1 and group is None:
         return None
     from relaunch.core.run import replica_groups
@@ -193,13 +194,13 @@ def replica_group(args: argparse.Namespace, environ: Mapping[str, str]) -> int |
             return group
         _group_nodes(args)
         if group is not None:
-            return int(group)
+            return group
         if args.node_rank is None:
             raise ValueError(
                 f"--replica-groups {count} on {max_nodes} nodes: say which group this node "
                 "serves with --replica-group G or --node-rank RANK"
             )
-        return replica_groups.group_of_node(args.node_rank, max_nodes, count)
+        return replica_groups.group_of_node(int(args.node_rank), max_nodes, count)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -209,7 +210,8 @@ def _group_nodes(args: argparse.Namespace) -> tuple[int, int]:
     from relaunch.core.run.replica_groups import group_nodes
 
     try:
-        return group_nodes(*args.nnodes, args.replica_groups)
+        min_nodes, max_nodes = args.nnodes
+        return group_nodes(min_nodes, max_nodes, args.replica_groups)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -253,7 +255,9 @@ def _metrics(given: tuple[str, int | None], group: int | None) -> MetricsEndpoin
     try:
         return MetricsEndpoint(host, port)
     except ValueError as exc:
-        raise ConfigError(f"--metrics-port serves replica group {group} at port + {group}: {exc}") from None
+        raise ConfigError(
+            f"--metrics-port serves replica group {group} at port + {group}: {exc}"
+        ) from None
 
 
 def validate(config: LaunchConfig) -> None:

@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared = prepare(arguments)
     if isinstance(prepared, int):
         return prepared
-    args, config = prepared[0], prepared[1]
+    args = prepared[0]
     group = None
     if args.replica_groups > 1 or args.replica_group is not None:
         from relaunch.cli.args import replica_group
@@ -225,13 +225,13 @@ def _replica_groups(
 ) -> int:
     """One node's ``--replica-groups``: print their plans (``--dry-run``) or supervise them
     (``cli.replicas``)."""
-    from relaunch.cli import replicas
+    from relaunch.cli.replicas import dry_run_groups, run_groups
 
     if not args.dry_run:
         _collector_on()
-        return replicas.run_groups(argv, args, config)
+        return run_groups(argv, args, config, say)
     try:
-        text = replicas.dry_run_groups(args, config, entrypoint, entry_args)
+        text = dry_run_groups(args, config, entrypoint, entry_args)
     except Exception as exc:
         ended = end(exc, PREPARE)
         if ended is None:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from relaunch.cli.args import GROUP_RUN_ID_ENV, GROUP_STORE_ENV, config_from_args
-from relaunch.cli.command import say
 from relaunch.core.run import replica_groups
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ def dry_run_groups(
     entrypoint: Callable[..., Any] | str,
     entry_args: Sequence[str],
 ) -> str:
-    """``--dry-run`` of one node's groups: each group's first attempt, as its agent would plan it."""
+    """``--dry-run`` of one node's groups: each group's first attempt, as its agent plans it."""
     from relaunch.agent.dry_run import dry_run
     from relaunch.launcher import placement_of
 
@@ -91,9 +90,14 @@ def _with_group(args: argparse.Namespace, group: int) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "replica_group": group})
 
 
-def run_groups(argv: Sequence[str], args: argparse.Namespace, config: LaunchConfig) -> int:
-    """Run one node's ``--replica-groups`` as child agents until all have ended; the worst
-    exit status."""
+def run_groups(
+    argv: Sequence[str],
+    args: argparse.Namespace,
+    config: LaunchConfig,
+    say: Callable[[str], None],
+) -> int:
+    """Run one node's ``--replica-groups`` as child agents until all have ended, telling people
+    through ``say`` (the command's stderr); the worst exit status."""
     from relaunch.core.rendezvous.rdzv_conf import TOKEN_ENV
     from relaunch.store.server import TcpStoreServer
 
@@ -117,7 +121,7 @@ def run_groups(argv: Sequence[str], args: argparse.Namespace, config: LaunchConf
         GROUP_RUN_ID_ENV: config.run_id,
     }
     try:
-        ends = _supervise(argv, count, environ, tuple(args.signals_to_handle))
+        ends = _supervise(argv, count, environ, tuple(args.signals_to_handle), say)
     finally:
         stop_services()
     restarts = {group: _restarts(server.endpoint, config.run_id, group) for group in ends}
@@ -138,6 +142,7 @@ def _supervise(
     count: int,
     environ: Mapping[str, str],
     signals: tuple[signal.Signals, ...],
+    say: Callable[[str], None],
 ) -> dict[int, int]:
     """Start the group agents and wait for each to end, forwarding the stop signals sent to
     this process (``kill``; not a terminal's, which reached the agents already); each group's
@@ -162,9 +167,9 @@ def _supervise(
                         _signal(pid, stopping)
                 continue
             for pid, code in _reaped():
-                group = agents.pop(pid, None)
-                if group is None:
+                if pid not in agents:
                     continue
+                group = agents.pop(pid)
                 ends[group] = code
                 killed = _killed_by(code)
                 if killed is not None and stopping is None and agents:
@@ -181,7 +186,7 @@ def _supervise(
 
 def _reaped() -> list[tuple[int, int]]:
     """Every child that ended, and its return code (negative: killed by that signal)."""
-    ended = []
+    ended: list[tuple[int, int]] = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
