@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from datetime import timedelta
@@ -88,6 +89,47 @@ def test_it_starts_with_the_settings_asked_and_torchfts_client_gets_a_quorum(
         lighthouse.close()
     assert lines == []
     assert "Lighthouse listening on" in (tmp_path / "lighthouse.log").read_text()
+
+
+def test_a_group_gone_holds_up_the_survivors_quorum_for_the_heartbeat_timeout(
+    marked: LeakCheck, tmp_path: Any
+) -> None:
+    """Two groups heartbeat every 100 ms as torchft's Manager does; one stops: the survivor's
+    next quorum comes once its heartbeats are 500 ms old (torchft's default: 5 s)."""
+    lighthouse = Lighthouse(LighthouseSettings(), str(tmp_path / "lh.log"))
+    beating = {"group0": threading.Event(), "group1": threading.Event()}
+    client = torchft_client_module().LighthouseClient
+
+    def heartbeat(group: str) -> None:
+        beats = client(lighthouse.address, timedelta(seconds=10))
+        while not beating[group].wait(0.1):
+            beats.heartbeat(group)
+
+    threads = [threading.Thread(target=heartbeat, args=(group,)) for group in beating]
+    try:
+        address = lighthouse.start()
+        for thread in threads:
+            thread.start()
+        page = lambda: status_page(address).split("Heartbeats")[-1]  # noqa: E731
+        wait_until(lambda: "group0" in page() and "group1" in page(), 10, "both heartbeat")
+        asked = [threading.Thread(target=quorum, args=(address, group)) for group in beating]
+        for thread in asked:
+            thread.start()
+        for thread in asked:
+            thread.join(20)
+        beating["group1"].set()
+        gone_at = time.monotonic()
+        got = quorum(address, "group0")
+        held_up = time.monotonic() - gone_at
+        assert [member.replica_id for member in got.participants] == ["group0"]
+        assert 0.35 < held_up < 2.0, held_up
+    finally:
+        for stop in beating.values():
+            stop.set()
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(10)
+        lighthouse.close()
 
 
 def test_a_sigkilled_lighthouse_is_back_on_the_same_address(

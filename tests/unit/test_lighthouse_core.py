@@ -28,7 +28,7 @@ def test_when_a_job_gets_a_lighthouse(
 def test_the_settings_default_to_fast_recovery() -> None:
     settings, wrong = decide.settings_from({}, min_replicas=2)
     assert wrong == []
-    assert settings == decide.LighthouseSettings(2, 1000, 500, 20)
+    assert settings == decide.LighthouseSettings(2, 500, 500, 20)
     assert decide.LighthouseSettings().min_replicas == 1
 
 
@@ -57,7 +57,7 @@ def test_the_command_line_has_torchft_lighthouses_flags() -> None:
     argv = decide.command("py", "prog.py", "ext.so", "127.0.0.1:0", decide.LighthouseSettings())
     assert argv == [
         "py", "-I", "-S", "prog.py", "ext.so", "--bind", "127.0.0.1:0", "--min_replicas", "1",
-        "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "500", "--quorum_tick_ms", "20",
+        "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "500", "--quorum_tick_ms", "20",
     ]  # fmt: skip
 
 
