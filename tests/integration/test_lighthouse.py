@@ -25,6 +25,7 @@ from relaunch.agent.lighthouse import (
     start_if_wanted,
     torchft_extension,
 )
+from relaunch.agent.lighthouse_relay import LighthouseRelay
 from relaunch.core.run.lighthouse import LighthouseSettings
 
 EXTENSION = torchft_extension()
@@ -292,3 +293,33 @@ def test_the_lighthouse_ends_with_a_sigkilled_launcher(marked: LeakCheck, tmp_pa
         assert launcher.stdin is not None and launcher.stdout is not None
         launcher.stdin.close()
         launcher.stdout.close()
+
+
+def test_the_relay_keeps_the_workers_address_when_the_lighthouse_moves(
+    marked: LeakCheck, tmp_path: Any
+) -> None:
+    """One lighthouse, then another on another port (as on another node): torchft's client,
+    given the relay's address once, reaches each through it."""
+    relay = LighthouseRelay()
+    relay.start()
+    first = Lighthouse(LighthouseSettings(), str(tmp_path / "first.log"))
+    second = Lighthouse(LighthouseSettings(), str(tmp_path / "second.log"))
+    try:
+        first.start()
+        relay.set_target(("127.0.0.1", first.port or 0))
+        client = torchft_client_module().LighthouseClient(relay.address, timedelta(seconds=10))
+        ask = lambda group: client.quorum(  # noqa: E731
+            replica_id=group, timeout=timedelta(seconds=10), world_size=1
+        )
+        assert [member.replica_id for member in ask("group0").participants] == ["group0"]
+        first.close()
+        second.start()
+        assert second.port != first.port
+        relay.set_target(("127.0.0.1", second.port or 0))
+        got = ask("group1")  # the same client, its connection made again through the relay
+        assert [member.replica_id for member in got.participants] == ["group1"]
+        assert relay.relayed >= 2
+    finally:
+        first.close()
+        second.close()
+        relay.close()

@@ -153,7 +153,9 @@ class Lighthouse:
         return self.address
 
     def close(self) -> None:
-        """Stop it and reap it; no restart after this."""
+        """Stop it and reap it; no restart after this (a second call does nothing)."""
+        if self._closing.is_set():
+            return
         self._closing.set()
         os.write(self._wake_w, b"x")
         if self._thread is not None:
