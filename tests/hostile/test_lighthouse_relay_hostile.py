@@ -1,7 +1,7 @@
 """The lighthouse relay against whoever reaches its port: loopback only, a connection cap (the
 rest wait in the kernel's queue and are served once one closes), a deadline to reach the
 lighthouse, bytes held bounded when a side does not read, and nothing forwarded without a
-target."""
+target, nor to a forged address in the store."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import pytest
 from conftest import wait_until
 
 from relaunch.agent.lighthouse_relay import CHUNK, LighthouseRelay
+from relaunch.core.run.lighthouse import announcement
+from relaunch.store.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,6 +78,12 @@ def roundtrip(port: int, data: bytes = b"ping") -> bytes:
         return got
 
 
+def aim(relay: LighthouseRelay, target: tuple[str, int]) -> None:
+    """Set the relay's target and wait until its loop took it."""
+    relay.set_target(target)
+    wait_until(lambda: relay.target == target, 10, "the relay took its target")
+
+
 def test_it_listens_on_loopback_only() -> None:
     relay = LighthouseRelay()
     with pytest.raises(ValueError, match="listens on loopback only"):
@@ -89,8 +97,8 @@ def test_without_a_target_a_connection_is_closed_at_once(echo: Echo) -> None:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             assert sock.recv(16) == b""
-        relay.set_target(echo.target)
-        wait_until(lambda: roundtrip(port) == b"ping", 10, "relayed once a target is set")
+        aim(relay, echo.target)
+        assert roundtrip(port) == b"ping"
         assert echo.accepted >= 1
     finally:
         relay.close()
@@ -99,10 +107,10 @@ def test_without_a_target_a_connection_is_closed_at_once(echo: Echo) -> None:
 def test_connections_over_the_cap_wait_and_are_served_once_one_closes(echo: Echo) -> None:
     relay = LighthouseRelay(max_connections=4)
     port = relay.start()
-    relay.set_target(echo.target)
+    aim(relay, echo.target)
     held = []
     try:
-        wait_until(lambda: roundtrip(port) == b"ping", 10, "the relay forwards")
+        assert roundtrip(port) == b"ping"
         for _ in range(4):
             sock = socket.create_connection(("127.0.0.1", port), timeout=10)
             sock.sendall(b"x")
@@ -137,7 +145,7 @@ def test_a_lighthouse_that_cannot_be_reached_in_time_is_given_up(echo: Echo) -> 
             filler.connect_ex(full.getsockname())
             fillers.append(filler)
         port = relay.start()
-        relay.set_target(full.getsockname())
+        aim(relay, full.getsockname())
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.settimeout(10)
             assert sock.recv(16) == b""  # closed at the deadline, not held
@@ -153,9 +161,9 @@ def test_a_lighthouse_that_cannot_be_reached_in_time_is_given_up(echo: Echo) -> 
 def test_a_client_that_does_not_read_holds_a_bounded_amount(echo: Echo) -> None:
     relay = LighthouseRelay()
     port = relay.start()
-    relay.set_target(echo.target)
+    aim(relay, echo.target)
     try:
-        wait_until(lambda: roundtrip(port) == b"ping", 10, "the relay forwards")
+        assert roundtrip(port) == b"ping"
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.setblocking(False)
             sent = 0
@@ -174,10 +182,10 @@ def test_a_client_that_does_not_read_holds_a_bounded_amount(echo: Echo) -> None:
 def test_a_large_exchange_arrives_whole_both_ways(echo: Echo) -> None:
     relay = LighthouseRelay()
     port = relay.start()
-    relay.set_target(echo.target)
+    aim(relay, echo.target)
     data = os.urandom(4_000_000)
     try:
-        wait_until(lambda: roundtrip(port) == b"ping", 10, "the relay forwards")
+        assert roundtrip(port) == b"ping"
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sender = threading.Thread(target=sock.sendall, args=(data,))
             sender.start()
@@ -190,3 +198,25 @@ def test_a_large_exchange_arrives_whole_both_ways(echo: Echo) -> None:
         assert bytes(got) == data
     finally:
         relay.close()
+
+
+def test_a_forged_address_in_the_store_leaves_the_relay_without_a_target(
+    echo: Echo, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = MemoryStore()
+    relay = LighthouseRelay()
+    port = relay.start()
+    relay.follow(store, "relaunch/job/lighthouse")
+    try:
+        store.set("relaunch/job/lighthouse", announcement(*echo.target))
+        wait_until(lambda: relay.target == echo.target, 10, "the relay follows the store")
+        assert roundtrip(port) == b"ping"
+        store.set("relaunch/job/lighthouse", b"evil\nhost:1")
+        wait_until(lambda: relay.target is None, 10, "the forged address dropped")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            assert sock.recv(16) == b""  # closed: forwarded nowhere
+        said = [r.getMessage() for r in caplog.records if "lighthouse's address" in r.getMessage()]
+        assert said == ["the lighthouse's address in the store is no HOST:PORT: 'evil\\nhost:1'"]
+    finally:
+        relay.close()
+        store.close()

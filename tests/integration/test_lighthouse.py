@@ -26,7 +26,9 @@ from relaunch.agent.lighthouse import (
     torchft_extension,
 )
 from relaunch.agent.lighthouse_relay import LighthouseRelay
-from relaunch.core.run.lighthouse import LighthouseSettings
+from relaunch.core.run.lighthouse import KEY_NAME, LighthouseSettings, announcement
+from relaunch.rendezvous.rounds import job_key
+from relaunch.store.memory import MemoryStore
 
 EXTENSION = torchft_extension()
 pytestmark = [
@@ -298,28 +300,35 @@ def test_the_lighthouse_ends_with_a_sigkilled_launcher(marked: LeakCheck, tmp_pa
 def test_the_relay_keeps_the_workers_address_when_the_lighthouse_moves(
     marked: LeakCheck, tmp_path: Any
 ) -> None:
-    """One lighthouse, then another on another port (as on another node): torchft's client,
-    given the relay's address once, reaches each through it."""
+    """One lighthouse, then another on another port (as on another node), each announced in
+    the job's store: torchft's client, given the relay's address once, reaches each."""
+    store = MemoryStore()
+    key = job_key("job", KEY_NAME)
     relay = LighthouseRelay()
     relay.start()
+    relay.follow(store, key)
     first = Lighthouse(LighthouseSettings(), str(tmp_path / "first.log"))
     second = Lighthouse(LighthouseSettings(), str(tmp_path / "second.log"))
+    client = torchft_client_module().LighthouseClient(relay.address, timedelta(seconds=10))
+
+    def ask(group: str) -> list[str]:
+        got = client.quorum(replica_id=group, timeout=timedelta(seconds=10), world_size=1)
+        return [member.replica_id for member in got.participants]
+
     try:
         first.start()
-        relay.set_target(("127.0.0.1", first.port or 0))
-        client = torchft_client_module().LighthouseClient(relay.address, timedelta(seconds=10))
-        ask = lambda group: client.quorum(  # noqa: E731
-            replica_id=group, timeout=timedelta(seconds=10), world_size=1
-        )
-        assert [member.replica_id for member in ask("group0").participants] == ["group0"]
+        store.set(key, announcement("127.0.0.1", first.port or 0))
+        wait_until(lambda: relay.target == ("127.0.0.1", first.port), 10, "the relay follows")
+        assert ask("group0") == ["group0"]
         first.close()
         second.start()
         assert second.port != first.port
-        relay.set_target(("127.0.0.1", second.port or 0))
-        got = ask("group1")  # the same client, its connection made again through the relay
-        assert [member.replica_id for member in got.participants] == ["group1"]
+        store.set(key, announcement("127.0.0.1", second.port or 0))
+        wait_until(lambda: relay.target == ("127.0.0.1", second.port), 10, "the relay follows")
+        assert ask("group1") == ["group1"]  # the same client, connected again through the relay
         assert relay.relayed >= 2
     finally:
         first.close()
         second.close()
         relay.close()
+        store.close()

@@ -88,3 +88,26 @@ def test_the_death_line() -> None:
     )
     line = decide.death_line(7, "exited with code 1", "http://127.0.0.1:5", 0.5, 3)
     assert line.endswith("restarting it on http://127.0.0.1:5 in 0.5s (3 deaths in a row)")
+
+
+def test_the_lighthouses_address_goes_through_the_store_as_host_and_port() -> None:
+    assert decide.announcement("10.0.0.2", 29510) == b"10.0.0.2:29510"
+    assert decide.target_from(b"10.0.0.2:29510") == (("10.0.0.2", 29510), None)
+    assert decide.target_from(decide.announcement("::1", 7)) == (("::1", 7), None)
+    assert decide.target_from(b"node-3.cluster:80") == (("node-3.cluster", 80), None)
+    assert decide.target_from(None) == (None, None)
+    assert decide.target_from(b"") == (None, None)
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [b"nohost", b":29510", b"h:0", b"h:65536", b"h:123456", b"h:-1", b"h:1e3", b"h o:1",
+     b"h\n:1", b"[[x]]:1", b"\xff\xfe:1", b"h" * 400 + b":1"],
+)  # fmt: skip
+def test_a_forged_address_in_the_store_is_no_target(forged: bytes) -> None:
+    target, wrong = decide.target_from(forged)
+    assert target is None
+    assert wrong is not None and wrong.startswith(
+        "the lighthouse's address in the store is no HOST:PORT: "
+    )
+    assert "\n" not in wrong and len(wrong) < 140

@@ -19,10 +19,14 @@ import errno
 import logging
 import selectors
 import socket
+import threading
 from typing import Any
 
+import relaunch.core.run.lighthouse as decide
 from relaunch.endpoints import is_loopback
+from relaunch.runtime import start_thread
 from relaunch.server_loop import Listener, ServerLoop, Timer
+from relaunch.store.api import StoreError, Watchable
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,10 @@ MAX_CONNECTIONS = 256
 CONNECT_TIMEOUT = 3.0
 #: Bytes read at once, and held at most per direction.
 CHUNK = 65536
+#: Seconds one watch of the store's key waits before it is made again.
+WATCH_SLICE = 30.0
+#: Seconds before the store is read again after it failed (it may be moving to a standby).
+STORE_RETRY = 1.0
 
 
 class _Side:
@@ -61,11 +69,17 @@ class LighthouseRelay:
         self._target: tuple[str, int] | None = None
         self._pairs: dict[_Side, Timer | None] = {}  # each connection's client side
         self._listener: Listener | None = None
+        self._closed = threading.Event()
 
     @property
     def address(self) -> str:
         """What the workers get: ``http://127.0.0.1:PORT``."""
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def target(self) -> tuple[str, int] | None:
+        """Where new connections go now (None: nowhere: they are closed)."""
+        return self._target
 
     @property
     def open_connections(self) -> int:
@@ -87,8 +101,34 @@ class LighthouseRelay:
         """Where the lighthouse is now (None: unknown); for the connections from now on."""
         self.loop.call_soon(lambda: setattr(self, "_target", target))
 
+    def follow(self, store: Watchable, key: str) -> threading.Thread:
+        """Keep the target where the store's ``key`` says the lighthouse is (a thread of its
+        own, until ``close``): each change is heard by a watch, none is polled for."""
+        return start_thread(self._follow, "lighthouse relay's watch", store, key)
+
+    def _follow(self, store: Watchable, key: str) -> None:
+        version, said = -1, None
+        while not self._closed.is_set():
+            try:
+                current = store.get(key) if version < 0 else store.watch(key, version, WATCH_SLICE)
+            except StoreError as exc:
+                if said != str(exc):
+                    log.warning("the lighthouse relay cannot read the store: %s", exc)
+                    said = str(exc)
+                self._closed.wait(STORE_RETRY)
+                continue
+            if current.version == version:
+                continue
+            version = current.version
+            target, wrong = decide.target_from(current.value)
+            if wrong is not None and said != wrong:
+                log.warning("%s", wrong)
+                said = wrong
+            self.set_target(target)
+
     def close(self) -> None:
         """Stop serving: every connection closed, the port too."""
+        self._closed.set()
 
         def end() -> None:
             for side in list(self._pairs):

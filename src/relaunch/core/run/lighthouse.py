@@ -188,3 +188,39 @@ def death_line(pid: int, how: str, address: str, delay: float, deaths: int) -> s
     with status 1``)."""
     again = "at once" if delay == 0 else f"in {seconds(delay)} ({deaths} deaths in a row)"
     return f"torchft's lighthouse (pid {pid}) {how}; restarting it on {address} {again}"
+
+
+# -- several nodes: where the lighthouse is now, in the store ---------------------------------
+
+#: The job's key (``rendezvous.rounds.job_key(run_id, KEY_NAME)``) where the node that runs
+#: the lighthouse writes its address; every node's relay follows it.
+KEY_NAME = "lighthouse"
+#: The longest address a relay takes from the store.
+MAX_ANNOUNCEMENT = 300
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]")
+
+
+def announcement(host: str, port: int) -> bytes:
+    """What the lighthouse's node writes under ``KEY_NAME``: ``HOST:PORT``."""
+    return bind_address(host, port).encode()
+
+
+def target_from(value: bytes | None) -> tuple[tuple[str, int] | None, str | None]:
+    """The lighthouse's ``(host, port)`` read from the store's ``value`` (None: none yet), and
+    what is wrong with a value that is no such address (then no target)."""
+    if value is None or not value:
+        return None, None
+    text = value.decode("ascii", errors="replace")
+    head, colon, tail = text.rpartition(":")
+    host = head[1:-1] if head.startswith("[") and head.endswith("]") else head
+    port = int(tail) if tail.isdigit() and len(tail) <= 5 else 0
+    if (
+        len(value) > MAX_ANNOUNCEMENT
+        or not colon
+        or not host
+        or not set(host) <= _HOST_CHARS
+        or "[" in host
+        or not 0 < port < 65536
+    ):
+        return None, f"the lighthouse's address in the store is no HOST:PORT: {text[:60]!r}"
+    return (host, port), None
