@@ -81,7 +81,7 @@ def test_it_starts_with_the_settings_asked_and_torchfts_client_gets_a_quorum(
         with open(f"/proc/{lighthouse.pid}/cmdline", "rb") as cmdline:
             argv = cmdline.read().decode().split("\0")[:-1]
         assert argv[argv.index("--bind") :] == [
-            "--bind", f"127.0.0.1:{lighthouse.port}", "--min_replicas", "1",
+            "--bind", "127.0.0.1:0", "--min_replicas", "1",
             "--heartbeat_timeout_ms", "1500", "--join_timeout_ms", "400",
             "--quorum_tick_ms", "20",
         ]  # fmt: skip

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 import relaunch.core.run.lighthouse as decide
 from relaunch.core.durations import seconds
 from relaunch.core.run.failures import describe_exit
-from relaunch.endpoints import find_free_port
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
 log = logging.getLogger(__name__)
@@ -135,7 +134,8 @@ class Lighthouse:
         return {decide.ADDRESS_VAR: self.address}
 
     def start(self, timeout: float = decide.START_TIMEOUT) -> str:
-        """Start it on a free port and keep it alive; its address once it listens."""
+        """Start it (on a free port unless one was given) and keep it alive; its address once
+        it listens."""
         extension = self._extension or torchft_extension()
         if extension is None:
             raise LighthouseError(
@@ -143,7 +143,7 @@ class Lighthouse:
                 f"started; set {decide.ADDRESS_VAR} to one of yours"
             )
         self._extension = extension
-        how = self._spawn(self._first_port or find_free_port(self.host), timeout)
+        how = self._spawn(self._first_port, timeout)  # port 0: it binds a free one
         if how is not None:
             raise LighthouseError(
                 f"torchft's lighthouse did not start: it {how} (its log: {self.log_path})"
