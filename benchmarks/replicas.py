@@ -13,9 +13,9 @@ weights.
 **The sides**, alternating, a job each per repetition:
 
 - ``documented``: torchft's documented way: ``torchft_lighthouse --min_replicas 1`` started by
-  hand (its defaults: a 5 s heartbeat timeout), then one ``torchrun --nproc-per-node 1
-  --max-restarts 2 --master-port P_g`` per group, each given ``REPLICA_GROUP_ID``,
-  ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE``;
+  hand (its defaults: a 5 s heartbeat timeout; ``--heartbeat-timeout-ms`` changes it), then one
+  ``torchrun --nproc-per-node 1 --max-restarts 2 --master-port P_g`` per group, each given
+  ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE``;
 - ``relaunch``: ``relaunch --replica-groups R --nproc-per-node 1 --max-restarts 2``, nothing
   else (relaunch serves each group's store, starts the lighthouse and sets the variables);
 - ``preload``: the same with ``--preload torch,torchft`` (the failed group's worker restarts
@@ -31,7 +31,8 @@ weights.
 - *lost*: the steps the failed group did not take part in (its first step after the kill
   minus the kill's step minus 1);
 - *step*: the healthy groups' median step interval before the kill;
-- *identical*: every group ended at ``--steps`` with the same weights.
+- *identical*: every group ended at the same step (``--steps`` or the first after it that
+  every group took part in) with the same weights.
 
 **Budgets** (the ``preload`` side, relaunch's warm restart; the ``relaunch`` side is shown
 beside it, the documented way for comparison): stall <= 1.0 s and back <= 1.5 s (medians), and
@@ -100,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps a job trains")
     parser.add_argument("--kill-step", type=int, default=50, help="group 1 dies after this step")
     parser.add_argument("--pace", type=float, default=0.05, help="seconds of compute a step")
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        help="the documented way's lighthouse --heartbeat_timeout_ms (default: its own, 5000)",
+    )
 
 
 def read_lines(paths: list[str]) -> list[Line]:
@@ -131,7 +137,8 @@ def figures(lines: list[Line], groups: int, steps: int) -> Run:
     digests = {group: line.fields["sha256"] for group, line in done.items()}
     identical = (
         len(done) == groups
-        and all(line.step == steps for line in done.values())
+        and len({line.step for line in done.values()}) == 1
+        and all(line.step >= steps for line in done.values())
         and len(set(digests.values())) == 1
     )
     if not kills:
@@ -245,11 +252,10 @@ def one_job(
     try:
         if side.launcher == TORCHRUN:
             port = find_free_port()
-            job.lighthouse = job.start(
-                "lighthouse",
-                [LIGHTHOUSE, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"],
-                {},
-            )
+            argv = [LIGHTHOUSE, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"]
+            if opts.heartbeat_timeout_ms is not None:
+                argv += ["--heartbeat_timeout_ms", str(opts.heartbeat_timeout_ms)]
+            job.lighthouse = job.start("lighthouse", argv, {})
             wait_port(port, job.lighthouse, time.monotonic() + PORT_TIMEOUT_S)
             for group in range(groups):
                 flags = ["--nproc-per-node", "1", "--max-restarts", "2"]

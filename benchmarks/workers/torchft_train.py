@@ -10,8 +10,11 @@ model and the optimizer are its state dict). It reads what a launcher gives a wo
 ``MASTER_ADDR``/``MASTER_PORT`` (torchft's Manager connects to the store there) and
 ``TORCHELASTIC_RESTART_COUNT``.
 
-It trains until ``manager.current_step()`` reaches ``--steps``, sleeping ``--pace`` seconds a
-step (the compute of a real step). Every line goes to stdout, flushed, as ``KIND key=value ...``:
+It trains until ``manager.current_step()`` reaches ``--steps`` at a step every group took part
+in (``NUM_REPLICA_GROUPS`` participants: a group that finished while another was still
+restarting would leave it to start over alone), or ``10 * --steps``; it sleeps ``--pace``
+seconds a step (the compute of a real step). Every line goes to stdout, flushed, as
+``KIND key=value ...``:
 
 - ``ft-start group=G rank=R attempt=A time=T pid=P``: first thing;
 - ``ft-step group=G rank=R step=S time=T participants=P``: after every ``optimizer.step()``
@@ -19,9 +22,9 @@ step (the compute of a real step). Every line goes to stdout, flushed, as ``KIND
 - ``ft-kill group=G rank=R step=S time=T``: just before it SIGKILLs itself, which it does in
   group ``--kill-group`` (rank ``--kill-rank``) at step ``--kill-step``, on its first attempt
   only (a restarted worker heals past that step);
-- ``ft-done group=G rank=R step=S sha256=H``: the end; H digests the model's weights, the same
-  in every group that ends at the same step (they all-reduce the same gradients, and a healed
-  group loads a live group's weights).
+- ``ft-done group=G rank=R step=S sha256=H``: the end; H digests the model's weights. Every
+  group ends at the same step (the quorum's participants are the same for all) with the same
+  weights (they all-reduce the same gradients, and a healed group loads a live group's).
 
 Each group trains on its own batches (seeded by group and step), as a data-parallel replica does.
 """
@@ -67,6 +70,7 @@ def digest(model: nn.Module) -> str:
 def main(argv: list[str]) -> int:
     opts = parse(argv)
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     now = repr(time.time())
@@ -93,7 +97,7 @@ def main(argv: list[str]) -> int:
     optimizer = Optimizer(manager, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
     kills = group == opts.kill_group and rank == opts.kill_rank and attempt == 0
     try:
-        while manager.current_step() < opts.steps:
+        while manager.current_step() < opts.steps * 10:
             batch = torch.Generator().manual_seed(group * 1_000_003 + manager.current_step())
             inputs = torch.randn(16, opts.width, generator=batch)
             optimizer.zero_grad()
@@ -113,6 +117,8 @@ def main(argv: list[str]) -> int:
             if kills and step >= opts.kill_step:
                 say("ft-kill", group=group, rank=rank, step=step, time=repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step >= opts.steps and manager.num_participants() >= groups:
+                break
         say("ft-done", group=group, rank=rank, step=manager.current_step(), sha256=digest(module))
     finally:
         manager.shutdown(wait=False)

@@ -63,8 +63,10 @@ def test_a_failed_group_heals_while_the_others_go_on(leaks: LeakCheck, groups: i
         else:
             # Never stopped or restarted, stepping on after the kill in order.
             assert [s.fields["attempt"] for s in starts] == ["0"]
-            assert steps == sorted(steps) and steps[-1] == STEPS
+            assert steps == sorted(steps) and steps[-1] >= STEPS
             assert any(line.at > kill.at for line in of("step", group))
     finals = {group: of("done", group) for group in range(groups)}
-    assert all(len(final) == 1 and final[0].step == STEPS for final in finals.values()), finals
-    assert len({final[0].fields["sha256"] for final in finals.values()}) == 1, finals
+    assert all(len(final) == 1 and final[0].step >= STEPS for final in finals.values()), finals
+    # Every group ends at the same step, with the same weights.
+    ends = {(final[0].step, final[0].fields["sha256"]) for final in finals.values()}
+    assert len(ends) == 1, finals
