@@ -109,10 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_lines(paths: list[str]) -> list[Line]:
-    """The workers' lines in the launchers' logs ``paths``."""
+    """The workers' lines in the launchers' stdout (``PATH.out`` for each of ``paths``)."""
     lines: list[Line] = []
     for path in paths:
-        with open(path, errors="replace") as file:
+        with open(path + ".out", errors="replace") as file:
             lines += parse(file.read())
     return lines
 
@@ -185,20 +185,19 @@ class Job:
         self.dir, self.env = run_dir, env
         self.launchers: list[subprocess.Popen[bytes]] = []
         self.lighthouse: subprocess.Popen[bytes] | None = None
-        self.logs: list[str] = []
+        self.logs: list[str] = []  # each process's output, as a path without .out/.err
         self._files: list[IO[bytes]] = []
 
     def start(self, name: str, argv: list[str], extra: dict[str, str]) -> subprocess.Popen[bytes]:
-        path = os.path.join(self.dir, f"{name}.log")
-        out = open(path, "wb")  # noqa: SIM115  closed by close()
-        self._files.append(out)
+        """Start ``argv``, its stdout (the workers' lines) to NAME.out, its stderr (torchft's
+        logs, the launcher's) to NAME.err: apart, so that no log write cuts into a line."""
+        path = os.path.join(self.dir, name)
+        out = open(path + ".out", "wb")  # noqa: SIM115  closed by close()
+        err = open(path + ".err", "wb")  # noqa: SIM115  closed by close()
+        self._files += [out, err]
         self.logs.append(path)
         return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**self.env, **extra},
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={**self.env, **extra}
         )
 
     def wait(self, deadline: float) -> None:
@@ -212,7 +211,8 @@ class Job:
                 raise BenchError(f"a launcher exited {proc.returncode}: {self.tail()}")
 
     def tail(self) -> str:
-        return "; ".join(harness.last_line(path) for path in self.logs)
+        """The last line of each process's stderr."""
+        return "; ".join(harness.last_line(path + ".err") for path in self.logs)
 
     def close(self) -> None:
         """Stop the lighthouse, kill what is left of the launchers (by pid), close the logs."""
