@@ -30,6 +30,7 @@ STATIC_PORT = 29500
 #: starts: the store it serves (``HOST:PORT``), and the job's run id.
 GROUP_STORE_ENV = "RELAUNCH_REPLICA_STORE"
 GROUP_RUN_ID_ENV = "RELAUNCH_REPLICA_RUN_ID"
+GROUP_SUPERVISOR_ENV = "RELAUNCH_REPLICA_SUPERVISOR"
 #: Where no directory of a job's may be: the kernel's own filesystems (a directory made there is
 #: a cgroup or nothing, and no log file can be written in it).
 KERNEL_FILESYSTEMS = ("/proc", "/sys")

@@ -169,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         group = replica_group(args, os.environ)  # checked by ``prepare`` already
         if group is None:  # one node: this launcher supervises its groups
             return _replica_groups(arguments, *prepared)
+        if not _follow_supervisor():
+            return 1
     if args.dry_run:
         return _dry_run(*prepared[1:], group=group, count=args.replica_groups)
     return _launch(*prepared, group=group)
@@ -240,6 +242,24 @@ def _replica_groups(
     sys.stdout.write(text)
     sys.stdout.flush()
     return 0
+
+
+def _follow_supervisor() -> bool:
+    """A group agent of one node's supervisor ends with it (SIGTERM: its workers are stopped as
+    on any stop), and keeps the supervisor's variables from its workers; False (said) when the
+    supervisor is gone already. True for any other launcher."""
+    from relaunch.cli.args import GROUP_RUN_ID_ENV, GROUP_STORE_ENV, GROUP_SUPERVISOR_ENV
+    from relaunch.runtime import end_with_parent
+
+    supervisor = os.environ.pop(GROUP_SUPERVISOR_ENV, None)
+    os.environ.pop(GROUP_STORE_ENV, None)
+    os.environ.pop(GROUP_RUN_ID_ENV, None)
+    if supervisor is None or not supervisor.isdigit():
+        return True
+    if end_with_parent(signal.SIGTERM, int(supervisor)):
+        return True
+    say("relaunch: error: this replica group's supervisor is gone: not starting its workers")
+    return False
 
 
 def _group_env(group: int | None, count: int) -> dict[str, str]:

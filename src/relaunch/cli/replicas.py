@@ -19,7 +19,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relaunch.cli.args import GROUP_RUN_ID_ENV, GROUP_STORE_ENV, config_from_args
+from relaunch.cli.args import (
+    GROUP_RUN_ID_ENV,
+    GROUP_STORE_ENV,
+    GROUP_SUPERVISOR_ENV,
+    config_from_args,
+)
 from relaunch.core.run import replica_groups
 
 if TYPE_CHECKING:
@@ -31,15 +36,46 @@ if TYPE_CHECKING:
 READ_TIMEOUT = 2.0
 
 
-def job_services(config: LaunchConfig, count: int) -> tuple[dict[str, str], Callable[[], None]]:
-    """What every group's workers get besides their group's variables, and how to stop the
-    services that live as long as the run: the one place a service of the whole job (torchft's
-    lighthouse, ``TORCHFT_LIGHTHOUSE``) starts. None yet."""
-    return {}, _nothing
-
-
 def _nothing() -> None:
     pass
+
+
+def job_services(
+    config: LaunchConfig,
+    count: int,
+    say: Callable[[str], None],
+    start: bool = True,
+    log_dir: str | None = None,
+) -> tuple[dict[str, str], Callable[[], None]]:
+    """What every group's workers get besides their group's variables, and how to stop the
+    services that live as long as the run: torchft's lighthouse, where the job wants one
+    (``agent.lighthouse``: torchft importable, ``TORCHFT_LIGHTHOUSE`` unset), kept alive until
+    the stop, logging in ``log_dir`` (the job's). Without ``start`` (a dry run), what it would
+    give, started nothing."""
+    from relaunch.core.run import lighthouse as decide
+
+    if not start:
+        from relaunch.agent.lighthouse import torchft_importable
+
+        if not decide.wants_lighthouse(os.environ, torchft_importable(), count):
+            return {}, _nothing
+        return {
+            decide.ADDRESS_VAR: "http://127.0.0.1:<a free port at the start>",
+            **decide.worker_defaults(os.environ),
+        }, _nothing
+    from relaunch.agent.lighthouse import start_if_wanted
+
+    log_dir = log_dir or config.log_dir or "."
+    lighthouse = start_if_wanted(
+        os.environ, count, log_dir, say=lambda line: say(f"relaunch: {line}")
+    )
+    if lighthouse is None:
+        return {}, _nothing
+    say(
+        f"relaunch: torchft's lighthouse for the {count} groups: {lighthouse.address} "
+        f"(kept alive; its log: {os.path.join(log_dir, 'lighthouse.log')})"
+    )
+    return {**lighthouse.environment(), **decide.worker_defaults(os.environ)}, lighthouse.close
 
 
 def dry_run_groups(
@@ -53,7 +89,7 @@ def dry_run_groups(
     from relaunch.launcher import placement_of
 
     count = args.replica_groups
-    extra, _ = job_services(config, count)
+    extra, _ = job_services(config, count, say=lambda line: None, start=False)
     texts = [
         f"relaunch: {count} replica groups of {config.nproc_per_node} worker(s) on this node, "
         f"each its own world, restarts and budget (--max-restarts {config.max_restarts} each); "
@@ -98,6 +134,7 @@ def run_groups(
 ) -> int:
     """Run one node's ``--replica-groups`` as child agents until all have ended, telling people
     through ``say`` (the command's stderr); the worst exit status."""
+    from relaunch.agent.lighthouse import LighthouseError
     from relaunch.core.rendezvous.rdzv_conf import TOKEN_ENV
     from relaunch.store.server import TcpStoreServer
 
@@ -107,7 +144,20 @@ def run_groups(
     except OSError as exc:
         say(f"relaunch: error: cannot serve the replica groups' store: {exc.strerror or exc}")
         return 1
-    extra, stop_services = job_services(config, count)
+    log_dir = config.log_dir
+    if log_dir is None:  # one folder for the job: each group's and the lighthouse's logs
+        import tempfile
+
+        from relaunch.procs.logs_specs import TEMP_PREFIX
+
+        log_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+        argv = ["--log-dir", log_dir, *argv]
+    try:
+        extra, stop_services = job_services(config, count, say, log_dir=log_dir)
+    except LighthouseError as exc:
+        server.stop()
+        say(f"relaunch: error: {exc}")
+        return 1
     say(
         f"relaunch: {count} replica groups of {config.nproc_per_node} worker(s), each restarting "
         f"on its own; their store: {server.endpoint}, run ids {config.run_id}-group0.."
@@ -119,6 +169,7 @@ def run_groups(
         **extra,
         GROUP_STORE_ENV: server.endpoint,
         GROUP_RUN_ID_ENV: config.run_id,
+        GROUP_SUPERVISOR_ENV: str(os.getpid()),
     }
     try:
         ends = _supervise(argv, count, environ, tuple(args.signals_to_handle), say)
@@ -166,7 +217,7 @@ def _supervise(
                     for pid in agents:
                         _signal(pid, stopping)
                 continue
-            for pid, code in _reaped():
+            for pid, code in _reaped(agents):
                 if pid not in agents:
                     continue
                 group = agents.pop(pid)
@@ -184,17 +235,18 @@ def _supervise(
     return ends
 
 
-def _reaped() -> list[tuple[int, int]]:
-    """Every child that ended, and its return code (negative: killed by that signal)."""
+def _reaped(agents: Mapping[int, int]) -> list[tuple[int, int]]:
+    """Every agent of ``agents`` that ended, and its return code (negative: killed by that
+    signal); only those: the lighthouse, a child too, is waited on by its own keeper."""
     ended: list[tuple[int, int]] = []
-    while True:
+    for pid in list(agents):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            waited, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return ended
-        if pid == 0:
-            return ended
-        ended.append((pid, os.waitstatus_to_exitcode(status)))
+            continue
+        if waited == pid:
+            ended.append((pid, os.waitstatus_to_exitcode(status)))
+    return ended
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

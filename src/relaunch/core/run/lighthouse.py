@@ -41,6 +41,11 @@ MIN_REPLICAS = 1
 HEARTBEAT_TIMEOUT_MS = 500
 JOIN_TIMEOUT_MS = 500
 QUORUM_TICK_MS = 20
+#: torchft's variable for how often a ``Manager`` tries a quorum again when the lighthouse did
+#: not answer (torchft's default: 0, and every group crashes), and what relaunch gives the
+#: workers unless it is set: enough tries to outlast a lighthouse relaunch restarts at once.
+QUORUM_RETRIES_VAR = "TORCHFT_QUORUM_RETRIES"
+QUORUM_RETRIES = 5
 #: Each setting, its default and the variable that overrides it.
 OVERRIDES = {
     "heartbeat_timeout_ms": ("RELAUNCH_LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS", HEARTBEAT_TIMEOUT_MS),
@@ -95,6 +100,14 @@ def wants_lighthouse(
     None), torchft is importable and ``TORCHFT_LIGHTHOUSE`` is unset or empty."""
     given = environ.get(ADDRESS_VAR, "").strip()
     return replica_groups is not None and torchft_importable and not given
+
+
+def worker_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the workers of a job whose lighthouse relaunch keeps get besides its address: the
+    quorum's retries, unless set already (a restarted lighthouse must not crash every group)."""
+    if environ.get(QUORUM_RETRIES_VAR, "").strip():
+        return {}
+    return {QUORUM_RETRIES_VAR: str(QUORUM_RETRIES)}
 
 
 def settings_from(
