@@ -17,12 +17,15 @@ from __future__ import annotations
 import logging
 import resource
 from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
 from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.core.run.stop_plan import Feature, StopPhase
 from relaunch.endpoints import is_loopback
 from relaunch.runtime import raise_open_file_limit
-from relaunch.store.torch_wire import TorchWireServer, listen
+
+if TYPE_CHECKING:
+    from relaunch.store.torch_wire import TorchWireServer
 
 log = logging.getLogger("relaunch.agent.workers")
 
@@ -51,6 +54,8 @@ class TorchStoreHook(AttemptHook):
         if group.group_rank != 0:
             return
         assert group.master_addr is not None and group.master_port is not None
+        from relaunch.store.torch_wire import TorchWireServer, listen  # sockets: when served
+
         listener, why = listen(group.master_port, is_loopback(group.master_addr))
         if listener is None:
             run.agent_store = False

@@ -151,6 +151,11 @@ class TorchWireServer:
     def port(self) -> int:
         return int(self._listener.sock.getsockname()[1])
 
+    @property
+    def waiting(self) -> int:
+        """Connections whose wait (or barrier) is pending."""
+        return sum(1 for connection in list(self._connections.values()) if connection.waiting)
+
     def start(self) -> TorchWireServer:
         self._loop.start("relaunch-torch-store")
         return self
