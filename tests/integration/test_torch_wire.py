@@ -245,3 +245,40 @@ def test_two_nodes_find_the_store_of_group_rank_0(
     out.mkdir()
     run_two_nodes(leaks, request, "c10d", f"torch-wire-{os.getpid()}", [str(script), str(out)])
     assert [(out / str(rank)).read_text() for rank in range(2)] == ["True 3"] * 2
+
+
+ENV_WORKER = """
+import os, pathlib, sys
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+pathlib.Path(sys.argv[1], attempt).write_text(os.environ["TORCHELASTIC_USE_AGENT_STORE"])
+raise SystemExit(1 if attempt == "0" else 0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_port_taken_is_said_once_and_left_to_worker_rank_0(
+    leaks: LeakCheck, tmp_path: pathlib.Path
+) -> None:
+    """``MASTER_PORT`` already taken: one line says so, through a restart, and the workers
+    are told to serve the store themselves (rank 0, as torch does without an agent's)."""
+    script = tmp_path / "worker.py"
+    script.write_text(ENV_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = relaunch_cli(
+            leaks,
+            *("--rdzv-backend", "static", "--master-port", str(port)),
+            *("--nproc-per-node", "1", "--max-restarts", "1", str(script), str(out)),
+            cwd=str(tmp_path),
+        )
+    assert done.returncode == 0, done.stderr
+    assert [(out / attempt).read_text() for attempt in ("0", "1")] == ["False", "False"]
+    said = (
+        f"relaunch: cannot serve torch's store on port {port} (Address already in use): "
+        "worker rank 0 serves it (TORCHELASTIC_USE_AGENT_STORE=False)\n"
+    )
+    assert done.stderr.count(said) == 1, done.stderr
