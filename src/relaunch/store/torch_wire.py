@@ -88,13 +88,14 @@ def listen(port: int, loopback: bool) -> tuple[socket.socket | None, str]:
 
 class _Connection:
     __slots__ = (
-        "deadline", "events", "inbox", "name", "outbox", "sock", "validated", "wait_cost",
-        "wait_keys", "waiting",
+        "deadline", "events", "inbox", "name", "outbox", "scanner", "sock", "validated",
+        "wait_cost", "wait_keys", "waiting",
     )  # fmt: skip
 
     def __init__(self, sock: socket.socket, name: str) -> None:
         self.sock, self.name = sock, name
         self.inbox = bytearray()  # bytes of requests not yet whole
+        self.scanner = wire.Scanner()  # how far the request begun is seen
         self.outbox = bytearray()  # replies not yet sent
         self.events = selectors.EVENT_READ
         self.validated = False
@@ -237,7 +238,9 @@ class TorchWireServer:
 
     def _serve(self, connection: _Connection) -> None:
         inbox, at = connection.inbox, 0
-        while (request := wire.parse(inbox, at)) is not None:
+        while connection.scanner.end(inbox, at) is not None:
+            request = wire.parse(inbox, at)
+            assert request is not None  # whole: the scanner found its end
             query, fields, at = request
             if not connection.validated:
                 if query != wire.VALIDATE or fields[0] != wire.MAGIC:
@@ -250,6 +253,7 @@ class TorchWireServer:
                 return
         if at:
             del inbox[:at]
+            connection.scanner.moved(at)
             self.held -= at
             if connection.validated:
                 self._cancel_deadline(connection)  # the next request has a deadline of its own

@@ -78,6 +78,64 @@ class _Short(Exception):
     """The buffer ends inside the request: more bytes are needed."""
 
 
+class Scanner:
+    """Where a request ends, found as its bytes come: each ``end`` goes on from where the last
+    stopped, so that a request that arrives in many reads is looked at once, byte for byte
+    (``parse`` then decodes it whole). Caps are checked as each length is read."""
+
+    __slots__ = ("at", "start", "steps")
+
+    def __init__(self) -> None:
+        self.start = -1  # where the request scanned begins; -1: none begun
+        self.at = 0  # how far it is scanned
+        self.steps: list[str] = []  # the fields still to scan, the next last
+
+    def end(self, data: bytes | bytearray, start: int) -> int | None:
+        """Where the request at ``start`` of ``data`` ends; None while it is incomplete."""
+        if self.start != start:
+            if start >= len(data):
+                return None
+            kinds = FIELDS.get(data[start])
+            if kinds is None:
+                raise BadRequest("unknown query", f"an unknown query type {data[start]}")
+            self.start, self.at, self.steps = start, start + 1, list(reversed(kinds))
+        steps, size = self.steps, len(data)
+        while steps:
+            kind = steps[-1]
+            width = 4 if kind == "n" else 8
+            if self.at + width > size:
+                return None
+            if kind in "kv":
+                length = _U64.unpack_from(data, self.at)[0]
+                most, what = (MAX_KEY, "key") if kind == "k" else (MAX_VALUE, "value")
+                if length > most:
+                    raise BadRequest(
+                        f"{what} too long", f"a {what} of {length} bytes (at most {most})"
+                    )
+                if self.at + width + length - start > MAX_REQUEST:
+                    raise BadRequest("request too long", f"a request over {MAX_REQUEST} bytes")
+                if self.at + width + length > size:
+                    return None
+                width += length
+            steps.pop()
+            if kind in "KP":
+                count = _U64.unpack_from(data, self.at)[0]
+                if count > MAX_KEYS:
+                    raise BadRequest(
+                        "too many keys", f"{count} keys in a request (at most {MAX_KEYS})"
+                    )
+                steps.extend(["k"] * count if kind == "K" else ["v", "k"] * count)
+            self.at += width
+        self.start = -1
+        return self.at
+
+    def moved(self, by: int) -> None:
+        """The buffer lost its first ``by`` bytes (those of the requests before this one)."""
+        if self.start >= 0:
+            self.start -= by
+            self.at -= by
+
+
 def parse(data: bytes | bytearray, start: int = 0) -> Request | None:
     """The request at ``start`` of ``data``: its query type, its fields (bytes, ints, a tuple
     of keys, or of (key, value) pairs) and where it ends; None while it is incomplete.
