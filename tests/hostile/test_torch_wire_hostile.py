@@ -23,7 +23,7 @@ HELLO = bytes([wire.VALIDATE]) + wire.nonce(wire.MAGIC)
 
 @pytest.fixture
 def server() -> Iterator[TorchWireServer]:
-    listener, why = listen(0, loopback=True)
+    listener, why = listen(0, "127.0.0.1")
     assert listener is not None, why
     served = TorchWireServer(listener, 4).start()
     try:

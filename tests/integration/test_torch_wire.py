@@ -109,7 +109,7 @@ print("ok")
 
 @pytest.fixture
 def server() -> Iterator[TorchWireServer]:
-    listener, why = listen(0, loopback=True)
+    listener, why = listen(0, "127.0.0.1")
     assert listener is not None, why
     served = TorchWireServer(listener, 64).start()
     try:
@@ -156,22 +156,26 @@ def raw_set(port: int, key: bytes, value: bytes) -> None:
 def test_the_port_is_free_again_once_stopped_and_a_taken_one_is_said() -> None:
     """Stopped, the server lets its port go (the next attempt binds it again); a port taken
     cannot be served, and why is said."""
-    listener, _ = listen(0, loopback=True)
+    listener, _ = listen(0, "127.0.0.1")
     assert listener is not None
     port = listener.getsockname()[1]
     server = TorchWireServer(listener, 8).start()
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass
-    taken, why = listen(port, loopback=True)
+    taken, why = listen(port, "127.0.0.1")
     assert taken is None and why == "Address already in use"
     server.stop()
-    again, _ = listen(port, loopback=True)
+    again, _ = listen(port, "127.0.0.1")
     assert again is not None
     again.close()
 
 
-def test_every_address_is_listened_on_where_the_job_has_several_nodes() -> None:
-    listener, _ = listen(0, loopback=False)
+def test_one_node_listens_on_loopback_and_several_on_every_address() -> None:
+    alone, _ = listen(0, "127.0.0.1")
+    assert alone is not None
+    with alone:
+        assert alone.getsockname()[0] == "127.0.0.1"
+    listener, _ = listen(0)
     assert listener is not None
     with listener:
         port = listener.getsockname()[1]

@@ -56,7 +56,8 @@ class TorchStoreHook(AttemptHook):
         assert group.master_addr is not None and group.master_port is not None
         from relaunch.store.torch_wire import TorchWireServer, listen  # sockets: when served
 
-        listener, why = listen(group.master_port, is_loopback(group.master_addr))
+        host = group.master_addr if is_loopback(group.master_addr) else None
+        listener, why = listen(group.master_port, host)  # one node's on loopback only
         if listener is None:
             run.agent_store = False
             if not self._unbound_said:

@@ -56,13 +56,16 @@ REFUSAL_SUMMARY_INTERVAL = 10.0
 _RECV_SIZE = 1 << 16
 
 
-def listen(port: int, loopback: bool) -> tuple[socket.socket | None, str]:
-    """A socket listening on ``port``: of the loopback address only (``loopback``: a job of one
-    node), else of every address as torch's ``TCPStore`` listens (IPv6 and IPv4 where the host
-    has IPv6, IPv4 alone where not); or None and why the port cannot be bound."""
-    places = [(socket.AF_INET, "127.0.0.1")]
-    if not loopback:
-        places = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+def listen(port: int, host: str | None = None) -> tuple[socket.socket | None, str]:
+    """A socket listening on ``port``: of ``host`` alone where it is a loopback address (a
+    job of one node: ``127.x.y.z`` or ``::1``), else of every address as torch's ``TCPStore``
+    listens (IPv6 and IPv4 where the host has IPv6, IPv4 alone where not); or None and why the
+    port cannot be bound."""
+    places = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    if host is not None and host.startswith("127."):
+        places = [(socket.AF_INET, host)]
+    elif host == "::1":
+        places = [(socket.AF_INET6, host)]
     why = "no address to bind"
     for family, address in places:
         try:
@@ -72,14 +75,14 @@ def listen(port: int, loopback: bool) -> tuple[socket.socket | None, str]:
             continue
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
+            if address == "::":
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             sock.bind((address, port))
             sock.listen(BACKLOG)
         except OSError as exc:
             sock.close()
             why = exc.strerror or str(exc)
-            if family == socket.AF_INET6 and exc.errno != errno.EADDRINUSE:
+            if address == "::" and exc.errno != errno.EADDRINUSE:
                 continue  # a host without IPv6
             return None, why
         return sock, ""
