@@ -409,7 +409,9 @@ dist.all_reduce(value)
 dist.barrier()
 seen = f"{os.environ['TORCHELASTIC_USE_AGENT_STORE']} {store.add('ranks', 0)} {value.item():g}"
 pathlib.Path(sys.argv[1], f"{attempt}.{rank}").write_text(seen)
+store.set(f"written{attempt}.{rank}", "")
 if (attempt, rank) == ("0", 1):
+    store.wait(["written0.0"])  # rank 0 wrote what it saw before this failure stops it
     os._exit(3)  # before the barrier: rank 0 cannot end the attempt as a success
 dist.barrier()
 dist.destroy_process_group()
