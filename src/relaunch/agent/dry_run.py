@@ -94,7 +94,6 @@ def first_attempt(
 ) -> FirstAttempt:
     """The plan of the first attempt on this node, from ``config`` (and ``placement``) alone."""
     from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
-    from relaunch.agent.torch_store import serves_torch_store
     from relaunch.procs.console import terminals_of
 
     environ = os.environ if environ is None else environ
@@ -111,7 +110,7 @@ def first_attempt(
         master_port=master_port,
         restart_count=0,
         max_restarts=config.max_restarts,
-        use_agent_store=serves_torch_store(config.preload),
+        use_agent_store=True,  # served by group rank 0's agent (where it can bind the port)
     )
     extra_env = ExpiryWatch(run_id, False, config.hang_timeout).worker_env()
     timers = timers_enabled_by_env() if config.timers is None else config.timers
