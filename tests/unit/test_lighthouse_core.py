@@ -28,7 +28,7 @@ def test_when_a_job_gets_a_lighthouse(
 def test_the_settings_default_to_fast_recovery() -> None:
     settings, wrong = decide.settings_from({}, min_replicas=2)
     assert wrong == []
-    assert settings == decide.LighthouseSettings(2, 500, 500, 20)
+    assert settings == decide.LighthouseSettings(2, 500, 200, 20)
     assert decide.LighthouseSettings().min_replicas == 1
 
 
@@ -39,10 +39,10 @@ def test_each_timing_is_overridden_by_its_variable_and_a_bad_value_is_said() -> 
         "RELAUNCH_LIGHTHOUSE_QUORUM_TICK_MS": "0",
     }
     settings, wrong = decide.settings_from(environ)
-    assert settings == decide.LighthouseSettings(1, 3000, 500, 20)
+    assert settings == decide.LighthouseSettings(1, 3000, 200, 20)
     assert wrong == [
         "RELAUNCH_LIGHTHOUSE_JOIN_TIMEOUT_MS='soon' is not a whole number of milliseconds "
-        "in 1..86400000; using 500",
+        "in 1..86400000; using 200",
         "RELAUNCH_LIGHTHOUSE_QUORUM_TICK_MS='0' is not a whole number of milliseconds "
         "in 1..86400000; using 20",
     ]
@@ -57,7 +57,7 @@ def test_the_command_line_has_torchft_lighthouses_flags() -> None:
     argv = decide.command("py", "prog.py", "ext.so", "127.0.0.1:0", decide.LighthouseSettings())
     assert argv == [
         "py", "-I", "-S", "prog.py", "ext.so", "--bind", "127.0.0.1:0", "--min_replicas", "1",
-        "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "500", "--quorum_tick_ms", "20",
+        "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "200", "--quorum_tick_ms", "20",
     ]  # fmt: skip
 
 
@@ -111,3 +111,16 @@ def test_a_forged_address_in_the_store_is_no_target(forged: bytes) -> None:
         "the lighthouse's address in the store is no HOST:PORT: "
     )
     assert "\n" not in wrong and len(wrong) < 140
+
+
+def test_workers_retry_a_quorum_every_half_second_unless_told() -> None:
+    given = decide.worker_defaults({})
+    # torchft sleeps its quorum timeout (60 s unless set) / (retries + 1) between tries
+    assert 60_000 // (int(given["TORCHFT_QUORUM_RETRIES"]) + 1) == 500
+    assert decide.worker_defaults({"TORCHFT_QUORUM_RETRIES": "3"}) == {}
+
+
+def test_a_torchft_job_that_restarts_cold_is_told_how_to_restart_warm() -> None:
+    hint = decide.warm_hint(())
+    assert hint is not None and "--preload torch,torch._dynamo,torchft" in hint
+    assert decide.warm_hint(("torch",)) is None  # the user chose what to preload
