@@ -163,6 +163,11 @@ class JobReader:
         self._prefix = f"relaunch/{run_id}/"
         self._read = 0  # bytes taken in by the read under way
 
+    @property
+    def taken(self) -> int:
+        """The bytes the last read took in."""
+        return self._read
+
     def of(self, run_id: str) -> JobReader:
         """A reader of job ``run_id`` on the same store."""
         return JobReader(self._store, run_id, self._clock)
@@ -483,4 +488,12 @@ class GroupsReader:
         return cls(reader, run_id, count) if count else None
 
     def read(self) -> GroupsSnapshot:
-        return GroupsSnapshot(self._run_id, [reader.read() for reader in self._readers])
+        """Every group, read one after the other, within one read's bounds in all
+        (``MAX_READ``: what one job may hold, whatever the number of groups)."""
+        groups, taken = [], 0
+        for reader in self._readers:
+            groups.append(reader.read())
+            taken += reader.taken
+            if taken > MAX_READ:
+                raise MalformedJob(f"the job's groups hold more than {MAX_READ} bytes in all")
+        return GroupsSnapshot(self._run_id, groups)
