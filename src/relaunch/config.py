@@ -63,7 +63,7 @@ class ConfigError(ValueError):
 # -- the config ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # its own __repr__: dataclass's would be compiled unused
 class LaunchConfig:
     """How to launch: nodes, workers per node, rendezvous, restarts, logs.
 

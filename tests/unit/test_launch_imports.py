@@ -53,7 +53,7 @@ NOT_FOR_A_SINGLE_NODE = (
 #: relaunch's own is a ``relaunch.core.value.Value`` and a record whose fields change a plain
 #: class with ``__slots__`` (``agent.hooks.Run``, ``WorkerProcess``), which cost microseconds. A
 #: new dataclass on the launch path is a choice: change this number with it.
-LAUNCH_DATACLASSES = 9
+LAUNCH_DATACLASSES = 8
 
 
 @pytest.fixture(scope="module")
