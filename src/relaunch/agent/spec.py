@@ -8,15 +8,17 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.ranks import node_place
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, numa_binding_of
 from relaunch.core.workers.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
 from relaunch.core.workers.ranks import WorkerRanks, ranks_of
 from relaunch.core.workers.streams import Std
-from relaunch.procs.errors import ProcessFailure
 from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
+
+if TYPE_CHECKING:
+    from relaunch.procs.process_failure import ProcessFailure
 
 
 class WorkerState(str, enum.Enum):
