@@ -16,4 +16,5 @@ BENCHMARKS = {
     "spares": "a lost node's place taken by a waiting spare vs a node started cold",
     "resilience": "a hang's deadline -> every stack and a restart (1 and 2 nodes); stragglers",
     "recovery": "a DDP job's worker or node killed -> next step, steps lost: memory vs checkpoints",
+    "replicas": "torchft replica groups, a worker killed: the others' stall, the group back",
 }

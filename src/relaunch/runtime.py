@@ -237,3 +237,21 @@ def lazy_attributes(module: str, homes: Mapping[str, str]) -> Callable[[str], An
         return getattr(importlib.import_module(home), name)
 
     return __getattr__
+
+
+#: ``prctl``'s option that sends a signal to the caller when its parent ends (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_parent(sig: signal.Signals, parent: int) -> bool:
+    """Have the kernel send ``sig`` to this process when the thread that started it ends, and
+    whether ``parent`` (the pid that started it) is still its parent: False when it ended
+    before the request was made (the signal will then never come). Where the kernel cannot be
+    asked, only the second."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    return os.getppid() == parent

@@ -49,7 +49,7 @@ def test_elastic_launch_returns_values_by_global_rank_with_torchruns_env(
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert env["TORCHELASTIC_MAX_RESTARTS"] == "0"
         assert env["TORCHELASTIC_RUN_ID"] == "job42"
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         assert env["OMP_NUM_THREADS"] == "1"

@@ -423,7 +423,7 @@ def assert_names_and_values(
         assert env["LOCAL_RANK"] == local_rank
         assert {name: env[name] for name in expected} == expected
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{local_rank}/error.json")
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # on purpose: rank 0 hosts it
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # as torchrun: the agent serves it
         if torchrun_envs is not None:
             theirs = torchrun_envs[rank]
             assert set(theirs) == names, rank
@@ -469,7 +469,7 @@ def test_the_full_environment_contract_for_several_workers(tmp_path, leaks: Leak
             "MASTER_ADDR": "127.0.0.1",
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "2",
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "OMP_NUM_THREADS": "1",

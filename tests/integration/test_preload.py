@@ -15,7 +15,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 import pytest
 from conftest import LeakCheck, marked_pids, relaunch_cli, wait_until
 
-from relaunch.agent.torch_store import TorchStoreServer, listen
 from relaunch.config import ConfigError, LaunchConfig
 from relaunch.endpoints import find_free_port
 from relaunch.procs.zygote import Zygote
@@ -411,7 +409,9 @@ dist.all_reduce(value)
 dist.barrier()
 seen = f"{os.environ['TORCHELASTIC_USE_AGENT_STORE']} {store.add('ranks', 0)} {value.item():g}"
 pathlib.Path(sys.argv[1], f"{attempt}.{rank}").write_text(seen)
+store.set(f"written{attempt}.{rank}", "")
 if (attempt, rank) == ("0", 1):
+    store.wait(["written0.0"])  # rank 0 wrote what it saw before this failure stops it
     os._exit(3)  # before the barrier: rank 0 cannot end the attempt as a success
 dist.barrier()
 dist.destroy_process_group()
@@ -456,77 +456,3 @@ def test_with_torch_preloaded_the_agent_serves_torchs_store(
     for attempt in (0, 1):
         for rank in (0, 1):
             assert (out / f"{attempt}.{rank}").read_text() == "True 2 3", (attempt, rank)
-
-
-def test_torchs_store_port_is_bound_on_every_address_or_left_to_rank_0() -> None:
-    """The agent listens where torch's ``TCPStore`` would (IPv4 reaches it); a port already
-    taken is left alone (``None``: worker rank 0 then serves the store, and says why not)."""
-    first = listen(0)
-    assert first is not None
-    with first:
-        port = first.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
-            pass  # in the backlog: accepted once a server takes the socket
-        assert listen(port) is None
-
-
-def stand_in_torch_zygote(tmp_path: pathlib.Path, leaks: LeakCheck, distributed: str) -> Zygote:
-    """A zygote that preloads a stand-in ``torch`` next to its script, whose
-    ``torch.distributed`` is ``distributed`` (source)."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")
-    (tmp_path / "torch" / "distributed.py").write_text(distributed)
-    script = tmp_path / "job.py"
-    script.write_text("")
-    command = python_command([sys.executable, str(script)])
-    assert command is not None
-    return Zygote(["torch"], command, leaks.process_env())
-
-
-def test_a_store_the_agent_cannot_serve_is_left_to_worker_rank_0(
-    leaks: LeakCheck, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str], caplog: Any
-) -> None:
-    """A ``torch`` without ``TCPStore`` (a stand-in next to the script, which the zygote
-    imports): the server says why and ends, the agent says so and lets the port go."""
-    zygote = stand_in_torch_zygote(tmp_path, leaks, "")
-    server = TorchStoreServer(zygote)
-    try:
-        port = find_free_port()
-        server.bind(port)
-        assert not server.serve("127.0.0.1", port)
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", port))  # worker rank 0 can serve it there
-    finally:
-        server.stop()
-        zygote.close()
-    assert f"relaunch: cannot serve torch's store on port {port}: " in capfd.readouterr().err
-    assert "could not be served by the agent (its error above)" in caplog.text
-
-
-def test_a_store_server_that_dies_during_the_attempt_is_named(
-    leaks: LeakCheck, tmp_path: pathlib.Path
-) -> None:
-    """The server (a stand-in ``TCPStore`` that serves nothing, next to the script) is killed
-    during the attempt, as by the out-of-memory killer: the failure report can say why the
-    ranks lost torch's store; while it serves, and once stopped, there is nothing to say."""
-    stand_in = "class TCPStore:\n    def __init__(self, *args, **kwargs):\n        pass\n"
-    zygote = stand_in_torch_zygote(tmp_path, leaks, stand_in)
-    server = TorchStoreServer(zygote)
-    try:
-        port = find_free_port()
-        server.bind(port)
-        assert server.serve("127.0.0.1", port)
-        assert server.ended() is None
-        pid = server.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: server.ended() is not None, 10, "the server's end to be seen")
-        assert server.ended() == (
-            f"torch's store, served by this agent (pid {pid}), killed by SIGKILL (signal 9) "
-            "during the attempt: every rank's call to the store failed from then on "
-            "(the next attempt has a new one)"
-        )
-    finally:
-        server.stop()
-        zygote.close()
-    assert server.ended() is None

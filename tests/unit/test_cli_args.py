@@ -90,6 +90,8 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "shutdown_timeout": "2",
                 "max_restarts": "4",
                 "node_rank": "1",
+                "replica_groups": "2",
+                "replica_group": "1",
                 "master_port": "9",
                 "hang_timeout": "30",
                 "exit_barrier_timeout": "12.5",

@@ -63,12 +63,19 @@ def dry_run(
     args: Sequence[Any],
     environ: Mapping[str, str] | None = None,
     placement: Placement | None = None,
+    group_env: Mapping[str, str] | None = None,
+    where: str | None = None,
 ) -> str:
     """The text ``relaunch --dry-run`` prints: the plan of this node's first attempt of the job
     ``config`` describes, running ``entrypoint`` with ``args`` in the launcher's environment
     ``environ`` (default: this process's), its ranks placed by ``placement``
-    (``relaunch.placement.placement_for``). Starts, binds and joins nothing."""
-    text = describe_first(first_attempt(config, entrypoint, args, environ, placement))
+    (``relaunch.placement.placement_for``). ``group_env``: what a replica group's agent adds to
+    the launcher's environment, shown with each rank's; ``where``: where the node joins, when
+    the config does not say it. Starts, binds and joins nothing."""
+    first = first_attempt(config, entrypoint, args, environ, placement, group_env)
+    if where is not None:
+        first = FirstAttempt(first.plan, where, first.stopped_before)
+    text = describe_first(first)
     if config.preload:
         text += (
             f"relaunch: --preload {','.join(config.preload)}: each Python worker is forked from "
@@ -83,10 +90,10 @@ def first_attempt(
     args: Sequence[Any],
     environ: Mapping[str, str] | None = None,
     placement: Placement | None = None,
+    group_env: Mapping[str, str] | None = None,
 ) -> FirstAttempt:
     """The plan of the first attempt on this node, from ``config`` (and ``placement``) alone."""
     from relaunch.agent.expiry import ExpiryWatch, timers_enabled_by_env
-    from relaunch.agent.torch_store import serves_torch_store
     from relaunch.procs.console import terminals_of
 
     environ = os.environ if environ is None else environ
@@ -103,13 +110,14 @@ def first_attempt(
         master_port=master_port,
         restart_count=0,
         max_restarts=config.max_restarts,
-        use_agent_store=serves_torch_store(config.preload),
+        use_agent_store=True,  # served by group rank 0's agent (where it can bind the port)
     )
     extra_env = ExpiryWatch(run_id, False, config.hang_timeout).worker_env()
     timers = timers_enabled_by_env() if config.timers is None else config.timers
     if timers:
         extra_env[TIMER_FILE_ENV] = environ.get(TIMER_FILE_ENV) or "<a FIFO made at the start>"
     extra_env[CHANNEL_ENV] = "<a shared-memory file made at the start>"
+    extra_env.update(group_env or {})
     plan = plan_attempt(
         _command_of(config, entrypoint, args),
         group,

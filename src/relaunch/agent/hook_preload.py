@@ -1,6 +1,5 @@
 """``--preload`` as an attempt hook: the zygote each Python worker is forked from (it imports
-the modules while the agent joins), and torch's store served by the agent (``--preload
-torch``) while this node is group rank 0."""
+the modules while the agent joins)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from relaunch.core.workers.ranks import omp_num_threads_default
 from relaunch.procs.context import PContext
 
 if TYPE_CHECKING:
-    from relaunch.agent.torch_store import TorchStoreServer
     from relaunch.procs.zygote import Zygote
 
 log = logging.getLogger("relaunch.agent.workers")
@@ -28,38 +26,13 @@ def attach(run: Run) -> PreloadHook | None:
 
 
 class PreloadHook(AttemptHook):
-    """Starts workers from the zygote, and serves torch's store for them."""
+    """Starts workers from the zygote."""
 
     def __init__(self) -> None:
         self.zygote: Zygote | None = None
-        self._torch_store: TorchStoreServer | None = None
 
     def open(self, run: Run) -> None:
         self.zygote = _start_zygote(run)
-        if self.zygote is not None:
-            from relaunch.agent.torch_store import TorchStoreServer, serves_torch_store
-
-            if serves_torch_store(run.preload):
-                self._torch_store = TorchStoreServer(self.zygote)
-
-    def _serving(self, run: Run) -> TorchStoreServer | None:
-        return self._torch_store if run.group.group_rank == 0 else None
-
-    def starting(self, run: Run) -> None:
-        server = self._serving(run)
-        if server is not None:  # before the state record lets other nodes start theirs
-            assert run.group.master_port is not None
-            server.bind(run.group.master_port)
-
-    def environment(self, run: Run) -> Mapping[str, str]:
-        group, server = run.group, self._serving(run)
-        run.agent_store = self._torch_store is not None
-        if server is not None:
-            # Where it cannot be served, worker rank 0 serves it (as without --preload torch).
-            assert group.master_addr is not None and group.master_port is not None
-            with _bad_preload_is_bad_input():
-                run.agent_store = server.serve(group.master_addr, group.master_port)
-        return {}
 
     def wrap_start(self, run: Run, start: Callable[..., PContext]) -> Callable[..., PContext]:
         zygote = self.zygote
@@ -73,24 +46,14 @@ class PreloadHook(AttemptHook):
         return from_zygote
 
     def features(self) -> Collection[Feature]:
-        features = [] if self.zygote is None else [Feature.ZYGOTE]
-        return features if self._torch_store is None else [*features, Feature.TORCH_STORE]
+        return [] if self.zygote is None else [Feature.ZYGOTE]
 
     def stop_phases(self, run: Run) -> Mapping[StopPhase, Callable[[], None]]:
-        phases: dict[StopPhase, Callable[[], None]] = {}
-        if self._torch_store is not None:
-            phases[StopPhase.STOP_TORCH_STORE] = self._torch_store.stop
-        if self.zygote is not None:  # one that died imports again while the agent rejoins
-            phases[StopPhase.REVIVE_ZYGOTE] = self.zygote.revive
-        return phases
-
-    def note(self) -> str | None:
-        """Why the ranks lost torch's store, when the agent's server of it ended first."""
-        return None if self._torch_store is None else self._torch_store.ended()
+        if self.zygote is None:
+            return {}
+        return {StopPhase.REVIVE_ZYGOTE: self.zygote.revive}  # one that died imports again
 
     def close(self) -> None:
-        if self._torch_store is not None:
-            self._torch_store.stop()
         if self.zygote is not None:
             self.zygote.close()
 

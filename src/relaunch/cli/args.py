@@ -26,6 +26,11 @@ from relaunch.core.run.settings import GROUPS, MetricsEndpoint
 
 #: ``--master-port`` when not given, for more than one node (torchrun's).
 STATIC_PORT = 29500
+#: Set by the supervisor of one node's replica groups (``cli.replicas``) for each group agent it
+#: starts: the store it serves (``HOST:PORT``), and the job's run id.
+GROUP_STORE_ENV = "RELAUNCH_REPLICA_STORE"
+GROUP_RUN_ID_ENV = "RELAUNCH_REPLICA_RUN_ID"
+GROUP_SUPERVISOR_ENV = "RELAUNCH_REPLICA_SUPERVISOR"
 #: Where no directory of a job's may be: the kernel's own filesystems (a directory made there is
 #: a cgroup or nothing, and no log file can be written in it).
 KERNEL_FILESYSTEMS = ("/proc", "/sys")
@@ -93,8 +98,15 @@ def config_from_args(
     fresh_run_id = new_run_id() if fresh_run_id is None else fresh_run_id
     request = device_request(args.nproc_per_node)
     min_nodes, max_nodes = args.nnodes
+    group = replica_group(args, environ)
+    if group is not None and max_nodes > 1:
+        min_nodes, max_nodes = _group_nodes(args)
     backend, run_id, endpoint, rdzv_configs = _rendezvous(args, max_nodes, fresh_run_id)
-    metrics = args.metrics_port and {"metrics_endpoint": MetricsEndpoint(*args.metrics_port)}
+    if group is not None:
+        backend, run_id, endpoint = _group_rendezvous(
+            args, group, (backend, run_id, endpoint), rdzv_configs, environ
+        )
+    metrics = args.metrics_port and {"metrics_endpoint": _metrics(args.metrics_port, group)}
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -103,7 +115,7 @@ def config_from_args(
         rdzv_endpoint=endpoint,
         rdzv_backend=backend,
         rdzv_configs=rdzv_configs,
-        **_logs(args, environ),
+        **_logs(args, environ, group),
         **settings_from_flags(args),
         **(metrics or {}),
         signals_to_handle=",".join(sig.name for sig in args.signals_to_handle),
@@ -162,6 +174,91 @@ def _rendezvous(
     if args.node_rank is not None:
         rdzv_configs["rank"] = args.node_rank
     return backend, run_id, endpoint, rdzv_configs
+
+
+def replica_group(args: argparse.Namespace, environ: Mapping[str, str]) -> int | None:
+    """This node's replica group (``--replica-groups``): ``--replica-group``, else its place in
+    the nodes' order (``--node-rank``, which a scheduler's environment fills in); None when it
+    runs no group of its own: no replica groups, or one node, whose launcher supervises all of
+    them (``cli.replicas``). ConfigError when the flags do not say one."""
+    count: int = args.replica_groups
+    group: int | None = args.replica_group
+    if count == 1 and group is None:
+        return None
+    from relaunch.core.run import replica_groups
+
+    try:
+        if group is not None:
+            replica_groups.check_group(group, count)
+        max_nodes = args.nnodes[1]
+        if max_nodes == 1:
+            return group
+        _group_nodes(args)
+        if group is not None:
+            return group
+        if args.node_rank is None:
+            raise ValueError(
+                f"--replica-groups {count} on {max_nodes} nodes: say which group this node "
+                "serves with --replica-group G or --node-rank RANK"
+            )
+        return replica_groups.group_of_node(int(args.node_rank), max_nodes, count)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _group_nodes(args: argparse.Namespace) -> tuple[int, int]:
+    """Each replica group's ``MIN:MAX`` nodes; ConfigError when ``--nnodes`` does not divide."""
+    from relaunch.core.run.replica_groups import group_nodes
+
+    try:
+        min_nodes, max_nodes = args.nnodes
+        return group_nodes(min_nodes, max_nodes, args.replica_groups)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _group_rendezvous(
+    args: argparse.Namespace,
+    group: int,
+    rendezvous: tuple[str, str, str],
+    rdzv_configs: dict[str, Any],
+    environ: Mapping[str, str],
+) -> tuple[str, str, str]:
+    """A replica group's own rendezvous: its own run id on the job's store. A group agent
+    started by one node's supervisor follows the supervisor's store; on several nodes, a
+    node's rank is its place in its group."""
+    from relaunch.core.run.replica_groups import group_run_id
+
+    backend, run_id, endpoint = rendezvous
+    store = environ.get(GROUP_STORE_ENV)
+    if store:
+        rdzv_configs["is_host"] = "false"
+        return "c10d", group_run_id(environ.get(GROUP_RUN_ID_ENV) or run_id, group), store
+    nodes = args.nnodes[1]
+    if nodes > 1:
+        if backend == "static":
+            raise ConfigError(
+                "--replica-groups on several nodes needs a rendezvous each group can form on its "
+                "own: --rdzv-backend c10d or etcd with --rdzv-endpoint"
+            )
+        if args.node_rank is not None:
+            rdzv_configs["rank"] = args.node_rank % (nodes // args.replica_groups)
+    return backend, group_run_id(run_id, group), endpoint
+
+
+def _metrics(given: tuple[str, int | None], group: int | None) -> MetricsEndpoint:
+    """``--metrics-port``'s endpoint; replica group g serves at the port + g."""
+    host, port = given
+    if group is not None:
+        from relaunch.core.run.replica_groups import metrics_port
+
+        port = metrics_port(port, group)
+    try:
+        return MetricsEndpoint(host, port)
+    except ValueError as exc:
+        raise ConfigError(
+            f"--metrics-port serves replica group {group} at port + {group}: {exc}"
+        ) from None
 
 
 def validate(config: LaunchConfig) -> None:
@@ -337,14 +434,23 @@ def _check_module(name: str, environ: Mapping[str, str]) -> None:
     )
 
 
-def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+def _logs(
+    args: argparse.Namespace, environ: Mapping[str, str], group: int | None = None
+) -> dict[str, Any]:
     """The config's logging fields, as torchrun makes them: ``--log-dir``, ``-r``, ``-t`` and
     ``--local-ranks-filter`` given to the ``LogsSpecs`` class ``--logs-specs`` names (then
     made here, as torchrun makes it), else (or for ``default``) kept as they are: a
     ``DefaultLogsSpecs`` is made of them when the agent starts, so ``--dry-run`` makes no
     directory; the console prefix template from
-    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, and the duplicate filters."""
+    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (a replica group's ``[g1 default0]:`` when it is
+    not set), and the duplicate filters."""
     from relaunch.core.output.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
+
+    template = environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV) or None
+    if template is None and group is not None:
+        from relaunch.core.run.replica_groups import group_prefix_template
+
+        template = group_prefix_template(group)
 
     fields: dict[str, Any] = {
         "log_dir": args.log_dir,
@@ -353,7 +459,7 @@ def _logs(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any
         "local_ranks_filter": args.local_ranks_filter,
     }
     shared = {
-        "log_line_prefix_template": environ.get(LOG_LINE_PREFIX_TEMPLATE_ENV) or None,
+        "log_line_prefix_template": template,
         "duplicate_stdout_filters": args.duplicate_stdout_filters,
         "duplicate_stderr_filters": args.duplicate_stderr_filters,
     }

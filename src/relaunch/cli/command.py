@@ -161,9 +161,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared = prepare(arguments)
     if isinstance(prepared, int):
         return prepared
-    if prepared[0].dry_run:
-        return _dry_run(*prepared[1:])
-    return _launch(*prepared)
+    args = prepared[0]
+    group = None
+    if args.replica_groups > 1 or args.replica_group is not None:
+        from relaunch.cli.args import replica_group
+
+        group = replica_group(args, os.environ)  # checked by ``prepare`` already
+        if group is None:  # one node: this launcher supervises its groups
+            return _replica_groups(arguments, *prepared)
+        if not _follow_supervisor():
+            return 1
+    if args.dry_run:
+        return _dry_run(*prepared[1:], group=group, count=args.replica_groups)
+    return _launch(*prepared, group=group)
 
 
 def prepare(
@@ -208,15 +218,78 @@ def _apply_scheduler(
     print(f"relaunch: {inference.describe(applied)}", file=sys.stderr)
 
 
+def _replica_groups(
+    argv: Sequence[str],
+    args: argparse.Namespace,
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    entry_args: tuple[str, ...],
+) -> int:
+    """One node's ``--replica-groups``: print their plans (``--dry-run``) or supervise them
+    (``cli.replicas``)."""
+    from relaunch.cli.replicas import dry_run_groups, run_groups
+
+    if not args.dry_run:
+        _collector_on()
+        return run_groups(argv, args, config, say)
+    try:
+        text = dry_run_groups(args, config, entrypoint, entry_args)
+    except Exception as exc:
+        ended = end(exc, PREPARE)
+        if ended is None:
+            raise
+        return ended[0]
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0
+
+
+def _follow_supervisor() -> bool:
+    """A group agent of one node's supervisor ends with it (SIGTERM: its workers are stopped as
+    on any stop), and keeps the supervisor's variables from its workers; False (said) when the
+    supervisor is gone already. True for any other launcher."""
+    from relaunch.cli.args import GROUP_RUN_ID_ENV, GROUP_STORE_ENV, GROUP_SUPERVISOR_ENV
+    from relaunch.runtime import end_with_parent
+
+    supervisor = os.environ.pop(GROUP_SUPERVISOR_ENV, None)
+    os.environ.pop(GROUP_STORE_ENV, None)
+    os.environ.pop(GROUP_RUN_ID_ENV, None)
+    if supervisor is None or not supervisor.isdigit():
+        return True
+    if end_with_parent(signal.SIGTERM, int(supervisor)):
+        return True
+    say("relaunch: error: this replica group's supervisor is gone: not starting its workers")
+    return False
+
+
+def _group_env(group: int | None, count: int) -> dict[str, str]:
+    """What a replica group's workers get from their agent's environment (none without one)."""
+    if group is None:
+        return {}
+    from relaunch.core.run.replica_groups import group_env
+
+    return group_env(group, count)
+
+
 def _dry_run(
-    config: LaunchConfig, entrypoint: Callable[..., Any] | str, entry_args: tuple[str, ...]
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    entry_args: tuple[str, ...],
+    group: int | None = None,
+    count: int = 1,
 ) -> int:
     """Print the plan of this node's first attempt (``agent.dry_run``); start nothing."""
     from relaunch.agent.dry_run import dry_run
     from relaunch.launcher import placement_of
 
     try:
-        text = dry_run(config, entrypoint, entry_args, placement=placement_of(config))
+        text = dry_run(
+            config,
+            entrypoint,
+            entry_args,
+            placement=placement_of(config),
+            group_env=_group_env(group, count),
+        )
     except Exception as exc:
         ended = end(exc, PREPARE)
         if ended is None:
@@ -232,6 +305,7 @@ def _launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
     entry_args: tuple[str, ...],
+    group: int | None = None,
 ) -> int:
     from relaunch.core.run.summary import RunSummary, format_summary
     from relaunch.core.workers.ranks import omp_num_threads_default
@@ -259,6 +333,8 @@ def _launch(
             f"relaunch: setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} "
             "workers to avoid overloading the machine; set it yourself to tune"
         )
+    # a replica group's variables, in the launcher's environment for its workers to inherit
+    os.environ.update(_group_env(group, args.replica_groups))
     summaries: list[RunSummary] = []
     _collector_on()
     try:

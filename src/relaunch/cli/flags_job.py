@@ -41,6 +41,25 @@ JOB_FLAGS = [
     ),
     Flag(
         "nodes",
+        ("--replica-groups",),
+        "run R replica groups, each its own world with its own ranks, MASTER_PORT and "
+        "restarts: one node runs R groups of --nproc-per-node workers; several nodes form the "
+        "groups, nnodes / R each (docs/replica-groups.md)",
+        1,
+        checked("parse_count", 1),
+        metavar="R",
+    ),
+    Flag(
+        "nodes",
+        ("--replica-group",),
+        "this node's replica group, 0..R-1 (default: from --node-rank, or the scheduler's "
+        "node order)",
+        None,
+        checked("parse_count", 0),
+        metavar="G",
+    ),
+    Flag(
+        "nodes",
         ("--master-addr",),
         "address of the node of rank 0 (static rendezvous)",
         "127.0.0.1",

@@ -315,16 +315,6 @@ class Zygote:
             return None
         return self._ask(*worker_request(argv, command, env, stdout, stderr, parent))
 
-    def serve_torch_store(
-        self, listener: int, ready: int, host: str, port: int, timeout: float
-    ) -> ZygoteHandle | None:
-        """Fork a process that serves torch's ``TCPStore`` on ``listener``, a socket the agent
-        bound to ``port`` and listens on (``host``: where its clients find it), and writes a
-        byte to the pipe ``ready`` once it does; None when the workers start cold, as no zygote
-        can fork it then. PreloadError as for ``spawn``."""
-        request = {"torch_store": {"host": host, "port": port, "timeout": timeout}}
-        return self._ask(request, [listener, ready])
-
     def _ask(self, request: dict[str, Any], fds: list[int]) -> ZygoteHandle | None:
         """Have the zygote fork for ``request``, waiting for it to be ready; None when the
         workers start cold (``_cold_reason``) or the zygote is closed."""

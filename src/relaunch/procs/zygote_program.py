@@ -109,9 +109,8 @@ class _Zygote:
         #: ``sys.modules`` where they are plain Python (a later import loads them afresh).
         self.own_modules: list[str] = []
         self.prctl: Any = None
-        #: The interpreter's fresh ``__main__`` (a worker's starts so) and the signals blocked here.
+        #: The interpreter's fresh ``__main__`` (a worker's starts so).
         self.fresh_main = _FRESH_MAIN
-        self.blocked = _BLOCKED
         self.wake_r = -1
         self.wake_w = -1
         #: The status pipe's write end of each child, by pid.

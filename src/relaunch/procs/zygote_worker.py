@@ -1,5 +1,5 @@
 """What a child the zygote of ``--preload`` forked runs before the worker's own code: it becomes
-the worker a request describes (``become``), or serves torch's store. Read by path by
+the worker a request describes (``become``). Read by path by
 ``zygote_program`` (only the standard library, nothing of relaunch's).
 
 The child leaves the zygote's loop, drops its descriptors, takes the worker's session, signals,
@@ -9,9 +9,7 @@ streams, umask, directory, CPUs, environment, ``sys.argv`` and ``sys.path[0]``, 
 interpreter, so that its end is a normal interpreter exit: ``SystemExit``'s code, atexit
 handlers, non-daemon threads joined, streams flushed; an uncaught exception is printed by
 ``sys.excepthook`` without the zygote's frames (exit status 1, or death by SIGINT for
-``KeyboardInterrupt``, as CPython does). A request for torch's store instead (``torch_store``:
-with a listening socket and a pipe, no streams) makes the child serve torch's ``TCPStore`` on
-that socket until it is killed.
+``KeyboardInterrupt``, as CPython does).
 """
 
 import os
@@ -32,8 +30,6 @@ def become(zygote: "Any", request: "dict[str, Any]", fds: list[int]) -> None:
     zygote.prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
     if os.getppid() != zygote.pid:
         os.kill(os.getpid(), _signal.SIGKILL)  # the zygote died already: so does its worker
-    if "torch_store" in request:
-        _serve_torch_store(request["torch_store"], fds, zygote.blocked)
     try:
         os.setsid()
         _reset_signals(zygote, request["ignored"])
@@ -66,42 +62,6 @@ def become(zygote: "Any", request: "dict[str, Any]", fds: list[int]) -> None:
         _run_module(request["module"], own, zygote.fresh_main)
     else:
         _run_script(request["script"], request["argv"][0], own, zygote.fresh_main)
-
-
-def _serve_torch_store(where: "dict[str, Any]", fds: list[int], blocked: "tuple[int, ...]") -> None:
-    """In a forked child: serve torch's ``TCPStore`` on the socket ``fds[0]``, which the agent
-    bound and listens on (workers that came early wait in its backlog), until killed; a byte
-    on the pipe ``fds[1]`` says it serves, its end without one that it could not (why: on the
-    zygote's stderr, the agent's; ``relaunch.agent.torch_store``)."""
-    port = where["port"]
-    try:
-        listener, ready = fds
-        os.setsid()
-        os.chdir("/")
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        store = TCPStore(
-            where["host"],
-            port,
-            None,
-            True,
-            timedelta(seconds=where["timeout"]),
-            wait_for_workers=False,
-            master_listen_fd=listener,
-        )
-    except BaseException as exc:
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        os.write(2, f"relaunch: cannot serve torch's store on port {port}: {text}\n".encode())
-        os._exit(1)
-    os.write(ready, b"1")
-    os.close(ready)
-    for number in blocked:
-        _signal.signal(number, _signal.SIG_DFL)
-    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
-    while store is not None:  # its threads serve; this one waits for the end
-        _signal.pause()
 
 
 def _signals_of(mask: int) -> set[int]:

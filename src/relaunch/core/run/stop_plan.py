@@ -16,7 +16,7 @@ class Feature(Enum):
 
     KEPT_STATE = "kept state"  # --state: the workers' save_state, and its just-in-time save
     PARKING = "parking"  # restart in place: ranks that park are kept for the next attempt
-    TORCH_STORE = "torch store"  # --preload torch: the agent serves torch's store
+    TORCH_STORE = "torch store"  # the agent of group rank 0 serves torch's store
     ZYGOTE = "zygote"  # --preload: the process each Python worker is forked from
 
 
