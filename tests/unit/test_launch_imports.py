@@ -45,7 +45,6 @@ NOT_FOR_A_SINGLE_NODE = (
     "relaunch.core.schedulers.slurm",
     "relaunch.core.workers.state_agreement",
     "_pickle",  # function workers' arguments checked
-    "relaunch.procs.process_failure",  # a worker failed
     "relaunch.procs.duplicates",  # torch's duplicate filters
     "relaunch.rendezvous.static",
     "relaunch.agent.api",  # torch's paths, for code written against them
@@ -59,7 +58,7 @@ NOT_FOR_A_SINGLE_NODE = (
 #: relaunch's own is a ``relaunch.core.value.Value`` and a record whose fields change a plain
 #: class with ``__slots__`` (``agent.hooks.Run``, ``WorkerProcess``), which cost microseconds. A
 #: new dataclass on the launch path is a choice: change this number with it.
-LAUNCH_DATACLASSES = 7
+LAUNCH_DATACLASSES = 8
 
 
 @pytest.fixture(scope="module")

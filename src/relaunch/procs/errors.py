@@ -289,5 +289,5 @@ class ChildFailedError(Exception):
         )
 
 
-#: ``ProcessFailure`` is made only when a worker fails: loaded on first use.
+#: ``ProcessFailure`` loads on first use (the worker monitor's, as the workers start).
 __getattr__ = lazy_attributes(__name__, {"ProcessFailure": "relaunch.procs.process_failure"})

@@ -1,9 +1,9 @@
 """``ProcessFailure``: a worker process that failed, with torch's fields, read from its error
 file and the tail of its stderr.
 
-Made only when a worker fails (``procs.group_result``), so it is not on the way of a launch
-whose workers succeed: a dataclass costs every launch about 0.5 ms to make.
-``relaunch.procs.errors`` names it too, loading it on first use.
+Made when a worker fails (``procs.group_result``); the worker monitor loads it as the workers
+start (``procs.monitor``), off the launch's way to them, where a dataclass would cost 0.5 ms
+before the first worker. ``relaunch.procs.errors`` names it too, loading it on first use.
 """
 
 from __future__ import annotations
