@@ -63,7 +63,8 @@ class ConfigError(ValueError):
 # -- the config ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+# Its own __repr__, __eq__ and __hash__: dataclass compiles each method it makes, at every launch.
+@dataclass(frozen=True, repr=False, eq=False)
 class LaunchConfig:
     """How to launch: nodes, workers per node, rendezvous, restarts, logs.
 
@@ -198,6 +199,19 @@ class LaunchConfig:
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
         shown["rdzv_configs"] = redacted(self.rdzv_configs)
         return "LaunchConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a config of the same class with equal fields, as a dataclass is."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, LaunchConfig)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
 
     @cached_property
     def rendezvous_settings(self) -> RendezvousSettings:

@@ -1,5 +1,5 @@
-"""A worker's error file is read by its agent (``procs.errors.read_error_file``): the worker
-writes it, so what it leaves there is outside input to the agent.
+"""A worker's error file is read by its agent (``procs.process_failure.read_error_file``): the
+worker writes it, so what it leaves there is outside input to the agent.
 
 Before: JSON nested deeper than the parser reads ended the agent's monitor thread
 (``RecursionError``: "relaunch-monitor thread failed"); a FIFO at the error file's name hung the

@@ -277,3 +277,38 @@ def test_the_store_client_ends_a_trickled_reply_by_its_deadline() -> None:
         client.close()
     assert isinstance(result, StoreTimeout) and server.endpoint in str(result), result
     assert took < 1.4, took
+
+
+def group_job(group: int, **overrides: bytes) -> dict[str, bytes]:
+    """``job``'s values as replica group ``group`` of job ``j`` holds them (run id ``j-groupG``)."""
+    return {
+        k.replace("relaunch/j/", f"relaunch/j-group{group}/", 1): v
+        for k, v in job(**overrides).items()
+    }
+
+
+@pytest.mark.timeout(30)
+def test_many_groups_are_read_within_one_jobs_bounds(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store of replica groups (``j-group0``, ...) shows every group, but all of them within
+    what one job may hold: a store that fills many groups cannot make ``relaunch status`` take
+    in many times that (the bound is lowered here to keep the test small)."""
+    import relaunch.rendezvous.reader as reader
+
+    monkeypatch.setattr(reader, "MAX_READ", 1 << 20)
+    big = note(node="n" * (300 << 10))
+    values: dict[str, bytes] = {}
+    for group in range(2):
+        values.update(group_job(group))
+    with values_store(values) as store:
+        code, out, err = run(capsys, store.endpoint)
+    assert code == 0, err
+    assert "replica group 0 of 2:" in out and "replica group 1 of 2:" in out, out
+    values = {}
+    for group in range(6):
+        values.update(group_job(group, notes__status__0=big))
+    with values_store(values) as store:
+        code, out, err = run(capsys, store.endpoint)
+    assert code == 1 and err.count("\n") == 1, err[:300]
+    assert "groups hold more than 1048576 bytes in all" in err, err[:300]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -188,6 +189,68 @@ def test_sigterm_to_the_supervisor_stops_every_group(tmp_path: Path, leaks: Leak
         "relaunch: replica group 0: stopped (exit status 143), 0 restarts",
         "relaunch: replica group 1: stopped (exit status 143), 0 restarts",
     ]
+
+
+def test_status_of_the_job_shows_every_group(tmp_path: Path, leaks: LeakCheck) -> None:
+    script, out = job(tmp_path)
+    argv = ("--standalone", "--replica-groups", "2", script, str(out), "hold")
+    launch = Launch(leaks, tmp_path, "supervisor", *argv)
+    try:
+        wait_until(lambda: len(list(out.glob("ready-*"))) == 2, 60, "both groups running")
+        said = re.search(
+            r"relaunch status (--rdzv-endpoint \S+) --rdzv-id (\S+)\)", launch.stderr()
+        )
+        assert said, launch.stderr()
+        rg = said[2]
+        status = [sys.executable, "-m", "relaunch", "status", *said[1].split()]
+        shown = subprocess.run(
+            [*status, "--rdzv-id", rg], capture_output=True, text=True, timeout=30
+        )
+        as_json = subprocess.run(
+            [*status, "--rdzv-id", rg, "--json"], capture_output=True, text=True, timeout=30
+        )
+        one = subprocess.run(
+            [*status, "--rdzv-id", f"{rg}-group1"], capture_output=True, text=True, timeout=30
+        )
+        (out / "go").touch()
+    finally:
+        code = launch.wait()
+    assert code == 0, launch.stderr()
+    assert shown.returncode == 0, shown.stderr
+    assert f"replica group 0 of 2:\njob {rg}-group0:" in shown.stdout
+    assert f"replica group 1 of 2:\njob {rg}-group1:" in shown.stdout
+    data = json.loads(as_json.stdout)
+    assert data["run_id"] == rg
+    assert [g["run_id"] for g in data["replica_groups"]] == [f"{rg}-group0", f"{rg}-group1"]
+    assert one.returncode == 0 and one.stdout.startswith(f"job {rg}-group1:"), one.stdout
+
+
+def test_a_supervisor_killed_outright_takes_its_groups_with_it(
+    tmp_path: Path, leaks: LeakCheck
+) -> None:
+    script, out = job(tmp_path)
+    argv = ("--standalone", "--replica-groups", "2", script, str(out), "hold")
+    launch = Launch(leaks, tmp_path, "supervisor", *argv)
+    try:
+        wait_until(lambda: len(list(out.glob("ready-*"))) == 2, 60, "both groups running")
+        workers = [int(seen(out, g)["pid"]) for g in (0, 1)]
+        agents = [int(seen(out, g)["agent"]) for g in (0, 1)]
+        launch.proc.kill()
+        launch.proc.wait(30)
+        wait_until(
+            lambda: not any(alive(pid) for pid in workers + agents), 60, "agents and workers gone"
+        )
+    finally:
+        launch.wait()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_killed_group_agent_is_said_and_the_other_group_goes_on(

@@ -18,7 +18,7 @@ from relaunch.core.run.failures import (
     tail_lines,
 )
 from relaunch.core.run.group import GroupStatus, group_status
-from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure
+from relaunch.procs.process_failure import NO_DETAIL_HINT, ProcessFailure
 
 
 @dataclass

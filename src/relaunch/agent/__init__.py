@@ -7,12 +7,9 @@ Its decisions are in ``relaunch.core`` (``step``, ``attempt``, ``restart``)."""
 
 from __future__ import annotations
 
-from relaunch.agent.api import ElasticAgent
-from relaunch.agent.local_elastic_agent import (
-    TORCHELASTIC_ENABLE_FILE_TIMER,
-    TORCHELASTIC_TIMER_FILE,
-    LocalElasticAgent,
-)
+from typing import TYPE_CHECKING
+
+from relaunch.agent.loop import LocalElasticAgent
 from relaunch.agent.spec import (
     DEFAULT_ROLE,
     RunResult,
@@ -22,6 +19,14 @@ from relaunch.agent.spec import (
     WorkerState,
 )
 from relaunch.core.output.console_plan import LOG_LINE_PREFIX_TEMPLATE_ENV
+from relaunch.runtime import lazy_attributes
+
+if TYPE_CHECKING:
+    from relaunch.agent.api import ElasticAgent
+    from relaunch.agent.local_elastic_agent import (
+        TORCHELASTIC_ENABLE_FILE_TIMER,
+        TORCHELASTIC_TIMER_FILE,
+    )
 
 __all__ = [
     "DEFAULT_ROLE",
@@ -36,3 +41,12 @@ __all__ = [
     "WorkerSpec",
     "WorkerState",
 ]
+
+#: torch's names at torch's paths, loaded on first use (the launcher needs none), and their modules.
+_LAZY = {
+    "ElasticAgent": "relaunch.agent.api",
+    "TORCHELASTIC_ENABLE_FILE_TIMER": "relaunch.agent.local_elastic_agent",
+    "TORCHELASTIC_TIMER_FILE": "relaunch.agent.local_elastic_agent",
+}
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

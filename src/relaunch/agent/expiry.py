@@ -33,11 +33,11 @@ from relaunch.core.run.run_events import NodeSnapshot
 from relaunch.core.workers import timers as core_timers
 from relaunch.core.workers.liveness import Overdue, next_due, overdue
 from relaunch.core.workers.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
-from relaunch.procs.errors import NO_DETAIL_HINT, ProcessFailure, read_tail
 from relaunch.procs.handles import signal_tree
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
+    from relaunch.procs.process_failure import ProcessFailure
     from relaunch.timer.file_based_local_timer import FileTimerServer
 
 log = logging.getLogger(__name__)
@@ -292,6 +292,8 @@ class ExpiryWatch:
                 written.append((os.stat(path).st_mtime, path))
             except OSError:
                 pass
+        from relaunch.procs.process_failure import read_tail  # a hang or a failure: loaded then
+
         for _, path in sorted(written, reverse=True):
             lines = [line for line in read_tail(path, 4096).splitlines() if line.strip()]
             if lines:
@@ -355,6 +357,8 @@ class ExpiryWatch:
     ) -> None:
         """Put why a worker was killed (reaped, or aborted as hung) at the head of its failure's
         ``details``."""
+        from relaunch.procs.process_failure import NO_DETAIL_HINT, read_tail
+
         for rank, failure in failures.items():
             cause = self._causes.get(failure.pid)
             if cause is None:

@@ -99,9 +99,13 @@ class TorchStoreHook(AttemptHook):
 
 def max_connections(ranks: int) -> int:
     """How many connections the store holds for a job of ``ranks`` ranks: room for each rank's
-    clients, within half the open-file limit (raised to the hard limit where that is needed)."""
-    wanted = max(MIN_CONNECTIONS, CONNECTIONS_PER_RANK * ranks)
-    soft, _ = raise_open_file_limit(2 * wanted)
+    clients, within half the open-file limit. The limit is raised (to the hard one) only where
+    the ranks need it: the workers inherit it."""
+    needed = CONNECTIONS_PER_RANK * ranks
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft // 2 < needed:
+        soft, _ = raise_open_file_limit(2 * needed)
+    wanted = max(MIN_CONNECTIONS, needed)
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(64, min(wanted, soft // 2))

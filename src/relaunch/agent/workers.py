@@ -37,7 +37,7 @@ from relaunch.core.workers.attempt import plan_attempt
 from relaunch.core.workers.state_settings import StateSettings
 from relaunch.procs.console import console_for
 from relaunch.procs.context import PContext, RunProcsResult
-from relaunch.procs.errors import ProcessFailure, SignalException, StopRequested
+from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, new_attempt_dir
 from relaunch.procs.wakeup import EventQueue
 from relaunch.procs.worker_process import FailureGrace
@@ -46,6 +46,7 @@ from relaunch.runtime import Clock
 
 if TYPE_CHECKING:
     from relaunch.core.workers.placement import Placement
+    from relaunch.procs.process_failure import ProcessFailure
 
 
 class Workers:

@@ -66,6 +66,7 @@ def job_services(
     from relaunch.agent.lighthouse import start_if_wanted
 
     log_dir = log_dir or config.log_dir or "."
+    os.makedirs(log_dir, exist_ok=True)
     lighthouse = start_if_wanted(
         os.environ, count, log_dir, say=lambda line: say(f"relaunch: {line}")
     )
@@ -157,15 +158,16 @@ def run_groups(
         argv = ["--log-dir", log_dir, *argv]
     try:
         extra, stop_services = job_services(config, count, say, log_dir=log_dir)
-    except LighthouseError as exc:
+    except (LighthouseError, OSError) as exc:
         server.stop()
-        say(f"relaunch: error: {exc}")
+        why = str(exc) if isinstance(exc, LighthouseError) else exc.strerror or str(exc)
+        say(f"relaunch: error: {why}")
         return 1
     say(
         f"relaunch: {count} replica groups of {config.nproc_per_node} worker(s), each restarting "
         f"on its own; their store: {server.endpoint}, run ids {config.run_id}-group0.."
-        f"{count - 1} (relaunch status --rdzv-endpoint {server.endpoint} --rdzv-id "
-        f"{config.run_id}-groupG)"
+        f"{count - 1} (all of them: relaunch status --rdzv-endpoint {server.endpoint} "
+        f"--rdzv-id {config.run_id})"
     )
     environ = {
         **os.environ,

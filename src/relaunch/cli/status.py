@@ -27,7 +27,7 @@ from relaunch.cli.flag_row import checked, parse_rdzv_conf
 from relaunch.cli.flags import EXIT_FAILED, _Parser, usage_error
 
 if TYPE_CHECKING:
-    from relaunch.rendezvous.reader import JobReader, Snapshot
+    from relaunch.rendezvous.reader import GroupsReader, GroupsSnapshot, JobReader, Snapshot
 
 PROG = "relaunch status"
 #: Seconds between two reads with ``--watch`` and no value (agents post every 3 s).
@@ -115,7 +115,25 @@ def open_reader(
     return reader, where, timeout
 
 
-def read(reader: JobReader, timeout: float) -> Snapshot:
+def _job_or_groups(reader: JobReader, run_id: str, timeout: float) -> JobReader | GroupsReader:
+    """``reader`` when the job is found; else the reader of its replica groups
+    (``RUN_ID-group0``, ...) when it has them; JobNotFound when neither is there."""
+    from relaunch.rendezvous.reader import GroupsReader, JobNotFound
+    from relaunch.store.deadline import limit
+
+    try:
+        with limit(timeout):
+            reader.read()
+        return reader
+    except JobNotFound:
+        with limit(timeout):
+            groups = GroupsReader.find(reader, run_id)
+        if groups is None:
+            raise
+        return groups
+
+
+def read(reader: JobReader | GroupsReader, timeout: float) -> Snapshot | GroupsSnapshot:
     """One read of the job, every request of it within ``timeout`` seconds in all."""
     from relaunch.store.deadline import limit
 
@@ -134,8 +152,9 @@ def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     try:
         args = build_parser(env).parse_args(argv)
         where = f"the store at {args.rdzv_endpoint}"
-        reader, where, timeout = open_reader(args, env)
+        job, where, timeout = open_reader(args, env)
         where = f"the store at {where}"
+        reader = _job_or_groups(job, args.rdzv_id, timeout)
         if args.watch is None:
             show(read(reader, timeout), args.json, sys.stdout)
             return 0
@@ -165,7 +184,7 @@ def _error(message: str) -> None:
     print(f"{PROG}: error: {printable(message)}", file=sys.stderr)
 
 
-def show(snapshot: Snapshot, as_json: bool, out: IO[str]) -> int:
+def show(snapshot: Snapshot | GroupsSnapshot, as_json: bool, out: IO[str]) -> int:
     """Print ``snapshot`` once; the number of terminal rows it took. What the store held is
     printed through ``printable`` (JSON escapes it already: ``ensure_ascii``)."""
     from relaunch.core.output.status import printable
@@ -178,7 +197,11 @@ def show(snapshot: Snapshot, as_json: bool, out: IO[str]) -> int:
 
 
 def watch(
-    reader: JobReader, every: float, as_json: bool, out: IO[str], timeout: float = TIMEOUT
+    reader: JobReader | GroupsReader,
+    every: float,
+    as_json: bool,
+    out: IO[str],
+    timeout: float = TIMEOUT,
 ) -> int:
     """Show the job every ``every`` seconds: redrawn in place on a terminal, else one after the
     other (tables separated by a blank line, JSON one a line); 0 on Ctrl-C or once it finished.

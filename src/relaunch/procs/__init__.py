@@ -10,11 +10,12 @@ from relaunch.procs.context import (
     SubprocessContext,
     start_processes,
 )
-from relaunch.procs.errors import ChildFailedError, ProcessFailure, SignalException, record
+from relaunch.procs.errors import ChildFailedError, SignalException, record
 from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsDest, LogsSpecs
 from relaunch.runtime import lazy_attributes
 
 if TYPE_CHECKING:
+    from relaunch.procs.process_failure import ProcessFailure
     from relaunch.procs.tail import TailLog
 
 __all__ = [
@@ -35,6 +36,6 @@ __all__ = [
 ]
 
 #: The names that load on first use, by the module that defines each (the launcher needs none).
-_LAZY = {"TailLog": "relaunch.procs.tail"}
+_LAZY = {"ProcessFailure": "relaunch.procs.process_failure", "TailLog": "relaunch.procs.tail"}
 
 __getattr__ = lazy_attributes(__name__, _LAZY)

@@ -23,10 +23,7 @@ from relaunch.core.workers.rank_io import RankIO
 from relaunch.procs.console import console_for
 from relaunch.procs.console_writer import ProgbarEvents
 from relaunch.procs.descendants import kill_marked, new_token, with_token
-from relaunch.procs.errors import (
-    ERROR_FILE_ENV,
-    ProcessFailure,
-)
+from relaunch.procs.errors import ERROR_FILE_ENV
 from relaunch.procs.group_result import (
     RunProcsResult,
     monitor_failure_result,
@@ -49,6 +46,7 @@ from relaunch.runtime import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
     from relaunch.procs.duplicates import FilteredCopy
+    from relaunch.procs.process_failure import ProcessFailure
 
 log = logging.getLogger(__name__)
 

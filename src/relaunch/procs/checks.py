@@ -8,8 +8,8 @@ through starting a group. Each error is of the type torch raises for the same mi
 
 from __future__ import annotations
 
+import functools
 import os
-from _pickle import PicklingError  # pickle's own class; the pure-Python pickle loads lazily
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,11 +30,6 @@ class LogDirIsFileError(NotADirectoryError, ValueError):
 
 class LogDirNotEmptyError(RuntimeError, ValueError):
     """``log_dir`` is not empty (torch < 2.2: RuntimeError)."""
-
-
-class NotPicklableError(ValueError, PicklingError):
-    """The function or its arguments cannot reach a spawned child (torch: the PicklingError of
-    starting it)."""
 
 
 class NotExecutableError(PermissionError, FileNotFoundError):
@@ -63,10 +58,32 @@ def check_picklable(
             what = f"the arguments of local rank {rank}"
             pickle.dumps(rank_args)
     except Exception as exc:
-        raise NotPicklableError(
+        raise not_picklable_error()(
             f"{what!r} cannot be pickled for start method {start_method!r} ({exc}); define "
             "the function at the top level of an importable module, or use start_method='fork'"
         ) from None
+
+
+@functools.cache
+def not_picklable_error() -> type[ValueError]:
+    """``NotPicklableError``, made when first raised: it is pickle's ``PicklingError`` too, and
+    loading pickle's module would cost every launch 0.45 ms for a check that only a function's
+    workers need."""
+    from pickle import PicklingError
+
+    class NotPicklableError(ValueError, PicklingError):
+        """The function or its arguments cannot reach a spawned child (torch: the
+        PicklingError of starting it)."""
+
+        __qualname__ = "NotPicklableError"
+
+    return NotPicklableError
+
+
+def __getattr__(name: str) -> object:
+    if name == "NotPicklableError":
+        return not_picklable_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_entrypoint(entrypoint: object, start_method: str) -> None:

@@ -35,7 +35,6 @@ from relaunch.procs.checks import (
     check_start_method,
 )
 from relaunch.procs.console_writer import ProgbarEvents
-from relaunch.procs.duplicates import FilteredCopy
 from relaunch.procs.group_result import RunProcsResult
 from relaunch.procs.handles import PopenHandle, ProcessHandle
 from relaunch.procs.returns import ReturnReader, widen_pipe
@@ -426,6 +425,8 @@ def _start_with_copies(
     for err, stream in ((False, "stdout"), (True, "stderr")):
         needles = given.get(f"duplicate_{stream}_filters")
         if needles:
+            from relaunch.procs.duplicates import FilteredCopy  # torch's filters: rarely given
+
             path = filtered[err]
             copies[err] = FilteredCopy(path, needles)
             setattr(context, f"filtered_{stream}", path)

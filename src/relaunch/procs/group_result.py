@@ -7,13 +7,16 @@ import logging
 import signal
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core.workers.rank_io import RankIO
-from relaunch.procs.errors import ProcessFailure, exception_error_data, write_error_file
+from relaunch.procs.errors import exception_error_data, write_error_file
 from relaunch.procs.handles import StuckWorker
 from relaunch.procs.monitor import GroupMonitor
 from relaunch.procs.worker_process import WorkerProcess
+
+if TYPE_CHECKING:
+    from relaunch.procs.process_failure import ProcessFailure
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ def worker_failure(rank: int, worker: WorkerProcess, io: RankIO) -> ProcessFailu
     """The failure of ``worker``: its stderr tail comes from memory when relaunch read that
     stream (its log file may lack it: a full disk), else from the log file."""
     stderr = next((stream for stream in worker.streams if stream.err), None)
+    from relaunch.procs.process_failure import ProcessFailure  # a failure: loaded for one
+
     return ProcessFailure.from_exit(
         rank,
         worker.pid,
@@ -77,6 +82,8 @@ def unloadable(
     except OSError as exc:
         log.warning("cannot write error file %s: %s", error_file, exc)
         written = False
+    from relaunch.procs.process_failure import ProcessFailure
+
     failure = ProcessFailure.from_exit(
         rank, worker.pid, worker.exitcode or 0, error_file, timestamp=worker.exit_time
     )
@@ -92,6 +99,8 @@ def monitor_failure_result(
     error = monitor.failure
     why = f"relaunch's worker monitor failed ({type(error).__name__}: {error})"
     workers = monitor.workers
+    from relaunch.procs.process_failure import ProcessFailure
+
     return RunProcsResult(
         failures={
             rank: ProcessFailure(

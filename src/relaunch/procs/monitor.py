@@ -225,6 +225,11 @@ class GroupMonitor:
         """The thread: watch until the group ended and its output is drained. Whatever raises
         in it, the group still ends (``_fail``), so that ``wait`` and ``close`` return."""
         try:
+            # What a failure is made of, loaded here, beside the workers' start rather than before
+            # it, and before any failure: making one then opens no file (a launcher out of
+            # descriptors still reports its workers' failures).
+            import relaunch.procs.process_failure  # noqa: F401
+
             self._watch()
         except BaseException as error:
             self._fail(error)

@@ -5,6 +5,8 @@ built-in store one agent hosts) and ``etcd`` (elastic, on an etcd v3 cluster: no
 failure). ``--standalone`` is one node on an in-process store.
 """
 
+from typing import TYPE_CHECKING
+
 from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange
 from relaunch.core.rendezvous.rdzv_conf import BACKENDS
 from relaunch.endpoints import parse_endpoint
@@ -25,7 +27,10 @@ from relaunch.rendezvous.api import (
     rendezvous_handler_registry,
 )
 from relaunch.rendezvous.backends import get_rendezvous_handler
-from relaunch.rendezvous.static import StaticRendezvousHandler
+from relaunch.runtime import lazy_attributes
+
+if TYPE_CHECKING:
+    from relaunch.rendezvous.static import StaticRendezvousHandler
 
 __all__ = [
     "BACKENDS",
@@ -49,3 +54,8 @@ __all__ = [
     "parse_endpoint",
     "rendezvous_handler_registry",
 ]
+
+#: The names loaded on first use (a launch that is not static needs none), and their modules.
+_LAZY = {"StaticRendezvousHandler": "relaunch.rendezvous.static"}
+
+__getattr__ = lazy_attributes(__name__, _LAZY)

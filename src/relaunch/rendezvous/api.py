@@ -127,7 +127,7 @@ def store_record(key: str, raw: bytes | None) -> NodeRecord:
         raise BadStoreValue(key, raw, exc) from None
 
 
-@dataclass
+@dataclass(init=False, repr=False)  # its own: dataclass's would be compiled unused
 class RendezvousParameters:
     """What a handler is built from: the CLI's ``--rdzv-*`` flags and ``--rdzv-conf`` pairs."""
 

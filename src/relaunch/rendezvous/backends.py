@@ -34,10 +34,10 @@ from relaunch.rendezvous.api import (
     rendezvous_handler_registry,
 )
 from relaunch.rendezvous.kind_registry import kind_module
-from relaunch.rendezvous.static import StaticRendezvousHandler
 
 if TYPE_CHECKING:
     from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+    from relaunch.rendezvous.static import StaticRendezvousHandler
 
 __all__ = ["create_rendezvous_handler", "get_rendezvous_handler"]
 
@@ -117,6 +117,8 @@ def create_static_handler(spec: RendezvousSpec) -> StaticRendezvousHandler:
             f"--nnodes {spec.min_nodes}:{spec.max_nodes} needs an elastic rendezvous "
             "backend; the static backend takes a fixed number of nodes"
         )
+    from relaunch.rendezvous.static import StaticRendezvousHandler  # a fixed set of nodes only
+
     host, port = parse_endpoint(spec.endpoint, default_port=29500)
     return StaticRendezvousHandler(
         run_id=spec.run_id,

@@ -163,6 +163,15 @@ class JobReader:
         self._prefix = f"relaunch/{run_id}/"
         self._read = 0  # bytes taken in by the read under way
 
+    @property
+    def taken(self) -> int:
+        """The bytes the last read took in."""
+        return self._read
+
+    def of(self, run_id: str) -> JobReader:
+        """A reader of job ``run_id`` on the same store."""
+        return JobReader(self._store, run_id, self._clock)
+
     def _malformed(self, key: str, what: str) -> MalformedJob:
         return MalformedJob(f"{key} holds what no relaunch agent writes: {what}")
 
@@ -420,3 +429,71 @@ def _notes_of(pairs: list[tuple[str, bytes | None]]) -> dict[str, bytes]:
         for name, value in pairs
         if value is not None and (name == "job" or name.startswith("status/"))
     }
+
+
+#: The most replica groups ``relaunch status`` looks for under one run id.
+MAX_GROUPS = 1024
+
+
+@dataclass(frozen=True)
+class GroupsSnapshot:
+    """A job of replica groups (``--replica-groups``) as read: each group's own snapshot, in
+    group order. ``phase`` is ``finished`` once every group finished."""
+
+    run_id: str
+    groups: list[Snapshot]
+
+    @property
+    def phase(self) -> str:
+        return "finished" if all(g.phase == "finished" for g in self.groups) else "running"
+
+    def table(self, now: float | None = None) -> str:
+        """Each group's table under a line naming it."""
+        return "\n\n".join(
+            f"replica group {number} of {len(self.groups)}:\n{group.table(now)}"
+            for number, group in enumerate(self.groups)
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "phase": self.phase,
+            "replica_groups": [group.as_json() for group in self.groups],
+        }
+
+
+class GroupsReader:
+    """Reads every replica group of job ``run_id`` (run ids ``RUN_ID-group0``, ``-group1``, ...,
+    as far as they are found) over ``reader``'s store."""
+
+    def __init__(self, reader: JobReader, run_id: str, count: int) -> None:
+        from relaunch.core.run.replica_groups import group_run_id
+
+        self._run_id = run_id
+        self._readers = [reader.of(group_run_id(run_id, g)) for g in range(count)]
+
+    @classmethod
+    def find(cls, reader: JobReader, run_id: str) -> GroupsReader | None:
+        """The reader of ``run_id``'s replica groups, or None when it has none: the groups are
+        those found from group 0 on, up to the first not found."""
+        from relaunch.core.run.replica_groups import group_run_id
+
+        count = 0
+        while count < MAX_GROUPS:
+            try:
+                reader.of(group_run_id(run_id, count)).read()
+            except JobNotFound:
+                break
+            count += 1
+        return cls(reader, run_id, count) if count else None
+
+    def read(self) -> GroupsSnapshot:
+        """Every group, read one after the other, within one read's bounds in all
+        (``MAX_READ``: what one job may hold, whatever the number of groups)."""
+        groups, taken = [], 0
+        for reader in self._readers:
+            groups.append(reader.read())
+            taken += reader.taken
+            if taken > MAX_READ:
+                raise MalformedJob(f"the job's groups hold more than {MAX_READ} bytes in all")
+        return GroupsSnapshot(self._run_id, groups)

@@ -14,8 +14,9 @@ COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)
 #: Keys of the bars that come from the agent (the node bar) rather than a worker's stream.
 SOURCE_KEY = "source:"
 
-_ANSI = re.compile(r"\033\[[0-9;]*[A-Za-z]")
-_DIGITS = re.compile(r"(\d+)")
+#: Compiled where first used (``re`` keeps them): only a console with a live area needs them.
+_ANSI = r"\033\[[0-9;]*[A-Za-z]"
+_DIGITS = r"(\d+)"
 
 
 def coloured(prefix: bytes, rank: int) -> bytes:
@@ -46,13 +47,13 @@ def fit(line: bytes, columns: int) -> bytes:
     """``line`` as it is when it is narrower than ``columns``, else its text cut (colours
     dropped) to ``columns - 1`` characters."""
     text = line.decode("utf-8", errors="replace")
-    plain = _ANSI.sub("", text)
+    plain = re.sub(_ANSI, "", text)
     if len(plain) < columns:
         return line
     return plain[: max(1, columns - 1)].encode()
 
 
 def _order(key: str) -> tuple[bool, list[str | int]]:
-    plain = _ANSI.sub("", key)
-    parts: list[str | int] = [int(p) if p.isdigit() else p for p in _DIGITS.split(plain)]
+    plain = re.sub(_ANSI, "", key)
+    parts: list[str | int] = [int(p) if p.isdigit() else p for p in re.split(_DIGITS, plain)]
     return key.startswith(SOURCE_KEY), parts

@@ -49,8 +49,10 @@ SIGNAL_MEANINGS = {
 }
 
 
-#: A place in a Python traceback: ``File "train.py", line 12, in step``.
-_FRAME = re.compile(r'File "[^"\n]*", line \d+, in [^\n]*')
+#: A place in a Python traceback: ``File "train.py", line 12, in step``. The patterns of this
+#: module are compiled where first used (``re`` keeps them): only a failure needs them, and each
+#: compile costs every launch about 0.1 ms.
+_FRAME = r'File "[^"\n]*", line \d+, in [^\n]*'
 
 
 class Failure(Protocol):
@@ -110,7 +112,7 @@ def stderr_tail_message(path: str, tail: str, log_error: str = "") -> str:
 
 #: A Python warning as ``warnings`` prints it: ``path:line: CategoryWarning: text``, then the
 #: line of source it names, indented.
-_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+_WARNING = r"^\S.*:\d+: \w*Warning: "
 
 
 def headline(message: str) -> str:
@@ -136,7 +138,7 @@ def _without_warnings(lines: list[str]) -> list[str]:
     kept: list[str] = []
     in_warning = False
     for line in lines:
-        if _WARNING.match(line):
+        if re.match(_WARNING, line):
             in_warning = True
         elif not (in_warning and line.startswith(" ")):
             in_warning = False
@@ -148,7 +150,7 @@ def failure_signature(failure: Failure) -> str:
     """What tells one failure from another regardless of when and where it happened: its
     exception line (or how the process ended) and the last place of its traceback, if any."""
     why = headline(failure.details) or describe_exit(failure.exitcode)
-    frames = _FRAME.findall(failure.details)
+    frames = re.findall(_FRAME, failure.details)
     return f"{why} at {frames[-1]}" if frames else why
 
 
@@ -312,7 +314,7 @@ FAULTHANDLER_MARK = "Fatal Python error: Aborted"
 
 #: A stack dump's line for a main thread that returned and waits, at interpreter exit, for the
 #: non-daemon threads to end (``threading._shutdown`` joins them).
-_AT_EXIT_FRAME = re.compile(r'threading\.py", line \d+ in _shutdown$', re.MULTILINE)
+_AT_EXIT_FRAME = r'threading\.py", line \d+ in _shutdown$'
 #: What a hang report says when the stack shows that.
 AT_EXIT = (
     "it hung at exit: its main thread had returned and was waiting in threading._shutdown "
@@ -322,7 +324,7 @@ AT_EXIT = (
 
 def waits_at_exit(dump: str) -> bool:
     """Whether the faulthandler ``dump`` shows the interpreter waiting at exit for threads."""
-    return _AT_EXIT_FRAME.search(dump) is not None
+    return re.search(_AT_EXIT_FRAME, dump, re.MULTILINE) is not None
 
 
 def faulthandler_dump(stderr_text: str, max_lines: int = 200) -> str:

@@ -88,12 +88,13 @@ def default_memory(machine_bytes: int) -> int:
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+#: Compiled where first used (``re`` keeps it): only ``--state-memory`` needs it.
+_SIZE = r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*"
 
 
 def parse_bytes(text: str) -> int:
     """``512M``, ``8G``, ``1.5GiB`` or a number of bytes (K, M, G, T: powers of 1024)."""
-    match = _SIZE.fullmatch(text)
+    match = re.fullmatch(_SIZE, text, re.IGNORECASE)
     if match is None:
         raise ValueError(
             f"{text!r} is not a size: give bytes or a number with K, M, G or T (e.g. 8G)"
