@@ -88,6 +88,8 @@ def test_the_lighthouse_killed_mid_run_is_restarted_and_training_goes_on(
 ) -> None:
     if not has_replica_groups():
         pytest.skip("this relaunch has no --replica-groups yet (issue 46 item 2)")
+    # Two groups: with three, a restarted lighthouse numbering its quorums from 1 again can
+    # send torchft to a store prefix an earlier quorum of that id used (docs/replica-groups.md)
     groups, steps = 2, 60
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "wb") as stdout, open(err, "wb") as stderr:

@@ -124,3 +124,24 @@ def test_a_torchft_job_that_restarts_cold_is_told_how_to_restart_warm() -> None:
     hint = decide.warm_hint(())
     assert hint is not None and "--preload torch,torch._dynamo,torchft" in hint
     assert decide.warm_hint(("torch",)) is None  # the user chose what to preload
+
+
+#: Two quorums as torchft 0.2.0's lighthouse logs them (one line each; cut short here).
+LOG = (
+    "2026-11-29T06:40:32.956 [INFO] [torchft::lighthouse] - Quorum! Quorum { quorum_id: 1, "
+    'participants: [QuorumMember { replica_id: "train_0:87c2", address: "http://vm:37961" }] }\n'
+    "2026-11-29T06:40:33.001 [INFO] [torchft::lighthouse] - Received quorum request for x\n"
+    "2026-11-29T06:40:33.002 [INFO] [torchft::lighthouse] - Quorum! Quorum { quorum_id: 2, "
+    'participants: [QuorumMember { replica_id: "train_0:87c2", address: "http://vm:37961" }, '
+    'QuorumMember { replica_id: "train_1:9e2d", address: "http://vm:43091" }] }\n'
+    "2026-11-29T06:40:33.010 [INFO] [torchft::lighthouse] - Quorum status: not ready\n"
+)
+
+
+def test_a_restarted_lighthouse_heartbeats_for_the_groups_of_the_last_quorum() -> None:
+    groups = decide.last_participants(LOG)
+    assert groups == ["train_0:87c2", "train_1:9e2d"]
+    assert decide.last_participants("Lighthouse listening on: http://vm:1\n") == []
+    assert decide.last_participants(LOG[: LOG.index("replica_id")]) == []  # cut: none
+    argv = decide.command("py", "prog.py", "ext.so", "h:1", decide.LighthouseSettings(), groups)
+    assert argv[-4:] == ["--heartbeat", "train_0:87c2", "--heartbeat", "train_1:9e2d"]

@@ -38,7 +38,8 @@ Each is overridden by its ``RELAUNCH_LIGHTHOUSE_*`` variable (a whole number of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 
 from relaunch.core.durations import seconds
 from relaunch.core.run.restart import Backoff
@@ -172,12 +173,18 @@ def settings_from(
 
 
 def command(
-    python: str, program: str, extension: str, bind: str, settings: LighthouseSettings
+    python: str,
+    program: str,
+    extension: str,
+    bind: str,
+    settings: LighthouseSettings,
+    heartbeats: Sequence[str] = (),
 ) -> list[str]:
     """The lighthouse's command line: relaunch's ``program`` run by path in an isolated
     ``python`` (no site, no user paths), loading torchft's ``extension`` by its path and
     serving on ``bind`` (``HOST:PORT``; port 0 on the first start) with the flags of
-    ``torchft_lighthouse``."""
+    ``torchft_lighthouse``, and, once it listens, one heartbeat for each replica id of
+    ``heartbeats`` (``--heartbeat ID``: see ``last_participants``)."""
     return [
         python,
         "-I",
@@ -194,7 +201,31 @@ def command(
         str(settings.join_timeout_ms),
         "--quorum_tick_ms",
         str(settings.quorum_tick_ms),
+        *(part for replica in heartbeats for part in ("--heartbeat", replica)),
     ]
+
+
+#: How much of the end of the lighthouse's log is read for its last quorum.
+LOG_TAIL_BYTES = 1 << 20
+#: The most replica ids taken from it.
+MAX_PARTICIPANTS = 4096
+#: How torchft's lighthouse logs a quorum it made: one line, each member's replica id in it.
+_QUORUM_MARK = "Quorum! Quorum {"
+_REPLICA_RE = re.compile(r'replica_id: "([^"\\\s]{1,256})"')
+
+
+def last_participants(log_tail: str) -> list[str]:
+    """The replica ids of the last quorum a lighthouse's log (its end, ``log_tail``) shows;
+    none when it shows none. A restarted lighthouse knows no group until each heartbeats
+    (every 100 ms): a group that asks for a quorum first would make one alone, with quorum id 1
+    again, and a group whose quorum was id 1 too would not reconfigure and wait on the others
+    in its next all-reduce until gloo's timeout. Heartbeats sent for these ids as it starts
+    make its first quorum wait for every group of the last one."""
+    at = log_tail.rfind(_QUORUM_MARK)
+    if at < 0:
+        return []
+    line = log_tail[at:].split("\n", 1)[0]
+    return list(dict.fromkeys(_REPLICA_RE.findall(line)))[:MAX_PARTICIPANTS]
 
 
 def bind_address(host: str, port: int) -> str:
