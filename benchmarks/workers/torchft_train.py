@@ -56,7 +56,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def say(kind: str, **fields: object) -> None:
-    print(kind, *(f"{key}={value}" for key, value in fields.items()), flush=True)
+    """One line on stdout in one write: the groups' workers share the launcher's stdout, and a
+    line written in pieces (print's, unbuffered) can be cut by another group's."""
+    line = " ".join([kind, *(f"{key}={value}" for key, value in fields.items())])
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def digest(model: nn.Module) -> str:

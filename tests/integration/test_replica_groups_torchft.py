@@ -1,18 +1,23 @@
 """torchft's replica groups under ``relaunch --replica-groups`` (issue 46): on one node, a
 worker of one group SIGKILLed mid-run; the other groups keep stepping and never restart, the
 failed group restarts on its own and heals from a live group, and every group ends with the
-same weights. The real library (torchft 0.2.0, CPU, gloo, the test install's), and the
-training program of ``python -m benchmarks replicas``."""
+same weights. torchft's lighthouse SIGKILLed mid-run: relaunch starts it again on its address
+and every group trains on to the end, none restarted. The real library (torchft 0.2.0, CPU,
+gloo, the test install's), and the training program of ``python -m benchmarks replicas``."""
 
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from conftest import LeakCheck, relaunch_cli
+from conftest import LeakCheck, relaunch_cli, wait_until
 
 from tests.support.ft_lines import Line, parse
 
@@ -70,3 +75,68 @@ def test_a_failed_group_heals_while_the_others_go_on(leaks: LeakCheck, groups: i
     # Every group ends at the same step, with the same weights.
     ends = {(final[0].step, final[0].fields["sha256"]) for final in finals.values()}
     assert len(ends) == 1, finals
+
+
+#: The supervisor's line that names the lighthouse it keeps.
+LIGHTHOUSE_RE = re.compile(r"torchft's lighthouse for the \d+ groups: (\S+) \(pid (\d+),")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_lighthouse_killed_mid_run_is_restarted_and_training_goes_on(
+    leaks: LeakCheck, tmp_path: pathlib.Path
+) -> None:
+    if not has_replica_groups():
+        pytest.skip("this relaunch has no --replica-groups yet (issue 46 item 2)")
+    # Two groups: with three, a restarted lighthouse numbering its quorums from 1 again can
+    # send torchft to a store prefix an earlier quorum of that id used (docs/replica-groups.md)
+    groups, steps = 2, 60
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "relaunch", "--replica-groups", str(groups)),
+                *("--nproc-per-node", "1", "--max-restarts", "0"),
+                *(PROGRAM, "--steps", str(steps), "--pace", "0.02"),
+            ],
+            stdout=stdout,
+            stderr=stderr,
+            env=leaks.process_env(),
+        )
+    try:
+        found: list[re.Match[str]] = []
+
+        def stepping() -> bool:
+            if not found:
+                found.extend(filter(None, [LIGHTHOUSE_RE.search(err.read_text())]))
+            return bool(found) and any(
+                line.kind == "step" and line.step >= 10 for line in parse(out.read_text())
+            )
+
+        wait_until(stepping, timeout=90, what="the groups at step 10, the lighthouse named")
+        address, pid = found[0].group(1), int(found[0].group(2))
+        os.kill(pid, signal.SIGKILL)  # the supervisor's child: it reaps it
+        killed_at = time.time()
+        assert proc.wait(timeout=120) == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = err.read_text()
+    assert (
+        f"torchft's lighthouse (pid {pid}) killed by SIGKILL (signal 9); restarting it on "
+        f"{address} at once" in said
+    )
+    assert f"torchft's lighthouse is back on {address} after" in said
+    # started without --preload: told once how a failed group would restart warm
+    assert said.count("--preload torch,torch._dynamo,torchft restarts them warm") == 1
+    lines = parse(out.read_text())
+    for group in range(groups):
+        # Not restarted (--max-restarts 0 would have ended the run), stepping on after the kill.
+        starts = [line for line in lines if line.kind == "start" and line.group == group]
+        assert [s.fields["attempt"] for s in starts] == ["0"]
+        after = [line for line in lines if line.kind == "step" and line.group == group]
+        assert any(line.at > killed_at for line in after)
+    finals = [line for line in lines if line.kind == "done"]
+    assert len(finals) == groups and all(line.step >= steps for line in finals), finals
+    assert len({(line.step, line.fields["sha256"]) for line in finals}) == 1, finals

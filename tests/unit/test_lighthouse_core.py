@@ -28,7 +28,7 @@ def test_when_a_job_gets_a_lighthouse(
 def test_the_settings_default_to_fast_recovery() -> None:
     settings, wrong = decide.settings_from({}, min_replicas=2)
     assert wrong == []
-    assert settings == decide.LighthouseSettings(2, 500, 500, 20)
+    assert settings == decide.LighthouseSettings(2, 500, 200, 20)
     assert decide.LighthouseSettings().min_replicas == 1
 
 
@@ -39,10 +39,10 @@ def test_each_timing_is_overridden_by_its_variable_and_a_bad_value_is_said() -> 
         "RELAUNCH_LIGHTHOUSE_QUORUM_TICK_MS": "0",
     }
     settings, wrong = decide.settings_from(environ)
-    assert settings == decide.LighthouseSettings(1, 3000, 500, 20)
+    assert settings == decide.LighthouseSettings(1, 3000, 200, 20)
     assert wrong == [
         "RELAUNCH_LIGHTHOUSE_JOIN_TIMEOUT_MS='soon' is not a whole number of milliseconds "
-        "in 1..86400000; using 500",
+        "in 1..86400000; using 200",
         "RELAUNCH_LIGHTHOUSE_QUORUM_TICK_MS='0' is not a whole number of milliseconds "
         "in 1..86400000; using 20",
     ]
@@ -57,7 +57,7 @@ def test_the_command_line_has_torchft_lighthouses_flags() -> None:
     argv = decide.command("py", "prog.py", "ext.so", "127.0.0.1:0", decide.LighthouseSettings())
     assert argv == [
         "py", "-I", "-S", "prog.py", "ext.so", "--bind", "127.0.0.1:0", "--min_replicas", "1",
-        "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "500", "--quorum_tick_ms", "20",
+        "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "200", "--quorum_tick_ms", "20",
     ]  # fmt: skip
 
 
@@ -111,3 +111,37 @@ def test_a_forged_address_in_the_store_is_no_target(forged: bytes) -> None:
         "the lighthouse's address in the store is no HOST:PORT: "
     )
     assert "\n" not in wrong and len(wrong) < 140
+
+
+def test_workers_retry_a_quorum_every_half_second_unless_told() -> None:
+    given = decide.worker_defaults({})
+    # torchft sleeps its quorum timeout (60 s unless set) / (retries + 1) between tries
+    assert 60_000 // (int(given["TORCHFT_QUORUM_RETRIES"]) + 1) == 500
+    assert decide.worker_defaults({"TORCHFT_QUORUM_RETRIES": "3"}) == {}
+
+
+def test_a_torchft_job_that_restarts_cold_is_told_how_to_restart_warm() -> None:
+    hint = decide.warm_hint(())
+    assert hint is not None and "--preload torch,torch._dynamo,torchft" in hint
+    assert decide.warm_hint(("torch",)) is None  # the user chose what to preload
+
+
+#: Two quorums as torchft 0.2.0's lighthouse logs them (one line each; cut short here).
+LOG = (
+    "2026-11-29T06:40:32.956 [INFO] [torchft::lighthouse] - Quorum! Quorum { quorum_id: 1, "
+    'participants: [QuorumMember { replica_id: "train_0:87c2", address: "http://vm:37961" }] }\n'
+    "2026-11-29T06:40:33.001 [INFO] [torchft::lighthouse] - Received quorum request for x\n"
+    "2026-11-29T06:40:33.002 [INFO] [torchft::lighthouse] - Quorum! Quorum { quorum_id: 2, "
+    'participants: [QuorumMember { replica_id: "train_0:87c2", address: "http://vm:37961" }, '
+    'QuorumMember { replica_id: "train_1:9e2d", address: "http://vm:43091" }] }\n'
+    "2026-11-29T06:40:33.010 [INFO] [torchft::lighthouse] - Quorum status: not ready\n"
+)
+
+
+def test_a_restarted_lighthouse_heartbeats_for_the_groups_of_the_last_quorum() -> None:
+    groups = decide.last_participants(LOG)
+    assert groups == ["train_0:87c2", "train_1:9e2d"]
+    assert decide.last_participants("Lighthouse listening on: http://vm:1\n") == []
+    assert decide.last_participants(LOG[: LOG.index("replica_id")]) == []  # cut: none
+    argv = decide.command("py", "prog.py", "ext.so", "h:1", decide.LighthouseSettings(), groups)
+    assert argv[-4:] == ["--heartbeat", "train_0:87c2", "--heartbeat", "train_1:9e2d"]

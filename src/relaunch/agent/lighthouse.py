@@ -6,7 +6,9 @@ loaded from its extension without torch) on a free port of ``host`` and returns 
 workers get (``environment()``: ``TORCHFT_LIGHTHOUSE``). A thread waits on the process's pidfd:
 a death (SIGKILL, a crash) is seen at once, said in one line, and the lighthouse is started
 again on the same port (torchft's server sets ``SO_REUSEADDR``, so the port binds again at
-once), after the backoff of ``core.run.lighthouse.RESTART_BACKOFF`` when it keeps dying.
+once), after the backoff of ``core.run.lighthouse.RESTART_BACKOFF`` when it keeps dying. A
+restarted one first sends a heartbeat for each group of the last quorum its log shows
+(``core.run.lighthouse.last_participants``), so that its first quorum waits for them all.
 Its output goes to ``log_path``. ``close()`` stops it and reaps it; if the launcher dies
 however it dies, the end of the program's stdin ends it.
 """
@@ -190,6 +192,7 @@ class Lighthouse:
         """Start it again after ``dead`` died ``how``, until one listens (True) or ``close``
         came first (False)."""
         died_at = self._clock.monotonic()
+        groups = decide.last_participants(self._log_tail())
         while True:
             self._deaths = decide.in_a_row(self._deaths, died_at - self._started_at)
             delay = decide.restart_delay(self._deaths)
@@ -200,7 +203,7 @@ class Lighthouse:
             if self._closing.wait(delay):
                 return False
             assert self.port is not None
-            failed = self._spawn(self.port, decide.START_TIMEOUT)
+            failed = self._spawn(self.port, decide.START_TIMEOUT, groups)
             if failed is None:
                 self.restarts += 1
                 back = self._clock.monotonic() - died_at
@@ -213,12 +216,15 @@ class Lighthouse:
 
     # -- one process ---------------------------------------------------------------------------
 
-    def _spawn(self, port: int, timeout: float) -> str | None:
-        """Start one lighthouse on ``port`` and wait until it says it listens: None when it
-        does, else how it failed (it is reaped then)."""
+    def _spawn(self, port: int, timeout: float, heartbeats: list[str] | None = None) -> str | None:
+        """Start one lighthouse on ``port`` and wait until it says it listens (having sent a
+        heartbeat for each replica id of ``heartbeats``): None when it does, else how it failed
+        (it is reaped then)."""
         assert self._extension is not None
         bind = decide.bind_address(self.host, port)
-        argv = decide.command(sys.executable, PROGRAM, self._extension, bind, self.settings)
+        argv = decide.command(
+            sys.executable, PROGRAM, self._extension, bind, self.settings, heartbeats or ()
+        )
         with open(self.log_path, "ab") as log_file:
             self._log_offset = log_file.tell()
             with self._lock:
@@ -247,6 +253,15 @@ class Lighthouse:
         code = proc.wait()
         _release(proc)
         return f"{describe_exit(code)} before it listened"
+
+    def _log_tail(self) -> str:
+        """The end of its log (``decide.LOG_TAIL_BYTES`` at most); empty when unreadable."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(max(0, os.fstat(log_file.fileno()).st_size - decide.LOG_TAIL_BYTES))
+                return log_file.read(decide.LOG_TAIL_BYTES).decode(errors="replace")
+        except OSError:
+            return ""
 
     def _log_head(self) -> str:
         """The first lines its last start wrote to its log, joined by `` | ``."""

@@ -74,8 +74,11 @@ def job_services(
         return {}, _nothing
     say(
         f"relaunch: torchft's lighthouse for the {count} groups: {lighthouse.address} "
-        f"(kept alive; its log: {os.path.join(log_dir, 'lighthouse.log')})"
+        f"(pid {lighthouse.pid}, kept alive; its log: {os.path.join(log_dir, 'lighthouse.log')})"
     )
+    hint = decide.warm_hint(config.preload)
+    if hint is not None:
+        say(f"relaunch: {hint}")
     return {**lighthouse.environment(), **decide.worker_defaults(os.environ)}, lighthouse.close
 
 

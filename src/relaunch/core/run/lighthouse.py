@@ -9,17 +9,27 @@ workers keep the address they were given.
 Its settings are matched to how fast relaunch restarts a group (well under a second). Measured
 with torchft 0.2.0's own client, two groups heartbeating every 100 ms and one of them gone: the
 survivor's next quorum came 5.00 s later with torchft's defaults, 1.01 s with a 1000 ms
-heartbeat timeout and 0.51 s with 500 ms. With two groups the survivor waits for the heartbeat
-timeout whatever the join timeout (torchft's split-brain rule wants more than half of the groups
-that heartbeat); with three or more, for the shorter of the two.
+heartbeat timeout and 0.51 s with 500 ms. A dead group's last incarnation counts as alive until
+its heartbeats are that old (each incarnation has its own replica id). With two groups the
+survivor alone is not more than half of the groups that heartbeat (torchft's split-brain rule),
+so it waits until the dead one's heartbeats time out or the new incarnation asks too, then for
+the join timeout since the survivor asked; with three or more, for the shorter of the two
+timeouts. relaunch restarts a failed group at once, so with ``--preload`` the new incarnation
+asks before either timeout and the others wait for it rather than for a timeout.
 
 - ``heartbeat_timeout_ms`` 500 (torchft's default 5000): a torchft ``Manager`` heartbeats every
   100 ms (``heartbeat_interval``) from its Rust server's thread, which a busy Python step does
   not hold up, so five heartbeats in a row must go missing before a group counts as gone; a
-  healthy group dropped by mistake only joins the next step's quorum and heals.
-- ``join_timeout_ms`` 500 (torchft's default 60000): a quorum waits at most this long for a
-  group that heartbeats but has not asked yet (one coming back); one slower than that joins the
-  next step's quorum instead of stalling every other group.
+  healthy group dropped by mistake only joins the next step's quorum and heals. None was, in
+  2 and 3 groups of 150 steps each beside two and four CPU hogs on two cores.
+- ``join_timeout_ms`` 200 (torchft's default 60000): a quorum waits at most this long for a
+  group that heartbeats but has not asked yet. A failed group's dead incarnation heartbeats for
+  ``heartbeat_timeout_ms`` after its death, so this is what the other groups wait when the
+  failed one is slow, and what they wait at most when it comes back warm (``--preload``: it asks
+  0.2-0.3 s after the kill): 0.55 s with 500, 0.29-0.32 s with 200 (2 and 3 groups). A group
+  that asks later than this in a healthy step (a straggler, 3 groups or more) is left out of
+  that step and heals into the next: the requests of one round came within 7 ms of each other
+  (median; 73 ms at most over 149 rounds, 3 groups beside four CPU hogs on two cores).
 - ``quorum_tick_ms`` 20 (torchft's default 100): how often a waiting quorum is looked at again;
   a cheap timer in one process, it adds at most 20 ms to a quorum instead of 100.
 
@@ -28,7 +38,8 @@ Each is overridden by its ``RELAUNCH_LIGHTHOUSE_*`` variable (a whole number of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 
 from relaunch.core.durations import seconds
 from relaunch.core.run.restart import Backoff
@@ -39,13 +50,19 @@ ADDRESS_VAR = "TORCHFT_LIGHTHOUSE"
 #: How many replica groups make a quorum unless the job says: one, so a lone survivor goes on.
 MIN_REPLICAS = 1
 HEARTBEAT_TIMEOUT_MS = 500
-JOIN_TIMEOUT_MS = 500
+JOIN_TIMEOUT_MS = 200
 QUORUM_TICK_MS = 20
 #: torchft's variable for how often a ``Manager`` tries a quorum again when the lighthouse did
 #: not answer (torchft's default: 0, and every group crashes), and what relaunch gives the
-#: workers unless it is set: enough tries to outlast a lighthouse relaunch restarts at once.
+#: workers unless it is set. torchft sleeps the quorum timeout / (retries + 1) between tries
+#: (at least 100 ms), so that the tries span about the quorum timeout: with 5 and torchft's
+#: 60 s, 10 s, which a lighthouse restarted in 0.03-0.08 s cost every group. With 119, 0.5 s:
+#: by then every live group's heartbeats (every 100 ms) reach the restarted lighthouse, so its
+#: first quorum waits for them all. With 599 (0.1 s) the first group to try again was alone in
+#: it, took quorum id 1 again (a restarted lighthouse counts from 1) and did not reconfigure,
+#: and its next all-reduce waited on a group no longer in its quorum until gloo's timeout.
 QUORUM_RETRIES_VAR = "TORCHFT_QUORUM_RETRIES"
-QUORUM_RETRIES = 5
+QUORUM_RETRIES = 119
 #: Each setting, its default and the variable that overrides it.
 OVERRIDES = {
     "heartbeat_timeout_ms": ("RELAUNCH_LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS", HEARTBEAT_TIMEOUT_MS),
@@ -110,6 +127,24 @@ def worker_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     return {QUORUM_RETRIES_VAR: str(QUORUM_RETRIES)}
 
 
+#: What a torchft job's workers import before their first step (``torch._dynamo``: torch's
+#: ``DistributedDataParallel`` imports it as it is built, 1.2 s here), to preload.
+WARM_MODULES = ("torch", "torch._dynamo", "torchft")
+
+
+def warm_hint(preload: tuple[str, ...]) -> str | None:
+    """The line said to a torchft job whose workers would restart cold (``preload``: the job's
+    ``--preload``, empty), None when they restart warm. Not turned on for the user: a preloaded
+    worker is forked from a process that imported torch (docs/preload.md says what it sees),
+    and the groups' program need not be torchft's because torchft is installed."""
+    if preload:
+        return None
+    return (
+        "a failed group's workers restart cold, importing torch again (3 to 5 s before it "
+        f"steps again); --preload {','.join(WARM_MODULES)} restarts them warm (0.3 s)"
+    )
+
+
 def settings_from(
     environ: Mapping[str, str], min_replicas: int = MIN_REPLICAS
 ) -> tuple[LighthouseSettings, list[str]]:
@@ -138,12 +173,18 @@ def settings_from(
 
 
 def command(
-    python: str, program: str, extension: str, bind: str, settings: LighthouseSettings
+    python: str,
+    program: str,
+    extension: str,
+    bind: str,
+    settings: LighthouseSettings,
+    heartbeats: Sequence[str] = (),
 ) -> list[str]:
     """The lighthouse's command line: relaunch's ``program`` run by path in an isolated
     ``python`` (no site, no user paths), loading torchft's ``extension`` by its path and
     serving on ``bind`` (``HOST:PORT``; port 0 on the first start) with the flags of
-    ``torchft_lighthouse``."""
+    ``torchft_lighthouse``, and, once it listens, one heartbeat for each replica id of
+    ``heartbeats`` (``--heartbeat ID``: see ``last_participants``)."""
     return [
         python,
         "-I",
@@ -160,7 +201,31 @@ def command(
         str(settings.join_timeout_ms),
         "--quorum_tick_ms",
         str(settings.quorum_tick_ms),
+        *(part for replica in heartbeats for part in ("--heartbeat", replica)),
     ]
+
+
+#: How much of the end of the lighthouse's log is read for its last quorum.
+LOG_TAIL_BYTES = 1 << 20
+#: The most replica ids taken from it.
+MAX_PARTICIPANTS = 4096
+#: How torchft's lighthouse logs a quorum it made: one line, each member's replica id in it.
+_QUORUM_MARK = "Quorum! Quorum {"
+_REPLICA_RE = re.compile(r'replica_id: "([^"\\\s]{1,256})"')
+
+
+def last_participants(log_tail: str) -> list[str]:
+    """The replica ids of the last quorum a lighthouse's log (its end, ``log_tail``) shows;
+    none when it shows none. A restarted lighthouse knows no group until each heartbeats
+    (every 100 ms): a group that asks for a quorum first would make one alone, with quorum id 1
+    again, and a group whose quorum was id 1 too would not reconfigure and wait on the others
+    in its next all-reduce until gloo's timeout. Heartbeats sent for these ids as it starts
+    make its first quorum wait for every group of the last one."""
+    at = log_tail.rfind(_QUORUM_MARK)
+    if at < 0:
+        return []
+    line = log_tail[at:].split("\n", 1)[0]
+    return list(dict.fromkeys(_REPLICA_RE.findall(line)))[:MAX_PARTICIPANTS]
 
 
 def bind_address(host: str, port: int) -> str:
