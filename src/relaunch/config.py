@@ -29,7 +29,7 @@ from relaunch.core.defaults import (
     NUMA_MODES,
     numa_binding_of,
 )
-from relaunch.core.output.console_plan import agent_tee, relayed
+from relaunch.core.output.console_plan import agent_tee, console_shared, relayed
 from relaunch.core.rendezvous import rdzv_conf
 from relaunch.core.rendezvous.rdzv_conf import (
     BACKENDS,
@@ -358,7 +358,7 @@ def open_files_needed(config: LaunchConfig, terminals: Std = Std.NONE) -> int:
     has both its streams read; with ``logs_specs`` every stream may be."""
     nprocs, hang = config.nproc_per_node, config.hang_timeout is not None
     tee = agent_tee(config.tee, config.redirects, nprocs, hang, terminals)
-    relay = relayed(config.redirects, tee, nprocs, terminals, hang)
+    relay = relayed(config.redirects, tee, nprocs, terminals, hang, console_shared(os.environ))
     redirects, teed = per_rank(config.redirects, nprocs), per_rank(tee, nprocs)
     shown = config.local_ranks_filter or range(nprocs)
     needed = AGENT_DESCRIPTORS

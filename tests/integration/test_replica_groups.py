@@ -113,6 +113,36 @@ def ends(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("relaunch: replica group")]
 
 
+#: Writes each line in two pieces: on a pipe shared with other groups' workers, another's
+#: bytes could land between them unless relaunch copies whole lines.
+HALVES = """
+    import os, sys, time
+    from pathlib import Path
+
+    out, group = Path(sys.argv[1]), os.environ["REPLICA_GROUP_ID"]
+    (out / f"ready{group}").touch()
+    deadline = time.monotonic() + 30  # all groups write at once
+    while len(list(out.glob("ready*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for _ in range(5000):
+        os.write(1, b"group" + group.encode() + b" ")
+        os.write(1, b"x" * 50 + b"\\n")
+"""
+
+
+def test_groups_of_one_worker_never_mix_within_a_line(tmp_path: Path, leaks: LeakCheck) -> None:
+    """One worker per group, no tee: the groups share one console, so each group's lines are
+    copied whole (before: hundreds of lines mixed in most runs)."""
+    script = tmp_path / "halves.py"
+    script.write_text(textwrap.dedent(HALVES))
+    done = relaunch_cli(leaks, "--standalone", "--replica-groups", "3", str(script), str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 15000
+    mixed = [line for line in lines if not re.fullmatch(r"group[0-2] x{50}", line)]
+    assert not mixed, mixed[:5]
+
+
 @pytest.mark.parametrize("count", [2, 3])
 def test_each_group_is_its_own_world_with_its_own_variables_and_logs(
     tmp_path: Path, leaks: LeakCheck, count: int

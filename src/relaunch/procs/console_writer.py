@@ -9,6 +9,7 @@ import select
 import threading
 from typing import TextIO
 
+from relaunch.core.output.console_plan import console_shared
 from relaunch.core.output.lines import prefix_lines
 
 #: How long a writer waits for a progress bar to clear itself before writing anyway.
@@ -41,6 +42,9 @@ class ConsoleWriter:
         self._binary = getattr(dst, "buffer", None)
         self._progbar = progbar_events
         self._lock = _lock_for(dst)
+        # Other launchers' workers write to this console too (one node's replica groups): a
+        # write of at most PIPE_BUF bytes to a pipe is never mixed with another's.
+        self._whole_lines = console_shared(os.environ)
 
     def render(self, lines: bytes, prefix: bytes) -> bytes:
         """Complete lines (each ending in ``\\n``) as they will appear: each one prefixed."""
@@ -83,7 +87,11 @@ class ConsoleWriter:
                         # Straight to the descriptor: a buffered writer on a non-blocking one
                         # (a pipe shared with a program that set O_NONBLOCK) drops what it
                         # cannot write at once; ``write_all`` waits for room instead.
-                        write_all(fd, data)
+                        if self._whole_lines:
+                            for piece in line_pieces(data, select.PIPE_BUF):
+                                write_all(fd, piece)
+                        else:
+                            write_all(fd, data)
                 else:
                     self._dst.write(data.decode("utf-8", errors="replace"))
                     self._dst.flush()
@@ -98,6 +106,22 @@ def _fileno(stream: object) -> int | None:
     except (AttributeError, OSError, ValueError):
         return None
     return fd if isinstance(fd, int) else None
+
+
+def line_pieces(data: bytes, most: int) -> list[bytes]:
+    """``data`` cut after a line's end into pieces of at most ``most`` bytes (a longer line is
+    a piece of its own)."""
+    pieces: list[bytes] = []
+    start = 0
+    while len(data) - start > most:
+        end = data.rfind(b"\n", start, start + most) + 1
+        if end <= start:  # a line longer than ``most``: whole, as one piece
+            end = data.find(b"\n", start + most) + 1 or len(data)
+        pieces.append(data[start:end])
+        start = end
+    if start < len(data):
+        pieces.append(data[start:])
+    return pieces
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -40,11 +40,13 @@ def relayed(
     nprocs: int,
     terminals: Std,
     hang_detection: bool = False,
+    shared: bool = False,
 ) -> dict[int, Std]:
     """The streams relaunch reads and copies to its console byte for byte, by local rank: those
     neither redirected, tee'd nor bound for a terminal.
 
-    With one worker and no hang detection, none: its streams are its own to write straight to
+    With one worker, no hang detection and a console of its own (not ``shared`` with another
+    launcher's workers: ``console_shared``), none: its streams are its own to write straight to
     the launcher's file or pipe, as under torchrun, and every byte arrives as written whatever
     relaunch does. With several workers, relaunch copies them (each rank's bytes exactly, in
     order, whole lines at a time: ``procs.rank_streams``), so that two ranks' lines never mix
@@ -54,9 +56,16 @@ def relayed(
     """
     redirected = per_rank(redirects, nprocs)
     teed = per_rank(tee, nprocs)
-    if nprocs == 1 and not hang_detection:
+    if nprocs == 1 and not hang_detection and not shared:
         return {rank: Std.NONE for rank in teed}
     return {rank: Std(Std.ALL & ~(redirected[rank] | teed[rank] | terminals)) for rank in teed}
+
+
+def console_shared(environ: Mapping[str, str]) -> bool:
+    """Whether a launcher of environment ``environ`` shares its console with other launchers'
+    workers: it runs one of several replica groups (``NUM_REPLICA_GROUPS``), whose agents on
+    one node write to their supervisor's console."""
+    return environ.get("NUM_REPLICA_GROUPS", "1").strip() not in ("", "1")
 
 
 def console_is_relaunchs(

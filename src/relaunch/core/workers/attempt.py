@@ -17,6 +17,7 @@ from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from relaunch.core.output.console_plan import (
     agent_tee,
     console_is_relaunchs,
+    console_shared,
     log_line_prefixes,
     relayed,
 )
@@ -170,7 +171,14 @@ def plan_attempt(
     tee = command.tee if theirs else agent_tee(command.tee, redirects, nprocs, hang, terminals)
     # A user's LogsSpecs makes no file for relaunch's tee: with hang detection relaunch reads
     # every stream it leaves on the console instead (``rank_io_of`` keeps those unlogged).
-    relay = relayed(redirects, tee, nprocs, Std.NONE if theirs and hang else terminals, hang)
+    relay = relayed(
+        redirects,
+        tee,
+        nprocs,
+        Std.NONE if theirs and hang else terminals,
+        hang,
+        console_shared(environ),
+    )
     return AttemptPlan(
         name=command.role,
         entrypoint=command.entrypoint,
