@@ -104,9 +104,15 @@ def end(exc: BaseException, phase: str) -> tuple[int, bool] | None:
     return None
 
 
+#: What a replica group's launcher adds after ``relaunch:`` to every line it says.
+_said_as = ""
+
+
 def say(line: str) -> None:
     """Print ``line`` on stderr; a stderr that takes nothing (a closed pipe, ``/dev/full``) must
     not change the job's exit status, so the line is dropped then."""
+    if _said_as and line.startswith("relaunch: "):
+        line = f"relaunch: {_said_as}{line[10:]}"
     try:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -171,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replica_groups(arguments, *prepared)
         if not _follow_supervisor():
             return 1
+        _say_as(f"group {group}: ")
     if args.dry_run:
         return _dry_run(*prepared[1:], group=group, count=args.replica_groups)
     return _launch(*prepared, group=group)
@@ -242,6 +249,15 @@ def _replica_groups(
     sys.stdout.write(text)
     sys.stdout.flush()
     return 0
+
+
+def _say_as(tag: str) -> None:
+    """Every line this launcher says or logs names ``tag`` after ``relaunch:`` (one of several
+    replica groups: which one)."""
+    global _said_as
+    _said_as = tag
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"relaunch: {tag}%(message)s"))
 
 
 def _follow_supervisor() -> bool:

@@ -46,11 +46,13 @@ def job_services(
     say: Callable[[str], None],
     start: bool = True,
     log_dir: str | None = None,
+    script: str | None = None,
 ) -> tuple[dict[str, str], Callable[[], None]]:
     """What every group's workers get besides their group's variables, and how to stop the
     services that live as long as the run: torchft's lighthouse, where the job wants one
     (``agent.lighthouse``: torchft importable, ``TORCHFT_LIGHTHOUSE`` unset), kept alive until
-    the stop, logging in ``log_dir`` (the job's). Without ``start`` (a dry run), what it would
+    the stop, logging in ``log_dir`` (the job's); ``script``, the groups' Python script, is
+    read for whether to say how to restart warm. Without ``start`` (a dry run), what it would
     give, started nothing."""
     from relaunch.core.run import lighthouse as decide
 
@@ -77,9 +79,21 @@ def job_services(
         f"(pid {lighthouse.pid}, kept alive; its log: {os.path.join(log_dir, 'lighthouse.log')})"
     )
     hint = decide.warm_hint(config.preload)
-    if hint is not None:
+    if hint is not None and _names_torchft(script):
         say(f"relaunch: {hint}")
     return {**lighthouse.environment(), **decide.worker_defaults(os.environ)}, lighthouse.close
+
+
+def _names_torchft(script: str | None) -> bool:
+    """Whether the groups' program is a torchft job as far as can be told without running it:
+    its Python ``script`` names torchft (None: a module or a binary, not read)."""
+    if script is None:
+        return False
+    try:
+        with open(script, "rb") as text:
+            return b"torchft" in text.read(1 << 20)
+    except OSError:
+        return False
 
 
 def dry_run_groups(
@@ -157,7 +171,8 @@ def run_groups(
         log_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
         argv = ["--log-dir", log_dir, *argv]
     try:
-        extra, stop_services = job_services(config, count, say, log_dir=log_dir)
+        script = None if args.module or args.no_python else args.training_script
+        extra, stop_services = job_services(config, count, say, log_dir=log_dir, script=script)
     except (LighthouseError, OSError) as exc:
         server.stop()
         why = str(exc) if isinstance(exc, LighthouseError) else exc.strerror or str(exc)
