@@ -262,6 +262,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
 
         local_addr = socket.getfqdn()
     where = {"store": "etcd", "endpoints": params.endpoint or "127.0.0.1", "options": options}
+    seat = EtcdSeat(params.endpoint or "127.0.0.1", options, local_addr, settings.dead_after)
     return handler_on_etcd(
         params.run_id,
         store,
@@ -274,8 +275,31 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         death_notice=DeathNotice(where),
         token=conf.job_token(os.environ),  # for the state copies alone
         where=store.describe(),
+        seat=seat,
         **node_options(conf),
     )
+
+
+class EtcdSeat:
+    """etcd, for what runs beside the rendezvous (``kinds.StoreSeat``): no node hosts it, so
+    what runs beside it runs where a lease of ``lease_ttl`` seconds was taken."""
+
+    hosted = False
+
+    def __init__(
+        self, endpoint: str, options: Mapping[str, Any], local_addr: str, lease_ttl: float
+    ) -> None:
+        self._endpoint, self._options = endpoint, options
+        self.local_addr, self.lease_ttl = local_addr, lease_ttl
+
+    def connect(self) -> EtcdStore:
+        return EtcdStore(self._endpoint, **self._options)
+
+    def host_here(self) -> str | None:
+        return None
+
+    def on_move(self, moved: Callable[[], None]) -> None:
+        """etcd's members are its own business: the store never moves to another node."""
 
 
 def write_death_notice(
