@@ -146,7 +146,9 @@ def test_a_worker_killed_in_one_group_heals_while_the_other_goes_on(
         assert statuses[1] == 0, said[1][-3000:]
     # Node 0 runs the lighthouse; each node's workers reach it through a relay of their own.
     assert "torchft's lighthouse for the job runs on this node: http://127.0.0.1:" in said[0]
-    assert "torchft's lighthouse for the job runs" not in said[1]
+    if job.backend == "c10d":
+        assert "torchft's lighthouse for the job runs" not in said[1]
+    # (etcd: node 0, ending first, gives its lease back; node 1 may take the key then.)
     for text in said:
         assert "this node's workers reach it through http://127.0.0.1:" in text, text
     group0, group1 = (node.lines() for node in nodes)

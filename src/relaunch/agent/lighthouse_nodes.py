@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import relaunch.core.run.lighthouse as decide
-from relaunch.agent.lighthouse import Lighthouse, LighthouseError
+from relaunch.agent.lighthouse import Lighthouse, LighthouseError, torchft_importable
 from relaunch.agent.lighthouse_relay import STORE_RETRY, WATCH_SLICE, LighthouseRelay
 from relaunch.rendezvous.kinds import StoreSeat
 from relaunch.rendezvous.rounds import job_key
@@ -40,19 +40,19 @@ log = logging.getLogger(__name__)
 def start_on_nodes(
     handler: object,
     job_run_id: str,
+    replica_groups: int,
     environ: Mapping[str, str],
     log_dir: str | None,
     say: Callable[[str], None],
 ) -> tuple[dict[str, str], Callable[[], None]]:
-    """This node's part of the job's lighthouse, when the job wants one
+    """This node's part of the lighthouse of a job of ``replica_groups`` groups on several
+    nodes (``job_run_id``: the job's ``--rdzv-id``, every group's), when the job wants one
     (``decide.wants_lighthouse``) and its rendezvous has a shared store: what every worker
     gets (the relay's address, ``worker_defaults``) and how to stop it all; nothing otherwise.
     The lighthouse logs to ``log_dir/lighthouse.log`` (None: a folder of its own, made when it
     starts here)."""
-    from relaunch.agent.lighthouse import torchft_importable
-
     seat: StoreSeat | None = getattr(handler, "seat", None)
-    if seat is None or not decide.wants_lighthouse(environ, torchft_importable(), 0):
+    if seat is None or not decide.wants_lighthouse(environ, torchft_importable(), replica_groups):
         return {}, _nothing
     settings, wrong = decide.settings_from(environ)
     for line in wrong:
@@ -91,12 +91,15 @@ class NodeLighthouse:
         self._closed = threading.Event()
         self._lease: int | None = None  # etcd: the lease the key hangs on, while held here
         self._store: Store | None = None  # this node's own connection, for the key's writes
+        self._followed: Store | None = None  # the relay's, which watches the key
 
     def start(self) -> dict[str, str]:
         """Relay from now on, run the lighthouse when it is this node's; what workers get."""
         self.relay.start()
-        self.relay.follow(self._seat.connect(), self._key)
+        self._followed = self._seat.connect()
+        self.relay.follow(self._followed, self._key)
         self._store = self._seat.connect()
+        self._seat.at_shutdown(self.close)  # before the store: a hosted one ends with it
         if self._seat.hosted:
             self._seat.on_move(self._moved)
             self._run_if_host()
@@ -105,7 +108,9 @@ class NodeLighthouse:
         return {decide.ADDRESS_VAR: self.relay.address}
 
     def close(self) -> None:
-        """Stop the lighthouse (if here) and the relay; the key's lease goes at once."""
+        """Stop the lighthouse (if here) and the relay; the key's lease goes at once. Once."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         with self._lock:
             lighthouse, self.lighthouse = self.lighthouse, None
@@ -113,6 +118,12 @@ class NodeLighthouse:
             lighthouse.close()
         self._let_go()
         self.relay.close()
+        from relaunch.store.client import TcpStore
+
+        for store in (self._followed, self._store):
+            if isinstance(store, TcpStore):  # its watch ends now (etcd's, within WATCH_SLICE)
+                store.interrupt()
+                store.close()
 
     # -- the built-in store: the node that hosts it runs it ------------------------------------
 
@@ -144,6 +155,8 @@ class NodeLighthouse:
                     self._hold(store)
                     version = -1
             except StoreError as exc:
+                if self._closed.is_set():
+                    return
                 if said != str(exc):
                     log.warning("the lighthouse's lease: the store failed: %s", exc)
                     said = str(exc)

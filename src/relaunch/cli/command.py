@@ -367,7 +367,12 @@ def _lighthouse_on_nodes(
 
     log_dir = config.log_dir if config.log_dir != os.devnull else None
     extra, stop = start_on_nodes(
-        handler, args.rdzv_id, os.environ, log_dir, lambda line: say(f"relaunch: {line}")
+        handler,
+        args.rdzv_id,
+        args.replica_groups,
+        os.environ,
+        log_dir,
+        lambda line: say(f"relaunch: {line}"),
     )
     os.environ.update(extra)
     return stop

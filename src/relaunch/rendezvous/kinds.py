@@ -130,6 +130,26 @@ class StoreSeat(Protocol):
     def on_move(self, moved: Callable[[], None]) -> None:
         """Call ``moved()`` each time the store moved to another node."""
 
+    def at_shutdown(self, ending: Callable[[], None]) -> None:
+        """Call ``ending()`` when the rendezvous shuts down, before its store is let go (a
+        store this node hosts ends with it)."""
+
+
+class SeatShutdown:
+    """The ``at_shutdown`` of a seat: what to call as the rendezvous shuts down (``end``)."""
+
+    def __init__(self) -> None:
+        self._ending: list[Callable[[], None]] = []
+
+    def at_shutdown(self, ending: Callable[[], None]) -> None:
+        self._ending.append(ending)
+
+    def end(self) -> None:
+        """Call each, once."""
+        ending, self._ending = self._ending, []
+        for each in ending:
+            each()
+
 
 def read_each(store: Store, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
     """``(name, value)`` of those of ``names`` that are there under ``prefix``: one read each."""

@@ -21,6 +21,7 @@ from relaunch.core.rendezvous.rdzv_conf import C10D_DEFAULT_PORT, RendezvousSett
 from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import is_loopback, parse_endpoint_list
 from relaunch.rendezvous.api import RendezvousConnectionError
+from relaunch.rendezvous.kinds import SeatShutdown
 from relaunch.store.api import StoreError
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         heartbeat_store,
         watch_store=watch_store,
         backend=params.backend,
-        on_shutdown=(watch_store.close, *on_shutdown),
+        on_shutdown=(seat.end, watch_store.close, *on_shutdown),
         store_host_probe=_probe(host, port, token) if server is None else None,
         death_notice=death_notice,
         failover=failover,
@@ -100,7 +101,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     )
 
 
-class C10dSeat:
+class C10dSeat(SeatShutdown):
     """The built-in store, for what runs beside the rendezvous (``kinds.StoreSeat``): hosted by
     this node while its server is the one serving the job (with failover, until it moves)."""
 
@@ -115,6 +116,7 @@ class C10dSeat:
         failover: StoreFailover | None,
         local_addr: str,
     ) -> None:
+        super().__init__()
         self._endpoint, self._token, self._timeout = endpoint, token, timeout
         self._server, self._failover = server, failover
         self.local_addr = local_addr
