@@ -112,6 +112,8 @@ class LighthouseRelay:
             try:
                 current = store.get(key) if version < 0 else store.watch(key, version, WATCH_SLICE)
             except StoreError as exc:
+                if self._closed.is_set():
+                    return  # closed under its wait: nothing to say
                 if said != str(exc):
                     log.warning("the lighthouse relay cannot read the store: %s", exc)
                     said = str(exc)

@@ -351,6 +351,7 @@ def _launch(
         )
     # a replica group's variables, in the launcher's environment for its workers to inherit
     os.environ.update(_group_env(group, args.replica_groups))
+    stop_lighthouse = _lighthouse_on_nodes(handler, args, config) if group is not None else None
     summaries: list[RunSummary] = []
     _collector_on()
     try:
@@ -363,10 +364,34 @@ def _launch(
         if ended is None:
             raise
         status, said_summary = ended
+    finally:
+        if stop_lighthouse is not None:
+            stop_lighthouse()
     if said_summary:
         for summary in summaries:
             say("relaunch: " + format_summary(summary))
     return status
+
+
+def _lighthouse_on_nodes(
+    handler: Any, args: argparse.Namespace, config: LaunchConfig
+) -> Callable[[], None]:
+    """A replica group's node of a job on several nodes: its part of torchft's lighthouse
+    (``agent.lighthouse_nodes``), its variables in the launcher's environment for the workers
+    to inherit; how to stop it."""
+    from relaunch.agent.lighthouse_nodes import start_on_nodes
+
+    log_dir = config.log_dir if config.log_dir != os.devnull else None
+    extra, stop = start_on_nodes(
+        handler,
+        args.rdzv_id,
+        args.replica_groups,
+        os.environ,
+        log_dir,
+        lambda line: say(f"relaunch: {line}"),
+    )
+    os.environ.update(extra)
+    return stop
 
 
 class _LogHandler(logging.StreamHandler):  # type: ignore[type-arg]

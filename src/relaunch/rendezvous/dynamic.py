@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from relaunch.core.rendezvous.rdzv_conf import RendezvousSettings
     from relaunch.rendezvous.failover import StoreFailover
+    from relaunch.rendezvous.kinds import StoreSeat
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class HandlerOptions(TypedDict, total=False):
     failover: StoreFailover | None
     token: str | None
     where: str
+    seat: StoreSeat | None
 
 
 class NodeOptions(TypedDict):
@@ -96,7 +98,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     node's guardian says should its agent die while a member (``death_notice``). ``token``: the
     job's (None: none), which its state copies are keyed from (``DynamicJob``). ``failover``: where
     the job's built-in store may move when its host is lost (``failover``). ``where``: the
-    store in words, for the lines of a node waiting for others. Deadlines come from ``clock``.
+    store in words, for the lines of a node waiting for others. ``seat``: where the store is,
+    for what runs beside the rendezvous (``kinds.StoreSeat``). Deadlines come from ``clock``.
     """
 
     def __init__(
@@ -116,8 +119,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         clock: Clock = SYSTEM_CLOCK,
         token: str | None = None,
         where: str = "",
+        seat: StoreSeat | None = None,
     ) -> None:
         self._run_id = run_id
+        #: Where the job's store is, for what runs beside the rendezvous (``kinds.StoreSeat``).
+        self.seat = seat
         self._node_rank = node_rank
         self._death_notice = death_notice
         self._stores = stores

@@ -107,6 +107,50 @@ class StoreKind(Protocol):
         """Shutting down: let go at once of what keeps this node's keys alive."""
 
 
+class StoreSeat(Protocol):
+    """Where the job's store is, for what runs beside the rendezvous on one node of the job
+    (torchft's lighthouse, ``agent.lighthouse_nodes``): a connection of its own, and whether
+    this node hosts the store now."""
+
+    #: Whether a node hosts the store (the built-in store: what runs beside it runs on that
+    #: node), or none does (etcd: a node takes a lease to run it).
+    hosted: bool
+    #: The address the other nodes reach this one at.
+    local_addr: str
+    #: Seconds a lease of this node's lasts (etcd): the rendezvous' detection time.
+    lease_ttl: float
+
+    def connect(self) -> Store:
+        """A new connection to the job's store, which follows it where it moves."""
+
+    def host_here(self) -> str | None:
+        """The store's host address when this node hosts the store now; None when it does not
+        (or no node does)."""
+
+    def on_move(self, moved: Callable[[], None]) -> None:
+        """Call ``moved()`` each time the store moved to another node."""
+
+    def at_shutdown(self, ending: Callable[[], None]) -> None:
+        """Call ``ending()`` when the rendezvous shuts down, before its store is let go (a
+        store this node hosts ends with it)."""
+
+
+class SeatShutdown:
+    """The ``at_shutdown`` of a seat: what to call as the rendezvous shuts down (``end``)."""
+
+    def __init__(self) -> None:
+        self._ending: list[Callable[[], None]] = []
+
+    def at_shutdown(self, ending: Callable[[], None]) -> None:
+        self._ending.append(ending)
+
+    def end(self) -> None:
+        """Call each, once."""
+        ending, self._ending = self._ending, []
+        for each in ending:
+            each()
+
+
 def read_each(store: Store, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:
     """``(name, value)`` of those of ``names`` that are there under ``prefix``: one read each."""
     for name in names:

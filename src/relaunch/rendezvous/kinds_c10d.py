@@ -21,6 +21,7 @@ from relaunch.core.rendezvous.rdzv_conf import C10D_DEFAULT_PORT, RendezvousSett
 from relaunch.core.rendezvous.store_roles import StoreRole, StoreSetup, store_roles
 from relaunch.endpoints import is_loopback, parse_endpoint_list
 from relaunch.rendezvous.api import RendezvousConnectionError
+from relaunch.rendezvous.kinds import SeatShutdown
 from relaunch.store.api import StoreError
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         failover = StoreFailover(endpoints, token, (host, port), server or standby, elect)
         _follow_moves(failover, clients, death_notice)
         on_shutdown = (failover.close, *on_shutdown)
+    seat = C10dSeat((host, port), token, conf.timeout, server, failover, local_addr)
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
         store,
@@ -88,14 +90,57 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         heartbeat_store,
         watch_store=watch_store,
         backend=params.backend,
-        on_shutdown=(watch_store.close, *on_shutdown),
+        on_shutdown=(seat.end, watch_store.close, *on_shutdown),
         store_host_probe=_probe(host, port, token) if server is None else None,
         death_notice=death_notice,
         failover=failover,
         token=token,
         where=format_endpoint((host, port)),
+        seat=seat,
         **node_options(conf),
     )
+
+
+class C10dSeat(SeatShutdown):
+    """The built-in store, for what runs beside the rendezvous (``kinds.StoreSeat``): hosted by
+    this node while its server is the one serving the job (with failover, until it moves)."""
+
+    hosted = True
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        token: str | None,
+        timeout: float,
+        server: TcpStoreServer | None,
+        failover: StoreFailover | None,
+        local_addr: str,
+    ) -> None:
+        super().__init__()
+        self._endpoint, self._token, self._timeout = endpoint, token, timeout
+        self._server, self._failover = server, failover
+        self.local_addr = local_addr
+        self.lease_ttl = 0.0
+
+    def connect(self) -> TcpStore:
+        from relaunch.store.client import TcpStore
+
+        failover = self._failover
+        host, port = self._endpoint if failover is None else failover.primary
+        store = TcpStore(host, port, self._token, timeout=self._timeout)
+        if failover is not None:
+            failover.add_client(store)
+        return store
+
+    def host_here(self) -> str | None:
+        failover = self._failover
+        if failover is not None:
+            return failover.primary[0] if failover.hosting else None
+        return self._endpoint[0] if self._server is not None else None
+
+    def on_move(self, moved: Callable[[], None]) -> None:
+        if self._failover is not None:
+            self._failover.on_move(lambda host, port: moved())
 
 
 def _follow_moves(

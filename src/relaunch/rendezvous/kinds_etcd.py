@@ -20,7 +20,7 @@ from relaunch.core.rendezvous.rounds import KeyOf
 from relaunch.endpoints import is_loopback
 from relaunch.rendezvous.api import RendezvousConnectionError
 from relaunch.rendezvous.heartbeat import Silence
-from relaunch.rendezvous.kinds import Pulse, read_each
+from relaunch.rendezvous.kinds import Pulse, SeatShutdown, read_each
 from relaunch.rendezvous.roster import Roster
 from relaunch.rendezvous.roster_etcd import KeyRoster
 from relaunch.rendezvous.rounds import CLOSED, news_prefix
@@ -262,6 +262,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
 
         local_addr = socket.getfqdn()
     where = {"store": "etcd", "endpoints": params.endpoint or "127.0.0.1", "options": options}
+    seat = EtcdSeat(params.endpoint or "127.0.0.1", options, local_addr, settings.dead_after)
     return handler_on_etcd(
         params.run_id,
         store,
@@ -270,12 +271,36 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         heartbeat_store,
         watch_store=watch_store,
         backend=params.backend,
-        on_shutdown=(watch_store.close,),
+        on_shutdown=(seat.end, watch_store.close),
         death_notice=DeathNotice(where),
         token=conf.job_token(os.environ),  # for the state copies alone
         where=store.describe(),
+        seat=seat,
         **node_options(conf),
     )
+
+
+class EtcdSeat(SeatShutdown):
+    """etcd, for what runs beside the rendezvous (``kinds.StoreSeat``): no node hosts it, so
+    what runs beside it runs where a lease of ``lease_ttl`` seconds was taken."""
+
+    hosted = False
+
+    def __init__(
+        self, endpoint: str, options: Mapping[str, Any], local_addr: str, lease_ttl: float
+    ) -> None:
+        super().__init__()
+        self._endpoint, self._options = endpoint, options
+        self.local_addr, self.lease_ttl = local_addr, lease_ttl
+
+    def connect(self) -> EtcdStore:
+        return EtcdStore(self._endpoint, **self._options)
+
+    def host_here(self) -> str | None:
+        return None
+
+    def on_move(self, moved: Callable[[], None]) -> None:
+        """etcd's members are its own business: the store never moves to another node."""
 
 
 def write_death_notice(
