@@ -19,29 +19,23 @@ def rdzv(request: pytest.FixtureRequest) -> Rendezvous:
     return rendezvous_for(request)
 
 
-#: Each worker says its node (the test's NODE), group rank and global rank; global rank 0
-#: listens at MASTER_ADDR:MASTER_PORT and every other rank connects there, so the master the
-#: record names is where group rank 0 can serve it. Then the workers wait for the GO file.
+#: Each worker says its node (the test's NODE), group rank and global rank once it reached
+#: MASTER_ADDR:MASTER_PORT, where the agent of group rank 0 serves torch's store: the master the
+#: record names is where group rank 0 serves it. Then the workers wait for the GO file.
 MEET_AT_THE_MASTER = """
     import os, socket, time
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     master = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     deadline = time.monotonic() + 30
-    if rank == 0:
-        server = socket.create_server(master)
-        server.settimeout(30)
-        for _ in range(world - 1):
-            server.accept()[0].close()
-    else:
-        while True:
-            try:
-                socket.create_connection(master, timeout=5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    while True:
+        try:
+            socket.create_connection(master, timeout=5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     print("node", env["NODE"], "group", env["GROUP_RANK"], "rank", rank, "world", world,
           flush=True)
     while not os.path.exists(env["GO_FILE"]):
