@@ -35,17 +35,19 @@ def _hang(reason: str) -> None:
 
 
 class _Peers:
-    """A blocking all-reduce among the ranks of one world, over TCP: rank 0 serves at
-    ``MASTER_ADDR:MASTER_PORT`` (as torch's store would) and sums what each rank sends."""
+    """A blocking all-reduce among the ranks of one world, over TCP: rank 0 serves on a free
+    port of ``MASTER_ADDR`` (``MASTER_PORT`` is the agent's: torch's store) and names it in the
+    file ``meeting`` (one for each world: its ``MASTER_PORT``), and sums what each rank sends."""
 
-    def __init__(self, rank: int, world: int, addr: str, port: int) -> None:
+    def __init__(self, rank: int, world: int, addr: str, meeting: str) -> None:
         self.rank, self.world = rank, world
         self.files: dict[int, Any] = {}
         self._keep: list[socket.socket] = []
         if world == 1:
             return
         if rank == 0:
-            server = socket.create_server((addr, port), backlog=world)
+            server = socket.create_server((addr, 0), backlog=world)
+            write_atomic(meeting, str(server.getsockname()[1]))
             self._keep.append(server)
             while len(self.files) < world - 1:
                 conn, _ = server.accept()
@@ -57,6 +59,8 @@ class _Peers:
             return
         while True:  # rank 0 may not listen yet
             try:
+                with open(meeting) as named:
+                    port = int(named.read())
                 conn = socket.create_connection((addr, port))
                 break
             except OSError:
@@ -137,7 +141,8 @@ def worker_main() -> int:
     truth = os.open(os.path.join(top, "lines", str(pid)), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     trigger = os.path.join(top, "triggers", str(pid))
     checkpoint = os.path.join(top, "checkpoint")
-    peers = _Peers(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    meeting = os.path.join(top, f"meeting-{env['MASTER_ADDR']}-{env['MASTER_PORT']}")
+    peers = _Peers(rank, world, env["MASTER_ADDR"], meeting)
     step, value = 0, 0
     if rank == 0 and os.path.exists(checkpoint):
         with open(checkpoint) as file:
