@@ -24,7 +24,8 @@ from relaunch.endpoints import find_free_port
 from relaunch.store.etcd import EtcdStore
 from tests.support.ft_lines import Line, parse
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+#: torch's tests keep both cores busy: they run one after another, in one xdist group.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.xdist_group("torch")]
 
 STEPS, KILL_STEP = 30, 10
 #: A lost node is known within 1.5 s; an etcd lease lasts 2 s (whole seconds).
