@@ -239,8 +239,14 @@ def _replica_groups(
     if not args.dry_run:
         _collector_on()
         return run_groups(argv, args, config, say)
+    return _show_plan(lambda: dry_run_groups(args, config, entrypoint, entry_args))
+
+
+def _show_plan(plan: Callable[[], str]) -> int:
+    """Print what ``plan`` returns (``--dry-run``: nothing starts); its exit status. A mistake
+    it finds ends as any mistake before a launch does (``end``)."""
     try:
-        text = dry_run_groups(args, config, entrypoint, entry_args)
+        text = plan()
     except Exception as exc:
         ended = end(exc, PREPARE)
         if ended is None:
@@ -298,22 +304,15 @@ def _dry_run(
     from relaunch.agent.dry_run import dry_run
     from relaunch.launcher import placement_of
 
-    try:
-        text = dry_run(
+    return _show_plan(
+        lambda: dry_run(
             config,
             entrypoint,
             entry_args,
             placement=placement_of(config),
             group_env=_group_env(group, count),
         )
-    except Exception as exc:
-        ended = end(exc, PREPARE)
-        if ended is None:
-            raise
-        return ended[0]
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    return 0
+    )
 
 
 def _launch(
