@@ -24,8 +24,9 @@ from relaunch.endpoints import find_free_port
 from relaunch.store.etcd import EtcdStore
 from tests.support.ft_lines import Line, parse
 
-#: torch's tests keep both cores busy: they run one after another, in one xdist group.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.xdist_group("torch")]
+#: torchft's tests keep both cores busy: they run one after another, in one xdist group of
+#: their own (beside the torch group: one group of both made the suite 11 min).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.xdist_group("torchft")]
 
 STEPS, KILL_STEP = 30, 10
 #: A lost node is known within 1.5 s; an etcd lease lasts 2 s (whole seconds).

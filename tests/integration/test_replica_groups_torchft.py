@@ -24,8 +24,9 @@ PROGRAM = str(pathlib.Path(__file__).parents[2] / "benchmarks" / "workers" / "to
 STEPS, KILL_STEP, FAILED = 30, 10, 1
 
 
-#: torch's tests keep both cores busy: they run one after another, in one xdist group.
-pytestmark = [pytest.mark.xdist_group("torch")]
+#: torchft's tests keep both cores busy: they run one after another, in one xdist group of
+#: their own (beside the torch group: one group of both made the suite 11 min).
+pytestmark = [pytest.mark.xdist_group("torchft")]
 
 
 @pytest.mark.slow
