@@ -27,7 +27,8 @@ from relaunch.cli.flag_row import checked, parse_rdzv_conf
 from relaunch.cli.flags import EXIT_FAILED, _Parser, usage_error
 
 if TYPE_CHECKING:
-    from relaunch.rendezvous.reader import GroupsReader, GroupsSnapshot, JobReader, Snapshot
+    from relaunch.rendezvous.groups_reader import GroupsReader, GroupsSnapshot
+    from relaunch.rendezvous.reader import JobReader, Snapshot
 
 PROG = "relaunch status"
 #: Seconds between two reads with ``--watch`` and no value (agents post every 3 s).
@@ -115,17 +116,20 @@ def open_reader(
     return reader, where, timeout
 
 
-def _job_or_groups(reader: JobReader, run_id: str, timeout: float) -> JobReader | GroupsReader:
-    """``reader`` when the job is found; else the reader of its replica groups
-    (``RUN_ID-group0``, ...) when it has them; JobNotFound when neither is there."""
-    from relaunch.rendezvous.reader import GroupsReader, JobNotFound
-    from relaunch.store.deadline import limit
+def _job_or_groups(
+    reader: JobReader, run_id: str, timeout: float
+) -> tuple[JobReader | GroupsReader, Snapshot | GroupsSnapshot]:
+    """``reader`` and what it read when the job is found; else the reader of its replica groups
+    (``RUN_ID-group0``, ...) and what it read, when it has them; JobNotFound when neither is
+    there. Each read within ``timeout`` seconds."""
+    from relaunch.rendezvous.groups_reader import GroupsReader
+    from relaunch.rendezvous.reader import JobNotFound
 
     try:
-        with limit(timeout):
-            reader.read()
-        return reader
+        return reader, read(reader, timeout)
     except JobNotFound:
+        from relaunch.store.deadline import limit
+
         with limit(timeout):
             groups = GroupsReader.find(reader, run_id)
         if groups is None:
@@ -154,9 +158,9 @@ def status_main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
         where = f"the store at {args.rdzv_endpoint}"
         job, where, timeout = open_reader(args, env)
         where = f"the store at {where}"
-        reader = _job_or_groups(job, args.rdzv_id, timeout)
+        reader, first = _job_or_groups(job, args.rdzv_id, timeout)
         if args.watch is None:
-            show(read(reader, timeout), args.json, sys.stdout)
+            show(first, args.json, sys.stdout)
             return 0
         return watch(reader, args.watch, args.json, sys.stdout, timeout)
     except ConfigError as exc:
