@@ -33,13 +33,13 @@ class Evictor:
     ) -> JobView:
         """``view`` (of a round of ``members`` nodes, from their ``posts``) with the node to
         evict named in it, if one is; a node that stays for want of a spare is said once."""
+        if self._evicting is not None:
+            return view.replace(evict=self._evicting)
         flagged = eviction.flagged_by_rate(
             [(post.node, post.group_rank, tuple(r.rank for r in post.ranks)) for post in posts],
             view.stragglers,
             view.median,
         )
-        if self._evicting is not None:
-            return view.replace(evict=self._evicting)
         if not flagged and not self._watch.since:
             return view  # nothing flagged, nothing to remember
         self._watch, decided = eviction.decide(
