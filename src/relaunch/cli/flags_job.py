@@ -232,6 +232,17 @@ JOB_FLAGS = [
     ),
     Flag(
         "restarts",
+        ("--evict-stragglers",),
+        "evict a node flagged as a straggler for this long to a waiting spare (one more agent "
+        "than the maximum of --nnodes): it is excluded for --rdzv-conf exclude_cooldown and "
+        "the group restarts with the spare; without a spare it is only flagged",
+        None,
+        checked("parse_seconds", True),
+        metavar="SECONDS",
+        field="hang.evict_stragglers",
+    ),
+    Flag(
+        "restarts",
         ("--signals-to-handle",),
         "signals that stop the workers and relaunch",
         DEFAULT_SIGNALS,

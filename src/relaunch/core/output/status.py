@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
+
+if TYPE_CHECKING:
+    from relaunch.core.workers.eviction import Evict
 
 #: What a checked field may be: an integer (never a bool), a number, a string.
 _KINDS: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "string": (str,)}
@@ -247,10 +250,10 @@ class Slowest(Value):
 
 class JobView(Value):
     """Group rank 0's verdict on the job: its median rate, the stragglers (global rank -> rate),
-    the slowest rank, the job's pace (the slowest rank's rate) and the seconds left (None:
-    unknown)."""
+    the slowest rank, the job's pace (the slowest rank's rate), the seconds left (None:
+    unknown) and the node it evicts as a straggler (``core.workers.eviction``; None: none)."""
 
-    __slots__ = ("eta", "median", "posted_at", "rate", "slowest", "stragglers")
+    __slots__ = ("eta", "evict", "median", "posted_at", "rate", "slowest", "stragglers")
 
     median: float | None
     stragglers: dict[int, float]
@@ -258,6 +261,7 @@ class JobView(Value):
     rate: float | None
     eta: float | None
     posted_at: float
+    evict: Evict | None
 
     def __init__(
         self,
@@ -267,9 +271,16 @@ class JobView(Value):
         rate: float | None,
         eta: float | None,
         posted_at: float,
+        evict: Evict | None = None,
     ) -> None:
         self._set(median=median, stragglers=stragglers, slowest=slowest, rate=rate, eta=eta)
-        self._set(posted_at=posted_at)
+        self._set(posted_at=posted_at, evict=evict)
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = super().as_dict()
+        if fields["evict"] is None:
+            del fields["evict"]  # the view of a job that evicts nobody, as it always was
+        return fields
 
     def encode(self) -> bytes:
         return json.dumps(self.as_dict(), separators=(",", ":")).encode()
@@ -292,6 +303,16 @@ class JobView(Value):
                 _field(item, "step", "integer"),
                 _field(item, "total", "integer", optional=True),
             )
+        evict = None
+        if data.get("evict") is not None:
+            from relaunch.core.workers.eviction import Evict  # only where a node is evicted
+
+            item = _object(data["evict"], "the node evicted")
+            evict = Evict(
+                _field(item, "node", "string"),
+                _field(item, "node_rank", "integer"),
+                _field(item, "line", "string"),
+            )
         return cls(
             _field(data, "median", "number", optional=True),
             slow,
@@ -299,6 +320,7 @@ class JobView(Value):
             _field(data, "rate", "number", optional=True),
             _field(data, "eta", "number", optional=True),
             _field(data, "posted_at", "number"),
+            evict,
         )
 
 
