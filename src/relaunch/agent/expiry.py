@@ -222,6 +222,8 @@ class ExpiryWatch:
             for rank in hung:
                 self._note_hung(rank, snapshot, live[rank])
                 self._hung(rank, now - live[rank], restarts_left)
+            if hung:
+                self._silent(hung, now - live[hung[0]])
             if next_at is not None:
                 waits.append(next_at - now)
         return max(0.0, min(waits)) if waits else None
@@ -321,7 +323,20 @@ class ExpiryWatch:
             silent_for,
             _what_follows(restarts_left),
         )
-        self._abort(pid)
+
+    def _silent(self, hung: list[int], silent_for: float) -> None:
+        """Ranks fell silent: ask every other running local rank for its stack too, and name
+        the hang for the agent, which asks the other nodes (a hang's culprit is found by
+        comparing every rank's stack: ``core.run.culprit``)."""
+        if self.hang is not None or self._asked is not None:  # the others' were asked for
+            for rank in hung:
+                self._abort(self._pids[rank])
+            return
+        self.hang = (
+            f"local rank {hung[0]} is hung (no output, progress or timer activity for "
+            f"{silent_for:.1f}s, --hang-timeout {self._hang_timeout:g})"
+        )
+        self._dump_running(f"its stack was taken because {self.hang}", hung)
 
     def _abort(self, pid: int) -> None:
         """Ask ``pid`` for its stack: SIGABRT, with Python's fault handler enabled."""
