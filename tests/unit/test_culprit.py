@@ -142,7 +142,8 @@ def test_ranks_without_a_stack_and_nodes_not_heard_from_are_said() -> None:
     assert found.culprits == (2,)
     assert found.line == (
         "rank 2 did not reach the collective that ranks 0, 1 wait in (all_reduce): "
-        f"it is in {LOADER}; rank 3 gave no Python stack; node 1 sent no stacks within 10s (not counted)"
+        f"it is in {LOADER}; rank 3 gave no Python stack; "
+        "node 1 sent no stacks within 10s (not counted)"
     )
 
 

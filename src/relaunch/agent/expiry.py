@@ -115,6 +115,12 @@ class ExpiryWatch:
     def hang_timeout(self) -> float | None:
         return self._hang_timeout
 
+    @property
+    def stacks_taken(self) -> bool:
+        """Whether this attempt's ranks were asked for their stacks for a hang (here or on
+        another node): where they stopped then names the hang's culprit."""
+        return self.hang is not None or self._asked is not None
+
     def start(self) -> None:
         if self._server is not None:
             self._server.start()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
+from relaunch.core.run.culprit import Verdict
 from relaunch.core.run.failures import has_error_file, signal_meaning
 from relaunch.core.run.goodput import Ledger
 from relaunch.core.run.run_events import (
@@ -63,6 +64,8 @@ class RunReport:
         self.ledger = Ledger()
         #: Straggler lines for the summary, by global rank.
         self.stragglers: dict[int, str] = {}
+        #: The last hang's verdict, for the summary (``core.run.culprit``).
+        self.hang_line = ""
 
     def on_run_event(self, run_event: RunEvent) -> None:
         """Record what happened: its status event, and its line in the summary."""
@@ -139,6 +142,18 @@ class RunReport:
         deadline; every rank's stack is being taken."""
         self._event("AGENT", "HUNG", restart_count, raw_error=what)
 
+    def hang_verdict(self, verdict: Verdict, restart_count: int) -> None:
+        """A ``CULPRIT`` agent event (relaunch's): who a hang's other ranks waited for, from
+        every rank's stack, and its line in the summary."""
+        self.hang_line = verdict.line
+        self._event(
+            "AGENT",
+            "CULPRIT",
+            restart_count,
+            raw_error=verdict.line,
+            details={"culprit": {"ranks": list(verdict.culprits), "kind": verdict.kind}},
+        )
+
     def run_events(self, finished: Finished) -> None:
         """One event per worker (how it ended, its last progress), then the agent's."""
         for worker in finished.workers:
@@ -213,6 +228,7 @@ class RunReport:
             self.stop_note,
             [self.stragglers[rank] for rank in sorted(self.stragglers)],
             self.ledger.line(elapsed) or "",
+            self.hang_line,
         )
 
 

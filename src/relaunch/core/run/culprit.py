@@ -263,7 +263,7 @@ def decode(data: bytes) -> dict[int, Place | None]:
         raise ValueError(f"{len(data)} bytes, more than {MAX_BYTES}")
     try:
         shape = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ValueError(f"not JSON: {exc}") from None
     ranks = shape.get("ranks") if isinstance(shape, dict) else None
     if not isinstance(ranks, dict) or len(ranks) > MAX_RANKS:
