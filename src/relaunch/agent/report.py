@@ -8,10 +8,9 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
-from relaunch.core.run.culprit import Verdict
 from relaunch.core.run.failures import has_error_file, signal_meaning
 from relaunch.core.run.goodput import Ledger
 from relaunch.core.run.run_events import (
@@ -32,6 +31,9 @@ from relaunch.core.workers.stragglers import Straggler
 from relaunch.events import EventHandler, NullEventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.runtime import SYSTEM_CLOCK, Clock
+
+if TYPE_CHECKING:
+    from relaunch.core.run.culprit import Verdict
 
 log = logging.getLogger(__name__)
 
