@@ -6,11 +6,13 @@
 * **Hangs** (``--hang-timeout SECONDS``): a worker that shows no sign of life (its log files do
   not grow, it touches no timer) for that long is asked for its stack with SIGABRT (workers get
   ``PYTHONFAULTHANDLER=1``, so Python dumps every thread's stack to stderr), then SIGKILLed if
-  it is still there after ``ABORT_GRACE`` seconds.
+  it is still there after ``ABORT_GRACE`` seconds; every other running local rank is asked for
+  its stack too, and ``hang`` names it for the agent, as for an overdue section.
 * **Overdue sections** (``relaunch.section``, ``relaunch.heartbeat``): a worker past a deadline
   it set itself is hung; every local rank is asked for its stack (SIGABRT), so the report shows
   where each one was, not only the late one. ``hang`` then names it for the agent, which asks
-  the other nodes for their ranks' stacks too (``dump_stacks``).
+  the other nodes for their ranks' stacks too (``dump_stacks``); where every rank stopped then
+  names the rank the others waited for (``agent.culprit``).
 
 Either way the death is a failure like any other, and ``ExpiryWatch.explain`` says why in its
 report.

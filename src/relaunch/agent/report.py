@@ -141,7 +141,7 @@ class RunReport:
 
     def hung(self, restart_count: int, what: str) -> None:
         """A ``HUNG`` agent event (relaunch's): a local rank missed its section's or heartbeat's
-        deadline; every rank's stack is being taken."""
+        deadline, or fell silent past ``--hang-timeout``; every rank's stack is being taken."""
         self._event("AGENT", "HUNG", restart_count, raw_error=what)
 
     def hang_verdict(self, verdict: Verdict, restart_count: int) -> None:
