@@ -193,7 +193,7 @@ JOB_FLAGS = [
         "restarts",
         ("--hang-timeout",),
         "restart the group when a worker shows no sign of "
-        "life (output, timer activity) for this long, with its stack in the report",
+        "life (output, timer activity) for this long; the report names the rank the others wait for",
         None,
         checked("parse_seconds", True),
         metavar="SECONDS",
