@@ -233,6 +233,18 @@ class Console:
             if key in self._bars:
                 self._remove(key, print_last)
 
+    def printed_as_bar(self, key: str, lines: bytes) -> bool:
+        """Whether ``lines`` (rendered, each ended) are what the last refresh of bar ``key``
+        printed off a terminal, still its state: a log has them already."""
+        with self._lock:
+            bar = self._bars.get(key)
+            return (
+                bar is not None
+                and not bar.live
+                and bar.printed == bar.text
+                and lines == bar.text + b"\n"
+            )
+
     def add_source(self, source: BarSource) -> None:
         """Ask ``source`` for bars at every tick (the threads that tick are woken to start)."""
         with self._lock:  # held while waking: a waker removed is never called afterwards

@@ -255,7 +255,9 @@ class TeeStream:
         self.open = False
         if self.shown and not self.verbatim:
             last = self.framer.flush()
-            self._add_pending(self.console.render(last, self.prefix))
+            shown = self.console.render(last, self.prefix)
+            if self.bar is None or not self.console.printed_as_bar(self.key, shown):
+                self._add_pending(shown)  # else its final state was its last refresh, printed
             if self.copy is not None:
                 self.copy.take(self.copy_prefix, last)
         if self.held:
