@@ -233,17 +233,16 @@ class Console:
             if key in self._bars:
                 self._remove(key, print_last)
 
-    def printed_as_bar(self, key: str, lines: bytes) -> bool:
-        """Whether ``lines`` (rendered, each ended) are what the last refresh of bar ``key``
-        printed off a terminal, still its state: a log has them already."""
+    def unprinted(self, key: str, lines: bytes) -> bytes:
+        """``lines`` (rendered, each ended) that bar ``key``'s row became, less their first
+        where that is what the bar's last refresh printed off a terminal, still its state: a
+        log has it already."""
         with self._lock:
             bar = self._bars.get(key)
-            return (
-                bar is not None
-                and not bar.live
-                and bar.printed == bar.text
-                and lines == bar.text + b"\n"
-            )
+            if bar is None or bar.live or bar.printed != bar.text:
+                return lines
+            printed = bar.text + b"\n"
+            return lines[len(printed) :] if lines.startswith(printed) else lines
 
     def add_source(self, source: BarSource) -> None:
         """Ask ``source`` for bars at every tick (the threads that tick are woken to start)."""
