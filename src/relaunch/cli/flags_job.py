@@ -192,8 +192,8 @@ JOB_FLAGS = [
     Flag(
         "restarts",
         ("--hang-timeout",),
-        "restart the group when a worker shows no sign of "
-        "life (output, timer activity) for this long; the report names the rank the others wait for",
+        "restart the group when a worker shows no sign of life (output, timer activity) "
+        "for this long; the report names the rank the others wait for",
         None,
         checked("parse_seconds", True),
         metavar="SECONDS",
