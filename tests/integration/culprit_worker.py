@@ -2,8 +2,8 @@
 
 ``python culprit_worker.py KIND CULPRIT``: the rank ``CULPRIT`` is stuck in ``load_next_batch``
 while the others wait: in a gloo collective (KIND ``all_reduce``, ``barrier``, ``broadcast``:
-torch's), or on a socket (KIND ``socket``: plain Python, no torch). Every rank says it is ready,
-then the job falls silent: ``--hang-timeout`` finds it.
+torch's), or on a socket (KIND ``socket``: plain Python; ``timed_socket``: inside a 2 s
+``relaunch.timer.expires``). Every rank says it is ready, then the job falls silent.
 """
 
 import os
@@ -62,7 +62,7 @@ def main():
     rank = int(os.environ["RANK"])
     threading.Thread(target=starting, daemon=True).start()
     if rank == culprit:
-        if kind != "socket":
+        if kind not in ("socket", "timed_socket"):
             import torch.distributed as dist
 
             dist.init_process_group("gloo")
@@ -71,6 +71,11 @@ def main():
         load_next_batch()
     elif kind == "socket":
         wait_on_socket(rank)
+    elif kind == "timed_socket":
+        import relaunch.timer
+
+        with relaunch.timer.expires(after=2, scope="wait"):
+            wait_on_socket(rank)
     else:
         wait_in_torch(kind, rank)
 

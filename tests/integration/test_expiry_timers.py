@@ -269,6 +269,86 @@ def test_the_local_pair_reaps_over_a_multiprocessing_queue(reaps: Reaps) -> None
         queue.join_thread()
 
 
+def test_a_handed_over_worker_is_not_signalled_and_a_named_signal_is_kept(
+    tmp_path, leaks: LeakCheck, reaps: Reaps
+) -> None:
+    """``hand_over`` (the agent's) takes a worker whose request named SIGKILL, the clients'
+    default, in place of the signal; one that named SIGTERM is still reaped with it."""
+    handed = Reaps()
+    server = FileTimerServer(
+        str(tmp_path / "timers.fifo"), "run", 0.1, on_reap=reaps, hand_over=handed
+    )
+    server.start()
+    default = worker(
+        leaks, server.file_path, f"with timer.expires(after=0.3, scope='a'):\n    {HANG}"
+    )
+    named = worker(
+        leaks,
+        server.file_path,
+        f"""
+        import os, signal
+        fifo = os.environ["TORCHELASTIC_TIMER_FILE"]
+        timer.configure(timer.FileTimerClient(fifo, signal.SIGTERM))
+        with timer.expires(after=0.3, scope="b"):
+            {HANG}
+    """,
+    )
+    try:
+        assert named.wait(timeout=30) == -signal.SIGTERM
+        wait_until(lambda: handed.scopes(default.pid) == ["a"], what="the hand-over")
+        assert default.poll() is None, "handed over, not signalled"
+        assert reaps.scopes(named.pid) == ["b"] and reaps.scopes(default.pid) == []
+    finally:
+        server.stop()
+        default.kill()
+        default.communicate(timeout=30)
+
+
+def test_the_agents_watch_takes_every_ranks_stack_when_a_timer_expires(leaks: LeakCheck) -> None:
+    """Under the agent (``ExpiryWatch``) the reaper thread only hands an expired worker over and
+    wakes the agent; the agent's ``check`` asks it and every other running rank for its stack
+    (SIGABRT), and names the hang, as for an overdue section."""
+    from relaunch.agent.expiry import ExpiryWatch
+    from relaunch.core.run.run_events import NodeSnapshot, RankSample
+
+    watch = ExpiryWatch("run", timers=True, hang_timeout=None)
+    woken = threading.Event()
+    watch.start(woken.set)
+    env = leaks.process_env(**watch.worker_env())
+    bodies = [HANG, f"with timer.expires(after=0.3, scope='step'):\n    {HANG}"]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import sys, relaunch.timer as timer\n" + body],
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            process_group=0,  # the watch reaps the process groups its ranks lead
+        )
+        for body in bodies
+    ]
+    try:
+        samples = {0: RankSample(None), 1: RankSample(None)}
+        watch.watch(
+            {rank: proc.pid for rank, proc in enumerate(ranks)},
+            {0: [], 1: []},
+            lambda: NodeSnapshot(time.time(), samples),
+        )
+        assert woken.wait(timeout=30), "the reaper thread wakes the agent"
+        assert watch.hang is None and ranks[1].poll() is None, "nothing done on its thread"
+        watch.check()
+        assert watch.hang == (
+            "local rank 1 is hung (expiry timer 'step' expired: the block was given 0.3s)"
+        )
+        assert [proc.wait(timeout=10) for proc in ranks] == [-signal.SIGABRT] * 2
+        assert all(b"Fatal Python error: Aborted" in proc.stderr.read() for proc in ranks)
+    finally:
+        watch.close()
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
+
+
 # -- the agent ---------------------------------------------------------------------------------
 
 TIMER_JOB = """
@@ -315,7 +395,9 @@ def test_a_reaped_worker_restarts_the_group_and_the_report_names_the_scope(
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("finished attempt 1") == 2
     assert "expiry timer 'train_step' expired: the block was given 0.5s" in done.stderr
-    assert "killed by SIGKILL" in done.stderr and "restarting the worker group" in done.stderr
+    # the agent takes a reaped worker's stack (SIGABRT) before it ends, as for any hang
+    assert "killed by SIGABRT" in done.stderr and "restarting the worker group" in done.stderr
+    assert 'job.py", line 7 in <module>' in done.stderr, "where it was stuck"
 
 
 def test_torchruns_switch_turns_timers_on_and_a_last_failure_is_reported(

@@ -17,6 +17,7 @@ from relaunch.endpoints import find_free_port
 
 WORKER = str(Path(__file__).parent / "culprit_worker.py")
 LOADER = "it is in load_next_batch (culprit_worker.py:20)"
+SOCKET = "culprit_worker.py:57"
 
 
 def root_cause(stderr: str) -> str:
@@ -102,3 +103,28 @@ def test_binary_workers_give_no_stack_and_the_report_says_so(tmp_path, leaks: Le
         "(binary workers, or ranks that died before they could): relaunch cannot tell which "
         "rank the others wait for"
     )
+
+
+@pytest.mark.timeout(30)
+def test_an_expired_timer_names_the_rank_the_reaped_ranks_wait_for(
+    tmp_path, leaks: LeakCheck
+) -> None:
+    """``--timers``: ranks 0, 1, 3 wait on a socket inside ``relaunch.timer.expires(after=2)``
+    and expire; rank 2, in its loader with no timer, is the culprit, not a reaped rank."""
+    done = relaunch_cli(
+        leaks,
+        *("--standalone", "--nproc-per-node", "4", "--timers"),
+        *(WORKER, "timed_socket", "2"),
+        timeout=25,
+    )
+    assert done.returncode == 1, done.stderr
+    said = f"rank 2 is not where ranks 0, 1, 3 wait, in wait_on_socket ({SOCKET}): {LOADER}"
+    assert root_cause(done.stderr) == f"Root cause (a hang, from every rank's stack): {said}"
+    after = done.stderr[done.stderr.index("Root cause") :].splitlines()
+    assert after[1].startswith("  rank 2 (local_rank 2,") and "SIGABRT" in after[1]
+    assert "its stack was taken because local rank " in after[2]
+    assert "is hung (expiry timer 'wait' expired: the block was given 2s)" in after[2]
+    reaped = "hung: expiry timer 'wait' expired: the block was given 2s (relaunch.timer.expires)"
+    assert reaped in done.stderr, "a reaped rank gave its stack too"
+    assert "SIGKILL" not in done.stderr and "not reaped" not in done.stderr
+    assert f"  hang: {said}" in done.stderr

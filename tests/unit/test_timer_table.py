@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relaunch.core.run.failures import faulthandler_dump
-from relaunch.core.workers.timers import TimerTable, silent
+from relaunch.core.workers.timers import Timer, TimerTable, expired_line, reap_signal, silent
 from relaunch.timer import TimerClient, TimerRequest, expires
 from relaunch.timer.file_based_local_timer import FileTimerRequest, parse_request
 
@@ -24,6 +24,21 @@ def test_a_timer_expires_at_its_deadline_and_not_before() -> None:
     assert list(due) == ["w1"] and due["w1"][0].scope == "step"
     assert due["w1"][0].allowed == pytest.approx(0.5)
     assert table.expired(100.0) == {} and table.next_deadline() is None and len(table) == 0
+
+
+def test_a_reap_uses_the_first_signal_a_timer_named_else_the_default() -> None:
+    named = [Timer(1, "a", 10.0, 9.0), Timer(1, "b", 10.0, 9.0, signal=15)]
+    assert reap_signal(named, default=9) == 15
+    assert reap_signal([Timer(1, "a", 10.0, 9.0)], default=9) == 9, "none named: the default"
+    assert reap_signal([Timer(1, "a", 10.0, 9.0, signal=-1)], default=9) == -1, "only reported"
+
+
+def test_an_expired_line_names_each_scope_and_how_long_it_was_given() -> None:
+    timers = [Timer(1, "step", 70.0, 10.0), Timer(1, "io", 10.5, 10.0)]
+    assert expired_line(timers) == (
+        "expiry timer 'step' expired: the block was given 60s; "
+        "expiry timer 'io' expired: the block was given 0.5s"
+    )
 
 
 def test_a_released_timer_never_fires() -> None:

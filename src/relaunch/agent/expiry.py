@@ -1,8 +1,11 @@
 """What finds a stuck worker for the agent: expiry timers, and hang detection for code without.
 
 * **Timers** (``--timers``, or ``TORCHELASTIC_ENABLE_FILE_TIMER=1``): a ``FileTimerServer``
-  reads requests on a FIFO it gives workers as ``TORCHELASTIC_TIMER_FILE``, and reaps a worker
-  whose ``relaunch.timer.expires`` block runs past its deadline.
+  reads requests on a FIFO it gives workers as ``TORCHELASTIC_TIMER_FILE``; a worker whose
+  ``relaunch.timer.expires`` block runs past its deadline is hung: the server hands it over (its
+  reaper thread queues it and wakes the agent), and the agent asks it and every other running
+  local rank for its stack and names the hang, as for an overdue section. A request that named
+  a signal of its own (not SIGKILL, the clients' default) is reaped with it, as torch's is.
 * **Hangs** (``--hang-timeout SECONDS``): a worker that shows no sign of life (its log files do
   not grow, it touches no timer) for that long is asked for its stack with SIGABRT (workers get
   ``PYTHONFAULTHANDLER=1``, so Python dumps every thread's stack to stderr), then SIGKILLed if
@@ -20,6 +23,7 @@ report.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import resource
@@ -29,12 +33,16 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
-from relaunch.core.durations import seconds
 from relaunch.core.run.failures import AT_EXIT, faulthandler_dump, waits_at_exit
 from relaunch.core.run.run_events import NodeSnapshot
 from relaunch.core.workers import timers as core_timers
 from relaunch.core.workers.liveness import Overdue, next_due, overdue
-from relaunch.core.workers.timers import ENABLE_FILE_TIMER_ENV, TIMER_FILE_ENV, Timer
+from relaunch.core.workers.timers import (
+    ENABLE_FILE_TIMER_ENV,
+    TIMER_FILE_ENV,
+    Timer,
+    expired_line,
+)
 from relaunch.procs.handles import signal_tree
 from relaunch.runtime import SYSTEM_CLOCK, Clock
 
@@ -95,6 +103,10 @@ class ExpiryWatch:
         self._asked: str | None = None  # another node's hang, for which the stacks were taken
         self._started_at = 0.0
         self._aborted: dict[int, float] = {}  # pid -> when SIGABRT was sent
+        #: Expired timers from the server's reaper thread, for the agent's loop: (pid, timers,
+        #: whether the server signalled it itself). The thread appends, the loop pops.
+        self._reaps: collections.deque[tuple[int, list[Timer], bool]] = collections.deque()
+        self._wake: Callable[[], None] = lambda: None
         self._timer_dir: str | None = None
         self._server: FileTimerServer | None = None
         if timers:
@@ -108,7 +120,8 @@ class ExpiryWatch:
                 path,
                 run_id,
                 TIMER_MAX_INTERVAL,
-                on_reap=self._on_reap,
+                on_reap=lambda worker, timers: self._reaps.append((int(worker), timers, True)),
+                hand_over=self._expired,
                 may_reap=descendant_of(lambda: set(self._pids.values())),
                 clock=clock,
             )
@@ -123,7 +136,9 @@ class ExpiryWatch:
         another node): where they stopped then names the hang's culprit."""
         return self.hang is not None or self._asked is not None
 
-    def start(self) -> None:
+    def start(self, wake: Callable[[], None] = lambda: None) -> None:
+        """Start the timer server; ``wake()`` (from its thread) has the agent ``check`` soon."""
+        self._wake = wake
         if self._server is not None:
             self._server.start()
 
@@ -169,6 +184,7 @@ class ExpiryWatch:
         self._log_files = {rank: list(paths) for rank, paths in log_files.items()}
         self._causes.clear()
         self._aborted.clear()
+        self._reaps.clear()
         self._started_at = self._clock.time()
 
     # -- hangs ----------------------------------------------------------------------------------
@@ -207,6 +223,7 @@ class ExpiryWatch:
         if not self._pids:
             return None
         now = self._clock.time()
+        self._take_reaps(restarts_left)
         snapshot = self._snapshot()
         waits = []
         look = self._check_liveness(snapshot, now)
@@ -360,18 +377,54 @@ class ExpiryWatch:
         except ProcessLookupError:
             return
         self._aborted[pid] = self._clock.time()
+        if self._server is not None:  # its timers are moot: it is ending
+            self._server.forget([pid])
 
     # -- timers ---------------------------------------------------------------------------------
 
-    def _on_reap(self, worker: object, timers: list[Timer]) -> None:
-        pid = int(str(worker))
-        scopes = "; ".join(
-            f"expiry timer {t.scope!r} expired: the block was given {seconds(t.allowed)}"
-            for t in timers
-        )
-        self._causes[pid] = f"{scopes} (relaunch.timer.expires); relaunch reaped it"
-        rank = next((r for r, p in self._pids.items() if p == pid), None)
-        log.warning("local rank %s (pid %d) reaped: %s", rank, pid, scopes)
+    def _expired(self, worker: object, timers: list[Timer]) -> None:
+        """A worker's timer expired (on the reaper thread): the agent's loop takes it over."""
+        self._reaps.append((int(str(worker)), timers, False))
+        self._wake()
+
+    def _take_reaps(self, restarts_left: int | None, act: bool = True) -> None:
+        """Act on the timers expired since the last look: a worker the server signalled is
+        explained; the others are hung: each is asked for its stack, with every running local
+        rank (``act=False``: the group ended meanwhile, and they are not)."""
+        expired: dict[int, tuple[int | None, str]] = {}  # pid -> local rank (None: a child), what
+        while self._reaps:
+            pid, timers, signalled = self._reaps.popleft()
+            rank = next((r for r, p in self._pids.items() if p == pid), None)
+            what = expired_line(timers)
+            if signalled:
+                self._causes[pid] = f"{what} (relaunch.timer.expires); relaunch reaped it"
+                log.warning("local rank %s (pid %d) reaped: %s", rank, pid, what)
+            elif act:
+                self._causes[pid] = (
+                    f"hung: {what} (relaunch.timer.expires); relaunch sent SIGABRT to get its stack"
+                )
+                self._hung_at[pid] = min(timer.deadline for timer in timers)
+                if rank is not None:
+                    began = min(timer.acquired_at for timer in timers)
+                    self._note_hung(rank, self._snapshot(), began)
+                expired[pid] = (rank, what)
+                log.warning(
+                    "local rank %s (pid %d): %s: asking every local rank for its stack (SIGABRT)%s",
+                    rank,
+                    pid,
+                    what,
+                    _what_follows(restarts_left),
+                )
+        if not expired:
+            return
+        if self.hang is None and self._asked is None:
+            pid, (rank, what) = next(iter(expired.items()))
+            who = f"pid {pid}" if rank is None else f"local rank {rank}"
+            self.hang = f"{who} is hung ({what})"
+            ranks = {rank for rank, _ in expired.values() if rank is not None}
+            self._dump_running(f"its stack was taken because {self.hang}", ranks)
+        for pid in expired:  # those not running as a rank (a rank's child) too
+            self._abort(pid)
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -382,6 +435,7 @@ class ExpiryWatch:
         ``details``."""
         from relaunch.procs.process_failure import NO_DETAIL_HINT, read_tail
 
+        self._take_reaps(None, act=False)
         for rank, failure in failures.items():
             cause = self._causes.get(failure.pid)
             if cause is None:

@@ -255,7 +255,7 @@ class LocalElasticAgent:
         failures = THREAD_FAILURES.watch(lambda: wakeups.put("a thread failed"))
         self._workers.open(wakeups)
         self._job.set_change_listener(lambda *_: wakeups.put("membership changed"))
-        self._expiry.start()
+        self._expiry.start(lambda: wakeups.put("a timer expired"))
         self._exporter.start()
         workers = self._workers
         try:

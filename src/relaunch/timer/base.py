@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from relaunch.core.workers.timers import Timer, TimerTable
+from relaunch.core.workers.timers import Timer, TimerTable, reap_signal
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,10 @@ class TableTimerServer(TimerServer):
     """A server that keeps its timers in a ``TimerTable`` and reaps by signalling a pid.
 
     ``on_reap(worker_id, timers)`` hears of each reap before the signal is sent: the agent
-    uses it to explain the worker's death. A server never signals its own process.
+    uses it to explain the worker's death. ``hand_over(worker_id, timers)``, when given, is
+    sent the workers that would get the default signal (their requests named SIGKILL, the
+    clients' default, or none) in place of that signal, and ends them itself: the agent asks
+    them for their stacks first. A server never signals its own process.
     """
 
     #: The signal a reaped worker gets when its request named none.
@@ -213,6 +216,7 @@ class TableTimerServer(TimerServer):
         daemon: bool = True,
         *,
         on_reap: ReapHandler | None = None,
+        hand_over: ReapHandler | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(request_queue, max_interval, daemon, clock=clock)
@@ -220,6 +224,7 @@ class TableTimerServer(TimerServer):
         self._lock = threading.Lock()
         self._expired: dict[Any, list[Timer]] = {}
         self._on_reap = on_reap
+        self._hand_over = hand_over
         self._last_activity: dict[Any, float] = {}
 
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
@@ -288,13 +293,16 @@ class TableTimerServer(TimerServer):
         if not self._may_reap(pid):
             log.warning("timer server: pid %d is not one of this agent's workers: not reaped", pid)
             return False
-        sig = next((t.signal for t in timers if t.signal), 0) or self._default_signal
+        sig = reap_signal(timers, self._default_signal)
         if sig <= 0:
             log.warning(
                 "timer server: the timer of pid %d expired; its signal is %d, so it is not killed",
                 pid,
                 sig,
             )
+            return True
+        if sig == self._default_signal and self._hand_over is not None:
+            self._hand_over(worker_id, timers)
             return True
         if self._on_reap is not None:
             self._on_reap(worker_id, timers)

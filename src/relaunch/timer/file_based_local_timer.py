@@ -204,7 +204,7 @@ class FileTimerServer(TableTimerServer):
     it happens. Whoever can write to the FIFO names pids, so a server reaps only the pids
     ``may_reap(pid)`` accepts: by default (``may_reap=None``) the descendants of this process
     (``is_descendant``); the agent passes its workers' process groups. A server never signals
-    its own process.
+    its own process. ``on_reap`` and ``hand_over``: as ``TableTimerServer``'s.
     """
 
     def __init__(
@@ -216,11 +216,19 @@ class FileTimerServer(TableTimerServer):
         log_event: Callable[[str, FileTimerRequest | None], None] | None = None,
         *,
         on_reap: ReapHandler | None = None,
+        hand_over: ReapHandler | None = None,
         may_reap: Callable[[int], bool] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._fifo_queue = FifoRequestQueue(parse_request, self._malformed)
-        super().__init__(self._fifo_queue, max_interval, daemon, on_reap=on_reap, clock=clock)
+        super().__init__(
+            self._fifo_queue,
+            max_interval,
+            daemon,
+            on_reap=on_reap,
+            hand_over=hand_over,
+            clock=clock,
+        )
         self._file_path = file_path
         self._run_id = run_id
         self._log_event = log_event

@@ -189,8 +189,9 @@ class Restarted(Value):
 
 
 class Hung(Value):
-    """A local rank missed its section's or heartbeat's deadline, or fell silent past
-    ``--hang-timeout`` (``what``); every rank's stack is being taken."""
+    """A local rank missed its section's or heartbeat's deadline, fell silent past
+    ``--hang-timeout``, or outlived its ``relaunch.timer.expires`` block (``what``); every
+    rank's stack is being taken."""
 
     __slots__ = ("restart_count", "what")
 

@@ -12,6 +12,7 @@ import heapq
 from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
+from relaunch.core.durations import seconds
 from relaunch.core.value import Value
 
 K = TypeVar("K")
@@ -115,6 +116,20 @@ class TimerTable:
         if len(self._heap) > 64 and len(self._heap) > 4 * len(self._live):
             self._heap = [entry for entry in self._heap if self._is_live(entry[2])]
             heapq.heapify(self._heap)
+
+
+def reap_signal(timers: Iterable[Timer], default: int) -> int:
+    """The signal a worker whose ``timers`` expired is reaped with: the first one a timer
+    named, else ``default`` (zero or negative: it is only reported)."""
+    return next((timer.signal for timer in timers if timer.signal), 0) or default
+
+
+def expired_line(timers: Iterable[Timer]) -> str:
+    """What expired, for a report: ``expiry timer 'step' expired: the block was given 60s``."""
+    return "; ".join(
+        f"expiry timer {timer.scope!r} expired: the block was given {seconds(timer.allowed)}"
+        for timer in timers
+    )
 
 
 def silent(last_sign: dict[K, float], now: float, timeout: float) -> tuple[list[K], float | None]:
