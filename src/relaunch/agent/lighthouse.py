@@ -168,7 +168,11 @@ class Lighthouse:
                 f"torchft's lighthouse did not start: it {how} (its log: {self.log_path})"
             )
         if self.front is not None:
-            self.front.start()
+            try:
+                self.front.start()
+            except OSError:
+                self.close()
+                raise
             self._moved(self.port)
         self._thread = start_thread(self._watch, "lighthouse")
         assert self.address is not None

@@ -16,8 +16,7 @@ a dead peer's address. torchft's lighthouse adds one to the id at each quorum wh
 changed or one of whose members reports a failed commit, so one ``ManagerServer`` for each of
 those replica ids asks, together, for quorums with a failed commit until the id is past; their
 quorum requests and heartbeats count as the groups' heartbeats, and the last quorum is theirs,
-so that the lighthouse's first quorum waits for every group of it. (Without ``--past_quorum``,
-one heartbeat for each ``--heartbeat`` replica id.) Then it writes its address
+so that the lighthouse's first quorum waits for every group of it. Then it writes its address
 (``http://NAME:PORT``) and a newline on stdout, and reads stdin until its end: the launcher
 holds the other end, so the lighthouse leaves however the launcher ends, SIGKILL included.
 """
@@ -29,8 +28,8 @@ import threading
 import time
 from datetime import timedelta
 
-#: How long each heartbeat sent at the start may take.
-HEARTBEAT_TIMEOUT = timedelta(seconds=1)
+#: How long the drive's connections may take.
+CONNECT_TIMEOUT = timedelta(seconds=1)
 #: Seconds the drive past the last quorum id may take in all, and each of its quorums.
 DRIVE_TIMEOUT = 10.0
 DRIVE_QUORUM_TIMEOUT = timedelta(seconds=2)
@@ -59,14 +58,10 @@ def main(argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     server = module.LighthouseServer(bind=bind, **settings)
-    if heartbeats:
+    if heartbeats and past > 0:
         host = bind.rpartition(":")[0]
         host = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
-        address = f"http://{host}:{server.address().rpartition(':')[2]}"
-        if past > 0:
-            _drive(module, address, host, heartbeats, past)
-        else:
-            _heartbeat(module, address, heartbeats)
+        _drive(module, f"http://{host}:{server.address().rpartition(':')[2]}", heartbeats, past)
     sys.stdout.write(f"{server.address()}\n")
     sys.stdout.flush()
     while os.read(0, 4096):
@@ -75,23 +70,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _heartbeat(module: object, address: str, replicas: list[str]) -> None:
-    """One heartbeat for each of ``replicas`` to the lighthouse at ``address``; one that fails
-    is said in the log, and the lighthouse serves on."""
-    try:
-        client = module.LighthouseClient(address, HEARTBEAT_TIMEOUT)  # type: ignore[attr-defined]
-        for replica in replicas:
-            client.heartbeat(replica, HEARTBEAT_TIMEOUT)
-    except Exception as exc:
-        print(f"relaunch: heartbeats for the last quorum's groups failed: {exc}", file=sys.stderr)
-
-
-def _drive(module: object, address: str, host: str, replicas: list[str], past: int) -> None:
+def _drive(module: object, address: str, replicas: list[str], past: int) -> None:
     """Quorums of ``replicas`` at the lighthouse at ``address``, each through a torchft
-    ``ManagerServer`` of its own on ``host``, all asking at once and each saying a failed commit
-    (the lighthouse then adds one to its quorum id even when the members did not change), until
-    they have one of them all with an id past ``past``. Said in the log; one that fails is said
-    too, and the lighthouse serves on."""
+    ``ManagerServer`` of its own (on loopback: only this program calls it), all asking at once
+    and each saying a failed commit (the lighthouse then adds one to its quorum id even when
+    the members did not change), until they have one of them all with an id past ``past``.
+    Said in the log; one that fails is said too, and the lighthouse serves on."""
     managers: list[object] = []
     got: dict[str, int] = {}
     failed: list[str] = []
@@ -122,17 +106,17 @@ def _drive(module: object, address: str, host: str, replicas: list[str], past: i
                 module.ManagerServer(  # type: ignore[attr-defined]
                     replica_id=replica,
                     lighthouse_addr=address,
-                    hostname=host,
-                    bind=f"{host}:0",
+                    hostname="127.0.0.1",
+                    bind="127.0.0.1:0",
                     store_addr="",
                     world_size=1,
                     heartbeat_interval=timedelta(milliseconds=100),
-                    connect_timeout=HEARTBEAT_TIMEOUT,
+                    connect_timeout=CONNECT_TIMEOUT,
                     quorum_retries=0,
                 )
             )
         clients = [
-            module.ManagerClient(manager.address(), HEARTBEAT_TIMEOUT)  # type: ignore[attr-defined]
+            module.ManagerClient(manager.address(), CONNECT_TIMEOUT)  # type: ignore[attr-defined]
             for manager in managers
         ]
         threads = [
