@@ -135,31 +135,78 @@ def test_a_group_gone_holds_up_the_survivors_quorum_for_the_heartbeat_timeout(
         lighthouse.close()
 
 
-def test_a_sigkilled_lighthouse_is_back_on_the_same_address(
+def together(address: str, *replicas: str) -> list[Any]:
+    """One quorum asked by each of ``replicas`` at once (torchft's own client, a thread each)."""
+    got: dict[str, Any] = {}
+    threads = [
+        threading.Thread(target=lambda r=replica: got.update({r: quorum(address, r)}))
+        for replica in replicas
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    return [got[replica] for replica in replicas]
+
+
+def test_a_sigkilled_lighthouse_is_back_behind_the_same_address_past_its_last_quorum_id(
     marked: LeakCheck, tmp_path: Any
 ) -> None:
+    """torchft names each quorum's store prefix by its id: a restarted lighthouse, which counts
+    from 1, must not give an id used before (gloo would read a dead peer's address there). The
+    new one, on a new port, is driven past the last id before the relay in front of it, the
+    workers' address, forwards to it; its first quorum waits for every group of the last."""
     lines: list[str] = []
-    lighthouse = Lighthouse(LighthouseSettings(), str(tmp_path / "lh.log"), say=lines.append)
+    lighthouse = Lighthouse(
+        LighthouseSettings(), str(tmp_path / "lh.log"), say=lines.append, front=LighthouseRelay()
+    )
     try:
         address = lighthouse.start()
-        quorum(address)  # the client's connection is open while it dies
-        first = lighthouse.pid
+        assert lighthouse.front is not None and address == lighthouse.front.address
+        assert lighthouse.environment() == {"TORCHFT_LIGHTHOUSE": address}
+        assert [q.quorum_id for q in together(address, "group0")] == [1]
+        assert [q.quorum_id for q in together(address, "group0", "group1")] == [2, 2]
+        first, port = lighthouse.pid, lighthouse.port
         assert first is not None
         killed_at = time.monotonic()
         os.kill(first, signal.SIGKILL)
         wait_until(lambda: lighthouse.restarts == 1, 10, "the lighthouse restarted")
         back_in = time.monotonic() - killed_at
         assert back_in < 2.0, back_in
-        assert lighthouse.address == address and lighthouse.pid not in (None, first)
-        assert not pid_alive(first)
-        got = quorum(address, "group1")
-        assert "group1" in [member.replica_id for member in got.participants]
+        assert lighthouse.port != port and lighthouse.pid not in (None, first)
+        assert lighthouse.address == address and not pid_alive(first)
+        # The same groups again: the quorum the drive left is theirs, with an id past 2.
+        again = together(address, "group0", "group1")
+        assert {q.quorum_id for q in again} == {3}
+        assert [m.replica_id for m in again[0].participants] == ["group0", "group1"]
         assert lines[0] == (
             f"torchft's lighthouse (pid {first}) killed by SIGKILL (signal 9); "
-            f"restarting it on {address} at once"
+            "restarting it at once"
         )
         assert lines[1].startswith(f"torchft's lighthouse is back on {address} after ")
+        assert lines[1].endswith(", its quorum ids past 2")
         assert len(lines) == 2
+        assert "relaunch: quorum id driven past 2 to 3" in (tmp_path / "lh.log").read_text()
+    finally:
+        lighthouse.close()
+    assert lighthouse.front is not None and lighthouse.front.open_connections == 0
+
+
+def test_without_a_front_a_restarted_lighthouse_says_its_new_port(
+    marked: LeakCheck, tmp_path: Any
+) -> None:
+    moves: list[int | None] = []
+    lighthouse = Lighthouse(LighthouseSettings(), str(tmp_path / "lh.log"), on_move=moves.append)
+    try:
+        first = lighthouse.start()
+        quorum(first)
+        pid, port = lighthouse.pid, lighthouse.port
+        assert pid is not None and moves == []
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: lighthouse.restarts == 1, 10, "the lighthouse restarted")
+        assert moves == [None, lighthouse.port] and lighthouse.port != port
+        assert lighthouse.address == f"http://127.0.0.1:{lighthouse.port}"
+        assert quorum(lighthouse.address).quorum_id == 2  # past the last one, 1
     finally:
         lighthouse.close()
 
@@ -171,14 +218,14 @@ def test_a_lighthouse_that_keeps_dying_backs_off_and_shows_its_log(
     log_path = str(tmp_path / "lh.log")
     lighthouse = Lighthouse(LighthouseSettings(), log_path, say=lines.append)
     try:
-        address = lighthouse.start()
+        lighthouse.start()
         for restarts in (1, 2, 3):
             pid = lighthouse.pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
             wait_until(lambda n=restarts: lighthouse.restarts == n, 10, "the restart")
-        deaths = [line for line in lines if "restarting it on" in line]
-        assert [line.split(address)[1] for line in deaths] == [
+        deaths = [line for line in lines if "restarting it" in line]
+        assert [line.split("restarting it")[1] for line in deaths] == [
             " at once",
             " in 0.25s (2 deaths in a row)",
             " in 0.5s (3 deaths in a row)",
@@ -186,7 +233,8 @@ def test_a_lighthouse_that_keeps_dying_backs_off_and_shows_its_log(
         shown = [line for line in lines if line.startswith("its log")]
         assert len(shown) == 1 and shown[0].startswith(f"its log ({log_path}) begins: ")
         assert "Lighthouse listening on" in shown[0]
-        quorum(address)
+        assert lighthouse.address is not None
+        quorum(lighthouse.address)
     finally:
         lighthouse.close()
 

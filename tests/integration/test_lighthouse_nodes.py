@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 from datetime import timedelta
 from typing import Any
 
@@ -86,6 +88,21 @@ def test_the_stores_host_runs_it_and_the_node_the_store_moved_to_runs_the_next(
         )
         client = torchft_client_module().LighthouseClient(addresses[1], timedelta(seconds=10))
         assert quorum_through(addresses[1], "group1", client) == ["group1"]
+
+        # Its lighthouse killed: the next one, on a new port past the last quorum id, is
+        # written under the key, and the relays follow it there.
+        old_port, pid = first.port, first.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: first.restarts == 1, 10, "the lighthouse restarted")
+        assert first.port != old_port
+        wait_until(
+            lambda: all(node.relay.target == ("127.0.0.1", first.port) for node in nodes),
+            10,
+            "the relays follow the restarted one",
+        )
+        got = client.quorum(replica_id="group1", timeout=timedelta(seconds=10), world_size=1)
+        assert got.quorum_id == 2  # past the last one's, 1
 
         nodes[0].close()  # the store's host is lost: its lighthouse and its store go
         primary.stop()

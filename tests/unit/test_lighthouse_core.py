@@ -80,14 +80,19 @@ def test_a_lighthouse_that_keeps_dying_is_restarted_ever_more_slowly() -> None:
     assert decide.restart_delay(1) == 0.0
 
 
-def test_the_death_line() -> None:
-    line = decide.death_line(7, "killed by SIGKILL (signal 9)", "http://127.0.0.1:5", 0.0, 1)
-    assert line == (
-        "torchft's lighthouse (pid 7) killed by SIGKILL (signal 9); "
-        "restarting it on http://127.0.0.1:5 at once"
+def test_the_death_and_back_lines() -> None:
+    line = decide.death_line(7, "killed by SIGKILL (signal 9)", 0.0, 1)
+    assert (
+        line == "torchft's lighthouse (pid 7) killed by SIGKILL (signal 9); restarting it at once"
     )
-    line = decide.death_line(7, "exited with code 1", "http://127.0.0.1:5", 0.5, 3)
-    assert line.endswith("restarting it on http://127.0.0.1:5 in 0.5s (3 deaths in a row)")
+    line = decide.death_line(7, "exited with code 1", 0.5, 3)
+    assert line.endswith("restarting it in 0.5s (3 deaths in a row)")
+    assert decide.back_line("http://127.0.0.1:5", 0.0712, 9) == (
+        "torchft's lighthouse is back on http://127.0.0.1:5 after 0.071s, its quorum ids past 9"
+    )
+    assert decide.back_line("http://127.0.0.1:5", 0.05, 0) == (
+        "torchft's lighthouse is back on http://127.0.0.1:5 after 0.05s"
+    )
 
 
 def test_the_lighthouses_address_goes_through_the_store_as_host_and_port() -> None:
@@ -138,10 +143,15 @@ LOG = (
 )
 
 
-def test_a_restarted_lighthouse_heartbeats_for_the_groups_of_the_last_quorum() -> None:
-    groups = decide.last_participants(LOG)
-    assert groups == ["train_0:87c2", "train_1:9e2d"]
-    assert decide.last_participants("Lighthouse listening on: http://vm:1\n") == []
-    assert decide.last_participants(LOG[: LOG.index("replica_id")]) == []  # cut: none
-    argv = decide.command("py", "prog.py", "ext.so", "h:1", decide.LighthouseSettings(), groups)
-    assert argv[-4:] == ["--heartbeat", "train_0:87c2", "--heartbeat", "train_1:9e2d"]
+def test_a_restarted_lighthouse_passes_the_last_quorum_id_with_its_groups() -> None:
+    past, groups = decide.last_quorum(LOG)
+    assert (past, groups) == (2, ["train_0:87c2", "train_1:9e2d"])
+    assert decide.last_quorum("Lighthouse listening on: http://vm:1\n") == (0, [])
+    assert decide.last_quorum(LOG[: LOG.index("replica_id")]) == (0, [])  # cut: none
+    assert decide.last_quorum("Quorum! Quorum { quorum_id: x, ") == (0, [])
+    settings = decide.LighthouseSettings()
+    argv = decide.command("py", "prog.py", "ext.so", "h:1", settings, groups, past)
+    assert argv[-6:] == [
+        "--past_quorum", "2", "--heartbeat", "train_0:87c2", "--heartbeat", "train_1:9e2d",
+    ]  # fmt: skip
+    assert "--past_quorum" not in decide.command("py", "prog.py", "ext.so", "h:1", settings)

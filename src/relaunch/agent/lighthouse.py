@@ -3,14 +3,16 @@
 
 ``Lighthouse(settings, log_path).start()`` runs ``lighthouse_program.py`` (torchft's own server,
 loaded from its extension without torch) on a free port of ``host`` and returns the address the
-workers get (``environment()``: ``TORCHFT_LIGHTHOUSE``). A thread waits on the process's pidfd:
-a death (SIGKILL, a crash) is seen at once, said in one line, and the lighthouse is started
-again on the same port (torchft's server sets ``SO_REUSEADDR``, so the port binds again at
-once), after the backoff of ``core.run.lighthouse.RESTART_BACKOFF`` when it keeps dying. A
-restarted one first sends a heartbeat for each group of the last quorum its log shows
-(``core.run.lighthouse.last_participants``), so that its first quorum waits for them all.
-Its output goes to ``log_path``. ``close()`` stops it and reaps it; if the launcher dies
-however it dies, the end of the program's stdin ends it.
+workers get (``environment()``: ``TORCHFT_LIGHTHOUSE``): its ``front``'s, a loopback relay, when
+it has one (one node), else its own. A thread waits on the process's pidfd: a death (SIGKILL, a
+crash) is seen at once, said in one line, and the lighthouse is started again, after the
+backoff of ``core.run.lighthouse.RESTART_BACKOFF`` when it keeps dying, on a new free port that
+nobody reaches until its quorum ids are past the last one its log shows
+(``core.run.lighthouse.last_quorum``; torchft names each quorum's store prefix by its id, and a
+restarted lighthouse counts from 1). Then the front forwards to it, or ``on_move`` says where it
+is (several nodes: the store's key, which every node's relay follows). Its output goes to
+``log_path``. ``close()`` stops it and reaps it; if the launcher dies however it dies, the end of
+the program's stdin ends it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import relaunch.core.run.lighthouse as decide
+from relaunch.agent.lighthouse_relay import LighthouseRelay
 from relaunch.core.durations import seconds
 from relaunch.core.run.failures import describe_exit
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
@@ -70,16 +73,18 @@ def start_if_wanted(
     host: str = "127.0.0.1",
     say: Callable[[str], None] = log.warning,
 ) -> Lighthouse | None:
-    """The job's lighthouse, started, when it wants one (``decide.wants_lighthouse``: replica
-    groups, torchft importable, ``TORCHFT_LIGHTHOUSE`` unset), logging to
-    ``log_dir/lighthouse.log``; None otherwise. Raises ``LighthouseError`` when it cannot
-    start."""
+    """The job's lighthouse on one node, started behind a loopback relay (the workers' address
+    outlives a restart, which moves it to a new port), when it wants one
+    (``decide.wants_lighthouse``: replica groups, torchft importable, ``TORCHFT_LIGHTHOUSE``
+    unset), logging to ``log_dir/lighthouse.log``; None otherwise. Raises ``LighthouseError``
+    when it cannot start."""
     if not decide.wants_lighthouse(environ, torchft_importable(), replica_groups):
         return None
     settings, wrong = decide.settings_from(environ, min_replicas)
     for line in wrong:
         say(line)
-    lighthouse = Lighthouse(settings, os.path.join(log_dir, "lighthouse.log"), host, say)
+    log_path = os.path.join(log_dir, "lighthouse.log")
+    lighthouse = Lighthouse(settings, log_path, host, say, front=LighthouseRelay())
     lighthouse.start()
     return lighthouse
 
@@ -89,9 +94,13 @@ class LighthouseError(Exception):
 
 
 class Lighthouse:
-    """One job's lighthouse on ``host``: started once, restarted on the same port whenever it
-    dies, until ``close``: on ``port``, or on a free one (0). ``say`` hears each line a person
-    should read; ``extension`` is torchft's extension module (by default, the one found)."""
+    """One job's lighthouse on ``host``: started once, on ``port`` or a free one (0), and
+    restarted on a new free port whenever it dies, until ``close``. The workers reach it
+    through ``front`` (a relay, started and closed with it, that forwards to wherever it is
+    now), or at its own address, and then ``on_move`` hears where a restarted one listens: None
+    as it dies, its port once its quorum ids are past its predecessor's. ``say`` hears each
+    line a person should read; ``extension`` is torchft's extension module (by default, the one
+    found)."""
 
     def __init__(
         self,
@@ -102,8 +111,11 @@ class Lighthouse:
         clock: Clock = SYSTEM_CLOCK,
         extension: str | None = None,
         port: int = 0,
+        front: LighthouseRelay | None = None,
+        on_move: Callable[[int | None], None] | None = None,
     ) -> None:
         self.settings, self.log_path, self.host = settings, log_path, host
+        self.front, self._on_move = front, on_move
         self._say, self._clock = say, clock
         self._extension = extension
         self._first_port = port
@@ -120,8 +132,13 @@ class Lighthouse:
 
     @property
     def address(self) -> str | None:
-        """``http://HOST:PORT``, what workers are given (None before ``start``)."""
-        return None if self.port is None else decide.worker_address(self.host, self.port)
+        """``http://HOST:PORT``, what workers are given: its front's, or its own (None before
+        ``start``)."""
+        if self.port is None:
+            return None
+        if self.front is not None:
+            return self.front.address
+        return decide.worker_address(self.host, self.port)
 
     @property
     def pid(self) -> int | None:
@@ -150,6 +167,13 @@ class Lighthouse:
             raise LighthouseError(
                 f"torchft's lighthouse did not start: it {how} (its log: {self.log_path})"
             )
+        if self.front is not None:
+            try:
+                self.front.start()
+            except OSError:
+                self.close()
+                raise
+            self._moved(self.port)
         self._thread = start_thread(self._watch, "lighthouse")
         assert self.address is not None
         return self.address
@@ -166,6 +190,8 @@ class Lighthouse:
             proc, self._proc = self._proc, None
         if proc is not None:
             _stop(proc)
+        if self.front is not None and self.front.port is not None:
+            self.front.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -192,22 +218,23 @@ class Lighthouse:
         """Start it again after ``dead`` died ``how``, until one listens (True) or ``close``
         came first (False)."""
         died_at = self._clock.monotonic()
-        groups = decide.last_participants(self._log_tail())
+        self._moved(None)
+        past, groups = decide.last_quorum(self._log_tail())
         while True:
             self._deaths = decide.in_a_row(self._deaths, died_at - self._started_at)
             delay = decide.restart_delay(self._deaths)
-            address = self.address or ""
-            self._say(decide.death_line(dead.pid, how, address, delay, self._deaths))
+            self._say(decide.death_line(dead.pid, how, delay, self._deaths))
             if self._deaths >= decide.SHOW_LOG_AFTER:
                 self._say(f"its log ({self.log_path}) begins: {self._log_head()}")
             if self._closing.wait(delay):
                 return False
-            assert self.port is not None
-            failed = self._spawn(self.port, decide.START_TIMEOUT, groups)
+            # A new port: nobody reaches it before its quorum ids are past ``past``.
+            failed = self._spawn(0, decide.START_TIMEOUT, groups, past)
             if failed is None:
+                self._moved(self.port)
                 self.restarts += 1
                 back = self._clock.monotonic() - died_at
-                self._say(f"torchft's lighthouse is back on {address} after {seconds(back)}")
+                self._say(decide.back_line(self.address or "", back, past))
                 return True
             if self._closing.is_set():
                 return False
@@ -216,14 +243,23 @@ class Lighthouse:
 
     # -- one process ---------------------------------------------------------------------------
 
-    def _spawn(self, port: int, timeout: float, heartbeats: list[str] | None = None) -> str | None:
-        """Start one lighthouse on ``port`` and wait until it says it listens (having sent a
-        heartbeat for each replica id of ``heartbeats``): None when it does, else how it failed
-        (it is reaped then)."""
+    def _moved(self, port: int | None) -> None:
+        """Where it listens now (None: nowhere), for its front or ``on_move``."""
+        if self.front is not None:
+            self.front.set_target(None if port is None else (self.host, port))
+        if self._on_move is not None:
+            self._on_move(port)
+
+    def _spawn(
+        self, port: int, timeout: float, heartbeats: list[str] | None = None, past: int = 0
+    ) -> str | None:
+        """Start one lighthouse on ``port`` and wait until it says it listens (its quorum ids
+        driven past ``past`` by the replica ids of ``heartbeats``): None when it does, else how
+        it failed (it is reaped then)."""
         assert self._extension is not None
         bind = decide.bind_address(self.host, port)
         argv = decide.command(
-            sys.executable, PROGRAM, self._extension, bind, self.settings, heartbeats or ()
+            sys.executable, PROGRAM, self._extension, bind, self.settings, heartbeats or (), past
         )
         with open(self.log_path, "ab") as log_file:
             self._log_offset = log_file.tell()

@@ -229,15 +229,31 @@ class NodeLighthouse:
 
                 self._log_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
             log_path = os.path.join(self._log_dir, "lighthouse.log")
-            lighthouse = Lighthouse(self._settings, log_path, host, self._say)
+            lighthouse = Lighthouse(
+                self._settings,
+                log_path,
+                host,
+                self._say,
+                on_move=lambda port: self._announce(host, port, lease),
+            )
             try:
                 lighthouse.start()
             except LighthouseError as exc:
                 self._say(str(exc))
                 return None
             self.lighthouse = lighthouse
-        assert lighthouse.port is not None and self._store is not None
-        value = decide.announcement(host, lighthouse.port)
+        self._announce(host, lighthouse.port, lease)
+        self._say(
+            f"torchft's lighthouse for the job runs on this node: {lighthouse.address} (kept "
+            f"alive; its log: {lighthouse.log_path})"
+        )
+        return lighthouse
+
+    def _announce(self, host: str, port: int | None, lease: int) -> None:
+        """Write where this node's lighthouse listens under the key (on ``lease`` when not 0):
+        ``host:port``, or nothing while it restarts (None: the relays forward nothing)."""
+        assert self._store is not None
+        value = b"" if port is None else decide.announcement(host, port)
         try:
             if lease:
                 self._etcd().set(self._key, value, lease=lease)
@@ -245,8 +261,3 @@ class NodeLighthouse:
                 self._store.set(self._key, value)
         except StoreError as exc:
             self._say(f"torchft's lighthouse: the store did not take its address: {exc}")
-        self._say(
-            f"torchft's lighthouse for the job runs on this node: {lighthouse.address} (kept "
-            f"alive; its log: {lighthouse.log_path})"
-        )
-        return lighthouse

@@ -3,8 +3,8 @@ command line, and how fast it is restarted when it keeps dying.
 
 torchft's replica groups agree on each step's quorum through one lighthouse. relaunch starts
 one where torchft is importable, the job has replica groups and ``TORCHFT_LIGHTHOUSE`` is unset
-(a given one is used as it is), and restarts it on the same address when it dies, so that the
-workers keep the address they were given.
+(a given one is used as it is), and restarts it when it dies, behind the address the workers
+were given (a relay), its quorum ids past the last one its predecessor gave (``last_quorum``).
 
 Its settings are matched to how fast relaunch restarts a group (well under a second). Measured
 with torchft 0.2.0's own client, two groups heartbeating every 100 ms and one of them gone: the
@@ -179,12 +179,15 @@ def command(
     bind: str,
     settings: LighthouseSettings,
     heartbeats: Sequence[str] = (),
+    past_quorum: int = 0,
 ) -> list[str]:
     """The lighthouse's command line: relaunch's ``program`` run by path in an isolated
     ``python`` (no site, no user paths), loading torchft's ``extension`` by its path and
-    serving on ``bind`` (``HOST:PORT``; port 0 on the first start) with the flags of
-    ``torchft_lighthouse``, and, once it listens, one heartbeat for each replica id of
-    ``heartbeats`` (``--heartbeat ID``: see ``last_participants``)."""
+    serving on ``bind`` (``HOST:PORT``; port 0: a free one) with the flags of
+    ``torchft_lighthouse``; a restart's also with the last quorum its predecessor logged
+    (``last_quorum``): its id, ``past_quorum``, which the new one's quorum ids must pass before
+    anyone else reaches it, and its replica ids, ``heartbeats``, the groups its first quorum
+    waits for (``--past_quorum ID --heartbeat REPLICA_ID...``)."""
     return [
         python,
         "-I",
@@ -201,6 +204,7 @@ def command(
         str(settings.join_timeout_ms),
         "--quorum_tick_ms",
         str(settings.quorum_tick_ms),
+        *(("--past_quorum", str(past_quorum)) if past_quorum > 0 else ()),
         *(part for replica in heartbeats for part in ("--heartbeat", replica)),
     ]
 
@@ -212,20 +216,30 @@ MAX_PARTICIPANTS = 4096
 #: How torchft's lighthouse logs a quorum it made: one line, each member's replica id in it.
 _QUORUM_MARK = "Quorum! Quorum {"
 _REPLICA_RE = re.compile(r'replica_id: "([^"\\\s]{1,256})"')
+_QUORUM_ID_RE = re.compile(r" quorum_id: (\d{1,18}),")
 
 
-def last_participants(log_tail: str) -> list[str]:
-    """The replica ids of the last quorum a lighthouse's log (its end, ``log_tail``) shows;
-    none when it shows none. A restarted lighthouse knows no group until each heartbeats
-    (every 100 ms): a group that asks for a quorum first would make one alone, with quorum id 1
-    again, and a group whose quorum was id 1 too would not reconfigure and wait on the others
-    in its next all-reduce until gloo's timeout. Heartbeats sent for these ids as it starts
-    make its first quorum wait for every group of the last one."""
+def last_quorum(log_tail: str) -> tuple[int, list[str]]:
+    """The id and the replica ids of the last quorum a lighthouse's log (its end, ``log_tail``)
+    shows; ``(0, [])`` when it shows none (or only part of one).
+
+    A restarted torchft 0.2.0 lighthouse numbers its quorums from 1 again, and torchft's
+    ``Manager`` names each quorum's store prefix by its id (``torchft/<id>/``): groups whose
+    quorum changed would reconfigure into a prefix an earlier quorum used, where gloo reads a
+    dead peer's address (with 3 groups, every group crashed in 1 run of 4), and a group whose
+    quorum had the new one's id would not reconfigure at all. So the new lighthouse is driven
+    past this id before the workers reach it. And it knows no group until each heartbeats
+    (every 100 ms): the first to ask would make a quorum alone; the replica ids of the last
+    quorum heartbeat as it starts, so that its first quorum waits for every group of it."""
     at = log_tail.rfind(_QUORUM_MARK)
     if at < 0:
-        return []
+        return 0, []
     line = log_tail[at:].split("\n", 1)[0]
-    return list(dict.fromkeys(_REPLICA_RE.findall(line)))[:MAX_PARTICIPANTS]
+    number = _QUORUM_ID_RE.match(line, len(_QUORUM_MARK))
+    replicas = list(dict.fromkeys(_REPLICA_RE.findall(line)))[:MAX_PARTICIPANTS]
+    if number is None or not replicas:
+        return 0, []  # cut short: nothing to go on
+    return int(number.group(1)), replicas
 
 
 def bind_address(host: str, port: int) -> str:
@@ -261,11 +275,18 @@ def restart_delay(deaths_in_a_row: int, backoff: Backoff = RESTART_BACKOFF) -> f
     return backoff.delay(deaths_in_a_row)
 
 
-def death_line(pid: int, how: str, address: str, delay: float, deaths: int) -> str:
+def death_line(pid: int, how: str, delay: float, deaths: int) -> str:
     """The one line said when the lighthouse died, ``how`` (``killed by SIGKILL``, ``exited
     with status 1``)."""
     again = "at once" if delay == 0 else f"in {seconds(delay)} ({deaths} deaths in a row)"
-    return f"torchft's lighthouse (pid {pid}) {how}; restarting it on {address} {again}"
+    return f"torchft's lighthouse (pid {pid}) {how}; restarting it {again}"
+
+
+def back_line(address: str, back: float, past_quorum: int) -> str:
+    """The one line said when a restarted lighthouse serves again, at ``address`` (what the
+    workers reach), ``back`` seconds after the death, its quorum ids past ``past_quorum``."""
+    line = f"torchft's lighthouse is back on {address} after {seconds(back)}"
+    return f"{line}, its quorum ids past {past_quorum}" if past_quorum > 0 else line
 
 
 # -- several nodes: where the lighthouse is now, in the store ---------------------------------
