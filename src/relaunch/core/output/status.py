@@ -21,6 +21,7 @@ from typing import Any
 from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
+from relaunch.core.workers.stragglers import SlowNode
 
 #: What a checked field may be: an integer (never a bool), a number, a string.
 _KINDS: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "string": (str,)}
@@ -85,7 +86,7 @@ def printable(text: str, newlines: bool = False) -> str:
 class RankStatus(Value):
     """One worker as its agent last saw it."""
 
-    __slots__ = ("last_sign", "local_rank", "rank", "rate", "state", "step", "total")
+    __slots__ = ("last_sign", "local_rank", "rank", "rate", "sections", "state", "step", "total")
 
     rank: int
     local_rank: int
@@ -94,6 +95,8 @@ class RankStatus(Value):
     total: int | None
     rate: float | None  # steps per second over ``stragglers.WINDOW``
     last_sign: float | None  # its last report, heartbeat or section (None: never)
+    #: Seconds a step in each section name over ``stragglers.WINDOW`` (``SectionTimes``).
+    sections: dict[str, float]
 
     def __init__(
         self,
@@ -104,9 +107,10 @@ class RankStatus(Value):
         total: int | None = None,
         rate: float | None = None,
         last_sign: float | None = None,
+        sections: dict[str, float] | None = None,
     ) -> None:
         self._set(rank=rank, local_rank=local_rank, state=state, step=step, total=total)
-        self._set(rate=rate, last_sign=last_sign)
+        self._set(rate=rate, last_sign=last_sign, sections=sections or {})
 
 
 class NodeStatus(Value):
@@ -174,6 +178,7 @@ class NodeStatus(Value):
                     _field(rank, "total", "integer", optional=True),
                     _field(rank, "rate", "number", optional=True),
                     _field(rank, "last_sign", "number", optional=True),
+                    _sections(rank.get("sections", {})),
                 )
             )
         reasons = _list(data.get("restart_reasons", []), "restart_reasons")
@@ -190,6 +195,28 @@ class NodeStatus(Value):
             _field(data, "lost_seconds", "number", optional=True) or 0.0,
             _stale_after(_field(data, "stale_after", "number", optional=True)),
         )
+
+
+#: At most this many section names a rank, each at most ``MAX_NAME`` characters, in a post.
+MAX_SECTIONS = 8
+MAX_NAME = 128
+
+
+def _sections(raw: object) -> dict[str, float]:
+    """A rank's seconds a step by section name, checked: a few names, each a finite number of
+    seconds, not negative."""
+    named = _object(raw, "a rank's sections")
+    if len(named) > MAX_SECTIONS:
+        raise ValueError(f"sections: more than {MAX_SECTIONS} names")
+    sections = {}
+    for name, spent in named.items():
+        if len(name) > MAX_NAME:
+            raise ValueError(f"sections: a name longer than {MAX_NAME} characters")
+        number = isinstance(spent, (int, float)) and not isinstance(spent, bool)
+        if not number or not 0 <= spent <= MAX_SECONDS:  # also refuses nan
+            raise ValueError(f"sections: {_shown(spent)} is not seconds")
+        sections[name] = float(spent)
+    return sections
 
 
 def _time(value: float, name: str) -> float:
@@ -246,11 +273,12 @@ class Slowest(Value):
 
 
 class JobView(Value):
-    """Group rank 0's verdict on the job: its median rate, the stragglers (global rank -> rate),
-    the slowest rank, the job's pace (the slowest rank's rate) and the seconds left (None:
-    unknown)."""
+    """Group rank 0's verdict on the job: its median rate, the ranks below it (global rank ->
+    rate), the slowest rank, the job's pace (the slowest rank's rate), the seconds left (None:
+    unknown), and the nodes flagged stragglers (``stragglers.flagged_nodes``: by their
+    sections' time or their rates)."""
 
-    __slots__ = ("eta", "median", "posted_at", "rate", "slowest", "stragglers")
+    __slots__ = ("eta", "median", "posted_at", "rate", "slow_nodes", "slowest", "stragglers")
 
     median: float | None
     stragglers: dict[int, float]
@@ -258,6 +286,7 @@ class JobView(Value):
     rate: float | None
     eta: float | None
     posted_at: float
+    slow_nodes: list[SlowNode]
 
     def __init__(
         self,
@@ -267,9 +296,14 @@ class JobView(Value):
         rate: float | None,
         eta: float | None,
         posted_at: float,
+        slow_nodes: list[SlowNode] | None = None,
     ) -> None:
         self._set(median=median, stragglers=stragglers, slowest=slowest, rate=rate, eta=eta)
-        self._set(posted_at=posted_at)
+        self._set(posted_at=posted_at, slow_nodes=slow_nodes or [])
+
+    def slow_ranks(self) -> set[int]:
+        """Every rank flagged: below the median rate, or on a node flagged."""
+        return set(self.stragglers).union(*(node.ranks for node in self.slow_nodes))
 
     def encode(self) -> bytes:
         return json.dumps(self.as_dict(), separators=(",", ":")).encode()
@@ -299,13 +333,36 @@ class JobView(Value):
             _field(data, "rate", "number", optional=True),
             _field(data, "eta", "number", optional=True),
             _field(data, "posted_at", "number"),
+            [_slow_node(item) for item in _list(data.get("slow_nodes", []), "slow_nodes")],
         )
 
 
+def _slow_node(raw: object) -> SlowNode:
+    item = _object(raw, "a node flagged")
+    ranks = _list(item.get("ranks"), "ranks")
+    if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ValueError("field 'ranks': expected a list of ranks")
+    return SlowNode(
+        _field(item, "node", "string"),
+        _field(item, "node_rank", "integer"),
+        ranks,
+        _field(item, "section", "string"),
+        _field(item, "value", "number"),
+        _field(item, "median", "number"),
+        _field(item, "factor", "number"),
+    )
+
+
 def job_view(nodes: Sequence[NodeStatus], factor: float, now: float) -> JobView:
-    """The view of the job from every node's post: stragglers below median / ``factor``."""
+    """The view of the job from every node's post: the ranks below median / ``factor``, and the
+    nodes flagged (``stragglers.flagged_nodes``)."""
     rates = {r.rank: r.rate for node in nodes for r in node.ranks if r.rate is not None}
     median, slow = stragglers.flag(rates, factor)
+    measured = [
+        stragglers.Measured(node.node, node.group_rank, r.rank, r.rate, r.sections)
+        for node in nodes
+        for r in node.ranks
+    ]
     reported = [(r, node.node) for node in nodes for r in node.ranks if r.step is not None]
     slowest = None
     rate = eta = None
@@ -316,7 +373,8 @@ def job_view(nodes: Sequence[NodeStatus], factor: float, now: float) -> JobView:
         rate = rank.rate
         if rank.total is not None and rate:
             eta = max(0.0, (rank.total - rank.step) / rate)
-    return JobView(median, {s.rank: s.rate for s in slow}, slowest, rate, eta, now)
+    slow_nodes = stragglers.flagged_nodes(measured, factor)
+    return JobView(median, {s.rank: s.rate for s in slow}, slowest, rate, eta, now, slow_nodes)
 
 
 def job_bar(view: JobView, elapsed: float | None = None) -> str | None:
