@@ -103,9 +103,8 @@ def test_the_time_in_each_section_reaches_its_agent(agent: Agent) -> None:
         with worker.section(f"extra{extra}"):
             pass
     assert len(agent.channel.section_times(1)) == layout.TIMES
-    with pytest.raises(KeyError):
-        with worker.section("compute"):
-            raise KeyError  # a section that did not end normally counts for nothing
+    with pytest.raises(KeyError), worker.section("compute"):
+        raise KeyError  # a section that did not end normally counts for nothing
     assert agent.channel.section_times(1)["compute"][1] == 2
     agent.channel.reset()
     assert agent.channel.section_times(1) == {}

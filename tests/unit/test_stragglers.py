@@ -11,6 +11,7 @@ import statistics
 import pytest
 
 from relaunch.core.output import status as core
+from relaunch.core.output import status_table
 from relaunch.core.workers.stragglers import (
     Measured,
     SectionTimes,
@@ -223,6 +224,12 @@ def test_the_job_view_carries_the_nodes_flagged_and_their_measurements() -> None
     assert view.slow_nodes == [SlowNode("host-1", 1, [2, 3], "compute", 0.5, 0.1, 1.5)]
     assert view.slow_ranks() == {2, 3}
     assert core.JobView.decode(view.encode()) == view
+    table = status_table.format_table("j", posts, view, 0, 1001.0).splitlines()
+    assert len([line for line in table if line.endswith("  straggler")]) == 2
+    assert table[-1] == (
+        "  straggler: node host-1 (node 1, ranks 2-3) is a straggler: 'compute' takes 0.50 s a "
+        "step, the other nodes' median is 0.10 s"
+    )
 
 
 @pytest.mark.parametrize(
