@@ -223,8 +223,9 @@ JOB_FLAGS = [
     Flag(
         "restarts",
         ("--straggler-factor",),
-        "flag a rank whose steps per second (report_progress) fall below the job's median "
-        "divided by this",
+        "flag a node whose ranks spend more than this times the other nodes' time a step in a "
+        "relaunch.section, or whose steps per second (report_progress) fall below the job's "
+        "median divided by this",
         1.5,
         checked("parse_factor"),
         metavar="F",
