@@ -2,8 +2,10 @@
 gloo ranks each, an ``all_reduce`` every step, node 1 computing five times slower inside
 ``relaunch.section("compute")``. Every rank steps at the same pace (no rank is below the median
 rate), yet node 1 is flagged with its ranks: on both consoles, in ``relaunch status``, in the
-status events, in the metrics and in the run summary. (A slow rank of asynchronous work,
-flagged by its rate, is test_resilience.py's ``test_a_slow_rank_among_four_over_two_nodes``.)
+status events, in the metrics and in the run summary. The workers are forked from a zygote
+that imported torch once a node (``--preload torch``): half the imports of four. (A slow rank
+of asynchronous work, flagged by its rate, is test_resilience.py's
+``test_a_slow_rank_among_four_over_two_nodes``.)
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def test_a_node_computing_slower_in_synchronous_training_is_flagged_with_its_ran
                 "-m",
                 "relaunch",
                 *("--nnodes", "2", "--nproc-per-node", "2", *rendezvous),
-                *("--metrics-port", f"127.0.0.1:{ports[node]}"),
+                *("--metrics-port", f"127.0.0.1:{ports[node]}", "--preload", "torch"),
                 *("--event-log-handler", f"file:{tmp_path}/events{node}.jsonl"),
                 *(WORKER, str(out), "1", "1"),
             ],
