@@ -198,7 +198,7 @@ def test_seconds_a_step_over_the_window() -> None:
     for at in (106.0, 109.0, 112.0, 115.0, 118.0):  # slow from 103 on: 6 steps of 0.5 s in 3 s
         step, spent = step + 6, spent + 3.0
         times.add(0, at, step, {"compute": (spent, step)})
-    # Only the last 12 s count: the samples from 106 on, every step of them slow.
+    # Only the last 6 s count: the samples from 112 on, every step of them slow.
     assert times.per_step()[0] == {"compute": pytest.approx(0.5)}
 
 

@@ -95,7 +95,7 @@ class RankStatus(Value):
     total: int | None
     rate: float | None  # steps per second over ``stragglers.WINDOW``
     last_sign: float | None  # its last report, heartbeat or section (None: never)
-    #: Seconds a step in each section name over ``stragglers.WINDOW`` (``SectionTimes``).
+    #: Seconds a step in each section name over ``stragglers.SECTION_WINDOW`` (``SectionTimes``).
     sections: dict[str, float]
 
     def __init__(

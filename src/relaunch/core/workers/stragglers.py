@@ -7,8 +7,8 @@ differs is the time each spends outside the collective, computing: a slow node's
 longer inside their ``relaunch.section(...)`` blocks, the fast ones wait in the collective,
 outside them. So each agent samples, every ``INTERVAL`` seconds, its ranks' ``report_progress``
 steps (``RankRates``: steps per second) and the seconds each spent in each section name
-(``SectionTimes``: seconds a step, over ``WINDOW``), and publishes them; the node of group rank
-0 judges the job (``flagged_nodes``):
+(``SectionTimes``: seconds a step, over ``SECTION_WINDOW``), and publishes them; the node of
+group rank 0 judges the job (``flagged_nodes``):
 
 - a rank is slow in a section when its seconds a step in it pass ``factor`` times the median of
   the ranks of the other nodes (and by ``MIN_EXCESS`` seconds at least): the baseline leaves out
@@ -43,6 +43,11 @@ def interval(nodes: int, base: float = INTERVAL) -> float:
 
 #: Seconds of samples a rate, or a section's seconds a step, is computed over.
 WINDOW = 12.0
+#: Seconds of samples a section's seconds a step is computed over: shorter than a rate's, as
+#: the time of the steps before a slowdown hides it (a healthy step is short, so the steps
+#: before it outnumber the slow ones): two intervals' samples find a node 5x slower about 3 s
+#: after it slowed, where 12 s of them take about 5 s.
+SECTION_WINDOW = 6.0
 #: Seconds a step a rank must spend in a section beyond the other nodes' median to be slow in
 #: it, besides the factor: a section of a few milliseconds is not worth a flag for its jitter.
 MIN_EXCESS = 0.005
@@ -125,7 +130,7 @@ class SectionTimes:
         if samples and samples[-1][0] >= taken_at:
             return
         samples.append((taken_at, step, dict(times)))
-        while len(samples) > 2 and taken_at - samples[0][0] > WINDOW:
+        while len(samples) > 2 and taken_at - samples[0][0] > SECTION_WINDOW:
             samples.popleft()
 
     def per_step(self) -> dict[int, dict[str, float]]:
