@@ -17,4 +17,5 @@ BENCHMARKS = {
     "resilience": "a hang's deadline -> every stack and a restart (1 and 2 nodes); stragglers",
     "recovery": "a DDP job's worker or node killed -> next step, steps lost: memory vs checkpoints",
     "replicas": "torchft replica groups, a worker killed: the others' stall, the group back",
+    "eviction": "a slow node evicted to a spare: onset -> flagged -> evicted; the job's time",
 }

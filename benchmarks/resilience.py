@@ -1,16 +1,20 @@
-"""Resilience: a hang's deadline to every stack written and the group restarted, on one node and
-across two, and how long a slow rank takes to be flagged as a straggler.
+"""Resilience: a hang's deadline to every stack written, its culprit named and the group restarted,
+on one node and across two, and how long a slow rank takes to be flagged as a straggler.
 
 Run by hand (not part of the test suite): ``python -m benchmarks resilience [--quick]``.
 
 1. **hang, 1 node**: ``relaunch --nproc-per-node 4 --max-restarts 1 --tee 2 hang.py OUT given 1``:
    local rank 1 enters ``relaunch.section("step", timeout=1)`` and hangs; the others wait. From
    the deadline (written by the worker) to the agent's line naming the overdue section
-   (*detected*), and to the first worker of the next attempt starting (*restarted*: every stack
+   (*detected*), to the failure report's root cause naming the rank the others wait for
+   (*verdict*: ``Root cause (a hang, ...): rank 1 is not where ranks 0, 2, 3 wait``, from every
+   rank's stack), and to the first worker of the next attempt starting (*restarted*: every stack
    has been written and the old group is gone before it). Budget: restarted <= 2 s.
 2. **hang, 2 nodes**: the same over two agents on the built-in store (2 workers each); the
-   hung rank is on one node; *restarted* is the last worker of the next attempt to start, on
-   either node, so the other node's stacks are in too. Budget: <= 5 s.
+   hung rank is on one node; *verdict* is the later of the two nodes' root-cause lines (each
+   node's verdict covers both nodes' ranks, gathered through the store); *restarted* is the last
+   worker of the next attempt to start, on either node, so the other node's stacks are in too.
+   Budget: <= 5 s.
 3. **straggler**: two agents of two workers; every rank reports a step every 20 ms but rank 3
    every 100 ms from the start. From the workers' start to the line flagging rank 3 (by its
    pace) on group rank 0's node and on rank 3's own node. No budget; the note gives the figures.
@@ -43,6 +47,8 @@ QUICK = {"reps": 1}
 ONE_NODE_BUDGET_S = 2.0
 TWO_NODES_BUDGET_S = 5.0
 RUN_TIMEOUT_S = 60.0
+#: How a failure report's root cause begins when a hang's culprit was judged from every stack.
+VERDICT = "Root cause (a hang, from every rank's stack): rank 1 is not where ranks 0, 2, 3 wait"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,8 +124,8 @@ def _two_nodes(port: int, run_id: str, nproc: int, extra: Sequence[str]) -> list
     ]
 
 
-def hang_once(ctx: harness.Context, nodes: int, rep: int) -> tuple[float, float]:
-    """(detected, restarted) seconds after the deadline."""
+def hang_once(ctx: harness.Context, nodes: int, rep: int) -> tuple[float, float, float]:
+    """(detected, verdict, restarted) seconds after the deadline."""
     out = os.path.join(ctx.tmp, f"hang{nodes}-{rep}")
     os.makedirs(out)
     job = [harness.worker("hang.py"), out, "given", "1"]
@@ -138,8 +144,12 @@ def hang_once(ctx: harness.Context, nodes: int, rep: int) -> tuple[float, float]
     detected = min(
         at for agent in agents if (at := agent.first("section 'step' overdue")) is not None
     )
+    judged = [agent.first(VERDICT) for agent in agents]
+    if None in judged:
+        raise BenchError("a node's failure report did not name the hang's culprit")
+    verdict = max(at for at in judged if at is not None)
     restarted = max(_starts(out, 1))
-    return detected - deadline, restarted - deadline
+    return detected - deadline, verdict - deadline, restarted - deadline
 
 
 def straggler_once(ctx: harness.Context, rep: int) -> tuple[float, float]:
@@ -205,13 +215,23 @@ def run(ctx: harness.Context) -> list[Check]:
     for nodes, budget in ((1, ONE_NODE_BUDGET_S), (2, TWO_NODES_BUDGET_S)):
         samples = [hang_once(ctx, nodes, rep) for rep in range(reps)]
         detected = median([s[0] for s in samples])
-        restarted = median([s[1] for s in samples])
-        worst = max(s[1] for s in samples)
+        verdict = median([s[1] for s in samples])
+        restarted = median([s[2] for s in samples])
+        worst = max(s[2] for s in samples)
         log(
-            f"hang, {nodes} node(s): detected {fmt(detected, '.2f')} s, restarted "
-            f"{fmt(restarted, '.2f')} s after the deadline (worst {fmt(worst, '.2f')} s)"
+            f"hang, {nodes} node(s): detected {fmt(detected, '.2f')} s, culprit named "
+            f"{fmt(verdict, '.2f')} s, restarted {fmt(restarted, '.2f')} s after the deadline "
+            f"(worst {fmt(worst, '.2f')} s)"
         )
         results[f"hang_{nodes}"] = {"samples": samples}
+        checks.append(
+            Check(
+                f"hang on {nodes} node(s): deadline -> culprit named on every node (median)",
+                f"{verdict:.2f} s",
+                "-",
+                True,
+            )
+        )
         checks.append(
             Check(
                 f"hang on {nodes} node(s): deadline -> stacks + restarted (worst of {reps})",
@@ -220,20 +240,20 @@ def run(ctx: harness.Context) -> list[Check]:
                 worst <= budget,
             )
         )
-    samples = [straggler_once(ctx, rep) for rep in range(reps)]
-    first, last = median([s[0] for s in samples]), median([s[1] for s in samples])
+    flagged = [straggler_once(ctx, rep) for rep in range(reps)]
+    first, last = median([s[0] for s in flagged]), median([s[1] for s in flagged])
     log(f"straggler flagged {fmt(first)} s (first node) and {fmt(last)} s (both) after start")
-    results["straggler"] = {"samples": samples}
+    results["straggler"] = {"samples": flagged}
     checks.append(
         Check("straggler flagged on both nodes, after the start", f"{last:.1f} s", "-", True)
     )
-    samples = [sync_straggler_once(ctx, rep) for rep in range(reps)]
-    first, last = median([s[0] for s in samples]), median([s[1] for s in samples])
+    synced = [sync_straggler_once(ctx, rep) for rep in range(reps)]
+    first, last = median([s[0] for s in synced]), median([s[1] for s in synced])
     log(
         f"synchronous straggler flagged {fmt(first)} s (group rank 0's node) and {fmt(last)} s "
         "(its own) after its onset"
     )
-    results["sync_straggler"] = {"samples": samples}
+    results["sync_straggler"] = {"samples": synced}
     checks.append(
         Check("synchronous straggler: onset -> flagged on both nodes", f"{last:.1f} s", "-", True)
     )

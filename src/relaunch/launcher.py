@@ -190,7 +190,11 @@ def launch_agent(
             on_summary(agent.summary(outcome))
     if result.is_failed():
         raise ChildFailedError(
-            spec.get_entrypoint_name(), result.failures, result.stopped, requeue=agent.requeue
+            spec.get_entrypoint_name(),
+            result.failures,
+            result.stopped,
+            requeue=agent.requeue,
+            verdict=result.verdict,
         )
     return result.return_values
 

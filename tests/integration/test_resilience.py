@@ -124,12 +124,16 @@ def test_a_hang_on_one_node_takes_the_stacks_of_every_node(
     # The other node's ranks were asked for their stacks too, through the rendezvous.
     for local in range(2):
         assert "waiting_in_collective" in stderr_of(tmp_path / f"logs{other}", 0, local)
-    if restarts == 0:  # the job fails, the hung rank its root cause
+    if restarts == 0:  # the job fails, the hung rank its root cause: the rank the others wait for
         assert [agent.returncode for agent in agents] == [1, 1], errs
-        root_cause = errs[hung].split("Root cause (first failure):")[-1]
+        heading = "Root cause (a hang, from every rank's stack): "
+        named = "rank 3 is not where ranks 0-2 wait, in waiting_in_collective (hang.py:"
+        root_cause = errs[hung].split(heading)[-1]
+        assert root_cause.startswith(named), errs[hung]
         assert root_cause.split("\n")[1].lstrip().startswith("rank 3 (local_rank 1")
         assert "section 'step' overdue" in root_cause
         assert "the job failed" in errs[other]
+        assert errs[other].split(heading)[-1].startswith(named), errs[other]  # the same verdict
         return
     for agent, err in zip(agents, errs, strict=True):
         assert agent.returncode == 0, err

@@ -76,3 +76,36 @@ def test_hang_detection_counts_silence_on_its_clock() -> None:
     progress[0] = Progress(1, None, clock.time(), "", 1)  # a sign of life restarts the count
     clock.advance(3.0)
     assert watch.check() == 7.0
+
+
+def test_a_silent_rank_has_every_running_ranks_stack_taken_and_names_the_hang() -> None:
+    """``--hang-timeout``: the silent rank and the others still running are asked for their
+    stacks (SIGABRT), as for an overdue section, so the culprit can be judged from all of them."""
+    import signal
+    import subprocess
+
+    from relaunch.agent.expiry import ExpiryWatch
+    from relaunch.core.run.run_events import NodeSnapshot, RankSample
+    from relaunch.core.workers.progress import Progress
+    from relaunch.runtime import ManualClock
+
+    clock = ManualClock()
+    watch = ExpiryWatch("run", timers=False, hang_timeout=10.0, clock=clock)
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+
+        def snapshot() -> NodeSnapshot:  # rank 1 reports progress all along: never silent
+            busy = Progress(1, None, clock.time(), "", 1)
+            return NodeSnapshot(clock.time(), {0: RankSample(None), 1: RankSample(busy)})
+
+        watch.watch({rank: proc.pid for rank, proc in enumerate(ranks)}, {0: [], 1: []}, snapshot)
+        clock.advance(10.0)
+        watch.check()
+        assert watch.hang is not None and watch.hang.startswith("local rank 0 is hung")
+        assert watch.stacks_taken
+        assert [proc.wait(timeout=10) for proc in ranks] == [-signal.SIGABRT, -signal.SIGABRT]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -100,6 +100,7 @@ def test_every_flag_has_both_spellings_and_a_pet_variable() -> None:
                 "restart_backoff": "2:8",
                 "max_stalled_restarts": "0",
                 "straggler_factor": "3",
+                "evict_stragglers": "30",
                 "metrics_port": "9100",
                 "numa_binding": "socket",
                 "logs_specs": "default",

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from relaunch.core.run.culprit import Verdict
 from relaunch.core.run.failures import (
     describe_exit,
     failure_signature,
@@ -102,6 +103,38 @@ def test_report_puts_the_root_cause_first_and_stopped_ranks_apart() -> None:
     assert (
         lines[-1] == "Ranks 0, 2 did not fail: relaunch stopped them because of the failures above"
     )
+
+
+HUNG = {rank: F(rank, 100 + rank, -6, details="hung", timestamp=10.0 - rank) for rank in range(2)}
+NAMED = "rank 1 did not reach the collective that rank 0 waits in (all_reduce): it is in f (x.py:1)"
+
+
+def test_a_hangs_culprit_here_is_the_root_cause_not_the_first_to_fail() -> None:
+    lines = format_report("train", HUNG, "hostA", verdict=Verdict([1], "culprit", NAMED))
+    assert lines.splitlines()[1:3] == [
+        f"Root cause (a hang, from every rank's stack): {NAMED}",
+        "  rank 1 (local_rank 1, host hostA, pid 101) killed by SIGABRT (signal 6) at "
+        + lines.splitlines()[2].split(" at ", 1)[1],
+    ]
+    assert "Other failures:\n  rank 0 (" in lines
+
+
+def test_a_hangs_culprit_on_another_node_is_named_and_every_rank_here_listed() -> None:
+    named = NAMED.replace("rank 1 did", "rank 7 did")
+    lines = format_report("train", HUNG, "hostA", verdict=Verdict([7], "culprit", named))
+    assert lines.splitlines()[1:4] == [
+        f"Root cause (a hang, from every rank's stack): {named}",
+        "  not on this node: its report there shows the stack",
+        "Other failures:",
+    ]
+    assert "  rank 0 (" in lines and "  rank 1 (" in lines
+
+
+def test_a_hang_without_a_culprit_says_so_and_shows_the_first_failure() -> None:
+    said = "the ranks split evenly (...): relaunch cannot tell which the others wait for"
+    lines = format_report("train", HUNG, "hostA", verdict=Verdict([], "split", said)).splitlines()
+    assert lines[1] == f"Root cause (a hang, from every rank's stack): {said}"
+    assert lines[2].startswith("  rank 1 (local_rank 1,")  # the first to fail, as without
 
 
 def test_one_stopped_rank_reads_as_a_sentence() -> None:

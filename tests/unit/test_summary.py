@@ -36,3 +36,9 @@ def test_a_restart_reason_does_not_end_with_a_heading() -> None:
         "  restart 3: rank 0 exited with code 3: ValueError: boom",
         "  restart 4: membership changed",
     ]
+
+
+def test_a_hangs_verdict_has_its_line() -> None:
+    said = "rank 2 did not reach the collective that ranks 0, 1, 3 wait in (all_reduce): ..."
+    text = format_summary(RunSummary("failed", 2.0, hang=said, log_dir="/logs/run"))
+    assert text.splitlines()[-2:] == [f"  hang: {said}", "  logs: /logs/run"]

@@ -6,11 +6,13 @@
 * **Hangs** (``--hang-timeout SECONDS``): a worker that shows no sign of life (its log files do
   not grow, it touches no timer) for that long is asked for its stack with SIGABRT (workers get
   ``PYTHONFAULTHANDLER=1``, so Python dumps every thread's stack to stderr), then SIGKILLed if
-  it is still there after ``ABORT_GRACE`` seconds.
+  it is still there after ``ABORT_GRACE`` seconds; every other running local rank is asked for
+  its stack too, and ``hang`` names it for the agent, as for an overdue section.
 * **Overdue sections** (``relaunch.section``, ``relaunch.heartbeat``): a worker past a deadline
   it set itself is hung; every local rank is asked for its stack (SIGABRT), so the report shows
   where each one was, not only the late one. ``hang`` then names it for the agent, which asks
-  the other nodes for their ranks' stacks too (``dump_stacks``).
+  the other nodes for their ranks' stacks too (``dump_stacks``); where every rank stopped then
+  names the rank the others waited for (``agent.culprit``).
 
 Either way the death is a failure like any other, and ``ExpiryWatch.explain`` says why in its
 report.
@@ -114,6 +116,12 @@ class ExpiryWatch:
     @property
     def hang_timeout(self) -> float | None:
         return self._hang_timeout
+
+    @property
+    def stacks_taken(self) -> bool:
+        """Whether this attempt's ranks were asked for their stacks for a hang (here or on
+        another node): where they stopped then names the hang's culprit."""
+        return self.hang is not None or self._asked is not None
 
     def start(self) -> None:
         if self._server is not None:
@@ -222,6 +230,8 @@ class ExpiryWatch:
             for rank in hung:
                 self._note_hung(rank, snapshot, live[rank])
                 self._hung(rank, now - live[rank], restarts_left)
+            if hung:
+                self._silent(hung, now - live[hung[0]])
             if next_at is not None:
                 waits.append(next_at - now)
         return max(0.0, min(waits)) if waits else None
@@ -321,7 +331,20 @@ class ExpiryWatch:
             silent_for,
             _what_follows(restarts_left),
         )
-        self._abort(pid)
+
+    def _silent(self, hung: list[int], silent_for: float) -> None:
+        """Ranks fell silent: ask every other running local rank for its stack too, and name
+        the hang for the agent, which asks the other nodes (a hang's culprit is found by
+        comparing every rank's stack: ``core.run.culprit``)."""
+        if self.hang is not None or self._asked is not None:  # the others' were asked for
+            for rank in hung:
+                self._abort(self._pids[rank])
+            return
+        self.hang = (
+            f"local rank {hung[0]} is hung (no output, progress or timer activity for "
+            f"{silent_for:.1f}s, --hang-timeout {self._hang_timeout:g})"
+        )
+        self._dump_running(f"its stack was taken because {self.hang}", hung)
 
     def _abort(self, pid: int) -> None:
         """Ask ``pid`` for its stack: SIGABRT, with Python's fault handler enabled."""

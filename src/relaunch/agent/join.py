@@ -38,9 +38,9 @@ def await_admission(
             continue
         if until is not None:
             log.warning(
-                "this node is excluded from the job until %s (it failed the job too often); "
-                "it will try to join again then",
+                "this node is excluded from the job until %s (%s); it will try to join again then",
                 time.strftime("%H:%M:%S", time.localtime(until)),
+                "it failed the job too often" if job.evicted is None else "evicted as a straggler",
             )
             if job.wait_closed(until - clock.time()):
                 raise RendezvousClosedError(f"the job {run_id!r} has finished")

@@ -166,7 +166,7 @@ class LocalElasticAgent:
         events = events_of(spec) if event_handler is None else event_handler
         self._report = RunReport(group, events, self._log_dir, clock)
         self._expiry = _expiry_watch(spec, hang.timers, hang.timeout, clock)
-        self._reporter = self._node_reporter(hang.straggler_factor)
+        self._reporter = self._node_reporter(hang.straggler_factor, hang.evict_stragglers)
         return logs
 
     def _workers_of(
@@ -200,8 +200,9 @@ class LocalElasticAgent:
         when it cannot be bound."""
         return None if port is None else self._exporter.bind(host, port)
 
-    def _node_reporter(self, straggler_factor: float) -> NodeReporter:
-        """The status posts of this node (``agent.status``), which flag stragglers."""
+    def _node_reporter(self, straggler_factor: float, evict_after: float | None) -> NodeReporter:
+        """The status posts of this node (``agent.status``), which flag stragglers and, after
+        ``evict_after`` seconds (None: never), evict one to a spare."""
         group = self._worker_group
         return NodeReporter(
             straggler_factor,
@@ -209,6 +210,7 @@ class LocalElasticAgent:
             node_state=lambda: group.state.value,
             restarts_used=lambda: self.restart_count,
             clock=self._clock,
+            evict_after=evict_after,
         )
 
     def _make_sinks(self, metrics: Metrics | None) -> Sinks:
@@ -394,6 +396,11 @@ class LocalElasticAgent:
             if self._run_record.reforming is None:
                 raise  # the job had finished before this node joined
             failure = job.closing_failure()
+            if failure is None and job.evicted is not None:  # a spare in its cooldown: dismissed
+                raise RendezvousClosedError(
+                    f"the job {group.spec.rdzv_handler.get_run_id()!r} finished while this node "
+                    "was out of it, evicted as a straggler"
+                ) from None
             if failure is None:
                 return actions.JobClosed()
             return actions.JobClosed(failure.reason, failure.requeue)

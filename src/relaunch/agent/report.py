@@ -8,7 +8,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
 from relaunch.core.output.status import printable
@@ -32,6 +32,9 @@ from relaunch.core.workers.stragglers import SlowNode
 from relaunch.events import EventHandler, NullEventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.runtime import SYSTEM_CLOCK, Clock
+
+if TYPE_CHECKING:
+    from relaunch.core.run.culprit import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,8 @@ class RunReport:
         self.ledger = Ledger()
         #: Straggler lines for the summary, by node rank (the last said of each node).
         self.stragglers: dict[int, str] = {}
+        #: The last hang's verdict, for the summary (``core.run.culprit``).
+        self.hang_line = ""
 
     def on_run_event(self, run_event: RunEvent) -> None:
         """Record what happened: its status event, and its line in the summary."""
@@ -138,8 +143,20 @@ class RunReport:
 
     def hung(self, restart_count: int, what: str) -> None:
         """A ``HUNG`` agent event (relaunch's): a local rank missed its section's or heartbeat's
-        deadline; every rank's stack is being taken."""
+        deadline, or fell silent past ``--hang-timeout``; every rank's stack is being taken."""
         self._event("AGENT", "HUNG", restart_count, raw_error=what)
+
+    def hang_verdict(self, verdict: Verdict, restart_count: int) -> None:
+        """A ``CULPRIT`` agent event (relaunch's): who a hang's other ranks waited for, from
+        every rank's stack, and its line in the summary."""
+        self.hang_line = verdict.line
+        self._event(
+            "AGENT",
+            "CULPRIT",
+            restart_count,
+            raw_error=verdict.line,
+            details={"culprit": {"ranks": list(verdict.culprits), "kind": verdict.kind}},
+        )
 
     def run_events(self, finished: Finished) -> None:
         """One event per worker (how it ended, its last progress), then the agent's."""
@@ -215,6 +232,7 @@ class RunReport:
             self.stop_note,
             [self.stragglers[rank] for rank in sorted(self.stragglers)],
             self.ledger.line(elapsed) or "",
+            self.hang_line,
         )
 
 

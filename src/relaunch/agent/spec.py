@@ -18,6 +18,7 @@ from relaunch.core.workers.streams import Std
 from relaunch.rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 
 if TYPE_CHECKING:
+    from relaunch.core.run.culprit import Verdict
     from relaunch.procs.process_failure import ProcessFailure
 
 
@@ -206,12 +207,14 @@ class WorkerGroup:
 @dataclass
 class RunResult:
     """How a run ended. ``return_values`` and ``failures`` are keyed by global rank;
-    ``stopped`` lists the global ranks stopped only because another failed."""
+    ``stopped`` lists the global ranks stopped only because another failed; ``verdict``: a
+    hang's culprit, from every rank's stack (``core.run.culprit``), or ""."""
 
     state: WorkerState
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     stopped: list[int] = field(default_factory=list)
+    verdict: Verdict | None = None
 
     def is_failed(self) -> bool:
         return self.state is WorkerState.FAILED

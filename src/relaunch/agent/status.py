@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.output import status as core
@@ -33,6 +33,9 @@ from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
 from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
+
+if TYPE_CHECKING:
+    from relaunch.agent.eviction import Evictor
 
 log = logging.getLogger(__name__)
 _Note = TypeVar("_Note")
@@ -81,8 +84,15 @@ class NodeReporter:
         node_state: Callable[[], str] = lambda: "HEALTHY",
         restarts_used: Callable[[], int] = lambda: 0,
         clock: Clock = SYSTEM_CLOCK,
+        evict_after: float | None = None,
     ) -> None:
         self._factor = factor
+        #: ``--evict-stragglers`` (None: off): the judge's decisions, every node's heed.
+        self._evictor: Evictor | None = None
+        if evict_after is not None:
+            from relaunch.agent.eviction import Evictor  # only a launch that evicts loads it
+
+            self._evictor = Evictor(evict_after)
         self._on_flag = on_flag
         self._interval = interval
         self._node_state = node_state
@@ -120,6 +130,8 @@ class NodeReporter:
             set(),
         )
         self.view = None
+        if self._evictor is not None:
+            self._evictor.new_round()
         # A post older than the job's keep-alive detection time (or than two posts' interval)
         # no longer says how this node stands: ``relaunch status`` shows it stale.
         every = stragglers.interval(group.nodes, self._interval)
@@ -233,7 +245,11 @@ class NodeReporter:
                 if (post := _decoded(core.NodeStatus.decode, name, raw)) is not None
             ]
             view = core.job_view(posts, self._factor, mine.posted_at)
+            if self._evictor is not None:
+                view = self._evictor.judge(view, posts, group.nodes, job)
             job.post_note(JOB_NOTE, view.encode())
+            if self._evictor is not None:
+                self._evictor.heed(view, group.group_rank, job)
             self.view = view
             self.job_line = core.job_bar(view, self._clock.time() - self._started_at)
             self._flag(view)
@@ -242,6 +258,8 @@ class NodeReporter:
         judged = None if raw is None else _decoded(core.JobView.decode, JOB_NOTE, raw)
         if judged is not None:
             self.view = judged
+            if self._evictor is not None:
+                self._evictor.heed(judged, group.group_rank, job)
             self._flag(judged, group.group_rank)
 
     def _flag(self, view: core.JobView, only: int | None = None) -> None:

@@ -45,6 +45,7 @@ from relaunch.rendezvous.job import JobServices
 from relaunch.runtime import Clock
 
 if TYPE_CHECKING:
+    from relaunch.core.run.culprit import Verdict
     from relaunch.core.workers.placement import Placement
     from relaunch.procs.process_failure import ProcessFailure
 
@@ -89,6 +90,9 @@ class Workers:
         self._wakeups: EventQueue[str] | None = None
         self._learned = Learned()  # the bounds the workers learned, kept for the next ones
         self._explained: RunProcsResult | None = None
+        #: A hang's verdict on the attempt that failed (``agent.culprit``); "" when none.
+        self.verdict: Verdict | None = None
+        self._restart_count = 0
         self._outcome: RunProcsResult | None = None  # how the attempt ended, as last looked
 
     def open(self, wakeups: EventQueue[str]) -> None:
@@ -119,6 +123,7 @@ class Workers:
         channel = run.channel
         assert channel is not None and wakeups is not None, "start before open"
         channel.reset()
+        self.verdict, self._restart_count = None, restart_count
         for hook in hooks:
             hook.starting(run)
         extra_env = {**channel.env(), **run.open_env}
@@ -196,8 +201,21 @@ class Workers:
                 self._explained = outcome
                 assert self._run.pcontext is not None
                 self._run.expiry.explain(outcome.failures, self._run.pcontext.stderrs)
+                if self._run.expiry.stacks_taken:
+                    self._judge_hang(self._run.pcontext.stderrs)
             snapshot = self.sampler.take()
         return self._by_global_rank(outcome.failures, snapshot)
+
+    def _judge_hang(self, stderr_files: Mapping[int, str]) -> None:
+        """Name the hang's culprit from where every rank of the job stopped (``agent.culprit``):
+        in the failure report, the run's summary and a status event."""
+        from relaunch.agent.culprit import job_verdict, local_places  # a hang: loaded then
+
+        group, run = self._group, self._run
+        places = group.by_global_rank(local_places(stderr_files))
+        found = job_verdict(run.job, group.group_rank or 0, group.group_world_size or 1, places)
+        self.verdict = found
+        run.report.hang_verdict(found, self._restart_count)
 
     def failing(self) -> Ended | None:
         """The failures of an attempt whose workers are still being stopped because of them
@@ -230,6 +248,7 @@ class Workers:
             os.uname().nodename,
             group.by_global_rank(outcome.stopped),
             group.by_global_rank({} if pcontext is None else pcontext.kept()),
+            self.verdict,
         )
         notes = [note for note in (hook.note() for hook in self._hooks) if note is not None]
         return "\n  ".join([report, *notes])
@@ -250,6 +269,7 @@ class Workers:
             WorkerState.FAILED,
             failures=group.by_global_rank(outcome.failures),
             stopped=sorted(group.by_global_rank(outcome.stopped)),
+            verdict=self.verdict,
         )
 
     def stop(self, death_sig: signal.Signals, *, park: bool = False) -> None:

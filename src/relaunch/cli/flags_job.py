@@ -192,8 +192,8 @@ JOB_FLAGS = [
     Flag(
         "restarts",
         ("--hang-timeout",),
-        "restart the group when a worker shows no sign of "
-        "life (output, timer activity) for this long, with its stack in the report",
+        "restart the group when a worker shows no sign of life (output, timer activity) for "
+        "this long; the report names the rank the others wait for",
         None,
         checked("parse_seconds", True),
         metavar="SECONDS",
@@ -230,6 +230,17 @@ JOB_FLAGS = [
         checked("parse_factor"),
         metavar="F",
         field="hang.straggler_factor",
+    ),
+    Flag(
+        "restarts",
+        ("--evict-stragglers",),
+        "evict a node flagged as a straggler for this long to a waiting spare (one more agent "
+        "than the maximum of --nnodes): it is excluded for --rdzv-conf exclude_cooldown and "
+        "the group restarts with the spare; without a spare it is only flagged",
+        None,
+        checked("parse_seconds", True),
+        metavar="SECONDS",
+        field="hang.evict_stragglers",
     ),
     Flag(
         "restarts",

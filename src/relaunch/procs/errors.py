@@ -27,6 +27,7 @@ from relaunch.core.run import failures as core_failures
 from relaunch.runtime import lazy_attributes
 
 if TYPE_CHECKING:
+    from relaunch.core.run.culprit import Verdict
     from relaunch.procs.process_failure import ProcessFailure
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,8 @@ class ChildFailedError(Exception):
     ``failures`` maps rank to :class:`ProcessFailure`; ``stopped`` names the ranks that were only
     stopped because of those failures (they are not failures themselves). ``requeue`` False:
     the agent stopped restarting because it could not help (no progress, the same failure
-    again), so running the job again would not either.
+    again), so running the job again would not either. ``verdict``: a hang's culprit, from
+    every rank's stack (``core.run.culprit``), which the report names as the root cause.
     """
 
     def __init__(
@@ -267,6 +269,7 @@ class ChildFailedError(Exception):
         failures: Mapping[int, ProcessFailure],
         stopped: Iterable[int] = (),
         requeue: bool = True,
+        verdict: Verdict | None = None,
     ) -> None:
         if not failures:
             raise ValueError("ChildFailedError needs at least one failure")
@@ -274,6 +277,7 @@ class ChildFailedError(Exception):
         self.failures = dict(failures)
         self.stopped = sorted(stopped)
         self.requeue = requeue
+        self.verdict = verdict
         super().__init__(self.format_msg())
 
     def get_first_failure(self) -> tuple[int, ProcessFailure]:
@@ -285,7 +289,7 @@ class ChildFailedError(Exception):
 
     def format_msg(self) -> str:
         return core_failures.format_report(
-            self.name, self.failures, os.uname().nodename, self.stopped
+            self.name, self.failures, os.uname().nodename, self.stopped, verdict=self.verdict
         )
 
 

@@ -94,6 +94,8 @@ class DynamicJob:
         )
         self._clock = clock
         self._restarts_seen = 0
+        #: Why this node was evicted as a straggler (None: it was not).
+        self.evicted: str | None = None
 
     # -- the membership change ----------------------------------------------------------------
 
@@ -393,6 +395,45 @@ class DynamicJob:
             membership.finished = True  # the hosting node finished and left: everyone is done
         except StoreFenced:
             raise self._loss.fenced_out() from None
+
+    # -- evicting this node as a straggler (``core.workers.eviction``) ----------------------------
+
+    @property
+    def min_nodes(self) -> int:
+        return self.settings.min_nodes
+
+    def spares(self) -> int:
+        try:
+            return self._rounds.waiting(self._membership.round)
+        except StoreError as exc:
+            log.debug("could not count the nodes waiting to join: %s", exc)
+            return 0
+
+    def evict(self, reason: str) -> None:
+        """Exclude this node for the exclusion cooldown (its record, which it alone writes),
+        then re-form the round without it: the spare waiting takes its place."""
+        membership = self._membership
+        if self.evicted is not None or membership.round is None or membership.final is None:
+            return
+        if membership.finished or membership.left:
+            return
+        self.evicted = reason  # every node's restart line says it, this one's too
+        cooldown = (self._exclusion or exclusion.ExclusionPolicy()).cooldown
+        change = MembershipChange.member_excluded(membership.group_rank, reason)
+        try:
+            key = self._node_key()
+            for _ in range(8):
+                record, version = self._read_record()
+                until = max(record.excluded_until, self._clock.time() + cooldown)
+                out = exclusion.NodeRecord(0, until, record.exclusions + 1)
+                if self._store.compare_set(key, version, exclusion.encode_record(out)).succeeded:
+                    break
+            waiting = self._rounds.waiting(membership.round)
+            self._rounds.supersede(
+                membership.round, change, expected_size(membership.final.count, change, waiting)
+            )
+        except StoreError as exc:
+            log.warning("could not leave the job as a straggler: %s", exc)
 
     # -- this node's record (``core.run.exclusion``) ----------------------------------------------
 

@@ -122,6 +122,22 @@ class JobServices(Protocol):
     def exit_barrier(self, timeout: float) -> None:
         """Wait (up to ``timeout``) until every live node's workers have finished."""
 
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes the job runs with (the minimum of ``--nnodes``)."""
+
+    def spares(self) -> int:
+        """Nodes waiting to join the running round: spares, when it is full."""
+
+    def evict(self, reason: str) -> None:
+        """This node leaves the job as a straggler (``core.workers.eviction``): excluded for the
+        cooldown a failing node gets, the round re-formed without it, ``reason`` the line
+        every node shows."""
+
+    @property
+    def evicted(self) -> str | None:
+        """Why this node was evicted from the job (None: it was not)."""
+
 
 def check_workers(role: str, local_world_size: int) -> int:
     """``local_world_size``, once it and ``role`` are what a join can carry; ValueError in one
@@ -212,3 +228,12 @@ class SoloJob:
 
     def exit_barrier(self, timeout: float) -> None:
         pass
+
+    min_nodes = 1
+    evicted = None
+
+    def spares(self) -> int:
+        return 0  # one node: no spare
+
+    def evict(self, reason: str) -> None:
+        pass  # one node: no spare to take its place

@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
 from relaunch.core.workers.stragglers import SlowNode
+
+if TYPE_CHECKING:
+    from relaunch.core.workers.eviction import Evict
 
 #: What a checked field may be: an integer (never a bool), a number, a string.
 _KINDS: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "string": (str,)}
@@ -275,10 +278,20 @@ class Slowest(Value):
 class JobView(Value):
     """Group rank 0's verdict on the job: its median rate, the ranks below it (global rank ->
     rate), the slowest rank, the job's pace (the slowest rank's rate), the seconds left (None:
-    unknown), and the nodes flagged stragglers (``stragglers.flagged_nodes``: by their
-    sections' time or their rates)."""
+    unknown), the nodes flagged stragglers (``stragglers.flagged_nodes``: by their sections'
+    time or their rates) and the node it evicts as a straggler (``core.workers.eviction``;
+    None: none)."""
 
-    __slots__ = ("eta", "median", "posted_at", "rate", "slow_nodes", "slowest", "stragglers")
+    __slots__ = (
+        "eta",
+        "evict",
+        "median",
+        "posted_at",
+        "rate",
+        "slow_nodes",
+        "slowest",
+        "stragglers",
+    )
 
     median: float | None
     stragglers: dict[int, float]
@@ -287,6 +300,7 @@ class JobView(Value):
     eta: float | None
     posted_at: float
     slow_nodes: list[SlowNode]
+    evict: Evict | None
 
     def __init__(
         self,
@@ -297,13 +311,20 @@ class JobView(Value):
         eta: float | None,
         posted_at: float,
         slow_nodes: list[SlowNode] | None = None,
+        evict: Evict | None = None,
     ) -> None:
         self._set(median=median, stragglers=stragglers, slowest=slowest, rate=rate, eta=eta)
-        self._set(posted_at=posted_at, slow_nodes=slow_nodes or [])
+        self._set(posted_at=posted_at, slow_nodes=slow_nodes or [], evict=evict)
 
     def slow_ranks(self) -> set[int]:
         """Every rank flagged: below the median rate, or on a node flagged."""
         return set(self.stragglers).union(*(node.ranks for node in self.slow_nodes))
+
+    def as_dict(self) -> dict[str, Any]:
+        fields = super().as_dict()
+        if fields["evict"] is None:
+            del fields["evict"]  # the view of a job that evicts nobody, as it always was
+        return fields
 
     def encode(self) -> bytes:
         return json.dumps(self.as_dict(), separators=(",", ":")).encode()
@@ -326,6 +347,16 @@ class JobView(Value):
                 _field(item, "step", "integer"),
                 _field(item, "total", "integer", optional=True),
             )
+        evict = None
+        if data.get("evict") is not None:
+            from relaunch.core.workers.eviction import Evict  # only where a node is evicted
+
+            item = _object(data["evict"], "the node evicted")
+            evict = Evict(
+                _field(item, "node", "string"),
+                _field(item, "node_rank", "integer"),
+                _field(item, "line", "string"),
+            )
         return cls(
             _field(data, "median", "number", optional=True),
             slow,
@@ -334,6 +365,7 @@ class JobView(Value):
             _field(data, "eta", "number", optional=True),
             _field(data, "posted_at", "number"),
             [_slow_node(item) for item in _list(data.get("slow_nodes", []), "slow_nodes")],
+            evict,
         )
 
 

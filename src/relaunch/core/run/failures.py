@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from relaunch.core.run.culprit import Verdict
 
 #: What torch's ``ProcessFailure`` says where a field has no value: ``error_file`` without an
 #: error file, ``signal_name()`` without a signal.
@@ -276,19 +279,32 @@ def format_report(
     host: str,
     stopped: Iterable[int] = (),
     kept: Iterable[int] = (),
+    verdict: Verdict | None = None,
 ) -> str:
     """A failure report: the root cause first, then any other failures, then the stopped ranks
-    (``kept``: those of them that wait to restart in place, ``relaunch.restart_in_place``)."""
+    (``kept``: those of them that wait to restart in place, ``relaunch.restart_in_place``).
+    ``verdict``: a hang's, from every rank's stack (``core.run.culprit``): the root cause is
+    the rank it names (on this node or another), else the first failure."""
     waiting = sorted(kept)
     stopped = sorted(set(stopped) - set(waiting))
     if not failures:
         return f"{name} failed, but no failure was recorded"
-    first = root_cause_rank(failures)
     count = len(failures)
     summary = f"{name} failed: {count} worker{'s' if count != 1 else ''} failed"
     if stopped or waiting:
         summary += f", {len(stopped) + len(waiting)} stopped because of it"
-    sections = [summary, "Root cause (first failure):", _describe(first, failures[first], host)]
+    sections = [summary]
+    if verdict is None:
+        first: int | None = root_cause_rank(failures)
+        sections.append("Root cause (first failure):")
+    else:
+        here = [rank for rank in verdict.culprits if rank in failures]
+        first = here[0] if here else None if verdict.culprits else root_cause_rank(failures)
+        sections.append(f"Root cause (a hang, from every rank's stack): {verdict.line}")
+        if first is None:
+            sections.append("  not on this node: its report there shows the stack")
+    if first is not None:
+        sections.append(_describe(first, failures[first], host))
     others = sorted(rank for rank in failures if rank != first)
     if others:
         sections.append("Other failures:")

@@ -194,8 +194,8 @@ class Restarted(Value):
 
 
 class Hung(Value):
-    """A local rank missed its section's or heartbeat's deadline (``what``); every rank's
-    stack is being taken."""
+    """A local rank missed its section's or heartbeat's deadline, or fell silent past
+    ``--hang-timeout`` (``what``); every rank's stack is being taken."""
 
     __slots__ = ("restart_count", "what")
 

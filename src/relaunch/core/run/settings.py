@@ -64,23 +64,30 @@ class HangSettings(Value):
     (None: never by silence); ``timers``, a file timer server for ``relaunch.timer.expires``
     (None: when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); a node whose ranks spend
     ``straggler_factor`` times the other nodes' time in a section, or step below the job's
-    median rate divided by it, is flagged (``core.workers.stragglers``)."""
+    median rate divided by it, is flagged (``core.workers.stragglers``); a node flagged for
+    ``evict_stragglers`` seconds is evicted to a waiting spare (None: never;
+    ``core.workers.eviction``)."""
 
-    __slots__ = ("straggler_factor", "timeout", "timers")
+    __slots__ = ("evict_stragglers", "straggler_factor", "timeout", "timers")
 
     timeout: float | None
     timers: bool | None
     straggler_factor: float
+    evict_stragglers: float | None
 
     def __init__(
         self,
         timeout: float | None = None,
         timers: bool | None = None,
         straggler_factor: float = 1.5,
+        evict_stragglers: float | None = None,
     ) -> None:
         self._set(timeout=timeout, timers=timers, straggler_factor=straggler_factor)
+        self._set(evict_stragglers=evict_stragglers)
         if self.timeout is not None:
             check_seconds("hang_timeout", self.timeout, False)
+        if self.evict_stragglers is not None:
+            check_seconds("evict_stragglers", self.evict_stragglers, False)
 
 
 class HealthSettings(Value):

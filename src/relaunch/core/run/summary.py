@@ -31,6 +31,7 @@ class RunSummary(Value):
     __slots__ = (
         "elapsed",
         "goodput",
+        "hang",
         "log_dir",
         "outcome",
         "ranks",
@@ -50,6 +51,8 @@ class RunSummary(Value):
     stragglers: list[str]
     #: The goodput ledger's line: the time lost to restarts, by cause (``core.run.goodput``).
     goodput: str
+    #: The last hang's verdict: who the other ranks waited for (``core.run.culprit``), or "".
+    hang: str
 
     def __init__(
         self,
@@ -61,8 +64,10 @@ class RunSummary(Value):
         stop: str = "",
         stragglers: list[str] | None = None,
         goodput: str = "",
+        hang: str = "",
     ) -> None:
         self._set(outcome=outcome, elapsed=elapsed, log_dir=log_dir, stop=stop, goodput=goodput)
+        self._set(hang=hang)
         self._set(ranks=[] if ranks is None else ranks)
         self._set(restarts=[] if restarts is None else restarts)
         self._set(stragglers=[] if stragglers is None else stragglers)
@@ -114,6 +119,8 @@ def format_summary(summary: RunSummary) -> str:
     for number, reason in enumerate(summary.restarts, 1):
         lines.append(f"  restart {number}: {_restart(reason)}")
     lines.extend(f"  straggler: {line}" for line in summary.stragglers)
+    if summary.hang:
+        lines.append(f"  hang: {summary.hang}")
     if summary.goodput:
         lines.append(f"  {summary.goodput}")
     if summary.log_dir:

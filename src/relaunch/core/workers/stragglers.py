@@ -213,14 +213,18 @@ class SlowNode(Value):
     def describe(self) -> str:
         """One line: the node, its ranks found slow, and the measurement that found them."""
         where = f"node {self.node} (node {self.node_rank}, {ranks_text(self.ranks)})"
+        return f"{where} is a straggler: {self.reason()}"
+
+    def reason(self) -> str:
+        """The measurement that found it: ``'compute' takes 0.52 s a step, ...``."""
         if self.section:
             return (
-                f"{where} is a straggler: {self.section!r} takes {_seconds(self.value)} s a step, "
-                f"the other nodes' median is {_seconds(self.median)} s"
+                f"{self.section!r} takes {_seconds(self.value)} s a step, the other nodes' "
+                f"median is {_seconds(self.median)} s"
             )
         return (
-            f"{where} is a straggler: {self.value:.3g} steps/s, the job's median is "
-            f"{self.median:.3g} (flagged below 1/{self.factor:g} of it)"
+            f"{self.value:.3g} steps/s, the job's median is {self.median:.3g} (flagged below "
+            f"1/{self.factor:g} of it)"
         )
 
 
