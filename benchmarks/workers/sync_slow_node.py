@@ -1,6 +1,9 @@
 """A synchronous gloo training loop with a slow node, for the straggler test and benchmark:
 python sync_slow_node.py OUT SLOW_NODE SLOW_AFTER [COMPUTE_S].
 
+SLOW_NODE is a group rank, or ``env``: the ranks whose agent has ``SLOW_NODE=1`` in its
+environment are slow (a machine that is slow, wherever the rendezvous places it).
+
 Every step, each rank reports its progress, computes inside ``relaunch.section("compute")``
 (COMPUTE_S seconds, 0.02 by default; five times that on the ranks of group rank SLOW_NODE from
 step SLOW_AFTER on) and all-reduces a tensor, so that every rank steps at the slowest one's
@@ -23,9 +26,13 @@ import relaunch
 
 
 def main() -> int:
-    out, slow_node, slow_after = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out, slow_after = pathlib.Path(sys.argv[1]), int(sys.argv[3])
     compute = float(sys.argv[4]) if len(sys.argv) > 4 else 0.02
     rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
+    if sys.argv[2] == "env":
+        slow_here = os.environ.get("SLOW_NODE") == "1"
+    else:
+        slow_here = node == int(sys.argv[2])
     dist.init_process_group("gloo")
     (out / f"start.{rank}").write_text(repr(time.time()))
     flag = torch.zeros(1)
@@ -33,7 +40,7 @@ def main() -> int:
     while True:
         step += 1
         relaunch.report_progress(step)
-        slow = node == slow_node and step >= slow_after
+        slow = slow_here and step >= slow_after
         if slow and step == slow_after:
             (out / f"onset.{rank}").write_text(repr(time.time()))
         with relaunch.section("compute"):
