@@ -9,10 +9,15 @@ owner's ``admit`` first (a connection cap: the owner rests the listener until on
 makes room), and out of descriptors (``EMFILE``) rests a while instead of spinning. Everything
 it needs is imported here, not where first used: an import opens a file, which the back-off from
 ``EMFILE`` would not get.
+
+A listener a worker may reach is bound before the workers start (``bind_tcp``, ``bind_unix``: a
+worker that connects first waits in its backlog) and served once they started: these bind with
+``_socket`` alone, and ``adopt`` loads ``socket`` (2 ms of imports) off the workers' start.
 """
 
 from __future__ import annotations
 
+import _socket
 import errno
 import heapq
 import itertools
@@ -36,7 +41,66 @@ OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno
 #: The longest one select() sleeps: epoll refuses timeouts over ~24.8 days.
 _MAX_SELECT = 3600.0
 
+#: Connections the kernel holds for a TCP listener before they are accepted: every rank's at
+#: once.
+TCP_BACKLOG = 4096
+
 Handler = Callable[[int], None]
+
+
+def bind_tcp(port: int, host: str | None, backlog: int = TCP_BACKLOG) -> tuple[int | None, str]:
+    """A descriptor listening on TCP ``port``: of ``host`` alone where it is a loopback address
+    (``127.x.y.z`` or ``::1``), else of every address (IPv6 and IPv4 where the host has IPv6,
+    IPv4 alone where not); or None and why the port cannot be bound."""
+    places = [(_socket.AF_INET6, "::"), (_socket.AF_INET, "0.0.0.0")]
+    if host is not None and host.startswith("127."):
+        places = [(_socket.AF_INET, host)]
+    elif host == "::1":
+        places = [(_socket.AF_INET6, host)]
+    why = "no address to bind"
+    for family, address in places:
+        try:
+            sock = _socket.socket(family, _socket.SOCK_STREAM)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            continue
+        try:
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            if address == "::":
+                sock.setsockopt(_socket.IPPROTO_IPV6, _socket.IPV6_V6ONLY, 0)
+            sock.bind((address, port))
+            sock.listen(backlog)
+        except OSError as exc:
+            sock.close()
+            why = exc.strerror or str(exc)
+            if address == "::" and exc.errno != errno.EADDRINUSE:
+                continue  # a host without IPv6
+            return None, why
+        return sock.detach(), ""
+    return None, why
+
+
+def bind_unix(path: str, backlog: int) -> int:
+    """A descriptor listening on a new Unix ``SOCK_SEQPACKET`` socket at ``path``, mode 0600."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    try:
+        previous = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(previous)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def adopt(descriptor: int) -> socket.socket:
+    """The socket of a ``bind_tcp`` or ``bind_unix`` descriptor, to serve."""
+    import socket  # once the workers started: not on their way
+
+    return socket.socket(fileno=descriptor)
 
 
 class Timer:

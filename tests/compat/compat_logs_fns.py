@@ -13,7 +13,8 @@ import os
 import sys
 from typing import Any
 
-from relaunch.core.workers.logs_specs import LogsDest, LogsSpecs
+from relaunch.core.workers.logs_dest import LogsDest
+from relaunch.core.workers.logs_specs import LogsSpecs
 
 
 def print_lines(tag: str) -> str:

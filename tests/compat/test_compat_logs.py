@@ -28,7 +28,8 @@ from conftest import LeakCheck, relaunch_cli
 
 from relaunch import LaunchConfig, elastic_launch
 from relaunch.config import ConfigError
-from relaunch.core.workers.logs_specs import LogsDest, rank_io_of
+from relaunch.core.workers.logs_dest import LogsDest
+from relaunch.core.workers.logs_specs import rank_io_of
 from relaunch.core.workers.rank_io import DEVNULL
 from relaunch.endpoints import find_free_port
 from relaunch.procs import DefaultLogsSpecs, Std, TailLog, start_processes

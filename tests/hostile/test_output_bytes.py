@@ -229,3 +229,50 @@ def test_a_200_mb_line_passes_in_bounded_memory(tmp_path, leaks: LeakCheck, flag
         assert os.path.getsize(shown) == LONG_LINE + len(b"\nwritten\n"), "byte for byte"
     (log,) = glob.glob(f"{tmp_path}/logs/*/attempt_0/0/stdout.log")
     assert os.path.getsize(log) == LONG_LINE + len(b"\nwritten\n")
+
+
+@pytest.mark.parametrize("ending", [b"", b"\n"], ids=["the-stream-ends", "a-newline"])
+def test_a_bar_printed_in_its_final_state_is_not_printed_again_as_it_ends(ending: bytes) -> None:
+    """Off a terminal a bar's refresh is printed at once, then at most once a second, and its
+    final state as it ends: its stream ends, or a newline makes its row a line (tqdm's close).
+    Every record read in one round, before that end (the worker wrote them all before the
+    monitor woke): the refresh printed is the final state, which its end printed a second
+    time (test_log_files_get_every_byte[--tee], seen once under load)."""
+    import io
+    import selectors
+
+    from relaunch.procs.console import Console
+    from relaunch.procs.output_rounds import OutputRounds
+    from relaunch.procs.rank_streams import TeeStream
+    from relaunch.runtime import ManualClock
+
+    err = io.TextIOWrapper(io.BytesIO())  # no fileno: the console writes to .buffer
+    console = Console(io.TextIOWrapper(io.BytesIO()), err, clock=ManualClock())
+    read_fd, write_fd = os.pipe()
+    stream = TeeStream(read_fd, None, console, b"[default0]:", err=True)
+    shown = err.buffer  # type: ignore[attr-defined]
+    with selectors.DefaultSelector() as selector:
+        selector.register(read_fd, selectors.EVENT_READ)
+        rounds = OutputRounds(selector)
+        try:
+            os.write(write_fd, RECORDS_TEXT)
+            rounds.pump(stream)  # a read short of the pipe's size: its end not seen yet
+            rounds.flush()
+            console.tick()  # the bar's first refresh: its final state
+            assert shown.getvalue() == b"[default0]:rec 999\n"
+            if ending:
+                os.write(write_fd, ending + b"done\n")
+                rounds.pump(stream)
+                rounds.flush()
+                console.tick()
+            os.close(write_fd)
+            write_fd = -1
+            rounds.pump(stream)  # the end of the stream
+            rounds.flush()
+            console.tick()
+        finally:
+            if write_fd >= 0:
+                os.close(write_fd)
+    after = b"[default0]:done\n" if ending else b""
+    assert shown.getvalue() == b"[default0]:rec 999\n" + after, "printed once"
+    assert not stream.open

@@ -15,11 +15,14 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from conftest import LeakCheck, relaunch_cli, wait_until
 
 import relaunch.store.torch_wire_shapes as wire
+from relaunch.agent.hook_torch_store import TorchStoreHook
+from relaunch.endpoints import find_free_port
 from relaunch.store.torch_wire import TorchWireServer, listen
 
 pytestmark = [pytest.mark.xdist_group("torch")]
@@ -165,6 +168,40 @@ def test_the_port_is_free_again_once_stopped_and_a_taken_one_is_said() -> None:
     taken, why = listen(port, "127.0.0.1")
     assert taken is None and why == "Address already in use"
     server.stop()
+    again, _ = listen(port, "127.0.0.1")
+    assert again is not None
+    again.close()
+
+
+def _rank_0_of_one_node(port: int) -> SimpleNamespace:
+    """What ``TorchStoreHook`` reads of an attempt: group rank 0 of one node, one worker."""
+    spec = SimpleNamespace(local_world_size=1)
+    group = SimpleNamespace(
+        group_rank=0, group_world_size=1, master_addr="127.0.0.1", master_port=port, spec=spec
+    )
+    return SimpleNamespace(group=group, agent_store=None)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_connects_before_the_store_is_served_is_answered_once_it_is() -> None:
+    """The agent binds the port before its workers start and serves it once they started (its
+    imports are off their way): a rank that connects in between waits in the backlog, and its
+    requests are answered as the server starts; an attempt whose workers never started lets
+    the port go."""
+    port = find_free_port()
+    hook, run = TorchStoreHook(), _rank_0_of_one_node(port)
+    hook.starting(run)  # type: ignore[arg-type]
+    assert run.agent_store is True
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as early:
+        early.sendall(
+            bytes([wire.VALIDATE]) + wire.nonce(wire.MAGIC) + bytes([wire.SET])
+            + wire.blob(b"early") + wire.blob(b"1") + bytes([wire.PING]) + wire.nonce(7)
+        )  # fmt: skip
+        hook.started(run)  # type: ignore[arg-type]
+        assert early.recv(4) == wire.nonce(7)
+    raw_set(port, b"later", b"2")
+    hook.starting(run)  # type: ignore[arg-type]  # the next attempt: a new store, not served
+    hook.close()
     again, _ = listen(port, "127.0.0.1")
     assert again is not None
     again.close()

@@ -49,6 +49,7 @@ NOT_FOR_A_SINGLE_NODE = (
     "relaunch.rendezvous.static",
     "relaunch.agent.api",  # torch's paths, for code written against them
     "relaunch.agent.local_elastic_agent",
+    "relaunch.core.workers.logs_dest",  # torch's LogsDest: a LogsSpecs' reify makes one
 )
 
 #: The dataclasses a standalone launch creates: Python 3.11 compiles each one's methods with
@@ -58,7 +59,7 @@ NOT_FOR_A_SINGLE_NODE = (
 #: relaunch's own is a ``relaunch.core.value.Value`` and a record whose fields change a plain
 #: class with ``__slots__`` (``agent.hooks.Run``, ``WorkerProcess``), which cost microseconds. A
 #: new dataclass on the launch path is a choice: change this number with it.
-LAUNCH_DATACLASSES = 8
+LAUNCH_DATACLASSES = 7
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,39 @@ def test_a_standalone_launch_creates_only_the_dataclasses_it_must(
         f"a standalone launch creates {len(made)} dataclasses, not {LAUNCH_DATACLASSES}:\n  "
         + "\n  ".join(made)
     )
+
+
+#: Loaded by a standalone launch, but only once its workers started: off their way.
+AFTER_THE_WORKERS_START = (
+    "socket",  # 2 ms of imports: the listeners are bound with _socket (server_loop.bind_*)
+    "relaunch.store.torch_wire",  # torch's store, served once the workers started
+)
+
+
+def test_a_standalone_launch_starts_its_workers_before_it_loads_sockets(tmp_path) -> None:
+    """What is loaded when the first worker is started: the agent binds torch's store and the
+    parking lot before (a worker that connects early waits in the backlog), and serves them
+    once the workers started."""
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    probe = (
+        "import json, sys, _posixsubprocess\n"
+        "seen = []\n"
+        "fork_exec = _posixsubprocess.fork_exec\n"
+        "def watched(*args):\n"
+        f"    if not seen and {str(script)!r} in args[0]:\n"
+        "        seen.append(sorted(sys.modules))\n"
+        "    return fork_exec(*args)\n"
+        "_posixsubprocess.fork_exec = watched\n"
+        "from relaunch.cli import main\n"
+        f"code = main(['--standalone', '--nproc-per-node', '2', {str(script)!r}])\n"
+        "print(json.dumps({'code': code, 'at_the_first_worker': seen[0] if seen else None,\n"
+        "                  'at_the_end': sorted(sys.modules)}))\n"
+    )
+    launch = _probe(probe, tmp_path)
+    assert launch["code"] == 0 and launch["at_the_first_worker"] is not None
+    assert sorted(set(AFTER_THE_WORKERS_START) & set(launch["at_the_first_worker"])) == []
+    assert set(AFTER_THE_WORKERS_START) <= set(launch["at_the_end"])  # still served
 
 
 def test_the_collector_is_on_again_before_the_agent_runs(tmp_path) -> None:

@@ -4,14 +4,20 @@ shown by its fields, and pickled or copied whole although it refuses every ``set
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
 
+from relaunch.agent.spec import RunResult, WorkerSpec, WorkerState
 from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange
 from relaunch.core.rendezvous.node_order import Placing
 from relaunch.core.rendezvous.rounds import Final, Settings
-from relaunch.core.value import Value
+from relaunch.core.value import DataclassMethods, Value
+from relaunch.procs.group_result import RunProcsResult
+from relaunch.procs.process_failure import ProcessFailure
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.rendezvous.info import RendezvousStoreInfo
 
 
 class Point(Value):
@@ -66,3 +72,51 @@ def test_pickled_and_copied_whole() -> None:
         assert copy.deepcopy(value) == value
     with pytest.raises(AttributeError):
         pickle.loads(pickle.dumps(final)).count = 3
+
+
+# -- DataclassMethods: torch's public dataclasses' __repr__ and __eq__, not compiled at import --
+
+
+def _as_plain_dataclass(kind: type) -> type:
+    """A twin of the public dataclass ``kind`` whose ``__repr__`` and ``__eq__`` dataclass
+    compiles itself: the methods ``DataclassMethods`` must match."""
+    twin = type(kind.__name__, (), {"__annotations__": {}, "__qualname__": kind.__qualname__})
+    for field in dataclasses.fields(kind):
+        twin.__annotations__[field.name] = field.type
+        setattr(twin, field.name, dataclasses.field(repr=field.repr, compare=field.compare))
+    return dataclasses.dataclass(init=False)(twin)
+
+
+def _copied_into(value: object, kind: type) -> object:
+    twin = object.__new__(kind)
+    for field in dataclasses.fields(value):  # type: ignore[arg-type]
+        setattr(twin, field.name, getattr(value, field.name))
+    return twin
+
+
+PUBLIC_DATACLASSES = [
+    WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=None, entrypoint="train.py"),  # type: ignore[arg-type]
+    RunResult(WorkerState.FAILED, {0: 1}, {}, [1]),
+    RunProcsResult(return_values={0: None}, stdouts={0: "out"}),
+    ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file="/nowhere/error.json"),
+    RendezvousStoreInfo("127.0.0.1", 29500),
+    RendezvousParameters("c10d", "127.0.0.1:29400", "job", 1, 2, timeout=30),
+]
+
+
+@pytest.mark.parametrize("value", PUBLIC_DATACLASSES, ids=lambda value: type(value).__name__)
+def test_public_dataclasses_compare_and_show_as_dataclass_would(value: object) -> None:
+    kind = type(value)
+    assert isinstance(value, DataclassMethods) and dataclasses.is_dataclass(kind)
+    twin_kind = _as_plain_dataclass(kind)
+    twin = _copied_into(value, twin_kind)
+    if "__repr__" not in vars(kind):  # RendezvousParameters shows its config redacted
+        assert repr(value) == repr(twin)
+    same, changed = copy.copy(value), copy.copy(value)
+    first = next(f.name for f in dataclasses.fields(kind) if f.compare)  # type: ignore[arg-type]
+    setattr(changed, first, object())
+    assert (value == same, value == changed, value != same) == (True, False, False)
+    assert (twin == copy.copy(twin), twin == _copied_into(changed, twin_kind)) == (True, False)
+    assert value.__eq__(twin) is NotImplemented  # another class: as dataclass's
+    with pytest.raises(TypeError):
+        hash(value)  # a dataclass that compares and is not frozen is not hashable

@@ -6,15 +6,18 @@ group rank 0, a server of torch's ``TCPStore`` wire protocol (``store.torch_wire
 Workers that connect as clients only (torchft's ``Manager``, code written for torchrun) find a
 store there; a rank that asks before rank 0's ``init_process_group`` is never refused. The port
 is bound and listened on as the attempt starts (``starting``, before the state record lets the
-other nodes start their workers), and served on one thread from then on; each attempt has a
-new, empty store, stopped with the attempt's workers (the port is free again for the next). A
-port that cannot be bound is said once, and worker rank 0 serves the store instead
-(``TORCHELASTIC_USE_AGENT_STORE=False``), as torch does without an agent's store.
+other nodes start their workers), and served on one thread once this node's workers started
+(``started``: the server's imports are off their way; a rank that connects first waits in the
+listener's backlog); each attempt has a new, empty store, stopped with the attempt's workers
+(the port is free again for the next). A port that cannot be bound is said once, and worker
+rank 0 serves the store instead (``TORCHELASTIC_USE_AGENT_STORE=False``), as torch does without
+an agent's store.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
@@ -23,6 +26,7 @@ from relaunch.agent.hooks import AttemptHook, Run
 from relaunch.core.run.stop_plan import Feature, StopPhase
 from relaunch.endpoints import is_loopback
 from relaunch.runtime import raise_open_file_limit
+from relaunch.server_loop import adopt, bind_tcp
 
 if TYPE_CHECKING:
     from relaunch.store.torch_wire import TorchWireServer
@@ -45,6 +49,10 @@ class TorchStoreHook(AttemptHook):
 
     def __init__(self) -> None:
         self._server: TorchWireServer | None = None
+        #: The port's listening descriptor, bound for the attempt and not served yet, and the
+        #: connections its server will hold.
+        self._bound: int | None = None
+        self._max_connections = MIN_CONNECTIONS
         self._unbound_said = False
 
     def starting(self, run: Run) -> None:
@@ -54,11 +62,9 @@ class TorchStoreHook(AttemptHook):
         if group.group_rank != 0:
             return
         assert group.master_addr is not None and group.master_port is not None
-        from relaunch.store.torch_wire import TorchWireServer, listen  # sockets: when served
-
         host = group.master_addr if is_loopback(group.master_addr) else None
-        listener, why = listen(group.master_port, host)  # one node's on loopback only
-        if listener is None:
+        bound, why = bind_tcp(group.master_port, host)  # one node's on loopback only
+        if bound is None:
             run.agent_store = False
             if not self._unbound_said:
                 self._unbound_said = True
@@ -70,7 +76,14 @@ class TorchStoreHook(AttemptHook):
                 )
             return
         ranks = (group.group_world_size or 1) * group.spec.local_world_size
-        self._server = TorchWireServer(listener, max_connections(ranks)).start()
+        self._bound, self._max_connections = bound, max_connections(ranks)  # before the workers
+
+    def started(self, run: Run) -> None:
+        bound, self._bound = self._bound, None
+        if bound is not None:
+            from relaunch.store.torch_wire import TorchWireServer  # sockets: once served
+
+            self._server = TorchWireServer(adopt(bound), self._max_connections).start()
 
     def features(self) -> Collection[Feature]:
         return (Feature.TORCH_STORE,)
@@ -92,6 +105,9 @@ class TorchStoreHook(AttemptHook):
         self._stop()
 
     def _stop(self) -> None:
+        bound, self._bound = self._bound, None
+        if bound is not None:  # the workers never started
+            os.close(bound)
         server, self._server = self._server, None
         if server is not None:
             server.stop()

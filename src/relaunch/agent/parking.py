@@ -25,10 +25,10 @@ import logging
 import os
 import selectors
 import signal
-import socket
 import struct
 import threading
 from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
 from relaunch.in_place import GO_ON, MAX_MESSAGE, PARKED, PARKING_ENV, RESUME
 from relaunch.procs.guardian import guardian
@@ -36,7 +36,10 @@ from relaunch.procs.handles import PopenHandle, ProcessHandle, signal_tree
 from relaunch.procs.monitor import KILL_DEADLINE
 from relaunch.procs.worker_process import FailureGrace
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.server_loop import Listener, ServerLoop, Timer
+from relaunch.server_loop import Listener, ServerLoop, Timer, adopt, bind_unix
+
+if TYPE_CHECKING:
+    import socket  # loaded as the lot is served (``serve``), after the workers started
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +85,9 @@ class ParkingLot:
         self._workers = workers
         self.wait = wait
         self._clock = clock
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        previous = os.umask(0o177)
-        try:
-            self._listener.bind(path)
-        finally:
-            os.umask(previous)
+        #: Listening from here on; a socket once served (``serve``).
+        self._listener: int | socket.socket = bind_unix(path, 64)
         guardian().register_file(path)
-        self._listener.listen(64)
         self._lock = threading.Condition()
         self._connections: dict[int, socket.socket] = {}  # pid -> its connection
         self._parked: dict[int, float] = {}  # pid -> when it parked
@@ -109,7 +107,6 @@ class ParkingLot:
         self._loop = ServerLoop(clock)
         self._loop.after_events = self._tend
         self._due: Timer | None = None  # the unexplained park's deadline
-        Listener(self._loop, self._listener, self._accept, name="parking lot", per_turn=1)
         if serve:
             self.serve()
 
@@ -117,6 +114,9 @@ class ParkingLot:
         """Start the lot's thread (once): till then a worker's connection waits in the backlog,
         so an agent starts it after its workers, off their start-up's path."""
         if self._loop.thread is None:
+            assert isinstance(self._listener, int), "served once"
+            self._listener = adopt(self._listener)
+            Listener(self._loop, self._listener, self._accept, name="parking lot", per_turn=1)
             self._loop.start("relaunch-parking")
 
     def env(self) -> dict[str, str]:
@@ -195,6 +195,8 @@ class ParkingLot:
         try:
             if len(message) > MAX_MESSAGE:
                 raise OSError(f"its environment is over {MAX_MESSAGE} bytes")
+            import socket  # served: loaded
+
             socket.send_fds(connection, [message], fds)
         except OSError as exc:
             log.warning("cannot hand pid %d its attempt (%s): it starts afresh", pid, exc)
@@ -211,7 +213,10 @@ class ParkingLot:
         self._loop.stop()
         for connection in connections:
             connection.close()
-        self._listener.close()
+        if isinstance(self._listener, int):
+            os.close(self._listener)
+        else:
+            self._listener.close()
         self._loop.close()
         try:
             os.unlink(self.path)
@@ -263,6 +268,8 @@ class ParkingLot:
         return 0.0 if self._parked else None
 
     def _accept(self, connection: socket.socket, address: object) -> None:
+        import socket  # served: loaded
+
         credentials = connection.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size
         )

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.ranks import node_place
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, numa_binding_of
+from relaunch.core.value import DataclassMethods
 from relaunch.core.workers.ranks import DEFAULT_ROLE as DEFAULT_ROLE  # torch's name, said in core
 from relaunch.core.workers.ranks import WorkerRanks, ranks_of
 from relaunch.core.workers.streams import Std
@@ -38,8 +39,8 @@ class WorkerState(str, enum.Enum):
         return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
 
 
-@dataclass
-class WorkerSpec:
+@dataclass(repr=False, eq=False)  # DataclassMethods: not compiled at import
+class WorkerSpec(DataclassMethods):
     """What to run on this node: the entrypoint, how many copies, and the restart budget.
 
     ``entrypoint`` is a function (run with multiprocessing) or a binary path; ``args`` are passed
@@ -204,8 +205,8 @@ class WorkerGroup:
         return {self.workers[local].global_rank: value for local, value in by_local_rank.items()}
 
 
-@dataclass
-class RunResult:
+@dataclass(repr=False, eq=False)
+class RunResult(DataclassMethods):
     """How a run ended. ``return_values`` and ``failures`` are keyed by global rank;
     ``stopped`` lists the global ranks stopped only because another failed; ``verdict``: a
     hang's culprit, from every rank's stack (``core.run.culprit``), or ""."""

@@ -192,8 +192,8 @@ JOB_FLAGS = [
     Flag(
         "restarts",
         ("--hang-timeout",),
-        "restart the group when a worker shows no sign of life (output, timer activity) for "
-        "this long; the report names the rank the others wait for",
+        "restart the group when a worker shows no sign of life (output, timer activity) "
+        "for this long; the report names the rank the others wait for",
         None,
         checked("parse_seconds", True),
         metavar="SECONDS",
@@ -223,9 +223,8 @@ JOB_FLAGS = [
     Flag(
         "restarts",
         ("--straggler-factor",),
-        "flag a node whose ranks spend more than this times the other nodes' time a step in a "
-        "relaunch.section, or whose steps per second (report_progress) fall below the job's "
-        "median divided by this",
+        "flag a rank whose steps per second (report_progress) fall below the job's median "
+        "divided by this",
         1.5,
         checked("parse_factor"),
         metavar="F",

@@ -11,10 +11,11 @@ from relaunch.procs.context import (
     start_processes,
 )
 from relaunch.procs.errors import ChildFailedError, SignalException, record
-from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsDest, LogsSpecs
+from relaunch.procs.logs_specs import DefaultLogsSpecs, LogsSpecs
 from relaunch.runtime import lazy_attributes
 
 if TYPE_CHECKING:
+    from relaunch.core.workers.logs_dest import LogsDest
     from relaunch.procs.process_failure import ProcessFailure
     from relaunch.procs.tail import TailLog
 
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 #: The names that load on first use, by the module that defines each (the launcher needs none).
-_LAZY = {"ProcessFailure": "relaunch.procs.process_failure", "TailLog": "relaunch.procs.tail"}
+_LAZY = {
+    "LogsDest": "relaunch.core.workers.logs_dest",
+    "ProcessFailure": "relaunch.procs.process_failure",
+    "TailLog": "relaunch.procs.tail",
+}
 
 __getattr__ = lazy_attributes(__name__, _LAZY)

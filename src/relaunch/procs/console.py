@@ -233,6 +233,17 @@ class Console:
             if key in self._bars:
                 self._remove(key, print_last)
 
+    def unprinted(self, key: str, lines: bytes) -> bytes:
+        """``lines`` (rendered, each ended) that bar ``key``'s row became, less their first
+        where that is what the bar's last refresh printed off a terminal, still its state: a
+        log has it already."""
+        with self._lock:
+            bar = self._bars.get(key)
+            if bar is None or bar.live or bar.printed != bar.text:
+                return lines
+            printed = bar.text + b"\n"
+            return lines[len(printed) :] if lines.startswith(printed) else lines
+
     def add_source(self, source: BarSource) -> None:
         """Ask ``source`` for bars at every tick (the threads that tick are woken to start)."""
         with self._lock:  # held while waking: a waker removed is never called afterwards

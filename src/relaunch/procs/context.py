@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any, overload
 
 from relaunch.core.defaults import DEFAULT_SHUTDOWN_TIMEOUT, START_METHODS
 from relaunch.core.workers.call_forms import CallForm, choose
-from relaunch.core.workers.logs_specs import (
+from relaunch.core.workers.logs_specs import LogsSpecs, is_logs_specs, rank_io_of
+from relaunch.core.workers.macros import substitute_local_rank
+from relaunch.core.workers.rank_io import (
     FILTERED_STDERR_LOG,
     FILTERED_STDOUT_LOG,
-    LogsSpecs,
-    is_logs_specs,
-    rank_io_of,
+    RankIO,
+    plan_rank_io,
 )
-from relaunch.core.workers.macros import substitute_local_rank
-from relaunch.core.workers.rank_io import RankIO, plan_rank_io
 from relaunch.core.workers.streams import Std
 from relaunch.procs.affinity import starting_on
 from relaunch.procs.base import PContext, Resume

@@ -9,6 +9,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from relaunch.core.value import DataclassMethods
 from relaunch.core.workers.rank_io import RankIO
 from relaunch.procs.errors import exception_error_data, write_error_file
 from relaunch.procs.handles import StuckWorker
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RunProcsResult:
+@dataclass(repr=False, eq=False)  # DataclassMethods: not compiled at import
+class RunProcsResult(DataclassMethods):
     """The outcome of a finished group.
 
     ``return_values`` maps local rank to what a function returned (None for binaries) when all

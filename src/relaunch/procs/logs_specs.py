@@ -12,20 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from relaunch.core.value import Value
 from relaunch.core.workers.logs_specs import (
-    LogsDest,
     LogsSpecs,
     console_ranks_of,
-    devnull_dest,
     is_logs_specs,
-    logs_dest_of,
     rank_io_of,
 )
 from relaunch.core.workers.rank_io import plan_rank_io
 from relaunch.core.workers.streams import Std
 from relaunch.procs.errors import ERROR_FILE_ENV
+from relaunch.runtime import lazy_attributes
+
+if TYPE_CHECKING:
+    from relaunch.core.workers.logs_dest import LogsDest
 
 __all__ = [
     "DefaultLogsSpecs",
@@ -40,6 +42,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: torch's ``LogsDest`` loads when used: a launch without ``logs_specs`` makes none.
+__getattr__ = lazy_attributes(__name__, {"LogsDest": "relaunch.core.workers.logs_dest"})
 
 #: The prefix of the temporary directory logs go to when no ``log_dir`` is given.
 TEMP_PREFIX = "relaunch_"
@@ -108,6 +113,8 @@ class DefaultLogsSpecs(LogsSpecs):
         """The paths of this attempt's logs: ``TORCHELASTIC_RUN_ID`` and
         ``TORCHELASTIC_RESTART_COUNT`` of ``envs[0]`` name its directory; each worker's
         ``TORCHELASTIC_ERROR_FILE`` is set in ``envs``."""
+        from relaunch.core.workers.logs_dest import devnull_dest, logs_dest_of
+
         nprocs = len(envs)
         first = envs[0] if nprocs else {}
         if not nprocs:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaunch.core.run import failures as core_failures
+from relaunch.core.value import DataclassMethods
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,8 @@ NO_DETAIL_HINT = (
 )
 
 
-@dataclass
-class ProcessFailure:
+@dataclass(repr=False, eq=False)  # DataclassMethods: not compiled at import
+class ProcessFailure(DataclassMethods):
     """A worker process that ended with a non-zero exit code, with torch's fields.
 
     From the error file (``@record`` wrote it): ``error_file_data`` is its JSON, ``message`` its

@@ -190,7 +190,10 @@ class TeeStream:
             return
         lines, bar = self.framer.feed(chunk)
         if lines:
-            self._add_pending(self.console.render(lines, self.prefix))
+            shown = self.console.render(lines, self.prefix)
+            if self.bar is not None and bar is None:  # its row ended: a line now
+                shown = self.console.unprinted(self.key, shown)
+            self._add_pending(shown)
             if self.copy is not None:
                 self.copy.take(self.copy_prefix, lines)
         if bar is not None or self.bar is not None:
@@ -255,7 +258,10 @@ class TeeStream:
         self.open = False
         if self.shown and not self.verbatim:
             last = self.framer.flush()
-            self._add_pending(self.console.render(last, self.prefix))
+            shown = self.console.render(last, self.prefix)
+            if self.bar is not None:  # its rows end as lines
+                shown = self.console.unprinted(self.key, shown)
+            self._add_pending(shown)
             if self.copy is not None:
                 self.copy.take(self.copy_prefix, last)
         if self.held:

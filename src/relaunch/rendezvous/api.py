@@ -13,6 +13,7 @@ from typing import Any
 from relaunch.core.rendezvous.membership import MembershipChange, decode_change
 from relaunch.core.rendezvous.rdzv_conf import redacted
 from relaunch.core.run.exclusion import NodeRecord, decode_record
+from relaunch.core.value import DataclassMethods
 from relaunch.rendezvous.info import RendezvousInfo, RendezvousStoreInfo
 from relaunch.runtime import ExplainedError
 
@@ -127,8 +128,8 @@ def store_record(key: str, raw: bytes | None) -> NodeRecord:
         raise BadStoreValue(key, raw, exc) from None
 
 
-@dataclass(init=False, repr=False)  # its own: dataclass's would be compiled unused
-class RendezvousParameters:
+@dataclass(init=False, repr=False, eq=False)  # dataclass's would be compiled at import
+class RendezvousParameters(DataclassMethods):
     """What a handler is built from: the CLI's ``--rdzv-*`` flags and ``--rdzv-conf`` pairs."""
 
     backend: str

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from relaunch.core.value import DataclassMethods
+
 __all__ = ["RendezvousInfo", "RendezvousStoreInfo"]
 
 
-@dataclass
-class RendezvousStoreInfo:
+@dataclass(repr=False, eq=False)  # DataclassMethods: not compiled at import
+class RendezvousStoreInfo(DataclassMethods):
     """Where the workers find their store: ``MASTER_ADDR`` and ``MASTER_PORT`` (torch 2.13's
     ``RendezvousStoreInfo``)."""
 

@@ -23,7 +23,6 @@ port is open to anyone who reaches it:
 
 from __future__ import annotations
 
-import errno
 import logging
 import selectors
 import socket
@@ -33,7 +32,7 @@ from typing import Any
 
 import relaunch.store.torch_wire_shapes as wire
 from relaunch.runtime import SYSTEM_CLOCK, Clock
-from relaunch.server_loop import Listener, ServerLoop, Timer
+from relaunch.server_loop import Listener, ServerLoop, Timer, adopt, bind_tcp
 from relaunch.store.refusals import Refusals
 from relaunch.store.torch_wire_shapes import BadRequest
 
@@ -49,44 +48,16 @@ MAX_HELD = 1 << 30
 ENTRY_COST = 100
 #: Unsent reply bytes of a client above which its requests are no longer read.
 OUT_HIGH_WATER = 1 << 20
-#: Connections the kernel holds before they are accepted: every rank's at once.
-BACKLOG = 4096
 #: Connections closed after the first are summed up in one log line per this many seconds.
 REFUSAL_SUMMARY_INTERVAL = 10.0
 _RECV_SIZE = 1 << 16
 
 
 def listen(port: int, host: str | None = None) -> tuple[socket.socket | None, str]:
-    """A socket listening on ``port``: of ``host`` alone where it is a loopback address (a
-    job of one node: ``127.x.y.z`` or ``::1``), else of every address as torch's ``TCPStore``
-    listens (IPv6 and IPv4 where the host has IPv6, IPv4 alone where not); or None and why the
-    port cannot be bound."""
-    places = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
-    if host is not None and host.startswith("127."):
-        places = [(socket.AF_INET, host)]
-    elif host == "::1":
-        places = [(socket.AF_INET6, host)]
-    why = "no address to bind"
-    for family, address in places:
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-            continue
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if address == "::":
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind((address, port))
-            sock.listen(BACKLOG)
-        except OSError as exc:
-            sock.close()
-            why = exc.strerror or str(exc)
-            if address == "::" and exc.errno != errno.EADDRINUSE:
-                continue  # a host without IPv6
-            return None, why
-        return sock, ""
-    return None, why
+    """A socket listening on ``port`` (``server_loop.bind_tcp``), as torch's ``TCPStore``
+    listens where ``host`` is not loopback; or None and why the port cannot be bound."""
+    descriptor, why = bind_tcp(port, host)
+    return (None, why) if descriptor is None else (adopt(descriptor), "")
 
 
 class _Connection:

@@ -16,7 +16,8 @@ command prints (``relaunch.config`` makes it a ``ConfigError``). A new key is a 
 ``RendezvousSettings`` (or ``EtcdOptions``) and its line in ``_dynamic`` (or ``_etcd``).
 """
 
-from __future__ import annotations
+# Annotations evaluated, not postponed: a named tuple's field types are then classes,
+# where strings made typing compile a forward reference for each field at every start.
 
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple

@@ -22,7 +22,8 @@ A crash loop waits its backoff between restarts, and stops after restarts that m
 or failed the same way: such a stop tells every node not to requeue the job.
 """
 
-from __future__ import annotations
+# Annotations evaluated, not postponed: a named tuple's field types are then classes,
+# where strings made typing compile a forward reference for each field at every start.
 
 from typing import NamedTuple
 

@@ -8,7 +8,8 @@ that ``relaunch --dry-run`` prints instead (``agent.dry_run``). Named tuples, as
 (``core.run.step_types``): made at every launch, they cost a tenth of a dataclass.
 """
 
-from __future__ import annotations
+# Annotations evaluated, not postponed: a named tuple's field types are then classes,
+# where strings made typing compile a forward reference for each field at every start.
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -143,7 +144,7 @@ def plan_attempt(
     log_dir: str,
     *,
     extra_env: Mapping[str, str] | None = None,
-    placement: Placement | None = None,
+    placement: "Placement | None" = None,
     terminals: Std = Std.ALL,
     hang_detection: bool = False,
 ) -> AttemptPlan:

@@ -1,6 +1,7 @@
 """torch's logging API as values: ``LogsSpecs`` (where a group's logs go, decided per attempt by
-``reify``) and ``LogsDest`` (the paths it decided), and the one conversion between a
-``LogsDest`` and the per-rank plan (``core.workers.rank_io.RankIO``) that the process layer runs.
+``reify``), and the one conversion between the ``LogsDest`` it decides
+(``core.workers.logs_dest``) and the per-rank plan (``core.workers.rank_io.RankIO``) that the
+process layer runs.
 
 A ``LogsDest`` is torch's shape (per-rank maps of paths); relaunch's processes read a
 ``RankIO`` per rank. ``DefaultLogsSpecs`` (``procs.logs_specs``, which makes directories)
@@ -14,33 +15,13 @@ from __future__ import annotations
 import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relaunch.core.workers.rank_io import DEVNULL, RankIO, default_prefix
 from relaunch.core.workers.streams import Std, per_rank
 
-FILTERED_STDOUT_LOG = "filtered_stdout.log"
-FILTERED_STDERR_LOG = "filtered_stderr.log"
-
-
-@dataclass
-class LogsDest:
-    """For each kind of log, the file path of each local rank (torch's ``LogsDest``).
-
-    ``stdouts``/``stderrs``: "" where the stream goes to the console, ``os.devnull`` where it is
-    dropped; ``tee_stdouts``/``tee_stderrs``: the ranks whose log is also shown on the console,
-    with that log's path; ``error_files``: where each rank reports its failure;
-    ``filtered_stdout``/``filtered_stderr``: the files the duplicate filters write.
-    """
-
-    stdouts: dict[int, str] = field(default_factory=dict)
-    stderrs: dict[int, str] = field(default_factory=dict)
-    tee_stdouts: dict[int, str] = field(default_factory=dict)
-    tee_stderrs: dict[int, str] = field(default_factory=dict)
-    error_files: dict[int, str] = field(default_factory=dict)
-    filtered_stdout: str = field(default_factory=str)
-    filtered_stderr: str = field(default_factory=str)
+if TYPE_CHECKING:
+    from relaunch.core.workers.logs_dest import LogsDest
 
 
 class LogsSpecs(ABC):
@@ -79,35 +60,6 @@ def is_logs_specs(value: object) -> bool:
     """Whether ``value`` is a ``LogsSpecs``: relaunch's, or any object with torch's ``reify``
     (torch's own ``LogsSpecs`` subclasses, which relaunch takes without importing torch)."""
     return isinstance(value, LogsSpecs) or callable(getattr(type(value), "reify", None))
-
-
-def logs_dest_of(plan: Mapping[int, RankIO], attempt_dir: str) -> LogsDest:
-    """The ``LogsDest`` of ``plan`` (``plan_rank_io``'s), an attempt whose files are under
-    ``attempt_dir``: torch's layout, the filtered files beside the ranks' directories."""
-    return LogsDest(
-        stdouts={rank: io.stdout for rank, io in plan.items()},
-        stderrs={rank: io.stderr for rank, io in plan.items()},
-        tee_stdouts={rank: io.stdout for rank, io in plan.items() if io.tee_stdout},
-        tee_stderrs={rank: io.stderr for rank, io in plan.items() if io.tee_stderr},
-        error_files={rank: io.error_file for rank, io in plan.items()},
-        filtered_stdout=posixpath.join(attempt_dir, FILTERED_STDOUT_LOG),
-        filtered_stderr=posixpath.join(attempt_dir, FILTERED_STDERR_LOG),
-    )
-
-
-def devnull_dest(nprocs: int) -> LogsDest:
-    """torch's ``LogsDest`` for ``log_dir=os.devnull``: every stream on the console (redirects
-    and tees ignored), no error file."""
-    ranks = range(nprocs)
-    return LogsDest(
-        stdouts=dict.fromkeys(ranks, ""),
-        stderrs=dict.fromkeys(ranks, ""),
-        tee_stdouts=dict.fromkeys(ranks, DEVNULL),
-        tee_stderrs=dict.fromkeys(ranks, DEVNULL),
-        error_files=dict.fromkeys(ranks, DEVNULL),
-        filtered_stdout=posixpath.join(DEVNULL, FILTERED_STDOUT_LOG),
-        filtered_stderr=posixpath.join(DEVNULL, FILTERED_STDERR_LOG),
-    )
 
 
 def rank_io_of(

@@ -17,6 +17,9 @@ STDERR_LOG = "stderr.log"
 ERROR_FILE = "error.json"
 #: Where a dropped stream goes (``os.devnull``; core does not import ``os``).
 DEVNULL = "/dev/null"
+#: The files torch's duplicate filters write, in an attempt's directory.
+FILTERED_STDOUT_LOG = "filtered_stdout.log"
+FILTERED_STDERR_LOG = "filtered_stderr.log"
 
 
 class RankIO(Value):
