@@ -16,8 +16,13 @@ Run by hand (not part of the test suite): ``python -m benchmarks resilience [--q
    worker of the next attempt to start, on either node, so the other node's stacks are in too.
    Budget: <= 5 s.
 3. **straggler**: two agents of two workers; every rank reports a step every 20 ms but rank 3
-   every 100 ms from the start. From the workers' start to the line flagging rank 3 on group
-   rank 0's node and on rank 3's own node. No budget; the note gives the figures.
+   every 100 ms from the start. From the workers' start to the line flagging rank 3 (by its
+   pace) on group rank 0's node and on rank 3's own node. No budget; the note gives the figures.
+4. **straggler of synchronous training**: two agents of two gloo workers, an all-reduce every
+   step, each computing 20 ms a step inside ``relaunch.section("compute")``; from step 400 the
+   ranks of node 1 compute 100 ms. Every rank steps at one pace, so no rate tells; from the
+   onset (written by the slow ranks) to the line flagging node 1 and its ranks by their
+   section's time, on group rank 0's node and on node 1. No budget; the note gives the figures.
 
 torchrun has no sections, heartbeats or straggler flags: there is nothing of it to run beside.
 """
@@ -154,7 +159,7 @@ def straggler_once(ctx: harness.Context, rep: int) -> tuple[float, float]:
     port = find_free_port()
     argv = _two_nodes(port, f"slow{rep}", 2, [])
     agents = [Agent([*argv, harness.worker("slow_rank.py"), out, "3"], ctx.env) for _ in range(2)]
-    flag = "rank 3 is a straggler"
+    flag = ", rank 3) is a straggler"
     try:
         _await(lambda: all(agent.first(flag) for agent in agents), 40, "the straggler flags")
     finally:
@@ -165,6 +170,41 @@ def straggler_once(ctx: harness.Context, rep: int) -> tuple[float, float]:
         raise BenchError(f"a straggler run failed: exit statuses {codes}")
     started = min(_starts(out, None))
     delays = sorted(agent.first(flag) - started for agent in agents)  # type: ignore[operator]
+    return delays[0], delays[1]
+
+
+#: The step from which node 1 computes five times slower: about 10 s of the fast pace first,
+#: more than the window a section's time is measured over (a steady job's onset).
+SLOW_AFTER = 400
+SYNC_FLAG = "(node 1, ranks 2-3) is a straggler: 'compute' takes "
+
+
+def sync_straggler_once(ctx: harness.Context, rep: int) -> tuple[float, float]:
+    """Seconds from node 1's slow computing began to its flag on group rank 0's node and on
+    its own, in synchronous gloo training."""
+    out = os.path.join(ctx.tmp, f"sync-slow-{rep}")
+    os.makedirs(out)
+    port = find_free_port()
+    argv = _two_nodes(port, f"syncslow{rep}", 2, [])
+    job = [harness.worker("sync_slow_node.py"), out, "1", str(SLOW_AFTER)]
+    agents = [Agent([*argv, *job], ctx.env) for _ in range(2)]
+    try:
+        _await(lambda: all(agent.first(SYNC_FLAG) for agent in agents), 90, "the node's flags")
+    finally:
+        with open(os.path.join(out, "stop"), "w"):
+            pass
+    codes = [agent.wait() for agent in agents]
+    if any(codes):
+        raise BenchError(f"a synchronous straggler run failed: exit statuses {codes}")
+    onsets = []
+    for name in os.listdir(out):
+        if name.startswith("onset."):
+            with open(os.path.join(out, name)) as file:
+                onsets.append(float(file.read()))
+    onset = min(onsets)
+    delays = sorted(agent.first(SYNC_FLAG) - onset for agent in agents)  # type: ignore[operator]
+    if delays[0] < 0:
+        raise BenchError(f"node 1 was flagged {-delays[0]:.1f} s before it slowed down")
     return delays[0], delays[1]
 
 
@@ -206,6 +246,16 @@ def run(ctx: harness.Context) -> list[Check]:
     results["straggler"] = {"samples": flagged}
     checks.append(
         Check("straggler flagged on both nodes, after the start", f"{last:.1f} s", "-", True)
+    )
+    synced = [sync_straggler_once(ctx, rep) for rep in range(reps)]
+    first, last = median([s[0] for s in synced]), median([s[1] for s in synced])
+    log(
+        f"synchronous straggler flagged {fmt(first)} s (group rank 0's node) and {fmt(last)} s "
+        "(its own) after its onset"
+    )
+    results["sync_straggler"] = {"samples": synced}
+    checks.append(
+        Check("synchronous straggler: onset -> flagged on both nodes", f"{last:.1f} s", "-", True)
     )
     ctx.data.update(results)
     return checks

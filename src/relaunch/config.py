@@ -109,7 +109,8 @@ class LaunchConfig:
     restart_backoff: tuple[float, float] = UNSET
     #: Stop the job after this many restarts in a row that made no progress (0: never).
     max_stalled_restarts: int = UNSET
-    #: Flag a rank whose steps per second fall below the job's median divided by this.
+    #: Flag a node whose ranks spend this times the other nodes' time in a section, or step
+    #: below the job's median rate divided by this (``core.workers.stragglers``).
     straggler_factor: float = UNSET
     #: torchrun's ``--signals-to-handle``, given to workers as ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
     signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE

@@ -22,6 +22,7 @@ from relaunch.core.sections import BOUNDS_ENV, LEARN_AFTER, Learner
 TYPE_CHECKING = False  # not typing's: importing typing costs a worker milliseconds
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
 _UNKNOWN, _OPEN, _ABSENT = 0, 1, 2
 _state = _UNKNOWN
@@ -56,6 +57,7 @@ def _forget() -> None:
     _failure_listening = False
     _last_report, _step_seconds = None, 0.0
     _Live.open = []
+    _Live.times = {}
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -249,6 +251,9 @@ class _Live:
     open: list[tuple[str, float, float, int]] = []
     name_written = ""
     stacks_on_abort = False
+    #: Each section name's time, as its entry in the slot holds it: name -> [entry, seconds,
+    #: runs, the name as the entry stores it].
+    times: dict[str, list[Any]] = {}
 
 
 def _write_live() -> None:
@@ -391,4 +396,30 @@ class section:  # lower case: used like a function, ``with relaunch.section("ste
                 if _Live.durations[self._name].observe(now - self._entered):
                     _keep_learned()
                 _Live.done += 1
+                _add_time(self._name, now - self._entered)
             _write_live()
+
+
+def _add_time(name: str, seconds: float) -> None:
+    """Count ``seconds`` more in section ``name`` in its entry of the slot (the first
+    ``channel.TIMES`` names get one): stragglers are judged on the time each rank spends in its
+    sections. The caller holds ``_live_lock``."""
+    kept = _Live.times.get(name)
+    if kept is None:
+        if len(_Live.times) >= channel.TIMES:
+            return
+        kept = [len(_Live.times), 0.0, 0, channel.encode_desc(name, channel.TIME_NAME)]
+        _Live.times[name] = kept
+    kept[1] += seconds
+    kept[2] += 1
+    mapped = _map
+    assert mapped is not None
+    at = _offset + channel.TIMES_OFFSET + kept[0] * channel.TIME_ENTRY
+    (sequence,) = _SEQ.unpack_from(mapped, at)
+    sequence += 1 + sequence % 2  # odd: being written
+    _SEQ.pack_into(mapped, at, sequence)
+    channel.TIME_FIELDS.pack_into(mapped, at + 8, kept[1], kept[2])
+    # The name each time: the agent empties the slots between attempts (a rank restarted in
+    # place keeps its process, and its counts).
+    mapped[at + 24 : at + channel.TIME_ENTRY] = kept[3]
+    _SEQ.pack_into(mapped, at, sequence + 1)

@@ -329,7 +329,7 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
         readers.append(reader)
 
     def flagged(seen: list[tuple[float, str]]) -> float | None:
-        return next((at for at, line in seen if "rank 3 is a straggler" in line), None)
+        return next((at for at, line in seen if ", rank 3) is a straggler" in line), None)
 
     try:
         wait_until(lambda: all(flagged(seen) for seen in lines), timeout=40, what="the flags")
@@ -350,13 +350,15 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
     assert "[default]:job" not in texts[1 - first]
     for node, seen in enumerate(lines):
         text = "".join(line for _, line in seen)
-        assert "straggler: rank 3 is a straggler" in text  # in the run summary
-        assert not any(f"rank {r} is a straggler" in text for r in (0, 1, 2))
+        assert "straggler: node " in text  # in the run summary
+        assert ", rank 3) is a straggler: " in text.split("run summary")[-1]
+        assert not any(f"rank {r}) is a straggler" in text for r in (0, 1, 2))
         events = [json.loads(line) for line in (tmp_path / f"events{node}.jsonl").open()]
         (event,) = [e for e in events if e["name"] == "torchelastic.worker.status.STRAGGLER"]
         assert event["metadata"]["global_rank"] == 3
         straggler = json.loads(event["metadata"]["metadata"])["straggler"]
-        assert straggler["steps_per_second"] < straggler["median"] / 1.5
+        assert (straggler["node_rank"], straggler["ranks"], straggler["section"]) == (1, [3], "")
+        assert straggler["value"] < straggler["median"] / 1.5  # steps per second
 
 
 @pytest.mark.timeout(30)
@@ -372,8 +374,8 @@ def test_one_node_judges_its_own_ranks() -> None:
         now = time.time()
         return Progress(int(speeds[local] * (now - began)), None, now, "", 1)
 
-    flagged: list[int] = []
-    reporter = NodeReporter(1.5, lambda straggler: flagged.append(straggler.rank), interval=0.05)
+    flagged: list[tuple[int, ...]] = []
+    reporter = NodeReporter(1.5, lambda node: flagged.append(node.ranks), interval=0.05)
     group = Group(
         "here",
         0,
@@ -386,7 +388,7 @@ def test_one_node_judges_its_own_ranks() -> None:
         wait_until(lambda: flagged, timeout=10, what="a straggler")
     finally:
         reporter.stop()
-    assert flagged == [6]
+    assert flagged == [(6,)]
     status = reporter.status()
     assert status is not None and [r.rank for r in status.ranks] == [4, 5, 6]
     assert all(r.state == "running" and r.rate for r in status.ranks)

@@ -86,3 +86,30 @@ def test_a_workers_learned_bounds_reach_its_agent(agent: Agent) -> None:
     assert agent.channel.learned() == Learned({"step": (5, 2.0)})
     agent.channel.reset()  # the job's: kept across attempts
     assert agent.channel.learned() == Learned({"step": (5, 2.0)})
+
+
+def test_the_time_in_each_section_reaches_its_agent(agent: Agent) -> None:
+    """Each section name's seconds and runs, in its own entry; only the first ``TIMES`` names
+    get one; after the agent empties the slots (a new attempt) the next run writes it again."""
+    for name in ("data", "compute", "compute"):
+        with worker.section(name):
+            pass
+    times = agent.channel.section_times(1)
+    assert list(times) == ["data", "compute"]
+    assert times["compute"][1] == 2 and times["data"][1] == 1
+    assert 0 <= times["compute"][0] < 1.0
+    assert agent.channel.section_times(0) == {}  # the other rank
+    for extra in range(layout.TIMES):
+        with worker.section(f"extra{extra}"):
+            pass
+    assert len(agent.channel.section_times(1)) == layout.TIMES
+    with pytest.raises(KeyError), worker.section("compute"):
+        raise KeyError  # a section that did not end normally counts for nothing
+    assert agent.channel.section_times(1)["compute"][1] == 2
+    agent.channel.reset()
+    assert agent.channel.section_times(1) == {}
+    with worker.section("compute"):
+        pass
+    assert agent.channel.section_times(1) == {
+        "compute": (pytest.approx(times["compute"][0], abs=0.5), 3)
+    }

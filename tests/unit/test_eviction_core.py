@@ -6,18 +6,11 @@ from __future__ import annotations
 import pytest
 
 from relaunch.core.output.status import JobView
-from relaunch.core.workers.eviction import (
-    Evict,
-    NoSpare,
-    RateFlagged,
-    Watch,
-    decide,
-    flagged_by_rate,
-    ranks_text,
-)
+from relaunch.core.workers.eviction import Evict, NoSpare, Watch, decide
+from relaunch.core.workers.stragglers import SlowNode
 
-B = RateFlagged("host-b", 1, (2, 3), 9.0, 45.0)
-C = RateFlagged("host-c", 2, (4, 5), 8.0, 45.0)
+B = SlowNode("host-b", 1, (2, 3), "compute", 0.5, 0.1, 1.5)
+C = SlowNode("host-c", 2, (4, 5), "", 8.0, 45.0, 1.5)
 
 #: (why, watch, flagged now, now, members, min_nodes, spares) -> the node evicted, "no spare"
 #: said, or nothing; the window is 10 s.
@@ -90,7 +83,7 @@ ROWS = [
 def test_the_rules_of_eviction(
     why: str,
     watch: Watch,
-    flagged: list[RateFlagged],
+    flagged: list[SlowNode],
     now: float,
     members: int,
     min_nodes: int,
@@ -134,28 +127,13 @@ def test_the_line_names_the_node_its_ranks_and_why() -> None:
     _, decided = decide(Watch({"host-b": 70.0}), [B], 100.0, 30.0, 2, 2, 1)
     assert isinstance(decided, Evict)
     assert decided.line == (
-        "node host-b (node 1, ranks 2-3) evicted as a straggler (9 steps/s, 5.0x below the "
-        "median 45) for 30 s; a spare takes its place"
+        "node host-b (node 1, ranks 2-3) evicted as a straggler ('compute' takes 0.50 s a step, "
+        "the other nodes' median is 0.10 s) for 30 s; a spare takes its place"
     )
 
 
-def test_rate_flags_are_mapped_to_their_nodes() -> None:
-    members = [("host-a", 0, (0, 1)), ("host-c", 2, (4, 5)), ("host-b", 1, (2, 3))]
-    flagged = flagged_by_rate(members, {3: 9.0, 4: 7.0, 5: 8.0}, 45.0)
-    assert flagged == [
-        RateFlagged("host-b", 1, (2, 3), 9.0, 45.0),
-        RateFlagged("host-c", 2, (4, 5), 7.0, 45.0),
-    ]
-    assert flagged_by_rate(members, {3: 9.0}, None) == []
-    assert [ranks_text(r) for r in ([3], [4, 5, 6, 7], [1, 3])] == [
-        "rank 3",
-        "ranks 4-7",
-        "ranks 1, 3",
-    ]
-
-
 def test_the_view_carries_the_node_evicted() -> None:
-    view = JobView(45.0, {3: 9.0}, None, None, None, 100.0, Evict("host-b", 1, "evicted"))
+    view = JobView(45.0, {3: 9.0}, None, None, None, 100.0, evict=Evict("host-b", 1, "evicted"))
     assert JobView.decode(view.encode()) == view
     plain = JobView(45.0, {3: 9.0}, None, None, None, 100.0)
     assert JobView.decode(plain.encode()).evict is None

@@ -170,7 +170,9 @@ def test_a_scrape_reads_steps_rates_states_and_stragglers() -> None:
     progress = {0: Progress(40, 100, began, "", 1), 1: Progress(7, 100, began - 2, "", 1)}
     context = Context()
     sampler = Sampler(tick=0.0)  # every scrape reads the ranks anew
-    channel = SimpleNamespace(slots=NPROCS, progress=progress.get, liveness=lambda rank: None)
+    channel = SimpleNamespace(
+        slots=NPROCS, progress=progress.get, liveness=lambda rank: None, section_times=lambda r: {}
+    )
     sampler.watch(channel, context)  # type: ignore[arg-type]
     reporter = NodeReporter(1.5)
     reporter.start(Group("host-a", 0, 1, {0: 0, 1: 1}, sampler.take), None)

@@ -34,7 +34,7 @@ from relaunch.core.run.run_events import (
 )
 from relaunch.core.workers.liveness import Liveness
 from relaunch.core.workers.progress import Progress
-from relaunch.core.workers.stragglers import Straggler
+from relaunch.core.workers.stragglers import SlowNode
 from relaunch.events import Metrics
 from relaunch.procs.context import RunProcsResult
 from relaunch.procs.errors import ProcessFailure
@@ -89,7 +89,12 @@ def test_a_snapshot_reads_as_the_channel_does() -> None:
 
 def channel(reports: dict[int, Progress | None]) -> SimpleNamespace:
     """The channel's reads, from ``reports`` (no liveness)."""
-    return SimpleNamespace(slots=len(reports), progress=reports.get, liveness=lambda rank: None)
+    return SimpleNamespace(
+        slots=len(reports),
+        progress=reports.get,
+        liveness=lambda rank: None,
+        section_times=lambda rank: {},
+    )
 
 
 ENDED = RunProcsResult(
@@ -260,7 +265,7 @@ def report_for(recorder: Recorder, clock: ManualClock) -> RunReport:
     return RunReport(joined_group(), recorder, "/logs/run", clock)
 
 
-STRAGGLER = Straggler(1, 0.5, 2.0)
+STRAGGLER = SlowNode("host1", 1, [1], "compute", 0.5, 0.1, 1.5)
 RESTART = Restarted("trainer", "worker_failed", "rank 1 exited with code 3", "worker failed", 0, 2)
 ENDING = finished(
     joined_group(),
@@ -279,7 +284,7 @@ EVENTS: list[tuple[RunEvent, list[tuple[str, str, str | None]]]] = [
     (AttemptEnded("trainer", "FAILED", 2), []),
     (RESTART, [("RESTARTING", "AGENT", "rank 1 exited with code 3")]),
     (Hung(1, "local rank 0 is hung"), [("HUNG", "AGENT", "local rank 0 is hung")]),
-    (StragglerFlagged(STRAGGLER, 1.5, 1), [("STRAGGLER", "WORKER", None)]),
+    (StragglerFlagged(STRAGGLER, 1), [("STRAGGLER", "WORKER", None)]),
     (Failed(1, "boom"), [("FAILED", "AGENT", "boom")]),
     (Failed(1), [("FAILED", "AGENT", None)]),
     (
@@ -309,21 +314,29 @@ def test_the_run_report_records_each_run_event(run_event: RunEvent, expected) ->
         assert json.loads(event["metadata"]["metadata"])["time"] == round(clock.time(), 3)
     summary = report.summary("failed")
     assert summary.restarts == (["rank 1 exited with code 3"] if run_event is RESTART else [])
-    assert summary.stragglers == ([STRAGGLER.describe(1.5)] if "STRAGGLER" in str(got) else [])
+    assert summary.stragglers == ([STRAGGLER.describe()] if "STRAGGLER" in str(got) else [])
 
 
 def test_the_run_reports_events_carry_what_torchelastic_and_relaunch_write() -> None:
     recorder, clock = Recorder(), ManualClock()
     report = report_for(recorder, clock)
     report.last_progress = {0: progress(7)}
-    for run_event in (Started(0, 0.25), RESTART, StragglerFlagged(STRAGGLER, 1.5, 1), ENDING):
+    for run_event in (Started(0, 0.25), RESTART, StragglerFlagged(STRAGGLER, 1), ENDING):
         report.on_run_event(run_event)
     started, restarting, straggler, stopped, *_ = (
         json.loads(e["metadata"]["metadata"]) for e in recorder.events
     )
     assert started["rendezvous_seconds"] == 0.25
     assert restarting["cause"] == "worker_failed"
-    assert straggler["straggler"] == {"steps_per_second": 0.5, "median": 2.0}
+    assert straggler["straggler"] == {
+        "node": "host1",
+        "node_rank": 1,
+        "ranks": [1],
+        "section": "compute",
+        "value": 0.5,
+        "median": 0.1,
+        "factor": 1.5,
+    }
     assert stopped["progress"] == {"step": 7, "total": 10, "desc": "train"}
     assert stopped["local_rank"] == [0] and stopped["role_rank"] == [0]
 
@@ -362,7 +375,7 @@ LINES: list[tuple[RunEvent, list[str]]] = [
     (RESTART, ["[trainer] restarting the worker group (worker failed); 2 restart(s) left"]),
     (AttemptEnded("trainer", "FAILED", 2), []),
     (Hung(0, "local rank 0 is hung"), []),  # the hang detection says it, with more
-    (StragglerFlagged(STRAGGLER, 1.5, 0), []),  # the reporter that found it says it
+    (StragglerFlagged(STRAGGLER, 0), []),  # the reporter that found it says it
 ]
 
 

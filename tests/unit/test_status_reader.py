@@ -213,12 +213,12 @@ def test_the_notes_json_keeps_its_fields_in_order() -> None:
     assert node.encode() == (
         b'{"node":"host0","group_rank":0,"state":"HEALTHY","restarts":1,"posted_at":1000.0,'
         b'"ranks":[{"rank":3,"local_rank":1,"state":"running","step":5,"total":10,"rate":1.5,'
-        b'"last_sign":1000.0}],"restart_reasons":["rank 2 exited 1"],"lost_seconds":2.5,'
-        b'"stale_after":20.0}'
+        b'"last_sign":1000.0,"sections":{}}],"restart_reasons":["rank 2 exited 1"],'
+        b'"lost_seconds":2.5,"stale_after":20.0}'
     )
     assert view.encode() == (
         b'{"median":4.0,"stragglers":{"3":1.5},"slowest":{"rank":3,"node":"host0","step":5,'
-        b'"total":10},"rate":1.5,"eta":3.3,"posted_at":1001.0}'
+        b'"total":10},"rate":1.5,"eta":3.3,"posted_at":1001.0,"slow_nodes":[]}'
     )
     assert core.NodeStatus.decode(node.encode()) == node
     assert core.JobView.decode(view.encode()) == view

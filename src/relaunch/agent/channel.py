@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from relaunch.agent.shm import CHANNEL_PREFIX, PrivateDirectory
 from relaunch.core import channel
 from relaunch.core.sections import Learned, decode_learned, merge
-from relaunch.core.workers.liveness import Liveness, read_liveness
+from relaunch.core.workers.liveness import Liveness, read_liveness, read_section_times
 from relaunch.core.workers.progress import Progress, read_progress
 from relaunch.runtime import start_thread
 
@@ -141,6 +141,11 @@ class Channel:
         """``rank``'s heartbeats and open section (None before it used either)."""
         with memoryview(self._map) as view:
             return read_liveness(view, rank)
+
+    def section_times(self, rank: int) -> dict[str, tuple[float, int]]:
+        """The seconds ``rank`` spent in each section name and its runs ended (``section``)."""
+        with memoryview(self._map) as view:
+            return read_section_times(view, rank)
 
     def restore(self, rank: int) -> tuple[float, float, int] | None:
         """When ``rank``'s ``load_state`` began and ended, and the step it restored (-1: none);

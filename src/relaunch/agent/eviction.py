@@ -35,11 +35,7 @@ class Evictor:
         evict named in it, if one is; a node that stays for want of a spare is said once."""
         if self._evicting is not None:
             return view.replace(evict=self._evicting)
-        flagged = eviction.flagged_by_rate(
-            [(post.node, post.group_rank, tuple(r.rank for r in post.ranks)) for post in posts],
-            view.stragglers,
-            view.median,
-        )
+        flagged = view.slow_nodes  # ``stragglers.flagged_nodes``: by sections' time or rates
         if not flagged and not self._watch.since:
             return view  # nothing flagged, nothing to remember
         self._watch, decided = eviction.decide(

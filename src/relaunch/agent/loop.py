@@ -206,9 +206,7 @@ class LocalElasticAgent:
         group = self._worker_group
         return NodeReporter(
             straggler_factor,
-            lambda straggler: self._sinks.on_run_event(
-                StragglerFlagged(straggler, straggler_factor, self.restart_count)
-            ),
+            lambda node: self._sinks.on_run_event(StragglerFlagged(node, self.restart_count)),
             node_state=lambda: group.state.value,
             restarts_used=lambda: self.restart_count,
             clock=self._clock,

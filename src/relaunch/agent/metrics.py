@@ -5,8 +5,8 @@ The agent's run events are counted as they come (a sink: ``on_run_event``: resta
 rendezvous rounds and their durations); the rest is read when Prometheus scrapes, from what the
 agent already keeps: its group's state, the tick's ``NodeSnapshot`` (each rank's steps, signs
 of life and process state: ``agent.sampler``), the ``NodeReporter``'s rates and the last job
-view it saw (stragglers), and the time its last status write to the store took. A scrape never
-touches the store, and adds no load to it.
+view it saw (the ranks flagged stragglers), and the time its last status write to the store
+took. A scrape never touches the store, and adds no load to it.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class AgentMetrics:
         snapshot = self._snapshot()
         status = self._reporter.status(snapshot)
         view = self._reporter.view
-        slow = set() if view is None else set(view.stragglers)
+        slow = set() if view is None else view.slow_ranks()
         ranks = [] if status is None else status.ranks
         group_rank = self._group.group_rank
         at = str(group_rank if group_rank is not None else "")

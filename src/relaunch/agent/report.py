@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from relaunch.agent.spec import RunResult, WorkerGroup, WorkerState
+from relaunch.core.output.status import printable
 from relaunch.core.run.failures import has_error_file, signal_meaning
 from relaunch.core.run.goodput import Ledger
 from relaunch.core.run.run_events import (
@@ -27,7 +28,7 @@ from relaunch.core.run.run_events import (
 )
 from relaunch.core.run.summary import RankEnd, RunSummary
 from relaunch.core.workers.progress import NodeProgress, Progress
-from relaunch.core.workers.stragglers import Straggler
+from relaunch.core.workers.stragglers import SlowNode
 from relaunch.events import EventHandler, NullEventHandler
 from relaunch.procs.context import RunProcsResult
 from relaunch.runtime import SYSTEM_CLOCK, Clock
@@ -64,7 +65,7 @@ class RunReport:
         self.last_progress: dict[int, Progress | None] = {}
         #: Every restart's cost (``core.run.goodput``), for the summary.
         self.ledger = Ledger()
-        #: Straggler lines for the summary, by global rank.
+        #: Straggler lines for the summary, by node rank (the last said of each node).
         self.stragglers: dict[int, str] = {}
         #: The last hang's verdict, for the summary (``core.run.culprit``).
         self.hang_line = ""
@@ -79,7 +80,7 @@ class RunReport:
         elif isinstance(run_event, Hung):
             self.hung(run_event.restart_count, run_event.what)
         elif isinstance(run_event, StragglerFlagged):
-            self.straggler(run_event.straggler, run_event.factor, run_event.restart_count)
+            self.straggler(run_event.node, run_event.restart_count)
         elif isinstance(run_event, RestartCosted):
             self.restart_cost(run_event)
         elif isinstance(run_event, Failed):
@@ -92,16 +93,17 @@ class RunReport:
     ) -> None:
         self._event("AGENT", state, restart_count, raw_error=raw_error)
 
-    def straggler(self, straggler: Straggler, factor: float, restart_count: int) -> None:
-        """A ``STRAGGLER`` worker event (relaunch's) for a rank flagged slow, and its line in
-        the summary."""
-        self.stragglers[straggler.rank] = straggler.describe(factor)
+    def straggler(self, node: SlowNode, restart_count: int) -> None:
+        """A ``STRAGGLER`` worker event (relaunch's) for a node flagged slow (its first rank
+        found slow as the event's rank; every one in its details), and its line in the
+        summary."""
+        self.stragglers[node.node_rank] = printable(node.describe())
         self._event(
             "WORKER",
             "STRAGGLER",
             restart_count,
-            global_rank=straggler.rank,
-            details={"straggler": {"steps_per_second": straggler.rate, "median": straggler.median}},
+            global_rank=node.ranks[0],
+            details={"straggler": node.as_dict()},
         )
 
     def restart_cost(self, costed: RestartCosted) -> None:

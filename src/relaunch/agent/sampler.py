@@ -40,6 +40,8 @@ class ChannelReads(Protocol):
 
     def liveness(self, rank: int) -> Liveness | None: ...
 
+    def section_times(self, rank: int) -> dict[str, tuple[float, int]]: ...
+
 
 class Sampler:
     """Reads the channel and the processes of the current attempt into one ``NodeSnapshot``
@@ -111,7 +113,13 @@ def sample(
     ranks = {}
     for rank in range(channel.slots):
         outcome, exitcode = _process(rank, running, pids, ended)
-        ranks[rank] = RankSample(channel.progress(rank), channel.liveness(rank), outcome, exitcode)
+        ranks[rank] = RankSample(
+            channel.progress(rank),
+            channel.liveness(rank),
+            outcome,
+            exitcode,
+            channel.section_times(rank),
+        )
     return NodeSnapshot(now, ranks)
 
 

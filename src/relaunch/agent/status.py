@@ -8,10 +8,11 @@ reads every node's (one range read on etcd, one read per node on the built-in st
 (``core.output.status.job_view``: stragglers, the slowest rank, the pace) and posts it as the note
 ``job``, which the others read. ``relaunch status`` reads the same notes.
 
-Stragglers are flagged on the console (every one on group rank 0's node, its own ranks
-elsewhere) and through ``on_flag`` (the status event and the run summary); group rank 0's
-console shows the job-wide bar (``job_line``). A job of one node judges itself, without the
-store.
+Each post carries its ranks' steps per second and their seconds a step in each section
+(``core.workers.stragglers``). Stragglers are flagged by node (``flagged_nodes``), on the
+console (every node flagged on group rank 0's, itself elsewhere) and through ``on_flag`` (the
+status event and the run summary); group rank 0's console shows the job-wide bar
+(``job_line``). A job of one node judges itself, without the store.
 
 Each post reads one ``NodeSnapshot`` (``agent.sampler``), the one the console and a scrape of
 the same tick read; the reporter hears of restarts as a sink (``on_run_event``) for its posts'
@@ -78,7 +79,7 @@ class NodeReporter:
     def __init__(
         self,
         factor: float,
-        on_flag: Callable[[stragglers.Straggler], None] = lambda straggler: None,
+        on_flag: Callable[[stragglers.SlowNode], None] = lambda node: None,
         interval: float = stragglers.INTERVAL,
         node_state: Callable[[], str] = lambda: "HEALTHY",
         restarts_used: Callable[[], int] = lambda: 0,
@@ -116,13 +117,18 @@ class NodeReporter:
         self._group: Group | None = None
         self._job: JobServices | None = None
         self._rates = stragglers.RankRates()
-        self._said: set[int] = set()
+        self._times = stragglers.SectionTimes()
+        self._said: set[int] = set()  # the node ranks flagged at the last look
 
     def start(self, group: Group, job: JobServices | None) -> None:
         """Report on a new group (``job`` shares the posts; not needed by one node)."""
         self.stop()
         self._group, self._job = group, job
-        self._rates, self._said = stragglers.RankRates(), set()
+        self._rates, self._times, self._said = (
+            stragglers.RankRates(),
+            stragglers.SectionTimes(),
+            set(),
+        )
         self.view = None
         if self._evictor is not None:
             self._evictor.new_round()
@@ -178,6 +184,7 @@ class NodeReporter:
             snapshot = group.snapshot()
         now = self._clock.time()
         rates = self._rates.rates(now)
+        times = self._times.per_step()
         ranks = []
         for local, rank in sorted(group.ranks.items()):
             sample = snapshot.rank(local)
@@ -191,6 +198,7 @@ class NodeReporter:
                     None if progress is None else progress.total,
                     rates.get(rank),
                     sample.last_sign,
+                    times.get(rank),
                 )
             )
         return core.NodeStatus(
@@ -213,9 +221,12 @@ class NodeReporter:
             return
         snapshot = group.snapshot()
         for local, rank in group.ranks.items():
-            progress = snapshot.progress(local)
+            sample = snapshot.rank(local)
+            progress = sample.progress
             if progress is not None:
                 self._rates.add(rank, progress.time, progress.step)
+            step = None if progress is None else progress.step
+            self._times.add(rank, snapshot.taken_at, step, sample.times)
         mine = self.status(snapshot)
         assert mine is not None
         if group.nodes <= 1 or job is None:
@@ -249,20 +260,17 @@ class NodeReporter:
             self.view = judged
             if self._evictor is not None:
                 self._evictor.heed(judged, group.group_rank, job)
-            mine_only = {r: v for r, v in judged.stragglers.items() if r in group.ranks.values()}
-            self._flag(judged, mine_only)
+            self._flag(judged, group.group_rank)
 
-    def _flag(self, view: core.JobView, only: Mapping[int, float] | None = None) -> None:
-        slow = view.stragglers if only is None else only
-        if view.median is None:
-            return
-        for rank, rate in sorted(slow.items(), key=lambda item: (item[1], item[0])):
-            if rank in self._said:
+    def _flag(self, view: core.JobView, only: int | None = None) -> None:
+        """Say each node of ``view`` newly flagged (``only``: this node rank alone)."""
+        slow = [node for node in view.slow_nodes if only is None or node.node_rank == only]
+        for node in slow:
+            if node.node_rank in self._said:
                 continue
-            straggler = stragglers.Straggler(rank, rate, view.median)
-            log.warning("%s", straggler.describe(self._factor))
-            self._on_flag(straggler)
-        self._said = set(slow)  # a rank that caught up is flagged again if it lags
+            log.warning("%s", core.printable(node.describe()))
+            self._on_flag(node)
+        self._said = {node.node_rank for node in slow}  # one that caught up is flagged again
 
 
 def _decoded(decode: Callable[[bytes], _Note], name: str, raw: bytes) -> _Note | None:

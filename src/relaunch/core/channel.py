@@ -27,6 +27,11 @@ Layout (little-endian)::
           272: the step it restored i64 (-1: none) | 280: seconds a step takes f64 (a moving
           average of the reports') | 288: saves committed u64 (``save_state``) | 296..320
           reserved
+      sections' time (``section``; what stragglers are judged on), at TIMES_OFFSET: TIMES
+      entries of TIME_ENTRY bytes, one per section name in the order first ended, each a seqlock
+      of its own:
+          0: sequence u64 | 8: seconds spent in it f64 | 16: runs ended u64
+          24: the name, UTF-8, NUL-padded to TIME_NAME bytes
     learned bounds of rank i (``relaunch.worker``, ``core.sections.encode_learned``), two
     copies, the newer named by the head; the heads lie together (one page to read them all),
     the tables after them:
@@ -51,9 +56,9 @@ if TYPE_CHECKING:
     from mmap import mmap
 
 CHANNEL_ENV = "RELAUNCH_CHANNEL"
-MAGIC = b"RLCHAN4\0"
+MAGIC = b"RLCHAN5\0"
 HEADER = 64
-SLOT = 320
+SLOT = 512
 DESC_OFFSET = 40
 DESC_END = 128
 DESC = DESC_END - DESC_OFFSET
@@ -68,6 +73,12 @@ NAME = NAME_END - NAME_OFFSET
 RECOVERY_OFFSET = 256
 STEP_SECONDS_OFFSET = RECOVERY_OFFSET + 24
 SAVES_OFFSET = RECOVERY_OFFSET + 32
+#: The sections' time: the first ``TIMES`` names a worker's sections ended with, each entry
+#: ``TIME_ENTRY`` bytes, its name cut to ``TIME_NAME``.
+TIMES_OFFSET = 320
+TIMES = 4
+TIME_ENTRY = 48
+TIME_NAME = TIME_ENTRY - 24
 #: Bytes of the head of a rank's learned bounds, and of each of their two copies.
 LEARNED_HEAD = 64
 COPY = 32 << 10
@@ -85,6 +96,7 @@ RESTORE = struct.Struct("<ddq")
 F64 = struct.Struct("<d")
 U64 = struct.Struct("<Q")
 COPY_HEAD = struct.Struct("<QQ")
+TIME_FIELDS = struct.Struct("<dQ")
 
 
 def size(slots: int) -> int:

@@ -64,7 +64,8 @@ RANK_GAUGES: dict[str, tuple[str, RankValue]] = {
         ),
     ),
     "relaunch_rank_straggler": (
-        "1 when the rank is flagged a straggler (below the job's median / --straggler-factor).",
+        "1 when the rank is flagged a straggler: its node's ranks spend --straggler-factor times "
+        "the other nodes' time in a section, or it steps below the job's median rate / the factor.",
         lambda status, sample, straggler, now: 1.0 if straggler else 0.0,
     ),
 }

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from relaunch.core.defaults import MAX_SECONDS
 from relaunch.core.value import Value
 from relaunch.core.workers import stragglers
+from relaunch.core.workers.stragglers import SlowNode
 
 if TYPE_CHECKING:
     from relaunch.core.workers.eviction import Evict
@@ -88,7 +89,7 @@ def printable(text: str, newlines: bool = False) -> str:
 class RankStatus(Value):
     """One worker as its agent last saw it."""
 
-    __slots__ = ("last_sign", "local_rank", "rank", "rate", "state", "step", "total")
+    __slots__ = ("last_sign", "local_rank", "rank", "rate", "sections", "state", "step", "total")
 
     rank: int
     local_rank: int
@@ -97,6 +98,8 @@ class RankStatus(Value):
     total: int | None
     rate: float | None  # steps per second over ``stragglers.WINDOW``
     last_sign: float | None  # its last report, heartbeat or section (None: never)
+    #: Seconds a step in each section name over ``stragglers.SECTION_WINDOW`` (``SectionTimes``).
+    sections: dict[str, float]
 
     def __init__(
         self,
@@ -107,9 +110,10 @@ class RankStatus(Value):
         total: int | None = None,
         rate: float | None = None,
         last_sign: float | None = None,
+        sections: dict[str, float] | None = None,
     ) -> None:
         self._set(rank=rank, local_rank=local_rank, state=state, step=step, total=total)
-        self._set(rate=rate, last_sign=last_sign)
+        self._set(rate=rate, last_sign=last_sign, sections=sections or {})
 
 
 class NodeStatus(Value):
@@ -177,6 +181,7 @@ class NodeStatus(Value):
                     _field(rank, "total", "integer", optional=True),
                     _field(rank, "rate", "number", optional=True),
                     _field(rank, "last_sign", "number", optional=True),
+                    _sections(rank.get("sections", {})),
                 )
             )
         reasons = _list(data.get("restart_reasons", []), "restart_reasons")
@@ -193,6 +198,28 @@ class NodeStatus(Value):
             _field(data, "lost_seconds", "number", optional=True) or 0.0,
             _stale_after(_field(data, "stale_after", "number", optional=True)),
         )
+
+
+#: At most this many section names a rank, each at most ``MAX_NAME`` characters, in a post.
+MAX_SECTIONS = 8
+MAX_NAME = 128
+
+
+def _sections(raw: object) -> dict[str, float]:
+    """A rank's seconds a step by section name, checked: a few names, each a finite number of
+    seconds, not negative."""
+    named = _object(raw, "a rank's sections")
+    if len(named) > MAX_SECTIONS:
+        raise ValueError(f"sections: more than {MAX_SECTIONS} names")
+    sections = {}
+    for name, spent in named.items():
+        if len(name) > MAX_NAME:
+            raise ValueError(f"sections: a name longer than {MAX_NAME} characters")
+        number = isinstance(spent, (int, float)) and not isinstance(spent, bool)
+        if not number or not 0 <= spent <= MAX_SECONDS:  # also refuses nan
+            raise ValueError(f"sections: {_shown(spent)} is not seconds")
+        sections[name] = float(spent)
+    return sections
 
 
 def _time(value: float, name: str) -> float:
@@ -249,11 +276,22 @@ class Slowest(Value):
 
 
 class JobView(Value):
-    """Group rank 0's verdict on the job: its median rate, the stragglers (global rank -> rate),
-    the slowest rank, the job's pace (the slowest rank's rate), the seconds left (None:
-    unknown) and the node it evicts as a straggler (``core.workers.eviction``; None: none)."""
+    """Group rank 0's verdict on the job: its median rate, the ranks below it (global rank ->
+    rate), the slowest rank, the job's pace (the slowest rank's rate), the seconds left (None:
+    unknown), the nodes flagged stragglers (``stragglers.flagged_nodes``: by their sections'
+    time or their rates) and the node it evicts as a straggler (``core.workers.eviction``;
+    None: none)."""
 
-    __slots__ = ("eta", "evict", "median", "posted_at", "rate", "slowest", "stragglers")
+    __slots__ = (
+        "eta",
+        "evict",
+        "median",
+        "posted_at",
+        "rate",
+        "slow_nodes",
+        "slowest",
+        "stragglers",
+    )
 
     median: float | None
     stragglers: dict[int, float]
@@ -261,6 +299,7 @@ class JobView(Value):
     rate: float | None
     eta: float | None
     posted_at: float
+    slow_nodes: list[SlowNode]
     evict: Evict | None
 
     def __init__(
@@ -271,10 +310,15 @@ class JobView(Value):
         rate: float | None,
         eta: float | None,
         posted_at: float,
+        slow_nodes: list[SlowNode] | None = None,
         evict: Evict | None = None,
     ) -> None:
         self._set(median=median, stragglers=stragglers, slowest=slowest, rate=rate, eta=eta)
-        self._set(posted_at=posted_at, evict=evict)
+        self._set(posted_at=posted_at, slow_nodes=slow_nodes or [], evict=evict)
+
+    def slow_ranks(self) -> set[int]:
+        """Every rank flagged: below the median rate, or on a node flagged."""
+        return set(self.stragglers).union(*(node.ranks for node in self.slow_nodes))
 
     def as_dict(self) -> dict[str, Any]:
         fields = super().as_dict()
@@ -320,14 +364,37 @@ class JobView(Value):
             _field(data, "rate", "number", optional=True),
             _field(data, "eta", "number", optional=True),
             _field(data, "posted_at", "number"),
+            [_slow_node(item) for item in _list(data.get("slow_nodes", []), "slow_nodes")],
             evict,
         )
 
 
+def _slow_node(raw: object) -> SlowNode:
+    item = _object(raw, "a node flagged")
+    ranks = _list(item.get("ranks"), "ranks")
+    if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ValueError("field 'ranks': expected a list of ranks")
+    return SlowNode(
+        _field(item, "node", "string"),
+        _field(item, "node_rank", "integer"),
+        ranks,
+        _field(item, "section", "string"),
+        _field(item, "value", "number"),
+        _field(item, "median", "number"),
+        _field(item, "factor", "number"),
+    )
+
+
 def job_view(nodes: Sequence[NodeStatus], factor: float, now: float) -> JobView:
-    """The view of the job from every node's post: stragglers below median / ``factor``."""
+    """The view of the job from every node's post: the ranks below median / ``factor``, and the
+    nodes flagged (``stragglers.flagged_nodes``)."""
     rates = {r.rank: r.rate for node in nodes for r in node.ranks if r.rate is not None}
     median, slow = stragglers.flag(rates, factor)
+    measured = [
+        stragglers.Measured(node.node, node.group_rank, r.rank, r.rate, r.sections)
+        for node in nodes
+        for r in node.ranks
+    ]
     reported = [(r, node.node) for node in nodes for r in node.ranks if r.step is not None]
     slowest = None
     rate = eta = None
@@ -338,7 +405,8 @@ def job_view(nodes: Sequence[NodeStatus], factor: float, now: float) -> JobView:
         rate = rank.rate
         if rank.total is not None and rate:
             eta = max(0.0, (rank.total - rank.step) / rate)
-    return JobView(median, {s.rank: s.rate for s in slow}, slowest, rate, eta, now)
+    slow_nodes = stragglers.flagged_nodes(measured, factor)
+    return JobView(median, {s.rank: s.rate for s in slow}, slowest, rate, eta, now, slow_nodes)
 
 
 def job_bar(view: JobView, elapsed: float | None = None) -> str | None:

@@ -87,7 +87,7 @@ def format_table(
         lines.append(f"  {bar}")
     header = ("node", "group", "rank", "local", "state", "step", "rate", "last sign", "flag")
     rows: list[tuple[str, ...]] = []
-    slow = {} if view is None else view.stragglers
+    slow = set() if view is None else view.slow_ranks()
     for node in sorted(nodes, key=lambda n: n.group_rank):
         beat = node_words(node, standing, now)
         verdict = health(node, standing, now)
@@ -117,6 +117,8 @@ def format_table(
         lines.append(
             "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         )
+    for slow_node in [] if view is None else view.slow_nodes:
+        lines.append(f"  straggler: {slow_node.describe()}")
     for number, reason in enumerate(restart_reasons(nodes), 1):
         lines.append(f"  restart {number}: {reason}")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from relaunch.core.run.goodput import RestartCost
 from relaunch.core.value import Value
 from relaunch.core.workers.liveness import Liveness
 from relaunch.core.workers.progress import Progress
-from relaunch.core.workers.stragglers import Straggler
+from relaunch.core.workers.stragglers import SlowNode
 
 # -- the snapshot ---------------------------------------------------------------------------------
 
@@ -34,14 +34,17 @@ from relaunch.core.workers.stragglers import Straggler
 class RankSample(Value):
     """One local rank at a snapshot: its last progress report and liveness block (None before
     it wrote one), and its process: ``outcome`` is one of ``core.output.metrics.WORKER_STATES``
-    ("running" also while no process is known), ``exitcode`` its code once the group ended."""
+    ("running" also while no process is known), ``exitcode`` its code once the group ended;
+    ``times`` the seconds it spent in each section name and the runs ended
+    (``core.workers.liveness.read_section_times``)."""
 
-    __slots__ = ("exitcode", "liveness", "outcome", "progress")
+    __slots__ = ("exitcode", "liveness", "outcome", "progress", "times")
 
     progress: Progress | None
     liveness: Liveness | None
     outcome: str
     exitcode: int | None
+    times: Mapping[str, tuple[float, int]]
 
     def __init__(
         self,
@@ -49,8 +52,10 @@ class RankSample(Value):
         liveness: Liveness | None = None,
         outcome: str = "running",
         exitcode: int | None = None,
+        times: Mapping[str, tuple[float, int]] | None = None,
     ) -> None:
         self._set(progress=progress, liveness=liveness, outcome=outcome, exitcode=exitcode)
+        self._set(times={} if times is None else times)
 
     @property
     def running(self) -> bool:
@@ -203,16 +208,17 @@ class Hung(Value):
 
 
 class StragglerFlagged(Value):
-    """A rank was flagged slower than the job's median / ``factor``."""
+    """A node was flagged a straggler (``core.workers.stragglers.flagged_nodes``): its ranks
+    spend more than ``factor`` times the other nodes' time in a section, or step slower than
+    the job's median rate / ``factor``."""
 
-    __slots__ = ("factor", "restart_count", "straggler")
+    __slots__ = ("node", "restart_count")
 
-    straggler: Straggler
-    factor: float
+    node: SlowNode
     restart_count: int
 
-    def __init__(self, straggler: Straggler, factor: float, restart_count: int) -> None:
-        self._set(straggler=straggler, factor=factor, restart_count=restart_count)
+    def __init__(self, node: SlowNode, restart_count: int) -> None:
+        self._set(node=node, restart_count=restart_count)
 
 
 class WorkerEnd(Value):

@@ -62,8 +62,9 @@ class RestartPolicy(Value):
 class HangSettings(Value):
     """When a worker is hung, and who is slow: ``timeout`` seconds without a sign of life
     (None: never by silence); ``timers``, a file timer server for ``relaunch.timer.expires``
-    (None: when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); a rank whose steps per second fall below
-    the job's median divided by ``straggler_factor`` is flagged; a node flagged for
+    (None: when ``TORCHELASTIC_ENABLE_FILE_TIMER=1``); a node whose ranks spend
+    ``straggler_factor`` times the other nodes' time in a section, or step below the job's
+    median rate divided by it, is flagged (``core.workers.stragglers``); a node flagged for
     ``evict_stragglers`` seconds is evicted to a waiting spare (None: never;
     ``core.workers.eviction``)."""
 

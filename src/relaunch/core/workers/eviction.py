@@ -5,10 +5,11 @@ A node flagged as a straggler in every judgement for ``window`` seconds is evict
 waits to take its place: it leaves the job, excluded for the cooldown a failing node gets
 (``core.run.exclusion``), and the group re-forms with the spare. The window asks for more than
 one judgement (the first flag starts it, a later one ends it), and the caller's window should
-exceed the seconds a rate is computed over (``stragglers.WINDOW``), so that one pause (a
-collection, a checkpoint) does not evict a node. Without a spare the node is only flagged, and
-that is said once. Never below the minimum of ``--nnodes``, never two nodes at once (one
-eviction a round), and not the node evicted last unless a later measurement flagged it again.
+exceed the seconds a measurement is made over (``stragglers.WINDOW``, ``SECTION_WINDOW``), so
+that one pause (a collection, a checkpoint) does not evict a node. Without a spare the node is
+only flagged, and that is said once. Never below the minimum of ``--nnodes``, never two nodes at
+once (one eviction a round), and not the node evicted last unless a later measurement flagged
+it again.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from relaunch.core.value import Value
+from relaunch.core.workers.stragglers import ranks_text
 
 
 class SlowNode(Protocol):
-    """A node flagged as a straggler: its name, group rank, global ranks, and why."""
+    """A node flagged as a straggler (``core.workers.stragglers.SlowNode``, from
+    ``flagged_nodes``): its name, group rank, the global ranks found slow, and why."""
 
     @property
     def node(self) -> str: ...
@@ -31,56 +34,7 @@ class SlowNode(Protocol):
     @property
     def ranks(self) -> tuple[int, ...]: ...
 
-    def describe(self) -> str: ...
-
-
-class RateFlagged(Value):
-    """A node with ranks below the job's median rate (today's flagging, ``stragglers.flag``)."""
-
-    __slots__ = ("median", "node", "node_rank", "ranks", "slowest")
-
-    node: str
-    node_rank: int
-    ranks: tuple[int, ...]
-    slowest: float
-    median: float
-
-    def __init__(
-        self, node: str, node_rank: int, ranks: tuple[int, ...], slowest: float, median: float
-    ) -> None:
-        self._set(node=node, node_rank=node_rank, ranks=ranks, slowest=slowest, median=median)
-
-    def describe(self) -> str:
-        times = f"{self.median / self.slowest:.1f}x" if self.slowest > 0 else "far"
-        return f"{self.slowest:.3g} steps/s, {times} below the median {self.median:.3g}"
-
-
-def flagged_by_rate(
-    members: Sequence[tuple[str, int, tuple[int, ...]]],
-    stragglers: Mapping[int, float],
-    median: float | None,
-) -> list[RateFlagged]:
-    """The nodes (``members``: name, group rank, global ranks) holding a straggler rank
-    (``stragglers``: global rank -> steps per second), by group rank. The one place to swap for
-    another way of flagging a node."""
-    if median is None:
-        return []
-    flagged = []
-    for node, node_rank, ranks in sorted(members, key=lambda member: member[1]):
-        slow = [stragglers[rank] for rank in ranks if rank in stragglers]
-        if slow:
-            flagged.append(RateFlagged(node, node_rank, tuple(sorted(ranks)), min(slow), median))
-    return flagged
-
-
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``ranks 4-7``, ``rank 3`` or ``ranks 1, 3``."""
-    ordered = sorted(ranks)
-    if len(ordered) == 1:
-        return f"rank {ordered[0]}"
-    if ordered == list(range(ordered[0], ordered[-1] + 1)):
-        return f"ranks {ordered[0]}-{ordered[-1]}"
-    return "ranks " + ", ".join(map(str, ordered))
+    def reason(self) -> str: ...
 
 
 class Watch(Value):
@@ -171,12 +125,12 @@ def decide(
         if slow.node in watch.told:
             return watch, None
         line = (
-            f"{where} has been a straggler ({slow.describe()}) {lasted}; no spare is waiting "
+            f"{where} has been a straggler ({slow.reason()}) {lasted}; no spare is waiting "
             "to take its place, so it stays (--evict-stragglers needs a spare node: one more "
             "agent than the maximum of --nnodes)"
         )
         return Watch(since, told | {slow.node}, watch.evicted, watch.evicted_at), NoSpare(
             slow.node, line
         )
-    line = f"{where} evicted as a straggler ({slow.describe()}) {lasted}; a spare takes its place"
+    line = f"{where} evicted as a straggler ({slow.reason()}) {lasted}; a spare takes its place"
     return Watch({}, frozenset(), slow.node, now, True), Evict(slow.node, slow.node_rank, line)

@@ -1,5 +1,6 @@
-"""Workers' heartbeats and sections as the agent reads them from the channel, and which are
-overdue (layout in ``core.channel``; the workers' side in ``relaunch.worker``)."""
+"""Workers' heartbeats and sections as the agent reads them from the channel, which are overdue,
+and the time each spent in its sections (layout in ``core.channel``; the workers' side in
+``relaunch.worker``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from relaunch.core.channel import (
     NAME_END,
     NAME_OFFSET,
     SEQ,
+    TIME_ENTRY,
+    TIME_FIELDS,
+    TIMES,
+    TIMES_OFFSET,
     slot_offset,
 )
 from relaunch.core.durations import seconds
@@ -111,6 +116,27 @@ def read_liveness(
                 _HOW.get(beat_how, ""),
             )
     return None
+
+
+def read_section_times(
+    buffer: bytes | bytearray | memoryview, rank: int, tries: int = 8
+) -> dict[str, tuple[float, int]]:
+    """The seconds ``rank`` spent in each of its sections and the runs that ended, by name
+    (the first ``TIMES`` names it ended; an entry torn at every try is left out)."""
+    times = {}
+    for entry in range(TIMES):
+        at = slot_offset(rank) + TIMES_OFFSET + entry * TIME_ENTRY
+        for _ in range(tries):
+            (before,) = SEQ.unpack_from(buffer, at)
+            if before % 2:
+                continue
+            spent, runs = TIME_FIELDS.unpack_from(buffer, at + 8)
+            name = bytes(buffer[at + 24 : at + TIME_ENTRY]).split(b"\0", 1)[0]
+            if SEQ.unpack_from(buffer, at)[0] == before:
+                if before and name:
+                    times[name.decode("utf-8", errors="replace")] = (spent, runs)
+                break
+    return times
 
 
 class Overdue(Value):
