@@ -19,6 +19,7 @@ module path (``import relaunch.store.wire as wire``) and never closes a cycle wi
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import sys
 from collections.abc import Iterator
@@ -139,6 +140,7 @@ def imported(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     return {name if name in MODULES else base for name in submodules}
 
 
+@functools.cache  # read once: each part's test reads it (the source does not change meanwhile)
 def graph() -> dict[str, set[str]]:
     """Each relaunch module and the relaunch modules it imports."""
     edges: dict[str, set[str]] = {}
