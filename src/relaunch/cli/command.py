@@ -324,6 +324,7 @@ def _launch(
 ) -> int:
     from relaunch.core.run.summary import RunSummary, format_summary
     from relaunch.core.workers.ranks import omp_num_threads_default
+    from relaunch.procs.errors import SignalException
     from relaunch.procs.signals import raise_signal_exception
 
     try:
@@ -351,24 +352,49 @@ def _launch(
     # a replica group's variables, in the launcher's environment for its workers to inherit
     os.environ.update(_group_env(group, args.replica_groups))
     stop_lighthouse = _lighthouse_on_nodes(handler, args, config) if group is not None else None
+    seat = getattr(handler, "seat", None) if group is not None else None
+    if seat is not None:
+        seat.outlive()  # the other groups' agents may still use the store this node hosts
     summaries: list[RunSummary] = []
     _collector_on()
     try:
-        launch_agent(
-            config, entrypoint, list(entry_args), handler=handler, on_summary=summaries.append
-        )
-        status, said_summary = 0, True
-    except Exception as exc:
-        ended = end(exc, RUN)
-        if ended is None:
-            raise
-        status, said_summary = ended
+        signalled = False
+        try:
+            launch_agent(
+                config, entrypoint, list(entry_args), handler=handler, on_summary=summaries.append
+            )
+            status, said_summary = 0, True
+        except Exception as exc:
+            ended = end(exc, RUN)
+            if ended is None:
+                raise
+            status, said_summary = ended
+            signalled = isinstance(exc, SignalException)
+        if said_summary:
+            for summary in summaries:
+                say("relaunch: " + format_summary(summary))
+        if seat is not None:
+            status = _end_store(seat, status, wait=not signalled)
     finally:
+        if seat is not None:
+            seat.end_store(False, say)
         if stop_lighthouse is not None:
             stop_lighthouse()
-    if said_summary:
-        for summary in summaries:
-            say("relaunch: " + format_summary(summary))
+    return status
+
+
+def _end_store(seat: Any, status: int, wait: bool) -> int:
+    """End the job's store where this node kept it past its own run (``StoreSeat.outlive``):
+    with ``wait``, once the other replica groups' agents left it. A node stopped by a signal
+    does not wait, and a signal during the wait ends it; the exit status then says the
+    signal."""
+    from relaunch.procs.errors import SignalException
+
+    try:
+        seat.end_store(wait, say)
+    except SignalException as exc:
+        say(f"relaunch: stopped by {exc.sigval.name}: the job's store ends now")
+        return 128 + int(exc.sigval)
     return status
 
 
