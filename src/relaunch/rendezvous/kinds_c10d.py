@@ -80,11 +80,8 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     if elect is not None:
         failover = StoreFailover(endpoints, token, (host, port), server or standby, elect)
         _follow_moves(failover, clients, death_notice)
-    seat = C10dSeat(
-        (host, port), token, conf.timeout, server, failover, local_addr, standby,
-        settings.dead_after,
-    )  # fmt: skip
-    closing = (failover.close,) if failover is not None else ()
+    seat = C10dSeat((host, port), token, conf.timeout, server, failover, local_addr)
+    seat.hold(standby, settings.dead_after)
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
         store,
@@ -93,7 +90,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         heartbeat_store,
         watch_store=watch_store,
         backend=params.backend,
-        on_shutdown=(seat.end, watch_store.close, *closing, seat.let_go),
+        on_shutdown=(seat.end, watch_store.close, seat.let_go),
         store_host_probe=_probe(host, port, token) if server is None else None,
         death_notice=death_notice,
         failover=failover,
@@ -118,18 +115,12 @@ class C10dSeat(SeatShutdown):
         server: TcpStoreServer | None,
         failover: StoreFailover | None,
         local_addr: str,
-        standby: TcpStoreServer | None = None,
-        silence: float = 0.0,
     ) -> None:
-        """``server`` and ``standby``: the servers this node runs, which ``let_go`` stops;
-        ``silence``: how long the other agents of a store kept past the rendezvous
-        (``outlive``) may send nothing before it ends anyway (the rendezvous' detection time:
-        a node silent that long counts as lost)."""
         super().__init__()
         self._endpoint, self._token, self._timeout = endpoint, token, timeout
         self._server, self._failover = server, failover
-        self._servers = tuple(each for each in (server, standby) if each is not None)
-        self._silence, self._outlive = silence, False
+        self._servers: tuple[TcpStoreServer, ...] = () if server is None else (server,)
+        self._silence, self._outlive = 0.0, False
         self.local_addr = local_addr
         self.lease_ttl = 0.0
 
@@ -155,6 +146,15 @@ class C10dSeat(SeatShutdown):
 
     # -- the store's life: with the rendezvous, or past it (``outlive``) -----------------------
 
+    def hold(self, standby: TcpStoreServer | None, silence: float) -> None:
+        """This node's standby too is stopped by ``let_go``; ``silence``: how long the other
+        agents of a store kept past the rendezvous (``outlive``) may send nothing before it
+        ends anyway (the rendezvous' detection time: a node silent that long counts as
+        lost)."""
+        if standby is not None:
+            self._servers += (standby,)
+        self._silence = silence
+
     def outlive(self) -> None:
         self._outlive = True
 
@@ -163,8 +163,10 @@ class C10dSeat(SeatShutdown):
         return self._outlive and self._serving() is not None
 
     def let_go(self) -> None:
-        """The rendezvous shuts down: this node's servers stop, unless one serves the job and
-        ``outlive`` was asked (``end_store`` stops them then)."""
+        """The rendezvous shuts down: the failover's watch stops, and this node's servers too,
+        unless one serves the job and ``outlive`` was asked (``end_store`` stops them then)."""
+        if self._failover is not None:
+            self._failover.close()
         if not self.kept:
             self._stop()
 

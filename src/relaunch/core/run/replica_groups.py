@@ -20,6 +20,13 @@ def group_run_id(run_id: str, group: int) -> str:
     return f"{run_id}-group{group}"
 
 
+def job_of_group(run_id: str) -> str | None:
+    """The job's run id when ``run_id`` is one of its groups' (``group_run_id``); None
+    otherwise."""
+    job, marker, group = run_id.rpartition("-group")
+    return job if marker and job and group.isdigit() and str(int(group)) == group else None
+
+
 def group_env(group: int, count: int) -> dict[str, str]:
     """The variables every worker of ``group`` (of ``count``) gets."""
     return {REPLICA_GROUP_ID_ENV: str(group), NUM_REPLICA_GROUPS_ENV: str(count)}
