@@ -35,9 +35,11 @@ CONF = (
     f"token={TOKEN}"
 )
 
-#: Each attempt of each worker leaves a record, then runs until the test says (``finish``).
+#: Each attempt of each worker leaves a record, then runs until the test says (``finish``);
+#: given a lighthouse, it then reads its status page through this node's relay (where the
+#: lighthouse is now), trying for up to 10 s.
 PROGRAM = """
-import json, os, sys, time
+import json, os, sys, time, urllib.request
 folder = sys.argv[1]
 record = {name: os.environ[name] for name in
           ("REPLICA_GROUP_ID", "RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")}
@@ -47,6 +49,16 @@ with open(os.path.join(folder, "records", str(os.getpid())), "w") as out:
 deadline = time.monotonic() + 60
 while not os.path.exists(os.path.join(folder, "finish")) and time.monotonic() < deadline:
     time.sleep(0.05)
+address, deadline = os.environ.get("TORCHFT_LIGHTHOUSE"), time.monotonic() + 10
+while address:
+    try:
+        with urllib.request.urlopen(address + "/status", timeout=2) as reply:
+            print("lighthouse answered", reply.status, flush=True)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
 """
 
 Node = tuple["subprocess.Popen[bytes]", Path]
@@ -163,6 +175,9 @@ def test_the_hosts_node_killed_the_job_moves_the_store_and_both_groups_go_on(
     if EXTENSION is not None:  # the lighthouse moved with the store, to node 1
         said = nodes[1][1].read_text()
         assert "torchft's lighthouse for the job runs on this node: http://127.0.0.2:" in said
+        for rank in (1, 2, 3):  # and every surviving node's workers reach it through its relay
+            answered = (tmp_path / f"node{rank}.out").read_text()
+            assert "lighthouse answered 200" in answered, answered
     print(f"the host's node SIGKILLed -> group 0 running again on its survivor: {back:.2f}s")
 
 
