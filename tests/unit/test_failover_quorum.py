@@ -125,6 +125,11 @@ def test_a_finished_group_counts_for_nothing_and_the_first_missing_group_ends_th
     assert electorate is not None and electorate.quorum == majority(3)
     assert voter_name(2, 2, "j-group1") in electorate.voters
     assert voter_name(2, 4, "j-group3") not in electorate.voters
+    # A group past the missing one counts its own members: a job whose run id merely ends in
+    # "-group3" still moves its store.
+    own = job_electorate("j-group3")(keys.get)
+    assert own is not None and own.quorum == majority(3 + 5)
+    assert voter_name(2, 4, "j-group3") in own.voters
     assert job_electorate("j-group0")(_groups(None, None).get) is None
 
 

@@ -92,7 +92,7 @@ def job_electorate(run_id: str) -> Elect:
 
     job = job_of_group(run_id)
     if job is not None:
-        return groups_electorate(job, majority)
+        return groups_electorate(job, run_id, majority)
 
     def elect(read: Callable[[str], bytes | None]) -> Electorate | None:
         last = last_round(read, run_id)

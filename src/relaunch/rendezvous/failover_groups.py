@@ -85,12 +85,16 @@ class Members(Container[str]):
         )
 
 
-def groups_electorate(job: str, majority: Callable[[int], int]) -> Elect:
+def groups_electorate(job: str, own: str, majority: Callable[[int], int]) -> Elect:
     """Who may vote a standby of ``job``'s store into its primary's place: the members of every
-    group's last completed round, ``majority`` of all of them at once."""
+    group's last completed round, ``majority`` of all of them at once; ``own`` (this node's
+    group's run id) counts even past a missing group."""
 
     def elect(read: Read) -> Electorate | None:
         rounds = group_rounds(read, job)
+        last = rounds.get(own) or last_round(read, own)
+        if last is not None:
+            rounds[own] = last
         members = sum(count for _, count in rounds.values())
         return Electorate(Members(rounds), majority(members)) if members else None
 
