@@ -26,7 +26,7 @@ from relaunch.rendezvous.rounds import job_key
 from relaunch.store.api import StoreError
 from relaunch.store.client import TcpStore
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "groups-failover-token"
 #: A lost node is known after 1.5 s of silence; each group's first round waits for its two.
@@ -194,10 +194,10 @@ def test_two_groups_of_one_node_cannot_move_it_and_say_what_would(
     try:
         wait_until(lambda: serving("127.0.0.1", port), 30, "node 0 to host the store")
         nodes.append(start(tmp_path, leaks, endpoints, run_id, 1, "2"))
-        wait_until(lambda: len(records(tmp_path)) == 2, 45, "both groups' workers")
+        wait_until(lambda: len(records(tmp_path)) == 2, 60, "both groups' workers")
         nodes[0][0].send_signal(signal.SIGKILL)
         nodes[0][0].wait()
-        assert nodes[1][0].wait(20) == 1, nodes[1][1].read_text()
+        assert nodes[1][0].wait(30) == 1, nodes[1][1].read_text()
     finally:
         (tmp_path / "finish").touch()
         for proc, _ in nodes:
