@@ -128,10 +128,15 @@ class StoreLoss:
             )
 
     def _follow_the_store(self, failover: StoreFailover) -> None:
+        gone = False
         try:
             self._find_the_store(failover)
+        except StoreHostGone:
+            gone = True  # for good: its connections stay cut off, so no thread of this node
+            raise  # spends its connect timeout (join_timeout) redialling the dead host
         finally:
-            failover.resume()  # moved, a blip, or waited for: the connections may call again
+            if not gone:
+                failover.resume()  # moved, a blip, or waited for: the connections may call again
 
     def _find_the_store(self, failover: StoreFailover) -> None:
         """``check_store`` when the store may move (``failover``): a primary that answers was
