@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping
 
-from relaunch.core.run.replica_groups import group_run_id, job_of_group
+from relaunch.core.run.replica_groups import MAX_GROUPS, group_run_id, job_of_group
 from relaunch.rendezvous.rounds import CLOSED, job_key
 from relaunch.store.api import Store
 from relaunch.store.replication import Elect, Electorate
 
-#: The most replica groups a job's store is read for (groups are numbered from 0, and the
-#: first one missing ends the list, as ``relaunch status`` reads them).
-MAX_GROUPS = 1024
 #: How far from a group's ``round`` key its last completed round is looked for: the key names
 #: that round, the one after it (being joined), or lags the round just completed.
 ROUNDS_AROUND = 2

@@ -13,6 +13,9 @@ from collections.abc import Iterable
 #: The variables each group's workers get (only when ``--replica-groups`` is given).
 REPLICA_GROUP_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+#: The most replica groups read from one job's store (``relaunch status``, the store's
+#: failover): groups are numbered from 0, and the first one missing ends the list.
+MAX_GROUPS = 1024
 
 
 def group_run_id(run_id: str, group: int) -> str:
