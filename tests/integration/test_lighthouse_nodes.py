@@ -5,8 +5,9 @@ lighthouse; when the store moves to the standby (a real promotion, voted by the 
 member), the node it moved to starts one, and torchft's own client, given that node's relay
 once, reaches it.
 
-The agents' own failover needs 3 nodes or more in a round (``store_loss``), which two replica
-groups of one node never have: the promotion is asked here as a surviving agent asks it."""
+The agents' own failover needs a majority of the job's members alive (every group's:
+``failover_groups``), which two replica groups of one node lose with the host: the promotion is
+asked here as a surviving member asks it, naming its group."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_the_stores_host_runs_it_and_the_node_the_store_moved_to_runs_the_next(
 
         nodes[0].close()  # the store's host is lost: its lighthouse and its store go
         primary.stop()
-        moved = failovers[1].take_over(voter_name(1, 0), 10.0)
+        moved = failovers[1].take_over(voter_name(1, 0, GROUP_RUN_ID), 10.0)
         assert moved == endpoints[1]
         wait_until(lambda: nodes[1].lighthouse is not None, 15, "node 1 to run the lighthouse")
         second = nodes[1].lighthouse

@@ -1,6 +1,7 @@
 """How many members must beat into the built-in store's primary for it to go on serving
 (``rendezvous.failover.quorum_needed``): the rule that keeps two stores from running one job;
-and who may vote a standby into its place (``job_electorate``), read from its copy."""
+and who may vote a standby into its place (``job_electorate``), read from its copy; with
+replica groups, every group's members (``failover_groups``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 
 import pytest
 
+from relaunch.core.run.replica_groups import group_run_id, job_of_group
 from relaunch.rendezvous.failover import job_electorate, majority, quorum_needed, voter_name
+from relaunch.rendezvous.failover_groups import other_groups_beats
 from relaunch.rendezvous.rounds import CLOSED, job_key
+from relaunch.store.memory import MemoryStore
 
 
 @pytest.mark.parametrize(("members", "needed"), [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3)])
@@ -81,3 +85,72 @@ def test_a_standby_reads_its_voters_from_the_last_completed_round(
         f"{round_}/-1",
     ):
         assert stranger not in electorate.voters
+
+
+def _groups(*rounds: tuple[int, object] | None) -> dict[str, bytes]:
+    """The keys of job ``j``'s replica groups in order: each group's last round and its count
+    (None: a group whose job finished)."""
+    keys = {}
+    for group, last in enumerate(rounds):
+        run_id = f"j-group{group}"
+        round_, count = last if last is not None else (1, None)
+        keys[job_key(run_id, "round")] = str(round_).encode()
+        keys[job_key(run_id, "final", round_)] = CLOSED if last is None else _final(count)
+    return keys
+
+
+def test_replica_groups_vote_together_each_member_naming_its_group() -> None:
+    """Two groups of two (the store's host one of the four): three of four are a majority,
+    where each group alone (two members, the host one of them) has none without the host."""
+    electorate = job_electorate("j-group1")(_groups((3, 2), (5, 2)).get)
+    assert electorate is not None and electorate.quorum == 3
+    voters = electorate.voters
+    assert all(voter_name(3, rank, "j-group0") in voters for rank in (0, 1))
+    assert all(voter_name(5, rank, "j-group1") in voters for rank in (0, 1))
+    for stranger in (
+        voter_name(3, 0),  # a member names its group
+        voter_name(3, 2, "j-group0"),  # past the round's count
+        voter_name(4, 0, "j-group0"),  # another round
+        voter_name(3, 0, "j-group1"),  # group 1's round is 5
+        voter_name(3, 0, "j-group2"),  # no such group
+        voter_name(3, 0, "k-group0"),  # another job
+    ):
+        assert stranger not in voters
+
+
+def test_a_finished_group_counts_for_nothing_and_the_first_missing_group_ends_the_list() -> None:
+    keys = _groups(None, (2, 3))
+    keys.update({k.replace("j-group1", "j-group3"): v for k, v in _groups(None, (2, 5)).items()})
+    electorate = job_electorate("j-group0")(keys.get)
+    assert electorate is not None and electorate.quorum == majority(3)
+    assert voter_name(2, 2, "j-group1") in electorate.voters
+    assert voter_name(2, 4, "j-group3") not in electorate.voters
+    # A group past the missing one counts its own members: a job whose run id merely ends in
+    # "-group3" still moves its store.
+    own = job_electorate("j-group3")(keys.get)
+    assert own is not None and own.quorum == majority(3 + 5)
+    assert voter_name(2, 4, "j-group3") in own.voters
+    assert job_electorate("j-group0")(_groups(None, None).get) is None
+
+
+@pytest.mark.parametrize(
+    ("run_id", "job"),
+    [("j-group0", "j"), ("a-b-group12", "a-b"), ("j", None), ("j-group", None),
+     ("-group1", None), ("j-group01", None), ("j-groupx", None)],
+)  # fmt: skip
+def test_a_replica_groups_run_id_names_its_job(run_id: str, job: str | None) -> None:
+    assert job_of_group(run_id) == job
+    if job is not None:
+        assert group_run_id(job, int(run_id.rpartition("group")[2])) == run_id
+
+
+def test_the_fence_watch_counts_the_other_groups_running_rounds() -> None:
+    """Group 0's primary counts group 1's and group 2's members; a group re-forming (its round
+    superseded) is left out, as is its own."""
+    store = MemoryStore()
+    for key, value in _groups((3, 2), (5, 2), (1, 3)).items():
+        store.set(key, value)
+    store.set(job_key("j-group2", "changed", 1), b"re-forming")
+    beats = other_groups_beats("j-group0")
+    assert beats is not None and other_groups_beats("j") is None
+    assert beats(store) == [[job_key("j-group1", f"hb/{rank}", 5) for rank in (0, 1)]]

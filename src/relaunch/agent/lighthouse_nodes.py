@@ -99,7 +99,7 @@ class NodeLighthouse:
         self._followed = self._seat.connect()
         self.relay.follow(self._followed, self._key)
         self._store = self._seat.connect()
-        self._seat.at_shutdown(self.close)  # before the store: a hosted one ends with it
+        self._seat.at_shutdown(self._leave)  # before the store: a hosted one ends with it
         if self._seat.hosted:
             self._seat.on_move(self._moved)
             self._run_if_host()
@@ -108,14 +108,19 @@ class NodeLighthouse:
         return {decide.ADDRESS_VAR: self.relay.address}
 
     def close(self) -> None:
-        """Stop the lighthouse (if here) and the relay; the key's lease goes at once. Once."""
+        """Stop the lighthouse (if here) and the relay; the key's lease goes at once."""
+        self._leave()
+        self._stop_lighthouse()
+
+    def _leave(self) -> None:
+        """Stop relaying, and the lighthouse too unless the store it runs beside serves on past
+        the rendezvous for the other groups (``StoreSeat.kept``; ``close`` stops it then).
+        Once."""
         if self._closed.is_set():
             return
         self._closed.set()
-        with self._lock:
-            lighthouse, self.lighthouse = self.lighthouse, None
-        if lighthouse is not None:
-            lighthouse.close()
+        if not self._seat.kept:
+            self._stop_lighthouse()
         self._let_go()
         self.relay.close()
         from relaunch.store.client import TcpStore
@@ -199,11 +204,15 @@ class NodeLighthouse:
                     "torchft's lighthouse: this node lost its lease on the job's key: its "
                     "lighthouse stops, another node's takes over"
                 )
-                with self._lock:
-                    lighthouse, self.lighthouse, self._lease = self.lighthouse, None, None
-                if lighthouse is not None:
-                    lighthouse.close()
+                self._lease = None
+                self._stop_lighthouse()
                 return
+
+    def _stop_lighthouse(self) -> None:
+        with self._lock:
+            lighthouse, self.lighthouse = self.lighthouse, None
+        if lighthouse is not None:
+            lighthouse.close()
 
     def _let_go(self) -> None:
         lease, self._lease = self._lease, None

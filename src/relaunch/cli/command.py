@@ -322,7 +322,6 @@ def _launch(
     entry_args: tuple[str, ...],
     group: int | None = None,
 ) -> int:
-    from relaunch.core.run.summary import RunSummary, format_summary
     from relaunch.core.workers.ranks import omp_num_threads_default
     from relaunch.procs.signals import raise_signal_exception
 
@@ -335,7 +334,7 @@ def _launch(
             # ignored, and ``kill -INT`` must stop it as it stops torchrun. The workers start
             # with each of them at its default (exec resets a handled signal).
             signal.signal(sig, raise_signal_exception)
-        from relaunch.launcher import launch_agent, rendezvous_handler
+        from relaunch.launcher import rendezvous_handler
 
         handler = rendezvous_handler(config)
     except Exception as exc:
@@ -350,9 +349,32 @@ def _launch(
         )
     # a replica group's variables, in the launcher's environment for its workers to inherit
     os.environ.update(_group_env(group, args.replica_groups))
-    stop_lighthouse = _lighthouse_on_nodes(handler, args, config) if group is not None else None
-    summaries: list[RunSummary] = []
+    node = _GroupNode(handler, args, config) if group is not None else None
     _collector_on()
+    try:
+        status, signalled = _run_agent(config, entrypoint, entry_args, handler)
+        if node is not None:
+            status = node.end_store(status, wait=not signalled)
+    finally:
+        if node is not None:
+            node.close()
+    return status
+
+
+def _run_agent(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    entry_args: tuple[str, ...],
+    handler: Any,
+) -> tuple[int, bool]:
+    """Run the agent to its end and say its summary: the exit status, and whether a signal
+    stopped it."""
+    from relaunch.core.run.summary import RunSummary, format_summary
+    from relaunch.launcher import launch_agent
+    from relaunch.procs.errors import SignalException
+
+    summaries: list[RunSummary] = []
+    signalled = False
     try:
         launch_agent(
             config, entrypoint, list(entry_args), handler=handler, on_summary=summaries.append
@@ -363,13 +385,43 @@ def _launch(
         if ended is None:
             raise
         status, said_summary = ended
-    finally:
-        if stop_lighthouse is not None:
-            stop_lighthouse()
+        signalled = isinstance(exc, SignalException)
     if said_summary:
         for summary in summaries:
             say("relaunch: " + format_summary(summary))
-    return status
+    return status, signalled
+
+
+class _GroupNode:
+    """A replica group's node of a job on several nodes: its part of torchft's lighthouse, and
+    the job's store, which serves on past this node's run where this node hosts it
+    (``StoreSeat.outlive``): the other groups' agents may still use it."""
+
+    def __init__(self, handler: Any, args: argparse.Namespace, config: LaunchConfig) -> None:
+        self._stop_lighthouse = _lighthouse_on_nodes(handler, args, config)
+        self._seat = getattr(handler, "seat", None)
+        if self._seat is not None:
+            self._seat.outlive()
+
+    def end_store(self, status: int, wait: bool) -> int:
+        """End the store kept past this node's run: with ``wait``, once the other groups'
+        agents left it. A node stopped by a signal does not wait, and a signal during the wait
+        ends it; the exit status then says the signal."""
+        from relaunch.procs.errors import SignalException
+
+        try:
+            if self._seat is not None:
+                self._seat.end_store(wait, say)
+        except SignalException as exc:
+            say(f"relaunch: stopped by {exc.sigval.name}: the job's store ends now")
+            return 128 + int(exc.sigval)
+        return status
+
+    def close(self) -> None:
+        """The store (without waiting, if it still serves), then the lighthouse."""
+        if self._seat is not None:
+            self._seat.end_store(False, say)
+        self._stop_lighthouse()
 
 
 def _lighthouse_on_nodes(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
@@ -40,7 +41,7 @@ from relaunch.rendezvous.kinds_counter import CounterKind
 from relaunch.rendezvous.node_membership import NodeMembership
 from relaunch.rendezvous.roster import new_node_id
 from relaunch.rendezvous.rounds import Rounds, closed_record
-from relaunch.runtime import SYSTEM_CLOCK, Clock
+from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 from relaunch.store.api import Store, StoreError
 
 if TYPE_CHECKING:
@@ -155,12 +156,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             token,
         )
         self._failover = failover
+        self._follow_lock, self._following = threading.Lock(), False  # ``_follow_first``
         if failover is not None:
-            failover.guard(
-                self._round_now,
-                lambda round_, rank: self._rounds.key(f"hb/{rank}", round_),
-                settings,
-            )
+            failover.guard(self._round_now, self._beat_key, settings, run_id)
+
+    def _beat_key(self, round_: int, rank: int) -> str:
+        """The heartbeat key of group rank ``rank`` in round ``round_``."""
+        return self._rounds.key(f"hb/{rank}", round_)
 
     def _round_now(self) -> tuple[int, int, int] | None:
         """The running round, its member count and this node's group rank (None: none runs)."""
@@ -331,10 +333,46 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _flag(self, round_: int, change: MembershipChange, recorded: bool) -> None:
         """A change the round's watch noticed. When the store was lost and may move, the calls
         still waiting on it (a status post, say) end now rather than at their deadline: the
-        agent's teardown must not wait for a silent host."""
+        agent's teardown must not wait for a silent host. A replica group's node follows the
+        store first (``_follow_first``)."""
+        failover = self._failover
+        lost = failover is not None and change.kind is ChangeKind.STORE_LOST
+        if lost and self._follow_first(round_, change):
+            return
         self._membership.flag(round_, change, recorded)
-        if change.kind is ChangeKind.STORE_LOST and self._failover is not None:
-            self._failover.cut_off()
+        if failover is not None and lost:
+            failover.cut_off()
+
+    def _follow_first(self, round_: int, change: MembershipChange) -> bool:
+        """A replica group's node that lost the store every group shares: follow it where it
+        moves (``DynamicJob.follow_store``, on a thread of its own) before the agent hears of
+        the loss. The agent hears it only if the store did not move; a group whose round the
+        lost host was in re-forms when the move supersedes that round, and the others go on,
+        their round watched anew on the moved store. False for any other node."""
+        from relaunch.core.run.replica_groups import job_of_group
+
+        if job_of_group(self._run_id) is None:
+            return False
+        with self._follow_lock:
+            if self._following:
+                return True
+            self._following = True
+        assert self._failover is not None
+        self._failover.cut_off()
+        start_thread(self._follow, "relaunch-store-follow", round_, change)
+        return True
+
+    def _follow(self, round_: int, change: MembershipChange) -> None:
+        membership = self._membership
+        try:
+            if not self.job.follow_store():
+                membership.flag(round_, change, False)
+            elif membership.round == round_ and not membership.changed():
+                membership.stop_watching()  # its threads ended on the lost store, or end now
+                self._start_watching()  # a change written on the moved store is seen there
+        finally:
+            with self._follow_lock:
+                self._following = False
 
     def _start_watching(self) -> None:
         """Watch the round just joined: heartbeats, the neighbour's, and the round's signal."""

@@ -213,6 +213,11 @@ class DynamicJob:
         """After the store was lost: whether it lives, or moved (``store_loss.StoreLoss``)."""
         self._loss.check()
 
+    def follow_store(self) -> bool:
+        """The store was lost and may move: follow it now (``StoreLoss.follow``); whether it
+        serves again."""
+        return self._loss.follow()
+
     # -- the restart budget, the presence check, the job's failure ---------------------------------
 
     def note_restart(self, reason: str) -> None:

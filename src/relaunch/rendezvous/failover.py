@@ -23,7 +23,6 @@ detection time, so two stores never both run the job.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -32,7 +31,6 @@ from typing import TYPE_CHECKING
 
 from relaunch.core.durations import seconds
 from relaunch.endpoints import parse_endpoint
-from relaunch.rendezvous.rounds import CLOSED, job_key
 from relaunch.runtime import SYSTEM_CLOCK, Clock, start_thread
 from relaunch.store.api import (
     StoreAuthError,
@@ -76,51 +74,31 @@ def quorum_needed(members: int, previous: Sequence[int]) -> int:
     return needed
 
 
-def voter_name(round_: int, group_rank: int) -> str:
-    """How a member of round ``round_`` of group rank ``group_rank`` names itself voting."""
-    return f"{round_}/{group_rank}"
-
-
-class _Members:
-    """The voter names of round ``round_``'s ``count`` members (``voter_name``)."""
-
-    def __init__(self, round_: int, count: int) -> None:
-        self._round, self._count = round_, count
-
-    def __contains__(self, voter: object) -> bool:
-        round_, _, rank = str(voter).partition("/")
-        return round_ == str(self._round) and rank.isdigit() and int(rank) < self._count
-
-
-#: How far from the job's ``round`` key a standby looks for the last completed round: the key
-#: names that round, the one after it (being joined), or lags the round just completed.
-_ROUNDS_AROUND = 2
+def voter_name(round_: int, group_rank: int, run_id: str | None = None) -> str:
+    """How a member of round ``round_`` of group rank ``group_rank`` names itself voting; a
+    replica group's member also names its group's rendezvous, ``run_id``
+    (``failover_groups``)."""
+    return f"{round_}/{group_rank}" if run_id is None else f"{round_}/{group_rank}@{run_id}"
 
 
 def job_electorate(run_id: str) -> Elect:
     """Who may vote a standby of job ``run_id`` into its primary's place, read from the
     standby's copy of the store: the members of the last round completed in it, a majority of
-    them at once. Nobody before a round completed, or once the job finished."""
+    them at once. Nobody before a round completed, or once the job finished. A replica group's
+    rendezvous (``RUN_ID-group{g}``) votes with every group of its job
+    (``failover_groups.groups_electorate``)."""
+    from relaunch.core.run.replica_groups import job_of_group
+    from relaunch.rendezvous.failover_groups import Members, groups_electorate, last_round
+
+    job = job_of_group(run_id)
+    if job is not None:
+        return groups_electorate(job, run_id, majority)
 
     def elect(read: Callable[[str], bytes | None]) -> Electorate | None:
-        try:
-            latest = int(read(job_key(run_id, "round")) or b"0")
-        except ValueError:
-            return None  # not a round number: no relaunch wrote it
-        for round_ in range(latest + _ROUNDS_AROUND, max(latest - _ROUNDS_AROUND, 0) - 1, -1):
-            record = read(job_key(run_id, "final", round_))
-            if record is None:
-                continue
-            if record == CLOSED:
-                return None
-            try:
-                count = json.loads(record)["count"]
-            except (ValueError, KeyError, TypeError, RecursionError):  # not a round's record
-                return None
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                return None
-            return Electorate(_Members(round_, count), majority(count))
-        return None
+        last = last_round(read, run_id)
+        if last is None:
+            return None
+        return Electorate(Members({"": last}), majority(last[1]))
 
     return elect
 
@@ -235,11 +213,21 @@ class StoreFailover:
         self._on_move.append(moved)
 
     def guard(
-        self, round_now: RoundNow, beat_key: Callable[[int, int], str], settings: plan.Settings
+        self,
+        round_now: RoundNow,
+        beat_key: Callable[[int, int], str],
+        settings: plan.Settings,
+        run_id: str = "",
     ) -> None:
         """Fence this node's store whenever it is the primary and fewer than a majority of the
-        running round beat into it (``MajorityWatch``, reading through the first client)."""
-        self._guard = MajorityWatch(self._clients[0], round_now, beat_key, settings, self._clock)
+        running round (with replica groups, of every group's: ``run_id`` is this node's
+        group's) beat into it (``MajorityWatch``, reading through the first client)."""
+        from relaunch.rendezvous.failover_groups import other_groups_beats
+
+        self._guard = MajorityWatch(
+            self._clients[0], round_now, beat_key, settings, self._clock,
+            other_groups_beats(run_id),
+        )  # fmt: skip
         if self.hosting and self._server is not None:
             self._guard.start(self._server)
 
@@ -329,7 +317,9 @@ class MajorityWatch:
     round's heartbeat counters (``beat_key(round, group_rank)``) from ``store`` (this node's
     own connection); when fewer than a majority of members (itself included) beat within half
     the detection time (``settings.dead_after``), it fences the store. A gap in its own checks
-    (this node was stopped, or starved) starts the count afresh: its silence is not theirs."""
+    (this node was stopped, or starved) starts the count afresh: its silence is not theirs.
+    ``others``: the heartbeat keys of the other replica groups' running rounds, whose members
+    count with this round's (``failover_groups``)."""
 
     def __init__(
         self,
@@ -338,9 +328,10 @@ class MajorityWatch:
         beat_key: Callable[[int, int], str],
         settings: plan.Settings,
         clock: Clock = SYSTEM_CLOCK,
+        others: Callable[[TcpStore], list[list[str]]] | None = None,
     ) -> None:
         self._store, self._round_now, self._beat_key = store, round_now, beat_key
-        self._settings, self._clock = settings, clock
+        self._settings, self._clock, self._others = settings, clock, others
         self._stop = threading.Event()
         self._started = False
 
@@ -355,7 +346,7 @@ class MajorityWatch:
     def _watch(self, server: TcpStoreServer) -> None:
         interval = self._settings.keep_alive_interval
         window = self._settings.dead_after / 2
-        heard: dict[tuple[int, int], tuple[int, float]] = {}  # (round, rank): (version, when)
+        heard: dict[str, tuple[int, float]] = {}  # a member's beat key: (version, when)
         checked = self._clock.monotonic()
         sizes: dict[int, int] = {}  # the members of each round seen (the last two kept)
         while not self._stop.wait(interval):
@@ -365,22 +356,24 @@ class MajorityWatch:
             if running is None or server.fenced:
                 continue
             round_, members, me = running
-            sizes[round_] = members
-            needed = quorum_needed(members, [sizes[r] for r in sizes if r < round_][-1:])
-            if not needed:
-                continue  # no majority without every node: nothing can take over from us
-            keys = [self._beat_key(round_, rank) for rank in range(members)]
+            keys = [self._beat_key(round_, rank) for rank in range(members) if rank != me]
             try:
+                for group in self._others(self._store) if self._others is not None else ():
+                    keys += group
+                sizes[round_] = members = len(keys) + 1
+                needed = quorum_needed(members, [sizes[r] for r in sizes if r < round_][-1:])
+                if not needed:
+                    continue  # no majority without every node: nothing can take over from us
                 versions = [found.version for found in self._store.get_many(keys)]
             except StoreError as exc:
                 log.debug("fence watch: could not read the heartbeats: %s", exc)
                 continue
             beating = 1  # this node
-            for rank, version in enumerate(versions):
-                last = heard.get((round_, rank))
+            for key, version in zip(keys, versions, strict=True):
+                last = heard.get(key)
                 if last is None or last[0] != version or stalled:  # a new round: a fresh start
-                    last = heard[(round_, rank)] = (version, now)
-                if rank != me and now - last[1] <= window:
+                    last = heard[key] = (version, now)
+                if now - last[1] <= window:
                     beating += 1
             if beating < needed:
                 server.fence()
@@ -393,7 +386,7 @@ class MajorityWatch:
                     seconds(window),
                 )
                 return
-            for stale in [key for key in heard if key[0] < round_]:
+            for stale in set(heard) - set(keys):
                 del heard[stale]
             for old in sorted(sizes)[:-2]:
                 del sizes[old]

@@ -8,11 +8,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch.core.run.replica_groups import MAX_GROUPS
 from relaunch.rendezvous import reader as job
 from relaunch.rendezvous.reader import JobNotFound, JobReader, MalformedJob, Snapshot
-
-#: The most replica groups ``relaunch status`` looks for under one run id.
-MAX_GROUPS = 1024
 
 
 @dataclass(frozen=True)

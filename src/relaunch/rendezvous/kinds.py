@@ -132,11 +132,25 @@ class StoreSeat(Protocol):
 
     def at_shutdown(self, ending: Callable[[], None]) -> None:
         """Call ``ending()`` when the rendezvous shuts down, before its store is let go (a
-        store this node hosts ends with it)."""
+        store this node hosts ends with it, unless ``outlive`` was asked)."""
+
+    @property
+    def kept(self) -> bool:
+        """Whether the store this node hosts serves on past the rendezvous' shutdown
+        (``outlive``), until ``end_store``."""
+
+    def outlive(self) -> None:
+        """From now on, a store this node hosts as the rendezvous shuts down serves on, for
+        the agents of the job's other replica groups, until ``end_store``."""
+
+    def end_store(self, wait: bool, say: Callable[[str], None]) -> None:
+        """End the store kept by ``outlive`` (nothing when none is); with ``wait``, first until
+        the other agents left it, said in a line."""
 
 
 class SeatShutdown:
-    """The ``at_shutdown`` of a seat: what to call as the rendezvous shuts down (``end``)."""
+    """The ``at_shutdown`` of a seat: what to call as the rendezvous shuts down (``end``); and
+    for a seat whose store no node hosts, nothing to keep past it."""
 
     def __init__(self) -> None:
         self._ending: list[Callable[[], None]] = []
@@ -149,6 +163,16 @@ class SeatShutdown:
         ending, self._ending = self._ending, []
         for each in ending:
             each()
+
+    @property
+    def kept(self) -> bool:
+        return False
+
+    def outlive(self) -> None:
+        pass
+
+    def end_store(self, wait: bool, say: Callable[[str], None]) -> None:
+        pass
 
 
 def read_each(store: Store, prefix: str, names: Sequence[str]) -> Iterator[tuple[str, bytes]]:

@@ -80,8 +80,8 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
     if elect is not None:
         failover = StoreFailover(endpoints, token, (host, port), server or standby, elect)
         _follow_moves(failover, clients, death_notice)
-        on_shutdown = (failover.close, *on_shutdown)
     seat = C10dSeat((host, port), token, conf.timeout, server, failover, local_addr)
+    seat.hold(standby, settings.dead_after)
     return DynamicRendezvousHandler.on_counters(
         params.run_id,
         store,
@@ -90,7 +90,7 @@ def create_handler(params: RendezvousSpec) -> DynamicRendezvousHandler:
         heartbeat_store,
         watch_store=watch_store,
         backend=params.backend,
-        on_shutdown=(seat.end, watch_store.close, *on_shutdown),
+        on_shutdown=(seat.end, watch_store.close, seat.let_go),
         store_host_probe=_probe(host, port, token) if server is None else None,
         death_notice=death_notice,
         failover=failover,
@@ -119,6 +119,8 @@ class C10dSeat(SeatShutdown):
         super().__init__()
         self._endpoint, self._token, self._timeout = endpoint, token, timeout
         self._server, self._failover = server, failover
+        self._servers: tuple[TcpStoreServer, ...] = () if server is None else (server,)
+        self._silence, self._outlive = 0.0, False
         self.local_addr = local_addr
         self.lease_ttl = 0.0
 
@@ -141,6 +143,79 @@ class C10dSeat(SeatShutdown):
     def on_move(self, moved: Callable[[], None]) -> None:
         if self._failover is not None:
             self._failover.on_move(lambda host, port: moved())
+
+    # -- the store's life: with the rendezvous, or past it (``outlive``) -----------------------
+
+    def hold(self, standby: TcpStoreServer | None, silence: float) -> None:
+        """This node's standby too is stopped by ``let_go``; ``silence``: how long the other
+        agents of a store kept past the rendezvous (``outlive``) may send nothing before it
+        ends anyway (the rendezvous' detection time: a node silent that long counts as
+        lost)."""
+        if standby is not None:
+            self._servers += (standby,)
+        self._silence = silence
+
+    def outlive(self) -> None:
+        self._outlive = True
+
+    @property
+    def kept(self) -> bool:
+        return self._outlive and self._serving() is not None
+
+    def let_go(self) -> None:
+        """The rendezvous shuts down: the failover's watch stops, and this node's servers too,
+        unless one serves the job and ``outlive`` was asked (``end_store`` stops them then)."""
+        if self._failover is not None:
+            self._failover.close()
+        if not self.kept:
+            self._stop()
+
+    def end_store(self, wait: bool, say: Callable[[str], None]) -> None:
+        server = self._serving() if self._outlive else None
+        self._outlive = False
+        try:
+            if wait and server is not None:
+                _serve_the_others(server, self._silence, say)
+        finally:
+            self._stop()
+
+    def _serving(self) -> TcpStoreServer | None:
+        """This node's server that serves the job now (not a standby, not fenced)."""
+        for server in self._servers:
+            if not server.standby and not server.fenced:
+                return server
+        return None
+
+    def _stop(self) -> None:
+        for server in self._servers:
+            server.stop()
+
+
+def _serve_the_others(server: TcpStoreServer, silence: float, say: Callable[[str], None]) -> None:
+    """Serve the agents still connected to the job's store (other replica groups') until they
+    leave, or until none of them asked anything for ``silence`` seconds; said in a line, and
+    how it ended in another."""
+    import time
+
+    connections = server.attendance.connected()
+    if not connections:
+        return
+    say(
+        f"relaunch: this node hosts the job's store, which the other replica groups' agents "
+        f"still use ({connections} connections): it serves them until they leave, or until "
+        f"none is heard from for {seconds(silence)} (the rendezvous' detection time)"
+    )
+    start = time.monotonic()
+    left = server.attendance.wait_gone(silence)
+    waited = seconds(time.monotonic() - start)
+    if left:
+        say(f"relaunch: the job's store ends: the other agents left (after {waited})")
+    else:
+        say(
+            f"relaunch: the job's store ends after {waited}: the {server.attendance.connected()} "
+            f"connections left sent nothing for {seconds(silence)} (their nodes are gone or cut "
+            "off)"
+        )
 
 
 def _follow_moves(

@@ -10,6 +10,7 @@ host, or stops when its own store lost the job's majority.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,24 @@ class StoreLoss:
         self._probe, self._failover = probe, failover
         self._clock = clock
         self._store_unanswered_said = False
+        self._following = threading.Lock()  # one node follows the store on one thread at once
+        self._gone: StoreHostGone | None = None  # what ``follow`` found: the store is gone
+
+    def follow(self) -> bool:
+        """A replica group's node lost the store it shares with the other groups: move with it
+        now, off the agent's thread and before the agent hears of the loss, so that a group
+        whose round the store's host was not in goes on without a restart. Whether the store
+        serves again (it answered, or moved); when it is gone, ``check`` raises that."""
+        assert self._failover is not None
+        with self._following:
+            if self._membership.store_lost_at is None:
+                self._membership.store_lost_at = self._clock.monotonic()
+            try:
+                self._follow_the_store(self._failover)
+            except StoreHostGone as exc:
+                self._gone = exc
+                return False
+        return self._membership.store_lost_at is None
 
     def check(self) -> None:
         """After the store was lost: whether it still lives, judged as a member is, by the
@@ -66,11 +85,15 @@ class StoreLoss:
         hosted it, and dies with it. A store that answers nothing at all (this node cut off, or
         the host down) is waited for as a rejoin waits, up to ``join_timeout``: said once."""
         membership, probe = self._membership, self._probe
+        if self._gone is not None:
+            raise self._gone
         lost_at = membership.store_lost_at
         if lost_at is None:
             return
         if self._failover is not None:
-            self._follow_the_store(self._failover)
+            with self._following:
+                if membership.store_lost_at is not None:  # ``follow`` may have moved it since
+                    self._follow_the_store(self._failover)
             return
         if probe is None:
             return
@@ -105,10 +128,15 @@ class StoreLoss:
             )
 
     def _follow_the_store(self, failover: StoreFailover) -> None:
+        gone = False
         try:
             self._find_the_store(failover)
+        except StoreHostGone:
+            gone = True  # for good: its connections stay cut off, so no thread of this node
+            raise  # spends its connect timeout (join_timeout) redialling the dead host
         finally:
-            failover.resume()  # moved, a blip, or waited for: the connections may call again
+            if not gone:
+                failover.resume()  # moved, a blip, or waited for: the connections may call again
 
     def _find_the_store(self, failover: StoreFailover) -> None:
         """``check_store`` when the store may move (``failover``): a primary that answers was
@@ -129,26 +157,35 @@ class StoreLoss:
             return
         round_, final = membership.round, membership.final
         members = 0 if final is None or round_ is None else final.count
-        if failover.hosting or round_ is None or members < 3:
+        group = self._group_run_id()  # a replica group's member votes with the whole job's
+        if failover.hosting or round_ is None or (members < 3 and group is None):
             self._store_unanswered(lost, "run 3 nodes or more (a majority moves the store)")
             return
         from relaunch.rendezvous.failover import format_endpoint, voter_name
 
         old = format_endpoint(failover.primary)
         within = settings.dead_after + settings.keep_alive_interval
-        moved = failover.take_over(voter_name(round_, membership.group_rank), within)
+        moved = failover.take_over(voter_name(round_, membership.group_rank, group), within)
         if moved is None:
-            self._store_unanswered(lost, "make sure a majority of the nodes can reach each other")
+            self._store_unanswered(
+                lost,
+                "make sure a majority of the nodes can reach each other"
+                if group is None
+                else "run 3 nodes or more in all the replica groups, a majority of them able "
+                "to reach each other (they move the store)",
+            )
             return
         membership.store_lost_at, self._store_unanswered_said = None, False
+        reforms = self._supersede_for_lost_host(members)
         log.warning(
-            "the rendezvous store's host %s is gone (%s): the store moved to %s, and the job "
-            "re-forms without it",
+            "the rendezvous store's host %s is gone (%s): the store moved to %s, and %s",
             old,
             lost,
             format_endpoint(moved),
+            "the job re-forms without it"
+            if reforms
+            else "this replica group goes on (the host was another group's node)",
         )
-        self._supersede_for_lost_host(members)
 
     def fenced_out(self) -> StoreHostGone:
         """This node's store lost the job's majority (``failover.MajorityWatch``): the error
@@ -160,15 +197,25 @@ class StoreLoss:
             "it stops here"
         )
 
-    def _supersede_for_lost_host(self, members: int) -> None:
+    def _group_run_id(self) -> str | None:
+        """This rendezvous' run id when it is a replica group's (``RUN_ID-group{g}``), whose
+        members vote on the store's failover with every group's (``failover_groups``)."""
+        from relaunch.core.run.replica_groups import job_of_group
+
+        return self._run_id if job_of_group(self._run_id) is not None else None
+
+    def _supersede_for_lost_host(self, members: int) -> bool:
         """Re-form the running round without the store's lost host (the group rank it said
-        under ``store_host``); the first node to write it wins."""
+        under ``store_host``); the first node to write it wins. False when the round goes on: a
+        replica group's round that the host was not a member of."""
         membership, round_ = self._membership, self._membership.round
         if round_ is None:
-            return
+            return True
         reason = "the store's host is gone"
         try:
             raw = self._store.get(self._rounds.key("store_host", round_)).value
+            if raw is None and self._group_run_id() is not None:
+                return False  # another replica group's node hosted it
             host = int(raw) if raw is not None and raw.isdigit() else None
             change = (
                 MembershipChange.member_lost(host, reason, membership.group_rank)
@@ -179,3 +226,4 @@ class StoreLoss:
             self._rounds.supersede(round_, change, expected_size(members, change, waiting))
         except StoreError as exc:
             log.warning("could not re-form round %d after the store moved: %s", round_, exc)
+        return True

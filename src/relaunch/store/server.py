@@ -24,12 +24,11 @@ What a client may make the server hold is bounded, before it proves the token an
 - After: ``store.frames``.
 
 Between stores (docs/store-failover.md): ``store.replication``; the operations:
-``store.operations``.
+``store.operations``; who still uses the store: ``store.attendance``.
 
 A connection closed for misbehaving (a wrong token, no authentication in time, garbage, an
-oversized frame) is logged with its reason when it is the first in ``REFUSAL_SUMMARY_INTERVAL``
-seconds; the others of that time are summed up in one line at its end: a flood of connections
-does not flood the log.
+oversized frame) is logged with its reason when the first in ``REFUSAL_SUMMARY_INTERVAL`` s; the
+others of that time are summed up in one line at its end: a flood does not flood the log.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ import relaunch.store.wire as wire
 from relaunch.runtime import descriptor_share
 from relaunch.server_loop import Listener, ServerLoop, Timer
 from relaunch.store.api import StoreError, StoreProtocolError
+from relaunch.store.attendance import Attendance
 from relaunch.store.data import KeyValueData
 from relaunch.store.frames import _RECV_SIZE, PRE_AUTH_LIMIT, Frames, _Refused
 from relaunch.store.limits import (
@@ -115,6 +115,7 @@ class TcpStoreServer:
             recovered=self._recovered,
         )  # fmt: skip
         self._clients: set[Client] = set()
+        self.attendance = Attendance(lambda: len(self._clients), loop.clock)
         self._unproven: dict[Client, None] = {}  # not authenticated yet, oldest first
         self._recv_buffer = bytearray(_RECV_SIZE)
         self._recv_view = memoryview(self._recv_buffer)
@@ -398,6 +399,7 @@ class TcpStoreServer:
             return
         if client.waiter is not None or client.replica:
             raise StoreProtocolError("a request arrived while another one is still waiting")
+        self.attendance.requests += 1
         if self._fenced and op != wire.PING:
             self._reply(client, wire.FENCED)
             return
@@ -478,6 +480,7 @@ class TcpStoreServer:
         if client not in self._clients:
             return
         self._clients.discard(client)
+        self.attendance.left()
         self._replication.replicas.discard(client)
         self._unproven.pop(client, None)
         if client.handshake is not None:

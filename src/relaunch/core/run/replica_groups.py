@@ -13,11 +13,21 @@ from collections.abc import Iterable
 #: The variables each group's workers get (only when ``--replica-groups`` is given).
 REPLICA_GROUP_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+#: The most replica groups read from one job's store (``relaunch status``, the store's
+#: failover): groups are numbered from 0, and the first one missing ends the list.
+MAX_GROUPS = 1024
 
 
 def group_run_id(run_id: str, group: int) -> str:
     """The run id of ``group``'s rendezvous: the job's with the group's number."""
     return f"{run_id}-group{group}"
+
+
+def job_of_group(run_id: str) -> str | None:
+    """The job's run id when ``run_id`` is one of its groups' (``group_run_id``); None
+    otherwise."""
+    job, marker, group = run_id.rpartition("-group")
+    return job if marker and job and group.isdigit() and str(int(group)) == group else None
 
 
 def group_env(group: int, count: int) -> dict[str, str]:
