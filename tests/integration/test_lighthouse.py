@@ -136,14 +136,25 @@ def test_a_group_gone_holds_up_the_survivors_quorum_for_the_heartbeat_timeout(
 
 
 def together(address: str, *replicas: str) -> list[Any]:
-    """One quorum asked by each of ``replicas`` at once (torchft's own client, a thread each)."""
+    """One quorum asked by each of ``replicas`` together (torchft's own client, a thread each).
+
+    The last asks first, and each asks once the lighthouse holds the requests of those after
+    it: the replicas of the last quorum, first in ``replicas``, would get a quorum at once
+    without a newcomer that had not asked yet (on a loaded machine the threads' requests can
+    come that far apart)."""
     got: dict[str, Any] = {}
     threads = [
         threading.Thread(target=lambda r=replica: got.update({r: quorum(address, r)}))
         for replica in replicas
     ]
-    for thread in threads:
+    for asked, thread in enumerate(reversed(threads), 1):
         thread.start()
+        if asked < len(threads):
+            wait_until(
+                lambda n=asked: f"only have {n} participants" in status_page(address),
+                10,
+                f"the lighthouse holds {asked} request(s)",
+            )
     for thread in threads:
         thread.join(20)
     return [got[replica] for replica in replicas]
