@@ -408,6 +408,8 @@ def test_torchruns_switch_turns_timers_on_and_a_last_failure_is_reported(
     report = done.stderr[done.stderr.index("Root cause") :]
     assert "rank 1 (local_rank 1" in report
     assert "expiry timer 'train_step' expired" in report and "@relaunch.record" not in report
+    # rank 0 had finished when rank 1's timer expired: it is not hung, nor a rank without a stack
+    assert "rank 1 alone gave a stack" in report and "rank 0 gave no Python stack" not in report
 
 
 def test_a_hung_worker_is_shown_with_its_stack_and_restarted(tmp_path, leaks: LeakCheck) -> None:

@@ -201,8 +201,9 @@ class Workers:
                 self._explained = outcome
                 assert self._run.pcontext is not None
                 self._run.expiry.explain(outcome.failures, self._run.pcontext.stderrs)
-                if self._run.expiry.stacks_taken:
-                    self._judge_hang(self._run.pcontext.stderrs)
+                if self._run.expiry.stacks_taken:  # a rank that had ended well is not hung
+                    stderrs = self._run.pcontext.stderrs
+                    self._judge_hang({r: stderrs[r] for r in outcome.failures if r in stderrs})
             snapshot = self.sampler.take()
         return self._by_global_rank(outcome.failures, snapshot)
 
