@@ -7,6 +7,7 @@ torch once a node (``--preload torch``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -22,8 +23,8 @@ from test_resilience import endpoint_of
 
 #: The worker, shared with ``python -m benchmarks eviction``.
 WORKER = str(pathlib.Path(__file__).parents[2] / "benchmarks" / "workers" / "sync_slow_node.py")
-#: Steps of the job: 10 s at the fast pace (20 ms of compute a step), 40 s at the slow one.
-TOTAL = 400
+#: Steps of the job: 8 s at the fast pace (20 ms of compute a step), 30 s at the slow one.
+TOTAL = 300
 #: Seconds a step at most at the fast pace, on a loaded machine (the slow pace: over 0.1).
 FAST_STEP = 0.06
 
@@ -128,6 +129,20 @@ def test_a_slow_node_of_synchronous_training_is_flagged_until_a_spare_comes_then
     assert "this node is excluded from the job until" in texts[1], told
     assert "(evicted as a straggler)" in texts[1], told
     assert "finished while this node was out of it, evicted as a straggler" in texts[1], told
+    # No restart spent, and said so: not a count of the restarts left, nor a "restart 1".
+    assert all("as a straggler" not in line for line in texts[0].splitlines() if "left" in line)
+    assert "; a spare takes its place; no restart spent" in texts[0], told
+    assert "after 1 eviction\n" in texts[0] and "  eviction 1: node " in texts[0], told
+    assert "  restart 1: " not in texts[0], told
+    # Its own status event on each node of the round, the cause in the restart's.
+    for name in "ab":
+        events = [json.loads(line) for line in (tmp_path / f"events.{name}.jsonl").open()]
+        (evicted,) = [e for e in events if e["name"].endswith(".EVICTED")]
+        assert re.search(
+            r"/b \(node [01], ranks [02]-[13]\) evicted", evicted["metadata"]["raw_error"]
+        )
+        causes = [json.loads(e["metadata"]["metadata"]).get("cause") for e in events]
+        assert "member_evicted" in causes
     # The spare's workers went on from where the slow node's left, to the end, at the fast pace.
     starts, ends = workers(out, "start"), workers(out, "end")
     slow_ranks = {rank for rank, _, _, slow in starts if slow}
