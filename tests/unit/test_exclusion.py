@@ -154,11 +154,12 @@ def test_the_failing_node_that_re_forms_the_round_is_recorded_and_then_excluded(
 
 
 @pytest.mark.timeout(60)
-def test_an_eviction_excludes_the_agent_evicted_not_the_other_of_its_host() -> None:
+@pytest.mark.parametrize("evicted", [1, 0])
+def test_an_eviction_excludes_the_agent_evicted_not_the_other_of_its_host(evicted: int) -> None:
     """Two agents of one host share an identity (no ``node_name``): the judge's eviction of
-    one re-forms the round, which both see at once; the one evicted is out for the cooldown,
-    saying why, and the other is not excluded (before: both were, the other "having failed
-    the job too often")."""
+    one (the other, or itself) re-forms the round, which both see at once; the one evicted is
+    out for the cooldown, saying why, and the other is not excluded (before: both were, the
+    other "having failed the job too often", and the job waited for a node it lacked)."""
     import threading
 
     from relaunch.core.rendezvous.rounds import Settings
@@ -192,18 +193,19 @@ def test_an_eviction_excludes_the_agent_evicted_not_the_other_of_its_host() -> N
             thread.start()
         for thread in joins:
             thread.join(20)
-        judge, slow = sorted(handlers, key=ranks.__getitem__)
-        line = "node h (node 1, ranks 2-3) evicted as a straggler (...) for 3 s"
+        judge = next(handler for handler in handlers if ranks[handler] == 0)
+        slow, fast = sorted(handlers, key=lambda handler: ranks[handler] != evicted)
+        line = f"node h (node {evicted}) evicted as a straggler (...) for 3 s"
         began = time.time()
-        judge.job.evict(1, line)
+        judge.job.evict(evicted, line)
         for handler in handlers:
             change = handler.job.wait_membership_change(10)
             assert change is not None and change.kind is ChangeKind.MEMBER_EVICTED
-            assert (change.member, change.detected_by, change.reason) == (1, 0, line)
+            assert (change.member, change.detected_by, change.reason) == (evicted, 0, line)
         until = slow.job.prepare_join()
         assert until is not None and began + 59 < until < time.time() + 61
         assert (slow.job.exclusion_reason, slow.job.evicted) == ("evicted as a straggler", line)
-        assert judge.job.prepare_join() is None and judge.job.evicted is None
+        assert fast.job.prepare_join() is None and fast.job.evicted is None
         assert store.get("relaunch/job/nodes/h").value is None  # the host's record untouched
     finally:
         for handler in handlers:
