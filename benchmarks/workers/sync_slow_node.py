@@ -6,10 +6,11 @@ environment are slow (a machine that is slow, wherever the rendezvous places it)
 
 Every step, each rank reports its progress, computes inside ``relaunch.section("compute")``
 (COMPUTE_S seconds, 0.02 by default; five times that on the slow ranks from step SLOW_AFTER on)
-and all-reduces a tensor, so that every rank steps at the slowest one's pace. A rank resumes
-from the step it wrote last (OUT/step.<rank>), as kept state would have it, so a spare that
-takes a node's place goes on where the node was. All stop at the same step once one of them
-reaches TOTAL (0, the default: never) or sees OUT/stop (the flag travels in the all-reduce).
+and all-reduces a tensor, so that every rank steps at the slowest one's pace. The ranks resume
+from the last step any of them wrote (OUT/step.<rank>), as kept state would have them, so a
+spare that takes a node's place goes on where the node was. All stop at the same step once one
+of them reaches TOTAL (0, the default: never) or sees OUT/stop (the flag travels in the
+all-reduce).
 Each rank writes OUT/start.<rank>.<pid> (the time of its first step, that step, and 1 when it
 is slow), OUT/end.<rank>.<pid> (the time and step it stopped at), and the slow ranks
 OUT/onset.<rank> (when their slow computing began); rank 0 writes OUT/steps.
@@ -40,6 +41,10 @@ def main() -> int:
     mine = out / f"step.{rank}"
     step = int(mine.read_text() or 0) if mine.exists() else 0
     dist.init_process_group("gloo")
+    # A rank stopped between two steps' files may be one behind: all go on from the furthest.
+    resumed = torch.tensor([step])
+    dist.all_reduce(resumed, op=dist.ReduceOp.MAX)
+    step = int(resumed[0])
     pid = os.getpid()
     (out / f"start.{rank}.{pid}").write_text(f"{time.time()!r} {step} {int(slow_here)}")
     flag = torch.zeros(1)
