@@ -312,3 +312,59 @@ def test_many_groups_are_read_within_one_jobs_bounds(
         code, out, err = run(capsys, store.endpoint)
     assert code == 1 and err.count("\n") == 1, err[:300]
     assert "groups hold more than 1048576 bytes in all" in err, err[:300]
+
+
+# -- the node a view evicts (--evict-stragglers) ------------------------------------------------
+
+
+def _view(evict: object, flagged: bool = True) -> bytes:
+    from relaunch.core.workers.stragglers import SlowNode
+
+    slow = [SlowNode("h/b", 1, [2, 3], "compute", 0.1, 0.02, 1.5)] if flagged else []
+    data = json.loads(core.JobView(None, {}, None, None, None, 1000.0, slow).encode())
+    data["evict"] = evict
+    return json.dumps(data).encode()
+
+
+GOOD_EVICT = {"node": "h/b", "node_rank": 1, "line": "node h/b (node 1) evicted as a straggler"}
+
+
+@pytest.mark.parametrize(
+    "evict",
+    [
+        "node 1",
+        {**GOOD_EVICT, "node_rank": -1},
+        {**GOOD_EVICT, "node_rank": "1"},
+        {**GOOD_EVICT, "node_rank": True},
+        {**GOOD_EVICT, "line": None},
+        {**GOOD_EVICT, "line": f"evicted {ESC}[2J{ESC}]0;owned\a"},
+        {**GOOD_EVICT, "line": "x" * (core.MAX_EVICT_LINE + 1)},
+        {**GOOD_EVICT, "node": f"h{ESC}[31m"},
+        {"node_rank": 1, "line": "x"},
+    ],
+)
+def test_a_malformed_eviction_in_the_jobs_view_is_refused(evict: object) -> None:
+    """The view's eviction becomes every node's restart reason: one it cannot be is refused
+    whole (the status thread skips a view it cannot decode), never printed."""
+    with pytest.raises(ValueError):
+        core.JobView.decode(_view(evict))
+
+
+def test_a_forged_eviction_of_a_node_the_view_does_not_flag_is_not_heeded() -> None:
+    """A view that evicts a node it does not flag is no judge's: the node named stays (and
+    one that does flag it is heeded: the node re-forms the round without itself)."""
+    from relaunch.agent.eviction import Evictor
+
+    class Job:
+        evicted: list[tuple[int, str]] = []
+
+        def evict(self, node_rank: int, reason: str) -> None:
+            self.evicted.append((node_rank, reason))
+
+    job = Job()
+    assert core.JobView.decode(_view(GOOD_EVICT)).evict is not None
+    Evictor.heed(core.JobView.decode(_view(GOOD_EVICT, flagged=False)), 1, job)  # type: ignore[arg-type]
+    Evictor.heed(core.JobView.decode(_view(GOOD_EVICT)), 0, job)  # type: ignore[arg-type]
+    assert job.evicted == []
+    Evictor.heed(core.JobView.decode(_view(GOOD_EVICT)), 1, job)  # type: ignore[arg-type]
+    assert job.evicted == [(1, GOOD_EVICT["line"])]

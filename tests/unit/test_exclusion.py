@@ -153,6 +153,65 @@ def test_the_failing_node_that_re_forms_the_round_is_recorded_and_then_excluded(
         handler.shutdown()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("evicted", [1, 0])
+def test_an_eviction_excludes_the_agent_evicted_not_the_other_of_its_host(evicted: int) -> None:
+    """Two agents of one host share an identity (no ``node_name``): the judge's eviction of
+    one (the other, or itself) re-forms the round, which both see at once; the one evicted is
+    out for the cooldown, saying why, and the other is not excluded (before: both were, the
+    other "having failed the job too often", and the job waited for a node it lacked)."""
+    import threading
+
+    from relaunch.core.rendezvous.rounds import Settings
+    from relaunch.rendezvous.dynamic import DynamicRendezvousHandler
+    from relaunch.store import MemoryStore
+
+    store = MemoryStore()
+    rules = Settings(1, 2, join_timeout=10, last_call_timeout=0.05, keep_alive_interval=0.05)
+    policy = ExclusionPolicy(after=3, cooldown=60.0)
+    handlers = [
+        DynamicRendezvousHandler.on_counters(
+            "job",
+            store,
+            rules,
+            "127.0.0.1",
+            store,
+            watch_store=store,
+            identity="h",
+            exclusion_policy=policy,
+        )
+        for _ in range(2)
+    ]
+    try:
+        ranks: dict[DynamicRendezvousHandler, int] = {}
+
+        def join(handler: DynamicRendezvousHandler) -> None:
+            ranks[handler] = handler.next_rendezvous().rank
+
+        joins = [threading.Thread(target=join, args=(handler,)) for handler in handlers]
+        for thread in joins:
+            thread.start()
+        for thread in joins:
+            thread.join(20)
+        judge = next(handler for handler in handlers if ranks[handler] == 0)
+        slow, fast = sorted(handlers, key=lambda handler: ranks[handler] != evicted)
+        line = f"node h (node {evicted}) evicted as a straggler (...) for 3 s"
+        began = time.time()
+        judge.job.evict(evicted, line)
+        for handler in handlers:
+            change = handler.job.wait_membership_change(10)
+            assert change is not None and change.kind is ChangeKind.MEMBER_EVICTED
+            assert (change.member, change.detected_by, change.reason) == (evicted, 0, line)
+        until = slow.job.prepare_join()
+        assert until is not None and began + 59 < until < time.time() + 61
+        assert (slow.job.exclusion_reason, slow.job.evicted) == ("evicted as a straggler", line)
+        assert fast.job.prepare_join() is None and fast.job.evicted is None
+        assert store.get("relaunch/job/nodes/h").value is None  # the host's record untouched
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+
+
 # -- the health check -----------------------------------------------------------------------------
 
 

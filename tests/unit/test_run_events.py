@@ -267,6 +267,8 @@ def report_for(recorder: Recorder, clock: ManualClock) -> RunReport:
 
 STRAGGLER = SlowNode("host1", 1, [1], "compute", 0.5, 0.1, 1.5)
 RESTART = Restarted("trainer", "worker_failed", "rank 1 exited with code 3", "worker failed", 0, 2)
+EVICTION_LINE = "node h/b (node 1, ranks 2-3) evicted as a straggler (...) for 3 s"
+EVICTION = Restarted("trainer", "member_evicted", EVICTION_LINE, EVICTION_LINE, 0, 0)
 ENDING = finished(
     joined_group(),
     RunResult(
@@ -283,6 +285,7 @@ EVENTS: list[tuple[RunEvent, list[tuple[str, str, str | None]]]] = [
     (Started(0, 0.25), [("HEALTHY", "AGENT", None)]),
     (AttemptEnded("trainer", "FAILED", 2), []),
     (RESTART, [("RESTARTING", "AGENT", "rank 1 exited with code 3")]),
+    (EVICTION, [("RESTARTING", "AGENT", EVICTION_LINE), ("EVICTED", "AGENT", EVICTION_LINE)]),
     (Hung(1, "local rank 0 is hung"), [("HUNG", "AGENT", "local rank 0 is hung")]),
     (StragglerFlagged(STRAGGLER, 1), [("STRAGGLER", "WORKER", None)]),
     (Failed(1, "boom"), [("FAILED", "AGENT", "boom")]),
@@ -314,6 +317,7 @@ def test_the_run_report_records_each_run_event(run_event: RunEvent, expected) ->
         assert json.loads(event["metadata"]["metadata"])["time"] == round(clock.time(), 3)
     summary = report.summary("failed")
     assert summary.restarts == (["rank 1 exited with code 3"] if run_event is RESTART else [])
+    assert summary.evictions == ([EVICTION_LINE] if run_event is EVICTION else [])
     assert summary.stragglers == ([STRAGGLER.describe()] if "STRAGGLER" in str(got) else [])
 
 
@@ -373,6 +377,8 @@ def test_the_metric_puts_are_torchelastics(run_event: RunEvent, expected) -> Non
 #: Each run event, and the log lines said for it.
 LINES: list[tuple[RunEvent, list[str]]] = [
     (RESTART, ["[trainer] restarting the worker group (worker failed); 2 restart(s) left"]),
+    # An eviction spends no restart: no count of the restarts left, which it did not touch.
+    (EVICTION, [f"[trainer] {EVICTION_LINE}; no restart spent"]),
     (AttemptEnded("trainer", "FAILED", 2), []),
     (Hung(0, "local rank 0 is hung"), []),  # the hang detection says it, with more
     (StragglerFlagged(STRAGGLER, 0), []),  # the reporter that found it says it

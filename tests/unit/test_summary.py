@@ -1,4 +1,5 @@
-"""The end-of-run summary's wording for workers that never started and restart reasons."""
+"""The end-of-run summary's wording for workers that never started, restart reasons and
+evictions."""
 
 from __future__ import annotations
 
@@ -42,3 +43,14 @@ def test_a_hangs_verdict_has_its_line() -> None:
     said = "rank 2 did not reach the collective that ranks 0, 1, 3 wait in (all_reduce): ..."
     text = format_summary(RunSummary("failed", 2.0, hang=said, log_dir="/logs/run"))
     assert text.splitlines()[-2:] == [f"  hang: {said}", "  logs: /logs/run"]
+
+
+def test_an_eviction_is_counted_apart_from_the_restarts() -> None:
+    line = "node h/b (node 1, ranks 2-3) evicted as a straggler (...); a spare takes its place"
+    text = format_summary(RunSummary("succeeded", 9.0, evictions=[line]))
+    assert text.splitlines() == [
+        "run summary: succeeded in 9.0s after 1 eviction",
+        f"  eviction 1: {line} (no restart spent)",
+    ]
+    both = format_summary(RunSummary("succeeded", 9.0, restarts=["x", "y"], evictions=[line]))
+    assert both.splitlines()[0] == "run summary: succeeded in 9.0s after 2 restarts and 1 eviction"

@@ -1,7 +1,9 @@
 """``--evict-stragglers``: the judge (the agent of group rank 0) decides which node to evict
-(``core.workers.eviction``) from each view of the job it posts, and names it in that view
-(``JobView.evict``); the node named reads it and leaves the job (``JobServices.evict``), so that
-only a node writes its own exclusion record. Runs on the status thread (``agent.status``)."""
+(``core.workers.eviction``) from each view of the job it posts, names it in that view
+(``JobView.evict``) and re-forms the round without it (``JobServices.evict``): every node,
+the one evicted too, sees the change at once, as a failure's. Should that fail, the node named
+re-forms the round itself when it reads the view. Runs on the status thread
+(``agent.status``)."""
 
 from __future__ import annotations
 
@@ -51,10 +53,17 @@ class Evictor:
             log.warning("%s", decided.line)
         if isinstance(decided, eviction.Evict):
             self._evicting = decided
+            job.evict(decided.node_rank, decided.line)
         return view if self._evicting is None else view.replace(evict=self._evicting)
 
     @staticmethod
     def heed(view: JobView, group_rank: int, job: JobServices) -> None:
-        """Leave the job when ``view`` evicts this node (``group_rank``)."""
-        if view.evict is not None and view.evict.node_rank == group_rank:
-            job.evict(view.evict.line)
+        """Leave the job when ``view`` evicts this node (``group_rank``) and flags it: a view
+        that evicts a node it does not flag is not the judge's, and is refused."""
+        evict = view.evict
+        if evict is None or evict.node_rank != group_rank:
+            return
+        if not any(slow.node_rank == group_rank for slow in view.slow_nodes):
+            log.debug("a view of the job evicts this node without flagging it: ignored")
+            return
+        job.evict(group_rank, evict.line)

@@ -40,7 +40,7 @@ def await_admission(
             log.warning(
                 "this node is excluded from the job until %s (%s); it will try to join again then",
                 time.strftime("%H:%M:%S", time.localtime(until)),
-                "it failed the job too often" if job.evicted is None else "evicted as a straggler",
+                job.exclusion_reason,
             )
             if job.wait_closed(until - clock.time()):
                 raise RendezvousClosedError(f"the job {run_id!r} has finished")

@@ -15,6 +15,7 @@ from relaunch.core.output.status import printable
 from relaunch.core.run.failures import has_error_file, signal_meaning
 from relaunch.core.run.goodput import Ledger
 from relaunch.core.run.run_events import (
+    EVICTED,
     Failed,
     Finished,
     Hung,
@@ -60,6 +61,8 @@ class RunReport:
         self.log_dir = log_dir
         self.started_at = clock.monotonic()
         self.restart_reasons: list[str] = []
+        #: The nodes evicted as stragglers, one line each (their restarts spend none).
+        self.evictions: list[str] = []
         self.stop_note = ""
         self.last_outcome: RunProcsResult | None = None
         self.last_progress: dict[int, Progress | None] = {}
@@ -75,8 +78,11 @@ class RunReport:
         if isinstance(run_event, Started):
             self.group_started(run_event.restart_count, run_event.rendezvous_seconds)
         elif isinstance(run_event, Restarted):
-            self.restart_reasons.append(run_event.reason)
+            evicted = run_event.cause == EVICTED
+            (self.evictions if evicted else self.restart_reasons).append(run_event.reason)
             self.restarting(run_event.restart_count, run_event.cause, run_event.reason)
+            if evicted:
+                self.agent_event("EVICTED", run_event.restart_count, run_event.reason)
         elif isinstance(run_event, Hung):
             self.hung(run_event.restart_count, run_event.what)
         elif isinstance(run_event, StragglerFlagged):
@@ -233,6 +239,7 @@ class RunReport:
             [self.stragglers[rank] for rank in sorted(self.stragglers)],
             self.ledger.line(elapsed) or "",
             self.hang_line,
+            list(self.evictions),
         )
 
 

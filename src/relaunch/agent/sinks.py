@@ -15,7 +15,13 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
-from relaunch.core.run.run_events import AttemptEnded, RestartCosted, Restarted, RunEvent
+from relaunch.core.run.run_events import (
+    EVICTED,
+    AttemptEnded,
+    RestartCosted,
+    Restarted,
+    RunEvent,
+)
 from relaunch.events import Metrics
 
 
@@ -66,6 +72,9 @@ class LogSink:
                 cost.total,
                 ", ".join(f"{cause} {seconds:.2f}s" for cause, seconds in cost.seconds.items()),
             )
+        elif isinstance(run_event, Restarted) and run_event.cause == EVICTED:
+            # The group re-forms with a spare, on the budget of no restart: say that, not a count
+            self._log.warning("[%s] %s; no restart spent", run_event.role, run_event.decision)
         elif isinstance(run_event, Restarted):
             self._log.warning(
                 "[%s] restarting the worker group (%s); %d restart(s) left",

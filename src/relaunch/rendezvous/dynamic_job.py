@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from relaunch.core.durations import seconds
 from relaunch.core.rendezvous import rounds as plan
-from relaunch.core.rendezvous.membership import MembershipChange, expected_size
+from relaunch.core.rendezvous.membership import ChangeKind, MembershipChange, expected_size
 from relaunch.core.run import exclusion
 from relaunch.core.sections import Learned, decode_learned, encode_learned, merge
 from relaunch.rendezvous.api import (
@@ -94,8 +94,13 @@ class DynamicJob:
         )
         self._clock = clock
         self._restarts_seen = 0
-        #: Why this node was evicted as a straggler (None: it was not).
+        #: Why this node was evicted as a straggler (None: it was not), and until when it stays
+        #: out (``clock.time()``): this agent's own, not its identity's record, which agents
+        #: sharing a host share.
         self.evicted: str | None = None
+        self._evicted_until = 0.0
+        #: Why ``prepare_join`` last found this node excluded.
+        self.exclusion_reason = ""
 
     # -- the membership change ----------------------------------------------------------------
 
@@ -129,15 +134,22 @@ class DynamicJob:
         is excluded from the job (``clock.time()``), or None when it may join."""
         self.check_store()
         self._leave_or_warn()
-        if self._exclusion is None:
-            return None
-        try:
-            key = self._node_key()
-            record = store_record(key, self._store.get(key).value)
-        except StoreError as exc:
-            log.debug("could not read this node's record: %s", exc)
-            return None  # joining reports an unreachable store
-        return exclusion.excluded_until(record, self._clock.time())
+        self._heed_eviction()
+        now = self._clock.time()
+        evicted = self._evicted_until if self._evicted_until > now else None
+        failed = None
+        if self._exclusion is not None:
+            try:
+                key = self._node_key()
+                record = store_record(key, self._store.get(key).value)
+                failed = exclusion.excluded_until(record, now)
+            except StoreError as exc:
+                log.debug("could not read this node's record: %s", exc)  # joining reports it
+        if failed is not None and (evicted is None or failed > evicted):
+            self.exclusion_reason = "it failed the job too often"
+            return failed
+        self.exclusion_reason = "evicted as a straggler"
+        return evicted
 
     def leave_early(self) -> None:
         if self._membership.store_lost_at is not None:
@@ -414,31 +426,35 @@ class DynamicJob:
             log.debug("could not count the nodes waiting to join: %s", exc)
             return 0
 
-    def evict(self, reason: str) -> None:
-        """Exclude this node for the exclusion cooldown (its record, which it alone writes),
-        then re-form the round without it: the spare waiting takes its place."""
+    def evict(self, node_rank: int, reason: str) -> None:
+        """Evict the member of group rank ``node_rank`` as a straggler: the round re-forms with
+        the spare waiting in its place, which every member sees at once (the member evicted
+        too: it stays out for the cooldown, ``_heed_eviction``). ``reason``: the line every
+        node shows."""
         membership = self._membership
-        if self.evicted is not None or membership.round is None or membership.final is None:
+        if membership.round is None or membership.final is None:
             return
-        if membership.finished or membership.left:
+        if membership.finished or membership.left or membership.changed():
             return
-        self.evicted = reason  # every node's restart line says it, this one's too
-        cooldown = (self._exclusion or exclusion.ExclusionPolicy()).cooldown
-        change = MembershipChange.member_excluded(membership.group_rank, reason)
+        change = MembershipChange.member_evicted(node_rank, reason, membership.group_rank)
         try:
-            key = self._node_key()
-            for _ in range(8):
-                record, version = self._read_record()
-                until = max(record.excluded_until, self._clock.time() + cooldown)
-                out = exclusion.NodeRecord(0, until, record.exclusions + 1)
-                if self._store.compare_set(key, version, exclusion.encode_record(out)).succeeded:
-                    break
             waiting = self._rounds.waiting(membership.round)
             self._rounds.supersede(
                 membership.round, change, expected_size(membership.final.count, change, waiting)
             )
         except StoreError as exc:
-            log.warning("could not leave the job as a straggler: %s", exc)
+            log.warning("could not evict node %d as a straggler: %s", node_rank, exc)
+
+    def _heed_eviction(self) -> None:
+        """Once the change that re-formed this node's round evicted it: out of the job for the
+        exclusion cooldown (this agent alone: another agent on its host is not the straggler)."""
+        change, membership = self._membership.change, self._membership
+        if self.evicted is not None or change is None or membership.final is None:
+            return
+        if change.kind is ChangeKind.MEMBER_EVICTED and change.member == membership.group_rank:
+            self.evicted = change.reason
+            cooldown = (self._exclusion or exclusion.ExclusionPolicy()).cooldown
+            self._evicted_until = self._clock.time() + cooldown
 
     # -- this node's record (``core.run.exclusion``) ----------------------------------------------
 

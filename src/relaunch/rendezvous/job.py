@@ -129,14 +129,19 @@ class JobServices(Protocol):
     def spares(self) -> int:
         """Nodes waiting to join the running round: spares, when it is full."""
 
-    def evict(self, reason: str) -> None:
-        """This node leaves the job as a straggler (``core.workers.eviction``): excluded for the
-        cooldown a failing node gets, the round re-formed without it, ``reason`` the line
-        every node shows."""
+    def evict(self, node_rank: int, reason: str) -> None:
+        """Evict the node of group rank ``node_rank`` as a straggler (``core.workers.eviction``):
+        the round re-forms with a spare in its place, and that node, seeing it, stays out for
+        the cooldown a failing node gets; ``reason`` is the line every node shows."""
 
     @property
     def evicted(self) -> str | None:
         """Why this node was evicted from the job (None: it was not)."""
+
+    @property
+    def exclusion_reason(self) -> str:
+        """Why ``prepare_join`` last said this node is excluded: it failed the job too often,
+        or it was evicted as a straggler."""
 
 
 def check_workers(role: str, local_world_size: int) -> int:
@@ -231,9 +236,10 @@ class SoloJob:
 
     min_nodes = 1
     evicted = None
+    exclusion_reason = ""
 
     def spares(self) -> int:
         return 0  # one node: no spare
 
-    def evict(self, reason: str) -> None:
+    def evict(self, node_rank: int, reason: str) -> None:
         pass  # one node: no spare to take its place

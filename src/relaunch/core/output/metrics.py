@@ -82,8 +82,8 @@ CATALOGUE: dict[str, tuple[str, str]] = {
     "relaunch_group_restarts_total": (
         "counter",
         "Restarts of this node's worker group, by cause (worker_failed, hang, or a membership "
-        "change: nodes_waiting, member_lost, member_left, member_excluded, restarting, "
-        "store_lost).",
+        "change: nodes_waiting, member_lost, member_left, member_excluded, member_evicted, "
+        "restarting, store_lost).",
     ),
     "relaunch_restarts_used": ("gauge", "Restarts the job has used (every node's failures)."),
     "relaunch_max_restarts": ("gauge", "The job's restart budget (--max-restarts)."),

@@ -203,6 +203,8 @@ class NodeStatus(Value):
 #: At most this many section names a rank, each at most ``MAX_NAME`` characters, in a post.
 MAX_SECTIONS = 8
 MAX_NAME = 128
+#: The longest eviction line a view may carry (``core.workers.eviction.Evict.line``).
+MAX_EVICT_LINE = 1024
 
 
 def _sections(raw: object) -> dict[str, float]:
@@ -357,6 +359,11 @@ class JobView(Value):
                 _field(item, "node_rank", "integer"),
                 _field(item, "line", "string"),
             )
+            # The line becomes every node's restart reason: one printable line, of a node rank
+            if evict.node_rank < 0 or len(evict.line) > MAX_EVICT_LINE:
+                raise ValueError("the node evicted: not a node rank, or a line too long")
+            if not (evict.line.isprintable() and evict.node.isprintable()):
+                raise ValueError("the node evicted: not printable")
         return cls(
             _field(data, "median", "number", optional=True),
             slow,

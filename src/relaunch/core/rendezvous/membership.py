@@ -21,6 +21,7 @@ class ChangeKind(str, enum.Enum):
     MEMBER_LOST = "member_lost"  # a member stopped heartbeating (seen by its ring neighbour)
     MEMBER_LEFT = "member_left"  # a member shut down before the job finished
     MEMBER_EXCLUDED = "member_excluded"  # a member failed the job too often (core.run.exclusion)
+    MEMBER_EVICTED = "member_evicted"  # a straggler, evicted to a spare (core.workers.eviction)
     RESTARTING = "restarting"  # a member restarts its workers (after a failure, say)
     FINISHED = "finished"  # the job finished: nobody re-forms, late nodes exit
     FAILED = "failed"  # a failure with no restart left ended the job: every node stops
@@ -29,7 +30,12 @@ class ChangeKind(str, enum.Enum):
     @property
     def removes_member(self) -> bool:
         """Whether the round loses one of its members by this change."""
-        return self in (ChangeKind.MEMBER_LOST, ChangeKind.MEMBER_LEFT, ChangeKind.MEMBER_EXCLUDED)
+        return self in (
+            ChangeKind.MEMBER_LOST,
+            ChangeKind.MEMBER_LEFT,
+            ChangeKind.MEMBER_EXCLUDED,
+            ChangeKind.MEMBER_EVICTED,
+        )
 
 
 class MembershipChange(Value):
@@ -90,6 +96,13 @@ class MembershipChange(Value):
         """Member ``member`` restarts after a failure that excludes it: the others re-form
         without it (``reason`` says why, and until when)."""
         return cls(ChangeKind.MEMBER_EXCLUDED, reason, member)
+
+    @classmethod
+    def member_evicted(cls, member: int, reason: str, judge: int) -> MembershipChange:
+        """Member ``member`` is evicted as a straggler by the judge (group rank ``judge``,
+        ``core.workers.eviction``): the others re-form with a spare in its place, and the
+        member, seeing this change, stays out for the exclusion cooldown."""
+        return cls(ChangeKind.MEMBER_EVICTED, reason, member, judge)
 
     @classmethod
     def restarting(cls, reason: str = "", stacks: bool = False) -> MembershipChange:

@@ -121,7 +121,14 @@ def decide(
 #: that restart in place wait in them rather than exit. A hang, nodes waiting to join or a
 #: lost store break nothing: those workers are stopped.
 BREAKS_COLLECTIVES = frozenset(
-    {"worker_failed", "restarting", "member_lost", "member_left", "member_excluded"}
+    {
+        "worker_failed",
+        "restarting",
+        "member_lost",
+        "member_left",
+        "member_excluded",
+        "member_evicted",
+    }
 )
 
 

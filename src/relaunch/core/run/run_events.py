@@ -166,6 +166,10 @@ class AttemptEnded(Value):
         self._set(role=role, state=state, restarts_left=restarts_left)
 
 
+#: The cause of a restart that evicted a straggler to a spare (``core.workers.eviction``).
+EVICTED = "member_evicted"
+
+
 class Restarted(Value):
     """The group restarts: ``cause`` (``core.output.metrics.RESTART_CAUSES``), ``reason`` in one
     line (a failure's root cause, or the membership change), ``decision`` the restart policy's words

@@ -30,6 +30,7 @@ class RunSummary(Value):
 
     __slots__ = (
         "elapsed",
+        "evictions",
         "goodput",
         "hang",
         "log_dir",
@@ -53,6 +54,8 @@ class RunSummary(Value):
     goodput: str
     #: The last hang's verdict: who the other ranks waited for (``core.run.culprit``), or "".
     hang: str
+    #: The nodes evicted as stragglers to a spare, one line each: re-forms that spent no restart.
+    evictions: list[str]
 
     def __init__(
         self,
@@ -65,12 +68,14 @@ class RunSummary(Value):
         stragglers: list[str] | None = None,
         goodput: str = "",
         hang: str = "",
+        evictions: list[str] | None = None,
     ) -> None:
         self._set(outcome=outcome, elapsed=elapsed, log_dir=log_dir, stop=stop, goodput=goodput)
         self._set(hang=hang)
         self._set(ranks=[] if ranks is None else ranks)
         self._set(restarts=[] if restarts is None else restarts)
         self._set(stragglers=[] if stragglers is None else stragglers)
+        self._set(evictions=[] if evictions is None else evictions)
 
 
 def _duration(seconds: float) -> str:
@@ -97,8 +102,12 @@ def format_summary(summary: RunSummary) -> str:
     """The summary as lines, the first one naming the outcome."""
     restarts = len(summary.restarts)
     head = f"run summary: {summary.outcome} in {_duration(summary.elapsed)}"
-    if restarts:
-        head += f" after {restarts} restart{'s' if restarts != 1 else ''}"
+    after = [f"{restarts} restart{'s' if restarts != 1 else ''}"] if restarts else []
+    if summary.evictions:
+        evictions = len(summary.evictions)
+        after.append(f"{evictions} eviction{'s' if evictions != 1 else ''}")
+    if after:
+        head += f" after {' and '.join(after)}"
     lines = [head]
     if summary.stop:
         lines.append(f"  {summary.stop}")
@@ -118,6 +127,8 @@ def format_summary(summary: RunSummary) -> str:
         )
     for number, reason in enumerate(summary.restarts, 1):
         lines.append(f"  restart {number}: {_restart(reason)}")
+    for number, reason in enumerate(summary.evictions, 1):
+        lines.append(f"  eviction {number}: {reason} (no restart spent)")
     lines.extend(f"  straggler: {line}" for line in summary.stragglers)
     if summary.hang:
         lines.append(f"  hang: {summary.hang}")
