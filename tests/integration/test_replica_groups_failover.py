@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import LeakCheck, wait_until
 from test_lighthouse import EXTENSION
+from test_replica_groups_store import Node, group_node
 
 from relaunch.endpoints import find_free_port
 from relaunch.rendezvous.rounds import job_key
@@ -61,8 +60,6 @@ while address:
         time.sleep(0.1)
 """
 
-Node = tuple["subprocess.Popen[bytes]", Path]
-
 
 def records(folder: Path) -> list[dict[str, str]]:
     found = []
@@ -102,20 +99,8 @@ def group1_beats(port: int, run_id: str) -> int:
 def start(
     tmp_path: Path, leaks: LeakCheck, endpoints: str, run_id: str, rank: int, nnodes: str = "2:4"
 ) -> Node:
-    argv = [
-        *(sys.executable, "-m", "relaunch", "--nnodes", nnodes, "--replica-groups", "2"),
-        *("--node-rank", str(rank), "--nproc-per-node", "1", "--max-restarts", "2"),
-        *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoints, "--rdzv-id", run_id),
-        *("--rdzv-conf", CONF, "--local-addr", f"127.0.0.{rank + 1}"),
-        *("--log-dir", str(tmp_path / f"logs{rank}")),
-        *(str(tmp_path / "program.py"), str(tmp_path)),
-    ]
-    err = tmp_path / f"node{rank}.err"
-    with open(tmp_path / f"node{rank}.out", "wb") as stdout, open(err, "wb") as stderr:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=leaks.process_env()
-        )
-    return proc, err
+    rendezvous = ("--rdzv-endpoint", endpoints, "--rdzv-id", run_id, "--rdzv-conf", CONF)
+    return group_node(tmp_path, leaks, rank, "--nnodes", nnodes, "--max-restarts", "2", *rendezvous)
 
 
 @pytest.fixture

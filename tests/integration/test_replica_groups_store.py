@@ -61,12 +61,17 @@ Node = tuple["subprocess.Popen[bytes]", Path]
 def start(tmp_path: Path, leaks: LeakCheck, endpoint: str, run_id: str, rank: int) -> Node:
     """Node ``rank``'s agent (group ``rank``); node 1 never hosts the store."""
     conf = CONF if rank == 0 else f"{CONF},is_host=false"
+    rendezvous = ("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf)
+    return group_node(tmp_path, leaks, rank, "--nnodes", "2", *rendezvous)
+
+
+def group_node(tmp_path: Path, leaks: LeakCheck, rank: int, *options: str) -> Node:
+    """Node ``rank``'s agent of a job of 2 replica groups on c10d, at 127.0.0.(rank + 1), with
+    ``options`` (its nodes, rendezvous), running ``program.py``; its output in files."""
     argv = [
-        *(sys.executable, "-m", "relaunch", "--nnodes", "2", "--replica-groups", "2"),
-        *("--node-rank", str(rank), "--nproc-per-node", "1"),
-        *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
-        *("--rdzv-conf", conf, "--local-addr", f"127.0.0.{rank + 1}"),
-        *("--log-dir", str(tmp_path / f"logs{rank}")),
+        *(sys.executable, "-m", "relaunch", "--replica-groups", "2", "--rdzv-backend", "c10d"),
+        *("--node-rank", str(rank), "--nproc-per-node", "1", *options),
+        *("--local-addr", f"127.0.0.{rank + 1}", "--log-dir", str(tmp_path / f"logs{rank}")),
         *(str(tmp_path / "program.py"), str(tmp_path)),
     ]
     err = tmp_path / f"node{rank}.err"
