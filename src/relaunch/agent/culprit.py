@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from relaunch.agent.expiry import ABORT_GRACE
 from relaunch.core.run.culprit import Place, Verdict, decode, encode, place_of, verdict
 from relaunch.core.run.failures import faulthandler_dump
 from relaunch.rendezvous.job import JobServices
+
+if TYPE_CHECKING:
+    from relaunch.agent.hooks import Run
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +71,16 @@ def job_verdict(
         for rank, place in theirs.items():
             job_places.setdefault(rank, place)
     return verdict(job_places, sorted(missing), timeout)
+
+
+def judge_hang(run: Run, failed: Mapping[int, object], restart_count: int) -> Verdict:
+    """The culprit of the hang that ended ``run``'s attempt, from where every rank of the job
+    stopped (``failed``: this node's failed local ranks; one that had ended well is not hung),
+    told to the report, the run's summary and a status event."""
+    group, pcontext = run.group, run.pcontext
+    assert pcontext is not None
+    stderrs = {rank: pcontext.stderrs[rank] for rank in failed if rank in pcontext.stderrs}
+    places = group.by_global_rank(local_places(stderrs))
+    found = job_verdict(run.job, group.group_rank or 0, group.group_world_size or 1, places)
+    run.report.hang_verdict(found, restart_count)
+    return found

@@ -201,22 +201,12 @@ class Workers:
                 self._explained = outcome
                 assert self._run.pcontext is not None
                 self._run.expiry.explain(outcome.failures, self._run.pcontext.stderrs)
-                if self._run.expiry.stacks_taken:  # a rank that had ended well is not hung
-                    stderrs = self._run.pcontext.stderrs
-                    self._judge_hang({r: stderrs[r] for r in outcome.failures if r in stderrs})
+                if self._run.expiry.stacks_taken:
+                    from relaunch.agent.culprit import judge_hang  # a hang: loaded then
+
+                    self.verdict = judge_hang(self._run, outcome.failures, self._restart_count)
             snapshot = self.sampler.take()
         return self._by_global_rank(outcome.failures, snapshot)
-
-    def _judge_hang(self, stderr_files: Mapping[int, str]) -> None:
-        """Name the hang's culprit from where every rank of the job stopped (``agent.culprit``):
-        in the failure report, the run's summary and a status event."""
-        from relaunch.agent.culprit import job_verdict, local_places  # a hang: loaded then
-
-        group, run = self._group, self._run
-        places = group.by_global_rank(local_places(stderr_files))
-        found = job_verdict(run.job, group.group_rank or 0, group.group_world_size or 1, places)
-        self.verdict = found
-        run.report.hang_verdict(found, self._restart_count)
 
     def failing(self) -> Ended | None:
         """The failures of an attempt whose workers are still being stopped because of them
