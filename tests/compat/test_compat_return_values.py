@@ -22,7 +22,14 @@ from typing import Any
 
 import compat_returns_fns as fns
 import pytest
-from conftest import MARK_VAR, LeakCheck, _helpers_of_this_process, pid_alive, wait_until
+from conftest import (
+    MARK_VAR,
+    LeakCheck,
+    _helpers_of_this_process,
+    pid_alive,
+    signal_handlers_kept,
+    wait_until,
+)
 
 from relaunch import LaunchConfig, elastic_launch
 from relaunch.procs import ChildFailedError
@@ -120,9 +127,10 @@ VALUES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
 
 def reference(make: Callable[[], dict[int, Any]]) -> dict[int, Any]:
     """torch's values by rank, each ``{kind: value}``: every kind's reference in one run of
-    torch's launcher (``fns.several``), its workers marked and checked gone like a test's."""
+    torch's launcher (``fns.several``), its workers marked and checked gone and the signal
+    handlers it sets put back, like a test's."""
     leaks = LeakCheck()
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, signal_handlers_kept():
         patch.setenv(MARK_VAR, leaks.mark)
         started = time.monotonic()
         values = make()
