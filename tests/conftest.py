@@ -26,6 +26,7 @@ __all__ = [
     "marked_pids",
     "pid_alive",
     "relaunch_cli",
+    "signal_handlers_kept",
     "tmpfs",
     "wait_until",
 ]
@@ -80,13 +81,23 @@ _HANDLED_SIGNALS = (
 )
 
 
+@contextlib.contextmanager
+def signal_handlers_kept() -> Iterator[None]:
+    """The handlers of ``_HANDLED_SIGNALS`` put back as found: for a module fixture that runs an
+    agent or torch's launcher in this process (set up before the test's own check)."""
+    found = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in found.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+
+
 @pytest.fixture(autouse=True)
 def _signal_handlers_kept() -> Iterator[None]:
-    found = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
-    yield
-    for sig, handler in found.items():
-        if handler is not None and signal.getsignal(sig) is not handler:
-            signal.signal(sig, handler)
+    with signal_handlers_kept():
+        yield
 
 
 @pytest.fixture

@@ -119,7 +119,8 @@ def run_node(task: dict[str, Any]) -> dict[str, Any]:
     )
     log_dir = tempfile.mkdtemp(prefix=f"compat-{kind}-")
     if kind == "torch":
-        agent: Any = LocalElasticAgent(spec, DefaultLogsSpecs(log_dir=log_dir), "spawn", 60)
+        # Forked, torch's workers import no torch of their own; the variables are the same.
+        agent: Any = LocalElasticAgent(spec, DefaultLogsSpecs(log_dir=log_dir), "fork", 60)
     else:
         agent = LocalElasticAgent(spec, "spawn", 60, log_dir=log_dir)
     try:

@@ -44,6 +44,12 @@ def large_tensor(mib: int) -> Any:
     return torch.full((mib << 18,), float(_rank() + 1), dtype=torch.float32)
 
 
+def several(calls: dict[str, tuple[Any, tuple[Any, ...]]]) -> dict[str, Any]:
+    """Each call's value by its name: one reference run under torch's launcher serves every
+    kind, where each kind's own run cost two more workers importing torch."""
+    return {name: fn(*args) for name, (fn, args) in calls.items()}
+
+
 def nothing() -> None:
     return None
 

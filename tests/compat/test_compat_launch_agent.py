@@ -61,10 +61,26 @@ def launch(side: str, outcome: str, tmp_path: Any, leaks: LeakCheck) -> dict[str
     return result
 
 
+#: ``launch``'s answers by side and outcome: each test below reads the same four runs (each a
+#: process that imports torch), made once by whichever test asks first.
+_LAUNCHED: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def launched(side: str, outcome: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``launch(side, outcome)``'s answer, run once a session; its processes checked gone."""
+    if (side, outcome) not in _LAUNCHED:
+        leaks = LeakCheck()
+        result = launch(side, outcome, tmp_path_factory.mktemp(f"{side}-{outcome}"), leaks)
+        left = leaks.collect(5.0)
+        assert not left, "processes left behind (killed): " + "; ".join(left)
+        _LAUNCHED[(side, outcome)] = result
+    return _LAUNCHED[(side, outcome)]
+
+
 @pytest.mark.timeout(150)
-def test_a_signal_does_not_shut_a_registered_handler_down_as_in_torch(tmp_path, leaks) -> None:
-    theirs = launch("torch", "wait", tmp_path, leaks)
-    mine = launch("relaunch", "wait", tmp_path, leaks)
+def test_a_signal_does_not_shut_a_registered_handler_down_as_in_torch(tmp_path_factory) -> None:
+    theirs = launched("torch", "wait", tmp_path_factory)
+    mine = launched("relaunch", "wait", tmp_path_factory)
     assert theirs["ended"] == mine["ended"] == "SignalException(SIGTERM)"
     assert mine["shutdowns"] == theirs["shutdowns"] == 0
 
@@ -77,18 +93,18 @@ def test_a_signal_still_shuts_relaunchs_own_handler_down(tmp_path, leaks) -> Non
 
 
 @pytest.mark.timeout(150)
-def test_a_run_that_ends_shuts_the_handler_down_once_as_in_torch(tmp_path, leaks) -> None:
-    theirs = launch("torch", "succeed", tmp_path, leaks)
-    mine = launch("relaunch", "succeed", tmp_path, leaks)
+def test_a_run_that_ends_shuts_the_handler_down_once_as_in_torch(tmp_path_factory) -> None:
+    theirs = launched("torch", "succeed", tmp_path_factory)
+    mine = launched("relaunch", "succeed", tmp_path_factory)
     assert theirs["ended"] == mine["ended"] == "returned"
     assert mine["shutdowns"] == theirs["shutdowns"] == 1
 
 
 @pytest.mark.timeout(150)
-def test_signals_to_handle_stays_in_the_environment_as_in_torch(tmp_path, leaks) -> None:
+def test_signals_to_handle_stays_in_the_environment_as_in_torch(tmp_path_factory) -> None:
     """What torch leaves after ``launch_agent`` returns, and after a signal stopped it."""
     for outcome in ("succeed", "wait"):
-        theirs = launch("torch", outcome, tmp_path, leaks)
-        mine = launch("relaunch", outcome, tmp_path, leaks)
+        theirs = launched("torch", outcome, tmp_path_factory)
+        mine = launched("relaunch", outcome, tmp_path_factory)
         key = "TORCHELASTIC_SIGNALS_TO_HANDLE"
         assert mine[key] == theirs[key] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT", outcome

@@ -166,10 +166,9 @@ def test_virtual_local_rank_gives_what_torch_gives(
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", inherited)
-    theirs = torch_launcher.elastic_launch(
-        torch_launcher.LaunchConfig(**launch_config("t-virtual", virtual_local_rank=True)),
-        fns.device_env,
-    )()
+    # torch's workers forked: they import no torch of their own, and see the same variables
+    config = launch_config("t-virtual", virtual_local_rank=True, start_method="fork")
+    theirs = torch_launcher.elastic_launch(torch_launcher.LaunchConfig(**config), fns.device_env)()
     mine = elastic_launch(
         LaunchConfig(**launch_config("r-virtual", virtual_local_rank=True)), fns.device_env
     )()

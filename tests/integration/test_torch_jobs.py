@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("torch")]
 TRAIN = str(pathlib.Path(__file__).parents[2] / "examples" / "train_ddp.py")
 STEPS = "12"
 FAST = "keep_alive_interval=0.2,keep_alive_max_attempt=5,last_call_timeout=1,join_timeout=60"
+#: The multi-node jobs' workers fork from a zygote that imported torch once a node (a restart's
+#: too), not one import a worker; the reference and the killed worker's job start them cold.
+PRELOAD = ("--preload", "torch")
 
 
 def relaunch(
@@ -106,6 +109,7 @@ def test_two_nodes_of_two_workers_end_with_the_single_node_weights(
             "c10d",
             "--rdzv-endpoint",
             endpoint,
+            *PRELOAD,
             *train(tmp_path, "weights.pt"),
         )
         for _ in range(2)
@@ -185,6 +189,7 @@ def test_a_killed_node_leaves_the_survivor_to_resume_and_finish(
         endpoint,
         "--rdzv-conf",
         FAST,
+        *PRELOAD,
     )
     host = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "weights.pt", "--step-time", "0.3"))
     wait_until(lambda: serving(port), timeout=60, what="the first node to host the store")

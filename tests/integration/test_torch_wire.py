@@ -255,7 +255,8 @@ def test_a_standalone_job_finds_the_agents_store(
     leaks: LeakCheck, tmp_path: pathlib.Path, worker: str
 ) -> None:
     """Four ranks: ``init_process_group("gloo")`` by ``env://`` on the agent's store, or
-    clients only (torchft's way), which hung before the agent served it."""
+    clients only (torchft's way), which hung before the agent served it. The ranks fork from
+    a zygote that imported torch once (``--preload``), not four imports of it."""
     pytest.importorskip("torch")
     script = tmp_path / "worker.py"
     script.write_text(GLOO_WORKER if worker == "gloo" else CLIENT_ONLY_WORKER)
@@ -263,7 +264,8 @@ def test_a_standalone_job_finds_the_agents_store(
     out.mkdir()
     done = relaunch_cli(
         leaks,
-        *("--standalone", "--nproc-per-node", "4", str(script), str(out)),
+        *("--standalone", "--nproc-per-node", "4", "--preload", "torch.distributed"),
+        *(str(script), str(out)),
         cwd=str(tmp_path),
         timeout=180,
     )
