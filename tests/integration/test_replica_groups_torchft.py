@@ -49,7 +49,11 @@ def test_a_failed_group_heals_while_the_others_go_on(leaks: LeakCheck, groups: i
         return [line for line in lines if line.kind == kind and line.group == group]
 
     (kill,) = [line for line in lines if line.kind == "kill"]
-    assert (kill.group, kill.step) == (FAILED, KILL_STEP)
+    # It died at its first step at or past KILL_STEP: a group that heals into a quorum ahead of
+    # it skips steps (one run went 9, 11 on a loaded machine).
+    assert kill.group == FAILED and kill.step >= KILL_STEP
+    before = [line.step for line in of("step", FAILED) if line.at <= kill.at]
+    assert before[-1] == kill.step and all(step < KILL_STEP for step in before[:-1]), before
     for group in range(groups):
         starts = of("start", group)
         steps = [line.step for line in of("step", group)]
