@@ -104,6 +104,8 @@ class Launch:
     def wait(self, timeout: float = 60) -> int:
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout:g}s:\n{self.stderr()}") from None
         finally:
             self.proc.kill()  # only when the wait failed: nothing left behind
             self.proc.wait()
