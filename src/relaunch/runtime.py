@@ -33,6 +33,10 @@ TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQ
 #: Those, and Slurm's warning (SIGUSR1, when ``--signals-to-handle`` has it): what helper threads
 #: block and lock code defers, so that a handler's exception never lands inside a lock.
 DEFERRED_SIGNALS = (*TERMINATION_SIGNALS, signal.SIGUSR1)
+#: What a helper thread blocks: those, and SIGCHLD. A child's end is the main thread's to hear
+#: (the replica groups' supervisor waits for it in ``sigwaitinfo``); a helper thread that let
+#: it in would take it while the main thread is between two waits, and discard it.
+HELPER_BLOCKED = (*DEFERRED_SIGNALS, signal.SIGCHLD)
 
 
 class ThreadFailed(Exception):
@@ -131,8 +135,8 @@ def start_thread(
     daemon: bool = True,
     on_failure: Callable[[str, BaseException], None] | None = None,
 ) -> threading.Thread:
-    """A thread (daemon by default) running ``target(*args)``, started with the termination
-    signals blocked in it (a thread inherits the mask). An exception that ends it goes to
+    """A thread (daemon by default) running ``target(*args)``, started with ``HELPER_BLOCKED``
+    blocked in it (a thread inherits the mask). An exception that ends it goes to
     ``on_failure(name, error)`` (by default ``report_failure``), never to a traceback."""
     report = on_failure or report_failure
 
@@ -146,7 +150,7 @@ def start_thread(
                 log.error("%s", describe_failure(name, error))
 
     thread = threading.Thread(target=run, name=name, daemon=daemon)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELPER_BLOCKED)
     try:
         thread.start()
     finally:
