@@ -457,6 +457,43 @@ def test_a_signal_from_another_thread_wakes_the_sleeping_loop_at_once(tmp_path) 
     assert wakeup_fd == -1  # the loop gave the signal wake-up fd back
 
 
+class SignalsInDel:
+    """Sends this process ``SIGUSR1`` when collected; the handler then runs inside ``__del__``
+    (at the call after the kill), where Python drops the exception it raises."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.getpid()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_whose_exception_a_del_swallowed_still_stops_the_run(tmp_path) -> None:
+    handler = ListeningHandler()
+    dropped: list[SignalsInDel] = [SignalsInDel()]
+
+    def drops_it_at_the_first_look(context: FakeContext) -> None:
+        looked = context.wait
+
+        def wait(timeout: float = -1) -> RunProcsResult | None:
+            if dropped:
+                dropped.clear()  # collected here: the signal's exception goes nowhere
+            return looked(timeout)
+
+        context.wait = wait  # type: ignore[method-assign]
+
+    starter = Starter(drops_it_at_the_first_look)
+    agent = agent_for(tmp_path, handler, starter)
+    previous_handler = signal.signal(signal.SIGUSR1, raise_signal_exception)
+    try:
+        with pytest.raises(SignalException) as caught:
+            agent.run()
+    finally:
+        signal.signal(signal.SIGUSR1, previous_handler)
+    assert not dropped
+    assert caught.value.sigval is signal.SIGUSR1
+    assert starter.contexts[0].closed_with is signal.SIGUSR1
+
+
 def test_a_worker_killed_by_a_signal_has_its_meaning_in_its_event(tmp_path) -> None:
     class Recorder:
         def __init__(self) -> None:

@@ -46,6 +46,7 @@ from relaunch.procs.context import PContext, start_processes
 from relaunch.procs.errors import SignalException, StopRequested
 from relaunch.procs.guardian import guardian
 from relaunch.procs.logs_specs import LogsSpecs, OwnPlan, make_log_dir, own_plan
+from relaunch.procs.signals import raise_untaken_signal, take_signal
 from relaunch.procs.wakeup import EventQueue
 from relaunch.rendezvous.api import AgentFault, JobFailedError, RendezvousClosedError
 from relaunch.rendezvous.job import JobServices, job_of
@@ -248,6 +249,7 @@ class LocalElasticAgent:
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """Run the workers to the end; a ``SignalException`` stops them with that signal first."""
         self._report.started_at = self._clock.monotonic()
+        take_signal(None)
         wakeups = EventQueue[str]()
         # A helper thread's failure (``runtime.start_thread``) wakes the loop, which ends the run.
         failures = THREAD_FAILURES.watch(lambda: wakeups.put("a thread failed"))
@@ -265,6 +267,7 @@ class LocalElasticAgent:
                 raise AgentFault(str(exc)) from None
             workers.stop(signal.SIGTERM)
         except BaseException as exc:
+            take_signal(exc)
             workers.stop(exc.sigval if isinstance(exc, SignalException) else signal.SIGTERM)
             if isinstance(exc, AgentFault):
                 # This agent cannot go on (a helper thread failed, the store holds a bad value):
@@ -344,11 +347,11 @@ class LocalElasticAgent:
                 return actions.PeersAnswered(alive, job.membership_change())  # one may have come
             case actions.TakeStacks(reason=reason):
                 self._expiry.dump_stacks(reason)
-            case actions.CheckHangs(until=until):
-                # acts on hung workers, saying what follows; when to look again
+            case actions.CheckHangs(until=until):  # acts on hung workers; when to look again
                 check_in = self._expiry.check(self._run_record.restarts_left)
                 return actions.HangsChecked(self._expiry.hang, check_in, until)
             case actions.Wait(until=until):
+                raise_untaken_signal()  # one that a ``__del__`` or an ``except`` swallowed
                 wakeups.get(None if until is None else max(0.0, until - self._clock.monotonic()))
             case actions.StopForStacks(reason=reason):
                 job.stop_for_stacks(reason)

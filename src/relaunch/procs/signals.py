@@ -21,17 +21,41 @@ GRACEFUL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 NOTICE_SIGNALS = (signal.SIGUSR1,)
 
 _stop_requested = False
+#: The last signal's exception, until the code that acts on it says it has it (``take_signal``).
+#: Raised inside a ``__del__`` or a garbage collector's callback, or caught by an ``except
+#: Exception`` meant for something else, it would be lost, and the stop with it.
+_untaken: SignalException | None = None
 
 
 def raise_signal_exception(signum: int, frame: FrameType | None) -> None:
     """The handler: the first SIGTERM/SIGINT/SIGUSR1 raises ``StopRequested``, any other (or any
     later) termination signal ``SignalException``; both carry ``sigval``."""
-    global _stop_requested
+    global _stop_requested, _untaken
     sigval = signal.Signals(signum)
+    said = f"process {os.getpid()} got signal {sigval.name}"
     if sigval in GRACEFUL_SIGNALS and not _stop_requested:
         _stop_requested = True
-        raise StopRequested(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
-    raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
+        _untaken = StopRequested(said, sigval=sigval)
+    else:
+        _untaken = SignalException(said, sigval=sigval)
+    raise _untaken
+
+
+def take_signal(exc: BaseException | None) -> None:
+    """Say that ``exc``, a signal's exception, reached the code that acts on it; None forgets
+    any earlier one (a run starts)."""
+    global _untaken
+    if exc is None or exc is _untaken:
+        _untaken = None
+
+
+def raise_untaken_signal() -> None:
+    """Raise again the last signal's exception if it never reached the code that acts on it
+    (``take_signal``): the agent's loop calls this before it sleeps."""
+    global _untaken
+    lost, _untaken = _untaken, None
+    if lost is not None:
+        raise lost
 
 
 @contextlib.contextmanager
@@ -69,12 +93,6 @@ def notices_ignored() -> Iterator[None]:
     finally:
         for sig in handled:
             signal.signal(sig, raise_signal_exception)
-
-
-def reset_stop_request() -> None:
-    """Let the next SIGTERM/SIGINT ask for a graceful stop again."""
-    global _stop_requested
-    _stop_requested = False
 
 
 #: The signals ``launch_agent`` says its agent handles (``LaunchConfig.signals_to_handle``), as
