@@ -160,6 +160,12 @@ def together(address: str, *replicas: str) -> list[Any]:
     return [got[replica] for replica in replicas]
 
 
+def blocked_signals(pid: int) -> int:
+    """The mask of signals process ``pid``'s main thread blocks."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1], 16) for line in status if line.startswith("SigBlk:"))
+
+
 def test_a_sigkilled_lighthouse_is_back_behind_the_same_address_past_its_last_quorum_id(
     marked: LeakCheck, tmp_path: Any
 ) -> None:
@@ -186,6 +192,7 @@ def test_a_sigkilled_lighthouse_is_back_behind_the_same_address_past_its_last_qu
         assert back_in < 2.0, back_in
         assert lighthouse.port != port and lighthouse.pid not in (None, first)
         assert lighthouse.address == address and not pid_alive(first)
+        assert blocked_signals(lighthouse.pid) == 0  # started by a thread that blocks some
         # The same groups again: the quorum the drive left is theirs, with an id past 2.
         again = together(address, "group0", "group1")
         assert {q.quorum_id for q in again} == {3}

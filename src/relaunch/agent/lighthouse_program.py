@@ -23,6 +23,7 @@ holds the other end, so the lighthouse leaves however the launcher ends, SIGKILL
 
 import importlib.util
 import os
+import signal
 import sys
 import threading
 import time
@@ -44,6 +45,8 @@ FLAGS = {
 
 
 def main(argv: list[str]) -> int:
+    # Restarted from the agent's watch thread, it inherits that thread's blocked signals.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     extension, rest = argv[0], argv[1:]
     pairs = list(zip(rest[::2], rest[1::2], strict=True))
     heartbeats = [value for flag, value in pairs if flag == "--heartbeat"]
