@@ -35,7 +35,8 @@ TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQ
 DEFERRED_SIGNALS = (*TERMINATION_SIGNALS, signal.SIGUSR1)
 #: What a helper thread blocks: those, and SIGCHLD. A child's end is the main thread's to hear
 #: (the replica groups' supervisor waits for it in ``sigwaitinfo``); a helper thread that let
-#: it in would take it while the main thread is between two waits, and discard it.
+#: it in would take it while the main thread is between two waits, and discard it. A process
+#: started from a helper thread inherits this mask: it sets its own (the lighthouse does).
 HELPER_BLOCKED = (*DEFERRED_SIGNALS, signal.SIGCHLD)
 
 
