@@ -23,6 +23,7 @@ from tests.support.procs import MARK_VAR, LeakCheck, marked_pids, pid_alive
 __all__ = [
     "MARK_VAR",
     "LeakCheck",
+    "background_ignores_undone",
     "marked_pids",
     "pid_alive",
     "relaunch_cli",
@@ -35,8 +36,27 @@ __all__ = [
 @pytest.hookimpl(trylast=True)  # after pytest's own, which makes config._tmp_path_factory
 def pytest_configure(config: pytest.Config) -> None:
     """``TMPDIR`` under pytest's basetemp for the whole session, this process and every process
-    a test starts: launcher output (log directories, ...) goes there, none to ``/tmp``."""
+    a test starts: launcher output (log directories, ...) goes there, none to ``/tmp``. The
+    signals a background job starts with ignored are put back at their defaults."""
     tmpdir.use(config._tmp_path_factory.getbasetemp())  # each xdist worker: its own basetemp
+    background_ignores_undone()
+
+
+#: What a shell without job control ignores in a job it starts in the background (``make test
+#: &`` in a script), and Python's own disposition of each.
+_BACKGROUND_IGNORED = {signal.SIGINT: signal.default_int_handler, signal.SIGQUIT: signal.SIG_DFL}
+
+
+def background_ignores_undone() -> None:
+    """Give SIGINT and SIGQUIT back their defaults where this process inherited them ignored.
+
+    Every process a test starts inherits an ignored signal, and tests send these two (Ctrl-C to
+    ``relaunch status --watch``, SIGINT and SIGQUIT to a launcher) expecting what a terminal
+    gives: ignored, the process never ends, and its test times out. Done in every pytest
+    process (xdist's workers too) before any test runs."""
+    for sig, default in _BACKGROUND_IGNORED.items():
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, default)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
-from conftest import LeakCheck
+from conftest import LeakCheck, wait_until
 
 from relaunch.core.run.failures import AT_EXIT
 
@@ -49,14 +50,30 @@ def start(tmp_path, leaks: LeakCheck, *flags: str) -> subprocess.Popen[str]:
 
 def test_without_a_hang_timeout_the_worker_never_exits(tmp_path, leaks: LeakCheck) -> None:
     launcher = start(tmp_path, leaks)
+    assert launcher.stdout is not None and launcher.stderr is not None
+    stdout: list[str] = []
+    stderr: list[str] = []
+    readers = [
+        threading.Thread(target=stdout.extend, args=(launcher.stdout,), daemon=True),
+        threading.Thread(target=stderr.extend, args=(launcher.stderr,), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
     try:
+        # Counted from the ranks' last lines, not from the launch: on a loaded machine the
+        # start alone can take longer than the hang timeout would have been.
+        wait_until(lambda: len(stdout) == 2, timeout=30, what="both ranks' last line")
         with pytest.raises(subprocess.TimeoutExpired):
             launcher.wait(timeout=HANG_TIMEOUT + 1)
     finally:
         launcher.send_signal(signal.SIGTERM)
-        stdout, _ = launcher.communicate(timeout=30)
-    assert launcher.returncode == 128 + signal.SIGTERM
-    assert sorted(stdout.splitlines()) == ["[default0]:rank 0 done", "[default1]:rank 1 done"]
+        launcher.wait(timeout=30)
+        for reader in readers:
+            reader.join(timeout=10)
+        launcher.stdout.close()
+        launcher.stderr.close()
+    assert launcher.returncode == 128 + signal.SIGTERM, "".join(stderr)
+    assert sorted(stdout) == ["[default0]:rank 0 done\n", "[default1]:rank 1 done\n"]
 
 
 def test_hang_timeout_ends_a_worker_hung_at_exit_and_says_so(tmp_path, leaks: LeakCheck) -> None:

@@ -59,6 +59,28 @@ def test_a_signal_to_the_launcher_stops_the_workers_and_exits_128_plus_signal(
     assert not any(pid_alive(pid) for pid in pids), "workers are gone before the launcher exits"
 
 
+def test_the_processes_a_test_starts_get_sigint_and_sigquit_at_their_default(
+    leaks: LeakCheck,
+) -> None:
+    """The precondition of the signal tests here and of ``relaunch status --watch``'s Ctrl-C,
+    whatever the session inherited: a suite started in the background from a script (``make
+    test &``) inherits both ignored, and a launcher ignoring them never ends (conftest's
+    ``background_ignores_undone``)."""
+    code = (
+        "import signal\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+        "signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=leaks.process_env(),
+        timeout=30,
+    )
+    assert out.stdout == "True True\n", out.stderr
+
+
 def test_an_unclosed_context_is_killed_at_interpreter_exit(tmp_path, leaks: LeakCheck) -> None:
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
