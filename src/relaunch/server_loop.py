@@ -1,13 +1,13 @@
 """One selector thread serving sockets: every server relaunch runs (the built-in store, the
 metrics endpoint, the parking lot, the state peers) is a ``ServerLoop`` with handlers.
 
-A loop watches its sockets and a wake-up pipe (``wake``, from any thread), runs timers
-(``call_at``: whole-request deadlines, back-offs, summaries) from a heap, and runs in a thread
-started by ``runtime.start_thread``: an exception that ends it is a reported thread failure,
-never a silent death. A ``Listener`` accepts a bounded number of connections a turn, asks its
-owner's ``admit`` first (a connection cap: the owner rests the listener until one closes, or
-makes room), and out of descriptors (``EMFILE``) rests a while instead of spinning. Everything
-it needs is imported here, not where first used: an import opens a file, which the back-off from
+A loop watches its sockets and a wake-up pipe (``wake``, from any thread), runs timers (``call_at``:
+whole-request deadlines, back-offs, summaries) from a heap, and runs in a thread started by
+``runtime.start_thread``: an exception that ends it is a reported thread failure, never a silent
+death. A ``Listener`` accepts a bounded number of connections a turn, asks its owner's ``admit``
+first, while a client waits (a connection cap: the owner rests the listener until one closes, or
+makes room), and out of descriptors (``EMFILE``) rests a while instead of spinning. Everything it
+needs is imported here, not where first used: an import opens a file, which the back-off from
 ``EMFILE`` would not get.
 
 A listener a worker may reach is bound before the workers start (``bind_tcp``, ``bind_unix``: a
@@ -279,12 +279,12 @@ class ServerLoop:
 
 class Listener:
     """A listening socket served on ``loop``: each turn, up to ``per_turn`` connections go to
-    ``accept(sock, address)``, each once ``admit(now)`` allows it (a cap: the owner may
-    ``rest`` the listener, or make room and allow). Out of descriptors with clients waiting,
-    ``short(error)`` is told once an episode (``recovered()`` at its end) and the listener
-    rests ``backoff`` seconds or until ``resume``. ``on_error(error)``, if given, is asked
-    first about any failed accept (true: handled, e.g. a connection closed to make room: go
-    on accepting)."""
+    ``accept(sock, address)``, each once ``admit(now)`` allows it, asked only while one waits (a
+    cap: the owner may ``rest`` the listener, or make room and allow). Out of descriptors with
+    clients waiting, ``short(error)`` is told once an episode (``recovered()`` at its end) and the
+    listener rests ``backoff`` seconds or until ``resume``. ``on_error(error)``, if given, is asked
+    first about any failed accept (true: handled, e.g. a connection closed to make room: go on
+    accepting)."""
 
     def __init__(
         self,
@@ -314,6 +314,9 @@ class Listener:
 
     def _ready(self, mask: int) -> None:
         for _ in range(self._per_turn):
+            if not self._queue.poll(0):  # nobody waits: an owner makes room for no one
+                self._end_shortage()
+                return
             if self._admit is not None and not self._admit(self.loop.clock.monotonic()):
                 return
             try:

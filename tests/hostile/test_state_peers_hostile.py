@@ -435,6 +435,48 @@ def test_proven_connections_are_capped_and_a_newcomer_waits_its_turn(
             connection.close()
 
 
+def test_a_connection_closed_to_make_room_holds_its_place_until_its_thread_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the unproven are at their cap, the one closed to make room for a newcomer counts
+    until its thread has ended: the newcomer is accepted only then, so that the threads never
+    outnumber ``MAX_UNPROVEN`` (under load, the ones cut lingered beside their successors: 48
+    threads for a cap of 32)."""
+    monkeypatch.setattr(peer_server, "MAX_UNPROVEN", 2)
+    monkeypatch.setattr(peer_server, "HANDSHAKE_GRACE", 0.0)
+    cut, release = threading.Event(), threading.Event()
+
+    def handshake(connection: socket.socket, deadline: float) -> None:
+        connection.sendall(b"x")  # greeted: accepted
+        if connection.recv(1) == b"":  # closed to make room: the thread lingers
+            cut.set()
+            release.wait(30)
+        raise ConnectionError("no proof")
+
+    server: peer_server.PeerServer[None] = peer_server.PeerServer(
+        "127.0.0.1", handshake, lambda connection, peer, request: None
+    )
+    clients = []
+    try:
+        for _ in range(2):
+            clients.append(connect(server.address))
+            assert recv_exactly(clients[-1], 1) == b"x"
+        clients.append(connect(server.address))  # the newcomer
+        assert cut.wait(10), "the oldest was never closed to make room"
+        turned = threading.Event()
+        server._loop.call_soon(turned.set)  # after the turn that made room
+        assert turned.wait(10)
+        assert server.serving() == (2, 1)  # the one cut and the other; not the newcomer
+        release.set()
+        assert recv_exactly(clients[-1], 1) == b"x"
+        wait_until(lambda: server.serving() == (2, 2), 10, "the newcomer served")
+    finally:
+        release.set()
+        for connection in clients:
+            connection.close()
+        server.close()
+
+
 def test_a_slow_handshake_is_cut_at_its_deadline(link: PeerLink) -> None:
     """A client that sends 3 bytes of its 64, then one byte every half second, is cut
     ``HANDSHAKE_TIMEOUT`` seconds after it connected, not after 30 s a read."""

@@ -24,6 +24,8 @@ FAST = "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,j
 #: For two agents started one after the other that must first form one world of 2: the host's
 #: last call outlasts the second agent's start on a loaded machine.
 FORM_TWO = FAST.replace("last_call_timeout=0.5", "last_call_timeout=3")
+#: The first of two such agents, when it leads the round: it waits for the second's cold start.
+FIRST_OF_TWO = FAST.replace("last_call_timeout=0.5", "last_call_timeout=60")
 
 
 def script(tmp_path, body: str, name: str = "job.py") -> str:
@@ -75,6 +77,31 @@ class Rendezvous:
         return agent(
             leaks, self.endpoint, job, "--rdzv-id", self.run_id, *flags, backend=self.backend
         )
+
+    def pair(
+        self, leaks: LeakCheck, job: str, *flags: str
+    ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+        """Two agents that form one world of 2: the host (c10d: of the store) and the other.
+        The other starts first, the host once the other says it waits (c10d: for the store;
+        etcd: as the round's lead, with a last call longer than any cold start): a cold start
+        takes seconds on a loaded machine, and one inside the last call of the node that
+        joined first left that node a world of its own."""
+        conf = FIRST_OF_TWO + (",is_host=false" if self.backend == "c10d" else "")
+        other = agent(
+            leaks,
+            self.endpoint,
+            job,
+            *("--rdzv-id", self.run_id, *flags, "--rdzv-conf", conf),
+            env={"RELAUNCH_WAIT_NOTICE": "0.05"},
+            backend=self.backend,
+        )
+        assert other.stderr is not None
+        said = ""
+        while "waiting up to" not in said:
+            line = other.stderr.readline()
+            assert line, f"the other agent ended before it waited:\n{said}"
+            said += line
+        return self.agent(leaks, job, *flags, "--rdzv-conf", FORM_TWO), other
 
 
 @pytest.fixture(params=["c10d", "etcd"])
@@ -141,9 +168,7 @@ def test_a_killed_node_leaves_the_survivor_to_finish_alone(
             time.sleep(120)
     """,
     )
-    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FORM_TWO)
-    wait_until(rdzv.ready, what="the first agent to host the store")
-    other = rdzv.agent(leaks, job, "--nnodes", "1:2", "--rdzv-conf", FORM_TWO)
+    host, other = rdzv.pair(leaks, job, "--nnodes", "1:2")
     assert other.stdout is not None
     assert other.stdout.readline().endswith("world 2\n")
     other.kill()
@@ -264,11 +289,7 @@ def test_workers_failing_because_a_node_died_do_not_fail_the_job(
             sys.exit("the collective broke: peer gone")
     """,
     )
-    host = rdzv.agent(leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FORM_TWO)
-    wait_until(rdzv.ready, what="the first agent to host the store")
-    other = rdzv.agent(
-        leaks, job, "--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FORM_TWO
-    )
+    host, other = rdzv.pair(leaks, job, "--nnodes", "1:2", "--max-restarts", "0")
     assert other.stdout is not None and host.stdout is not None
     assert other.stdout.readline().endswith("world 2\n")
     assert host.stdout.readline().endswith("world 2\n")

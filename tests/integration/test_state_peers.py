@@ -3,12 +3,14 @@ workers restart, going on at the next save, and to every successor though one is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import queue
 import socket
 import struct
 import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import wait_until
@@ -37,7 +39,8 @@ KEY = "the job's key"
 
 
 class Successor:
-    """A successor that takes pushes as the real one does, and can stop reading one."""
+    """A successor that takes pushes as the real one does, and can stop reading one. ``close``
+    ends its thread (and raises what ended it early, if anything)."""
 
     def __init__(self, key: str = KEY) -> None:
         self.key = key
@@ -46,37 +49,48 @@ class Successor:
         self.pushes: queue.Queue[tuple[int, int, int, int]] = queue.Queue()
         self.stall = threading.Event()  # the next push stops being read after its header
         self.stalled = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self._closing = False
+        self._connection: socket.socket | None = None  # the one being read
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name="successor", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            with connection:
-                connection.settimeout(30)
-                challenge = auth.nonce()
-                connection.sendall(challenge)
-                answer = self._read(connection, 64)
-                assert auth.verify(self.key, b"client", challenge, answer[:32])
-                connection.sendall(auth.proof(self.key, b"server", answer[32:]))
-                assert self._read(connection, 1) == b"P"
-                rank, slot, size = PUSH.unpack(self._read(connection, PUSH.size))
-                if self.stall.is_set():
-                    self.stall.clear()
-                    self.stalled.set()
-                    got = len(connection.recv(1 << 16))
-                    while chunk := connection.recv(1 << 16):  # once the sender gives up
-                        got += len(chunk)
-                    self.pushes.put((rank, slot, size, got))
-                    continue
-                head = self._read(connection, size)
-                whole = self._read(connection, 1) == b"\1"
-                self._read(connection, 32)  # its HMAC (checked by the real one)
-                found = layout.read_header(head[: layout.HEADER_SIZE]) if whole else None
-                self.pushes.put((rank, slot, size, -1 if found is None else found.step))
+        try:
+            while True:
+                try:
+                    connection, _ = self.server.accept()
+                except OSError:
+                    return
+                self._connection = connection
+                with connection:
+                    self._take(connection)
+        except BaseException as exc:
+            if not self._closing:
+                self._error = exc
+
+    def _take(self, connection: socket.socket) -> None:
+        connection.settimeout(30)
+        challenge = auth.nonce()
+        connection.sendall(challenge)
+        answer = self._read(connection, 64)
+        assert auth.verify(self.key, b"client", challenge, answer[:32])
+        connection.sendall(auth.proof(self.key, b"server", answer[32:]))
+        assert self._read(connection, 1) == b"P"
+        rank, slot, size = PUSH.unpack(self._read(connection, PUSH.size))
+        if self.stall.is_set():
+            self.stall.clear()
+            self.stalled.set()
+            got = len(connection.recv(1 << 16))
+            while chunk := connection.recv(1 << 16):  # once the sender gives up
+                got += len(chunk)
+            self.pushes.put((rank, slot, size, got))
+            return
+        head = self._read(connection, size)
+        whole = self._read(connection, 1) == b"\1"
+        self._read(connection, 32)  # its HMAC (checked by the real one)
+        found = layout.read_header(head[: layout.HEADER_SIZE]) if whole else None
+        self.pushes.put((rank, slot, size, -1 if found is None else found.step))
 
     @staticmethod
     def _read(connection: socket.socket, size: int) -> bytes:
@@ -89,15 +103,51 @@ class Successor:
         return bytes(data)
 
     def close(self) -> None:
+        """Stop listening, end the connection being read, and wait for the thread: closing a
+        listening socket alone leaves a thread in ``accept`` for good."""
+        self._closing = True
+        for sock in (self.server, self._connection):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         self.server.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the successor's thread did not end"
+        if self._error is not None:
+            raise self._error
+
+
+@pytest.fixture
+def successors() -> Iterator[Callable[[], Successor]]:
+    """Makes successors; every one is closed (its thread ended) at the test's end."""
+    made: list[Successor] = []
+
+    def make() -> Successor:
+        made.append(Successor())
+        return made[-1]
+
+    yield make
+    for successor in made:
+        successor.close()
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind() -> Iterator[None]:
+    """Every thread a test starts (successors', ``PeerLink``'s) has ended by its end."""
+    before = set(threading.enumerate())
+    yield
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not left, f"threads left running: {left}"
 
 
 @pytest.mark.timeout(60)
-def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(tmp_path: pathlib.Path) -> None:
+def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(
+    tmp_path: pathlib.Path, successors: Callable[[], Successor]
+) -> None:
     """``hold`` (the workers stop) ends the push under way, though its receiver reads nothing
     more; the next save is pushed whole."""
     link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30, KEY)
-    successor = Successor()
+    successor = successors()
     try:
         link.follow([successor.address])
         size = commit(tmp_path, 3, 0, 7, 64 << 20)  # more than the socket buffers hold
@@ -112,17 +162,16 @@ def test_a_held_push_is_cut_short_and_the_next_save_is_pushed(tmp_path: pathlib.
         assert successor.pushes.get(timeout=30) == (3, 1, small, 8)
     finally:
         link.close()
-        successor.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_save_is_pushed_to_every_successor_though_one_of_them_is_gone(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, successors: Callable[[], Successor]
 ) -> None:
     """``--state-replicas 3``: each save goes to the three next nodes; one of them no longer
     listening (lost with the node being lost too) keeps the copy from none of the others."""
     link = PeerLink(str(tmp_path), "127.0.0.1", 1 << 30, KEY)
-    first, third = Successor(), Successor()
+    first, third = successors(), successors()
     gone = socket.create_server(("127.0.0.1", 0))
     gone_address = f"127.0.0.1:{gone.getsockname()[1]}"
     gone.close()  # its port refuses connections, as a lost node's does
@@ -142,13 +191,11 @@ def test_a_save_is_pushed_to_every_successor_though_one_of_them_is_gone(
         assert third.pushes.empty()
     finally:
         link.close()
-        first.close()
-        third.close()
 
 
 @pytest.mark.timeout(60)
 def test_only_copy_steps_are_pushed_once_each_and_the_receiver_keeps_its_two_newest(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, successors: Callable[[], Successor]
 ) -> None:
     """``--state-copy-every 4``: of saves 7 to 16, the pusher copies 8, 12 and 16, each once
     (a save between copy steps pushes nothing: the next push after 8 is 12), and the
@@ -158,7 +205,7 @@ def test_only_copy_steps_are_pushed_once_each_and_the_receiver_keeps_its_two_new
     receiver_dir.mkdir()
     sender = PeerLink(str(sender_dir), "127.0.0.1", 1 << 30, KEY, copy_every=4)
     receiver = PeerLink(str(receiver_dir), "127.0.0.1", 1 << 30, KEY)
-    counted = Successor()  # a second successor: what is sent, push by push
+    counted = successors()  # a second successor: what is sent, push by push
     peers = str(receiver_dir / PEERS)
 
     def copies() -> list[int]:
@@ -181,4 +228,3 @@ def test_only_copy_steps_are_pushed_once_each_and_the_receiver_keeps_its_two_new
     finally:
         sender.close()
         receiver.close()
-        counted.close()

@@ -4,8 +4,9 @@
 At most ``MAX_CONNECTIONS`` connections are served at once, and at most ``MAX_UNPROVEN`` of them
 have not proved the job's key yet: when that many wait, a newcomer takes the place of the oldest
 if that one has had ``HANDSHAKE_GRACE`` seconds, or waits in the kernel's queue until it has
-(as the built-in store does). A connection has ``HANDSHAKE_TIMEOUT`` seconds from its accept,
-all reads together, to prove the key and make its request; only then is it read with
+(as the built-in store does); the one closed to make room counts until its thread has ended, so
+that threads never outnumber the cap. A connection has ``HANDSHAKE_TIMEOUT`` seconds from its
+accept, all reads together, to prove the key and make its request; only then is it read with
 ``IO_TIMEOUT`` a read. Out of descriptors (``EMFILE``) or threads, the accept loop rests
 ``ACCEPT_BACKOFF`` seconds and goes on (one line per episode); the connection that found no
 thread is closed. Refused connections are logged as the store's are (``store.refusals``): the
@@ -74,6 +75,7 @@ class PeerServer(Generic[Request]):
         self._open: set[socket.socket] = set()
         self._unproven: dict[socket.socket, float] = {}  # -> when accepted; oldest first
         self._evicted: set[socket.socket] = set()  # closed to make room for newer ones
+        self._threads: list[threading.Thread] = []  # the connections' (ended ones pruned)
         self._refusals = Refusals(REFUSAL_SUMMARY_INTERVAL, "state peers", log)
         self._closing = False
         self._short: str | None = None  # what accepting runs short of, in an episode
@@ -104,14 +106,21 @@ class PeerServer(Generic[Request]):
         self._loop.call_soon(self._time_summary)  # the summary's interval may have begun
 
     def close(self) -> None:
-        """Stop accepting, end every connection, and wait for the accept loop."""
+        """Stop accepting, end every connection, and wait for the accept loop and the
+        connections' threads (each read or write of theirs ends at once or in ``IO_TIMEOUT``)."""
         with self._lock:
             self._closing = True
             for connection in self._open:
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
-        self._loop.stop()
+        self._loop.stop()  # after its last start of a thread
         self._loop.close()
+        with self._lock:
+            threads = list(self._threads)
+        deadline = time.monotonic() + IO_TIMEOUT
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the accept loop ------------------------------------------------------------------
 
@@ -142,16 +151,19 @@ class PeerServer(Generic[Request]):
         a connection ends)."""
         if len(self._open) >= MAX_CONNECTIONS:
             return False, None
-        if len(self._unproven) < MAX_UNPROVEN:
+        # An evicted connection holds its thread until that sees the end: it counts until then.
+        if len(self._unproven) + len(self._evicted) < MAX_UNPROVEN:
             return True, None
+        if not self._unproven:
+            return False, None
         oldest, accepted = next(iter(self._unproven.items()))
         if now - accepted < HANDSHAKE_GRACE:
             return False, accepted + HANDSHAKE_GRACE
         del self._unproven[oldest]
         self._evicted.add(oldest)
         with contextlib.suppress(OSError):
-            oldest.shutdown(socket.SHUT_RDWR)  # its thread sees the end and says why
-        return True, None
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread sees the end, says why, and resumes us
+        return False, None
 
     def _accept(self, connection: socket.socket, address: tuple[str, int]) -> None:
         self._start(connection, f"{address[0]}:{address[1]}", time.monotonic())
@@ -181,7 +193,7 @@ class PeerServer(Generic[Request]):
             self._open.add(connection)
             self._unproven[connection] = now
         try:
-            start_thread(self._serve, "relaunch-state-peer", connection, peer, now)
+            thread = start_thread(self._serve, "relaunch-state-peer", connection, peer, now)
         except RuntimeError as exc:  # can't start new thread: this one closed, the others go on
             with self._lock:
                 self._open.discard(connection)
@@ -190,6 +202,10 @@ class PeerServer(Generic[Request]):
             self.refuse(peer, Refused("found no thread", f"no thread to serve it ({exc})"))
             self._run_short(str(exc))
             return False
+        with self._lock:
+            if len(self._threads) >= 2 * MAX_CONNECTIONS:
+                self._threads = [alive for alive in self._threads if alive.is_alive()]
+            self._threads.append(thread)
         return True
 
     def _run_short(self, what: str) -> None:
@@ -233,12 +249,12 @@ class PeerServer(Generic[Request]):
         except (OSError, ValueError) as exc:
             log.debug("state peers: the connection of %s ended: %s", peer, exc)
         finally:
-            with self._lock:
+            with self._lock:  # then nobody shuts it down: its descriptor may be reused
                 self._open.discard(connection)
                 self._unproven.pop(connection, None)
                 self._evicted.discard(connection)
-            self._loop.call_soon(self._resume)
             connection.close()
+            self._loop.call_soon(self._resume)  # last: the thread ends right after
 
     def _unproven_end(
         self, connection: socket.socket, accepted: float, exc: BaseException | None
