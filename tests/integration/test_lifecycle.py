@@ -71,13 +71,7 @@ def test_the_processes_a_test_starts_get_sigint_and_sigquit_at_their_default(
         "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
         "signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        timeout=30,
-    )
+    out = leaks.run_python(code)
     assert out.stdout == "True True\n", out.stderr
 
 
@@ -90,12 +84,6 @@ def test_an_unclosed_context_is_killed_at_interpreter_exit(tmp_path, leaks: Leak
         f"'w', 'sleep', {{0: ('300',)}}, {{0: {{}}}}, {str(log_dir)!r})\n"
         "print(pc.pids()[0], flush=True)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        timeout=30,
-    )
+    out = leaks.run_python(code)
     assert out.returncode == 0, out.stderr
     wait_until(lambda: not pid_alive(int(out.stdout)), timeout=1.0, what="the worker to die")

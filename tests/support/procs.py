@@ -13,6 +13,8 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Collection
@@ -148,6 +150,16 @@ class LeakCheck:
     def process_env(self, **extra: str) -> dict[str, str]:
         """A full environment for a process the test starts itself (e.g. the relaunch CLI)."""
         return {**os.environ, **self.env, **extra}
+
+    def run_python(self, code: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """``python -c code`` run to its end (its output captured), marked."""
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=self.process_env(),
+            timeout=timeout,
+        )
 
     def collect(self, grace: float = 5.0, keep: Collection[int] = ()) -> list[str]:
         """The marked processes still alive after ``grace`` s, killed by pid (collect_leaks)."""

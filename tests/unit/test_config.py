@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator, Mapping
 
@@ -196,13 +195,7 @@ def _main_with_a_failing_rendezvous(
         sys.exit(main(["--no-python", "true"]))
         """
     )
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=leaks.process_env(),
-        timeout=30,
-    )
+    return leaks.run_python(code)
 
 
 def test_a_value_error_from_deep_inside_keeps_its_traceback(leaks: LeakCheck) -> None:
