@@ -27,6 +27,7 @@ __all__ = [
     "marked_pids",
     "pid_alive",
     "relaunch_cli",
+    "said_until",
     "signal_handlers_kept",
     "tmpfs",
     "wait_until",
@@ -72,6 +73,19 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str
             pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def said_until(proc: subprocess.Popen[str], text: str) -> str:
+    """What ``proc`` wrote to its stderr (a pipe) up to the line holding ``text``, the rest
+    left to read; fails if it ended before. The test's timeout bounds the wait."""
+    assert proc.stderr is not None
+    said = ""
+    while text not in said:
+        line = proc.stderr.readline()
+        if not line:
+            pytest.fail(f"it ended before it said {text!r}:\n{said}")
+        said += line
+    return said
 
 
 def _helpers_of_this_process() -> set[int]:

@@ -18,7 +18,7 @@ import time
 import uuid
 
 import pytest
-from conftest import LeakCheck, pid_alive, wait_until
+from conftest import LeakCheck, pid_alive, said_until, wait_until
 
 from relaunch.endpoints import find_free_port
 from relaunch.store.api import StoreRefused
@@ -42,14 +42,6 @@ JOB = textwrap.dedent(
 )
 
 
-def _serving(port: int) -> bool:
-    try:
-        TcpStore("127.0.0.1", port, timeout=1, connect_timeout=0.1).close()
-    except Exception:
-        return False
-    return True
-
-
 def test_the_survivor_of_the_store_hosts_death_says_so_within_the_keep_alive(
     tmp_path, leaks: LeakCheck
 ) -> None:
@@ -69,25 +61,25 @@ def test_the_survivor_of_the_store_hosts_death_says_so_within_the_keep_alive(
         uuid.uuid4().hex[:12],
         "--nnodes",
         "1:2",
-        "--rdzv-conf",
-        CONF,
         "--max-restarts",
         "3",  # restarts left: the store host's death must still not be called a restart
         str(job),
     ]
 
-    def start() -> subprocess.Popen[str]:
+    def start(conf: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            argv,
+            [*argv[:-1], "--rdzv-conf", conf, argv[-1]],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=leaks.process_env(PIDS=str(pids)),
         )
 
-    host = start()
-    wait_until(lambda: _serving(port), 20, "the first agent to host the store")
-    survivor = start()
+    # The survivor first, the host once the survivor waits for its store: a cold start inside
+    # the host's last call left the host a world of its own.
+    survivor = start(CONF.replace("last_call_timeout=3", "last_call_timeout=60") + ",is_host=false")
+    said_until(survivor, "waiting up to")
+    host = start(CONF)
     try:
         wait_until(lambda: len(os.listdir(pids)) == 2, 30, "a worker on each node")
         host.kill()

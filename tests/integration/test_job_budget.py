@@ -20,7 +20,7 @@ from typing import IO
 import pytest
 import test_rendezvous
 from conftest import LeakCheck, wait_until
-from test_rendezvous import FAST, FORM_TWO, Rendezvous, agent, lines, script
+from test_rendezvous import FAST, FORM_TWO, WAITING, Rendezvous, lines, script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,18 +74,7 @@ class Node:
 
 def start(rendezvous: Rendezvous, leaks: LeakCheck, job: str, *flags: str, **env: str) -> Node:
     """An agent of the test's job; ``env`` reaches its workers."""
-    return Node(
-        agent(
-            leaks,
-            rendezvous.endpoint,
-            job,
-            "--rdzv-id",
-            rendezvous.run_id,
-            *flags,
-            env=env,
-            backend=rendezvous.backend,
-        )
-    )
+    return Node(rendezvous.agent(leaks, job, *flags, env=env))
 
 
 def start_pair(
@@ -99,6 +88,29 @@ def start_pair(
     first = start(rendezvous, leaks, job, *flags, **envs[0])
     wait_until(rendezvous.ready, what="the first agent to host the store")
     return [first, start(rendezvous, leaks, job, *flags, **envs[1])]
+
+
+def start_world_of_two(
+    rendezvous: Rendezvous,
+    leaks: LeakCheck,
+    job: str,
+    *flags: str,
+    envs: tuple[dict[str, str], dict[str, str]],
+) -> list[Node]:
+    """Two agents of a job that may run on one, forming one world of 2 (``Rendezvous.pair``):
+    the host (c10d: of the store) and the other, started first; their ``envs`` in that order."""
+    other = Node(rendezvous.pair_other(leaks, job, *flags, env=envs[1]))
+    try:
+        wait_until(
+            lambda: WAITING in other.said() or other.proc.poll() is not None,
+            60,
+            "the other agent to wait",
+        )
+        assert other.proc.poll() is None, f"the other agent ended before it waited:\n{other.said()}"
+        return [Node(rendezvous.pair_host(leaks, job, *flags, env=envs[0])), other]
+    except BaseException:
+        stop_all([other])
+        raise
 
 
 def stop_all(nodes: list[Node]) -> None:
@@ -330,8 +342,8 @@ def test_a_last_failure_caused_by_a_killed_node_still_re_forms(
     broken = tmp_path / "broken"
     job = script(tmp_path, BREAK_WHEN_THE_PEER_DIES)
     env = {"BROKEN": str(broken)}
-    flags = ("--nnodes", "1:2", "--max-restarts", "0", "--rdzv-conf", FORM_TWO)
-    survivor, victim = start_pair(rdzv, leaks, job, *flags, envs=(env, env))
+    flags = ("--nnodes", "1:2", "--max-restarts", "0")
+    survivor, victim = start_world_of_two(rdzv, leaks, job, *flags, envs=(env, env))
     try:
         wait_until(lambda: survivor.printed() and victim.printed(), 60, "the world of two")
         (worker,) = [int(line.split()[2]) for line in victim.printed()]

@@ -37,6 +37,10 @@ FAST = (
     "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,"
     "join_timeout=20,timeout=2"
 )
+#: For h2 and h3, started one after the other, to join h1 in one world of 3: once two of them
+#: joined (the minimum, 2), the last call outlasts the third's start on a loaded machine (0.5 s
+#: did not: a world of 2 formed, then grew).
+THREE = FAST.replace("last_call_timeout=0.5", "last_call_timeout=3")
 PORT = 29400  # a fresh namespace: nothing else listens there
 TOKEN = "network-faults-token"
 ROUND = re.compile(r"rendezvous round (\d+) complete: group rank (\d+) of (\d+)")
@@ -231,16 +235,17 @@ class Network:
         tmp_path: pathlib.Path,
         job: pathlib.Path,
         stop: pathlib.Path,
+        conf: str = FAST,
     ) -> Agent:
-        """A relaunch agent on ``host``: one worker running ``job`` until ``stop`` exists, fast
-        rendezvous on c10d at ``endpoint``, its logs under ``tmp_path/host``."""
+        """A relaunch agent on ``host``: one worker running ``job`` until ``stop`` exists,
+        rendezvous on c10d at ``endpoint`` with ``conf``, its logs under ``tmp_path/host``."""
         return self.start(
             host,
             "-m",
             "relaunch",
             *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
             *("--nnodes", nnodes, "--nproc-per-node", "1", "--local-addr", self.addr(host)),
-            *("--rdzv-conf", FAST, "--tee", "1", "--shutdown-timeout", "5"),
+            *("--rdzv-conf", conf, "--tee", "1", "--shutdown-timeout", "5"),
             *("--log-dir", str(tmp_path / host), str(job), str(stop)),
         )
 
@@ -328,7 +333,7 @@ def test_a_host_cut_off_leaves_the_others_to_re_form_and_rejoins_once_back(
     run_id = uuid.uuid4().hex
 
     def start(host: str) -> Agent:
-        return net.relaunch(host, endpoint, run_id, "2:3", tmp_path, job, stop)
+        return net.relaunch(host, endpoint, run_id, "2:3", tmp_path, job, stop, THREE)
 
     h1 = start("h1")  # hosts the store: h1 can bind the endpoint's address
     wait_until(

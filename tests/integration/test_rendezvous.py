@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from conftest import LeakCheck, wait_until
+from conftest import LeakCheck, said_until, wait_until
 
 from relaunch.endpoints import find_free_port
 
@@ -26,6 +26,8 @@ FAST = "keep_alive_interval=0.2,keep_alive_max_attempt=3,last_call_timeout=0.5,j
 FORM_TWO = FAST.replace("last_call_timeout=0.5", "last_call_timeout=3")
 #: The first of two such agents, when it leads the round: it waits for the second's cold start.
 FIRST_OF_TWO = FAST.replace("last_call_timeout=0.5", "last_call_timeout=60")
+#: What the first of such agents says once it waits for the store (c10d) or for the other node.
+WAITING = "waiting up to"
 
 
 def script(tmp_path, body: str, name: str = "job.py") -> str:
@@ -73,9 +75,16 @@ class Rendezvous:
     ready: Callable[[], bool]
     run_id: str = ""
 
-    def agent(self, leaks: LeakCheck, job: str, *flags: str) -> subprocess.Popen[str]:
+    def agent(
+        self, leaks: LeakCheck, job: str, *flags: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         return agent(
-            leaks, self.endpoint, job, "--rdzv-id", self.run_id, *flags, backend=self.backend
+            leaks,
+            self.endpoint,
+            job,
+            *("--rdzv-id", self.run_id, *flags),
+            env=env,
+            backend=self.backend,
         )
 
     def pair(
@@ -86,22 +95,23 @@ class Rendezvous:
         etcd: as the round's lead, with a last call longer than any cold start): a cold start
         takes seconds on a loaded machine, and one inside the last call of the node that
         joined first left that node a world of its own."""
+        other = self.pair_other(leaks, job, *flags)
+        said_until(other, WAITING)
+        return self.pair_host(leaks, job, *flags), other
+
+    def pair_other(
+        self, leaks: LeakCheck, job: str, *flags: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """The agent of a ``pair`` started first; start the host once it says ``WAITING``."""
         conf = FIRST_OF_TWO + (",is_host=false" if self.backend == "c10d" else "")
-        other = agent(
-            leaks,
-            self.endpoint,
-            job,
-            *("--rdzv-id", self.run_id, *flags, "--rdzv-conf", conf),
-            env={"RELAUNCH_WAIT_NOTICE": "0.05"},
-            backend=self.backend,
-        )
-        assert other.stderr is not None
-        said = ""
-        while "waiting up to" not in said:
-            line = other.stderr.readline()
-            assert line, f"the other agent ended before it waited:\n{said}"
-            said += line
-        return self.agent(leaks, job, *flags, "--rdzv-conf", FORM_TWO), other
+        notice = {"RELAUNCH_WAIT_NOTICE": "0.05", **(env or {})}
+        return self.agent(leaks, job, *flags, "--rdzv-conf", conf, env=notice)
+
+    def pair_host(
+        self, leaks: LeakCheck, job: str, *flags: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """The agent of a ``pair`` started once the other waits."""
+        return self.agent(leaks, job, *flags, "--rdzv-conf", FORM_TWO, env=env)
 
 
 @pytest.fixture(params=["c10d", "etcd"])

@@ -19,7 +19,7 @@ import uuid
 import pytest
 from conftest import LeakCheck, wait_until
 from etcd_cluster import EtcdCluster, b64
-from test_rendezvous import FAST, agent, lines, script
+from test_rendezvous import Rendezvous, agent, lines, script
 
 from relaunch.core.rendezvous.node_order import Claim
 from relaunch.core.rendezvous.rounds import Settings
@@ -126,9 +126,10 @@ def test_the_node_that_started_the_job_can_die(
             time.sleep(120)
     """,
     )
-    run_id = uuid.uuid4().hex
-    first = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf", FAST)
-    second = etcd_agent(leaks, etcd.endpoints, job, run_id, "--nnodes", "1:2", "--rdzv-conf", FAST)
+    # The first leads the round and waits for the second: started together, a world of 1
+    # formed when the second's start outlasted a short last call.
+    rdzv = Rendezvous("etcd", etcd.endpoints, lambda: True, uuid.uuid4().hex)
+    second, first = rdzv.pair(leaks, job, "--nnodes", "1:2")
     assert read_world(first) == "world 2" and read_world(second) == "world 2"
     first.kill()
     first.communicate()

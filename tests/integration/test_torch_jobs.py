@@ -15,8 +15,8 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import LeakCheck, wait_until
-from test_rendezvous import serving
+from conftest import LeakCheck, said_until
+from test_rendezvous import WAITING
 
 from relaunch.endpoints import find_free_port
 
@@ -177,23 +177,28 @@ def test_a_killed_node_leaves_the_survivor_to_resume_and_finish(
     tmp_path: pathlib.Path, leaks: LeakCheck
 ) -> None:
     endpoint = f"127.0.0.1:{find_free_port('127.0.0.1')}"
-    port = int(endpoint.rsplit(":", 1)[1])
     flags = (
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-conf",
-        FAST,
+        *("--nnodes", "1:2", "--nproc-per-node", "2"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
         *PRELOAD,
     )
-    host = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "weights.pt", "--step-time", "0.3"))
-    wait_until(lambda: serving(port), timeout=60, what="the first node to host the store")
-    other = relaunch(leaks, tmp_path, *flags, *train(tmp_path, "other.pt", "--step-time", "0.3"))
+    # The other first, the host once the other waits for its store: a cold start inside the
+    # host's last call (1 s) left the host a world of its own. Whichever joins first leads the
+    # round: the other waits for the host; the host (3 s) for the other, already up.
+    wait_long = FAST.replace("last_call_timeout=1", "last_call_timeout=60") + ",is_host=false"
+    other = relaunch(
+        leaks,
+        tmp_path,
+        *(*flags, "--rdzv-conf", wait_long),
+        *train(tmp_path, "other.pt", "--step-time", "0.3"),
+    )
+    said_until(other, WAITING)
+    host = relaunch(
+        leaks,
+        tmp_path,
+        *(*flags, "--rdzv-conf", FAST.replace("last_call_timeout=1", "last_call_timeout=3")),
+        *train(tmp_path, "weights.pt", "--step-time", "0.3"),
+    )
     seen: list[str] = []
     wait_for_step(host, 3, seen)
     other.kill()  # the whole node: the agent, and with it (its guardian) its workers
