@@ -18,11 +18,12 @@ import pytest
 from etcd_cluster import EtcdCluster
 
 from tests.support import tmpdir
-from tests.support.procs import MARK_VAR, LeakCheck, marked_pids, pid_alive
+from tests.support.procs import MARK_VAR, LeakCheck, LinesRead, marked_pids, pid_alive
 
 __all__ = [
     "MARK_VAR",
     "LeakCheck",
+    "LinesRead",
     "background_ignores_undone",
     "marked_pids",
     "pid_alive",

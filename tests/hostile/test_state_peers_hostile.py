@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import LeakCheck, wait_until
+from conftest import LeakCheck, LinesRead, wait_until
 
 from relaunch.agent import peer_server
 from relaunch.agent.state_peers import PeerLink
@@ -574,17 +574,7 @@ class Child:
         )
         assert self.process.stdout is not None and self.process.stderr is not None
         self.address = self.process.stdout.readline().strip()
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append(line)
-
-    def said(self, text: str) -> int:
-        return sum(text in line for line in list(self.lines))
+        self.stderr = LinesRead(self.process.stderr)
 
     def close(self) -> int:
         assert self.process.stdin is not None
@@ -594,7 +584,7 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             code = self.process.wait()
-        self._reader.join(10)
+        self.stderr.join()
         return code
 
 
@@ -615,7 +605,7 @@ def test_out_of_descriptors_or_threads_the_server_goes_on(
     try:
         for _ in range(connections):
             idle.append(connect(child.address))
-        wait_until(lambda: child.said(said) >= 1, 10, f"the server to say {said!r}")
+        wait_until(lambda: child.stderr.count(said) >= 1, 10, f"the server to say {said!r}")
         for connection in idle:
             connection.close()
         commit(pusher.directory, 6, 2, b"after the shortage")
@@ -626,7 +616,7 @@ def test_out_of_descriptors_or_threads_the_server_goes_on(
         for connection in idle:
             connection.close()
         pusher.close()
-        assert child.close() == 0, "".join(child.lines)
-    assert child.said("thread failed") == 0, child.lines
+        assert child.close() == 0, child.stderr.text()
+    assert child.stderr.count("thread failed") == 0, child.stderr.lines
     if shortage == "files":
-        assert child.said(said) == 1, child.lines
+        assert child.stderr.count(said) == 1, child.stderr.lines

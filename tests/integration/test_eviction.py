@@ -11,14 +11,11 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
-import threading
 import time
 from typing import Any
 
 import pytest
-from conftest import LeakCheck, wait_until
+from conftest import LeakCheck, LinesRead, wait_until
 from test_resilience import endpoint_of
 
 #: The worker, shared with ``python -m benchmarks eviction``.
@@ -39,28 +36,18 @@ class Agent:
         conf = ("--rdzv-conf", f"node_name={name}")
         events = ("--event-log-handler", f"file:{tmp}/events.{name}.jsonl")
         job = (WORKER, str(tmp / "out"), "env", "1", "0.02", str(TOTAL))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "relaunch", *argv, *conf, *events, *job],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=leaks.process_env(SLOW_NODE="1" if slow else "0"),
+        self.process = leaks.start_relaunch(
+            *argv, *conf, *events, *job, SLOW_NODE="1" if slow else "0"
         )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
         assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append(line)
+        self.stderr = LinesRead(self.process.stderr)
 
     def text(self) -> str:
-        return "".join(self.lines)
+        return self.stderr.text()
 
     def end(self, timeout: float) -> int:
         code = self.process.wait(timeout=timeout)
-        self._reader.join(timeout=10)
+        self.stderr.join()
         return code
 
 

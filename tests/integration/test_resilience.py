@@ -11,12 +11,11 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from typing import Any
 
 import pytest
-from conftest import LeakCheck, wait_until
+from conftest import LeakCheck, LinesRead, wait_until
 from test_cli import relaunch
 
 from relaunch.endpoints import find_free_port
@@ -289,11 +288,6 @@ def test_the_same_failure_again_and_again_stops_every_node_with_do_not_requeue(
     assert all("do not requeue the job" in err for err in errs), errs
 
 
-def _read_lines(stream: Any, into: list[tuple[float, str]]) -> None:
-    for line in stream:
-        into.append((time.time(), line))
-
-
 def endpoint_of(backend: str, request: pytest.FixtureRequest) -> str:
     """A shared real etcd's members, or a free port for the built-in store."""
     if backend == "etcd":
@@ -309,7 +303,9 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
     out = tmp_path / "out"
     out.mkdir()
     endpoint = endpoint_of(backend, request)
-    agents, lines, readers = [], [], []
+    agents: list[subprocess.Popen[str]] = []
+    stderrs: list[LinesRead] = []
+    flag = ", rank 3) is a straggler"
     for node in range(2):
         events = f"file:{tmp_path}/events{node}.jsonl"
         agent = node_agent(
@@ -322,34 +318,27 @@ def test_a_slow_rank_among_four_over_two_nodes_is_flagged(
             stdout=subprocess.DEVNULL,
         )
         agents.append(agent)
-        seen: list[tuple[float, str]] = []
-        lines.append(seen)
-        reader = threading.Thread(target=_read_lines, args=(agent.stderr, seen), daemon=True)
-        reader.start()
-        readers.append(reader)
-
-    def flagged(seen: list[tuple[float, str]]) -> float | None:
-        return next((at for at, line in seen if ", rank 3) is a straggler" in line), None)
+        assert agent.stderr is not None
+        stderrs.append(LinesRead(agent.stderr))
 
     try:
-        wait_until(lambda: all(flagged(seen) for seen in lines), timeout=40, what="the flags")
+        wait_until(lambda: all(seen.first(flag) for seen in stderrs), timeout=40, what="the flags")
     finally:
         (out / "stop").touch()
     for agent in agents:
         assert agent.wait(timeout=30) == 0
-    for reader in readers:
-        reader.join(timeout=10)
+    for seen in stderrs:
+        seen.join()
     started = min(float(p.read_text()) for p in out.glob("start.*"))
-    delays = [flagged(seen) - started for seen in lines]  # type: ignore[operator]
+    delays = [seen.first(flag) - started for seen in stderrs]  # type: ignore[operator]
     print(f"straggler flagged {delays[0]:.1f}s and {delays[1]:.1f}s after the workers started")
     # The job-wide bar, on group rank 0's console only: the slowest rank and where it is.
-    texts = ["".join(line for _, line in seen) for seen in lines]
+    texts = [seen.text() for seen in stderrs]
     first = next(n for n in range(2) if "[default node 0]:" in texts[n])
     bars = [line for line in texts[first].splitlines() if line.startswith("[default]:job step")]
     assert bars and "step/s] slowest: rank 3 on " in bars[-1], bars
     assert "[default]:job" not in texts[1 - first]
-    for node, seen in enumerate(lines):
-        text = "".join(line for _, line in seen)
+    for node, text in enumerate(texts):
         assert "straggler: node " in text  # in the run summary
         assert ", rank 3) is a straggler: " in text.split("run summary")[-1]
         assert not any(f"rank {r}) is a straggler" in text for r in (0, 1, 2))

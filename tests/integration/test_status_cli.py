@@ -48,20 +48,12 @@ def job(
 
     slow = 2 * nodes - 1
     agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaunch",
-                *("--nnodes", str(nodes), "--nproc-per-node", "2", "--max-restarts", "1"),
-                *rendezvous,
-                *(("--rdzv-conf", conf) if conf else ()),
-                *(WORKER, str(out), str(slow), str(fail)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=leaks.process_env(**(env or {})),
+        leaks.start_relaunch(
+            *("--nnodes", str(nodes), "--nproc-per-node", "2", "--max-restarts", "1"),
+            *rendezvous,
+            *(("--rdzv-conf", conf) if conf else ()),
+            *(WORKER, str(out), str(slow), str(fail)),
+            **(env or {}),
         )
         for _ in range(nodes)
     ]

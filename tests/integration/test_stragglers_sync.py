@@ -14,22 +14,15 @@ import json
 import pathlib
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 
 import pytest
-from conftest import LeakCheck, wait_until
+from conftest import LeakCheck, LinesRead, wait_until
 
 from relaunch.endpoints import find_free_port
 
 WORKER = str(pathlib.Path(__file__).parents[2] / "benchmarks" / "workers" / "sync_slow_node.py")
 FLAG = "(node 1, ranks 2-3) is a straggler: 'compute' takes "
-
-
-def _read_lines(stream: object, into: list[tuple[float, str]]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        into.append((time.time(), line))
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -56,33 +49,21 @@ def test_a_node_computing_slower_in_synchronous_training_is_flagged_with_its_ran
     endpoint = f"127.0.0.1:{find_free_port()}"
     rendezvous = ("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "sync-slow")
     ports = [find_free_port() for _ in range(2)]
-    agents, lines = [], []
+    agents: list[subprocess.Popen[str]] = []
+    stderrs: list[LinesRead] = []
     for node in range(2):
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaunch",
-                *("--nnodes", "2", "--nproc-per-node", "2", *rendezvous),
-                *("--metrics-port", f"127.0.0.1:{ports[node]}", "--preload", "torch"),
-                *("--event-log-handler", f"file:{tmp_path}/events{node}.jsonl"),
-                *(WORKER, str(out), "1", "1"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=leaks.process_env(),
+        agent = leaks.start_relaunch(
+            *("--nnodes", "2", "--nproc-per-node", "2", *rendezvous),
+            *("--metrics-port", f"127.0.0.1:{ports[node]}", "--preload", "torch"),
+            *("--event-log-handler", f"file:{tmp_path}/events{node}.jsonl"),
+            *(WORKER, str(out), "1", "1"),
         )
         agents.append(agent)
-        seen: list[tuple[float, str]] = []
-        lines.append(seen)
-        threading.Thread(target=_read_lines, args=(agent.stderr, seen), daemon=True).start()
-
-    def flagged(seen: list[tuple[float, str]]) -> float | None:
-        return next((at for at, line in seen if FLAG in line), None)
+        assert agent.stderr is not None
+        stderrs.append(LinesRead(agent.stderr))
 
     try:
-        wait_until(lambda: all(flagged(seen) for seen in lines), timeout=60, what="the flags")
+        wait_until(lambda: all(seen.first(FLAG) for seen in stderrs), timeout=60, what="the flags")
         shown = subprocess.run(
             [sys.executable, "-m", "relaunch", "status", *rendezvous, "--json"],
             capture_output=True,
@@ -101,9 +82,11 @@ def test_a_node_computing_slower_in_synchronous_training_is_flagged_with_its_ran
             except subprocess.TimeoutExpired:
                 agent.kill()
                 agent.wait()
+    for seen in stderrs:
+        seen.join()
     assert [agent.returncode for agent in agents] == [0, 0]
     onset = min(float(p.read_text()) for p in out.glob("onset.*"))
-    delays = sorted(flagged(seen) - onset for seen in lines)  # type: ignore[operator]
+    delays = sorted(seen.first(FLAG) - onset for seen in stderrs)  # type: ignore[operator]
     print(f"slow node flagged {delays[0]:.1f}s and {delays[1]:.1f}s after its slow computing began")
 
     # relaunch status: node 1 flagged with both its ranks, no rank below the median rate (its
@@ -115,8 +98,8 @@ def test_a_node_computing_slower_in_synchronous_training_is_flagged_with_its_ran
     assert doc["job"]["stragglers"] == {}  # one pace: the rate path sees nothing
     # The metric, on the slow node's agent: its ranks at 1, the fast node's at 0.
     assert scraped == {"0": 0.0, "1": 0.0, "2": 1.0, "3": 1.0}
-    for node, seen in enumerate(lines):
-        text = "".join(line for _, line in seen)
+    for node, seen in enumerate(stderrs):
+        text = seen.text()
         assert "  straggler: node " in text and FLAG in text.split("run summary")[-1]
         events = [json.loads(line) for line in (tmp_path / f"events{node}.jsonl").open()]
         (event,) = [e for e in events if e["name"] == "torchelastic.worker.status.STRAGGLER"]

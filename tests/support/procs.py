@@ -15,9 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 MARK_VAR = "RELAUNCH_TEST_MARK"
 
@@ -161,6 +162,50 @@ class LeakCheck:
             timeout=timeout,
         )
 
+    def start_relaunch(self, *argv: str, **extra: str) -> subprocess.Popen[str]:
+        """``relaunch ARGV`` started, marked, ``extra`` in its environment: its stdout
+        discarded, its stderr a text pipe."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "relaunch", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.process_env(**extra),
+        )
+
     def collect(self, grace: float = 5.0, keep: Collection[int] = ()) -> list[str]:
         """The marked processes still alive after ``grace`` s, killed by pid (collect_leaks)."""
         return collect_leaks(self.mark, grace, keep=keep)
+
+
+class LinesRead:
+    """The lines a process writes on a text pipe, each with the time it was read, read on a
+    thread as they come: a test waits on them while the process runs."""
+
+    def __init__(self, stream: Iterable[str]) -> None:
+        self.timed: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Iterable[str]) -> None:
+        for line in stream:
+            self.timed.append((time.time(), line))
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for _, line in list(self.timed)]
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def count(self, text: str) -> int:
+        """How many lines hold ``text``."""
+        return sum(text in line for line in self.lines)
+
+    def first(self, text: str) -> float | None:
+        """When the first line holding ``text`` was read; None before there is one."""
+        return next((at for at, line in list(self.timed) if text in line), None)
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Wait for the pipe's end (the process ended) and every line before it."""
+        self._thread.join(timeout)
