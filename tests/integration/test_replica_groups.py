@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import LeakCheck, relaunch_cli, wait_until
+from conftest import LeakCheck, pid_alive, relaunch_cli, wait_until
 
 from relaunch.endpoints import find_free_port
 
@@ -269,20 +269,10 @@ def test_a_supervisor_killed_outright_takes_its_groups_with_it(
         agents = [int(seen(out, g)["agent"]) for g in (0, 1)]
         launch.proc.kill()
         launch.proc.wait(30)
-        wait_until(
-            lambda: not any(alive(pid) for pid in workers + agents), 60, "agents and workers gone"
-        )
+        pids = workers + agents
+        wait_until(lambda: not any(map(pid_alive, pids)), 60, "agents and workers gone")
     finally:
         launch.wait()
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not reaped by its new parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_group_agent_is_said_and_the_other_group_goes_on(
